@@ -1,0 +1,532 @@
+"""DIFF.patch: what the engine changed in work/, as a git patch a person reviews, then applies.
+
+The host computes it after the container is gone. work/ is hostile (threat model, "The host reading
+what the engine left"), so git never opens a path in it: fswalk reads input/ and work/ (no symlink
+followed, no FIFO opened, sizes capped before reading) and only the files that differ are streamed
+into `git fast-import` in a throwaway bare repository under `scratch`; `git diff-tree` then
+compares the two trees it built. That repository has no work tree and no index, and git runs with
+no system, global or repository configuration but ours, so a planted `.gitattributes`, hook or
+config changes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import posixpath
+import re
+import shutil
+import stat
+import subprocess
+import tempfile
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+from fila import fswalk
+from fila.errors import FilaError, InfraError, LimitExceeded
+from fila.fswalk import Entry, Tree, escape_name
+from fila.models import DiffStat, Policy
+from fila.policy import denied_by
+
+EMPTY_TREE = "4b825dc642cb6eb9a060e54bf8d69288fbee4904"  # git's well-known empty tree
+_CHUNK = 1 << 20
+_MAX_WARNINGS = 100
+_SPECIAL_NAMES = {b".gitattributes", b".gitmodules"}  # change what git does in the project
+# Code points HFS+ ignores in names: ".g\u200cit" is ".git" there, and `git apply` refuses it.
+_IGNORABLE = {chr(c) for c in (*range(0x200C, 0x2010), *range(0x202A, 0x202F), *range(0x206A, 0x2070), 0xFEFF)}
+# Configuration that would run a program or change the output, pinned whatever git's defaults.
+_GIT_CONFIG = (
+    "-c", "core.hooksPath=/dev/null",
+    "-c", "core.fsmonitor=",
+    "-c", "diff.external=",
+    "-c", "core.attributesFile=/dev/null",
+    "-c", f"attr.tree={EMPTY_TREE}",  # git >= 2.42 reads a bare repository's HEAD:.gitattributes
+    "-c", "core.quotePath=true",
+    "-c", "core.bigFileThreshold=512m",  # above it git treats a file as binary: keep it fixed
+    "-c", "pack.compression=0",  # a throwaway pack: spend no CPU on compressing it
+    "-c", "fastimport.unpackLimit=0",  # and keep a small one packed, not exploded into files
+)  # fmt: skip
+
+
+@dataclass
+class DiffResult:
+    patch_path: Path
+    sha256: str  # of the patch bytes, as written
+    bytes: int
+    stat: DiffStat  # paths are escaped with fswalk.escape_name
+    warnings: list[str] = field(default_factory=list)
+
+
+def compute_diff(
+    job_dir: Path,
+    *,
+    policy: Policy,
+    scratch: Path,
+    out_name: str = "DIFF.patch",
+    skip: Callable[[str, bool], bool] | None = None,
+) -> DiffResult:
+    """Write `job_dir/out_name`, the patch from `job_dir/input` to `job_dir/work`.
+
+    The recipe, which `fila apply` relies on (change one side, change the other):
+    - `git apply PATCH` (default -p1) run in the project root: every path is relative to input/
+      and work/, which are copies of the project root's files, and prefixed a/ and b/.
+    - git's own format, `git diff-tree -p --binary --full-index --no-renames`: binary files as
+      base85 with full blob ids (apply can check the preimage), no rename or copy detection (each
+      section names the one path it touches), names git-quoted (newlines, escapes, non-UTF-8).
+    - regular files as mode 100644 or 100755 (the owner's exec bit, as git does: setuid and other
+      bits are dropped), symlinks as mode 120000 with the link text as content.
+    - never in the patch, each with a warning: FIFOs, sockets, devices, paths with a `.git`
+      component, paths matching the policy's deny rules or `skip(rel, is_dir)`. Empty directories
+      cannot be represented (git tracks files).
+    An unchanged work/ gives an empty patch. Raises FilaError when work/ or input/ is not a plain
+    directory, LimitExceeded past max_work_files, max_work_bytes or max_diff_bytes.
+    """
+    if not out_name or "/" in out_name or out_name in {".", ".."}:
+        raise FilaError(f"bad patch file name {out_name!r}")
+    notes = _Notes()
+    made_scratch = not scratch.exists()
+    scratch.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="fila-diff-", dir=scratch))
+    patch: Path | None = None
+    try:
+        git = _Git(tmp)
+        with Tree(job_dir / "input") as before, Tree(job_dir / "work") as after:
+            changed = _import_changes(git, before, after, policy, skip, notes)
+        if not changed:
+            patch, digest, size = _write_temp(job_dir, out_name, iter(()), policy.max_diff_bytes)
+            stat_ = DiffStat()
+        else:
+            # Two diff-tree runs over the same two trees, side by side: the stat and the patch.
+            numstat = git.popen(["diff-tree", "-r", "--numstat", "-z", "--no-renames",
+                                 "refs/fila/input", "refs/fila/work"])  # fmt: skip
+            args = ["diff-tree", "-r", "-p", "--binary", "--full-index", "--no-renames",
+                    "--src-prefix=a/", "--dst-prefix=b/", "--no-color", "--no-ext-diff",
+                    "--no-textconv", "refs/fila/input", "refs/fila/work"]  # fmt: skip
+            try:
+                with contextlib.closing(git.stream(args)) as chunks:
+                    patch, digest, size = _write_temp(job_dir, out_name, chunks,
+                                                      policy.max_diff_bytes)  # fmt: skip
+                stat_ = _numstat(git.collect(numstat, "git diff-tree --numstat"), notes)
+            finally:
+                if numstat.poll() is None:
+                    numstat.kill()
+                    numstat.wait()
+        dest = _publish(patch, job_dir / out_name)
+    except BaseException:
+        if patch is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(patch)
+        raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if made_scratch:
+            with contextlib.suppress(OSError):
+                scratch.rmdir()
+    return DiffResult(dest, digest, size, stat_, notes.out())
+
+
+class _Notes:
+    """Warnings for the review record, capped: an engine can leave a million FIFOs."""
+
+    def __init__(self) -> None:
+        self.items: list[str] = []
+        self.more = 0
+
+    def add(self, msg: str) -> None:
+        if len(self.items) < _MAX_WARNINGS:
+            self.items.append(msg)
+        else:
+            self.more += 1
+
+    def out(self) -> list[str]:
+        return self.items + ([f"... and {self.more} more warnings"] if self.more else [])
+
+
+class _Git:
+    """git in a throwaway bare repository, with an environment built from nothing."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.dir = tmp / "repo.git"
+        self.log = tmp / "git-stderr.log"
+        path = os.environ.get("PATH", os.defpath)
+        exe = shutil.which("git", path=path)
+        if exe is None:
+            raise InfraError("git is not installed", hint="install git; fila uses it for diffs")
+        self.exe = exe
+        self.env = {
+            "PATH": path,
+            "HOME": str(tmp),
+            "XDG_CONFIG_HOME": str(tmp),
+            "GIT_DIR": str(self.dir),
+            "GIT_CONFIG_NOSYSTEM": "1",
+            "GIT_CONFIG_GLOBAL": os.devnull,
+            "GIT_ATTR_NOSYSTEM": "1",
+            "GIT_ATTR_SOURCE": EMPTY_TREE,  # git >= 2.40: attributes from an empty tree only
+            "GIT_NO_REPLACE_OBJECTS": "1",
+            "GIT_OPTIONAL_LOCKS": "0",
+            "GIT_TERMINAL_PROMPT": "0",
+            "LC_ALL": "C",
+        }
+        self.run(["init", "--bare", "--quiet", "--template=", str(self.dir)])
+
+    def popen(self, args: list[str], *, stdin: int = subprocess.DEVNULL) -> subprocess.Popen[bytes]:
+        with open(self.log, "ab") as err:  # a file, not a pipe: nobody has to drain it
+            return subprocess.Popen([self.exe, *_GIT_CONFIG, *args], env=self.env,
+                                    cwd=self.dir.parent, stdin=stdin, stdout=subprocess.PIPE,
+                                    stderr=err)  # fmt: skip
+
+    def run(self, args: list[str]) -> bytes:
+        return self.collect(self.popen(args), f"git {args[0]}")
+
+    def collect(self, proc: subprocess.Popen[bytes], what: str) -> bytes:
+        out, _ = proc.communicate()
+        self.check(proc, what)
+        return out
+
+    def stream(self, args: list[str]) -> Generator[bytes, None, None]:
+        """git's stdout in chunks; the exit status is checked at the end, and git is killed if
+        the reader stops early (a patch over the limit)."""
+        proc = self.popen(args)
+        assert proc.stdout is not None
+        try:
+            while chunk := proc.stdout.read(1 << 16):
+                yield chunk
+            self.check(proc, f"git {args[0]}")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            proc.stdout.close()
+
+    def check(self, proc: subprocess.Popen[bytes], what: str) -> None:
+        if proc.wait() != 0:
+            tail = self.log.read_bytes()[-2000:].decode("utf-8", "replace").strip()
+            raise InfraError(f"{what} failed (exit {proc.returncode}): {tail}")
+
+
+def _import_changes(
+    git: _Git,
+    before: Tree,
+    after: Tree,
+    policy: Policy,
+    skip: Callable[[str, bool], bool] | None,
+    notes: _Notes,
+) -> bool:
+    """Feed fast-import the files that differ; True when anything does.
+
+    Unchanged files are left out of both trees: they cannot appear in the diff, and leaving them
+    out spares hashing and compressing the whole project. Each file is read once, except a large
+    (> 1 MiB) one that turns out to differ, which is read again to stream it.
+    """
+    imp = _Importer(git)
+    changed = False
+    try:
+        pairs = _pairs(_entries(before, policy, skip, None), _entries(after, policy, skip, notes))
+        for a, b in pairs:
+            changed |= _one(imp, before, after, a, b, policy.max_work_bytes, notes)
+    except BaseException:
+        imp.abort()
+        raise
+    imp.finish()
+    return changed
+
+
+def _means(name: str, word: str, short: str) -> bool:
+    """Does `name` mean `.word` to NTFS or HFS+ (case, trailing dots and spaces, a ':' stream,
+    ignorable code points, an 8.3 short name matching `short`)? git apply's verify_path refuses
+    such names, and one refused path would make the whole patch fail to apply."""
+    n = "".join(c for c in name if c not in _IGNORABLE).lower()
+    n = re.split(r"[:\\]", n, maxsplit=1)[0].rstrip(". ")
+    return n == "." + word or re.fullmatch(short, n) is not None
+
+
+def _entries(
+    tree: Tree,
+    policy: Policy,
+    skip: Callable[[str, bool], bool] | None,
+    notes: _Notes | None,
+) -> Iterator[Entry]:
+    """Files and symlinks of one side; `notes` is None for input/, which fila itself wrote."""
+    warn = notes.add if notes is not None else (lambda msg: None)
+
+    def prune(rel: str, is_dir: bool) -> bool:
+        if _means(rel.rpartition("/")[2], "git", "git~1"):
+            warn(f"not in the diff: {escape_name(rel)} (a .git path; git apply refuses it)")
+            return True
+        rule = denied_by(rel, is_dir, policy.deny)
+        if rule is not None:
+            warn(f"not in the diff: {escape_name(rel)} (matches the policy's deny rule {rule!r})")
+            return True
+        if skip is not None and skip(rel, is_dir):
+            warn(f"not in the diff: {escape_name(rel)} (excluded from jobs)")
+            return True
+        return False
+
+    for e in fswalk.walk(tree.root, skip=prune, max_files=policy.max_work_files,
+                         max_bytes=policy.max_work_bytes):  # fmt: skip
+        if e.kind == "other":
+            warn(f"not in the diff: {escape_name(e.rel)} ({_special_kind(e.mode)}, not a file)")
+        elif e.kind == "file":
+            if e.nlink > 1:
+                warn(f"hard link: {escape_name(e.rel)} has {e.nlink} links; the patch holds its content")
+            if e.mode & (stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX):
+                warn(f"setuid/setgid/sticky bit on {escape_name(e.rel)} dropped (patches keep 0644/0755)")
+            yield e
+        elif e.kind == "symlink":
+            if not _means(e.rel.rpartition("/")[2], "gitmodules", "gitmod~[1-4]|gi7eba~[1-9]"):
+                yield e
+            else:
+                warn(f"not in the diff: {escape_name(e.rel)} (a .gitmodules symlink; git apply refuses it)")
+
+
+def _special_kind(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "a FIFO"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    return "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a special file"
+
+
+def _key(e: Entry) -> tuple[bytes, ...]:
+    # walk's order: depth first, names sorted by bytes; comparing component tuples matches it.
+    return tuple(os.fsencode(e.rel).split(b"/"))
+
+
+def _pairs(
+    left: Iterator[Entry], right: Iterator[Entry]
+) -> Iterator[tuple[Entry | None, Entry | None]]:
+    """Merge two sorted walks into (before, after) pairs by path."""
+    a, b = next(left, None), next(right, None)
+    while a is not None or b is not None:
+        ka = _key(a) if a is not None else None
+        kb = _key(b) if b is not None else None
+        if kb is None or (ka is not None and ka < kb):
+            yield a, None
+            a = next(left, None)
+        elif ka is None or kb < ka:
+            yield None, b
+            b = next(right, None)
+        else:
+            yield a, b
+            a, b = next(left, None), next(right, None)
+
+
+def _mode(e: Entry) -> bytes:
+    if e.kind == "symlink":
+        return b"120000"
+    return b"100755" if e.mode & stat.S_IXUSR else b"100644"
+
+
+def _one(
+    imp: _Importer, before: Tree, after: Tree, a: Entry | None, b: Entry | None,
+    max_bytes: int, notes: _Notes,
+) -> bool:  # fmt: skip
+    """Add the path to both trees if it differs between input/ and work/."""
+    if b is not None and b.kind == "symlink":
+        target = after.readlink(b.rel)
+        if a is not None and a.kind == "symlink" and before.readlink(a.rel) == target:
+            return False
+        _check_link(b.rel, target, notes)
+        if a is not None:
+            imp.add_entry(0, before, a, max_bytes)
+        imp.add_data(1, b"120000", b.rel, target)
+        return True
+    if a is None or b is None or a.kind != "file" or _mode(a) != _mode(b) or a.size != b.size:
+        for side, tree, e in ((0, before, a), (1, after, b)):
+            if e is not None:
+                imp.add_entry(side, tree, e, max_bytes)
+        return True
+    return _compare_files(imp, before, after, a, b, max_bytes)
+
+
+def _compare_files(
+    imp: _Importer, before: Tree, after: Tree, a: Entry, b: Entry, max_bytes: int
+) -> bool:
+    fa, size_a = before.open(a.rel, max_bytes=max_bytes)
+    try:
+        fb, size_b = after.open(b.rel, max_bytes=max_bytes)
+        try:
+            if size_a != size_b:
+                same, da, db = False, None, None
+            elif size_a <= _CHUNK:  # the usual case: one read each, kept if it differs
+                da, db = fswalk.read_exact(fa, size_a), fswalk.read_exact(fb, size_b)
+                same = da == db
+            else:
+                same, da, db = _same_stream(fa, fb, size_a), None, None
+            if same:
+                return False
+            imp.add_fd(0, _mode(a), a.rel, fa, size_a, da)
+            imp.add_fd(1, _mode(b), b.rel, fb, size_b, db)
+            return True
+        finally:
+            os.close(fb)
+    finally:
+        os.close(fa)
+
+
+def _same_stream(fa: int, fb: int, size: int) -> bool:
+    left = size
+    while left:
+        n = min(_CHUNK, left)
+        if fswalk.read_exact(fa, n) != fswalk.read_exact(fb, n):
+            return False
+        left -= n
+    return True
+
+
+def _check_link(rel: str, target: bytes, notes: _Notes) -> None:
+    """Warn about a link pointing out of the project: harmless as data, a trap once applied."""
+    where = posixpath.normpath(posixpath.join(posixpath.dirname(os.fsencode(rel)), target))
+    if target.startswith(b"/") or where == b".." or where.startswith(b"../"):
+        shown = escape_name(os.fsdecode(target))
+        notes.add(f"symlink {escape_name(rel)} points outside the project: {shown}")
+
+
+class _Importer:
+    """A `git fast-import` process fed blobs as they are found, then one commit per side."""
+
+    def __init__(self, git: _Git) -> None:
+        self.git = git
+        # --depth=0: no delta search between consecutive blobs, which only costs CPU here.
+        self.proc = git.popen(["fast-import", "--quiet", "--done", "--depth=0"],
+                              stdin=subprocess.PIPE)  # it writes nothing on stdout
+        assert self.proc.stdin is not None
+        self.out: IO[bytes] = self.proc.stdin
+        self.marks = 0
+        self.trees: tuple[list[bytes], list[bytes]] = ([], [])
+
+    def _blob(self, side: int, mode: bytes, rel: str, size: int) -> None:
+        self.marks += 1
+        self._write(b"blob\nmark :%d\ndata %d\n" % (self.marks, size))
+        self.trees[side].append(b"M %s :%d %s\n" % (mode, self.marks, _quote(os.fsencode(rel))))
+
+    def _write(self, data: bytes) -> None:
+        try:
+            self.out.write(data)
+        except BrokenPipeError:
+            self.git.check(self.proc, "git fast-import")
+            raise
+
+    def add_data(self, side: int, mode: bytes, rel: str, data: bytes) -> None:
+        self._blob(side, mode, rel, len(data))
+        self._write(data + b"\n")
+
+    def add_fd(self, side: int, mode: bytes, rel: str, fd: int, size: int, data: bytes | None) -> None:
+        if data is not None:
+            self.add_data(side, mode, rel, data)
+            return
+        os.lseek(fd, 0, os.SEEK_SET)
+        self._blob(side, mode, rel, size)
+        left = size
+        while left:
+            chunk = fswalk.read_exact(fd, min(_CHUNK, left))
+            self._write(chunk)
+            left -= len(chunk)
+        self._write(b"\n")
+
+    def add_entry(self, side: int, tree: Tree, e: Entry, max_bytes: int) -> None:
+        if e.kind == "symlink":
+            self.add_data(side, b"120000", e.rel, tree.readlink(e.rel))
+            return
+        fd, size = tree.open(e.rel, max_bytes=max_bytes)
+        try:
+            self.add_fd(side, _mode(e), e.rel, fd, size, None)
+        finally:
+            os.close(fd)
+
+    def finish(self) -> None:
+        for side, ref in enumerate((b"refs/fila/input", b"refs/fila/work")):
+            self._write(b"commit %s\ncommitter fila <fila> 0 +0000\ndata 0\n" % ref)
+            self._write(b"".join(self.trees[side]) + b"\n")
+        self._write(b"done\n")
+        with contextlib.suppress(BrokenPipeError):
+            self.out.close()
+        self.git.check(self.proc, "git fast-import")
+
+    def abort(self) -> None:
+        with contextlib.suppress(OSError):
+            self.out.close()  # without `done`, fast-import exits with an error and keeps no ref
+        self.proc.kill()
+        self.proc.wait()
+
+
+def _quote(path: bytes) -> bytes:
+    """A path as fast-import reads it: C-style quoted, so any byte (newline, quote) is safe."""
+    out = bytearray(b'"')
+    for byte in path:
+        if byte in b'"\\':
+            out += b"\\" + bytes([byte])
+        elif byte < 0x20 or byte >= 0x7F:
+            out += b"\\%03o" % byte
+        else:
+            out.append(byte)
+    return bytes(out + b'"')
+
+
+def _numstat(raw: bytes, notes: _Notes) -> DiffStat:
+    """The stat from `diff-tree --numstat -z` (one record per path, a type change included)."""
+    st = DiffStat()
+    for rec in raw.split(b"\0"):
+        if not rec:
+            continue
+        added, deleted, path = rec.split(b"\t", 2)
+        shown = escape_name(os.fsdecode(path))
+        st.files += 1
+        st.paths.append(shown)
+        if added == b"-":
+            st.binary += 1
+        else:
+            st.insertions += int(added)
+            st.deletions += int(deleted)
+        if path.rpartition(b"/")[2] in _SPECIAL_NAMES:
+            notes.add(f"changes {shown}: git in the project honours it once applied")
+        if shown != os.fsdecode(path):
+            notes.add(f"unusual file name (shown escaped): {shown}")
+    return st
+
+
+def _write_temp(
+    job_dir: Path, name: str, chunks: Iterator[bytes], max_bytes: int
+) -> tuple[Path, str, int]:
+    """Write the patch to a new temporary file in job_dir; return (path, sha256, size).
+
+    The engine could write in job_dir: mkstemp's O_CREAT|O_EXCL never opens what it planted.
+    """
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=job_dir)
+    digest, size = hashlib.sha256(), 0
+    try:
+        with os.fdopen(fd, "wb") as out:
+            os.fchmod(out.fileno(), 0o644)
+            for chunk in chunks:
+                size += len(chunk)
+                if size > max_bytes:
+                    raise LimitExceeded(
+                        f"the patch is larger than max_diff_bytes={max_bytes}", path=job_dir / name
+                    )
+                digest.update(chunk)
+                out.write(chunk)
+            out.flush()
+            os.fsync(out.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return Path(tmp), digest.hexdigest(), size
+
+
+def _publish(tmp: Path, dest: Path) -> Path:
+    """Rename into place: whatever the engine planted at `dest` (a symlink, a file) is replaced,
+    never written through."""
+    try:
+        os.replace(tmp, dest)
+    except OSError as err:
+        raise FilaError(f"cannot write the patch: {err.strerror}", path=dest) from None
+    dfd = os.open(dest.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+    return dest

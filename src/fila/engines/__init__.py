@@ -1,0 +1,31 @@
+"""Engine adapters, imported only when chosen. An unknown name lists the valid ones."""
+
+from __future__ import annotations
+
+import importlib
+
+from ..errors import UnknownEngine
+from .base import Engine, Outcome
+
+__all__ = ["Engine", "Outcome", "engine_names", "get_engine"]
+
+# name -> "module:Class"; an adapter's module is imported only when a task names it.
+_ENGINES = {
+    "shell": "fila.engines.shell:ShellEngine",
+}
+
+
+def engine_names() -> list[str]:
+    return sorted(_ENGINES)
+
+
+def get_engine(name: str) -> Engine:
+    try:
+        target = _ENGINES[name]
+    except KeyError:
+        raise UnknownEngine(
+            f"unknown engine {name!r}",
+            hint=f"valid engines: {', '.join(engine_names())}",
+        ) from None
+    module, _, cls = target.partition(":")
+    return getattr(importlib.import_module(module), cls)()

@@ -1,0 +1,149 @@
+"""Every error fila raises on purpose, in one tree.
+
+The CLI catches `FilaError` in one place (`fila.cli.main`), prints `str(err)` (what failed, where,
+which limit) followed by `err.hint` (what to do next), and exits with `err.exit_code`. Anything
+else that escapes is a bug and is shown with its traceback.
+
+    FilaError                      exit 1
+    ├── InvalidInput               exit 2   the user's input is wrong; nothing was changed
+    │   ├── InvalidTaskFile        malformed JSON or a schema violation (names the field)
+    │   ├── InvalidPolicy          a policy file that does not validate, or a task that widens it
+    │   ├── UnknownEngine          lists the valid engine names
+    │   ├── UnknownPolicy          lists the policies that exist
+    │   ├── InvalidId              task id outside [A-Za-z0-9._-]{1,128}
+    │   └── TargetError            a target that is missing, outside the project or denied
+    ├── InfraError                 exit 3   Docker or the host failed; the task is kept queued
+    │   ├── DockerUnavailable      the daemon does not answer
+    │   └── ImageMissing           the engine's image is not built (hint: fila images build)
+    ├── Refused                    exit 4   the request conflicts with the queue's state
+    │   ├── DuplicateId            an id that exists anywhere in the queue
+    │   ├── InvalidTransition      a status change the state machine does not allow
+    │   ├── ApplyRefused           apply would not land exactly what was reviewed
+    │   └── BreakerTripped         the worker's circuit breaker is open (exit 6)
+    ├── NotFound                   exit 5   no task, job or record with that id
+    └── LimitExceeded              exit 1   what an engine left breaks a policy limit (size, count)
+
+Messages say what failed and where; `hint` says what to do next. Keep both short and concrete.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class FilaError(Exception):
+    exit_code = 1
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        hint: str | None = None,
+        task_id: str | None = None,
+        path: Path | str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+        self.task_id = task_id
+        self.path = str(path) if path is not None else None
+
+    def __str__(self) -> str:
+        where = []
+        if self.task_id:
+            where.append(f"task {self.task_id}")
+        if self.path:
+            where.append(self.path)
+        return f"{self.message}" + (f" ({', '.join(where)})" if where else "")
+
+    def to_dict(self) -> dict[str, str | int | None]:
+        return {
+            "error": type(self).__name__,
+            "message": self.message,
+            "hint": self.hint,
+            "task_id": self.task_id,
+            "path": self.path,
+            "exit_code": self.exit_code,
+        }
+
+
+class InvalidInput(FilaError):
+    exit_code = 2
+
+
+class InvalidTaskFile(InvalidInput):
+    def __init__(self, message: str, *, field: str | None = None, **kw: object) -> None:
+        self.field = field
+        prefix = f"field '{field}': " if field else ""
+        super().__init__(prefix + message, **kw)  # type: ignore[arg-type]
+
+
+class InvalidPolicy(InvalidInput):
+    pass
+
+
+class UnknownEngine(InvalidInput):
+    pass
+
+
+class UnknownPolicy(InvalidInput):
+    pass
+
+
+class InvalidId(InvalidInput):
+    pass
+
+
+class TargetError(InvalidInput):
+    pass
+
+
+class InfraError(FilaError):
+    exit_code = 3
+
+
+class DockerUnavailable(InfraError):
+    pass
+
+
+class ImageMissing(InfraError):
+    pass
+
+
+class Refused(FilaError):
+    exit_code = 4
+
+
+class DuplicateId(Refused):
+    pass
+
+
+class InvalidTransition(Refused):
+    pass
+
+
+class ApplyRefused(Refused):
+    pass
+
+
+class BreakerTripped(Refused):
+    exit_code = 6
+
+
+class NotFound(FilaError):
+    exit_code = 5
+
+
+class LimitExceeded(FilaError):
+    pass
+
+
+# Exit codes of `fila run --once` and `fila worker --once`, documented in --help and the README.
+EXIT_OK = 0
+EXIT_SOME_FAILED = 1
+EXIT_INVALID = 2
+EXIT_DOCKER = 3
+EXIT_REFUSED = 4
+EXIT_NOT_FOUND = 5
+EXIT_BREAKER = 6
+EXIT_INTERRUPTED = 130

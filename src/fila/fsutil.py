@@ -1,0 +1,88 @@
+"""Durable file primitives (queue-contract.md): temp file, fsync, rename, fsync the directory."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from pathlib import Path
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _temp_with(path: Path, data: bytes) -> Path:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return Path(tmp)
+
+
+def atomic_write(path: Path, data: bytes | str, *, mode: int = 0o644) -> None:
+    """Replace `path` so a reader sees the old or the new content, never a mix, also after a crash.
+
+    os.replace swaps the directory entry itself, so a symlink planted at `path` is replaced, never
+    written through.
+    """
+    if isinstance(data, str):
+        data = data.encode()
+    tmp = _temp_with(path, data)
+    try:
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)
+
+
+def create_exclusive(path: Path, data: bytes | str, *, mode: int = 0o644) -> bool:
+    """Write `path` durably only if nothing is there yet; False when it exists.
+
+    link() refuses to replace (also on NFS), unlike rename(), which replaces silently.
+    """
+    if isinstance(data, str):
+        data = data.encode()
+    tmp = _temp_with(path, data)
+    try:
+        os.chmod(tmp, mode)
+        os.link(tmp, path)
+    except FileExistsError:
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+    fsync_dir(path.parent)
+    return True
+
+
+def durable_rename(src: Path, dst: Path) -> None:
+    """rename(2) + fsync of both directories. Raises FileNotFoundError when `src` is gone,
+    which is how a claim or a lease race is lost."""
+    os.rename(src, dst)
+    fsync_dir(dst.parent)
+    if src.parent != dst.parent:
+        fsync_dir(src.parent)
+
+
+def append_line(path: Path, line: str) -> None:
+    """Append one line durably; O_APPEND keeps concurrent writers' lines whole."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, line.encode() + b"\n")
+        os.fsync(fd)
+    finally:
+        os.close(fd)

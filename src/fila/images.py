@@ -1,0 +1,315 @@
+"""Engine images: find, build, reuse, also on a host with no container registry.
+
+Each `images/<engine>/Dockerfile` starts `ARG BASE=<public image>` / `FROM ${BASE}`. The base is
+chosen automatically: `--base` when given; else the public BASE when it is present locally or can
+be pulled; else (no registry) a local base built from what the host can reach. For the shell
+engine that is a `FROM scratch` image around Debian's static busybox, fetched with apt.
+
+An image is labelled with a hash of its build context, so a changed Dockerfile triggers a rebuild
+and an unchanged one is reused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import docker
+import requests
+from docker.errors import DockerException, ImageNotFound
+
+from .assets import shipped_dir
+from .errors import ImageMissing, InfraError, InvalidInput, UnknownEngine
+from .models import ImageRef
+
+Progress = Callable[[str], None]
+
+LABEL_CONTEXT = "fila.context-sha256"
+LABEL_BASE = "fila.base"
+LABEL_CA = "fila.ca-sha256"
+OFFLINE_BUSYBOX_TAG = "fila/base-busybox:local"
+CA_DIR = "extra-ca"
+CA_NAME = "fila-extra-ca.crt"
+BUILD_READ_TIMEOUT_S = 900  # between two progress lines; a hung build must not hang fila forever
+
+# Built around the busybox binary from Debian's busybox-static package. busybox creates its own
+# applet links, so the image needs nothing from a registry.
+_BUSYBOX_DOCKERFILE = """\
+FROM scratch
+COPY busybox /bin/busybox
+RUN ["/bin/busybox", "mkdir", "-p", "/usr/bin", "/sbin", "/usr/sbin", "/tmp", "/etc", "/root"]
+RUN ["/bin/busybox", "--install", "-s"]
+COPY passwd group /etc/
+RUN ["/bin/busybox", "chmod", "1777", "/tmp"]
+ENV PATH=/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin
+CMD ["sh"]
+"""
+_PASSWD = "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexistent:/bin/false\n"
+_GROUP = "root:x:0:\nnogroup:x:65534:\n"
+
+
+def image_tag(engine: str) -> str:
+    return f"fila/{engine}:latest"
+
+
+def engines() -> list[str]:
+    """Engines with an image definition under images/."""
+    root = shipped_dir("images")
+    return sorted(p.name for p in root.iterdir() if (p / "Dockerfile").is_file())
+
+
+def engine_dir(engine: str) -> Path:
+    path = shipped_dir("images") / engine
+    if not re.fullmatch(r"[a-z0-9][a-z0-9._-]*", engine) or not (path / "Dockerfile").is_file():
+        raise UnknownEngine(
+            f"no image definition for engine '{engine}'",
+            hint=f"engines with an image: {', '.join(engines()) or 'none'}",
+            path=path,
+        )
+    return path
+
+
+def context_hash(path: Path) -> str:
+    """sha256 over the relative names, exec bits and contents of the files in a build context."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in path.rglob("*") if p.is_file()):
+        rel = f.relative_to(path).as_posix()
+        h.update(f"{rel}\0{f.stat().st_mode & 0o111:o}\0".encode())
+        h.update(hashlib.sha256(f.read_bytes()).digest())
+    return h.hexdigest()
+
+
+def _infra(action: str, err: BaseException, **kw: Any) -> InfraError:
+    return InfraError(
+        f"Docker failed while {action}: {err}",
+        hint="check that the Docker daemon is running (docker info)",
+        **kw,
+    )
+
+
+def _get(client: docker.DockerClient, tag: str) -> Any | None:
+    try:
+        return client.images.get(tag)
+    except ImageNotFound:
+        return None
+    except (DockerException, requests.RequestException) as e:
+        raise _infra(f"looking up image {tag}", e) from e
+
+
+def find_image(client: docker.DockerClient, tag: str) -> ImageRef | None:
+    img = _get(client, tag)
+    return ImageRef(tag=tag, id=img.id) if img is not None else None
+
+
+def _up_to_date(img: Any, ctx_hash: str, base: str | None, ca_hash: str | None) -> bool:
+    labels = img.labels or {}
+    if LABEL_CONTEXT not in labels:
+        return True  # built by a person with plain `docker build`: theirs to replace, not ours
+    if labels[LABEL_CONTEXT] != ctx_hash:
+        return False
+    if base is not None and labels.get(LABEL_BASE) != base:
+        return False
+    return ca_hash is None or labels.get(LABEL_CA) == ca_hash
+
+
+def _default_base(dockerfile: Path) -> str | None:
+    m = re.search(r"^\s*ARG\s+BASE=(\S+)", dockerfile.read_text(), re.MULTILINE)
+    return m.group(1) if m else None
+
+
+def _stream_build(
+    client: docker.DockerClient,
+    context: Path,
+    tag: str,
+    *,
+    buildargs: dict[str, str],
+    labels: dict[str, str],
+    nocache: bool,
+    progress: Progress,
+) -> ImageRef:
+    try:
+        chunks: Iterable[dict[str, Any]] = client.api.build(
+            path=str(context), tag=tag, buildargs=buildargs, labels=labels, rm=True,
+            forcerm=True, pull=False, nocache=nocache, decode=True, timeout=BUILD_READ_TIMEOUT_S,
+        )
+        for chunk in chunks:
+            if "error" in chunk:
+                raise ImageMissing(
+                    f"building {tag} failed: {str(chunk['error']).strip()}",
+                    hint="read the build output above; fix the Dockerfile or pass --base IMAGE",
+                )
+            text = chunk.get("stream") or chunk.get("status") or ""
+            for line in str(text).splitlines():
+                if line.strip():
+                    progress(line.rstrip())
+    except (DockerException, requests.RequestException) as e:
+        raise _infra(f"building {tag}", e) from e
+    ref = find_image(client, tag)
+    if ref is None:
+        raise ImageMissing(f"build of {tag} reported success but the image is missing")
+    return ref
+
+
+def _public_base_usable(client: docker.DockerClient, base: str, progress: Progress) -> bool:
+    if _get(client, base) is not None:
+        progress(f"base image {base}: present locally")
+        return True
+    progress(f"base image {base}: pulling")
+    try:
+        client.images.pull(base)
+        return True
+    except (DockerException, requests.RequestException) as e:
+        reason = str(e).splitlines()[0][-200:]
+        progress(f"base image {base}: cannot pull ({reason})")
+        return False
+
+
+def offline_busybox_base(
+    client: docker.DockerClient, *, progress: Progress = print
+) -> ImageRef:
+    """`fila/base-busybox:local`: busybox from Debian's apt mirrors, no registry involved."""
+    ref = find_image(client, OFFLINE_BUSYBOX_TAG)
+    if ref is not None:
+        progress(f"offline base {OFFLINE_BUSYBOX_TAG}: reusing {ref.id}")
+        return ref
+    progress(f"offline base {OFFLINE_BUSYBOX_TAG}: building from Debian's busybox-static (apt)")
+    with tempfile.TemporaryDirectory(prefix="fila-busybox-") as tmp:
+        work = Path(tmp)
+        try:
+            subprocess.run(
+                ["apt-get", "download", "busybox-static"],
+                cwd=work, check=True, capture_output=True, timeout=300,
+            )
+            debs = sorted(work.glob("busybox-static_*.deb"))
+            if not debs:
+                raise FileNotFoundError("apt-get download left no busybox-static .deb")
+            subprocess.run(
+                ["dpkg-deb", "-x", str(debs[0]), str(work / "root")],
+                check=True, capture_output=True, timeout=120,
+            )
+        except (OSError, subprocess.SubprocessError) as e:
+            detail = getattr(e, "stderr", b"") or b""
+            raise ImageMissing(
+                f"cannot build the offline base {OFFLINE_BUSYBOX_TAG}: {e} "
+                f"{detail.decode(errors='replace').strip()[-300:]}".strip(),
+                hint="on Debian/Ubuntu run `apt-get update` first; elsewhere pass "
+                "--base IMAGE naming an image that is present locally",
+            ) from e
+        ctx = work / "ctx"
+        ctx.mkdir()
+        shutil.copy2(work / "root" / "bin" / "busybox", ctx / "busybox")
+        (ctx / "Dockerfile").write_text(_BUSYBOX_DOCKERFILE)
+        (ctx / "passwd").write_text(_PASSWD)
+        (ctx / "group").write_text(_GROUP)
+        labels = {"fila": "1", LABEL_CONTEXT: context_hash(ctx)}
+        return _stream_build(
+            client, ctx, OFFLINE_BUSYBOX_TAG, buildargs={}, labels=labels, nocache=False,
+            progress=progress,
+        )
+
+
+# Engines whose Dockerfile also builds on a local base when the public one is out of reach.
+OFFLINE_BASES: dict[str, Callable[..., ImageRef]] = {"shell": offline_busybox_base}
+
+
+def _choose_base(client: docker.DockerClient, engine: str, progress: Progress) -> str | None:
+    public = _default_base(engine_dir(engine) / "Dockerfile")
+    if public is None or _public_base_usable(client, public, progress):
+        return public
+    offline = OFFLINE_BASES.get(engine)
+    if offline is None:
+        raise ImageMissing(
+            f"the base image {public} of engine '{engine}' is not present and cannot be pulled",
+            hint=f"load it (docker load) or pass --base IMAGE naming a local image like {public}",
+        )
+    progress(f"no registry reachable: building {engine} on the local offline base")
+    return offline(client, progress=progress).tag
+
+
+def _read_ca(ca_file: Path) -> bytes:
+    try:
+        data = ca_file.read_bytes()
+    except OSError as e:
+        raise InvalidInput(f"cannot read the CA bundle: {e}", path=ca_file) from e
+    if b"-----BEGIN CERTIFICATE-----" not in data:
+        raise InvalidInput(
+            "the CA bundle holds no PEM certificate", path=ca_file,
+            hint="pass a PEM file (-----BEGIN CERTIFICATE-----), e.g. your proxy's root CA",
+        )
+    return data
+
+
+def build(
+    engine: str,
+    *,
+    client: docker.DockerClient | None = None,
+    base: str | None = None,
+    ca_file: Path | None = None,
+    force: bool = False,
+    progress: Progress = print,
+) -> ImageRef:
+    """Build `fila/<engine>:latest`, or reuse it when its context, base and CA are unchanged."""
+    from .sandbox import docker_client  # sandbox does not import images; no cycle at load time
+
+    client = client or docker_client()
+    src = engine_dir(engine)
+    tag = image_tag(engine)
+    ctx_hash = context_hash(src)
+    ca = _read_ca(ca_file) if ca_file is not None else None
+    ca_hash = hashlib.sha256(ca).hexdigest() if ca is not None else None
+    old = _get(client, tag)
+    if not force and old is not None and _up_to_date(old, ctx_hash, base, ca_hash):
+        progress(f"{tag}: up to date ({old.id[:19]})")
+        return ImageRef(tag=tag, id=old.id)
+    chosen = base or _choose_base(client, engine, progress)
+    progress(f"{tag}: building from {src}" + (f" on {chosen}" if chosen else ""))
+    with tempfile.TemporaryDirectory(prefix=f"fila-build-{engine}-") as tmp:
+        ctx = Path(tmp) / "ctx"
+        shutil.copytree(src, ctx, symlinks=True)
+        (ctx / CA_DIR).mkdir(exist_ok=True)
+        if ca is not None:
+            (ctx / CA_DIR / CA_NAME).write_bytes(ca)
+        labels = {
+            "fila": "1",
+            LABEL_CONTEXT: ctx_hash,
+            LABEL_BASE: chosen or "",
+            LABEL_CA: ca_hash or "",
+        }
+        ref = _stream_build(
+            client, ctx, tag, buildargs={"BASE": chosen} if chosen else {}, labels=labels,
+            nocache=force, progress=progress,
+        )
+    if old is not None and old.id != ref.id:
+        _remove_if_untagged(client, old.id)
+    return ref
+
+
+def _remove_if_untagged(client: docker.DockerClient, image_id: str) -> None:
+    """Drop a replaced image that no tag names any more. Never by id while it has tags: that
+    would delete every other tag of the same id (identical builds share an id)."""
+    with contextlib.suppress(DockerException, requests.RequestException):
+        if not client.images.get(image_id).tags:
+            client.images.remove(image_id)  # refused (409) while a container still uses it
+
+
+def ensure_image(
+    engine: str, *, client: docker.DockerClient | None = None, progress: Progress = print
+) -> ImageRef:
+    """The engine's image: reused when present and current (quietly), built when not."""
+    from .sandbox import docker_client
+
+    client = client or docker_client()
+    tag = image_tag(engine)
+    img = _get(client, tag)
+    if img is not None:
+        if _up_to_date(img, context_hash(engine_dir(engine)), None, None):
+            return ImageRef(tag=tag, id=img.id)
+        progress(f"{tag}: images/{engine}/ changed since it was built; rebuilding")
+    return build(engine, client=client, progress=progress)

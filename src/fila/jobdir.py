@@ -1,0 +1,250 @@
+"""The job directory: `sandbox/jobs/<id>/{input,work,TASK.md}`, prepared from the project.
+
+Targets are copied into both input/ (pristine, mounted read-only) and work/ (the engine's).
+`fila/`, `sandbox/`, `.git/` and the policy's deny globs are never copied; a target outside the
+project is refused; symlinks are copied as links, never followed. The manifest of what was copied
+(path, size, sha256, mode) is kept host-side in `sandbox/meta/<id>/manifest.json`, where the
+engine cannot reach it, so `apply` can tell whether the project moved since.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import stat
+from dataclasses import asdict, dataclass, field
+from pathlib import Path, PurePosixPath
+
+from . import fsutil
+from .errors import LimitExceeded, TargetError
+from .fswalk import walk
+from .layout import Root
+from .models import Policy, Task
+from .policy import Effective, denied_by
+
+ALWAYS_EXCLUDED = (".git",)
+
+
+@dataclass
+class ManifestEntry:
+    path: str
+    kind: str  # "file" | "symlink"
+    size: int
+    sha256: str
+    mode: int  # 0o644 / 0o755 for files, 0o777 for symlinks
+
+
+@dataclass
+class Prepared:
+    job_dir: Path
+    files: int
+    bytes: int
+    manifest: list[ManifestEntry]
+    warnings: list[str] = field(default_factory=list)
+
+
+def project_of(root: Root, task: Task) -> Path:
+    if not task.project:
+        return root.path
+    p = Path(task.project)
+    return (p if p.is_absolute() else root.path / p).resolve()
+
+
+def _excluded_prefixes(root: Root, project: Path) -> list[str]:
+    """The queue's own directories, relative to the project, when they lie inside it."""
+    out = []
+    for d in (root.fila, root.path / "sandbox"):
+        with contextlib.suppress(ValueError):
+            out.append(d.relative_to(project).as_posix())
+    return out
+
+
+def _exclusion(rel: str, is_dir: bool, policy: Policy, prefixes: list[str]) -> str | None:
+    if any(rel == p or rel.startswith(p + "/") for p in prefixes):
+        return "fila's own directories"
+    if any(part in ALWAYS_EXCLUDED for part in rel.split("/")):
+        return ".git/"
+    rule = denied_by(rel, is_dir, policy.deny)
+    return f"deny rule {rule!r}" if rule else None
+
+
+def resolve_targets(root: Root, project: Path, targets: list[str], policy: Policy) -> list[str]:
+    """Normalise targets to project-relative paths; refuse what is outside, missing or denied."""
+    prefixes = _excluded_prefixes(root, project)
+    out: list[str] = []
+    for raw in targets:
+        pure = PurePosixPath(raw)
+        if pure.is_absolute() or ".." in pure.parts:
+            raise TargetError(
+                f"target {raw!r} is outside the project",
+                hint="targets are paths relative to the project root, without '..'",
+                path=project,
+            )
+        rel = pure.as_posix().strip("/")
+        if rel in ("", "."):
+            rel = "."
+        cur = project
+        parts = [] if rel == "." else list(PurePosixPath(rel).parts)
+        for i, part in enumerate(parts):
+            cur = cur / part
+            try:
+                st = cur.lstat()
+            except FileNotFoundError:
+                raise TargetError(f"target {raw!r} does not exist", path=cur) from None
+            if stat.S_ISLNK(st.st_mode):
+                resolved = cur.resolve()
+                if not resolved.is_relative_to(project):
+                    raise TargetError(
+                        f"target {raw!r} is a symlink pointing outside the project "
+                        f"(to {resolved})", path=cur,
+                    )
+                if i < len(parts) - 1:
+                    raise TargetError(
+                        f"target {raw!r} goes through the symlink {'/'.join(parts[: i + 1])!r}",
+                        hint="name the real path instead", path=cur,
+                    )
+        if rel != ".":
+            why = _exclusion(rel, (project / rel).is_dir(), policy, prefixes)
+            if why:
+                raise TargetError(f"target {raw!r} is never copied ({why})", path=project / rel)
+        if rel not in out:
+            out.append(rel)
+    return out
+
+
+def _copy_file(src: Path, dsts: list[Path], mode: int, max_bytes: int) -> tuple[int, str]:
+    """Read once, write to every destination, hash on the way. Never follows a link or blocks."""
+    fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise TargetError(f"{src} is not a regular file")
+        if st.st_size > max_bytes:
+            raise LimitExceeded(f"{src} is {st.st_size} bytes, above max_work_bytes {max_bytes}")
+        h = hashlib.sha256()
+        outs = [os.open(d, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode) for d in dsts]
+        for o in outs:
+            os.fchmod(o, mode)  # the umask must not decide what the engine and the diff see
+        size = 0
+        try:
+            while chunk := os.read(fd, 1 << 20):
+                h.update(chunk)
+                size += len(chunk)
+                for o in outs:
+                    os.write(o, chunk)
+        finally:
+            for o in outs:
+                os.close(o)
+        return size, h.hexdigest()
+    finally:
+        os.close(fd)
+
+
+def prepare(
+    root: Root, task_id: str, task: Task, policy: Policy, effective: Effective, *,
+    task_md_extra: str = "",
+) -> Prepared:
+    project = project_of(root, task)
+    targets = resolve_targets(root, project, task.targets, policy)
+    prefixes = _excluded_prefixes(root, project)
+    job = root.job_dir(task_id)
+    if job.exists() or job.is_symlink():
+        # A requeued task starts from a clean copy; rmtree never follows links.
+        shutil.rmtree(job)
+    (job / "input").mkdir(parents=True)
+    (job / "work").mkdir()
+    prep = Prepared(job_dir=job, files=0, bytes=0, manifest=[])
+    seen: set[str] = set()
+
+    def add(rel: str, src: Path, kind: str, st_mode: int, nlink: int) -> None:
+        if rel in seen:
+            return
+        seen.add(rel)
+        ins, wrk = job / "input" / rel, job / "work" / rel
+        if kind == "dir":
+            ins.mkdir(parents=True, exist_ok=True)
+            wrk.mkdir(parents=True, exist_ok=True)
+            return
+        ins.parent.mkdir(parents=True, exist_ok=True)
+        wrk.parent.mkdir(parents=True, exist_ok=True)
+        if kind == "symlink":
+            target = os.readlink(src)
+            os.symlink(target, ins)
+            os.symlink(target, wrk)
+            data = os.fsencode(target)
+            prep.manifest.append(ManifestEntry(rel, "symlink", len(data),
+                                               hashlib.sha256(data).hexdigest(), 0o777))
+        elif kind == "file":
+            mode = 0o755 if st_mode & stat.S_IXUSR else 0o644
+            size, sha = _copy_file(src, [ins, wrk], mode, policy.max_work_bytes - prep.bytes)
+            prep.bytes += size
+            prep.manifest.append(ManifestEntry(rel, "file", size, sha, mode))
+            if nlink > 1:
+                prep.warnings.append(f"{rel}: hard-linked in the project; copied as a file")
+        else:
+            prep.warnings.append(f"{rel}: not a regular file, symlink or directory; not copied")
+            return
+        prep.files += 1
+        if prep.files > policy.max_work_files:
+            raise LimitExceeded(
+                f"targets hold more than max_work_files {policy.max_work_files} entries",
+                task_id=task_id,
+            )
+
+    for rel in targets:
+        src = project if rel == "." else project / rel
+        st = src.lstat()
+        if stat.S_ISDIR(st.st_mode):
+            base = "" if rel == "." else rel + "/"
+
+            def skip(sub: str, is_dir: bool, base: str = base) -> bool:
+                return _exclusion(base + sub, is_dir, policy, prefixes) is not None
+
+            if base:
+                add(rel, src, "dir", st.st_mode, 1)
+            for e in walk(src, skip=skip, max_files=policy.max_work_files,
+                          max_bytes=policy.max_work_bytes):
+                add(base + e.rel, src / e.rel, e.kind, e.mode, e.nlink)
+        else:
+            kind = "symlink" if stat.S_ISLNK(st.st_mode) else (
+                "file" if stat.S_ISREG(st.st_mode) else "other")
+            add(rel, src, kind, st.st_mode, st.st_nlink)
+
+    meta = root.meta(task_id)
+    meta.mkdir(parents=True, exist_ok=True)
+    fsutil.atomic_write(meta / "manifest.json", json.dumps(
+        {"project": str(project), "targets": targets,
+         "entries": [asdict(m) for m in prep.manifest]}, indent=1))
+    fsutil.atomic_write(job / "TASK.md", task_md(task_id, task, targets, policy, effective, prep,
+                                                 task_md_extra))
+    return prep
+
+
+def read_manifest(root: Root, task_id: str) -> dict:
+    return json.loads((root.meta(task_id) / "manifest.json").read_text())
+
+
+def task_md(task_id: str, task: Task, targets: list[str], policy: Policy, eff: Effective,
+            prep: Prepared, extra: str = "") -> str:
+    lim = eff.limits
+    lines = [
+        f"# Task {task_id}", "",
+        task.prompt.strip() or "(no prompt: a mechanical change)", "",
+        "## Context", "",
+        f"- Engine: {task.engine}" + (f", model {task.model}" if task.model else ""),
+        f"- Files to change are in `work/` ({prep.files} entries, {prep.bytes} bytes), copied "
+        "from these targets of the project: " + ", ".join(f"`{t}`" for t in targets),
+        "- `input/` is a read-only pristine copy; only what you change in `work/` is kept, as a "
+        "diff that a person reviews before anything reaches the project.",
+        f"- Limits: timeout {eff.timeout_ms / 1000:g} s, memory {lim.memory or policy.memory}, "
+        f"cpus {lim.cpus or policy.cpus:g}, pids {lim.pids or policy.pids}, "
+        f"network {policy.network}.",
+    ]
+    if task.command:
+        lines.append(f"- Command: `{task.command}`")
+    if extra:
+        lines += ["", extra.strip()]
+    return "\n".join(lines) + "\n"

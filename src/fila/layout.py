@@ -1,0 +1,109 @@
+"""Where things live under a queue root (cycle.md, "Layout")."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import FilaError, InvalidId
+from .models import valid_id
+
+
+@dataclass(frozen=True)
+class Root:
+    path: Path
+
+    @classmethod
+    def at(cls, path: Path | str | None = None) -> Root:
+        chosen = path or os.environ.get("FILA_ROOT") or os.getcwd()
+        return cls(Path(chosen).resolve())
+
+    # queue
+    @property
+    def fila(self) -> Path:
+        return self.path / "fila"
+
+    @property
+    def in_dir(self) -> Path:
+        return self.fila / "in"
+
+    @property
+    def run_dir(self) -> Path:
+        """Claim files `<id>~<worker>.json`: a task here is owned by that worker (its lease)."""
+        return self.fila / "run"
+
+    @property
+    def out_dir(self) -> Path:
+        return self.fila / "out"
+
+    @property
+    def logs_dir(self) -> Path:
+        return self.fila / "logs"
+
+    @property
+    def rejected_dir(self) -> Path:
+        """Task files that did not validate, kept beside a `.reason` file, never deleted."""
+        return self.fila / "rejected"
+
+    @property
+    def state_dir(self) -> Path:
+        """Worker state (the circuit breaker)."""
+        return self.fila / "state"
+
+    # jobs
+    @property
+    def jobs_dir(self) -> Path:
+        return self.path / "sandbox" / "jobs"
+
+    @property
+    def meta_dir(self) -> Path:
+        """Host-only data per job (manifest, pending result, scratch): never mounted."""
+        return self.path / "sandbox" / "meta"
+
+    @property
+    def policies_dir(self) -> Path:
+        return self.path / "policies"
+
+    def all_dirs(self) -> list[Path]:
+        return [
+            self.in_dir, self.run_dir, self.out_dir, self.logs_dir, self.rejected_dir,
+            self.state_dir, self.jobs_dir, self.meta_dir, self.policies_dir,
+        ]
+
+    def job_dir(self, task_id: str) -> Path:
+        return self.jobs_dir / check_id(task_id)
+
+    def meta(self, task_id: str) -> Path:
+        return self.meta_dir / check_id(task_id)
+
+    def record_path(self, task_id: str) -> Path:
+        return self.out_dir / f"{check_id(task_id)}.json"
+
+    def queued_path(self, task_id: str) -> Path:
+        return self.in_dir / f"{check_id(task_id)}.json"
+
+    def log_path(self, task_id: str) -> Path:
+        return self.logs_dir / f"{check_id(task_id)}.log"
+
+    def events_path(self, task_id: str) -> Path:
+        return self.logs_dir / f"{check_id(task_id)}.events.jsonl"
+
+    def require(self) -> Root:
+        if not self.in_dir.is_dir() or not self.out_dir.is_dir():
+            raise FilaError(
+                f"{self.path} is not a fila queue root (no fila/in, fila/out)",
+                hint="run `fila init` there, or pass --root DIR / set FILA_ROOT",
+            )
+        for d in (self.run_dir, self.rejected_dir, self.state_dir, self.meta_dir, self.jobs_dir):
+            d.mkdir(parents=True, exist_ok=True)
+        return self
+
+
+def check_id(task_id: str) -> str:
+    if not valid_id(task_id):
+        raise InvalidId(
+            f"invalid task id {task_id!r}",
+            hint="ids are 1-128 characters of A-Z a-z 0-9 . _ - (not '.' or '..')",
+        )
+    return task_id

@@ -1,0 +1,227 @@
+"""The file formats: task, policy and review record.
+
+These pydantic models are the one source of truth for each format: `fila schema task|policy|record`
+prints the JSON Schema generated from them, files are validated against that schema (so errors
+name the field), and `schemas/*.json` in the repository are generated copies a test keeps in sync.
+"""
+
+from __future__ import annotations
+
+import re
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+ID_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
+_ID_RE = re.compile(ID_PATTERN)
+SIZE_PATTERN = r"^[0-9]+[kmgKMG]?$"
+_SIZE_RE = re.compile(SIZE_PATTERN)
+
+
+def valid_id(value: str) -> bool:
+    # "." and ".." match the character class but are path tricks.
+    return bool(_ID_RE.match(value)) and value not in {".", ".."}
+
+
+def parse_size(value: str) -> int:
+    """'512m' -> bytes. Sizes are Docker's: k, m, g are powers of 1024."""
+    if not _SIZE_RE.match(value):
+        raise ValueError(f"not a size: {value!r} (use e.g. 512m or 2g)")
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    unit = value[-1].lower()
+    if unit in units:
+        return int(value[:-1]) * units[unit]
+    return int(value)
+
+
+def now_iso() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds")
+
+
+Size = Annotated[str, Field(pattern=SIZE_PATTERN, description="bytes, or a number with k, m or g")]
+
+
+class Status(StrEnum):
+    queued = "queued"
+    running = "running"
+    needs_review = "needs_review"
+    failed = "failed"
+    needs_human = "needs_human"
+    applied = "applied"
+    rejected = "rejected"
+
+
+class ErrorKind(StrEnum):
+    timeout = "timeout"
+    engine_error = "engine_error"
+    infra = "infra"
+    invalid = "invalid"
+    quota = "quota"
+    auth = "auth"
+    interrupted = "interrupted"
+
+
+class Limits(BaseModel):
+    """What a task may ask for: each value must be at most the policy's."""
+
+    model_config = ConfigDict(extra="forbid")
+    memory: Size | None = None
+    cpus: float | None = Field(default=None, gt=0)
+    pids: int | None = Field(default=None, gt=0)
+
+
+class Task(BaseModel):
+    """A task file, `fila/in/<id>.json`."""
+
+    model_config = ConfigDict(extra="forbid", title="fila task")
+
+    id: str | None = Field(
+        default=None,
+        pattern=ID_PATTERN,
+        description="task id; the file name's stem when absent. Letters, digits, '.', '_', '-'.",
+    )
+    prompt: str = Field(default="", description="what the engine is asked to do (TASK.md)")
+    engine: str = Field(description="engine name: shell, claude, codex, ...")
+    model: str | None = Field(default=None, description="model name passed to the engine")
+    timeout: int | None = Field(
+        default=None, gt=0, description="wall-clock limit in milliseconds; at most the policy's cap"
+    )
+    targets: list[str] = Field(
+        min_length=1, description="paths relative to the project; directories allowed"
+    )
+    policy: str = Field(default="default", pattern=ID_PATTERN, description="policy name")
+    command: str | None = Field(default=None, description="shell engine: run with sh -c in work/")
+    fallback: list[str] = Field(default_factory=list, description="engines to try on quota")
+    project: str | None = Field(
+        default=None, description="project directory (default: the queue root)"
+    )
+    image: str | None = Field(default=None, description="engine image; must be allowed by policy")
+    limits: Limits | None = Field(default=None, description="narrow the policy's resources")
+
+    @field_validator("targets")
+    @classmethod
+    def _targets_not_empty(cls, v: list[str]) -> list[str]:
+        for t in v:
+            if not t or "\x00" in t:
+                raise ValueError("a target must be a non-empty path")
+        return v
+
+
+class Tmpfs(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    tmp: Size = "256m"
+    home: Size = "256m"
+
+
+class Policy(BaseModel):
+    """A policy file, `policies/<name>.json`. A task may narrow it, never widen it."""
+
+    model_config = ConfigDict(extra="forbid", title="fila policy")
+
+    description: str = ""
+    network: Literal["none", "bridge"] = Field(
+        default="none", description="none: no network at all; bridge: Docker's default bridge"
+    )
+    max_timeout_ms: int = Field(gt=0, description="cap for a task's timeout")
+    default_timeout_ms: int = Field(gt=0, description="timeout when the task gives none")
+    grace_ms: int = Field(default=10_000, ge=0, description="SIGTERM to SIGKILL grace period")
+    memory: Size = "2g"
+    cpus: float = Field(default=1.0, gt=0)
+    pids: int = Field(default=256, gt=0)
+    nofile: int = Field(default=4096, gt=0, description="open files ulimit")
+    fsize: Size = Field(default="1g", description="largest file the engine may write (ulimit)")
+    tmpfs: Tmpfs = Field(default_factory=Tmpfs)
+    deny: list[str] = Field(
+        default_factory=list, description="globs never copied into a job (gitignore-like)"
+    )
+    max_diff_bytes: int = Field(default=20 << 20, gt=0)
+    max_log_bytes: int = Field(default=10 << 20, gt=0)
+    max_work_bytes: int = Field(default=1 << 30, gt=0, description="total size of work/")
+    max_work_files: int = Field(default=50_000, gt=0, description="entries in work/")
+    images: list[str] = Field(
+        default_factory=lambda: ["fila/*"], description="globs of allowed images"
+    )
+    runtime: str | None = Field(default=None, description="Docker runtime, e.g. runsc")
+    max_consecutive_failures: int = Field(default=5, gt=0, description="circuit breaker")
+
+
+class ImageRef(BaseModel):
+    tag: str
+    id: str | None = None
+
+
+class PolicyRef(BaseModel):
+    name: str
+    sha256: str
+
+
+class ErrorInfo(BaseModel):
+    kind: ErrorKind
+    message: str
+
+
+class DiffStat(BaseModel):
+    files: int = 0
+    insertions: int = 0
+    deletions: int = 0
+    binary: int = 0
+    paths: list[str] = Field(default_factory=list)
+
+
+class Attempt(BaseModel):
+    number: int
+    engine: str
+    worker: str | None = None
+    started_at: str | None = None
+    ended_at: str | None = None
+    outcome: str | None = None
+    error: ErrorInfo | None = None
+
+
+class Decision(BaseModel):
+    action: Literal["applied", "rejected", "retried"]
+    by: str
+    at: str
+    reason: str | None = None
+
+
+class Record(BaseModel):
+    """The review record, `fila/out/<id>.json`. Written atomically by `queue.set_status` only."""
+
+    model_config = ConfigDict(title="fila review record")
+
+    id: str
+    status: Status
+    task: Task | None = Field(default=None, description="absent only for a file that never parsed")
+    engine: str | None = None
+    model: str | None = None
+    image: ImageRef | None = None
+    policy: PolicyRef | None = None
+    attempt: int = 0
+    attempts: list[Attempt] = Field(default_factory=list)
+    worker: str | None = None
+    not_before: float | None = Field(default=None, description="backoff: not claimed before")
+    container: str | None = None
+    container_started: bool = False
+    exit_code: int | None = None
+    error: ErrorInfo | None = None
+    timings: dict[str, float] = Field(default_factory=dict, description="seconds per phase")
+    submitted_at: str = Field(default_factory=now_iso)
+    updated_at: str = Field(default_factory=now_iso)
+    diffstat: DiffStat | None = None
+    patch_sha256: str | None = None
+    patch_path: str | None = None
+    log_path: str | None = None
+    warnings: list[str] = Field(default_factory=list)
+    decision: Decision | None = None
+    diagnosis: str | None = None
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2, exclude_none=False) + "\n"
+
+
+def schema_for(name: str) -> dict[str, Any]:
+    models: dict[str, type[BaseModel]] = {"task": Task, "policy": Policy, "record": Record}
+    return models[name].model_json_schema()

@@ -1,0 +1,139 @@
+"""Policies: loading, validating, and a task's narrowing of them (never widening)."""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .assets import shipped_dir
+from .errors import InvalidPolicy, InvalidTaskFile, UnknownPolicy
+from .layout import Root
+from .models import Limits, Policy, PolicyRef, Task, parse_size, schema_for, valid_id
+
+
+def validate_document(kind: str, data: Any, *, path: Path | str | None = None) -> None:
+    """Validate against the published JSON Schema so the error names the field."""
+    import jsonschema  # lazy: start-up time of every other command
+
+    validator = jsonschema.Draft202012Validator(schema_for(kind))
+    errors = sorted(validator.iter_errors(data), key=lambda e: list(e.absolute_path))
+    if errors:
+        err = errors[0]
+        field = ".".join(str(p) for p in err.absolute_path) or None
+        msg = err.message + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else "")
+        if kind == "task":
+            raise InvalidTaskFile(msg, field=field, path=path)
+        raise InvalidPolicy(f"{kind} field {field!r}: {msg}" if field else msg, path=path)
+
+
+def load_json(path: Path, kind: str) -> Any:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        cls = InvalidTaskFile if kind == "task" else InvalidPolicy
+        raise cls(f"{kind} file not found", path=path) from None
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        cls = InvalidTaskFile if kind == "task" else InvalidPolicy
+        raise cls(f"malformed JSON: {e}", path=path) from None
+
+
+def policy_names(root: Root) -> list[str]:
+    names = {p.stem for p in shipped_dir("policies").glob("*.json")}
+    if root.policies_dir.is_dir():
+        names |= {p.stem for p in root.policies_dir.glob("*.json")}
+    return sorted(names)
+
+
+def policy_path(root: Root, name: str) -> Path:
+    if valid_id(name):
+        for d in (root.policies_dir, shipped_dir("policies")):
+            p = d / f"{name}.json"
+            if p.is_file():
+                return p
+    raise UnknownPolicy(
+        f"unknown policy {name!r}",
+        hint=f"valid policies: {', '.join(policy_names(root))} (files in {root.policies_dir})",
+    )
+
+
+def load_policy(root: Root, name: str) -> tuple[Policy, PolicyRef]:
+    path = policy_path(root, name)
+    data = load_json(path, "policy")
+    validate_document("policy", data, path=path)
+    policy = Policy.model_validate(data)
+    if policy.default_timeout_ms > policy.max_timeout_ms:
+        raise InvalidPolicy("default_timeout_ms is above max_timeout_ms", path=path)
+    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    return policy, PolicyRef(name=name, sha256=sha)
+
+
+def install_shipped(root: Root) -> list[str]:
+    """Copy shipped policies into ROOT/policies (never over a file that is there)."""
+    root.policies_dir.mkdir(parents=True, exist_ok=True)
+    copied = []
+    for src in sorted(shipped_dir("policies").glob("*.json")):
+        dst = root.policies_dir / src.name
+        if not dst.exists():
+            shutil.copyfile(src, dst)
+            copied.append(src.stem)
+    return copied
+
+
+@dataclass(frozen=True)
+class Effective:
+    """What a run gets: the policy narrowed by the task."""
+
+    timeout_ms: int
+    limits: Limits
+
+
+def narrow(policy: Policy, task: Task, *, name: str = "") -> Effective:
+    """Apply a task's narrowing. Asking for more than the policy is refused, never clipped."""
+    where = f"policy {name!r}" if name else "the policy"
+    timeout = task.timeout if task.timeout is not None else policy.default_timeout_ms
+    if timeout > policy.max_timeout_ms:
+        raise InvalidPolicy(
+            f"timeout {timeout} ms is above the cap of {where} ({policy.max_timeout_ms} ms)",
+            hint="ask for a shorter timeout, or use a policy with a higher max_timeout_ms",
+        )
+    lim = task.limits or Limits()
+    if lim.memory is not None and parse_size(lim.memory) > parse_size(policy.memory):
+        raise InvalidPolicy(f"memory {lim.memory} is above {where}'s {policy.memory}")
+    if lim.cpus is not None and lim.cpus > policy.cpus:
+        raise InvalidPolicy(f"cpus {lim.cpus} is above {where}'s {policy.cpus}")
+    if lim.pids is not None and lim.pids > policy.pids:
+        raise InvalidPolicy(f"pids {lim.pids} is above {where}'s {policy.pids}")
+    return Effective(timeout_ms=timeout, limits=lim)
+
+
+def image_allowed(policy: Policy, image: str) -> bool:
+    return any(fnmatch.fnmatchcase(image, pat) for pat in policy.images)
+
+
+def denied_by(rel: str, is_dir: bool, deny: list[str]) -> str | None:
+    """The deny rule matching a project path, or None. Rules are gitignore-like: 'x/' matches a
+    directory at any depth, a rule without '/' matches a name at any depth, a rule with '/'
+    matches the path from the project root."""
+    parts = rel.split("/")
+    for rule in deny:
+        if rule.endswith("/"):
+            name = rule[:-1]
+            dirs = parts if is_dir else parts[:-1]
+            if any(fnmatch.fnmatchcase(p, name) for p in dirs):
+                return rule
+        elif "/" in rule:
+            pat = rule.lstrip("/")
+            if fnmatch.fnmatchcase(rel, pat) or any(
+                fnmatch.fnmatchcase("/".join(parts[:i]), pat) for i in range(1, len(parts))
+            ):
+                return rule
+        elif any(fnmatch.fnmatchcase(p, rule) for p in parts):
+            return rule
+    return None

@@ -1,0 +1,445 @@
+"""Run one job's container through the Docker SDK, hardened as threat-model.md asks, and remove it.
+
+The engine is assumed hostile: it sees the job directory (input/ read-only) and nothing else of
+the host, no network unless the policy says so, and limits on memory, cpu, pids, files and time.
+The host enforces the wall-clock timeout (SIGTERM, then SIGKILL after the grace period) and always
+removes the container, also when the caller is interrupted; labels let a later sweep find
+containers a killed fila left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import docker
+import requests
+from docker.errors import APIError, DockerException, ImageNotFound, NotFound
+from docker.models.containers import Container
+from docker.types import LogConfig, Mount, Ulimit
+
+from .engines.base import HOME, JOB_MOUNT
+from .errors import DockerUnavailable, ImageMissing, InfraError
+from .models import Limits, Policy, now_iso, parse_size
+
+LABEL = "fila"
+JOB_LABEL = "fila.job"
+ROOT_LABEL = "fila.root"
+_DOCKER_ERRORS = (DockerException, requests.RequestException)
+_KILL_WAIT_S = 30.0  # after SIGKILL the daemon reports the exit promptly; longer means it is stuck
+
+
+@dataclass
+class RunSpec:
+    job_id: str
+    job_dir: Path
+    image: str
+    argv: list[str]
+    env: dict[str, str]
+    policy: Policy
+    limits: Limits | None
+    timeout_ms: int
+    log_path: Path
+    labels: dict[str, str]
+    redact: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RunResult:
+    exit_code: int | None
+    timed_out: bool
+    oom_killed: bool
+    started_at: str
+    ended_at: str
+    duration_s: float
+    container_id: str
+    container_name: str
+    image_id: str
+    log_bytes: int
+    log_truncated: bool
+
+
+def docker_client(timeout: float = 60) -> docker.DockerClient:
+    """A client for the local daemon (DOCKER_HOST honoured), checked with a ping."""
+    try:
+        client = docker.from_env(timeout=timeout)
+        client.ping()
+        return client
+    except _DOCKER_ERRORS as e:
+        denied = "Permission denied" in str(e)
+        raise DockerUnavailable(
+            f"the Docker daemon does not answer: {e}",
+            hint="add your user to the docker group (or use rootless Docker)" if denied
+            else "start Docker (e.g. `systemctl start docker`) or set DOCKER_HOST",
+        ) from e
+
+
+def _fresh_client(client: docker.DockerClient) -> docker.DockerClient:
+    """A new connection to the same daemon: the interrupted client may be mid-request."""
+    adapter = client.api.get_adapter(client.api.base_url)
+    socket_path = getattr(adapter, "socket_path", None)
+    if socket_path:
+        return docker.DockerClient(
+            base_url=f"unix://{socket_path}", version=client.api.api_version, timeout=30
+        )
+    return docker.from_env(version=client.api.api_version, timeout=30)
+
+
+def _effective(policy: Policy, limits: Limits | None) -> tuple[int, float, int]:
+    """memory bytes, cpus, pids. The caller checked limits <= policy; min() keeps that true anyway."""
+    mem, cpus, pids = parse_size(policy.memory), policy.cpus, policy.pids
+    if limits is not None:
+        mem = min(mem, parse_size(limits.memory)) if limits.memory else mem
+        cpus = min(cpus, limits.cpus) if limits.cpus else cpus
+        pids = min(pids, limits.pids) if limits.pids else pids
+    return mem, cpus, pids
+
+
+def container_name(job_id: str) -> str:
+    return f"fila-{job_id[:100]}-{secrets.token_hex(4)}"
+
+
+def create_kwargs(spec: RunSpec, name: str) -> dict[str, Any]:
+    """Everything the container is created with. The image controls none of the entrypoint,
+    command, user or workdir (runc CVE-2024-21626 was a workdir trick); its ENV only fills the
+    names `spec.env` leaves unset, and never comes from the host."""
+    if not spec.argv:
+        raise ValueError("RunSpec.argv is empty")
+    job_dir = spec.job_dir.resolve()
+    input_dir = job_dir / "input"
+    if not job_dir.is_dir():
+        raise InfraError("the job directory is missing", task_id=spec.job_id, path=job_dir)
+    if input_dir.is_symlink() or not input_dir.is_dir():
+        raise InfraError("the job's input/ is not a directory", task_id=spec.job_id, path=input_dir)
+    p = spec.policy
+    mem, cpus, pids = _effective(p, spec.limits)
+    uid, gid = os.getuid(), os.getgid()
+    fsize = parse_size(p.fsize)
+    # exec: engines run tools from /tmp and HOME (npm, pip builds); the work/ bind allows it anyway.
+    tmp_opts = f"rw,nosuid,nodev,exec,size={parse_size(p.tmpfs.tmp)},mode=1777"
+    home_opts = f"rw,nosuid,nodev,exec,size={parse_size(p.tmpfs.home)},uid={uid},gid={gid},mode=0700"
+    # The daemon keeps its own copy of the output; capped so a log bomb cannot fill its disk.
+    daemon_log = str(max(2 * p.max_log_bytes, 1 << 20))
+    kwargs: dict[str, Any] = dict(
+        image=spec.image,
+        name=name,
+        entrypoint=spec.argv[:1],
+        command=spec.argv[1:],
+        environment={**spec.env, "HOME": HOME},
+        working_dir=JOB_MOUNT,
+        user=f"{uid}:{gid}",
+        hostname="fila",
+        labels={**spec.labels, LABEL: "1", JOB_LABEL: spec.job_id},
+        mounts=[
+            Mount(JOB_MOUNT, str(job_dir), type="bind", read_only=False),
+            Mount(f"{JOB_MOUNT}/input", str(input_dir), type="bind", read_only=True),
+        ],
+        network_mode=p.network,
+        mem_limit=mem,
+        memswap_limit=mem,
+        nano_cpus=int(cpus * 1e9),
+        pids_limit=pids,
+        ulimits=[
+            Ulimit(name="nofile", soft=p.nofile, hard=p.nofile),
+            Ulimit(name="fsize", soft=fsize, hard=fsize),
+        ],
+        read_only=True,
+        tmpfs={"/tmp": tmp_opts, HOME: home_opts},
+        cap_drop=["ALL"],
+        security_opt=["no-new-privileges:true"],
+        privileged=False,
+        init=True,
+        ipc_mode="private",
+        oom_score_adj=500,  # under host-wide memory pressure the engine dies before the host's
+        stop_signal="SIGTERM",
+        log_config=LogConfig(
+            type=LogConfig.types.JSON, config={"max-size": daemon_log, "max-file": "3"}
+        ),
+        stdin_open=False,
+        tty=False,
+    )
+    if p.runtime:
+        kwargs["runtime"] = p.runtime
+    return kwargs
+
+
+class _Redactor:
+    """Replaces secrets in a byte stream, also when one is split across two chunks."""
+
+    def __init__(self, values: list[str]) -> None:
+        needles = sorted({v.encode() for v in values if v}, key=len, reverse=True)
+        self._rx = re.compile(b"|".join(re.escape(n) for n in needles)) if needles else None
+        self._keep = max((len(n) for n in needles), default=1) - 1
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        if self._rx is None:
+            return chunk
+        self._buf += chunk
+        cut = max(0, len(self._buf) - self._keep)
+        # A match that starts before the cut ends inside the buffer: emit it whole, redacted.
+        for m in self._rx.finditer(self._buf):
+            if m.start() < cut < m.end():
+                cut = m.end()
+        out, self._buf = self._buf[:cut], self._buf[cut:]
+        return self._rx.sub(b"***", out)
+
+    def flush(self) -> bytes:
+        out, self._buf = self._buf, b""
+        return self._rx.sub(b"***", out) if self._rx is not None else out
+
+
+class _LogPump(threading.Thread):
+    """Copies the container's output to the log file as it comes (progress for long work)."""
+
+    def __init__(self, stream: Iterable[bytes], path: Path, cap: int, redact: list[str]) -> None:
+        super().__init__(name=f"fila-log-{path.name}", daemon=True)
+        self.stream, self.path, self.cap = stream, path, cap
+        self.redactor = _Redactor(redact)
+        self.written = 0
+        self.truncated = False
+        self.error: BaseException | None = None
+
+    def _write(self, f: Any, data: bytes) -> None:
+        room = self.cap - self.written
+        if len(data) > room:
+            data, self.truncated = data[:room], True
+        f.write(data)
+        f.flush()
+        self.written += len(data)
+
+    def run(self) -> None:
+        try:
+            with open(self.path, "wb") as f:
+                for chunk in self.stream:
+                    self._write(f, self.redactor.feed(chunk))
+                    if self.truncated:
+                        break  # stop reading: a log bomb must not cost us the rest of it
+                else:
+                    self._write(f, self.redactor.flush())
+                if self.truncated:
+                    f.write(f"\n[fila: log truncated at {self.cap} bytes]\n".encode())
+        except BaseException as e:  # reported by run(); a thread cannot raise to its caller
+            self.error = e
+        finally:
+            close = getattr(self.stream, "close", None)
+            if close is not None:
+                with contextlib.suppress(Exception):  # already broken: nothing left to release
+                    close()
+
+
+class _Waiter(threading.Thread):
+    """Blocks on the daemon's wait endpoint so the exit is seen at once, without polling."""
+
+    def __init__(self, client: docker.DockerClient, container_id: str) -> None:
+        super().__init__(name=f"fila-wait-{container_id[:12]}", daemon=True)
+        self.client, self.container_id = client, container_id
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self.client.api.wait(self.container_id, timeout=None)
+        except BaseException as e:
+            self.error = e
+        finally:
+            self.done.set()
+
+
+def _docker_error(spec: RunSpec, action: str, err: BaseException) -> InfraError:
+    """str() of the result names the job and its log: FilaError appends task_id and path."""
+    cls = DockerUnavailable if isinstance(err, requests.ConnectionError) else InfraError
+    hint = "check `docker info`; the task can be retried once Docker is healthy"
+    if spec.policy.runtime and "runtime" in str(err).lower():
+        hint = f"install the {spec.policy.runtime!r} runtime in Docker, or change the policy's runtime"
+    return cls(f"{action} failed: {err}", hint=hint, task_id=spec.job_id, path=spec.log_path)
+
+
+def _signal(client: docker.DockerClient, cid: str, sig: str) -> None:
+    try:
+        client.api.kill(cid, signal=sig)
+    except APIError as e:
+        if e.status_code not in (404, 409):  # already exited or gone: what we wanted
+            raise
+
+
+def _execute(
+    client: docker.DockerClient,
+    spec: RunSpec,
+    container: Container,
+    heartbeat: Callable[[], None] | None,
+    heartbeat_s: float,
+) -> RunResult:
+    cid = container.id
+    step = "starting the container"
+    try:
+        started_at, t0 = now_iso(), time.monotonic()
+        container.start()
+        step = "streaming the container's output"
+        stream = client.api.logs(cid, stdout=True, stderr=True, stream=True, follow=True)
+        pump = _LogPump(stream, spec.log_path, spec.policy.max_log_bytes, spec.redact)
+        pump.start()
+        waiter = _Waiter(client, cid)
+        waiter.start()
+        step = "waiting for the container"
+        # The caller capped the timeout by policy; min() keeps that true anyway.
+        deadline = t0 + min(spec.timeout_ms, spec.policy.max_timeout_ms) / 1000
+        heartbeat_s = max(heartbeat_s, 0.05)
+        next_beat = t0 + heartbeat_s
+        timed_out = False
+        while not waiter.done.wait(max(0.0, min(deadline, next_beat) - time.monotonic())):
+            now = time.monotonic()
+            if now >= deadline:
+                timed_out = True
+                step = "stopping the container after its timeout"
+                # Our own SIGTERM/SIGKILL (not `docker stop`) so the grace period is in ms.
+                _signal(client, cid, "SIGTERM")
+                if not waiter.done.wait(spec.policy.grace_ms / 1000):
+                    _signal(client, cid, "SIGKILL")
+                    if not waiter.done.wait(_KILL_WAIT_S):
+                        raise InfraError(
+                            f"container {container.name} survived SIGKILL for {_KILL_WAIT_S}s",
+                            task_id=spec.job_id,
+                            path=spec.log_path,
+                        )
+                break
+            if heartbeat is not None and now >= next_beat:
+                heartbeat()
+                next_beat = now + heartbeat_s
+        ended_at, duration = now_iso(), time.monotonic() - t0
+        if waiter.error is not None:
+            raise waiter.error
+        step = "reading the container's state"
+        state = client.api.inspect_container(cid)["State"]
+        pump.join(timeout=10)  # the output stream ends with the container
+        if pump.error is not None:
+            step = "copying the container's output to its log"
+            raise pump.error
+    except (*_DOCKER_ERRORS, OSError) as e:
+        raise _docker_error(spec, step, e) from e
+    return RunResult(
+        exit_code=state.get("ExitCode"),
+        timed_out=timed_out,
+        oom_killed=bool(state.get("OOMKilled")),
+        started_at=started_at,
+        ended_at=ended_at,
+        duration_s=round(duration, 3),
+        container_id=cid,
+        container_name=container.name,
+        image_id=container.attrs.get("Image", ""),
+        log_bytes=pump.written,
+        log_truncated=pump.truncated,
+    )
+
+
+def _remove(client: docker.DockerClient, name: str) -> None:
+    try:
+        client.api.remove_container(name, force=True, v=True)
+    except NotFound:
+        pass
+    except APIError as e:
+        if e.status_code == 409 and "already in progress" in str(e):
+            return
+        raise
+
+
+def run(
+    spec: RunSpec,
+    *,
+    client: docker.DockerClient | None = None,
+    before_start: Callable[[str], None] | None = None,
+    heartbeat: Callable[[], None] | None = None,
+    heartbeat_s: float = 5.0,
+) -> RunResult:
+    """Create, start, wait (with the host's timeout), and always remove the job's container.
+
+    `before_start(container_id)` runs between create and start: the side-effect boundary the
+    caller records durably. `heartbeat()` runs every `heartbeat_s` while the container runs.
+    """
+    client = client or docker_client()
+    name = container_name(spec.job_id)
+    kwargs = create_kwargs(spec, name)
+    spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        try:
+            container = client.containers.create(**kwargs)
+        except ImageNotFound as e:
+            raise ImageMissing(
+                f"image {spec.image} is not present for job {spec.job_id}",
+                hint="build it with `fila images build ENGINE`",
+                task_id=spec.job_id,
+            ) from e
+        except _DOCKER_ERRORS as e:
+            raise _docker_error(spec, "creating the container", e) from e
+        if before_start is not None:
+            before_start(container.id)
+        result = _execute(client, spec, container, heartbeat, heartbeat_s)
+        try:
+            _remove(client, name)
+        except _DOCKER_ERRORS as e:
+            raise _docker_error(spec, f"removing container {name}", e) from e
+        return result
+    except BaseException as exc:
+        # Removed by name: an interrupted create may have made the container without telling us.
+        _cleanup_after_failure(client, name, exc)
+        raise
+
+
+def _cleanup_after_failure(client: docker.DockerClient, name: str, exc: BaseException) -> None:
+    for _ in range(3):
+        try:
+            fresh = _fresh_client(client)
+            try:
+                _remove(fresh, name)
+            finally:
+                fresh.close()
+            return
+        except KeyboardInterrupt:
+            continue  # a second Ctrl-C must not leave a hostile engine running
+        except Exception as e:
+            exc.add_note(f"fila: could not remove container {name}: {e}; `docker rm -f {name}`")
+            return
+    exc.add_note(f"fila: container {name} may be left; remove it with `docker rm -f {name}`")
+
+
+def _label_filters(job_id: str | None, root: str | None) -> dict[str, list[str]]:
+    labels = [f"{LABEL}=1"]
+    if job_id is not None:
+        labels.append(f"{JOB_LABEL}={job_id}")
+    if root is not None:
+        labels.append(f"{ROOT_LABEL}={root}")
+    return {"label": labels}
+
+
+def find_containers(
+    client: docker.DockerClient, *, job_id: str | None = None, root: str | None = None
+) -> list[Container]:
+    """fila's containers in any state, by label (of one job, one queue root, or all)."""
+    try:
+        return client.containers.list(
+            all=True, filters=_label_filters(job_id, root), ignore_removed=True
+        )
+    except _DOCKER_ERRORS as e:
+        raise InfraError(f"Docker failed while listing fila's containers: {e}") from e
+
+
+def remove_containers(
+    client: docker.DockerClient, *, job_id: str | None = None, root: str | None = None
+) -> list[str]:
+    """Force-remove fila's containers by label; returns the ids removed."""
+    removed = []
+    for c in find_containers(client, job_id=job_id, root=root):
+        try:
+            _remove(client, c.id)
+        except _DOCKER_ERRORS as e:
+            raise InfraError(f"Docker failed while removing container {c.name}: {e}") from e
+        removed.append(c.id)
+    return removed

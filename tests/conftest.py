@@ -1,0 +1,25 @@
+"""Shared fixtures. Docker tests use the real daemon: a fake that always succeeds proves nothing."""
+
+from __future__ import annotations
+
+import docker
+import pytest
+
+from fila.errors import DockerUnavailable
+from fila.images import ensure_image
+from fila.models import ImageRef
+from fila.sandbox import docker_client as connect
+
+
+@pytest.fixture(scope="session")
+def docker_client() -> docker.DockerClient:
+    # Fail, not skip: a machine without Docker must not pass the sandbox tests silently.
+    try:
+        return connect()
+    except DockerUnavailable as e:
+        pytest.fail(f"{e}\nhint: {e.hint}")
+
+
+@pytest.fixture(scope="session")
+def shell_image(docker_client: docker.DockerClient) -> ImageRef:
+    return ensure_image("shell", client=docker_client)

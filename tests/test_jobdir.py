@@ -1,0 +1,109 @@
+"""Preparing the job directory from the project (no Docker)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+from fila import jobdir
+from fila.errors import TargetError
+from fila.layout import Root
+from fila.policy import load_policy, narrow
+
+from .helpers import make_root, shell_task
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Root:
+    r = make_root(tmp_path).require()
+    (tmp_path / "greeting.txt").write_text("hello\n")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.py").write_text("print('hello')\n")
+    (src / "run.sh").write_text("#!/bin/sh\n")
+    (src / "run.sh").chmod(0o755)
+    (src / ".env").write_text("SECRET=1\n")
+    (src / "key.pem").write_text("-----BEGIN\n")
+    (src / ".git").mkdir()
+    (src / ".git" / "HEAD").write_text("ref\n")
+    os.symlink("a.py", src / "inner-link")
+    os.symlink("/etc/passwd", src / "abs-link")
+    os.mkfifo(src / "pipe")
+    return r
+
+
+def prepare(root: Root, targets: list[str]) -> jobdir.Prepared:
+    task = shell_task(targets=targets)
+    policy, _ = load_policy(root, "default")
+    return jobdir.prepare(root, "job1", task, policy, narrow(policy, task))
+
+
+def test_targets_are_copied_into_input_and_work(root: Root) -> None:
+    prep = prepare(root, ["greeting.txt", "src"])
+    for side in ("input", "work"):
+        base = prep.job_dir / side
+        assert (base / "greeting.txt").read_text() == "hello\n"
+        assert (base / "src" / "a.py").read_text() == "print('hello')\n"
+        assert os.stat(base / "src" / "run.sh").st_mode & 0o777 == 0o755
+        assert os.stat(base / "src" / "a.py").st_mode & 0o777 == 0o644
+    assert not os.path.samefile(prep.job_dir / "input" / "greeting.txt",
+                                prep.job_dir / "work" / "greeting.txt")
+
+
+def test_secrets_and_vcs_metadata_are_never_copied(root: Root) -> None:
+    prep = prepare(root, ["src"])
+    names = {p.name for p in (prep.job_dir / "work" / "src").iterdir()}
+    assert ".env" not in names and "key.pem" not in names and ".git" not in names
+    assert "pipe" not in names
+    assert any("pipe" in w for w in prep.warnings)
+
+
+def test_symlinks_are_copied_as_links_never_followed(root: Root) -> None:
+    prep = prepare(root, ["src"])
+    work = prep.job_dir / "work" / "src"
+    assert os.readlink(work / "inner-link") == "a.py"
+    assert os.readlink(work / "abs-link") == "/etc/passwd"
+    entry = next(m for m in prep.manifest if m.path == "src/abs-link")
+    assert entry.kind == "symlink"
+
+
+def test_manifest_records_what_was_copied_host_side(root: Root) -> None:
+    prep = prepare(root, ["greeting.txt"])
+    m = jobdir.read_manifest(root, "job1")
+    (entry,) = m["entries"]
+    assert entry["path"] == "greeting.txt"
+    assert entry["sha256"] == hashlib.sha256(b"hello\n").hexdigest()
+    assert entry["size"] == 6 and entry["mode"] == 0o644
+    assert not (prep.job_dir / "manifest.json").exists(), "the engine must not reach the manifest"
+
+
+def test_task_md_holds_prompt_targets_and_limits(root: Root) -> None:
+    prep = prepare(root, ["greeting.txt"])
+    text = (prep.job_dir / "TASK.md").read_text()
+    assert "greeting.txt" in text and "timeout" in text and "network none" in text
+
+
+def test_whole_project_target_skips_the_queue_itself(root: Root) -> None:
+    (root.in_dir / "x.json").write_text("{}")
+    prep = prepare(root, ["."])
+    work = prep.job_dir / "work"
+    assert (work / "greeting.txt").exists()
+    assert not (work / "fila").exists() and not (work / "sandbox").exists()
+
+
+def test_symlinked_directory_on_the_way_is_refused(root: Root) -> None:
+    os.symlink("src", root.path / "srclink")
+    with pytest.raises(TargetError, match="goes through the symlink"):
+        prepare(root, ["srclink/a.py"])
+
+
+def test_a_requeued_task_starts_from_a_clean_copy(root: Root) -> None:
+    prep = prepare(root, ["greeting.txt"])
+    (prep.job_dir / "work" / "greeting.txt").write_text("changed by a first attempt\n")
+    (prep.job_dir / "work" / "junk").write_text("x")
+    prep = prepare(root, ["greeting.txt"])
+    assert (prep.job_dir / "work" / "greeting.txt").read_text() == "hello\n"
+    assert not (prep.job_dir / "work" / "junk").exists()

@@ -1,0 +1,130 @@
+"""The file queue and its state machine, without Docker."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from fila import queue
+from fila.errors import DuplicateId, InvalidId, InvalidTransition
+from fila.layout import Root
+from fila.models import Status
+
+from .helpers import make_root, shell_task
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Root:
+    r = make_root(tmp_path)
+    (tmp_path / "greeting.txt").write_text("hello\n")
+    return r.require()
+
+
+def test_enqueue_writes_record_and_task_file(root: Root) -> None:
+    rec = queue.enqueue(root, "t1", shell_task())
+    assert rec.status == Status.queued
+    assert json.loads(root.queued_path("t1").read_text())["id"] == "t1"
+    assert queue.get_record(root, "t1").task.command == "true"
+    assert [e["event"] for e in queue.read_events(root, "t1")] == ["submitted"]
+
+
+def test_duplicate_id_is_refused_wherever_it_lives(root: Root) -> None:
+    queue.enqueue(root, "dup", shell_task())
+    with pytest.raises(DuplicateId):
+        queue.enqueue(root, "dup", shell_task())
+    root.job_dir("other").mkdir(parents=True)
+    with pytest.raises(DuplicateId):
+        queue.enqueue(root, "other", shell_task())
+
+
+@pytest.mark.parametrize("bad", ["..", ".", "a/b", "../x", "", "x" * 129, "a b", "é", "a\nb"])
+def test_path_tricks_in_ids_are_refused(root: Root, bad: str) -> None:
+    with pytest.raises(InvalidId):
+        root.record_path(bad)
+
+
+def test_claim_is_exclusive_and_hands_back(root: Root) -> None:
+    queue.enqueue(root, "t1", shell_task())
+    src = root.queued_path("t1")
+    c1 = queue.try_claim(root, src, "w1")
+    assert c1 is not None and c1.path.exists()
+    assert queue.try_claim(root, src, "w2") is None
+    assert queue.hand_back(root, c1)
+    assert src.exists() and not c1.path.exists()
+    assert not queue.hand_back(root, c1), "a lease that is gone cannot be handed back"
+
+
+def test_completion_and_reaping_race_on_one_rename(root: Root) -> None:
+    queue.enqueue(root, "t1", shell_task())
+    c = queue.try_claim(root, root.queued_path("t1"), "w1")
+    assert c is not None
+    assert queue.win(c, "reaped")
+    assert not queue.win(c, "done"), "the loser must not publish"
+    assert not queue.heartbeat(c)
+
+
+def test_transitions_are_checked(root: Root) -> None:
+    queue.enqueue(root, "t1", shell_task())
+    with pytest.raises(InvalidTransition):
+        queue.set_status(root, "t1", Status.applied)
+    with pytest.raises(InvalidTransition):
+        queue.set_status(root, "t1", Status.running, expect={Status.needs_review})
+    assert queue.get_record(root, "t1").status == Status.queued
+    queue.set_status(root, "t1", Status.running, worker="w")
+    queue.set_status(root, "t1", Status.needs_review)
+    queue.set_status(root, "t1", Status.applied)
+    for to in Status:
+        with pytest.raises(InvalidTransition):
+            queue.set_status(root, "t1", to)
+    events = [(e.get("from"), e.get("to")) for e in queue.read_events(root, "t1")]
+    assert events[-1] == ("needs_review", "applied")
+
+
+def test_reject_file_keeps_the_file_and_the_reason(root: Root) -> None:
+    bad = root.in_dir / "junk.json"
+    bad.write_text("{not json")
+    kept = queue.reject_file(root, bad, "malformed JSON")
+    assert kept.read_text() == "{not json"
+    assert kept.with_name(kept.name + ".reason").read_text() == "malformed JSON\n"
+    bad.write_text("{again")
+    kept2 = queue.reject_file(root, bad, "again")
+    assert kept2 != kept and kept.exists() and kept2.exists()
+
+
+WORKER = textwrap.dedent("""
+    import sys, json
+    from pathlib import Path
+    from fila import queue
+    from fila.layout import Root
+    root = Root.at(sys.argv[1]); me = sys.argv[2]; got = []
+    while True:
+        files = queue.queued_files(root)
+        if not files:
+            break
+        for f in files:
+            c = queue.try_claim(root, f, me)
+            if c:
+                got.append(c.task_id)
+    Path(sys.argv[3]).write_text(json.dumps(got))
+""")
+
+
+def test_several_worker_processes_claim_each_task_exactly_once(root: Root, tmp_path: Path) -> None:
+    ids = [f"t{i:03d}" for i in range(300)]
+    for i in ids:
+        queue.enqueue(root, i, shell_task())
+    procs, outs = [], []
+    for n in range(4):
+        out = tmp_path / f"w{n}.json"
+        outs.append(out)
+        procs.append(subprocess.Popen([sys.executable, "-c", WORKER, str(root.path), f"w{n}", out]))
+    for p in procs:
+        assert p.wait(timeout=120) == 0
+    claimed = [t for out in outs for t in json.loads(out.read_text())]
+    assert sorted(claimed) == ids, "every task claimed once, none twice, none lost"
+    assert sum(1 for out in outs if json.loads(out.read_text())) >= 2, "workers really competed"
