@@ -36,7 +36,8 @@ _CHUNK = 1 << 20
 _MAX_WARNINGS = 100
 _SPECIAL_NAMES = {b".gitattributes", b".gitmodules"}  # change what git does in the project
 # Code points HFS+ ignores in names: ".g\u200cit" is ".git" there, and `git apply` refuses it.
-_IGNORABLE = {chr(c) for c in (*range(0x200C, 0x2010), *range(0x202A, 0x202F), *range(0x206A, 0x2070), 0xFEFF)}
+_IGNORABLE = {chr(c) for r in ((0x200C, 0x2010), (0x202A, 0x202F), (0x206A, 0x2070)) for c in range(*r)}
+_IGNORABLE.add("\ufeff")
 # Configuration that would run a program or change the output, pinned whatever git's defaults.
 _GIT_CONFIG = (
     "-c", "core.hooksPath=/dev/null",
@@ -172,11 +173,12 @@ class _Git:
         }
         self.run(["init", "--bare", "--quiet", "--template=", str(self.dir)])
 
-    def popen(self, args: list[str], *, stdin: int = subprocess.DEVNULL) -> subprocess.Popen[bytes]:
+    def popen(
+        self, args: list[str], *, stdin: int = subprocess.DEVNULL, stdout: int = subprocess.PIPE
+    ) -> subprocess.Popen[bytes]:
         with open(self.log, "ab") as err:  # a file, not a pipe: nobody has to drain it
             return subprocess.Popen([self.exe, *_GIT_CONFIG, *args], env=self.env,
-                                    cwd=self.dir.parent, stdin=stdin, stdout=subprocess.PIPE,
-                                    stderr=err)  # fmt: skip
+                                    cwd=self.dir.parent, stdin=stdin, stdout=stdout, stderr=err)
 
     def run(self, args: list[str]) -> bytes:
         return self.collect(self.popen(args), f"git {args[0]}")
@@ -271,15 +273,15 @@ def _entries(
             warn(f"not in the diff: {escape_name(e.rel)} ({_special_kind(e.mode)}, not a file)")
         elif e.kind == "file":
             if e.nlink > 1:
-                warn(f"hard link: {escape_name(e.rel)} has {e.nlink} links; the patch holds its content")
+                warn(f"hard link: {escape_name(e.rel)} has {e.nlink} links; the patch holds a copy")
             if e.mode & (stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX):
-                warn(f"setuid/setgid/sticky bit on {escape_name(e.rel)} dropped (patches keep 0644/0755)")
+                warn(f"setuid/setgid/sticky bit of {escape_name(e.rel)} dropped (only 0644/0755)")
             yield e
         elif e.kind == "symlink":
             if not _means(e.rel.rpartition("/")[2], "gitmodules", "gitmod~[1-4]|gi7eba~[1-9]"):
                 yield e
             else:
-                warn(f"not in the diff: {escape_name(e.rel)} (a .gitmodules symlink; git apply refuses it)")
+                warn(f"not in the diff: {escape_name(e.rel)} (a .gitmodules symlink: git refuses it)")
 
 
 def _special_kind(mode: int) -> str:
@@ -392,7 +394,7 @@ class _Importer:
         self.git = git
         # --depth=0: no delta search between consecutive blobs, which only costs CPU here.
         self.proc = git.popen(["fast-import", "--quiet", "--done", "--depth=0"],
-                              stdin=subprocess.PIPE)  # it writes nothing on stdout
+                              stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
         assert self.proc.stdin is not None
         self.out: IO[bytes] = self.proc.stdin
         self.marks = 0
@@ -414,7 +416,10 @@ class _Importer:
         self._blob(side, mode, rel, len(data))
         self._write(data + b"\n")
 
-    def add_fd(self, side: int, mode: bytes, rel: str, fd: int, size: int, data: bytes | None) -> None:
+    def add_fd(
+        self, side: int, mode: bytes, rel: str, fd: int, size: int, data: bytes | None
+    ) -> None:
+        """A file's blob: `data` when already read, else streamed from fd in chunks."""
         if data is not None:
             self.add_data(side, mode, rel, data)
             return
@@ -481,7 +486,7 @@ def _numstat(raw: bytes, notes: _Notes) -> DiffStat:
         else:
             st.insertions += int(added)
             st.deletions += int(deleted)
-        if path.rpartition(b"/")[2] in _SPECIAL_NAMES:
+        if path.rpartition(b"/")[2].lower() in _SPECIAL_NAMES:
             notes.add(f"changes {shown}: git in the project honours it once applied")
         if shown != os.fsdecode(path):
             notes.add(f"unusual file name (shown escaped): {shown}")

@@ -192,6 +192,10 @@ class Tree:
         except OSError as err:
             if fd != self._fd:
                 os.close(fd)
+            if err.errno in (errno.ENOTDIR, errno.ELOOP):
+                raise FilaError(
+                    "refusing a path through a symlink or a file", path=escape_name(parent)
+                ) from None
             raise _open_error(err, parent) from None
         self._parent = (parent, fd)
         return fd
@@ -226,8 +230,9 @@ def walk(
     """Every entry below `root`, depth first, names sorted by their bytes, symlinks not followed.
 
     `skip(rel, is_dir)` returning True prunes an entry (and, for a directory, what it holds);
-    pruned entries count toward no limit. max_files counts entries of every kind, max_bytes the
-    sizes of regular files (st_size, so a sparse file counts at its full size).
+    pruned entries count toward no limit, but one directory listing more than max_files names is
+    refused before it is sorted. max_files counts entries of every kind, max_bytes the sizes of
+    regular files (st_size, so a sparse file counts at its full size).
     Raises FilaError when `root` is a symlink or not a directory, LimitExceeded past a limit.
     """
     files = 0

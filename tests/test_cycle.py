@@ -1,0 +1,187 @@
+"""The whole cycle on a real Docker engine, through the CLI: task in, container, diff, record."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import docker
+import pytest
+from typer.testing import CliRunner
+
+from fila.cli import app
+from fila.models import ImageRef
+
+from .helpers import make_root
+
+pytestmark = pytest.mark.docker
+
+
+@pytest.fixture
+def proj(tmp_path: Path, shell_image: ImageRef) -> Path:
+    make_root(tmp_path)
+    (tmp_path / "greeting.txt").write_text("hello\n")
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "run.sh").write_text("#!/bin/sh\necho hello\n")
+    (tmp_path / ".env").write_text("API_TOKEN=secret\n")
+    return tmp_path
+
+
+def fila(root: Path, *args: str, env: dict[str, str] | None = None):
+    return CliRunner().invoke(app, [*args, "--root", str(root)], env=env)
+
+
+def submit(root: Path, command: str, *targets: str, extra: tuple[str, ...] = ()) -> str:
+    args = ["submit", "--engine", "shell", "--command", command, *extra]
+    for t in targets or ("greeting.txt",):
+        args += ["--target", t]
+    res = fila(root, *args)
+    assert res.exit_code == 0, res.output
+    return res.stdout.strip()
+
+
+def record(root: Path, tid: str) -> dict:
+    return json.loads((root / "fila" / "out" / f"{tid}.json").read_text())
+
+
+def fila_containers(client: docker.DockerClient, root: Path) -> list:
+    return client.containers.list(all=True, filters={"label": f"fila.root={root}"})
+
+
+def test_cycle_ends_in_needs_review_with_a_diff_that_git_applies(proj: Path) -> None:
+    tid = submit(proj, "sed -i 's/hello/world/' greeting.txt")
+    res = fila(proj, "run", "--once")
+    assert res.exit_code == 0, res.output
+    rec = record(proj, tid)
+    assert rec["status"] == "needs_review"
+    assert rec["exit_code"] == 0 and rec["image"]["id"].startswith("sha256:")
+    assert rec["policy"]["name"] == "default" and len(rec["policy"]["sha256"]) == 64
+    assert rec["diffstat"]["files"] == 1 and rec["diffstat"]["paths"] == ["greeting.txt"]
+    assert {"prepare", "run", "diff", "total"} <= set(rec["timings"])
+    patch = fila(proj, "diff", tid).stdout
+    assert "-hello\n+world\n" in patch and "a/greeting.txt" in patch
+    assert (proj / "greeting.txt").read_text() == "hello\n", "nothing touches the project"
+    show = fila(proj, "show", tid)
+    assert "needs_review" in show.stdout and "greeting.txt" in show.stdout
+    # The patch applies in the project root.
+    subprocess.run(["git", "apply", "--check", str(proj / rec["patch_path"])], cwd=proj, check=True)
+    events = [json.loads(x)["event"] for x in
+              (proj / "fila" / "logs" / f"{tid}.events.jsonl").read_text().splitlines()]
+    assert events[0] == "submitted" and "claimed" in events and events[-1] == "status"
+
+
+def test_task_file_with_directory_target_and_json_output(proj: Path) -> None:
+    task = {"id": "tf", "engine": "shell", "targets": ["src", "greeting.txt"],
+            "command": "sed -i s/hello/bye/ src/run.sh && printf 'new\\n' > src/new.txt "
+                       "&& chmod +x src/new.txt && rm greeting.txt"}
+    (proj / "task.json").write_text(json.dumps(task))
+    assert fila(proj, "submit", str(proj / "task.json")).stdout.strip() == "tf"
+    res = fila(proj, "run", "--once", "--json")
+    assert res.exit_code == 0
+    (line,) = res.stdout.splitlines()
+    out = json.loads(line)
+    assert out["id"] == "tf" and out["status"] == "needs_review"
+    patch = (proj / out["patch_path"]).read_text()
+    assert "new file mode 100755" in patch and "deleted file mode 100644" in patch
+    assert ".env" not in patch
+
+
+def test_input_cannot_be_written_from_the_container(proj: Path) -> None:
+    tid = submit(proj, "echo pwned > ../input/greeting.txt")
+    assert fila(proj, "run", "--once").exit_code == 1
+    rec = record(proj, tid)
+    assert rec["status"] == "failed" and rec["error"]["kind"] == "engine_error"
+    assert (proj / "sandbox" / "jobs" / tid / "input" / "greeting.txt").read_text() == "hello\n"
+    assert "Read-only file system" in (proj / rec["log_path"]).read_text()
+
+
+def test_network_is_unreachable_under_the_default_policy(proj: Path) -> None:
+    tid = submit(proj, "cat /proc/net/dev > net.txt; nc -w 2 198.51.100.1 80 </dev/null "
+                       "> out.txt 2>&1; echo rc=$? >> out.txt", "greeting.txt")
+    assert fila(proj, "run", "--once").exit_code == 0
+    job = proj / "sandbox" / "jobs" / tid / "work"
+    interfaces = [ln.split(":")[0].strip() for ln in (job / "net.txt").read_text().splitlines()[2:]]
+    assert interfaces == ["lo"]
+    assert "rc=0" not in (job / "out.txt").read_text()
+
+
+def test_sleep_past_the_timeout_fails_with_timeout_and_keeps_the_partial_diff(
+    proj: Path, docker_client: docker.DockerClient
+) -> None:
+    tid = submit(proj, "echo partial > progress.txt; sleep 30", extra=("--timeout", "1000"))
+    res = fila(proj, "run", "--once")
+    assert res.exit_code == 1
+    rec = record(proj, tid)
+    assert rec["status"] == "failed" and rec["error"]["kind"] == "timeout"
+    assert "1 s" in rec["error"]["message"]
+    assert "progress.txt" in (proj / rec["patch_path"]).read_text(), "partial diff kept as evidence"
+    assert rec["timings"]["run"] < 15
+    assert fila_containers(docker_client, proj) == [], "no container left behind"
+
+
+def test_a_symlink_planted_in_work_does_not_make_the_host_read_outside(proj: Path) -> None:
+    tid = submit(proj, "ln -s /etc/shadow shadow; ln -s /etc etc; ln -s ../../../../.. up")
+    assert fila(proj, "run", "--once").exit_code == 0
+    rec = record(proj, tid)
+    patch = (proj / rec["patch_path"]).read_text()
+    assert "new file mode 120000" in patch
+    assert "+/etc/shadow" in patch and "root:" not in patch
+    assert rec["diffstat"]["files"] == 3
+
+
+def test_an_engine_replacing_work_with_a_symlink_fails_without_reading_it(proj: Path) -> None:
+    tid = submit(proj, "cd .. && rm -rf work && ln -s /etc work")
+    assert fila(proj, "run", "--once").exit_code == 1
+    rec = record(proj, tid)
+    assert rec["status"] == "failed"
+    assert rec["patch_path"] is None
+
+
+def test_an_invalid_task_file_is_kept_with_its_reason_and_exits_2(proj: Path) -> None:
+    (proj / "fila" / "in" / "broken.json").write_text('{"engine": "shell", "targets": [')
+    res = fila(proj, "run", "--once")
+    assert res.exit_code == 2
+    assert not (proj / "fila" / "in" / "broken.json").exists()
+    kept = proj / "fila" / "rejected" / "broken.json"
+    assert kept.read_text() == '{"engine": "shell", "targets": ['
+    assert "malformed JSON" in (proj / "fila" / "rejected" / "broken.json.reason").read_text()
+    rec = record(proj, "broken")
+    assert rec["status"] == "failed" and rec["error"]["kind"] == "invalid"
+
+
+def test_a_task_dropped_into_fila_in_runs(proj: Path) -> None:
+    task = {"engine": "shell", "command": "echo dropped >> greeting.txt", "targets": ["greeting.txt"]}
+    (proj / "fila" / "in" / "dropped.json").write_text(json.dumps(task))
+    assert fila(proj, "run", "--once").exit_code == 0
+    assert record(proj, "dropped")["status"] == "needs_review"
+
+
+def test_unreachable_docker_keeps_the_task_queued_and_exits_3(proj: Path) -> None:
+    tid = submit(proj, "true")
+    res = fila(proj, "run", "--once", env={"DOCKER_HOST": f"unix://{proj}/no.sock"})
+    assert res.exit_code == 3
+    assert "Docker" in res.stderr
+    assert record(proj, tid)["status"] == "queued"
+    assert (proj / "fila" / "in" / f"{tid}.json").exists()
+
+
+def test_a_missing_image_keeps_the_task_queued_with_a_build_hint(proj: Path) -> None:
+    task = {"id": "noimg", "engine": "shell", "command": "true", "targets": ["greeting.txt"],
+            "image": "fila/not-built-anywhere:latest"}
+    (proj / "t.json").write_text(json.dumps(task))
+    assert fila(proj, "submit", str(proj / "t.json")).exit_code == 0
+    res = fila(proj, "run", "--once")
+    assert res.exit_code == 3
+    assert "fila images build" in res.stderr
+    rec = record(proj, "noimg")
+    assert rec["status"] == "queued" and rec["error"]["kind"] == "infra"
+    assert (proj / "fila" / "in" / "noimg.json").exists()
+
+
+def test_work_stays_owned_by_the_host_user(proj: Path) -> None:
+    tid = submit(proj, "echo x > created.txt")
+    assert fila(proj, "run", "--once").exit_code == 0
+    st = os.stat(proj / "sandbox" / "jobs" / tid / "work" / "created.txt")
+    assert (st.st_uid, st.st_gid) == (os.getuid(), os.getgid())
