@@ -136,7 +136,26 @@ def test_an_engine_replacing_work_with_a_symlink_fails_without_reading_it(proj: 
     assert fila(proj, "run", "--once").exit_code == 1
     rec = record(proj, tid)
     assert rec["status"] == "failed"
-    assert rec["patch_path"] is None
+    if rec["patch_path"]:  # as root, fila runs the engine as nobody, who cannot replace work/
+        assert "root:" not in (proj / rec["patch_path"]).read_text()
+
+
+def test_what_the_engine_leaves_is_made_inert_before_the_host_reads_it(proj: Path) -> None:
+    tid = submit(proj, "cp /bin/busybox tool && chmod 6755 tool && mkdir -p sub/.git "
+                       "&& echo '[core] fsmonitor = touch /pwned' > sub/.git/config "
+                       "&& chmod 0777 . ; (echo x > ../planted) 2>/dev/null; true")
+    assert fila(proj, "run", "--once").exit_code == 0
+    rec = record(proj, tid)
+    work = proj / "sandbox" / "jobs" / tid / "work"
+    st = os.stat(work / "tool")
+    assert not st.st_mode & 0o7000, "setuid/setgid stripped on the host"
+    assert (st.st_uid, st.st_gid) == (os.getuid(), os.getgid())
+    assert not os.stat(work).st_mode & 0o022, "no group/other write left"
+    assert not (work / "sub" / ".git").exists()
+    assert not (proj / "sandbox" / "jobs" / tid / "planted").exists()
+    assert any("setuid" in w for w in rec["warnings"])
+    assert any(".git" in w for w in rec["warnings"])
+    assert os.stat(proj / "sandbox" / "jobs").st_mode & 0o077 == 0
 
 
 def test_an_invalid_task_file_is_kept_with_its_reason_and_exits_2(proj: Path) -> None:
@@ -185,3 +204,12 @@ def test_work_stays_owned_by_the_host_user(proj: Path) -> None:
     assert fila(proj, "run", "--once").exit_code == 0
     st = os.stat(proj / "sandbox" / "jobs" / tid / "work" / "created.txt")
     assert (st.st_uid, st.st_gid) == (os.getuid(), os.getgid())
+
+
+def test_diff_refuses_a_patch_changed_after_the_record(proj: Path) -> None:
+    tid = submit(proj, "sed -i 's/hello/world/' greeting.txt")
+    assert fila(proj, "run", "--once").exit_code == 0
+    patch = proj / record(proj, tid)["patch_path"]
+    patch.write_text(patch.read_text().replace("+world", "+w0rld"))
+    res = fila(proj, "diff", tid)
+    assert res.exit_code == 4 and "sha256" in res.stderr

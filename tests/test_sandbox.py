@@ -113,7 +113,9 @@ def test_container_is_hardened_before_start(tmp_path, docker_client, shell_image
     assert mounts["/job/input"]["RW"] is False and mounts["/job"]["RW"] is True
     assert not any("docker.sock" in m["Source"] for m in seen["Mounts"])
     assert set(hc["Tmpfs"]) == {"/tmp", "/home/fila"}
-    assert cfg["User"] == f"{os.getuid()}:{os.getgid()}" and cfg["WorkingDir"] == "/job"
+    uid, gid = sandbox.run_as()
+    assert cfg["User"] == f"{uid}:{gid}" and cfg["WorkingDir"] == "/job"
+    assert uid != 0, "the engine never runs as root, also when fila does"
     assert cfg["Entrypoint"] == ["/bin/sh"] and cfg["Cmd"] == ["-c", "true"]
     assert cfg["Labels"]["fila"] == "1" and cfg["Labels"]["fila.job"] == spec.job_id
     assert cfg["Labels"]["fila.root"] == str(tmp_path)

@@ -12,6 +12,7 @@ config changes nothing.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import posixpath
@@ -36,9 +37,10 @@ _CHUNK = 1 << 20
 _MAX_WARNINGS = 100
 _SPECIAL_NAMES = {b".gitattributes", b".gitmodules"}  # change what git does in the project
 # Code points HFS+ ignores in names: ".g\u200cit" is ".git" there, and `git apply` refuses it.
-_IGNORABLE = {chr(c) for r in ((0x200C, 0x2010), (0x202A, 0x202F), (0x206A, 0x2070)) for c in range(*r)}
-_IGNORABLE.add("\ufeff")
-# Configuration that would run a program or change the output, pinned whatever git's defaults.
+_IGNORABLE = {chr(c) for lo, hi in ((0x200C, 0x2010), (0x202A, 0x202F), (0x206A, 0x2070))
+              for c in range(lo, hi)} | {"\ufeff"}  # fmt: skip
+# Pinned whatever the defaults: nothing that runs a program or changes the output, then what keeps
+# the throwaway repository fast and small.
 _GIT_CONFIG = (
     "-c", "core.hooksPath=/dev/null",
     "-c", "core.fsmonitor=",
@@ -49,6 +51,8 @@ _GIT_CONFIG = (
     "-c", "core.bigFileThreshold=512m",  # above it git treats a file as binary: keep it fixed
     "-c", "pack.compression=0",  # a throwaway pack: spend no CPU on compressing it
     "-c", "fastimport.unpackLimit=0",  # and keep a small one packed, not exploded into files
+    "-c", "core.packedGitWindowSize=1m",  # read the pack through small windows: the RSS of
+    "-c", "core.packedGitLimit=32m",  # diff-tree stays near the largest changed pair
 )  # fmt: skip
 
 
@@ -79,11 +83,15 @@ def compute_diff(
       section names the one path it touches), names git-quoted (newlines, escapes, non-UTF-8).
     - regular files as mode 100644 or 100755 (the owner's exec bit, as git does: setuid and other
       bits are dropped), symlinks as mode 120000 with the link text as content.
-    - never in the patch, each with a warning: FIFOs, sockets, devices, paths with a `.git`
-      component, paths matching the policy's deny rules or `skip(rel, is_dir)`. Empty directories
-      cannot be represented (git tracks files).
-    An unchanged work/ gives an empty patch. Raises FilaError when work/ or input/ is not a plain
-    directory, LimitExceeded past max_work_files, max_work_bytes or max_diff_bytes.
+    - never in the patch, each with a warning: FIFOs, sockets, devices, names git apply refuses
+      (a `.git` component in any NTFS/HFS+ spelling, a `.gitmodules` symlink), paths matching the
+      policy's deny rules or `skip(rel, is_dir)` (pass jobdir's exclusions, e.g. the queue's
+      `fila/` and `sandbox/`, so a patch can never write into them). Empty directories cannot be
+      represented (git tracks files).
+    An unchanged work/ gives an empty patch (0 bytes). The patch replaces whatever the engine
+    planted at `out_name` (temporary file, fsync, rename: a symlink is never written through).
+    Raises FilaError when work/ or input/ is a symlink or not a directory, LimitExceeded past
+    max_work_files, max_work_bytes or max_diff_bytes (then no patch is written).
     """
     if not out_name or "/" in out_name or out_name in {".", ".."}:
         raise FilaError(f"bad patch file name {out_name!r}")
@@ -177,8 +185,14 @@ class _Git:
         self, args: list[str], *, stdin: int = subprocess.DEVNULL, stdout: int = subprocess.PIPE
     ) -> subprocess.Popen[bytes]:
         with open(self.log, "ab") as err:  # a file, not a pipe: nobody has to drain it
-            return subprocess.Popen([self.exe, *_GIT_CONFIG, *args], env=self.env,
-                                    cwd=self.dir.parent, stdin=stdin, stdout=stdout, stderr=err)
+            return subprocess.Popen(
+                [self.exe, *_GIT_CONFIG, *args],
+                env=self.env,
+                cwd=self.dir.parent,
+                stdin=stdin,
+                stdout=stdout,
+                stderr=err,
+            )
 
     def run(self, args: list[str]) -> bytes:
         return self.collect(self.popen(args), f"git {args[0]}")
@@ -223,16 +237,22 @@ def _import_changes(
     out spares hashing and compressing the whole project. Each file is read once, except a large
     (> 1 MiB) one that turns out to differ, which is read again to stream it.
     """
-    imp = _Importer(git)
+    # One fast-import per side, run in parallel: hashing (SHA-1DC) is what costs most in git.
+    imps = (_Importer(git, b"refs/fila/input"), _Importer(git, b"refs/fila/work"))
     changed = False
     try:
         pairs = _pairs(_entries(before, policy, skip, None), _entries(after, policy, skip, notes))
         for a, b in pairs:
-            changed |= _one(imp, before, after, a, b, policy.max_work_bytes, notes)
+            changed |= _one(imps, before, after, a, b, policy.max_work_bytes, notes,
+                            policy.max_diff_bytes)
     except BaseException:
-        imp.abort()
+        for imp in imps:
+            imp.abort()
         raise
-    imp.finish()
+    for imp in imps:
+        imp.close()
+    for imp in imps:
+        imp.wait()
     return changed
 
 
@@ -297,9 +317,7 @@ def _key(e: Entry) -> tuple[bytes, ...]:
     return tuple(os.fsencode(e.rel).split(b"/"))
 
 
-def _pairs(
-    left: Iterator[Entry], right: Iterator[Entry]
-) -> Iterator[tuple[Entry | None, Entry | None]]:
+def _pairs(left: Iterator[Entry], right: Iterator[Entry]) -> Iterator[tuple[Entry | None, Entry | None]]:
     """Merge two sorted walks into (before, after) pairs by path."""
     a, b = next(left, None), next(right, None)
     while a is not None or b is not None:
@@ -323,29 +341,40 @@ def _mode(e: Entry) -> bytes:
 
 
 def _one(
-    imp: _Importer, before: Tree, after: Tree, a: Entry | None, b: Entry | None,
-    max_bytes: int, notes: _Notes,
+    imps: tuple[_Importer, _Importer], before: Tree, after: Tree, a: Entry | None,
+    b: Entry | None, max_bytes: int, notes: _Notes, max_changed: int,
 ) -> bool:  # fmt: skip
-    """Add the path to both trees if it differs between input/ and work/."""
+    """Add the path to both trees if it differs between input/ and work/.
+
+    A changed file larger than max_diff_bytes is refused before git sees it: git holds both
+    versions of a file in memory to diff them, and no reviewer reads a change that large.
+    """
+    for e in (a, b):
+        if e is not None and e.kind == "file" and e.size > max_changed and not (
+            a is not None and b is not None and a.kind == b.kind == "file" and a.size == b.size
+        ):
+            raise LimitExceeded(f"a changed file is {e.size} bytes, above max_diff_bytes="
+                                f"{max_changed}", path=fswalk.escape_name(e.rel))
     if b is not None and b.kind == "symlink":
         target = after.readlink(b.rel)
         if a is not None and a.kind == "symlink" and before.readlink(a.rel) == target:
             return False
         _check_link(b.rel, target, notes)
         if a is not None:
-            imp.add_entry(0, before, a, max_bytes)
-        imp.add_data(1, b"120000", b.rel, target)
+            imps[0].add_entry(before, a, max_bytes)
+        imps[1].add_data(b"120000", b.rel, target)
         return True
     if a is None or b is None or a.kind != "file" or _mode(a) != _mode(b) or a.size != b.size:
-        for side, tree, e in ((0, before, a), (1, after, b)):
+        for imp, tree, e in ((imps[0], before, a), (imps[1], after, b)):
             if e is not None:
-                imp.add_entry(side, tree, e, max_bytes)
+                imp.add_entry(tree, e, max_bytes)
         return True
-    return _compare_files(imp, before, after, a, b, max_bytes)
+    return _compare_files(imps, before, after, a, b, max_bytes, max_changed)
 
 
 def _compare_files(
-    imp: _Importer, before: Tree, after: Tree, a: Entry, b: Entry, max_bytes: int
+    imps: tuple[_Importer, _Importer], before: Tree, after: Tree, a: Entry, b: Entry, max_bytes: int,
+    max_changed: int,
 ) -> bool:
     fa, size_a = before.open(a.rel, max_bytes=max_bytes)
     try:
@@ -360,8 +389,11 @@ def _compare_files(
                 same, da, db = _same_stream(fa, fb, size_a), None, None
             if same:
                 return False
-            imp.add_fd(0, _mode(a), a.rel, fa, size_a, da)
-            imp.add_fd(1, _mode(b), b.rel, fb, size_b, db)
+            if size_b > max_changed:
+                raise LimitExceeded(f"a changed file is {size_b} bytes, above max_diff_bytes="
+                                    f"{max_changed}", path=fswalk.escape_name(b.rel))
+            imps[0].add_fd(_mode(a), a.rel, fa, size_a, da)
+            imps[1].add_fd(_mode(b), b.rel, fb, size_b, db)
             return True
         finally:
             os.close(fb)
@@ -388,22 +420,31 @@ def _check_link(rel: str, target: bytes, notes: _Notes) -> None:
 
 
 class _Importer:
-    """A `git fast-import` process fed blobs as they are found, then one commit per side."""
+    """A `git fast-import` process fed one side's blobs as they are found, then its commit."""
 
-    def __init__(self, git: _Git) -> None:
-        self.git = git
+    def __init__(self, git: _Git, ref: bytes) -> None:
+        self.git, self.ref = git, ref
         # --depth=0: no delta search between consecutive blobs, which only costs CPU here.
-        self.proc = git.popen(["fast-import", "--quiet", "--done", "--depth=0"],
-                              stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+        # --big-file-threshold: a blob over 1 MiB is streamed to the pack, not held in memory.
+        self.proc = git.popen(
+            ["fast-import", "--quiet", "--done", "--depth=0", "--big-file-threshold=1m"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+        )
         assert self.proc.stdin is not None
         self.out: IO[bytes] = self.proc.stdin
+        with contextlib.suppress(OSError):  # a larger pipe lets both importers keep busy
+            fcntl.fcntl(self.out.fileno(), fcntl.F_SETPIPE_SZ, 1 << 20)
         self.marks = 0
-        self.trees: tuple[list[bytes], list[bytes]] = ([], [])
+        self.tree: list[bytes] = []
+        # Packs are named after their content and both importers write into one repository:
+        # a blob naming the side keeps two identical packs (a mode-only change) from colliding.
+        self._write(b"blob\ndata %d\n%s\n" % (len(ref), ref))
 
-    def _blob(self, side: int, mode: bytes, rel: str, size: int) -> None:
+    def _blob(self, mode: bytes, rel: str, size: int) -> None:
         self.marks += 1
         self._write(b"blob\nmark :%d\ndata %d\n" % (self.marks, size))
-        self.trees[side].append(b"M %s :%d %s\n" % (mode, self.marks, _quote(os.fsencode(rel))))
+        self.tree.append(b"M %s :%d %s\n" % (mode, self.marks, _quote(os.fsencode(rel))))
 
     def _write(self, data: bytes) -> None:
         try:
@@ -412,19 +453,17 @@ class _Importer:
             self.git.check(self.proc, "git fast-import")
             raise
 
-    def add_data(self, side: int, mode: bytes, rel: str, data: bytes) -> None:
-        self._blob(side, mode, rel, len(data))
+    def add_data(self, mode: bytes, rel: str, data: bytes) -> None:
+        self._blob(mode, rel, len(data))
         self._write(data + b"\n")
 
-    def add_fd(
-        self, side: int, mode: bytes, rel: str, fd: int, size: int, data: bytes | None
-    ) -> None:
+    def add_fd(self, mode: bytes, rel: str, fd: int, size: int, data: bytes | None) -> None:
         """A file's blob: `data` when already read, else streamed from fd in chunks."""
         if data is not None:
-            self.add_data(side, mode, rel, data)
+            self.add_data(mode, rel, data)
             return
         os.lseek(fd, 0, os.SEEK_SET)
-        self._blob(side, mode, rel, size)
+        self._blob(mode, rel, size)
         left = size
         while left:
             chunk = fswalk.read_exact(fd, min(_CHUNK, left))
@@ -432,23 +471,24 @@ class _Importer:
             left -= len(chunk)
         self._write(b"\n")
 
-    def add_entry(self, side: int, tree: Tree, e: Entry, max_bytes: int) -> None:
+    def add_entry(self, tree: Tree, e: Entry, max_bytes: int) -> None:
         if e.kind == "symlink":
-            self.add_data(side, b"120000", e.rel, tree.readlink(e.rel))
+            self.add_data(b"120000", e.rel, tree.readlink(e.rel))
             return
         fd, size = tree.open(e.rel, max_bytes=max_bytes)
         try:
-            self.add_fd(side, _mode(e), e.rel, fd, size, None)
+            self.add_fd(_mode(e), e.rel, fd, size, None)
         finally:
             os.close(fd)
 
-    def finish(self) -> None:
-        for side, ref in enumerate((b"refs/fila/input", b"refs/fila/work")):
-            self._write(b"commit %s\ncommitter fila <fila> 0 +0000\ndata 0\n" % ref)
-            self._write(b"".join(self.trees[side]) + b"\n")
-        self._write(b"done\n")
+    def close(self) -> None:
+        """Commit the tree to `ref` and end the stream (`done`: a cut stream is an error)."""
+        self._write(b"commit %s\ncommitter fila <fila> 0 +0000\ndata 0\n" % self.ref)
+        self._write(b"".join(self.tree) + b"\ndone\n")
         with contextlib.suppress(BrokenPipeError):
             self.out.close()
+
+    def wait(self) -> None:
         self.git.check(self.proc, "git fast-import")
 
     def abort(self) -> None:
@@ -493,9 +533,7 @@ def _numstat(raw: bytes, notes: _Notes) -> DiffStat:
     return st
 
 
-def _write_temp(
-    job_dir: Path, name: str, chunks: Iterator[bytes], max_bytes: int
-) -> tuple[Path, str, int]:
+def _write_temp(job_dir: Path, name: str, chunks: Iterator[bytes], max_bytes: int) -> tuple[Path, str, int]:
     """Write the patch to a new temporary file in job_dir; return (path, sha256, size).
 
     The engine could write in job_dir: mkstemp's O_CREAT|O_EXCL never opens what it planted.

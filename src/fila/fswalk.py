@@ -96,9 +96,7 @@ def _checked(fd: int, where: str, max_bytes: int) -> int:
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise FilaError(
-                "not a regular file (fifo, socket, device or directory)", path=escape_name(where)
-            )
+            raise FilaError("not a regular file (fifo, socket, device or directory)", path=escape_name(where))
         if st.st_size > max_bytes:
             raise LimitExceeded(
                 f"file of {st.st_size} bytes is over the limit of {max_bytes} bytes",
@@ -237,10 +235,16 @@ def walk(
     """
     files = 0
     total = 0
+    # Names listed but not yet visited, across every directory open on the way down: they bound
+    # the next listing too, or nested wide directories would hold millions of names at once.
+    pending = 0
 
     def visit(dfd: int, prefix: str, depth: int) -> Iterator[Entry]:
-        nonlocal files, total
-        for raw, name in _names(dfd, prefix, max_files):
+        nonlocal files, total, pending
+        names = _names(dfd, prefix, max(0, max_files - files - pending), max_files)
+        pending += len(names)
+        for raw, name in names:
+            pending -= 1
             rel = prefix + name
             try:
                 st = os.stat(raw, dir_fd=dfd, follow_symlinks=False)
@@ -262,9 +266,7 @@ def walk(
             if kind == "file":
                 total += st.st_size
                 if total > max_bytes:
-                    raise LimitExceeded(
-                        f"files total more than max_bytes={max_bytes}", path=escape_name(rel)
-                    )
+                    raise LimitExceeded(f"files total more than max_bytes={max_bytes}", path=escape_name(rel))
             yield Entry(rel, kind, st.st_mode, st.st_size, st.st_nlink)
             if kind == "dir":
                 try:
@@ -283,7 +285,7 @@ def walk(
         os.close(rfd)
 
 
-def _names(dfd: int, prefix: str, limit: int) -> list[tuple[bytes, str]]:
+def _names(dfd: int, prefix: str, limit: int, max_files: int) -> list[tuple[bytes, str]]:
     """The names in one directory, sorted by bytes; refuse a listing longer than `limit` before
     holding it all (millions of small files must not exhaust memory)."""
     out: list[tuple[bytes, str]] = []
@@ -293,7 +295,8 @@ def _names(dfd: int, prefix: str, limit: int) -> list[tuple[bytes, str]]:
                 out.append((os.fsencode(e.name), e.name))
                 if len(out) > limit:
                     raise LimitExceeded(
-                        f"more than max_files={limit} entries in one directory",
+                        f"more than max_files={max_files} entries in one directory and the "
+                        f"ones listed above it ({limit} were left)",
                         path=escape_name(prefix) or ".",
                     )
     except OSError as err:

@@ -13,14 +13,15 @@ import contextlib
 import hashlib
 import json
 import os
-import shutil
 import stat
+import subprocess
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 
 from . import fsutil
 from .errors import LimitExceeded, TargetError
-from .fswalk import walk
+from .fswalk import escape_name, walk
 from .layout import Root
 from .models import Policy, Task
 from .policy import Effective, denied_by
@@ -53,10 +54,10 @@ def project_of(root: Root, task: Task) -> Path:
     return (p if p.is_absolute() else root.path / p).resolve()
 
 
-def _excluded_prefixes(root: Root, project: Path) -> list[str]:
+def _excluded_prefixes(root: Root, project: Path, *extra: Path) -> list[str]:
     """The queue's own directories, relative to the project, when they lie inside it."""
     out = []
-    for d in (root.fila, root.path / "sandbox"):
+    for d in (root.fila, root.path / "sandbox", *extra):
         with contextlib.suppress(ValueError):
             out.append(d.relative_to(project).as_posix())
     return out
@@ -69,6 +70,13 @@ def _exclusion(rel: str, is_dir: bool, policy: Policy, prefixes: list[str]) -> s
         return ".git/"
     rule = denied_by(rel, is_dir, policy.deny)
     return f"deny rule {rule!r}" if rule else None
+
+
+def diff_skip(root: Root, project: Path, policy: Policy) -> Callable[[str, bool], bool]:
+    """What the diff leaves out of work/: what is never copied in is never applied either (an
+    engine writing work/fila/in/x.json must not queue a task when the patch is applied)."""
+    prefixes = _excluded_prefixes(root, project, root.policies_dir)
+    return lambda rel, is_dir: _exclusion(rel, is_dir, policy, prefixes) is not None
 
 
 def resolve_targets(root: Root, project: Path, targets: list[str], policy: Policy) -> list[str]:
@@ -152,8 +160,8 @@ def prepare(
     prefixes = _excluded_prefixes(root, project)
     job = root.job_dir(task_id)
     if job.exists() or job.is_symlink():
-        # A requeued task starts from a clean copy; rmtree never follows links.
-        shutil.rmtree(job)
+        # A requeued task starts from a clean copy (a first attempt may have left anything).
+        fsutil.remove_tree(job)
     (job / "input").mkdir(parents=True)
     (job / "work").mkdir()
     prep = Prepared(job_dir=job, files=0, bytes=0, manifest=[])
@@ -221,6 +229,61 @@ def prepare(
     fsutil.atomic_write(job / "TASK.md", task_md(task_id, task, targets, policy, effective, prep,
                                                  task_md_extra))
     return prep
+
+
+# What the host put in the job directory; anything else there was left by the engine.
+JOB_ENTRIES = {"input", "work", "TASK.md", "DIFF.patch"}
+
+
+def _tool(*argv: str) -> str:
+    res = subprocess.run(argv, capture_output=True, text=True, errors="surrogateescape")
+    if res.returncode != 0:
+        raise OSError(f"{argv[0]} failed on the job directory: {res.stderr.strip()[:500]}")
+    return res.stdout
+
+
+def hand_over(job_dir: Path, uid: int, gid: int) -> None:
+    """Give work/ to the container's user (when it is not the host user, e.g. fila runs as
+    root and the engine must not). Only work/: the job directory itself stays the host's, so an
+    engine running as another user cannot leave files beside work/."""
+    _tool("chown", "-R", "-h", f"{uid}:{gid}", "--", str(job_dir / "work"))
+
+
+def reclaim(job_dir: Path, *, owner: tuple[int, int] | None = None) -> list[str]:
+    """After the container is gone: make what the engine left inert before the host reads it.
+
+    The engine could write anything it could reach; left as is, that runs on the host later (a
+    setuid binary, a `.git/config` with core.fsmonitor that a `git status` in work/ executes,
+    a conftest.py beside work/ that pytest at the project root picks up). So: remove everything
+    beside input/, work/, TASK.md and DIFF.patch; give work/ back to the host user; strip
+    setuid/setgid/sticky and group/other write bits (never adding one: the diff reads the exec
+    bit); remove `.git` entries in work/ (never copied in, never applied). No attacker is live
+    now, and the real tools (chown, chmod, find) never follow a symlink below their argument.
+    """
+    warnings: list[str] = []
+    for entry in os.scandir(job_dir):
+        if entry.name not in JOB_ENTRIES or (entry.name in {"TASK.md", "DIFF.patch"}
+                                             and not entry.is_file(follow_symlinks=False)):
+            warnings.append(f"the engine left {escape_name(entry.name)!s} beside work/; removed")
+            fsutil.remove_tree(Path(entry.path))
+    work = job_dir / "work"
+    if work.is_symlink() or not work.is_dir():
+        return warnings  # the diff refuses it, and says so
+    # Looked for before chown, which clears setuid bits by itself and would hide them.
+    special = _tool("find", str(work), "-perm", "/7000", "-not", "-type", "l", "-print0")
+    if owner is not None:
+        _tool("chown", "-R", "-h", f"{owner[0]}:{owner[1]}", "--", str(work))
+    if special:
+        names = [os.path.relpath(n, work) for n in special.split("\0") if n][:5]
+        warnings.append("setuid/setgid/sticky bits stripped in work/: "
+                        + ", ".join(escape_name(n) for n in names))
+    _tool("chmod", "-R", "ug-s,-t,go-w", "--", str(work))
+    gits = _tool("find", str(work), "-mindepth", "1", "-iname", ".git", "-prune", "-print0")
+    for name in (n for n in gits.split("\0") if n):
+        warnings.append(f"removed {escape_name(os.path.relpath(name, work))} from work/: "
+                        "git metadata is never copied in or applied")
+        fsutil.remove_tree(Path(name))
+    return warnings
 
 
 def read_manifest(root: Root, task_id: str) -> dict:

@@ -26,6 +26,7 @@ from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.models.containers import Container
 from docker.types import LogConfig, Mount, Ulimit
 
+from . import jobdir
 from .engines.base import HOME, JOB_MOUNT
 from .errors import DockerUnavailable, ImageMissing, InfraError
 from .models import Limits, Policy, now_iso, parse_size
@@ -65,6 +66,7 @@ class RunResult:
     image_id: str
     log_bytes: int
     log_truncated: bool
+    warnings: list[str] = field(default_factory=list)  # what reclaiming the job dir found
 
 
 def docker_client(timeout: float = 60) -> docker.DockerClient:
@@ -103,6 +105,16 @@ def _effective(policy: Policy, limits: Limits | None) -> tuple[int, float, int]:
     return mem, cpus, pids
 
 
+# The engine never runs as root: when fila itself does, the container gets this uid ("nobody"),
+# and work/ is handed to it for the run and back afterwards (jobdir.hand_over / reclaim).
+UNPRIVILEGED = 65534
+
+
+def run_as() -> tuple[int, int]:
+    uid, gid = os.getuid(), os.getgid()
+    return (UNPRIVILEGED, UNPRIVILEGED) if uid == 0 else (uid, gid)
+
+
 def container_name(job_id: str) -> str:
     return f"fila-{job_id[:100]}-{secrets.token_hex(4)}"
 
@@ -121,7 +133,7 @@ def create_kwargs(spec: RunSpec, name: str) -> dict[str, Any]:
         raise InfraError("the job's input/ is not a directory", task_id=spec.job_id, path=input_dir)
     p = spec.policy
     mem, cpus, pids = _effective(p, spec.limits)
-    uid, gid = os.getuid(), os.getgid()
+    uid, gid = run_as()
     fsize = parse_size(p.fsize)
     # exec: engines run tools from /tmp and HOME (npm, pip builds); the work/ bind allows it anyway.
     tmp_opts = f"rw,nosuid,nodev,exec,size={parse_size(p.tmpfs.tmp)},mode=1777"
@@ -368,6 +380,11 @@ def run(
     name = container_name(spec.job_id)
     kwargs = create_kwargs(spec, name)
     spec.log_path.parent.mkdir(parents=True, exist_ok=True)
+    uid, gid = run_as()
+    host = (os.getuid(), os.getgid())
+    owner = host if (uid, gid) != host else None
+    if owner is not None:
+        jobdir.hand_over(spec.job_dir, uid, gid)
     try:
         try:
             container = client.containers.create(**kwargs)
@@ -386,10 +403,15 @@ def run(
             _remove(client, name)
         except _DOCKER_ERRORS as e:
             raise _docker_error(spec, f"removing container {name}", e) from e
+        result.warnings = jobdir.reclaim(spec.job_dir, owner=owner)
         return result
     except BaseException as exc:
         # Removed by name: an interrupted create may have made the container without telling us.
         _cleanup_after_failure(client, name, exc)
+        try:
+            jobdir.reclaim(spec.job_dir, owner=owner)
+        except Exception as e:  # the original error matters more; say what is left
+            exc.add_note(f"fila: could not reclaim {spec.job_dir}: {e}")
         raise
 
 
