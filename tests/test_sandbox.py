@@ -403,3 +403,22 @@ def test_unknown_runtime_is_an_infra_error_with_a_hint(tmp_path, docker_client, 
         sandbox.run(spec, client=docker_client)
     assert info.value.hint and "fila-no-such-rt" in info.value.hint
     assert_no_container(docker_client, spec.job_id)
+
+
+def test_filling_the_disk_during_the_run_is_stopped(tmp_path, docker_client, shell_image):
+    policy = make_policy(max_work_bytes=2 << 20, max_work_files=1000)
+    spec = make_spec(tmp_path, shell_image,
+                     "i=0; while true; do i=$((i+1)); dd if=/dev/zero of=work/f$i bs=1M count=1 "
+                     "2>/dev/null; done", policy=policy, timeout_ms=30_000)
+    res = sandbox.run(spec, client=docker_client, heartbeat_s=0.2)
+    assert res.limit_exceeded and "bytes" in res.limit_exceeded
+    assert not res.timed_out and res.duration_s < 20
+    assert sandbox.find_containers(docker_client, job_id=spec.job_id) == []
+
+
+def test_millions_of_small_files_are_stopped(tmp_path, docker_client, shell_image):
+    policy = make_policy(max_work_files=500)
+    spec = make_spec(tmp_path, shell_image, "i=0; while true; do i=$((i+1)); : > work/f$i; done",
+                     policy=policy, timeout_ms=30_000)
+    res = sandbox.run(spec, client=docker_client, heartbeat_s=0.2)
+    assert res.limit_exceeded and "entries" in res.limit_exceeded

@@ -286,6 +286,29 @@ def reclaim(job_dir: Path, *, owner: tuple[int, int] | None = None) -> list[str]
     return warnings
 
 
+def usage(job_dir: Path, *, max_bytes: int, max_files: int) -> tuple[int, int]:
+    """Disk blocks (bytes) and entries under the job directory, counted while the engine runs;
+    stops counting once past either limit. A bind mount has no quota of its own, so this is
+    what keeps an engine from filling the host's disk or inodes."""
+    used = files = 0
+    stack = [str(job_dir)]
+    while stack and used <= max_bytes and files <= max_files:
+        try:
+            with os.scandir(stack.pop()) as it:
+                for e in it:
+                    files += 1
+                    try:
+                        st = e.stat(follow_symlinks=False)
+                    except OSError:
+                        continue  # removed meanwhile: the engine is live
+                    used += st.st_blocks * 512  # blocks, not st_size: sparse files cost nothing
+                    if stat.S_ISDIR(st.st_mode):
+                        stack.append(e.path)
+        except OSError:
+            continue  # unreadable, vanished, or a path too long to name: skip it
+    return used, files
+
+
 def read_manifest(root: Root, task_id: str) -> dict:
     return json.loads((root.meta(task_id) / "manifest.json").read_text())
 

@@ -67,6 +67,7 @@ class RunResult:
     log_bytes: int
     log_truncated: bool
     warnings: list[str] = field(default_factory=list)  # what reclaiming the job dir found
+    limit_exceeded: str | None = None  # the container was killed for breaking a disk limit
 
 
 def docker_client(timeout: float = 60) -> docker.DockerClient:
@@ -307,6 +308,7 @@ def _execute(
         heartbeat_s = max(heartbeat_s, 0.05)
         next_beat = t0 + heartbeat_s
         timed_out = False
+        limit_exceeded: str | None = None
         while not waiter.done.wait(max(0.0, min(deadline, next_beat) - time.monotonic())):
             now = time.monotonic()
             if now >= deadline:
@@ -323,8 +325,15 @@ def _execute(
                             path=spec.log_path,
                         )
                 break
-            if heartbeat is not None and now >= next_beat:
-                heartbeat()
+            if now >= next_beat:
+                if heartbeat is not None:
+                    heartbeat()
+                limit_exceeded = _over_disk_limits(spec)
+                if limit_exceeded:
+                    step = "stopping the container after it broke a disk limit"
+                    _signal(client, cid, "SIGKILL")
+                    waiter.done.wait(_KILL_WAIT_S)
+                    break
                 next_beat = now + heartbeat_s
         ended_at, duration = now_iso(), time.monotonic() - t0
         if waiter.error is not None:
@@ -349,7 +358,21 @@ def _execute(
         image_id=container.attrs.get("Image", ""),
         log_bytes=pump.written,
         log_truncated=pump.truncated,
+        limit_exceeded=limit_exceeded,
     )
+
+
+def _over_disk_limits(spec: RunSpec) -> str | None:
+    """Checked at every heartbeat: the job directory's size and entry count against the policy
+    (max_work_bytes, max_work_files), with a margin for input/ and TASK.md."""
+    p = spec.policy
+    max_bytes, max_files = 2 * p.max_work_bytes + (64 << 20), 2 * p.max_work_files + 16
+    used, files = jobdir.usage(spec.job_dir, max_bytes=max_bytes, max_files=max_files)
+    if used > max_bytes:
+        return f"the job directory grew past {max_bytes} bytes (2 x max_work_bytes) during the run"
+    if files > max_files:
+        return f"the job directory grew past {max_files} entries (2 x max_work_files) during the run"
+    return None
 
 
 def _remove(client: docker.DockerClient, name: str) -> None:
