@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -185,61 +184,127 @@ def run_cmd(
     json_: Annotated[bool, typer.Option(
         "--json", help="one JSON object per processed task on stdout")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress on stderr")] = False,
+    concurrency: Annotated[int, typer.Option(
+        "--concurrency", "-j", min=1, help="jobs run at once")] = 1,
 ) -> None:
     """Process queued tasks. With --once (for CI): process what is queued, then exit.
 
     Progress goes to stderr; results to stdout. Exit 0 when every processed task is ready for
     review, 1 when some failed or need a person, 2 when a task file was invalid, 3 when Docker is
-    unavailable or an image is missing (the tasks stay queued).
+    unavailable or an image is missing (the tasks stay queued), 6 when the circuit breaker is
+    open, 130 when interrupted (running containers removed, tasks recorded).
     """
-    if not once:
-        worker()
-        return
-    from .cycle import run_queue
-
-    r = _root(root)
-
-    def on_record(rec: Record) -> None:
-        typer.echo(json.dumps(_record_json(rec)) if json_ else _summary_line(rec))
-
-    recs = run_queue(r, on_record=on_record, progress=(lambda _m: None) if quiet else _err)
-    if not recs and not quiet:
-        _err("fila: nothing queued")
-    raise typer.Exit(_exit_for(recs))
-
-
-def _exit_for(recs: list[Record]) -> int:
-    if any(r.status in (Status.failed, Status.needs_human) and not _invalid(r) for r in recs):
-        return 1
-    if any(_invalid(r) for r in recs):
-        return 2
-    return 0
-
-
-def _invalid(rec: Record) -> bool:
-    return rec.status == Status.failed and rec.error is not None and rec.error.kind == "invalid"
+    worker(root=root, once=once, json_=json_, quiet=quiet, concurrency=concurrency)
 
 
 @app.command()
 def worker(
     root: RootOpt = None,
-    poll: Annotated[float, typer.Option(help="seconds between looks at an idle queue")] = 1.0,
-    json_: JsonOpt = False,
+    once: Annotated[bool, typer.Option("--once", help="process what is queued, then exit")] = False,
+    concurrency: Annotated[int, typer.Option(
+        "--concurrency", "-j", min=1, help="jobs run at once")] = 1,
+    poll: Annotated[float, typer.Option(help="seconds between looks when inotify is missing")] = 1.0,
+    grace: Annotated[float, typer.Option(
+        help="after SIGTERM, seconds running jobs get to finish before they are stopped")] = 60.0,
+    json_: Annotated[bool, typer.Option(
+        "--json", help="one JSON object per processed task on stdout")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress on stderr")] = False,
 ) -> None:
-    """Keep processing tasks; wake when a task appears. Ctrl-C stops cleanly."""
-    from .cycle import run_queue
-    from .sandbox import docker_client
+    """Keep processing tasks; wake within a second when a task appears (inotify).
 
-    r = _root(root)
-    client = docker_client()
-    _err(f"fila worker: watching {r.in_dir}")
+    Recovery runs in the background at start and every 30 s. SIGTERM: no new claims, jobs not
+    yet started go back to the queue, running ones get --grace seconds. Ctrl-C: running
+    containers are removed and their tasks recorded (needs_human). Exit codes as `run --once`.
+    """
+    from .worker import Worker
 
     def on_record(rec: Record) -> None:
         typer.echo(json.dumps(_record_json(rec)) if json_ else _summary_line(rec))
 
-    while True:
-        run_queue(r, client=client, on_record=on_record, progress=_err)
-        time.sleep(poll)
+    w = Worker(_root(root), once=once, concurrency=concurrency, poll_s=poll, grace_s=grace,
+               on_record=on_record, progress=(lambda _m: None) if quiet else _err)
+    code = w.run()
+    if once and not w.records and not quiet and code == 0:
+        _err("fila: nothing queued")
+    for e in (w.infra_error, w.crash):
+        if isinstance(e, FilaError):
+            _err(f"fila: error: {e}" + (f"\nfila: hint: {e.hint}" if e.hint else ""))
+    if once and w.breaker_tripped:
+        _err("fila: error: the circuit breaker is open; `fila status` shows why, `fila rearm` "
+             "lets workers claim again")
+    raise typer.Exit(code)
+
+
+@app.command()
+def recover(
+    root: RootOpt = None,
+    no_docker: Annotated[bool, typer.Option(
+        "--no-docker", help="settle files only; leave containers alone")] = False,
+    json_: JsonOpt = False,
+) -> None:
+    """Settle what crashed workers left: stale claims (requeued before their container started,
+    needs_human after), interrupted writes, orphaned containers. Safe while workers run."""
+    from .recovery import recover as do_recover
+
+    rep = do_recover(_root(root), docker=not no_docker)
+    if json_:
+        _out(rep.to_dict())
+        return
+    for a in rep.actions:
+        typer.echo(f"{a.task_id or '-'}  {a.action}: {_safe(a.detail)}")
+    typer.echo(f"recovered: {len(rep.actions)} actions, {len(rep.containers_removed)} containers "
+               f"removed (Docker: {rep.docker})")
+
+
+@app.command()
+def retry(
+    task_id: str,
+    root: RootOpt = None,
+    by: Annotated[str | None, typer.Option(
+        "--by", help="who decides (default: $FILA_USER, else the login name)")] = None,
+    reason: Annotated[str | None, typer.Option("--reason", "-m", help="why (recorded)")] = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Queue a failed or needs_human task again: a person's decision to run it once more."""
+    from .decision import check_reason, decider
+    from .queue import retry as do_retry
+
+    rec = do_retry(_root(root).require(), task_id, by=decider(by), reason=check_reason(reason))
+    if json_:
+        _out({"id": rec.id, "status": rec.status})
+        return
+    typer.echo(f"queued {task_id} again (attempt {rec.attempt + 1} next)")
+
+
+@app.command()
+def rearm(
+    root: RootOpt = None,
+    by: Annotated[str | None, typer.Option(
+        "--by", help="who decides (default: $FILA_USER, else the login name)")] = None,
+    reason: Annotated[str | None, typer.Option("--reason", "-m", help="why (recorded)")] = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Close the circuit breaker so workers claim again; the rearm is recorded."""
+    from .breaker import rearm as do_rearm
+    from .decision import check_reason, decider
+
+    st = do_rearm(_root(root).require(), by=decider(by), reason=check_reason(reason))
+    if json_:
+        _out(st.model_dump())
+        return
+    typer.echo(f"circuit breaker rearmed by {st.rearmed_by}")
+
+
+@app.command()
+def status(root: RootOpt = None, json_: JsonOpt = False) -> None:
+    """Queue counts per state, running jobs (age, heartbeat), the breaker, stale claims."""
+    from .status import gather, render
+
+    d = gather(_root(root))
+    if json_:
+        _out(d)
+        return
+    typer.echo(render(d))
 
 
 @app.command("ls")
@@ -322,17 +387,162 @@ def _safe(text: str) -> str:
 
 @app.command()
 def diff(task_id: str, root: RootOpt = None) -> None:
-    """Print the task's DIFF.patch, exactly as `fila apply` would apply it."""
+    """Print the task's DIFF.patch, exactly as `fila apply` would apply it.
+
+    The patch is checked against the sha256 in the record first. On a terminal, control
+    characters are escaped (a hostile line could otherwise hide itself with escape sequences);
+    piped, the bytes are written unchanged, e.g. for `git apply`.
+    """
+    from .patch import policy_for, read_reviewed
     from .queue import get_record
 
     r = _root(root).require()
     rec = get_record(r, task_id)
-    if not rec.patch_path:
-        from .errors import NotFound
+    data = read_reviewed(r, rec, policy_for(r, rec))
+    if sys.stdout.isatty():
+        from .review import inert
 
-        raise NotFound(f"task {task_id} has no diff (status {rec.status})", task_id=task_id)
-    sys.stdout.buffer.write((r.path / rec.patch_path).read_bytes())
+        typer.echo("\n".join(inert(line) for line in data.split(b"\n")), nl=False)
+        return
+    sys.stdout.buffer.write(data)
     sys.stdout.flush()
+
+
+# -- the review gate: review, apply, reject, gc (fila.review, fila.apply, fila.decision, fila.gc)
+
+ByOpt = Annotated[str | None, typer.Option(
+    "--by", help="who decides (default: $FILA_USER, else the login name)", show_default=False)]
+
+
+@app.command()
+def review(
+    task_id: str,
+    root: RootOpt = None,
+    html: Annotated[bool, typer.Option(
+        "--html", help="write a self-contained REVIEW.html in the job directory; print its path")] = False,
+    no_pager: Annotated[bool, typer.Option("--no-pager", help="print, do not page")] = False,
+    json_: JsonOpt = False,
+) -> None:
+    """Show what a decision is about: engine, model, policy, timings, files, warnings, and the
+    diff, read from DIFF.patch after checking its sha256 (refused when it changed).
+
+    Colors and the pager ($PAGER, default less -R) only on a terminal. Control characters in
+    names and contents are shown escaped.
+    """
+    import os
+
+    from . import review as rv
+
+    r = _root(root)
+    got = rv.load(r, task_id)
+    if html:
+        path = rv.write_html(r, got)
+        if json_:
+            _out({"id": task_id, "html": str(path)})
+        else:
+            typer.echo(str(path))
+        return
+    if json_:
+        _out(rv.to_json(got))
+        return
+    tty = sys.stdout.isatty()
+    text = rv.render_text(got, color=tty and "NO_COLOR" not in os.environ)
+    rv.page(text, enabled=tty and not no_pager)
+
+
+@app.command("apply")
+def apply_cmd(
+    task_id: str,
+    root: RootOpt = None,
+    yes: Annotated[bool, typer.Option(
+        "--yes", "-y", help="do not ask for confirmation (required without a terminal)")] = False,
+    three_way: Annotated[bool, typer.Option(
+        "--3way", help="merge into files changed in the project since the task ran; "
+        "refuses (writing nothing) on any conflict")] = False,
+    by: ByOpt = None,
+    reason: Annotated[str | None, typer.Option(help="recorded with the decision")] = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Apply the task's DIFF.patch to the project and record the decision (status applied).
+
+    Refused, writing nothing, when DIFF.patch changed since the record, when the project changed
+    since the task copied its files (unless --3way merges cleanly), when the patch does not
+    apply as a whole, or when it touches a path fila never writes (outside the project, .git/,
+    through a symlink). What lands equals the job's work/ byte for byte, modes 0644/0755.
+    """
+    from .apply import apply
+    from .errors import InvalidInput
+    from .queue import get_record
+
+    r = _root(root)
+    if not yes:
+        if not sys.stdin.isatty():
+            raise InvalidInput("apply asks for confirmation and there is no terminal",
+                               hint="pass --yes to apply without asking (CI)")
+        rec = get_record(r.require(), task_id)
+        typer.echo(_summary_line(rec), err=True)
+        if not typer.confirm(f"apply task {task_id} to the project?", default=False, err=True):
+            _err("fila: nothing applied")
+            raise typer.Exit(1)
+    res = apply(r, task_id, by=by, reason=reason, three_way=three_way)
+    d = res.record.decision
+    if json_:
+        _out({"id": task_id, "status": res.record.status, "project": str(res.project),
+              "decision": d.model_dump(mode="json") if d else None, "written": res.written,
+              "deleted": res.deleted, "merged": res.merged, "resumed": res.resumed,
+              "changed_not_touched": res.moved_untouched})
+        return
+    typer.echo(f"applied {task_id} to {res.project}: {len(res.written)} written, "
+               f"{len(res.deleted)} deleted" + (" (finished an interrupted apply)" if res.resumed
+                                                 else "") + (f"; by {d.by}" if d else ""))
+    for kind, names in (("written", res.written), ("deleted", res.deleted), ("merged", res.merged),
+                        ("changed, not in the patch", res.moved_untouched)):
+        for name in names:
+            typer.echo(f"  {kind:<8} {name}")
+
+
+@app.command()
+def reject(
+    task_id: str,
+    root: RootOpt = None,
+    reason: Annotated[str | None, typer.Option("--reason", "-m", help="why (recorded)")] = None,
+    by: ByOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Reject a task (ready for review, failed or needing a person) and record why. The project
+    is not touched; `fila gc` removes the job directory later."""
+    from .decision import reject as do_reject
+
+    rec = do_reject(_root(root), task_id, by=by, reason=reason)
+    d = rec.decision
+    if json_:
+        _out({"id": task_id, "status": rec.status, "decision": d.model_dump(mode="json") if d else None})
+        return
+    typer.echo(f"rejected {task_id}" + (f" by {d.by}" + (f": {_safe(d.reason)}" if d.reason else "")
+                                        if d else ""))
+
+
+@app.command("gc")
+def gc_cmd(
+    root: RootOpt = None,
+    older_than: Annotated[str, typer.Option(
+        "--older-than", help="age of the decision: 30s, 15m, 12h, 14d")] = "14d",
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="list, remove nothing")] = False,
+    json_: JsonOpt = False,
+) -> None:
+    """Remove job directories (sandbox/jobs/ID, sandbox/meta/ID) of tasks applied or rejected
+    longer ago than --older-than. Never a task that is not decided; records and logs stay."""
+    from .gc import collect, parse_age
+
+    got = collect(_root(root), parse_age(older_than), dry_run=dry_run)
+    if json_:
+        _out([{"id": c.id, "status": c.status, "decided_at": c.decided_at, "paths": c.paths,
+               "bytes": c.bytes, "removed": not dry_run} for c in got])
+        return
+    verb = "would remove" if dry_run else "removed"
+    for c in got:
+        typer.echo(f"{verb} {c.id} ({c.status} {c.decided_at}, {c.bytes >> 10} KiB)")
+    typer.echo(f"{verb} {len(got)} job directories ({sum(c.bytes for c in got) >> 10} KiB)")
 
 
 @app.command()

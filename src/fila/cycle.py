@@ -6,27 +6,30 @@ record is written, nothing happens until a person decides (`fila apply` / `fila 
 
 from __future__ import annotations
 
-import json
+import contextlib
+import fcntl
+import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import fsutil, jobdir, queue
+from . import jobdir, queue
 from .engines import Engine, get_engine
 from .errors import (
-    DockerUnavailable,
     FilaError,
     ImageMissing,
     InfraError,
     InvalidInput,
     InvalidPolicy,
     InvalidTaskFile,
+    InvalidTransition,
     LimitExceeded,
     TargetError,
 )
+from .faults import crash_point
 from .layout import Root
 from .models import (
     Attempt,
@@ -50,8 +53,8 @@ BACKOFF_BASE_S = 1.0
 BACKOFF_CAP_S = 60.0
 
 
-class LeaseLost(Exception):
-    """The claim file is gone (recovery reaped it): this worker must not publish."""
+HEARTBEAT_IN_RUN_S = 1.0  # how often the sandbox calls back: the lease, and a stop request
+LeaseLost = queue.LeaseLost
 
 
 @dataclass(frozen=True)
@@ -106,6 +109,31 @@ def submit(root: Root, task: Task) -> Record:
 # -- running one task ------------------------------------------------------------------------
 
 
+class Interrupted(Exception):
+    """The worker is stopping (SIGTERM, Ctrl-C): the job stops at its next safe point.
+
+    Not an OSError or a Docker error on purpose: the sandbox must let it through, remove the
+    container, and re-raise it.
+    """
+
+
+class Hooks:
+    """How a worker steers one job. This default never interrupts (a plain `run_one` call)."""
+
+    def check(self) -> None:
+        """Raise Interrupted (worker stopping) or LeaseLost (claim reaped) to stop the job."""
+
+    def before_start(self) -> None:
+        """Last chance to stop before the side-effect boundary; a draining worker stops here."""
+        self.check()
+
+
+def infra_tries(rec: Record | None) -> int:
+    """Attempts that ended before their container started because of the infrastructure or a
+    dead worker: they count toward MAX_INFRA_ATTEMPTS."""
+    return sum(1 for a in rec.attempts if a.outcome in ("requeued", "lost")) if rec else 0
+
+
 def _tail(path: Path, n: int = 16_384) -> str:
     try:
         with open(path, "rb") as f:
@@ -121,86 +149,132 @@ def backoff_s(attempt: int) -> float:
     return random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** max(0, attempt - 1)))
 
 
-class _Run:
-    """State of one claimed task while it runs; `finish` publishes exactly once."""
+RETRY_HINT = "`fila retry ID` runs it again from a clean copy, `fila reject ID` drops it."
 
-    def __init__(self, root: Root, claim: queue.Claim, client: Any, progress: Callable[[str], None]):
+
+class _Run:
+    """State of one claimed task while it runs; `finish` publishes at most once."""
+
+    def __init__(self, root: Root, claim: queue.Claim, client: Any,
+                 progress: Callable[[str], None], hooks: Hooks, attempt: int):
         self.root, self.claim, self.client, self.progress = root, claim, client, progress
+        self.attempt = attempt
+        self.hooks = hooks
         self.tid = claim.task_id
         self.timings: dict[str, float] = {}
-        self.fields: dict[str, Any] = {}
         self.container_started = False
+        self.beats = 0
 
     def checkpoint(self, **fields: Any) -> None:
-        self.fields.update(fields)
-        queue.set_status(self.root, self.tid, Status.running, expect={Status.running},
-                         event="checkpoint", **fields)
+        queue.checkpoint(self.root, self.claim, **fields)
 
     def heartbeat(self) -> None:
+        """Called by the sandbox every second while the container runs: the lease, then a stop."""
+        self.beats += 1
+        crash_point("after_container_start")
+        if self.beats >= 2:
+            crash_point("during_run")
         if not queue.heartbeat(self.claim):
-            raise LeaseLost(self.tid)
+            raise queue.LeaseLost(self.claim.name)
+        self.hooks.check()
 
     def finish(self, status: Status, **fields: Any) -> Record | None:
-        """Publish the outcome: pending result first (recovery can finish it), then the race."""
-        fields = {**fields, "timings": self.timings}
-        meta = self.root.meta(self.tid)
-        meta.mkdir(parents=True, exist_ok=True)
-        fsutil.atomic_write(meta / "result.json", json.dumps(
-            {"status": status, "fields": _jsonable(fields)}, indent=1))
-        if not queue.win(self.claim, "done"):
-            queue.log_event(self.root, self.tid, "result discarded", reason="lease lost",
-                            worker=self.claim.worker)
-            return None
-        rec = queue.set_status(self.root, self.tid, status, expect={Status.running}, **fields)
-        queue.release(self.claim, "done")
-        return rec
+        return queue.publish(self.root, self.claim, status, {**fields, "timings": self.timings},
+                             attempt=self.attempt)
 
-    def hand_back(self, err: FilaError, attempt: int) -> Record | None:
-        """Before the container started: requeue with backoff, or fail after too many tries."""
-        if attempt >= MAX_INFRA_ATTEMPTS:
-            return self.finish(Status.failed, error=ErrorInfo(
-                kind=ErrorKind.infra, message=f"{err} (gave up after {attempt} attempts)"))
-        if not queue.hand_back(self.root, self.claim):
-            return None
-        return queue.set_status(
-            self.root, self.tid, Status.queued, expect={Status.running}, event="requeued",
-            not_before=time.time() + backoff_s(attempt),
-            error=ErrorInfo(kind=ErrorKind.infra, message=str(err)), worker=None,
-        )
+    def requeue(self, err: BaseException, *, outcome: str) -> Record | None:
+        """Before the container started: back to the queue. `requeued` (an infrastructure error)
+        backs off and counts toward the cap; `handed back` (the worker is stopping) does not."""
+        kind = ErrorKind.interrupted if outcome == "handed back" else ErrorKind.infra
+        nb = None
+        if outcome == "requeued":
+            tries = infra_tries(queue.read_record(self.root, self.tid)) + 1
+            if tries >= MAX_INFRA_ATTEMPTS:
+                return self.finish(Status.failed, error=ErrorInfo(
+                    kind=ErrorKind.infra, message=f"{err} (gave up after {tries} attempts)"))
+            nb = time.time() + backoff_s(tries)
+        ok = queue.hand_back(self.root, self.claim, error=ErrorInfo(kind=kind, message=str(err)),
+                             outcome=outcome, not_before=nb)
+        return queue.read_record(self.root, self.tid) if ok else None
 
 
-def _jsonable(fields: dict[str, Any]) -> Any:
-    from pydantic_core import to_jsonable_python
+def _lost(root: Root, claim: queue.Claim, why: str = "lease lost") -> None:
+    queue.log_event(root, claim.task_id, "result discarded", reason=why, claim=claim.name)
 
-    return to_jsonable_python(fields)
+
+def _reject_invalid(root: Root, claim: queue.Claim, err: InvalidInput) -> Record | None:
+    """A task file that does not validate: record `failed`/`invalid` (under the fence), then
+    keep the file in fila/rejected/. A crash between leaves a claim that recovery rejects."""
+    tid = claim.task_id
+    kept = root.rejected_dir / f"{tid}.json"
+
+    def guard(_cur: Record | None) -> None:
+        if not queue.holds(claim):
+            raise queue.LeaseLost(claim.name)
+
+    try:
+        rec = queue.set_status(root, tid, Status.failed, expect={None, Status.queued},
+                               guard=guard, event="rejected", error=ErrorInfo(
+                                   kind=ErrorKind.invalid, message=f"{err} (file kept in {kept})"))
+    except queue.LeaseLost:
+        return _lost(root, claim)
+    except InvalidTransition:
+        queue.unclaim(root, claim)  # the id is in use: recovery deals with the duplicate
+        return None
+    with contextlib.suppress(FileNotFoundError):
+        queue.reject_file(root, claim.path, str(err), name=f"{tid}.json")
+    return rec
+
+
+@contextlib.contextmanager
+def _job_lock(root: Root, tid: str) -> Iterator[None]:
+    """One process at a time in sandbox/jobs/<id>/: a stalled worker whose lease was reaped must
+    not have its job directory rebuilt under it by the next attempt."""
+    meta = root.meta(tid)
+    meta.mkdir(parents=True, exist_ok=True)
+    fd = os.open(meta / "job.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise InfraError("the job directory is still in use by another process "
+                             "(a stalled worker)", task_id=tid) from None
+        yield
+    finally:
+        os.close(fd)
 
 
 def run_one(root: Root, claim: queue.Claim, *, client: docker.DockerClient,
-            progress: Callable[[str], None] = lambda _m: None) -> Record | None:
-    """Take one claimed task to its record. Returns None when the lease was lost to recovery."""
+            progress: Callable[[str], None] = lambda _m: None,
+            hooks: Hooks | None = None) -> Record | None:
+    """Take one claimed task to its record. Returns None when the claim was lost (reaped, or a
+    duplicate file put back for recovery). Raises InfraError after handing the task back when
+    the infrastructure failed before its container started."""
     from . import images  # docker is imported only when something runs
 
-    run = _Run(root, claim, client, progress)
-    tid = run.tid
+    hooks = hooks or Hooks()
+    tid = claim.task_id
+    crash_point("after_claim")
     t0 = time.monotonic()
-    rec = queue.read_record(root, tid)
     try:
         task = parse_task_file(claim.path, expected_id=tid)
     except InvalidInput as e:
-        kept = queue.reject_file(root, claim.path, str(e), name=f"{tid}.json")
-        err = ErrorInfo(kind=ErrorKind.invalid, message=f"{e} (file kept as {kept})")
-        return queue.set_status(root, tid, Status.failed, event="rejected", error=err)
-    if rec is None:  # dropped straight into fila/in/: it is submitted by being claimed
-        rec = queue.set_status(root, tid, Status.queued, task=task, event="submitted")
-    attempt = rec.attempt + 1
-    queue.set_status(
-        root, tid, Status.running, expect={Status.queued}, task=task, worker=claim.worker,
-        attempt=attempt, not_before=None, error=None,
-        attempts=[*rec.attempts, Attempt(number=attempt, engine=task.engine,
-                                         worker=claim.worker, started_at=now_iso())],
-    )
-    progress(f"{tid}: claimed (attempt {attempt})")
+        if not queue.holds(claim):
+            return _lost(root, claim)
+        return _reject_invalid(root, claim, e)
     try:
+        rec = queue.begin(root, claim, task)
+    except queue.LeaseLost:
+        return _lost(root, claim)
+    except InvalidTransition as e:
+        queue.unclaim(root, claim)
+        queue.log_event(root, tid, "not started", reason=str(e), claim=claim.name)
+        return None
+    crash_point("after_begin")
+    run = _Run(root, claim, client, progress, hooks, rec.attempt)
+    progress(f"{tid}: claimed (attempt {rec.attempt})")
+    try:
+        hooks.check()
         checked = check_task(root, task)
         ref = images.find_image(client, checked.image)
         if ref is None:
@@ -208,29 +282,33 @@ def run_one(root: Root, claim: queue.Claim, *, client: docker.DockerClient,
                 f"image {checked.image} is not built", task_id=tid,
                 hint=f"run `fila images build {task.engine}`",
             )
-        return _run_engines(run, checked, ref, attempt, t0)
-    except InvalidInput as e:
+        with _job_lock(root, tid):
+            return _run_engines(run, checked, ref, rec.attempt, t0)
+    except (InvalidInput, LimitExceeded) as e:
         return run.finish(Status.failed, error=ErrorInfo(kind=ErrorKind.invalid, message=str(e)))
-    except LimitExceeded as e:
-        return run.finish(Status.failed, error=ErrorInfo(kind=ErrorKind.invalid, message=str(e)))
-    except LeaseLost:
-        queue.log_event(root, tid, "result discarded", reason="lease lost", worker=claim.worker)
-        return None
+    except queue.LeaseLost:
+        return _lost(root, claim)
+    except Interrupted as e:
+        if not run.container_started:
+            return run.requeue(e, outcome="handed back")
+        return run.finish(Status.needs_human, error=ErrorInfo(
+            kind=ErrorKind.interrupted, message=f"interrupted: {e}"),
+            diagnosis="the worker was stopped while the container ran; the container was "
+                      f"removed and work/ may hold a partial change. {RETRY_HINT}")
     except InfraError as e:
         if not run.container_started:
-            run.hand_back(e, attempt)
+            run.requeue(e, outcome="requeued")
             raise
         return run.finish(Status.needs_human, error=ErrorInfo(kind=ErrorKind.infra, message=str(e)),
                           diagnosis=f"Docker failed while the container ran: {e}. work/ may hold "
-                                    "a partial change; retry or reject.")
-    except BaseException as e:  # Ctrl-C, SIGTERM, bugs: never leave a running record behind
+                                    f"a partial change. {RETRY_HINT}")
+    except BaseException as e:  # bugs, KeyboardInterrupt: never leave a running record behind
         msg = f"interrupted: {type(e).__name__}: {e}".rstrip(": ")
         if run.container_started:
             run.finish(Status.needs_human, error=ErrorInfo(kind=ErrorKind.interrupted, message=msg),
-                       diagnosis="the worker stopped while the container ran; it was removed. "
-                                 "`fila retry ID` runs it again, `fila reject ID` drops it.")
+                       diagnosis=f"the worker stopped while the container ran. {RETRY_HINT}")
         else:
-            run.hand_back(InfraError(msg), attempt)
+            run.requeue(InfraError(msg), outcome="handed back")
         raise
 
 
@@ -252,6 +330,8 @@ def _run_engines(run: _Run, checked: Checked, ref: Any, attempt: int, t0: float)
         t = time.monotonic()
         prep = jobdir.prepare(root, tid, task, checked.policy, checked.effective)
         run.timings["prepare"] = round(time.monotonic() - t, 3)
+        crash_point("after_job_dir")
+        run.hooks.check()
         run.progress(f"{tid}: prepared {prep.files} files ({prep.bytes} bytes); running {name}")
         inv = engine.invocation(task)
         creds, secrets = engine.credentials()
@@ -267,21 +347,28 @@ def _run_engines(run: _Run, checked: Checked, ref: Any, attempt: int, t0: float)
 
         def before_start(container_id: str, engine_name: str = name,
                          image_ref: ImageRef = image_ref) -> None:
+            run.hooks.before_start()
+            # The flag first: if the checkpoint's outcome is unknown, assume it started.
             run.container_started = True
             run.checkpoint(container=container_id, container_started=True, engine=engine_name,
-                           image=image_ref, policy=checked.policy_ref)
+                           image=image_ref, policy=checked.policy_ref, event="container started")
+            crash_point("after_checkpoint")
 
         t = time.monotonic()
         result = sandbox.run(spec, client=run.client, before_start=before_start,
-                             heartbeat=run.heartbeat)
+                             heartbeat=run.heartbeat, heartbeat_s=HEARTBEAT_IN_RUN_S)
         run.timings["run"] = round(time.monotonic() - t, 3)
+        queue.log_event(root, tid, "container exited", exit_code=result.exit_code,
+                        timed_out=result.timed_out, seconds=result.duration_s)
+        crash_point("after_exit")
         t = time.monotonic()
-        warnings = list(prep.warnings)
+        warnings = [*prep.warnings, *result.warnings]
         diff_fields: dict[str, Any] = {}
         diff_error: str | None = None
         try:
             d = diff.compute_diff(prep.job_dir, policy=checked.policy,
-                                  scratch=root.meta(tid) / "scratch")
+                                  scratch=root.meta(tid) / "scratch",
+                                  skip=jobdir.diff_skip(root, checked.project, checked.policy))
             diff_fields = {"diffstat": d.stat, "patch_sha256": d.sha256,
                            "patch_path": str(d.patch_path.relative_to(root.path))}
             warnings += d.warnings
@@ -289,6 +376,7 @@ def _run_engines(run: _Run, checked: Checked, ref: Any, attempt: int, t0: float)
             diff_error = str(e)
         run.timings["diff"] = round(time.monotonic() - t, 3)
         run.timings["total"] = round(time.monotonic() - t0, 3)
+        crash_point("after_diff")
         if result.log_truncated:
             warnings.append(f"log truncated at max_log_bytes {checked.policy.max_log_bytes}")
         common = dict(
@@ -305,7 +393,8 @@ def _run_engines(run: _Run, checked: Checked, ref: Any, attempt: int, t0: float)
                                          ended_at=now_iso(), outcome="quota",
                                          error=ErrorInfo(kind=ErrorKind.quota, message=outcome.msg)))
             cur = queue.get_record(root, tid)
-            run.checkpoint(attempts=[*cur.attempts, *attempts_done[-1:]], engine=engines[i + 1])
+            run.checkpoint(attempts=[*cur.attempts[:-1], *attempts_done[-1:], cur.attempts[-1]],
+                           engine=engines[i + 1])
             run.progress(f"{tid}: {name} is out of quota; falling back to {engines[i + 1]}")
             continue
         cur = queue.get_record(root, tid)
@@ -334,6 +423,8 @@ def _classify(engine: Engine, result: Any, log_path: Path, checked: Checked) -> 
     if result.timed_out:
         return _Out(ErrorKind.timeout, f"timed out after {secs:g} s (task timeout); stopped, "
                                        f"killed after the {checked.policy.grace_ms} ms grace")
+    if result.limit_exceeded:
+        return _Out(ErrorKind.engine_error, f"killed: {result.limit_exceeded}")
     if result.oom_killed:
         mem = checked.effective.limits.memory or checked.policy.memory
         return _Out(ErrorKind.engine_error, f"killed: out of memory (limit {mem})")
@@ -347,15 +438,28 @@ def _classify(engine: Engine, result: Any, log_path: Path, checked: Checked) -> 
 # -- processing the queue --------------------------------------------------------------------
 
 
+def claimable(root: Root, path: Path, now: float) -> bool:
+    """A file in in/ a worker may claim now: no record yet (dropped), or a queued record whose
+    backoff is over. Any other record means a duplicate or an interrupted hand back, which
+    recovery settles; claiming it would only bounce."""
+    if not queue.valid_id(path.stem):
+        return True  # claimed to be rejected with a reason
+    try:
+        rec = queue.read_record(root, path.stem)
+    except ValueError:
+        return False
+    if rec is None:
+        return True
+    return rec.status == Status.queued and not (rec.not_before and rec.not_before > now)
+
+
 def next_claim(root: Root, worker: str) -> queue.Claim | None:
     now = time.time()
     for path in queue.queued_files(root):
-        rec = queue.read_record(root, path.stem) if queue.valid_id(path.stem) else None
-        if rec and rec.not_before and rec.not_before > now:
-            continue
-        c = queue.try_claim(root, path, worker)
-        if c:
-            return c
+        if claimable(root, path, now):
+            c = queue.try_claim(root, path, worker)
+            if c:
+                return c
     return None
 
 
@@ -363,33 +467,24 @@ def earliest_backoff(root: Root) -> float | None:
     waits = []
     for path in queue.queued_files(root):
         rec = queue.read_record(root, path.stem) if queue.valid_id(path.stem) else None
-        if rec and rec.not_before:
+        if rec and rec.status == Status.queued and rec.not_before:
             waits.append(rec.not_before)
     return min(waits) if waits else None
 
 
 def run_queue(root: Root, *, worker: str | None = None, client: Any = None,
               on_record: Callable[[Record], None] = lambda _r: None,
-              progress: Callable[[str], None] = lambda _m: None) -> list[Record]:
-    """Process what is queued, waiting out backoffs, then return (`fila run --once`)."""
-    from . import sandbox
+              progress: Callable[[str], None] = lambda _m: None,
+              concurrency: int = 1) -> list[Record]:
+    """Process what is queued, waiting out backoffs, then return (`fila run --once`).
 
-    root.require()
-    worker = worker or queue.new_worker_id()
-    client = client or sandbox.docker_client()  # unreachable: raise before claiming anything
-    done: list[Record] = []
-    while True:
-        claim = next_claim(root, worker)
-        if claim is None:
-            wake = earliest_backoff(root)
-            if wake is None:
-                return done
-            time.sleep(max(0.05, min(wake - time.time(), BACKOFF_CAP_S)))
-            continue
-        try:
-            rec = run_one(root, claim, client=client, progress=progress)
-        except DockerUnavailable:
-            raise
-        if rec is not None and rec.status != Status.queued:
-            done.append(rec)
-            on_record(rec)
+    Raises DockerUnavailable / InfraError (tasks stay queued), BreakerTripped, or
+    KeyboardInterrupt (after the running jobs were stopped cleanly)."""
+    from .worker import Worker
+
+    w = Worker(root, once=True, concurrency=concurrency, worker_id=worker,
+               client_factory=(lambda: client) if client is not None else None,
+               on_record=on_record, progress=progress)
+    w.run()
+    w.raise_outcome()
+    return w.records

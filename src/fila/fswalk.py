@@ -47,6 +47,18 @@ def kind_of(mode: int) -> Kind:
     return "other"
 
 
+# Letters that render as nothing (Hangul fillers, the blank braille pattern): `exec(\u3164)`
+# would show as `exec( )` and hide what runs.
+_BLANK_GLYPHS = frozenset("\u115f\u1160\u3164\uffa0\u2800")
+_INVISIBLE_CATEGORIES = frozenset({"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"})
+
+
+def invisible(ch: str) -> bool:
+    """A character a person cannot see for what it is: shown escaped, never as itself."""
+    cat = unicodedata.category(ch)
+    return cat in _INVISIBLE_CATEGORIES or (cat == "Zs" and ch != " ") or ch in _BLANK_GLYPHS
+
+
 def escape_name(rel: str) -> str:
     """`rel` as it may be shown to a person or stored in JSON: unambiguous and inert.
 
@@ -64,7 +76,7 @@ def escape_name(rel: str) -> str:
             out.append(f"\\x{code - 0xDC00:02x}")
         elif ch in "\n\t\r":
             out.append({"\n": "\\n", "\t": "\\t", "\r": "\\r"}[ch])
-        elif unicodedata.category(ch) in {"Cc", "Cf", "Cs", "Co", "Cn", "Zl", "Zp"}:
+        elif invisible(ch):
             out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
         else:
             out.append(ch)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import fnmatch
+import functools
 import hashlib
 import json
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,12 +18,18 @@ from .layout import Root
 from .models import Limits, Policy, PolicyRef, Task, parse_size, schema_for, valid_id
 
 
-def validate_document(kind: str, data: Any, *, path: Path | str | None = None) -> None:
-    """Validate against the published JSON Schema so the error names the field."""
+@functools.cache
+def _validator(kind: str) -> Any:
+    """The JSON Schema validator of a format, built once: generating the schema from the models
+    costs milliseconds, and every task and policy a worker reads is validated."""
     import jsonschema  # lazy: start-up time of every other command
 
-    validator = jsonschema.Draft202012Validator(schema_for(kind))
-    errors = sorted(validator.iter_errors(data), key=lambda e: list(e.absolute_path))
+    return jsonschema.Draft202012Validator(schema_for(kind))
+
+
+def validate_document(kind: str, data: Any, *, path: Path | str | None = None) -> None:
+    """Validate against the published JSON Schema so the error names the field."""
+    errors = sorted(_validator(kind).iter_errors(data), key=lambda e: list(e.absolute_path))
     if errors:
         err = errors[0]
         field = ".".join(str(p) for p in err.absolute_path) or None
@@ -117,11 +125,35 @@ def image_allowed(policy: Policy, image: str) -> bool:
     return any(fnmatch.fnmatchcase(image, pat) for pat in policy.images)
 
 
+@functools.lru_cache(maxsize=32)
+def _deny_regexes(deny: tuple[str, ...]) -> tuple[re.Pattern[str] | None, ...]:
+    """One regex per kind of rule (directory, name, path): the union of its rules' patterns."""
+
+    def union(pats: list[str]) -> re.Pattern[str] | None:
+        return re.compile("|".join(fnmatch.translate(p) for p in pats)) if pats else None
+
+    return (
+        union([r[:-1] for r in deny if r.endswith("/")]),
+        union([r for r in deny if not r.endswith("/") and "/" not in r]),
+        union([r.lstrip("/") for r in deny if not r.endswith("/") and "/" in r]),
+    )
+
+
 def denied_by(rel: str, is_dir: bool, deny: list[str]) -> str | None:
     """The deny rule matching a project path, or None. Rules are gitignore-like: 'x/' matches a
     directory at any depth, a rule without '/' matches a name at any depth, a rule with '/'
     matches the path from the project root."""
     parts = rel.split("/")
+    # Runs for every path of every tree fila copies or diffs: one regex per kind of rule says
+    # whether any rule matches (usually none); only then are the rules tried in order.
+    dir_rx, name_rx, path_rx = _deny_regexes(tuple(deny))
+    if not (
+        (dir_rx is not None and any(dir_rx.match(p) for p in (parts if is_dir else parts[:-1])))
+        or (name_rx is not None and any(name_rx.match(p) for p in parts))
+        or (path_rx is not None and any(path_rx.match("/".join(parts[:i]))
+                                        for i in range(1, len(parts) + 1)))
+    ):
+        return None
     for rule in deny:
         if rule.endswith("/"):
             name = rule[:-1]

@@ -1,0 +1,42 @@
+"""Fault injection for crash-consistency tests: named crash points.
+
+`FILA_CRASH_AT=after_claim` (a comma-separated list of names) makes the process SIGKILL itself
+when it reaches that point of the cycle, exactly as a power cut or the OOM killer would: no
+`finally`, no `atexit`, no buffered write flushed. The tests then run recovery and check that every
+task is in exactly one state. It is a fault-injection hook, not a test mode: nothing else in fila
+behaves differently when it is set, and with the variable unset each point costs one dict lookup.
+
+The points, in the order a task meets them (cycle.py, queue.py):
+    after_claim            the task file was renamed into fila/run/, the record still says queued
+    after_begin            the record says running (attempt + 1); no job directory yet
+    after_job_dir          sandbox/jobs/<id>/ is prepared; no container yet
+    after_checkpoint       container_started is durable, the container is created, not started
+    after_container_start  the container runs (first heartbeat)
+    during_run             the container has run for a while (a later heartbeat)
+    after_exit             the container exited and was removed; no diff yet
+    after_diff             DIFF.patch is written; the outcome is not published
+    after_result           the pending result is in sandbox/meta/<id>/result.json
+    after_win              the claim was renamed to .done: the worker won the race
+    during_record_write    the new record is in a temp file, not yet renamed over the old one
+    after_record           the final record is written; the .done tombstone is still there
+    during_hand_back       the task file is back in fila/in/, the record still says running
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+POINTS = (
+    "after_claim", "after_begin", "after_job_dir", "after_checkpoint", "after_container_start",
+    "during_run", "after_exit", "after_diff", "after_result", "after_win", "during_record_write",
+    "after_record", "during_hand_back",
+)
+ENV = "FILA_CRASH_AT"
+
+
+def crash_point(name: str) -> None:
+    """SIGKILL this process if `name` is listed in FILA_CRASH_AT."""
+    wanted = os.environ.get(ENV)
+    if wanted and name in wanted.split(","):
+        os.kill(os.getpid(), signal.SIGKILL)

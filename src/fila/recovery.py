@@ -1,0 +1,463 @@
+"""Recovery (`fila recover`, and in the background of every worker): after a crash, every task
+ends in exactly one state, nothing is lost, nothing runs twice without a person deciding.
+
+What it settles, each step an event in the task's log (and in fila/state/recovery.events.jsonl):
+- a stale claim (its worker is gone, or its heartbeat is older than the lease TTL): reaped by
+  renaming it to `.reaped` (the race with the worker's `.done`), then
+  - container not started: back to fila/in/ (attempt counted; failed after MAX_INFRA_ATTEMPTS),
+  - container started: `needs_human`, with a diagnosis (worker, how long it ran, the container as
+    found, what work/ holds, kept as DIFF.patch evidence); the container is removed,
+  - never begun (record still queued, or a dropped file without a record): back to fila/in/,
+  - the record is another claim's or final: the file is a duplicate, kept in fila/rejected/;
+- a `.done` tombstone of a dead worker: its outcome is published from result.json;
+- a `.reaped` tombstone (a recovery was killed): settled as above;
+- a queued record without its file (submit or retry killed between its writes): file rewritten;
+- a running record without any claim: requeued (file back from the record) or needs_human;
+- a file in fila/in/ whose record is running without a claim: the hand back is completed;
+- a file in fila/in/ for a task that is already past queued: a duplicate, kept in fila/rejected/;
+- temp files of atomic writes older than the lease TTL;
+- fila's containers of this root whose job holds no live claim: removed by label.
+
+One recovery at a time per root (a flock); it is safe while workers run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import fsutil, lease, queue
+from .errors import DockerUnavailable, FilaError, InfraError
+from .layout import Root
+from .models import ErrorInfo, ErrorKind, Record, Status, now_iso
+
+S = Status
+
+
+@dataclass
+class Action:
+    task_id: str | None
+    action: str
+    detail: str
+
+
+@dataclass
+class Report:
+    actions: list[Action] = field(default_factory=list)
+    containers_removed: list[str] = field(default_factory=list)
+    docker: str = "not needed"
+    skipped: bool = False
+
+    def add(self, root: Root, task_id: str | None, action: str, detail: str, **data: Any) -> None:
+        self.actions.append(Action(task_id, action, detail))
+        if task_id is not None:
+            queue.log_event(root, task_id, "recovered", action=action, detail=detail, **data)
+        with contextlib.suppress(OSError):
+            fsutil.append_line(root.state_dir / "recovery.events.jsonl", json.dumps(
+                {"at": now_iso(), "task": task_id, "action": action, "detail": detail},
+                default=str))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"actions": [asdict(a) for a in self.actions],
+                "containers_removed": self.containers_removed, "docker": self.docker,
+                "skipped": self.skipped}
+
+
+class _Docker:
+    """A client made on first use; when the daemon does not answer, recovery goes on without it."""
+
+    def __init__(self, client: Any, enabled: bool) -> None:
+        self.client, self.enabled, self.error = client, enabled, None if enabled else "skipped"
+
+    def get(self) -> Any:
+        if self.client is None and self.error is None:
+            from .sandbox import docker_client
+
+            try:
+                self.client = docker_client(timeout=15)
+            except DockerUnavailable as e:
+                self.error = f"unavailable: {e.message}"
+        return self.client
+
+    def job_containers(self, root: Root, tid: str) -> tuple[list[str], str]:
+        """Describe and remove the job's containers: (names removed, what was found)."""
+        client = self.get()
+        if client is None:
+            return [], f"Docker did not answer, so the container could not be checked ({self.error})"
+        from .sandbox import find_containers
+
+        try:
+            found = find_containers(client, job_id=tid, root=str(root.path))
+            seen, removed = [], []
+            for c in found:
+                st = c.attrs.get("State", {})
+                desc = f"{c.name} {c.status}"
+                if c.status == "exited":
+                    desc += f" (exit code {st.get('ExitCode')})"
+                if c.status == "created":
+                    desc += " (never started)"
+                seen.append(desc)
+                removed += _remove(client, c)
+        except (InfraError, *_docker_errors()) as e:
+            return [], f"Docker failed while checking the container: {e}"
+        if not seen:
+            return [], "no container of this job was found"
+        return removed, "container " + "; ".join(seen) + " was found and removed"
+
+
+@contextlib.contextmanager
+def _recovery_lock(root: Root, wait: bool) -> Iterator[bool]:
+    root.state_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(root.state_dir / ".recovery.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
+
+
+def recover(root: Root, *, client: Any = None, docker: bool = True, ttl: float | None = None,
+            alive: lease.AliveFn | None = None, wait: bool = True) -> Report:
+    """One recovery pass over the root. `alive` replaces the worker liveness probe (tests)."""
+    root.require()
+    ttl = lease.lease_ttl() if ttl is None else ttl
+    rep = Report()
+    with _recovery_lock(root, wait) as got:
+        if not got:
+            rep.skipped = True
+            return rep
+        dk = _Docker(client, docker)
+        for claim, suffix in queue.claims(root):
+            try:
+                _settle_claim(root, claim, suffix, ttl, alive, dk, rep)
+            except (FilaError, OSError, ValueError) as e:  # one task must not stop the others
+                rep.add(root, claim.task_id, "error", f"could not settle {claim.name}: {e}")
+        ids = {r.id for r in queue.all_records(root)}
+        ids |= {p.stem for p in queue.queued_files(root) if queue.valid_id(p.stem)}
+        for tid in sorted(ids):
+            try:
+                _settle_task(root, tid, dk, rep)
+            except (FilaError, OSError, ValueError) as e:
+                rep.add(root, tid, "error", f"could not settle: {e}")
+        _sweep_temp_files(root, ttl, rep)
+        _sweep_containers(root, ttl, alive, dk, rep)
+        lease.forget_dead_workers(root)
+        rep.docker = dk.error or ("ok" if dk.client is not None else "not needed")
+    return rep
+
+
+def _settle_claim(root: Root, claim: queue.Claim, suffix: str, ttl: float,
+                  alive: lease.AliveFn | None, dk: _Docker, rep: Report) -> None:
+    if suffix == "reaped":  # a recovery was killed after winning: we hold the recovery lock now
+        _settle_reaped(root, claim, "an earlier recovery was interrupted", None, dk, rep)
+        return
+    if suffix not in ("json", "done"):
+        return
+    path = claim.tombstone(suffix)
+    why = lease.stale_reason(root, path, claim.worker, ttl=ttl, alive=alive)
+    if why is None:
+        return
+    if suffix == "done":
+        _finish_done(root, claim, why, rep)
+        return
+    last_beat = lease.heartbeat_age(path)
+    if not queue.win(claim, "reaped"):
+        return  # the worker completed meanwhile, or handed the task back
+    rep.add(root, claim.task_id, "reaped", why, claim=claim.name)
+    _settle_reaped(root, claim, why, last_beat, dk, rep)
+
+
+def _settle_reaped(root: Root, claim: queue.Claim, why: str, last_beat: float | None,
+                   dk: _Docker, rep: Report) -> None:
+    """Decide a reaped claim. After the rename its worker can no longer write the record (its
+    fence fails), so what we read now is final; the guards below re-check it under the lock."""
+    from .cycle import MAX_INFRA_ATTEMPTS, backoff_s, infra_tries
+
+    tid, tomb = claim.task_id, claim.tombstone("reaped")
+    rec = queue.read_record(root, tid)
+    mine = rec is not None and rec.status == S.running and rec.worker == claim.worker
+    if rec is None or rec.status == S.queued:
+        queue.hand_back(root, claim, suffix="reaped", log={"reason": f"never begun: {why}"})
+        rep.add(root, tid, "requeued", f"claimed but never begun; back in fila/in/ ({why})")
+        return
+    if not mine and rec.worker == claim.worker and rec.status in (S.needs_human, S.failed):
+        # A recovery was killed after deciding, before dropping the tombstone.
+        with contextlib.suppress(FileNotFoundError):
+            tomb.unlink()
+        rep.add(root, tid, "tombstone removed", f"{tomb.name}: already decided ({rec.status})")
+        return
+    if not mine:
+        _reject(root, tomb, tid, f"a second file for task {tid}, which is {rec.status}", rep)
+        return
+    assert rec is not None
+    if not rec.container_started:
+        tries = infra_tries(rec) + 1
+        removed, _seen = dk.job_containers(root, tid) if dk.enabled else ([], "")
+        rep.containers_removed += removed
+        err = ErrorInfo(kind=ErrorKind.infra,
+                        message=f"the worker was lost before the container started: {why}")
+        if tries >= MAX_INFRA_ATTEMPTS:
+            _decide(root, claim, S.failed, rep, error=ErrorInfo(
+                kind=ErrorKind.infra, message=f"{err.message} (gave up after {tries} attempts)"))
+            return
+        if queue.hand_back(root, claim, suffix="reaped", error=err, outcome="lost",
+                           not_before=time.time() + backoff_s(tries), event="recovered"):
+            rep.add(root, tid, "requeued", f"its container had not started; attempt {tries} "
+                                           f"of {MAX_INFRA_ATTEMPTS} ({why})")
+        return
+    removed, seen = dk.job_containers(root, tid)
+    rep.containers_removed += removed
+    evidence, work = _work_evidence(root, rec)
+    diagnosis = (f"The worker was lost while the task's container ran: {why}. "
+                 f"{_how_long(rec, last_beat)} {seen[0].upper()}{seen[1:]}. {work} Nothing was "
+                 f"run again: `fila retry {tid}` runs it from a clean copy, `fila reject {tid}` "
+                 "drops it.")
+    _decide(root, claim, S.needs_human, rep, diagnosis=diagnosis, **evidence, error=ErrorInfo(
+        kind=ErrorKind.interrupted, message=f"the worker was lost while the container ran: {why}"))
+
+
+def _how_long(rec: Record, last_beat: float | None) -> str:
+    from datetime import datetime
+
+    started = rec.attempts[-1].started_at if rec.attempts else None
+    if not started:
+        return f"Attempt {rec.attempt}."
+    text = f"Attempt {rec.attempt} began at {started}"
+    if last_beat is not None:
+        ran = time.time() - last_beat - datetime.fromisoformat(started).timestamp()
+        text += (f" and ran for about {max(0.0, ran):.0f} s until its last heartbeat, "
+                 f"{last_beat:.0f} s before recovery")
+    return text + "."
+
+
+def _decide(root: Root, claim: queue.Claim, to: Status, rep: Report, **fields: Any) -> None:
+    """Write the final state of a reaped claim, then drop the tombstone (the record holds the
+    task, so `fila retry` can write the file again)."""
+    tid, tomb = claim.task_id, claim.tombstone("reaped")
+    with queue.locked(root, tid):
+        cur = queue.read_record(root, tid)
+        if tomb.exists() and cur is not None and cur.status == S.running \
+                and cur.worker == claim.worker:
+            queue.transition_locked(root, tid, cur, to, expect={S.running}, event="recovered",
+                                    outcome="lost", changes=fields)
+            rep.add(root, tid, str(to), fields.get("diagnosis") or fields["error"].message)
+        with contextlib.suppress(FileNotFoundError):
+            tomb.unlink()
+            fsutil.fsync_dir(tomb.parent)
+
+
+def _work_evidence(root: Root, rec: Record) -> tuple[dict[str, Any], str]:
+    """What work/ holds, as DIFF.patch evidence when it can be read safely."""
+    from . import diff
+    from .cycle import _job_lock
+    from .policy import load_policy
+
+    job = root.job_dir(rec.id)
+    if not (job / "input").is_dir() or not (job / "work").is_dir():
+        return {}, "There is no job directory to read."
+    try:
+        policy = load_policy(root, rec.task.policy if rec.task else "default")[0]
+        with _job_lock(root, rec.id):
+            d = diff.compute_diff(job, policy=policy, scratch=root.meta(rec.id) / "scratch")
+    except InfraError:
+        return {}, "work/ is still in use by a stalled worker and was not read."
+    except (FilaError, OSError) as e:
+        return {}, f"work/ could not be compared with input/: {e}."
+    st = d.stat
+    what = (f"work/ holds {st.files} changed file(s) (+{st.insertions} -{st.deletions}), "
+            f"kept in {d.patch_path.relative_to(root.path)} as evidence."
+            if st.files else "work/ holds no change.")
+    return {"diffstat": d.stat, "patch_sha256": d.sha256,
+            "patch_path": str(d.patch_path.relative_to(root.path))}, what
+
+
+def _finish_done(root: Root, claim: queue.Claim, why: str, rep: Report) -> None:
+    """A worker won the race and died before (or after) writing its record: publish its
+    pending result, which it wrote before the race."""
+    tid = claim.task_id
+    try:
+        pending = json.loads(queue.result_path(root, claim).read_text())
+    except (FileNotFoundError, ValueError):
+        pending = None
+    rec = queue.read_record(root, tid)
+    ours = rec is not None and rec.status == S.running and rec.worker == claim.worker
+    if ours and pending is not None and pending.get("attempt") != rec.attempt:  # type: ignore[union-attr]
+        ours = False  # a tombstone of an earlier attempt of the same worker: only tidy it
+    if ours:
+        assert rec is not None
+        if pending and pending.get("claim") == claim.name:
+            new = queue.finish_done(root, claim, Status(pending["status"]), pending["fields"],
+                                    attempt=rec.attempt,
+                                    log={"recovered": f"published its pending result ({why})"})
+            rep.add(root, tid, f"published {new.status if new else '?'}",
+                    f"the worker won the race, then was lost; its result was published ({why})")
+        else:
+            with queue.locked(root, tid):
+                cur = queue.read_record(root, tid)
+                if claim.tombstone("done").exists() and cur is not None \
+                        and cur.status == S.running and cur.worker == claim.worker:
+                    queue.transition_locked(
+                        root, tid, cur, S.needs_human, expect={S.running}, event="recovered",
+                        outcome="lost", changes=dict(error=ErrorInfo(
+                            kind=ErrorKind.interrupted, message="the result was lost"),
+                            diagnosis=f"Worker {claim.worker} finished but its pending result "
+                                      f"is missing ({why}). `fila retry {tid}` or `fila reject`."))
+                    rep.add(root, tid, "needs_human", "the worker's pending result is missing")
+    else:
+        rep.add(root, tid, "tombstone removed", f"{claim.name}.done: the record was written "
+                f"({rec.status if rec else 'no record'}); the worker was lost before tidying up")
+    queue.release(root, claim, "done")
+
+
+def _reject(root: Root, src: Path, tid: str, reason: str, rep: Report) -> None:
+    with queue.locked(root, tid), contextlib.suppress(FileNotFoundError):
+        kept = queue.reject_file(root, src, reason, name=f"{tid}.json")
+        rep.add(root, tid, "duplicate kept aside", f"{reason}; kept as {kept}")
+
+
+def _settle_task(root: Root, tid: str, dk: _Docker, rep: Report) -> None:
+    """Record versus files, under the record lock. The in/ file is looked at before run/: a
+    claim only moves a file from in/ to run/, so a file seen in neither place is really gone."""
+    with queue.locked(root, tid):
+        cur = queue.read_record(root, tid)
+        in_file = root.queued_path(tid)
+        has_file = in_file.exists()
+        has_claim = bool(queue.claim_files(root, tid))
+        if cur is None:
+            return
+        if cur.status == S.queued:
+            if not has_file and not has_claim:
+                fsutil.create_exclusive(in_file, queue.task_json(cur.task))  # type: ignore[arg-type]
+                rep.add(root, tid, "file restored", "the record said queued but the task file "
+                        "was missing (a submit or retry was interrupted); written from the record")
+            return
+        if cur.status == S.running and not has_claim:
+            if has_file or not cur.container_started:
+                if not has_file:
+                    fsutil.create_exclusive(in_file, queue.task_json(cur.task))  # type: ignore[arg-type]
+                queue.transition_locked(
+                    root, tid, cur, S.queued, expect={S.running}, event="recovered", outcome="lost",
+                    changes=dict(error=ErrorInfo(kind=ErrorKind.infra, message=(
+                        "a hand back was interrupted" if has_file else
+                        "the task was running without any claim")), not_before=None))
+                rep.add(root, tid, "requeued", "the record said running but no worker held it; "
+                        "its container had not started")
+                return
+            queue.transition_locked(
+                root, tid, cur, S.needs_human, expect={S.running}, event="recovered",
+                outcome="lost", changes=dict(
+                    error=ErrorInfo(kind=ErrorKind.interrupted, message="no claim was found"),
+                    diagnosis=f"the record said running, its container had started, and no "
+                              f"worker held the task. `fila retry {tid}` or `fila reject {tid}`."))
+            rep.add(root, tid, "needs_human", "running with a started container and no claim")
+            return
+        if has_file and cur.status != S.running:
+            kept = queue.reject_file(root, in_file, f"task {tid} is already {cur.status}: this "
+                                     "file is a second copy", name=f"{tid}.json")
+            rep.add(root, tid, "duplicate kept aside", f"a second file for a {cur.status} "
+                    f"task; kept as {kept}")
+        elif has_file and has_claim:
+            kept = queue.reject_file(root, in_file, f"task {tid} is running: this file is a "
+                                     "second copy", name=f"{tid}.json")
+            rep.add(root, tid, "duplicate kept aside", f"a second file for a running task; "
+                    f"kept as {kept}")
+
+
+def _sweep_temp_files(root: Root, ttl: float, rep: Report) -> None:
+    """Temp files of atomic writes whose writer died (a live writer renames within ms)."""
+    now = time.time()
+    dirs = [root.in_dir, root.out_dir, root.run_dir, root.state_dir, root.rejected_dir,
+            lease.workers_dir(root)]
+    if root.meta_dir.is_dir():
+        dirs += [p for p in root.meta_dir.iterdir() if p.is_dir()]
+    for d in dirs:
+        if not d.is_dir():
+            continue
+        for p in d.glob(".*.tmp"):
+            tid = _task_of_temp(p)
+            # A record is only written under its record lock: holding it, any temp file of that
+            # record is an interrupted write, however young. Elsewhere, age tells.
+            held = queue.locked(root, tid) if tid and d == root.out_dir else None
+            with held or contextlib.nullcontext(), contextlib.suppress(FileNotFoundError):
+                if held is not None or now - p.lstat().st_mtime > ttl:
+                    p.unlink()
+                    rep.add(root, tid, "temp file removed", f"{p} (a write was interrupted)")
+
+
+def _task_of_temp(p: Path) -> str | None:
+    """`.<id>.json.<random>.tmp` (fsutil's names) -> id, when it names a task file or record."""
+    parts = p.name[1:].split(".json.")
+    return parts[0] if len(parts) == 2 and queue.valid_id(parts[0]) and p.parent.name in (
+        "in", "out") else None
+
+
+def _sweep_containers(root: Root, ttl: float, alive: lease.AliveFn | None, dk: _Docker,
+                      rep: Report) -> None:
+    """Remove fila's containers of this root whose job no live claim holds."""
+    if not dk.enabled:
+        return
+    client = dk.get()
+    if client is None:
+        return
+    from .sandbox import JOB_LABEL, find_containers
+
+    try:
+        found = find_containers(client, root=str(root.path))
+    except InfraError as e:
+        dk.error = f"listing containers failed: {e.message}"
+        return
+    for c in found:
+        tid = c.labels.get(JOB_LABEL, "")
+        # A claim outlives its container (the sandbox removes the container before the claim is
+        # published or handed back), so a container listed before this check whose task holds
+        # no live claim now is left over. Only that container goes, by id: a new attempt's
+        # container of the same task is never touched.
+        if not queue.valid_id(tid) or _held(root, tid, ttl, alive):
+            continue
+        try:
+            removed = _remove(client, c)
+        except _docker_errors() as e:
+            rep.add(root, tid, "error", f"could not remove container {c.name}: {e}")
+            continue
+        rep.containers_removed += removed
+        if removed:
+            rep.add(root, tid, "container removed", f"{c.name} ({c.status}): no live worker "
+                    "holds its task", container=c.name)
+
+
+def _docker_errors() -> tuple[type[BaseException], ...]:
+    import requests
+    from docker.errors import DockerException
+
+    return (DockerException, requests.RequestException)
+
+
+def _remove(client: Any, container: Any) -> list[str]:
+    """Force-remove one container by id; [] when it is gone already."""
+    from docker.errors import NotFound
+
+    try:
+        client.api.remove_container(container.id, force=True, v=True)
+    except NotFound:
+        return []
+    return [container.id]
+
+
+def _held(root: Root, tid: str, ttl: float, alive: lease.AliveFn | None) -> bool:
+    for p in queue.claim_files(root, tid):
+        parsed = queue.parse_claim(p)
+        if parsed and parsed[1] in ("json", "done") and lease.stale_reason(
+                root, p, parsed[0].worker, ttl=ttl, alive=alive) is None:
+            return True
+    return False

@@ -1,0 +1,420 @@
+"""The worker loop (seed 003's chain): claim -> run -> record -> claim the next -> queue empty ->
+idle -> a task appears -> wake within a second -> run it. No restart between tasks.
+
+- `concurrency` jobs at once, each in its own thread with its own Docker client, so one job's
+  Docker calls never wait for another's.
+- Wake-up: inotify on fila/in/ (and fila/state/, for `fila rearm`) through inotify_simple; a
+  one-second poll is the fallback where inotify is missing.
+- Recovery runs in a background thread at start and then periodically: start-up never waits
+  for it (seed 003: the boot path is not the place for work).
+- The circuit breaker (breaker.py) is checked before every claim.
+- Docker unreachable: no claims; the daemon is probed with exponential backoff, and recovery
+  runs again once it answers. With `once`, the worker stops and reports it (exit 3).
+- Signals: SIGTERM drains (no new claims; a job whose container has not started is handed back;
+  running jobs get `grace_s` to finish, then are stopped as on Ctrl-C); SIGINT (Ctrl-C) or a
+  second SIGTERM stops every job at once: containers are removed, a started task becomes
+  `needs_human`, an unstarted one goes back to the queue. Handlers only set flags: no half-done
+  rename or record write, and the job threads finish their own writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from . import breaker, cycle, lease, queue
+from .errors import (
+    EXIT_BREAKER,
+    EXIT_DOCKER,
+    EXIT_INTERRUPTED,
+    EXIT_INVALID,
+    EXIT_OK,
+    EXIT_SOME_FAILED,
+    BreakerTripped,
+    DockerUnavailable,
+    FilaError,
+    InfraError,
+)
+from .layout import Root
+from .models import ErrorKind, Record, Status
+
+DEFAULT_GRACE_S = 60.0
+RECOVER_EVERY_S = 30.0
+DOCKER_BACKOFF_CAP_S = 30.0
+
+
+class _Job(cycle.Hooks):
+    """One claimed task running in its own thread; the worker steers it through these hooks."""
+
+    def __init__(self, worker: Worker, claim: queue.Claim) -> None:
+        self.worker, self.claim = worker, claim
+        self.cancel = threading.Event()
+        self.result: Record | None = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.started = time.monotonic()
+        self.thread = threading.Thread(target=self._run, name=f"fila-job-{claim.task_id}",
+                                       daemon=True)
+
+    def check(self) -> None:
+        if self.cancel.is_set():
+            raise cycle.Interrupted(self.worker.stop_reason)
+
+    def before_start(self) -> None:
+        self.check()
+        if self.worker.draining:
+            raise cycle.Interrupted("the worker is stopping; handed back before its container "
+                                    "started")
+
+    def _run(self) -> None:
+        w = self.worker
+        client = None
+        try:
+            try:
+                client = w.client_factory()
+            except DockerUnavailable as e:
+                queue.hand_back(w.root, self.claim, log={"reason": e.message})  # never begun
+                self.error = e
+                return
+            self.result = cycle.run_one(w.root, self.claim, client=client, progress=w.progress,
+                                        hooks=self)
+        except BaseException as e:  # reported by the main loop; a thread cannot raise to it
+            self.error = e
+        finally:
+            if client is not None and w.owns_clients:
+                with contextlib.suppress(Exception):
+                    client.close()
+            self.done.set()
+            w.wake.set()
+
+
+class _Watcher(threading.Thread):
+    """Sets `wake` when a file appears in one of `dirs` (inotify); inert where unavailable."""
+
+    def __init__(self, dirs: list[Any], wake: threading.Event) -> None:
+        super().__init__(name="fila-watch", daemon=True)
+        self.wake, self.stop = wake, threading.Event()
+        self.ino: Any = None
+        try:
+            from inotify_simple import INotify, flags
+
+            ino = INotify()
+            mask = flags.CREATE | flags.MOVED_TO | flags.CLOSE_WRITE
+            for d in dirs:
+                ino.add_watch(str(d), mask)
+            self.ino = ino
+        except (ImportError, OSError):
+            self.ino = None  # polling it is
+
+    def run(self) -> None:
+        while self.ino is not None and not self.stop.is_set():
+            try:
+                if self.ino.read(timeout=500):
+                    self.wake.set()
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.is_alive():
+            self.join(timeout=2)
+        if self.ino is not None:
+            with contextlib.suppress(OSError):
+                self.ino.close()
+
+
+class Worker:
+    def __init__(
+        self, root: Root, *, once: bool = False, concurrency: int = 1,
+        worker_id: str | None = None, client_factory: Callable[[], Any] | None = None,
+        on_record: Callable[[Record], None] = lambda _r: None,
+        progress: Callable[[str], None] = lambda _m: None, poll_s: float = 1.0,
+        grace_s: float = DEFAULT_GRACE_S, recover_every_s: float = RECOVER_EVERY_S,
+    ) -> None:
+        from .sandbox import docker_client
+
+        self.root, self.once, self.concurrency = root, once, max(1, concurrency)
+        self.id = worker_id or queue.new_worker_id()
+        self.owns_clients = client_factory is None
+        self.client_factory = client_factory or docker_client
+        self.on_record, self.progress, self.poll_s = on_record, progress, poll_s
+        self.grace_s, self.recover_every_s = grace_s, recover_every_s
+        self.records: list[Record] = []
+        self.active: dict[str, _Job] = {}
+        self.wake = threading.Event()
+        self.recover_now = threading.Event()
+        self.stopped = threading.Event()
+        self.recovering = threading.Event()
+        self.draining = self.cancelling = self.interrupted = False
+        self.stop_claiming = False
+        self.stop_reason = "the worker is stopping"
+        self.drain_deadline: float | None = None
+        self.infra_error: FilaError | None = None
+        self.crash: BaseException | None = None
+        self.breaker_tripped = False
+        self.docker_bad = False
+        self.docker_retry_at = 0.0
+        self.docker_backoff = 1.0
+
+    # -- signals (handlers only set flags) ------------------------------------------------
+
+    def request_stop(self, *, cancel: bool, reason: str) -> None:
+        if cancel:
+            self.cancelling = True
+        elif not self.draining:
+            self.draining = True
+            self.drain_deadline = time.monotonic() + self.grace_s
+        self.stop_reason = reason
+        self.wake.set()
+
+    def _on_sigterm(self, _sig: int, _frame: Any) -> None:
+        self.request_stop(cancel=self.draining, reason="the worker received SIGTERM")
+
+    def _on_sigint(self, _sig: int, _frame: Any) -> None:
+        self.interrupted = True
+        self.request_stop(cancel=True, reason="the worker was interrupted (Ctrl-C)")
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Process the queue; returns the exit code (see cli.py). `once`: until it is empty."""
+        self.root.require()
+        if self.once:
+            self._close(self.client_factory())  # unreachable Docker: fail before claiming
+        lock = lease.WorkerLock(self.root, self.id).acquire()
+        handlers: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            handlers = {signal.SIGTERM: signal.signal(signal.SIGTERM, self._on_sigterm),
+                        signal.SIGINT: signal.signal(signal.SIGINT, self._on_sigint)}
+        watcher = _Watcher([self.root.in_dir, self.root.state_dir], self.wake)
+        watcher.start()
+        helpers = [threading.Thread(target=self._heartbeats, name="fila-heartbeat", daemon=True),
+                   threading.Thread(target=self._recovery, name="fila-recovery", daemon=True)]
+        self.recovering.set()
+        for t in helpers:
+            t.start()
+        self.progress(f"fila worker {self.id}: watching {self.root.in_dir}"
+                      + ("" if watcher.ino else " (polling)"))
+        try:
+            self._loop()
+        except BaseException:
+            # A bug or a broken stdout in the loop: stop the jobs as on Ctrl-C (containers
+            # removed, tasks recorded) before the exception ends the process.
+            self.request_stop(cancel=True, reason="the worker failed")
+            for job in list(self.active.values()):
+                job.cancel.set()
+            for job in list(self.active.values()):
+                job.thread.join(timeout=120)
+            raise
+        finally:
+            self.stopped.set()
+            self.wake.set()
+            self.recover_now.set()
+            watcher.close()
+            for t in helpers:
+                t.join(timeout=30)
+            for sig, h in handlers.items():
+                signal.signal(sig, h)
+            lock.release()
+        return self.exit_code()
+
+    def _loop(self) -> None:
+        while True:
+            self._collect()
+            if self.draining and not self.cancelling and self.drain_deadline \
+                    and time.monotonic() > self.drain_deadline:
+                self.request_stop(cancel=True, reason=f"the worker's {self.grace_s:g} s grace "
+                                                      "after SIGTERM ran out")
+            if self.cancelling:
+                for job in self.active.values():
+                    job.cancel.set()
+            if self.draining or self.cancelling or self.stop_claiming:
+                if not self.active:
+                    return
+                self._wait(0.5)
+                continue
+            if breaker.read(self.root).open:
+                if not self.breaker_tripped:
+                    self.breaker_tripped = True
+                    self.progress(f"fila worker: circuit breaker open: "
+                                  f"{breaker.read(self.root).reason}; run `fila rearm`")
+                if self.once:
+                    self.stop_claiming = True
+                    continue
+                self._wait(self.poll_s)
+                continue
+            self.breaker_tripped = False
+            if not self._docker_ready():
+                self._wait(min(self.poll_s, max(0.05, self.docker_retry_at - time.monotonic())))
+                continue
+            started = self._fill()
+            if self.once and not self.active and not started:
+                wake_at = cycle.earliest_backoff(self.root)
+                if wake_at is not None:
+                    self._wait(max(0.05, min(wake_at - time.time(), cycle.BACKOFF_CAP_S)))
+                elif self.recovering.is_set():
+                    self._wait(0.1)
+                else:
+                    return
+                continue
+            wake_at = cycle.earliest_backoff(self.root)
+            timeout = self.poll_s if wake_at is None else min(self.poll_s, wake_at - time.time())
+            self._wait(max(0.05, timeout))
+
+    def _wait(self, timeout: float) -> None:
+        self.wake.wait(timeout)
+        self.wake.clear()
+
+    def _fill(self) -> int:
+        started = 0
+        while len(self.active) < self.concurrency:
+            claim = cycle.next_claim(self.root, self.id)
+            if claim is None:
+                break
+            job = _Job(self, claim)
+            self.active[claim.name] = job
+            job.thread.start()
+            started += 1
+        return started
+
+    def _collect(self) -> None:
+        for name, job in list(self.active.items()):
+            if not job.done.is_set():
+                continue
+            job.thread.join()
+            del self.active[name]
+            if job.error is not None:
+                self._job_failed(job)
+            rec = job.result
+            if rec is None or rec.status in (Status.queued, Status.running):
+                continue
+            self.records.append(rec)
+            self.on_record(rec)
+            st = breaker.record(self.root, rec, worker=self.id)
+            if st.open and not self.breaker_tripped:
+                self.breaker_tripped = True
+                self.progress(f"fila worker: circuit breaker tripped: {st.reason}; no more "
+                              "claims until `fila rearm`")
+
+    def _job_failed(self, job: _Job) -> None:
+        e = job.error
+        tid = job.claim.task_id
+        if isinstance(e, InfraError):
+            self.progress(f"{tid}: {e}" + (f"\n  hint: {e.hint}" if e.hint else ""))
+            if self.once:
+                self.infra_error = self.infra_error or e
+                self.stop_claiming = True
+            elif not self._docker_answers():
+                self._docker_down()
+            return
+        self.progress(f"{tid}: fila bug: " + "".join(traceback.format_exception(e)))
+        self.crash = self.crash or e
+        if self.once:
+            self.stop_claiming = True
+
+    # -- Docker health ------------------------------------------------------------------------
+
+    def _close(self, client: Any) -> None:
+        if self.owns_clients:
+            with contextlib.suppress(Exception):
+                client.close()
+
+    def _docker_answers(self) -> bool:
+        try:
+            self._close(self.client_factory())
+            return True
+        except DockerUnavailable:
+            return False
+
+    def _docker_down(self) -> None:
+        if not self.docker_bad:
+            self.progress("fila worker: Docker does not answer; no claims until it does")
+        self.docker_bad = True
+        self.docker_retry_at = time.monotonic() + self.docker_backoff
+        self.docker_backoff = min(DOCKER_BACKOFF_CAP_S, self.docker_backoff * 2)
+
+    def _docker_ready(self) -> bool:
+        if not self.docker_bad:
+            return True
+        if time.monotonic() < self.docker_retry_at:
+            return False
+        if not self._docker_answers():
+            self._docker_down()
+            return False
+        self.progress("fila worker: Docker answers again")
+        self.docker_bad, self.docker_backoff = False, 1.0
+        self.recover_now.set()  # remove what the outage left behind
+        return True
+
+    # -- helpers ------------------------------------------------------------------------------
+
+    def _heartbeats(self) -> None:
+        """Refresh the lease of every claim this process holds, whatever phase its job is in
+        (copying a large project happens before the sandbox's own heartbeat starts)."""
+        while not self.stopped.wait(lease.HEARTBEAT_S):
+            for job in list(self.active.values()):
+                with contextlib.suppress(FileNotFoundError):
+                    os.utime(job.claim.path)
+
+    def _recovery(self) -> None:
+        from .recovery import recover
+
+        while True:
+            try:
+                rep = recover(self.root, wait=False)
+                for a in rep.actions:
+                    self.progress(f"fila recover: {a.task_id or '-'}: {a.action}: {a.detail}")
+                if rep.actions:
+                    self.wake.set()
+            except Exception as e:  # recovery is retried on the next round
+                self.progress(f"fila recover: failed: {e}")
+            finally:
+                self.recovering.clear()
+            if self.once:
+                return
+            self.recover_now.wait(self.recover_every_s)
+            self.recover_now.clear()
+            if self.stopped.is_set():
+                return
+
+    def exit_code(self) -> int:
+        if self.interrupted:
+            return EXIT_INTERRUPTED
+        if self.once and self.breaker_tripped:
+            return EXIT_BREAKER
+        if self.once and self.infra_error is not None:
+            return EXIT_DOCKER
+        if self.crash is not None:
+            return EXIT_SOME_FAILED
+        if not self.once:
+            return EXIT_OK
+        if any(r.status in (Status.failed, Status.needs_human) and not _invalid(r)
+               for r in self.records):
+            return EXIT_SOME_FAILED
+        if any(_invalid(r) for r in self.records):
+            return EXIT_INVALID
+        return EXIT_OK
+
+    def raise_outcome(self) -> None:
+        """For callers that want exceptions (`cycle.run_queue`)."""
+        if self.crash is not None:
+            raise self.crash
+        if self.interrupted:
+            raise KeyboardInterrupt
+        if self.infra_error is not None:
+            raise self.infra_error
+        if self.once and self.breaker_tripped:
+            st = breaker.read(self.root)
+            raise BreakerTripped(f"circuit breaker open: {st.reason}",
+                                 hint="look at the failed tasks, then `fila rearm`")
+
+
+def _invalid(rec: Record) -> bool:
+    return rec.status == Status.failed and rec.error is not None \
+        and rec.error.kind == ErrorKind.invalid

@@ -1,0 +1,204 @@
+"""Crash injection: the real CLI SIGKILLs itself at each named point of the cycle
+(fila.faults), `fila recover` runs, and the invariants must hold: every task in exactly one
+state, none lost, no engine run twice without a person's `fila retry`, no container left.
+
+Container starts are counted from the Docker daemon's own event stream, not from fila's records,
+so a second run that fila failed to record would still be seen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import docker
+import pytest
+
+from fila import queue
+from fila.faults import POINTS
+from fila.layout import Root
+from fila.models import ImageRef, Status
+
+from .helpers import make_root
+
+S = Status
+pytestmark = pytest.mark.docker
+CLI = [sys.executable, "-c", "from fila.cli import main; main()"]
+
+
+def fila(root: Root, *args: str, crash: str | None = None, check: bool = False,
+         timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "FILA_ROOT": str(root.path)}
+    env.pop("FILA_CRASH_AT", None)
+    if crash:
+        env["FILA_CRASH_AT"] = crash
+    res = subprocess.run([*CLI, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    if check:
+        assert res.returncode == 0, res.stdout + res.stderr
+    return res
+
+
+class Starts:
+    """Counts the containers of one root that the daemon starts, from its live event stream
+    (not from fila's records, and not from its short replay buffer, which other tests fill)."""
+
+    def __init__(self, client: docker.DockerClient, root: Root) -> None:
+        self.n = 0
+        self._stream = client.events(decode=True, filters={
+            "event": "start", "label": [f"fila.root={root.path}"]})
+        self._thread = threading.Thread(target=self._count, daemon=True)
+        self._thread.start()
+
+    def _count(self) -> None:
+        with contextlib.suppress(Exception):  # the stream ends when closed
+            for _ in self._stream:
+                self.n += 1
+
+    def count(self) -> int:
+        time.sleep(0.5)  # the daemon sends the event right after the start returns
+        return self.n
+
+    def close(self) -> None:
+        self._stream.close()
+
+
+@pytest.fixture
+def started_containers(docker_client: docker.DockerClient, proj: Root) -> Iterator[Starts]:
+    s = Starts(docker_client, proj)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def containers_left(client: docker.DockerClient, root: Root) -> list[str]:
+    return [c.name for c in client.containers.list(
+        all=True, filters={"label": [f"fila.root={root.path}"]})]
+
+
+def assert_one_state_each(root: Root, ids: list[str]) -> dict[str, Status]:
+    """Exactly one place per task; no claim or tombstone left after recovery."""
+    out = {}
+    for tid in ids:
+        rec = queue.get_record(root, tid)
+        claims = queue.claim_files(root, tid)
+        in_file = root.queued_path(tid).exists()
+        assert not claims, f"{tid}: {[p.name for p in claims]} left in fila/run/"
+        assert in_file == (rec.status == S.queued), f"{tid}: {rec.status}, in/ file {in_file}"
+        assert queue.field_problem(rec) is None
+        out[tid] = rec.status
+    assert not list(root.out_dir.glob(".*.tmp"))
+    return out
+
+
+# Where each crash point leaves the task once recovery has run.
+EXPECTED = {
+    "after_claim": S.queued, "after_begin": S.queued, "after_job_dir": S.queued,
+    "after_checkpoint": S.needs_human, "after_container_start": S.needs_human,
+    "during_run": S.needs_human, "after_exit": S.needs_human, "after_diff": S.needs_human,
+    "after_result": S.needs_human, "after_win": S.needs_review,
+    "during_record_write": S.needs_review, "after_record": S.needs_review,
+}
+
+
+@pytest.fixture
+def proj(tmp_path: Path, shell_image: ImageRef) -> Root:
+    root = make_root(tmp_path)
+    (tmp_path / "greeting.txt").write_text("hello\n")
+    return root
+
+
+def test_every_crash_point_is_named_and_tested() -> None:
+    assert set(EXPECTED) | {"during_hand_back"} == set(POINTS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", list(EXPECTED))
+def test_sigkill_at_each_point_then_recovery_keeps_every_invariant(
+        proj: Root, docker_client: docker.DockerClient, started_containers: Starts,
+        point: str) -> None:
+    cmd = "echo world >> greeting.txt; sleep 3" if point in ("after_container_start", "during_run") else \
+        "echo world >> greeting.txt"
+    fila(proj, "submit", "--id", "t1", "--engine", "shell", "--command", cmd,
+         "--target", "greeting.txt", check=True)
+    crashed = fila(proj, "run", "--once", crash=point)
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    rep = json.loads(fila(proj, "recover", "--json", check=True).stdout)
+    assert rep["docker"] == "ok"
+    assert containers_left(docker_client, proj) == [], "recovery removes what the crash left"
+    assert assert_one_state_each(proj, ["t1"]) == {"t1": EXPECTED[point]}
+    rec = queue.get_record(proj, "t1")
+    ran_before = started_containers.count()
+    assert ran_before <= 1
+    events = [e["event"] for e in queue.read_events(proj, "t1")]
+    assert "recovered" in events, "every reconciliation is an event in the task's log"
+
+    # Whatever the crash left, the next worker neither loses the task nor silently reruns it.
+    fila(proj, "run", "--once")
+    after = queue.get_record(proj, "t1")
+    if EXPECTED[point] == S.queued:
+        assert after.status == S.needs_review
+        assert after.attempt == (1 if point == "after_claim" else 2), "a begun attempt counts"
+        assert started_containers.count() == 1, "exactly one run in total"
+    else:
+        assert after.status == rec.status, "a started task is never rerun without a person"
+        assert started_containers.count() == ran_before
+    if EXPECTED[point] == S.needs_human:
+        assert rec.diagnosis and "Nothing was run again" in rec.diagnosis
+        fila(proj, "retry", "t1", "--by", "tester", check=True)
+        fila(proj, "run", "--once", check=True)
+        assert queue.get_record(proj, "t1").status == S.needs_review
+        assert started_containers.count() == ran_before + 1, "one more run per retry"
+    if EXPECTED[point] == S.needs_review:
+        assert (proj.path / after.patch_path).read_text().count("+world") == 1  # type: ignore[operator]
+    assert containers_left(docker_client, proj) == []
+
+
+def test_sigkill_during_a_hand_back_loses_nothing(proj: Root, docker_client: docker.DockerClient,
+                                                  ) -> None:
+    # An image the policy allows but nobody built: an infra error before the container starts,
+    # so the worker hands the task back, and dies half-way through.
+    fila(proj, "submit", "--id", "t1", "--engine", "shell", "--command", "true", "--target",
+         "greeting.txt", check=True)
+    rec_path = proj.record_path("t1")
+    data: dict[str, Any] = json.loads(rec_path.read_text())
+    task = json.loads(proj.queued_path("t1").read_text())
+    task["image"] = "fila/not-built-anywhere:1"
+    proj.queued_path("t1").write_text(json.dumps(task))
+    crashed = fila(proj, "run", "--once", crash="during_hand_back")
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    assert queue.get_record(proj, "t1").status == S.running and proj.queued_path("t1").exists()
+    fila(proj, "recover", "--json", check=True)
+    assert assert_one_state_each(proj, ["t1"]) == {"t1": S.queued}
+    assert data["status"] == "queued"
+
+
+def test_sigkill_of_a_busy_worker_with_two_jobs_settles_both(
+        proj: Root, docker_client: docker.DockerClient) -> None:
+    for i in range(3):
+        fila(proj, "submit", "--id", f"t{i}", "--engine", "shell", "--command", "sleep 30",
+             "--target", "greeting.txt", check=True)
+    env = {**os.environ, "FILA_ROOT": str(proj.path)}
+    p = subprocess.Popen([*CLI, "worker", "--concurrency", "2"], env=env,
+                         stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 60
+        while sum(1 for r in queue.all_records(proj) if r.container_started) < 2:
+            assert time.time() < deadline, "two containers should run at once"
+            time.sleep(0.2)
+    finally:
+        p.kill()
+        p.wait()
+    fila(proj, "recover", check=True)
+    states = assert_one_state_each(proj, ["t0", "t1", "t2"])
+    assert sorted(states.values()) == sorted([S.queued, S.needs_human, S.needs_human])
+    assert containers_left(docker_client, proj) == []

@@ -1,0 +1,263 @@
+"""Recovery settles every partial state a crash can leave, without Docker (files only).
+
+Each test builds the exact leftovers of a crash at one instruction, runs recovery, and checks the
+task is in exactly one state with an event saying what happened.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from fila import cycle, fsutil, lease, queue, recovery
+from fila.cli import app
+from fila.errors import InvalidTransition
+from fila.layout import Root
+from fila.models import ErrorInfo, ErrorKind, Status
+
+from .helpers import make_root, shell_task
+
+S = Status
+GONE: lease.AliveFn = lambda _w: "gone"  # noqa: E731
+ALIVE: lease.AliveFn = lambda _w: "alive"  # noqa: E731
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Root:
+    r = make_root(tmp_path)
+    (tmp_path / "greeting.txt").write_text("hello\n")
+    return r.require()
+
+
+def recover(root: Root, alive: lease.AliveFn = GONE, ttl: float = 60) -> recovery.Report:
+    return recovery.recover(root, docker=False, alive=alive, ttl=ttl)
+
+
+def actions(root: Root, tid: str) -> list[str]:
+    return [e["action"] for e in queue.read_events(root, tid) if e["event"] == "recovered"
+            and "action" in e]
+
+
+def begun(root: Root, tid: str = "t1", worker: str = "w1") -> queue.Claim:
+    queue.enqueue(root, tid, shell_task())
+    c = queue.try_claim(root, root.queued_path(tid), worker)
+    assert c is not None
+    queue.begin(root, c, shell_task().model_copy(update={"id": tid}))
+    return c
+
+
+def started(root: Root, tid: str = "t1", worker: str = "w1") -> queue.Claim:
+    c = begun(root, tid, worker)
+    queue.checkpoint(root, c, container="fila-x", container_started=True)
+    return c
+
+
+def test_claim_of_a_dead_worker_before_its_container_started_is_requeued(root: Root) -> None:
+    c = begun(root)
+    rep = recover(root)
+    rec = queue.get_record(root, "t1")
+    assert rec.status == S.queued and root.queued_path("t1").exists()
+    assert not c.path.exists() and not c.tombstone("reaped").exists()
+    assert rec.attempts[-1].outcome == "lost" and rec.error and rec.error.kind == "infra"
+    assert rec.not_before is not None, "a requeue backs off"
+    assert [a.action for a in rep.actions if a.task_id == "t1"] == ["reaped", "requeued"]
+
+
+def test_repeated_losses_before_start_give_up_at_the_infra_cap(root: Root) -> None:
+    queue.enqueue(root, "t1", shell_task())
+    for n in range(1, cycle.MAX_INFRA_ATTEMPTS + 1):
+        c = queue.try_claim(root, root.queued_path("t1"), f"w{n}")
+        assert c is not None, n
+        queue.begin(root, c, shell_task().model_copy(update={"id": "t1"}))
+        recover(root)
+    rec = queue.get_record(root, "t1")
+    assert rec.status == S.failed and "gave up" in rec.error.message  # type: ignore[union-attr]
+    assert not root.queued_path("t1").exists() and not queue.claim_files(root, "t1")
+
+
+def test_claim_of_a_dead_worker_after_its_container_started_needs_a_human(root: Root) -> None:
+    c = started(root)
+    recover(root)
+    rec = queue.get_record(root, "t1")
+    assert rec.status == S.needs_human and rec.error and rec.error.kind == "interrupted"
+    assert rec.diagnosis and "Nothing was run again" in rec.diagnosis and "w1" in rec.diagnosis
+    assert not root.queued_path("t1").exists() and not queue.claim_files(root, "t1")
+    assert rec.attempts[-1].outcome == "lost" and rec.attempts[-1].ended_at
+    assert not c.path.exists()
+
+
+def test_live_claims_are_left_alone(root: Root) -> None:
+    c = started(root)
+    recover(root, alive=ALIVE)
+    assert c.path.exists() and queue.get_record(root, "t1").status == S.running
+
+
+def test_an_expired_lease_is_reaped_and_the_slow_worker_is_fenced_off(root: Root) -> None:
+    c = begun(root)
+    old = time.time() - 600
+    os.utime(c.path, (old, old))
+    recover(root, alive=ALIVE, ttl=60)  # alive but silent for 10 minutes: stale by TTL
+    assert queue.get_record(root, "t1").status == S.queued
+    with pytest.raises(queue.LeaseLost):
+        queue.checkpoint(root, c, container="late", container_started=True)
+    assert queue.publish(root, c, S.needs_review, {}, attempt=1) is None
+    assert queue.get_record(root, "t1").status == S.queued, "the late worker changed nothing"
+
+
+def test_the_real_liveness_probe_sees_a_held_worker_lock(root: Root) -> None:
+    me = queue.new_worker_id()
+    lock = lease.WorkerLock(root, me).acquire()
+    try:
+        assert lease.worker_liveness(root, me) == "alive"
+    finally:
+        lock.release()
+    assert lease.worker_liveness(root, me) == "gone"
+    assert lease.worker_liveness(root, "otherhost-1-ab") == "unknown"
+
+
+def test_a_done_tombstone_of_a_dead_worker_is_published_from_its_result(root: Root) -> None:
+    c = started(root)
+    fields = {"patch_path": "sandbox/jobs/t1/DIFF.patch", "patch_sha256": "0" * 64,
+              "exit_code": 0}
+    root.meta("t1").mkdir(parents=True)
+    fsutil.atomic_write(queue.result_path(root, c), json.dumps(
+        {"claim": c.name, "attempt": 1, "status": "needs_review", "fields": fields}))
+    assert queue.win(c, "done")
+    recover(root)
+    rec = queue.get_record(root, "t1")
+    assert rec.status == S.needs_review and rec.exit_code == 0
+    assert not queue.claim_files(root, "t1")
+    assert rec.attempts[-1].outcome == "success"
+
+
+def test_a_done_tombstone_whose_record_is_final_is_only_removed(root: Root) -> None:
+    c = started(root)
+    assert queue.win(c, "done")
+    queue.finish_done(root, c, S.failed, {"error": ErrorInfo(kind=ErrorKind.timeout, message="t")},
+                      attempt=1)
+    recover(root)
+    assert queue.get_record(root, "t1").status == S.failed and not queue.claim_files(root, "t1")
+
+
+def test_a_reaped_tombstone_left_by_a_killed_recovery_is_settled(root: Root) -> None:
+    c = started(root)
+    assert queue.win(c, "reaped")
+    recover(root, alive=ALIVE)
+    assert queue.get_record(root, "t1").status == S.needs_human
+    assert not queue.claim_files(root, "t1")
+
+
+def test_a_queued_record_without_its_file_gets_the_file_back(root: Root) -> None:
+    queue.enqueue(root, "t1", shell_task())
+    root.queued_path("t1").unlink()  # as if submit died between its two writes
+    recover(root)
+    assert json.loads(root.queued_path("t1").read_text())["id"] == "t1"
+    assert "file restored" in actions(root, "t1")
+
+
+def test_an_interrupted_hand_back_is_completed(root: Root) -> None:
+    c = begun(root)
+    fsutil.durable_rename(c.path, root.queued_path("t1"))  # died after the rename
+    recover(root, alive=ALIVE)
+    rec = queue.get_record(root, "t1")
+    assert rec.status == S.queued and rec.worker is None and root.queued_path("t1").exists()
+
+
+@pytest.mark.parametrize("container_started", [False, True])
+def test_a_running_record_without_any_claim_is_settled(root: Root, container_started: bool) -> None:
+    c = started(root) if container_started else begun(root)
+    c.path.unlink()
+    recover(root, alive=ALIVE)
+    rec = queue.get_record(root, "t1")
+    if container_started:
+        assert rec.status == S.needs_human and not root.queued_path("t1").exists()
+    else:
+        assert rec.status == S.queued and root.queued_path("t1").exists()
+
+
+def test_a_second_file_for_a_finished_task_is_kept_aside(root: Root) -> None:
+    c = started(root)
+    queue.publish(root, c, S.needs_review, {"patch_path": "p", "patch_sha256": "0" * 64},
+                  attempt=1)
+    root.queued_path("t1").write_text(queue.task_json(shell_task()))
+    assert not cycle.claimable(root, root.queued_path("t1"), time.time())
+    recover(root)
+    assert not root.queued_path("t1").exists()
+    assert (root.rejected_dir / "t1.json.reason").read_text().startswith("task t1 is already")
+    assert queue.get_record(root, "t1").status == S.needs_review
+
+
+def test_a_claimed_file_never_begun_goes_back_as_it_was(root: Root) -> None:
+    queue.enqueue(root, "t1", shell_task())
+    assert queue.try_claim(root, root.queued_path("t1"), "w1")
+    recover(root)
+    rec = queue.get_record(root, "t1")
+    assert rec.status == S.queued and rec.attempt == 0 and root.queued_path("t1").exists()
+
+
+def test_old_temp_files_are_removed_and_fresh_ones_kept(root: Root) -> None:
+    old_tmp = root.out_dir / ".t1.json.abc123.tmp"
+    fresh = root.in_dir / ".t2.json.def456.tmp"
+    old_tmp.write_text("{")
+    fresh.write_text("{")
+    t = time.time() - 3600
+    os.utime(old_tmp, (t, t))
+    recover(root)
+    assert not old_tmp.exists() and fresh.exists()
+    assert "temp file removed" in actions(root, "t1")
+
+
+def test_retry_is_a_recorded_decision_and_refused_while_recovery_is_pending(root: Root) -> None:
+    c = started(root)
+    assert queue.win(c, "reaped")
+    queue.set_status(root, "t1", S.needs_human, error=ErrorInfo(kind="interrupted", message="x"))
+    with pytest.raises(InvalidTransition):
+        queue.retry(root, "t1", by="ana")
+    c.tombstone("reaped").unlink()
+    rec = queue.retry(root, "t1", by="ana", reason="flaky host")
+    assert rec.status == S.queued and rec.decision and rec.decision.by == "ana"
+    assert rec.container is None and not rec.container_started, "a queued record is clean"
+    assert root.queued_path("t1").exists()
+    with pytest.raises(InvalidTransition):
+        queue.retry(root, "t1", by="ana")
+
+
+def test_recover_and_status_commands(root: Root) -> None:
+    started(root, worker=f"{lease.this_host()}-999999-dead")  # this host, no lock: gone
+    runner = CliRunner()
+    res = runner.invoke(app, ["status", "--root", str(root.path), "--json"])
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.output)
+    assert d["counts"]["running"] == 1 and d["running"][0]["id"] == "t1"
+    assert d["stale_claims"] and "gone" in d["stale_claims"][0]["stale"]
+    res = runner.invoke(app, ["recover", "--root", str(root.path), "--no-docker", "--json"])
+    assert res.exit_code == 0, res.output
+    assert {"reaped", "needs_human"} <= {a["action"] for a in json.loads(res.output)["actions"]}
+    res = runner.invoke(app, ["retry", "t1", "--root", str(root.path), "--by", "ana"])
+    assert res.exit_code == 0, res.output
+    assert queue.get_record(root, "t1").status == S.queued
+
+
+def test_a_killed_recovery_that_had_decided_leaves_no_duplicate_behind(root: Root) -> None:
+    c = started(root)
+    assert queue.win(c, "reaped")
+    queue.set_status(root, "t1", S.needs_human, error=ErrorInfo(kind="interrupted", message="x"))
+    recover(root, alive=ALIVE)  # the tombstone of a decided claim is only tidied
+    assert not queue.claim_files(root, "t1") and not list(root.rejected_dir.glob("t1*"))
+    assert queue.get_record(root, "t1").status == S.needs_human
+
+
+def test_a_result_of_an_earlier_attempt_is_never_published_over_a_later_one(root: Root) -> None:
+    c = started(root)
+    assert queue.win(c, "done")
+    rec = queue.finish_done(root, c, S.needs_review, {"patch_path": "p", "patch_sha256": "0"},
+                            attempt=2)
+    assert rec is not None and rec.status == S.running, "attempt 1 is running, not 2"
+    rec = queue.finish_done(root, c, S.needs_review, {"patch_path": "p", "patch_sha256": "0"},
+                            attempt=1)
+    assert rec is not None and rec.status == S.needs_review
