@@ -18,14 +18,17 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from typer.core import TyperGroup
 
 from .errors import EXIT_INTERRUPTED, FilaError
 from .layout import Root
-from .models import Record, Status
+from .states import Status
+
+if TYPE_CHECKING:  # pydantic's import costs a third of `fila --help`; commands import it lazily
+    from .models import Record
 
 
 class _Group(TyperGroup):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import FilaError, InvalidId
-from .models import valid_id
+from .states import valid_id
 
 
 @dataclass(frozen=True)

@@ -9,20 +9,15 @@ from __future__ import annotations
 
 import re
 from datetime import UTC, datetime
-from enum import StrEnum
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-ID_PATTERN = r"^[A-Za-z0-9._-]{1,128}$"
-_ID_RE = re.compile(ID_PATTERN)
+# Re-exported: the names and ids that need no pydantic (the CLI imports them at start-up).
+from .states import ID_PATTERN, ErrorKind, Status, valid_id  # noqa: F401
+
 SIZE_PATTERN = r"^[0-9]+[kmgKMG]?$"
 _SIZE_RE = re.compile(SIZE_PATTERN)
-
-
-def valid_id(value: str) -> bool:
-    # "." and ".." match the character class but are path tricks.
-    return bool(_ID_RE.match(value)) and value not in {".", ".."}
 
 
 def parse_size(value: str) -> int:
@@ -41,26 +36,6 @@ def now_iso() -> str:
 
 
 Size = Annotated[str, Field(pattern=SIZE_PATTERN, description="bytes, or a number with k, m or g")]
-
-
-class Status(StrEnum):
-    queued = "queued"
-    running = "running"
-    needs_review = "needs_review"
-    failed = "failed"
-    needs_human = "needs_human"
-    applied = "applied"
-    rejected = "rejected"
-
-
-class ErrorKind(StrEnum):
-    timeout = "timeout"
-    engine_error = "engine_error"
-    infra = "infra"
-    invalid = "invalid"
-    quota = "quota"
-    auth = "auth"
-    interrupted = "interrupted"
 
 
 class Limits(BaseModel):
