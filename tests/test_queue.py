@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -128,3 +130,60 @@ def test_several_worker_processes_claim_each_task_exactly_once(root: Root, tmp_p
     claimed = [t for out in outs for t in json.loads(out.read_text())]
     assert sorted(claimed) == ids, "every task claimed once, none twice, none lost"
     assert sum(1 for out in outs if json.loads(out.read_text())) >= 2, "workers really competed"
+
+
+def test_a_claim_starts_with_a_fresh_heartbeat(root: Root) -> None:
+    queue.enqueue(root, "old", shell_task())
+    src = root.queued_path("old")
+    os.utime(src, (1_000_000, 1_000_000))  # waited in the queue for decades
+    c = queue.try_claim(root, src, "w1")
+    assert c is not None and time.time() - c.path.stat().st_mtime < 60
+
+
+def test_hand_back_never_replaces_a_file_dropped_meanwhile(root: Root) -> None:
+    queue.enqueue(root, "t1", shell_task("echo one"))
+    c = queue.try_claim(root, root.queued_path("t1"), "w1")
+    assert c is not None
+    root.queued_path("t1").write_text('{"engine": "shell", "command": "echo two"}')
+    assert queue.hand_back(root, c)
+    assert "echo one" in root.queued_path("t1").read_text()
+    kept = list(root.rejected_dir.glob("t1*.json"))
+    assert len(kept) == 1 and "echo two" in kept[0].read_text()
+
+
+def test_rename_noreplace_refuses_to_replace(tmp_path: Path) -> None:
+    from fila.fsutil import rename_noreplace
+
+    (tmp_path / "a").write_text("a")
+    (tmp_path / "b").write_text("b")
+    with pytest.raises(FileExistsError):
+        rename_noreplace(tmp_path / "a", tmp_path / "b")
+    assert (tmp_path / "b").read_text() == "b" and (tmp_path / "a").exists()
+    rename_noreplace(tmp_path / "a", tmp_path / "c")
+    assert (tmp_path / "c").read_text() == "a" and not (tmp_path / "a").exists()
+
+
+def test_a_short_append_is_undone_and_raised(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fila import fsutil
+
+    log = tmp_path / "events"
+    fsutil.append_line(log, "first")
+    real = os.write
+    monkeypatch.setattr(os, "write", lambda fd, data: real(fd, data[:3]))
+    with pytest.raises(OSError):
+        fsutil.append_line(log, "second-line")
+    monkeypatch.undo()
+    fsutil.append_line(log, "third")
+    assert log.read_text() == "first\nthird\n"
+
+
+@pytest.mark.parametrize("ttl", ["0", "-5", "1", "nan", "soon"])
+def test_a_lease_ttl_that_would_reap_live_workers_is_refused(
+    ttl: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fila.errors import InvalidInput
+    from fila.lease import lease_ttl
+
+    monkeypatch.setenv("FILA_LEASE_TTL", ttl)
+    with pytest.raises(InvalidInput):
+        lease_ttl()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import os
 import subprocess
 import tempfile
@@ -80,13 +82,51 @@ def durable_rename(src: Path, dst: Path) -> None:
 
 
 def append_line(path: Path, line: str) -> None:
-    """Append one line durably; O_APPEND keeps concurrent writers' lines whole."""
+    """Append one line durably; O_APPEND keeps concurrent writers' lines whole. A short write
+    (a full disk) is undone and raised: a torn line would glue itself to the next event."""
+    data = line.encode() + b"\n"
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
-        os.write(fd, line.encode() + b"\n")
+        start = os.fstat(fd).st_size
+        try:
+            written = os.write(fd, data)
+            if written != len(data):
+                raise OSError(errno.ENOSPC, f"short write appending to {path}")
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, start)
+            raise
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_RENAME_NOREPLACE = 1
+_AT_FDCWD = -100
+
+
+def rename_noreplace(src: Path, dst: Path) -> None:
+    """rename(2) that refuses to replace `dst` (FileExistsError), atomically where the kernel
+    and filesystem offer renameat2(RENAME_NOREPLACE); else link() + unlink(). Durable."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        fn = None
+    if fn is not None:
+        if fn(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_NOREPLACE) == 0:
+            fsync_dir(dst.parent)
+            if src.parent != dst.parent:
+                fsync_dir(src.parent)
+            return
+        err = ctypes.get_errno()
+        if err not in (errno.ENOSYS, errno.EINVAL):
+            raise OSError(err, os.strerror(err), str(src), None, str(dst))
+    os.link(src, dst)
+    os.unlink(src)
+    fsync_dir(dst.parent)
+    if src.parent != dst.parent:
+        fsync_dir(src.parent)
 
 
 def remove_tree(path: Path) -> None:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
+from .errors import InvalidInput
 from .layout import Root
 from .models import now_iso
 
@@ -35,11 +36,22 @@ AliveFn = Callable[[str], Liveness]
 
 
 def lease_ttl() -> float:
-    """The lease TTL in seconds; FILA_LEASE_TTL overrides the default (ops and tests)."""
-    try:
-        return float(os.environ.get("FILA_LEASE_TTL", LEASE_TTL_S))
-    except ValueError:
+    """The lease TTL in seconds; FILA_LEASE_TTL overrides the default (ops and tests).
+
+    A TTL shorter than a few heartbeats would reap live workers: refused, not clipped."""
+    raw = os.environ.get("FILA_LEASE_TTL")
+    if raw is None:
         return LEASE_TTL_S
+    try:
+        ttl = float(raw)
+    except ValueError:
+        ttl = -1.0
+    if not ttl >= 3 * HEARTBEAT_S:  # also refuses nan
+        raise InvalidInput(
+            f"FILA_LEASE_TTL={raw!r} is not a number of seconds of at least {3 * HEARTBEAT_S:g}",
+            hint=f"unset it for the default ({LEASE_TTL_S:g} s)",
+        )
+    return ttl
 
 
 def this_host() -> str:

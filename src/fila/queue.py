@@ -356,6 +356,9 @@ def try_claim(root: Root, src: Path, worker: str) -> Claim | None:
         return None
     claim = Claim(task_id, worker, secrets.token_hex(4), root.run_dir)
     try:
+        # rename keeps the mtime, and the claim's mtime is its heartbeat: a task that waited
+        # longer than the lease TTL would look stale the moment it is claimed.
+        os.utime(src)
         fsutil.durable_rename(src, claim.path)
     except FileNotFoundError:
         return None  # another worker won
@@ -497,10 +500,19 @@ def hand_back(root: Root, claim: Claim, *, suffix: str = "json", error: ErrorInf
             return False
         if mine and cur is not None and cur.container_started:
             raise Refused(f"task {tid}: its container started; it cannot be requeued silently")
-        try:
-            fsutil.durable_rename(claim.tombstone(suffix), root.queued_path(tid))
-        except FileNotFoundError:
-            return False
+        dst = root.queued_path(tid)
+        while True:
+            try:
+                fsutil.rename_noreplace(claim.tombstone(suffix), dst)
+                break
+            except FileNotFoundError:
+                return False
+            except FileExistsError:
+                # Someone dropped a new file with this id while it was claimed: a duplicate id,
+                # kept aside with the reason (never silently replaced, never deleted).
+                with contextlib.suppress(FileNotFoundError):
+                    reject_file(root, dst, f"task id {tid} was claimed when this file appeared; "
+                                "duplicate ids are refused", name=f"{tid}.json")
         crash_point("during_hand_back")
         if mine:
             transition_locked(root, tid, cur, S.queued, expect={S.running}, task=None, event=event,
