@@ -101,13 +101,14 @@ def compute_diff(
     tmp = Path(tempfile.mkdtemp(prefix="fila-diff-", dir=scratch))
     patch: Path | None = None
     try:
-        git = _Git(tmp)
+        imps = _Importers(tmp)
         with Tree(job_dir / "input") as before, Tree(job_dir / "work") as after:
-            changed = _import_changes(git, before, after, policy, skip, notes)
+            changed = _import_changes(imps, before, after, policy, skip, notes)
         if not changed:
             patch, digest, size = _write_temp(job_dir, out_name, iter(()), policy.max_diff_bytes)
             stat_ = DiffStat()
         else:
+            git = imps.git
             # Two diff-tree runs over the same two trees, side by side: the stat and the patch.
             numstat = git.popen(["diff-tree", "-r", "--numstat", "-z", "--no-renames",
                                  "refs/fila/input", "refs/fila/work"])  # fmt: skip
@@ -223,8 +224,34 @@ class _Git:
             raise InfraError(f"{what} failed (exit {proc.returncode}): {tail}")
 
 
+class _Importers:
+    """The repository and one fast-import per side, started at the first difference: an
+    unchanged work/ (a no-op task) runs no git process at all."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self._git: _Git | None = None
+        self.pair: tuple[_Importer, _Importer] | None = None
+
+    @property
+    def git(self) -> _Git:
+        if self._git is None:
+            self._git = _Git(self.tmp)
+        return self._git
+
+    def __getitem__(self, side: int) -> _Importer:
+        if self.pair is None:
+            # One fast-import per side, run in parallel: hashing (SHA-1DC) is what costs most.
+            self.pair = (_Importer(self.git, b"refs/fila/input"),
+                         _Importer(self.git, b"refs/fila/work"))
+        return self.pair[side]
+
+    def started(self) -> tuple[_Importer, ...]:
+        return self.pair or ()
+
+
 def _import_changes(
-    git: _Git,
+    imps: _Importers,
     before: Tree,
     after: Tree,
     policy: Policy,
@@ -237,8 +264,6 @@ def _import_changes(
     out spares hashing and compressing the whole project. Each file is read once, except a large
     (> 1 MiB) one that turns out to differ, which is read again to stream it.
     """
-    # One fast-import per side, run in parallel: hashing (SHA-1DC) is what costs most in git.
-    imps = (_Importer(git, b"refs/fila/input"), _Importer(git, b"refs/fila/work"))
     changed = False
     try:
         pairs = _pairs(_entries(before, policy, skip, None), _entries(after, policy, skip, notes))
@@ -246,12 +271,12 @@ def _import_changes(
             changed |= _one(imps, before, after, a, b, policy.max_work_bytes, notes,
                             policy.max_diff_bytes)
     except BaseException:
-        for imp in imps:
+        for imp in imps.started():
             imp.abort()
         raise
-    for imp in imps:
+    for imp in imps.started():
         imp.close()
-    for imp in imps:
+    for imp in imps.started():
         imp.wait()
     return changed
 
@@ -341,7 +366,7 @@ def _mode(e: Entry) -> bytes:
 
 
 def _one(
-    imps: tuple[_Importer, _Importer], before: Tree, after: Tree, a: Entry | None,
+    imps: _Importers, before: Tree, after: Tree, a: Entry | None,
     b: Entry | None, max_bytes: int, notes: _Notes, max_changed: int,
 ) -> bool:  # fmt: skip
     """Add the path to both trees if it differs between input/ and work/.
@@ -373,7 +398,7 @@ def _one(
 
 
 def _compare_files(
-    imps: tuple[_Importer, _Importer], before: Tree, after: Tree, a: Entry, b: Entry, max_bytes: int,
+    imps: _Importers, before: Tree, after: Tree, a: Entry, b: Entry, max_bytes: int,
     max_changed: int,
 ) -> bool:
     fa, size_a = before.open(a.rel, max_bytes=max_bytes)

@@ -1,0 +1,3 @@
+from bench.harness import main
+
+raise SystemExit(main())

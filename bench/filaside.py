@@ -1,0 +1,74 @@
+"""The fila side: queue roots, no-op tasks, the image, the records a run left."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from bench.common import fila_cmd, run
+from bench.floor import IMAGE
+
+
+def init_root(path: Path) -> Path:
+    run([*fila_cmd(), "init", "--root", str(path)])
+    return path
+
+
+def submit_noops(root: Path, project: Path, n: int, *, command: str = "true") -> list[str]:
+    """Queue `n` shell tasks running `command` on the whole project (in-process: not timed)."""
+    from fila.cycle import submit
+    from fila.layout import Root
+    from fila.models import Task
+
+    r = Root.at(root)
+    ids = []
+    for i in range(n):
+        task = Task(id=f"t{i:04d}", engine="shell", command=command, targets=["."],
+                    project=str(project))
+        ids.append(submit(r, task).id)
+    return ids
+
+
+def records(root: Path) -> list[Any]:
+    from fila.layout import Root
+    from fila.queue import all_records
+
+    return all_records(Root.at(root))
+
+
+class Failures:
+    """Tasks fila did not take to needs_review: a no-op task must never fail, so each one is
+    reported with the table (the run goes on, so the rest is still measured)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.total = 0
+        self.first: str = ""
+
+    def check(self, root: Path, n: int) -> list[Any]:
+        """The records under `root`; counts those that are not needs_review (or missing)."""
+        recs = records(root)
+        self.total += n
+        bad = [r for r in recs if r.status != "needs_review"]
+        self.count += len(bad) + max(0, n - len(recs))
+        if bad and not self.first:
+            r = bad[0]
+            msg = r.error.message if r.error else ""
+            self.first = f"{r.id} {r.status}: {msg.splitlines()[0] if msg else ''}"[:300]
+        return [r for r in recs if r.status == "needs_review"]
+
+    def note(self) -> str:
+        return f"fila FAILED {self.count}/{self.total} no-op tasks ({self.first})" if self.count else ""
+
+
+def ensure_image() -> None:
+    """The shell engine's image, built once when missing (`fila images build shell`)."""
+    p = subprocess.run(["docker", "image", "inspect", IMAGE], capture_output=True, check=False)
+    if p.returncode != 0:
+        run([*fila_cmd(), "images", "build", "shell"], stderr=None)
+
+
+def help_text(*args: str) -> str:
+    p = subprocess.run([*fila_cmd(), *args, "--help"], capture_output=True, text=True, check=False)
+    return p.stdout
