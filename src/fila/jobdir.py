@@ -269,17 +269,27 @@ def reclaim(job_dir: Path, *, owner: tuple[int, int] | None = None) -> list[str]
     work = job_dir / "work"
     if work.is_symlink() or not work.is_dir():
         return warnings  # the diff refuses it, and says so
-    # Looked for before chown, which clears setuid bits by itself and would hide them.
-    special = _tool("find", str(work), "-perm", "/7000", "-not", "-type", "l", "-print0")
+    # One pass over work/ finds both what to strip and what to remove, before chown (which clears
+    # setuid bits by itself and would hide them); chmod runs only when something needs it.
+    found = _tool("find", str(work), "(", "-iname", ".git", "-prune", "-printf", "G%p\\0", ")",
+                  "-o", "(", "-not", "-type", "l", "-perm", "/7022", "-printf", "M%m %p\\0", ")")
+    gits, loose, special = [], False, []
+    for item in (x for x in found.split("\0") if x):
+        if item[0] == "G":
+            gits.append(item[1:])
+            continue
+        mode, _, name = item[1:].partition(" ")
+        loose = True
+        if int(mode, 8) & 0o7000:
+            special.append(name)
     if owner is not None:
         _tool("chown", "-R", "-h", f"{owner[0]}:{owner[1]}", "--", str(work))
     if special:
-        names = [os.path.relpath(n, work) for n in special.split("\0") if n][:5]
         warnings.append("setuid/setgid/sticky bits stripped in work/: "
-                        + ", ".join(escape_name(n) for n in names))
-    _tool("chmod", "-R", "ug-s,-t,go-w", "--", str(work))
-    gits = _tool("find", str(work), "-mindepth", "1", "-iname", ".git", "-prune", "-print0")
-    for name in (n for n in gits.split("\0") if n):
+                        + ", ".join(escape_name(os.path.relpath(n, work)) for n in special[:5]))
+    if loose:
+        _tool("chmod", "-R", "ug-s,-t,go-w", "--", str(work))
+    for name in gits:
         warnings.append(f"removed {escape_name(os.path.relpath(name, work))} from work/: "
                         "git metadata is never copied in or applied")
         fsutil.remove_tree(Path(name))
