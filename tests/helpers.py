@@ -20,3 +20,33 @@ def make_root(path: Path) -> Root:
 
 def shell_task(command: str = "true", targets: list[str] | None = None, **kw: object) -> Task:
     return Task(engine="shell", command=command, targets=targets or ["greeting.txt"], **kw)
+
+
+class FakeContainer:
+    def __init__(self, cid: str, labels: dict[str, str], status: str = "running") -> None:
+        self.id, self.name, self.labels, self.status = cid, f"fila-{cid}", labels, status
+        self.attrs: dict[str, object] = {"State": {"ExitCode": 0}}
+
+
+class FakeDocker:
+    """A Docker client for recovery's file-level tests: it answers, lists `containers` (all of
+    them, whatever the filter), and removes them; with `fail_remove` every removal fails as a
+    daemon error would. Tests that need the real daemon use the `docker_client` fixture."""
+
+    def __init__(self, containers: list[FakeContainer] | None = None, *,
+                 fail_remove: bool = False) -> None:
+        from types import SimpleNamespace
+
+        self.items = list(containers or [])
+        self.removed: list[str] = []
+        self.fail_remove = fail_remove
+        self.containers = SimpleNamespace(list=lambda **_kw: list(self.items))
+        self.api = SimpleNamespace(remove_container=self._remove)
+
+    def _remove(self, cid: str, **_kw: object) -> None:
+        from docker.errors import APIError
+
+        if self.fail_remove:
+            raise APIError("removal failed (injected)")
+        self.removed.append(cid)
+        self.items = [c for c in self.items if c.id != cid]

@@ -36,8 +36,9 @@ CLI = [sys.executable, "-c", "from fila.cli import main; main()"]
 
 
 def fila(root: Root, *args: str, crash: str | None = None, check: bool = False,
-         timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "FILA_ROOT": str(root.path)}
+         timeout: float = 120, env_extra: dict[str, str] | None = None,
+         ) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "FILA_ROOT": str(root.path), **(env_extra or {})}
     env.pop("FILA_CRASH_AT", None)
     if crash:
         env["FILA_CRASH_AT"] = crash
@@ -201,4 +202,110 @@ def test_sigkill_of_a_busy_worker_with_two_jobs_settles_both(
     fila(proj, "recover", check=True)
     states = assert_one_state_each(proj, ["t0", "t1", "t2"])
     assert sorted(states.values()) == sorted([S.queued, S.needs_human, S.needs_human])
+    assert containers_left(docker_client, proj) == []
+
+
+# -- zombies: a worker frozen (SIGSTOP) at a point, its lease expired, then resumed (SIGCONT) ----
+
+
+def frozen_worker(root: Root, point: str) -> subprocess.Popen[bytes]:
+    """`fila run --once` that SIGSTOPs itself at `point` (FILA_CRASH_AT=<point>:stop). The
+    caller must SIGKILL it in a `finally` (`kill_worker`)."""
+    env = {**os.environ, "FILA_ROOT": str(root.path), "FILA_CRASH_AT": f"{point}:stop"}
+    p = subprocess.Popen([*CLI, "run", "--once"], env=env, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while _proc_state(p.pid) != "T":
+        if p.poll() is not None or time.time() > deadline:
+            kill_worker(p)
+            pytest.fail(f"the worker did not stop at {point} (exit {p.returncode})")
+        time.sleep(0.05)
+    return p
+
+
+def _proc_state(pid: int) -> str:
+    """"T" once every thread of the process is stopped."""
+    states = set()
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        with contextlib.suppress(FileNotFoundError, IndexError):
+            states.add(stat.read_text().rpartition(")")[2].split()[0])
+    return "T" if states == {"T"} else "?"
+
+
+def kill_worker(p: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        p.kill()  # SIGKILL ends a stopped process too
+    p.wait(timeout=30)
+
+
+def expire_lease(root: Root, tid: str) -> None:
+    """The frozen worker's heartbeat stopped long ago: its claim is stale by the lease TTL."""
+    (claim,) = [p for p in queue.claim_files(root, tid) if p.suffix == ".json"]
+    old = time.time() - 3600
+    os.utime(claim, (old, old))
+
+
+@pytest.mark.parametrize("docker_at_recovery", ["down", "up"])
+def test_a_zombie_worker_never_starts_its_engine_after_recovery_took_its_task(
+        proj: Root, docker_client: docker.DockerClient, started_containers: Starts,
+        docker_at_recovery: str) -> None:
+    fila(proj, "submit", "--id", "t1", "--engine", "shell", "--command",
+         "echo world >> greeting.txt", "--target", "greeting.txt", check=True)
+    # Frozen with its container created and container_started=True durable, not yet started.
+    p = frozen_worker(proj, "after_checkpoint")
+    try:
+        expire_lease(proj, "t1")
+        assert len(containers_left(docker_client, proj)) == 1
+        if docker_at_recovery == "down":
+            rep = json.loads(fila(proj, "recover", "--json", check=True, env_extra={
+                "DOCKER_HOST": "unix:///nonexistent"}).stdout)
+            assert "undecided" in [a["action"] for a in rep["actions"]], rep
+            fila(proj, "recover", "--no-docker", check=True)
+            assert queue.get_record(proj, "t1").status == S.running, \
+                "nobody decides while the container may still be started"
+            assert fila(proj, "reject", "t1", "--by", "tester").returncode != 0
+        else:
+            fila(proj, "recover", check=True)  # removes the container, then decides
+            assert containers_left(docker_client, proj) == []
+            assert queue.get_record(proj, "t1").status == S.needs_human
+            fila(proj, "reject", "t1", "--by", "tester", check=True)
+        os.kill(p.pid, signal.SIGCONT)
+        p.wait(timeout=120)
+    finally:
+        kill_worker(p)
+    assert started_containers.count() == 0, "the zombie never started the engine"
+    fila(proj, "recover", check=True)
+    if docker_at_recovery == "down":
+        assert queue.get_record(proj, "t1").status == S.needs_human
+        fila(proj, "reject", "t1", "--by", "tester", check=True)
+    assert queue.get_record(proj, "t1").status == S.rejected
+    assert not queue.claim_files(proj, "t1")
+    assert containers_left(docker_client, proj) == []
+    assert "+world" not in (proj.path / "greeting.txt").read_text()
+
+
+def test_a_zombie_worker_never_wipes_a_later_attempts_finished_job_directory(
+        proj: Root, docker_client: docker.DockerClient, started_containers: Starts) -> None:
+    fila(proj, "submit", "--id", "t1", "--engine", "shell", "--command",
+         "echo world >> greeting.txt", "--target", "greeting.txt", check=True)
+    p = frozen_worker(proj, "after_begin")  # running, attempt 1, no job directory yet
+    try:
+        expire_lease(proj, "t1")
+        fila(proj, "recover", check=True)
+        assert queue.get_record(proj, "t1").status == S.queued, "never started: requeued"
+        fila(proj, "run", "--once", check=True)
+        rec = queue.get_record(proj, "t1")
+        assert rec.status == S.needs_review and rec.attempt == 2 and rec.patch_path
+        patch = (proj.path / rec.patch_path).read_bytes()
+        os.kill(p.pid, signal.SIGCONT)
+        p.wait(timeout=120)
+    finally:
+        kill_worker(p)
+    assert queue.get_record(proj, "t1") == rec, "the zombie changed nothing"
+    assert (proj.path / rec.patch_path).read_bytes() == patch, "DIFF.patch is intact"
+    assert started_containers.count() == 1
+    events = [e for e in queue.read_events(proj, "t1") if e["event"] == "result discarded"]
+    assert events, "the zombie's attempt ends as a discarded result"
+    fila(proj, "apply", "t1", "--yes", "--by", "tester", check=True)
+    assert (proj.path / "greeting.txt").read_text() == "hello\nworld\n"
     assert containers_left(docker_client, proj) == []

@@ -20,7 +20,7 @@ from fila.errors import InvalidTransition
 from fila.layout import Root
 from fila.models import ErrorInfo, ErrorKind, Status
 
-from .helpers import make_root, shell_task
+from .helpers import FakeContainer, FakeDocker, make_root, shell_task
 
 S = Status
 GONE: lease.AliveFn = lambda _w: "gone"  # noqa: E731
@@ -34,8 +34,10 @@ def root(tmp_path: Path) -> Root:
     return r.require()
 
 
-def recover(root: Root, alive: lease.AliveFn = GONE, ttl: float = 60) -> recovery.Report:
-    return recovery.recover(root, docker=False, alive=alive, ttl=ttl)
+def recover(root: Root, alive: lease.AliveFn = GONE, ttl: float = 60,
+            client: object = None) -> recovery.Report:
+    """Recovery with a Docker that answers and holds no container (unless `client` is given)."""
+    return recovery.recover(root, client=client or FakeDocker(), alive=alive, ttl=ttl)
 
 
 def actions(root: Root, tid: str) -> list[str]:
@@ -237,7 +239,12 @@ def test_recover_and_status_commands(root: Root) -> None:
     assert d["stale_claims"] and "gone" in d["stale_claims"][0]["stale"]
     res = runner.invoke(app, ["recover", "--root", str(root.path), "--no-docker", "--json"])
     assert res.exit_code == 0, res.output
-    assert {"reaped", "needs_human"} <= {a["action"] for a in json.loads(res.output)["actions"]}
+    assert {"reaped", "undecided"} <= {a["action"] for a in json.loads(res.output)["actions"]}
+    assert queue.get_record(root, "t1").status == S.running, "--no-docker decides no started task"
+    res = runner.invoke(app, ["retry", "t1", "--root", str(root.path), "--by", "ana"])
+    assert res.exit_code != 0, "nobody decides while its container may exist"
+    recover(root)  # Docker answers: no container left
+    assert queue.get_record(root, "t1").status == S.needs_human
     res = runner.invoke(app, ["retry", "t1", "--root", str(root.path), "--by", "ana"])
     assert res.exit_code == 0, res.output
     assert queue.get_record(root, "t1").status == S.queued
@@ -261,3 +268,80 @@ def test_a_result_of_an_earlier_attempt_is_never_published_over_a_later_one(root
     rec = queue.finish_done(root, c, S.needs_review, {"patch_path": "p", "patch_sha256": "0"},
                             attempt=1)
     assert rec is not None and rec.status == S.needs_review
+
+
+@pytest.mark.parametrize("docker", ["off", "removal fails"])
+def test_a_started_task_is_never_decided_while_its_container_may_still_exist(
+        root: Root, docker: str) -> None:
+    # A frozen worker's container, created and marked started: the worker may wake up and start
+    # it. Recovery that cannot make sure it is gone must not decide (a person would then
+    # reject or retry while the engine runs).
+    c = started(root)
+    box = FakeContainer("c1", {"fila.job": "t1", "fila.worker": "w1"}, status="created")
+    if docker == "off":
+        rep = recovery.recover(root, docker=False, alive=GONE, ttl=60)
+    else:
+        rep = recover(root, client=FakeDocker([box], fail_remove=True))
+    assert queue.get_record(root, "t1").status == S.running
+    assert c.tombstone("reaped").exists(), "the tombstone fences the worker and blocks retry"
+    assert "undecided" in [a.action for a in rep.actions]
+    with pytest.raises(InvalidTransition):
+        queue.set_status(root, "t1", S.rejected, expect={S.needs_human, S.failed})
+    with pytest.raises(InvalidTransition):
+        queue.retry(root, "t1", by="ana")
+    dk = FakeDocker([box])
+    recover(root, client=dk)  # a later pass, Docker answers: removed first, then decided
+    assert dk.removed == ["c1"]
+    rec = queue.get_record(root, "t1")
+    assert rec.status == S.needs_human and not queue.claim_files(root, "t1")
+    assert rec.diagnosis and "found and removed" in rec.diagnosis
+
+
+def test_a_running_record_without_a_claim_is_not_decided_while_its_container_may_exist(
+        root: Root) -> None:
+    c = started(root)
+    c.path.unlink()
+    recovery.recover(root, docker=False, alive=ALIVE, ttl=60)
+    assert queue.get_record(root, "t1").status == S.running
+    recover(root, alive=ALIVE)
+    assert queue.get_record(root, "t1").status == S.needs_human
+
+
+def test_the_container_sweep_never_removes_the_container_of_a_claim_it_did_not_reap(
+        root: Root) -> None:
+    c = started(root)
+    mine = FakeContainer("c1", {"fila.job": "t1", "fila.worker": "w1"})
+    orphan = FakeContainer("c2", {"fila.job": "t2", "fila.worker": "w9"})
+    zombie = FakeContainer("c3", {"fila.job": "t1", "fila.worker": "w0"})  # an older claim's
+    calls: list[str] = []
+
+    def alive_then_gone(_w: str) -> lease.Liveness:
+        # Fresh while claims are settled, stale by the time containers are swept (a lease that
+        # expires between the two, or a freshly claimed file that still has its old mtime).
+        calls.append(_w)
+        return "alive" if len(calls) == 1 else "gone"
+
+    dk = FakeDocker([mine, orphan, zombie])
+    recover(root, alive=alive_then_gone, client=dk)
+    assert sorted(dk.removed) == ["c2", "c3"], "only containers no claim file accounts for"
+    assert c.path.exists() and queue.get_record(root, "t1").status == S.running
+
+
+def test_a_status_change_whose_event_was_lost_is_logged_by_recovery(root: Root) -> None:
+    c = begun(root)
+    # A crash between the record write and its event: write the record as set_status would,
+    # without the event.
+    rec = queue.get_record(root, "t1")
+    rec = rec.model_copy(update={"status": S.needs_human, "error": ErrorInfo(
+        kind=ErrorKind.interrupted, message="x"), "attempts": [rec.attempts[-1].model_copy(
+            update={"ended_at": "2026-01-01T00:00:00Z", "outcome": "lost"})]})
+    fsutil.atomic_write(root.record_path("t1"), rec.to_json())
+    c.path.unlink()
+    recover(root)
+    ev = [e for e in queue.read_events(root, "t1") if e.get("action") == "event lost"]
+    assert len(ev) == 1 and ev[0]["from"] == "running" and ev[0]["to"] == "needs_human"
+    recover(root)
+    assert len([e for e in queue.read_events(root, "t1") if e.get("action") == "event lost"]) == 1
+    queue.enqueue(root, "t2", shell_task())
+    recover(root)
+    assert "event lost" not in actions(root, "t2"), "a complete log is left alone"

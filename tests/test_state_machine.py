@@ -27,7 +27,7 @@ from fila.errors import InvalidTransition, Refused
 from fila.layout import Root
 from fila.models import ErrorInfo, ErrorKind, Status
 
-from .helpers import shell_task
+from .helpers import FakeDocker, shell_task
 
 S = Status
 
@@ -187,7 +187,8 @@ class QueueMachine(RuleBasedStateMachine):
 
     @rule()
     def recover(self) -> None:
-        recovery.recover(self.root, docker=False, ttl=1e9, alive=self._alive)
+        # A Docker that answers and holds no container: recovery may decide started tasks.
+        recovery.recover(self.root, client=FakeDocker(), ttl=1e9, alive=self._alive)
 
     # -- people ----------------------------------------------------------------------------
 
@@ -273,7 +274,7 @@ class QueueMachine(RuleBasedStateMachine):
 
 
 def _after_recover_nothing_is_stale(m: QueueMachine) -> None:
-    recovery.recover(m.root, docker=False, ttl=1e9, alive=m._alive)
+    recovery.recover(m.root, client=FakeDocker(), ttl=1e9, alive=m._alive)
     for c, suffix in queue.claims(m.root):
         assert c.worker not in m.dead | m.stalled or suffix not in ("json", "reaped"), c.name
 

@@ -372,3 +372,33 @@ def test_start_up_does_not_wait_for_recovery(proj: Root) -> None:
         os.close(fd)
     assert res.returncode == 0, res.stderr
     assert status_of(proj, "t0") == S.needs_review
+
+
+def test_the_heartbeat_thread_marks_a_reaped_job_lost_so_its_next_check_stops_it(
+        proj: Root, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    from fila import lease
+    from fila import worker as wmod
+
+    from .helpers import shell_task
+
+    monkeypatch.setattr(lease, "HEARTBEAT_S", 0.05)
+    w = wmod.Worker(proj, client_factory=lambda: None)
+    queue.enqueue(proj, "t1", shell_task())
+    c = queue.try_claim(proj, proj.queued_path("t1"), w.id)
+    assert c is not None
+    job = wmod._Job(w, c)
+    w.active[c.name] = job
+    beats = threading.Thread(target=w._heartbeats, daemon=True)
+    beats.start()
+    try:
+        time.sleep(0.2)
+        job.check()  # its claim is there: nothing to stop
+        assert queue.win(c, "reaped")  # recovery takes the claim
+        wait_for(job.lost.is_set, 5, "the heartbeat thread to notice")
+        with pytest.raises(queue.LeaseLost):
+            job.check()
+    finally:
+        w.stopped.set()
+        beats.join(timeout=5)

@@ -168,6 +168,18 @@ class _Run:
     def checkpoint(self, **fields: Any) -> None:
         queue.checkpoint(self.root, self.claim, **fields)
 
+    def fence(self) -> None:
+        """Raise LeaseLost unless the claim is still this worker's and the record is running for
+        this attempt. Checked before each step with a side effect outside the record (rebuilding
+        the job directory, starting the container): a zombie whose claim was reaped must not
+        touch a later attempt's job directory or start an engine after recovery decided."""
+        if not queue.holds(self.claim):
+            raise queue.LeaseLost(f"{self.claim.name}: the claim is gone")
+        cur = queue.read_record(self.root, self.tid)
+        if cur is None or cur.status != Status.running or cur.worker != self.claim.worker \
+                or cur.attempt != self.attempt:
+            raise queue.LeaseLost(f"{self.claim.name}: the record is no longer this claim's")
+
     def heartbeat(self) -> None:
         """Called by the sandbox every second while the container runs: the lease, then a stop."""
         self.beats += 1
@@ -328,6 +340,7 @@ def _run_engines(run: _Run, checked: Checked, ref: Any, attempt: int, t0: float)
                 raise ImageMissing(f"fallback image {image} is not built", task_id=tid,
                                    hint=f"run `fila images build {name}`")
         t = time.monotonic()
+        run.fence()  # under the job lock: a reaped zombie never wipes a later attempt's job dir
         prep = jobdir.prepare(root, tid, task, checked.policy, checked.effective)
         run.timings["prepare"] = round(time.monotonic() - t, 3)
         crash_point("after_job_dir")
@@ -353,6 +366,9 @@ def _run_engines(run: _Run, checked: Checked, ref: Any, attempt: int, t0: float)
             run.checkpoint(container=container_id, container_started=True, engine=engine_name,
                            image=image_ref, policy=checked.policy_ref, event="container started")
             crash_point("after_checkpoint")
+            # The sandbox starts the container as soon as this returns: re-check the fence, so a
+            # worker frozen since its checkpoint whose claim was reaped meanwhile stops here.
+            run.fence()
 
         t = time.monotonic()
         result = sandbox.run(spec, client=run.client, before_start=before_start,

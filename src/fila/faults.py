@@ -6,6 +6,11 @@ when it reaches that point of the cycle, exactly as a power cut or the OOM kille
 task is in exactly one state. It is a fault-injection hook, not a test mode: nothing else in fila
 behaves differently when it is set, and with the variable unset each point costs one dict lookup.
 
+`FILA_CRASH_AT=after_checkpoint:stop` SIGSTOPs the process at that point instead: a frozen worker
+(a zombie) that a test can let the lease expire on, then resume with SIGCONT to check that every
+write and every side effect it attempts afterwards is fenced off. A test that stops a process must
+SIGKILL it in a `finally`.
+
 The points, in the order a task meets them (cycle.py, queue.py):
     after_claim            the task file was renamed into fila/run/, the record still says queued
     after_begin            the record says running (attempt + 1); no job directory yet
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 POINTS = (
     "after_claim", "after_begin", "after_job_dir", "after_checkpoint", "after_container_start",
@@ -36,7 +42,17 @@ ENV = "FILA_CRASH_AT"
 
 
 def crash_point(name: str) -> None:
-    """SIGKILL this process if `name` is listed in FILA_CRASH_AT."""
+    """SIGKILL this process if `name` is listed in FILA_CRASH_AT; SIGSTOP it if `name:stop` is."""
     wanted = os.environ.get(ENV)
-    if wanted and name in wanted.split(","):
-        os.kill(os.getpid(), signal.SIGKILL)
+    if not wanted:
+        return
+    for item in wanted.split(","):
+        point, _, action = item.partition(":")
+        if point == name:
+            if action == "stop":
+                # To this thread: it stops before it runs another instruction. A SIGSTOP sent to
+                # the process may be taken by another thread, and this one runs on meanwhile.
+                signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
+            else:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return

@@ -5,18 +5,24 @@ What it settles, each step an event in the task's log (and in fila/state/recover
 - a stale claim (its worker is gone, or its heartbeat is older than the lease TTL): reaped by
   renaming it to `.reaped` (the race with the worker's `.done`), then
   - container not started: back to fila/in/ (attempt counted; failed after MAX_INFRA_ATTEMPTS),
-  - container started: `needs_human`, with a diagnosis (worker, how long it ran, the container as
-    found, what work/ holds, kept as DIFF.patch evidence); the container is removed,
+  - container started: the container is removed, then `needs_human`, with a diagnosis (worker,
+    how long it ran, the container as found, what work/ holds, kept as DIFF.patch evidence). Only
+    once Docker confirmed no container of the job is left: until then (Docker down, removal
+    failed, `--no-docker`) the `.reaped` tombstone stays and a later pass decides, because a
+    frozen worker could still start the engine after a person's decision,
   - never begun (record still queued, or a dropped file without a record): back to fila/in/,
   - the record is another claim's or final: the file is a duplicate, kept in fila/rejected/;
 - a `.done` tombstone of a dead worker: its outcome is published from result.json;
 - a `.reaped` tombstone (a recovery was killed): settled as above;
 - a queued record without its file (submit or retry killed between its writes): file rewritten;
-- a running record without any claim: requeued (file back from the record) or needs_human;
+- a running record without any claim: requeued (file back from the record) or needs_human
+  (after its container is confirmed gone);
+- a record whose status differs from the last status change in its log (a crash between the
+  record write and its event): an `event lost` event with `from`/`to`;
 - a file in fila/in/ whose record is running without a claim: the hand back is completed;
 - a file in fila/in/ for a task that is already past queued: a duplicate, kept in fila/rejected/;
 - temp files of atomic writes older than the lease TTL;
-- fila's containers of this root whose job holds no live claim: removed by label.
+- fila's containers of this root whose worker holds no claim file of their task: removed.
 
 One recovery at a time per root (a flock); it is safe while workers run.
 """
@@ -86,11 +92,14 @@ class _Docker:
                 self.error = f"unavailable: {e.message}"
         return self.client
 
-    def job_containers(self, root: Root, tid: str) -> tuple[list[str], str]:
-        """Describe and remove the job's containers: (names removed, what was found)."""
+    def job_containers(self, root: Root, tid: str) -> tuple[list[str], str, bool]:
+        """Describe and remove the job's containers: (ids removed, what was found, gone). `gone`
+        is True only when Docker answered and no container of the job is left: until then a
+        frozen worker may still start its engine, so nothing may be decided."""
         client = self.get()
         if client is None:
-            return [], f"Docker did not answer, so the container could not be checked ({self.error})"
+            return [], (f"Docker did not answer, so the container could not be checked "
+                        f"({self.error})"), False
         from .sandbox import find_containers
 
         try:
@@ -106,10 +115,10 @@ class _Docker:
                 seen.append(desc)
                 removed += _remove(client, c)
         except (InfraError, *_docker_errors()) as e:
-            return [], f"Docker failed while checking the container: {e}"
+            return [], f"Docker failed while checking or removing the container: {e}", False
         if not seen:
-            return [], "no container of this job was found"
-        return removed, "container " + "; ".join(seen) + " was found and removed"
+            return [], "no container of this job was found", True
+        return removed, "container " + "; ".join(seen) + " was found and removed", True
 
 
 @contextlib.contextmanager
@@ -151,7 +160,7 @@ def recover(root: Root, *, client: Any = None, docker: bool = True, ttl: float |
             except (FilaError, OSError, ValueError) as e:
                 rep.add(root, tid, "error", f"could not settle: {e}")
         _sweep_temp_files(root, ttl, rep)
-        _sweep_containers(root, ttl, alive, dk, rep)
+        _sweep_containers(root, dk, rep)
         lease.forget_dead_workers(root)
         rep.docker = dk.error or ("ok" if dk.client is not None else "not needed")
     return rep
@@ -160,7 +169,8 @@ def recover(root: Root, *, client: Any = None, docker: bool = True, ttl: float |
 def _settle_claim(root: Root, claim: queue.Claim, suffix: str, ttl: float,
                   alive: lease.AliveFn | None, dk: _Docker, rep: Report) -> None:
     if suffix == "reaped":  # a recovery was killed after winning: we hold the recovery lock now
-        _settle_reaped(root, claim, "an earlier recovery was interrupted", None, dk, rep)
+        _settle_reaped(root, claim, "reaped by an earlier recovery that was interrupted or could "
+                       "not make sure its container was gone", None, dk, rep)
         return
     if suffix not in ("json", "done"):
         return
@@ -203,7 +213,7 @@ def _settle_reaped(root: Root, claim: queue.Claim, why: str, last_beat: float | 
     assert rec is not None
     if not rec.container_started:
         tries = infra_tries(rec) + 1
-        removed, _seen = dk.job_containers(root, tid) if dk.enabled else ([], "")
+        removed, _seen, _gone = dk.job_containers(root, tid) if dk.enabled else ([], "", False)
         rep.containers_removed += removed
         err = ErrorInfo(kind=ErrorKind.infra,
                         message=f"the worker was lost before the container started: {why}")
@@ -216,8 +226,15 @@ def _settle_reaped(root: Root, claim: queue.Claim, why: str, last_beat: float | 
             rep.add(root, tid, "requeued", f"its container had not started; attempt {tries} "
                                            f"of {MAX_INFRA_ATTEMPTS} ({why})")
         return
-    removed, seen = dk.job_containers(root, tid)
+    removed, seen, gone = dk.job_containers(root, tid)
     rep.containers_removed += removed
+    if not gone:
+        # Never decide while the container may still exist: its worker may be frozen, not dead,
+        # and would start the engine after a person decided. The tombstone stays (the worker is
+        # fenced off, `fila retry` refuses) and a later pass decides once Docker confirms.
+        rep.add(root, tid, "undecided", f"{seen}; {tomb.name} is kept and the task is decided "
+                "once Docker confirms its container is gone (run `fila recover` again)")
+        return
     evidence, work = _work_evidence(root, rec)
     diagnosis = (f"The worker was lost while the task's container ran: {why}. "
                  f"{_how_long(rec, last_beat)} {seen[0].upper()}{seen[1:]}. {work} Nothing was "
@@ -336,6 +353,7 @@ def _settle_task(root: Root, tid: str, dk: _Docker, rep: Report) -> None:
         has_claim = bool(queue.claim_files(root, tid))
         if cur is None:
             return
+        _reconcile_events(root, cur, rep)
         if cur.status == S.queued:
             if not has_file and not has_claim:
                 fsutil.create_exclusive(in_file, queue.task_json(cur.task))  # type: ignore[arg-type]
@@ -353,6 +371,12 @@ def _settle_task(root: Root, tid: str, dk: _Docker, rep: Report) -> None:
                         "the task was running without any claim")), not_before=None))
                 rep.add(root, tid, "requeued", "the record said running but no worker held it; "
                         "its container had not started")
+                return
+            removed, seen, gone = dk.job_containers(root, tid)
+            rep.containers_removed += removed
+            if not gone:
+                rep.add(root, tid, "undecided", f"running with a started container and no claim: "
+                        f"{seen}; decided once Docker confirms its container is gone")
                 return
             queue.transition_locked(
                 root, tid, cur, S.needs_human, expect={S.running}, event="recovered",
@@ -372,6 +396,45 @@ def _settle_task(root: Root, tid: str, dk: _Docker, rep: Report) -> None:
                                      "second copy", name=f"{tid}.json")
             rep.add(root, tid, "duplicate kept aside", f"a second file for a running task; "
                     f"kept as {kept}")
+
+
+def _last_status_event(root: Root, tid: str) -> tuple[bool, str | None]:
+    """(found, `to`) of the last event in the task's log that records a status change. Lines
+    that do not parse (a torn append) are skipped. Reads the tail first: logs only grow."""
+    tail = 1 << 16
+    try:
+        with open(root.events_path(tid), "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            while True:
+                start = max(0, size - tail)
+                f.seek(start)
+                lines = f.read().decode(errors="replace").splitlines()
+                if start > 0:
+                    lines = lines[1:]  # the first line may be cut
+                for line in reversed(lines):
+                    try:
+                        ev = json.loads(line)
+                    except ValueError:
+                        continue
+                    if isinstance(ev, dict) and "to" in ev:
+                        return True, ev["to"]
+                if start == 0:
+                    return False, None
+                tail = size  # no status change in the tail: read the whole log
+    except FileNotFoundError:
+        return False, None
+
+
+def _reconcile_events(root: Root, cur: Record, rep: Report) -> None:
+    """A status change writes the record, then appends its event (under the record lock, which
+    the caller holds): a crash between the two loses the event. When the log's last status
+    event does not end where the record is, say so in the log."""
+    found, last_to = _last_status_event(root, cur.id)
+    if found and last_to == str(cur.status):
+        return
+    rep.add(root, cur.id, "event lost", f"the record says {cur.status} but the log's last status "
+            f"change ends at {last_to or 'nothing'}: a crash came between the record write and "
+            "its event", **{"from": last_to, "to": str(cur.status)})
 
 
 def _sweep_temp_files(root: Root, ttl: float, rep: Report) -> None:
@@ -402,15 +465,16 @@ def _task_of_temp(p: Path) -> str | None:
         "in", "out") else None
 
 
-def _sweep_containers(root: Root, ttl: float, alive: lease.AliveFn | None, dk: _Docker,
-                      rep: Report) -> None:
-    """Remove fila's containers of this root whose job no live claim holds."""
+def _sweep_containers(root: Root, dk: _Docker, rep: Report) -> None:
+    """Remove fila's containers of this root whose worker holds no claim of their task."""
     if not dk.enabled:
         return
     client = dk.get()
     if client is None:
         return
     from .sandbox import JOB_LABEL, find_containers
+
+    worker_label = "fila.worker"
 
     try:
         found = find_containers(client, root=str(root.path))
@@ -420,10 +484,12 @@ def _sweep_containers(root: Root, ttl: float, alive: lease.AliveFn | None, dk: _
     for c in found:
         tid = c.labels.get(JOB_LABEL, "")
         # A claim outlives its container (the sandbox removes the container before the claim is
-        # published or handed back), so a container listed before this check whose task holds
-        # no live claim now is left over. Only that container goes, by id: a new attempt's
-        # container of the same task is never touched.
-        if not queue.valid_id(tid) or _held(root, tid, ttl, alive):
+        # published or handed back), so a container listed before this check whose worker holds
+        # no claim file of its task now is left over. A claim that is there, stale or not, is
+        # never swept here: only the reaper, after winning the rename race (and with it the
+        # right to decide), removes its container. Only that container goes, by id: a new
+        # attempt's container of the same task is never touched.
+        if not queue.valid_id(tid) or _has_claim(root, tid, c.labels.get(worker_label)):
             continue
         try:
             removed = _remove(client, c)
@@ -454,10 +520,10 @@ def _remove(client: Any, container: Any) -> list[str]:
     return [container.id]
 
 
-def _held(root: Root, tid: str, ttl: float, alive: lease.AliveFn | None) -> bool:
+def _has_claim(root: Root, tid: str, worker: str | None) -> bool:
+    """Any claim or tombstone (.json, .done, .reaped) of the task, of `worker` when known."""
     for p in queue.claim_files(root, tid):
         parsed = queue.parse_claim(p)
-        if parsed and parsed[1] in ("json", "done") and lease.stale_reason(
-                root, p, parsed[0].worker, ttl=ttl, alive=alive) is None:
+        if parsed is None or worker is None or parsed[0].worker == worker:
             return True
     return False

@@ -396,8 +396,10 @@ def run(
 ) -> RunResult:
     """Create, start, wait (with the host's timeout), and always remove the job's container.
 
-    `before_start(container_id)` runs between create and start: the side-effect boundary the
-    caller records durably. `heartbeat()` runs every `heartbeat_s` while the container runs.
+    `before_start(container_id)` runs between create and start, immediately before the start:
+    the side-effect boundary the caller records durably, and its last chance to refuse (raise,
+    e.g. LeaseLost when its claim was reaped; the container is then removed unstarted).
+    `heartbeat()` runs every `heartbeat_s` while the container runs.
     """
     client = client or docker_client()
     name = container_name(spec.job_id)
