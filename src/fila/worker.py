@@ -78,21 +78,27 @@ class _Job(cycle.Hooks):
     def _run(self) -> None:
         w = self.worker
         client = None
+        healthy = False
         try:
             try:
-                client = w.client_factory()
+                client = w.take_client()
             except DockerUnavailable as e:
                 queue.hand_back(w.root, self.claim, log={"reason": e.message})  # never begun
                 self.error = e
                 return
             self.result = cycle.run_one(w.root, self.claim, client=client, progress=w.progress,
                                         hooks=self)
+            healthy = True
         except BaseException as e:  # reported by the main loop; a thread cannot raise to it
             self.error = e
         finally:
-            if client is not None and w.owns_clients:
-                with contextlib.suppress(Exception):
-                    client.close()
+            if client is not None:
+                # A client that saw an error is closed; a healthy one serves the next job
+                # (a new client and its ping cost ~8 ms a task).
+                if healthy:
+                    w.give_back(client)
+                else:
+                    w._close(client)
             self.done.set()
             w.wake.set()
 
@@ -151,6 +157,8 @@ class Worker:
         self.id = worker_id or queue.new_worker_id()
         self.owns_clients = client_factory is None
         self.client_factory = client_factory or docker_client
+        self._pool: list[Any] = []  # idle Docker clients, one per job slot at most
+        self._pool_lock = threading.Lock()
         self.on_record, self.progress, self.poll_s = on_record, progress, poll_s
         self.grace_s, self.recover_every_s = grace_s, recover_every_s
         self.records: list[Record] = []
@@ -194,7 +202,7 @@ class Worker:
         """Process the queue; returns the exit code (see cli.py). `once`: until it is empty."""
         self.root.require()
         if self.once:
-            self._close(self.client_factory())  # unreachable Docker: fail before claiming
+            self.give_back(self.client_factory())  # unreachable Docker: fail before claiming
         lock = lease.WorkerLock(self.root, self.id).acquire()
         handlers: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
@@ -229,6 +237,10 @@ class Worker:
                 t.join(timeout=30)
             for sig, h in handlers.items():
                 signal.signal(sig, h)
+            with self._pool_lock:
+                idle, self._pool = self._pool, []
+            for client in idle:
+                self._close(client)
             lock.release()
         return self.exit_code()
 
@@ -327,6 +339,21 @@ class Worker:
             self.stop_claiming = True
 
     # -- Docker health ------------------------------------------------------------------------
+
+    def take_client(self) -> Any:
+        with self._pool_lock:
+            if self._pool:
+                return self._pool.pop()
+        return self.client_factory()
+
+    def give_back(self, client: Any) -> None:
+        if not self.owns_clients:
+            return
+        with self._pool_lock:
+            if len(self._pool) < self.concurrency:
+                self._pool.append(client)
+                return
+        self._close(client)
 
     def _close(self, client: Any) -> None:
         if self.owns_clients:
