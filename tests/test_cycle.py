@@ -213,3 +213,14 @@ def test_diff_refuses_a_patch_changed_after_the_record(proj: Path) -> None:
     patch.write_text(patch.read_text().replace("+world", "+w0rld"))
     res = fila(proj, "diff", tid)
     assert res.exit_code == 4 and "sha256" in res.stderr
+
+
+def test_logs_print_the_engine_output_and_the_events(proj: Path) -> None:
+    tid = submit(proj, "echo progress-line; printf 'esc\\033[2Jhere\\n'")
+    assert fila(proj, "run", "--once").exit_code == 0
+    out = fila(proj, "logs", tid)
+    assert out.exit_code == 0 and "progress-line" in out.stdout
+    ev = fila(proj, "logs", tid, "--events", "--follow")
+    assert ev.exit_code == 0
+    assert [json.loads(x)["event"] for x in ev.stdout.splitlines()][0] == "submitted"
+    assert fila(proj, "logs", "nope").exit_code == 5

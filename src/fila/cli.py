@@ -15,8 +15,10 @@ next, and exits with its code. Exit codes (also in `fila --help` and the README)
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -386,6 +388,46 @@ def show(task_id: str, root: RootOpt = None, json_: JsonOpt = False) -> None:
 def _safe(text: str) -> str:
     """Escape control characters: a file name can carry terminal escape sequences."""
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+@app.command()
+def logs(
+    task_id: str,
+    root: RootOpt = None,
+    follow: Annotated[bool, typer.Option("--follow", "-f",
+                                         help="keep printing while the task is queued or running")] = False,
+    events: Annotated[bool, typer.Option("--events", help="the task's event log (JSON lines)")] = False,
+) -> None:
+    """Print a task's engine output (fila/logs/ID.log), or with --events its event log.
+
+    On a terminal, control characters from the engine are shown escaped; piped, the bytes are
+    written as they are. --follow is progress for long work: it ends when the task is decided.
+    """
+    from .queue import get_record
+
+    r = _root(root).require()
+    get_record(r, task_id)  # NotFound (exit 5) for an unknown id
+    path = r.events_path(task_id) if events else r.log_path(task_id)
+    tty = sys.stdout.isatty()
+    offset = 0
+    while True:
+        with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
+            f.seek(0, 2)
+            if f.tell() < offset:  # a new attempt rewrote the log
+                offset = 0
+            f.seek(offset)
+            data = f.read()
+            offset += len(data)
+            if tty:
+                from .review import inert
+
+                typer.echo("\n".join(inert(x) for x in data.split(b"\n")), nl=False)
+            else:
+                sys.stdout.buffer.write(data)
+                sys.stdout.flush()
+        if not follow or get_record(r, task_id).status not in (Status.queued, Status.running):
+            return
+        time.sleep(0.5)
 
 
 @app.command()
