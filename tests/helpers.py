@@ -18,6 +18,31 @@ def make_root(path: Path) -> Root:
     return Root.at(path)
 
 
+def fila(root: Path, *args: str, env: dict[str, str] | None = None, input: str | None = None):
+    """The CLI in-process (typer's CliRunner), on the queue root `root`."""
+    from typer.testing import CliRunner
+
+    from fila.cli import app
+
+    return CliRunner().invoke(app, [*args, "--root", str(root)], env=env, input=input)
+
+
+def submit_shell(root: Path, command: str, *targets: str, extra: tuple[str, ...] = ()) -> str:
+    """Submit a shell task through the CLI and return its id."""
+    args = ["submit", "--engine", "shell", "--command", command, *extra]
+    for t in targets or ("greeting.txt",):
+        args += ["--target", t]
+    res = fila(root, *args)
+    assert res.exit_code == 0, res.output
+    return res.stdout.strip()
+
+
+def record(root: Path, tid: str) -> dict:
+    import json
+
+    return json.loads((root / "fila" / "out" / f"{tid}.json").read_text())
+
+
 def shell_task(command: str = "true", targets: list[str] | None = None, **kw: object) -> Task:
     return Task(engine="shell", command=command, targets=targets or ["greeting.txt"], **kw)
 

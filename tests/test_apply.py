@@ -13,39 +13,24 @@ import threading
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
 from fila import apply as apply_mod
 from fila import landing, patch
-from fila.cli import app
 from fila.errors import ApplyRefused, InvalidTransition
 from fila.layout import Root
 from fila.models import ImageRef
 from fila.safedir import SafeDir
 
-from .helpers import make_root
-
-docker = pytest.mark.docker
-
-
-def fila(root: Path, *args: str, env: dict[str, str] | None = None):
-    return CliRunner().invoke(app, [*args, "--root", str(root)], env=env)
+from .helpers import fila, make_root, record, submit_shell
 
 
 def run_task(root: Path, command: str, *targets: str, status: str = "needs_review") -> str:
-    args = ["submit", "--engine", "shell", "--command", command]
-    for t in targets or ("greeting.txt",):
-        args += ["--target", t]
-    res = fila(root, *args)
-    assert res.exit_code == 0, res.output
-    tid = res.stdout.strip()
+    tid = submit_shell(root, command, *targets)
     fila(root, "run", "--once")
     assert record(root, tid)["status"] == status, record(root, tid)
     return tid
 
-
-def record(root: Path, tid: str) -> dict:
-    return json.loads((root / "fila" / "out" / f"{tid}.json").read_text())
+docker = pytest.mark.docker
 
 
 def events(root: Path, tid: str) -> list[dict]:

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from fila.cli import app
 from fila.layout import Root
 
-from .helpers import make_root
+from .helpers import fila, make_root
 
 
 @pytest.fixture
@@ -23,10 +23,6 @@ def proj(tmp_path: Path) -> Path:
     (tmp_path / "src" / "a.py").write_text("print('hello')\n")
     (tmp_path / ".env").write_text("SECRET=1\n")
     return tmp_path
-
-
-def fila(root: Path, *args: str, input: str | None = None):
-    return CliRunner().invoke(app, [*args, "--root", str(root)], input=input)
 
 
 def test_submit_with_options_prints_the_id(proj: Path) -> None:

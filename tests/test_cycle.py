@@ -9,12 +9,11 @@ from pathlib import Path
 
 import docker
 import pytest
-from typer.testing import CliRunner
 
-from fila.cli import app
 from fila.models import ImageRef
 
-from .helpers import make_root
+from .helpers import fila, make_root, record
+from .helpers import submit_shell as submit
 
 pytestmark = pytest.mark.docker
 
@@ -27,23 +26,6 @@ def proj(tmp_path: Path, shell_image: ImageRef) -> Path:
     (tmp_path / "src" / "run.sh").write_text("#!/bin/sh\necho hello\n")
     (tmp_path / ".env").write_text("API_TOKEN=secret\n")
     return tmp_path
-
-
-def fila(root: Path, *args: str, env: dict[str, str] | None = None):
-    return CliRunner().invoke(app, [*args, "--root", str(root)], env=env)
-
-
-def submit(root: Path, command: str, *targets: str, extra: tuple[str, ...] = ()) -> str:
-    args = ["submit", "--engine", "shell", "--command", command, *extra]
-    for t in targets or ("greeting.txt",):
-        args += ["--target", t]
-    res = fila(root, *args)
-    assert res.exit_code == 0, res.output
-    return res.stdout.strip()
-
-
-def record(root: Path, tid: str) -> dict:
-    return json.loads((root / "fila" / "out" / f"{tid}.json").read_text())
 
 
 def fila_containers(client: docker.DockerClient, root: Path) -> list:
@@ -222,5 +204,5 @@ def test_logs_print_the_engine_output_and_the_events(proj: Path) -> None:
     assert out.exit_code == 0 and "progress-line" in out.stdout
     ev = fila(proj, "logs", tid, "--events", "--follow")
     assert ev.exit_code == 0
-    assert [json.loads(x)["event"] for x in ev.stdout.splitlines()][0] == "submitted"
+    assert next(json.loads(x)["event"] for x in ev.stdout.splitlines()) == "submitted"
     assert fila(proj, "logs", "nope").exit_code == 5

@@ -9,14 +9,18 @@ import re
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
 from fila import review
-from fila.cli import app
 from fila.layout import Root
 from fila.models import ImageRef
 
-from .helpers import make_root
+from .helpers import fila, make_root, submit_shell
+
+
+def run_task(root: Path, command: str, *targets: str) -> str:
+    tid = submit_shell(root, command, *targets)
+    fila(root, "run", "--once")
+    return tid
 
 pytestmark = pytest.mark.docker
 
@@ -24,21 +28,6 @@ HOSTILE_NAMES = r"""printf 'x\033]0;pwned\007\033[2J\n' > "$(printf 'evil\033[31
 printf 'bidi \342\200\256 reversed\n' >> greeting.txt
 echo engine says hi
 """
-
-
-def fila(root: Path, *args: str, env: dict[str, str] | None = None):
-    return CliRunner().invoke(app, [*args, "--root", str(root)], env=env)
-
-
-def run_task(root: Path, command: str, *targets: str) -> str:
-    args = ["submit", "--engine", "shell", "--command", command]
-    for t in targets or ("greeting.txt",):
-        args += ["--target", t]
-    res = fila(root, *args)
-    assert res.exit_code == 0, res.output
-    tid = res.stdout.strip()
-    fila(root, "run", "--once")
-    return tid
 
 
 @pytest.fixture
