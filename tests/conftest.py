@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import docker
 import pytest
 
@@ -23,3 +26,16 @@ def docker_client() -> docker.DockerClient:
 @pytest.fixture(scope="session")
 def shell_image(docker_client: docker.DockerClient) -> ImageRef:
     return ensure_image("shell", client=docker_client)
+
+
+@pytest.fixture
+def started_containers(docker_client: docker.DockerClient, proj: Any) -> Iterator[Any]:
+    """Counts the containers the daemon starts for the test's queue root (`proj`, each test
+    module's own fixture), from Docker's live event stream."""
+    from .test_durability import Starts
+
+    s = Starts(docker_client, proj)
+    try:
+        yield s
+    finally:
+        s.close()

@@ -16,7 +16,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -70,15 +69,6 @@ class Starts:
 
     def close(self) -> None:
         self._stream.close()
-
-
-@pytest.fixture
-def started_containers(docker_client: docker.DockerClient, proj: Root) -> Iterator[Starts]:
-    s = Starts(docker_client, proj)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def containers_left(client: docker.DockerClient, root: Root) -> list[str]:

@@ -21,7 +21,13 @@ from fila.layout import Root
 from fila.models import ImageRef, Status
 
 from .helpers import make_root
-from .test_durability import CLI, Starts, assert_one_state_each, containers_left, fila
+from .test_durability import (
+    CLI,
+    Starts,
+    assert_one_state_each,
+    containers_left,
+    fila,
+)
 
 S = Status
 pytestmark = pytest.mark.docker
@@ -32,15 +38,6 @@ def proj(tmp_path: Path, shell_image: ImageRef) -> Root:
     root = make_root(tmp_path)
     (tmp_path / "greeting.txt").write_text("hello\n")
     return root
-
-
-@pytest.fixture
-def started_containers(docker_client: docker.DockerClient, proj: Root) -> Iterator[Starts]:
-    s = Starts(docker_client, proj)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def submit(root: Root, tid: str, command: str, *extra: str) -> None:

@@ -80,6 +80,9 @@ RootOpt = Annotated[
                  show_default=False),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output on stdout")]
+ByOpt = Annotated[str | None, typer.Option(
+    "--by", help="who decides (default: $FILA_USER, else the login name)", show_default=False)]
+ReasonOpt = Annotated[str | None, typer.Option("--reason", "-m", help="why (recorded)")]
 
 
 def _root(root: Path | None) -> Root:
@@ -265,9 +268,8 @@ def recover(
 def retry(
     task_id: str,
     root: RootOpt = None,
-    by: Annotated[str | None, typer.Option(
-        "--by", help="who decides (default: $FILA_USER, else the login name)")] = None,
-    reason: Annotated[str | None, typer.Option("--reason", "-m", help="why (recorded)")] = None,
+    by: ByOpt = None,
+    reason: ReasonOpt = None,
     json_: JsonOpt = False,
 ) -> None:
     """Queue a failed or needs_human task again: a person's decision to run it once more."""
@@ -284,9 +286,8 @@ def retry(
 @app.command()
 def rearm(
     root: RootOpt = None,
-    by: Annotated[str | None, typer.Option(
-        "--by", help="who decides (default: $FILA_USER, else the login name)")] = None,
-    reason: Annotated[str | None, typer.Option("--reason", "-m", help="why (recorded)")] = None,
+    by: ByOpt = None,
+    reason: ReasonOpt = None,
     json_: JsonOpt = False,
 ) -> None:
     """Close the circuit breaker so workers claim again; the rearm is recorded."""
@@ -455,8 +456,6 @@ def diff(task_id: str, root: RootOpt = None) -> None:
 
 # -- the review gate: review, apply, reject, gc (fila.review, fila.apply, fila.decision, fila.gc)
 
-ByOpt = Annotated[str | None, typer.Option(
-    "--by", help="who decides (default: $FILA_USER, else the login name)", show_default=False)]
 
 
 @app.command()
@@ -550,7 +549,7 @@ def apply_cmd(
 def reject(
     task_id: str,
     root: RootOpt = None,
-    reason: Annotated[str | None, typer.Option("--reason", "-m", help="why (recorded)")] = None,
+    reason: ReasonOpt = None,
     by: ByOpt = None,
     json_: JsonOpt = False,
 ) -> None:
