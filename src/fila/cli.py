@@ -387,8 +387,10 @@ def show(task_id: str, root: RootOpt = None, json_: JsonOpt = False) -> None:
 
 
 def _safe(text: str) -> str:
-    """Escape control characters: a file name can carry terminal escape sequences."""
-    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    """Text from the engine as it may be shown (a name can carry terminal escape sequences)."""
+    from .fswalk import inert
+
+    return inert(text)
 
 
 @app.command()
@@ -420,7 +422,7 @@ def logs(
             data = f.read()
             offset += len(data)
             if tty:
-                from .review import inert
+                from .fswalk import inert
 
                 typer.echo("\n".join(inert(x) for x in data.split(b"\n")), nl=False)
             else:
@@ -446,7 +448,7 @@ def diff(task_id: str, root: RootOpt = None) -> None:
     rec = get_record(r, task_id)
     data = read_reviewed(r, rec, policy_for(r, rec))
     if sys.stdout.isatty():
-        from .review import inert
+        from .fswalk import inert
 
         typer.echo("\n".join(inert(line) for line in data.split(b"\n")), nl=False)
         return

@@ -59,6 +59,26 @@ def invisible(ch: str) -> bool:
     return cat in _INVISIBLE_CATEGORIES or (cat == "Zs" and ch != " ") or ch in _BLANK_GLYPHS
 
 
+def inert(raw: bytes | str) -> str:
+    """A line as it may be shown: tabs kept; control and format characters, lone surrogates and
+    bytes that are not UTF-8 written as escapes."""
+    text = raw.decode("utf-8", "surrogateescape") if isinstance(raw, bytes) else raw
+    if text.isascii() and text.isprintable():
+        return text
+    out = []
+    for ch in text:
+        code = ord(ch)
+        if ch == "\t":
+            out.append(ch)
+        elif 0xDC80 <= code <= 0xDCFF:
+            out.append(f"\\x{code - 0xDC00:02x}")
+        elif invisible(ch):
+            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
 def escape_name(rel: str) -> str:
     """`rel` as it may be shown to a person or stored in JSON: unambiguous and inert.
 

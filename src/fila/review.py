@@ -24,7 +24,7 @@ from typing import Any
 
 from . import fsutil, jobdir, patch
 from .errors import NotFound
-from .fswalk import escape_name, invisible
+from .fswalk import escape_name, inert
 from .layout import Root
 from .models import Policy, Record, Status, now_iso
 
@@ -57,26 +57,6 @@ class Review:
     patch: patch.Patch | None = None
     parse_error: str | None = None
     warnings: list[str] = field(default_factory=list)
-
-
-def inert(raw: bytes | str) -> str:
-    """A line as it may be shown: tabs kept; control and format characters, lone surrogates and
-    bytes that are not UTF-8 written as escapes."""
-    text = raw.decode("utf-8", "surrogateescape") if isinstance(raw, bytes) else raw
-    if text.isascii() and text.isprintable():
-        return text
-    out = []
-    for ch in text:
-        code = ord(ch)
-        if ch == "\t":
-            out.append(ch)
-        elif 0xDC80 <= code <= 0xDCFF:
-            out.append(f"\\x{code - 0xDC00:02x}")
-        elif invisible(ch):
-            out.append(f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}")
-        else:
-            out.append(ch)
-    return "".join(out)
 
 
 def load(root: Root, task_id: str) -> Review:
