@@ -74,14 +74,27 @@ def remove_containers_under(top: Path) -> None:
     """Force-remove containers whose fila.root label lies under `top` (ours, nobody else's)."""
     try:
         out = subprocess.run(
-            ["docker", "ps", "-a", "--filter", "label=fila.root",
-             "--format", '{{.ID}} {{.Label "fila.root"}}'],
-            capture_output=True, text=True, timeout=60, check=False,
+            [
+                "docker",
+                "ps",
+                "-a",
+                "--filter",
+                "label=fila.root",
+                "--format",
+                '{{.ID}} {{.Label "fila.root"}}',
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
         ).stdout
     except (OSError, subprocess.TimeoutExpired):
         return
-    ids = [line.split(" ", 1)[0] for line in out.splitlines()
-           if " " in line and line.split(" ", 1)[1].startswith(str(top))]
+    ids = [
+        line.split(" ", 1)[0]
+        for line in out.splitlines()
+        if " " in line and line.split(" ", 1)[1].startswith(str(top))
+    ]
     if ids:
         subprocess.run(["docker", "rm", "-f", *ids], capture_output=True, check=False)
 
@@ -98,7 +111,11 @@ def fila_cmd() -> list[str]:
 
 
 def alternate(
-    a: Callable[[], float], b: Callable[[], float], reps: int, *, warmup: int = 1,
+    a: Callable[[], float],
+    b: Callable[[], float],
+    reps: int,
+    *,
+    warmup: int = 1,
 ) -> tuple[list[float], list[float]]:
     """Run A B A B ... `reps` times each after `warmup` discarded pairs; the two sample lists."""
     xs: list[float] = []

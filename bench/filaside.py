@@ -24,8 +24,7 @@ def submit_noops(root: Path, project: Path, n: int, *, command: str = "true") ->
     r = Root.at(root)
     ids = []
     for i in range(n):
-        task = Task(id=f"t{i:04d}", engine="shell", command=command, targets=["."],
-                    project=str(project))
+        task = Task(id=f"t{i:04d}", engine="shell", command=command, targets=["."], project=str(project))
         ids.append(submit(r, task).id)
     return ids
 

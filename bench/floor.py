@@ -134,8 +134,14 @@ class FloorSpec:
         inv = engine.invocation(task)
         creds, _secrets = engine.credentials()
         spec = RunSpec(
-            job_id=job_dir.name, job_dir=job_dir, image=self.image, argv=inv.argv,
-            env={**inv.env, **creds}, policy=policy, limits=eff.limits, timeout_ms=eff.timeout_ms,
+            job_id=job_dir.name,
+            job_dir=job_dir,
+            image=self.image,
+            argv=inv.argv,
+            env={**inv.env, **creds},
+            policy=policy,
+            limits=eff.limits,
+            timeout_ms=eff.timeout_ms,
             log_path=job_dir.parent / f"{job_dir.name}.log",
             labels={"fila.root": str(root.path), "fila.worker": "bench-floor"},
         )
@@ -162,8 +168,7 @@ def docker_run(args: list[str], log: Path) -> None:
 def git_diff(job: Path) -> None:
     env = {**os.environ, "GIT_CONFIG_NOSYSTEM": "1", "LC_ALL": "C"}
     with open(job / "DIFF.patch", "wb") as f:
-        run(["git", "diff", "--no-index", "--binary", "input", "work"], cwd=job, stdout=f, env=env,
-            ok=(0, 1))
+        run(["git", "diff", "--no-index", "--binary", "input", "work"], cwd=job, stdout=f, env=env, ok=(0, 1))
 
 
 def floor_task(project: Path, job: Path, args: list[str]) -> dict[str, float]:

@@ -24,8 +24,13 @@ def _cases() -> dict[str, Callable[[Ctx], list[Row]]]:
     from bench.startup import startup
     from bench.throughput import throughput
 
-    return {"per-task": per_task, "startup": startup, "throughput": throughput, "scale": scale,
-            "queue": queue_case}
+    return {
+        "per-task": per_task,
+        "startup": startup,
+        "throughput": throughput,
+        "scale": scale,
+        "queue": queue_case,
+    }
 
 
 CASES = ("per-task", "startup", "throughput", "scale", "queue")
@@ -49,8 +54,16 @@ def table(rows: list[Row]) -> str:
         result = "-" if r.ok is None else ("pass" if r.ok else "MISS")
         if r.fila is None and r.note:
             result = r.note
-        lines.append([r.case, _fmt(r.fila, r.unit), _fmt(r.base, r.unit),
-                      f"{r.ratio:.2f}" if r.ratio is not None else "-", r.target or "-", result])
+        lines.append(
+            [
+                r.case,
+                _fmt(r.fila, r.unit),
+                _fmt(r.base, r.unit),
+                f"{r.ratio:.2f}" if r.ratio is not None else "-",
+                r.target or "-",
+                result,
+            ]
+        )
     widths = [max(len(line[i]) for line in lines) for i in range(len(head))]
     out = []
     for n, line in enumerate(lines):
@@ -65,20 +78,31 @@ def machine() -> dict[str, str]:
 
     def sh(*argv: str) -> str:
         try:
-            return subprocess.run(argv, capture_output=True, text=True, timeout=30,
-                                  check=False).stdout.strip()
+            return subprocess.run(
+                argv, capture_output=True, text=True, timeout=30, check=False
+            ).stdout.strip()
         except (OSError, subprocess.TimeoutExpired):
             return "?"
 
-    cpu = next((line.split(":", 1)[1].strip() for line in
-                Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name")), "?")
+    cpu = next(
+        (
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        ),
+        "?",
+    )
     return {
         "nproc": sh("nproc"),
         "cpu": cpu,
         "memory": next((line for line in sh("free", "-g").splitlines() if line.startswith("Mem:")), "?"),
         "kernel": platform.release(),
-        "docker": sh("docker", "info", "--format",
-                     "server {{.ServerVersion}}, storage driver {{.Driver}}, cgroup v{{.CgroupVersion}}"),
+        "docker": sh(
+            "docker",
+            "info",
+            "--format",
+            "server {{.ServerVersion}}, storage driver {{.Driver}}, cgroup v{{.CgroupVersion}}",
+        ),
         "python": platform.python_version(),
         "git": sh("git", "--version"),
         "filesystem": sh("df", "--output=fstype,source", tempfile.gettempdir()).splitlines()[-1],
@@ -90,11 +114,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a short smoke run (fewer, smaller runs)")
     ap.add_argument("--only", default="", help=f"comma-separated cases: {', '.join(CASES)}")
     ap.add_argument("--reps", type=int, default=None, help="measured repetitions per side")
-    ap.add_argument("--throughput-files", type=int, default=1,
-                    help="files in the throughput case's target (default 1)")
+    ap.add_argument(
+        "--throughput-files", type=int, default=1, help="files in the throughput case's target (default 1)"
+    )
     ap.add_argument("--keep", action="store_true", help="keep the temp directory")
-    ap.add_argument("--json", type=Path, default=REPO / "bench" / "results" / "latest.json",
-                    help="where to write the raw results (default: bench/results/latest.json)")
+    ap.add_argument(
+        "--json",
+        type=Path,
+        default=REPO / "bench" / "results" / "latest.json",
+        help="where to write the raw results (default: bench/results/latest.json)",
+    )
     args = ap.parse_args(argv)
     only = [c.strip() for c in args.only.split(",") if c.strip()] or list(CASES)
     unknown = set(only) - set(CASES)
@@ -104,8 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     rows: list[Row] = []
     t0 = time.time()
     with bench_tmp(args.keep) as tmp:
-        ctx = Ctx(tmp=tmp, quick=args.quick, reps=args.reps, keep=args.keep,
-                  throughput_files=args.throughput_files)
+        ctx = Ctx(
+            tmp=tmp, quick=args.quick, reps=args.reps, keep=args.keep, throughput_files=args.throughput_files
+        )
         for name in only:
             t, load = time.time(), os.getloadavg()[0]
             got = cases[name](ctx)
@@ -115,9 +145,11 @@ def main(argv: list[str] | None = None) -> int:
             rows += got
             ctx.log(f"{name}: done in {time.time() - t:.0f} s (1-minute load average up to {load:.1f})")
             for r in got:
-                ctx.log(f"  {r.case}: fila {_fmt(r.fila, r.unit)}, baseline {_fmt(r.base, r.unit)}"
-                        + (f", ratio {r.ratio:.2f}" if r.ratio is not None else "")
-                        + (f" ({r.note})" if r.note else ""))
+                ctx.log(
+                    f"  {r.case}: fila {_fmt(r.fila, r.unit)}, baseline {_fmt(r.base, r.unit)}"
+                    + (f", ratio {r.ratio:.2f}" if r.ratio is not None else "")
+                    + (f" ({r.note})" if r.note else "")
+                )
     print(table(rows))
     for r in rows:
         if r.note:
@@ -126,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
     print("machine: " + "; ".join(f"{k} {v}" for k, v in info.items()))
     print(f"command: {' '.join(sys.argv)}; {time.time() - t0:.0f} s")
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"machine": info, "argv": sys.argv, "quick": args.quick,
-                                     "rows": [asdict(r) for r in rows]}, indent=1) + "\n")
+    args.json.write_text(
+        json.dumps(
+            {"machine": info, "argv": sys.argv, "quick": args.quick, "rows": [asdict(r) for r in rows]},
+            indent=1,
+        )
+        + "\n"
+    )
     return 0

@@ -64,12 +64,24 @@ def per_task(ctx: Ctx, *, tasks: int = 10, files: int = 100) -> list[Row]:
         "floor": {k: round(statistics.median(v), 4) for k, v in floor_phases.items()},
     }
     fp, bp = breakdown["fila"], breakdown["floor"]
-    note = (f"fila: prepare {fp.get('prepare', 0):.3f} run {fp.get('run', 0):.3f} "
-            f"diff {fp.get('diff', 0):.3f} total {fp.get('total', 0):.3f}; "
-            f"floor: cp {bp['copy']:.3f} run {bp['run']:.3f} diff {bp['diff']:.3f}")
+    note = (
+        f"fila: prepare {fp.get('prepare', 0):.3f} run {fp.get('run', 0):.3f} "
+        f"diff {fp.get('diff', 0):.3f} total {fp.get('total', 0):.3f}; "
+        f"floor: cp {bp['copy']:.3f} run {bp['run']:.3f} diff {bp['diff']:.3f}"
+    )
     if failures.count:
         note = f"{failures.note()}; {note}"
-    return [Row(f"per-task overhead ({tasks} no-op tasks, {files} files)", f, b, "s/task",
-                target=f"<= {TARGET}", ok=ratio <= TARGET and not failures.count, ratio=ratio,
-                note=note,
-                samples={"fila": xs, "floor": ys}, extra=breakdown)]
+    return [
+        Row(
+            f"per-task overhead ({tasks} no-op tasks, {files} files)",
+            f,
+            b,
+            "s/task",
+            target=f"<= {TARGET}",
+            ok=ratio <= TARGET and not failures.count,
+            ratio=ratio,
+            note=note,
+            samples={"fila": xs, "floor": ys},
+            extra=breakdown,
+        )
+    ]

@@ -7,9 +7,28 @@ from dataclasses import dataclass
 from pathlib import Path
 
 _WORDS = (
-    "alpha", "beta", "gamma", "delta", "value", "result", "items", "config", "parse", "render",
-    "client", "server", "buffer", "index", "count", "total", "error", "state", "handler", "request",
-    "response", "module",
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "value",
+    "result",
+    "items",
+    "config",
+    "parse",
+    "render",
+    "client",
+    "server",
+    "buffer",
+    "index",
+    "count",
+    "total",
+    "error",
+    "state",
+    "handler",
+    "request",
+    "response",
+    "module",
 )
 
 
@@ -26,13 +45,17 @@ def _line_pool(rng: random.Random, n: int = 2000) -> list[str]:
     for _ in range(n):
         indent = " " * (4 * rng.randint(0, 3))
         a, b, c = rng.choice(_WORDS), rng.choice(_WORDS), rng.choice(_WORDS)
-        pool.append(rng.choice((
-            f"{indent}{a}_{b} = {c}({rng.randint(0, 9999)})\n",
-            f"{indent}def {a}_{b}(self, {c}):\n",
-            f"{indent}return self.{a}[{rng.randint(0, 99)}] + {b}_{c}\n",
-            f"{indent}# {a} {b} {c}: {rng.randint(0, 10**6)}\n",
-            "\n",
-        )))
+        pool.append(
+            rng.choice(
+                (
+                    f"{indent}{a}_{b} = {c}({rng.randint(0, 9999)})\n",
+                    f"{indent}def {a}_{b}(self, {c}):\n",
+                    f"{indent}return self.{a}[{rng.randint(0, 99)}] + {b}_{c}\n",
+                    f"{indent}# {a} {b} {c}: {rng.randint(0, 10**6)}\n",
+                    "\n",
+                )
+            )
+        )
     return pool
 
 

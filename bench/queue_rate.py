@@ -52,8 +52,7 @@ def fila_queue(base: Path, n: int) -> tuple[float, float, int, int]:
     from fila.models import Task
 
     root = Root.at(_fila_root(base))
-    tasks = [Task(engine="shell", command="true", targets=["."], prompt=f"no-op {i}")
-             for i in range(n)]
+    tasks = [Task(engine="shell", command="true", targets=["."], prompt=f"no-op {i}") for i in range(n)]
     with count_fsyncs() as fs:
         t = time.perf_counter()
         for i, task in enumerate(tasks):
@@ -116,23 +115,35 @@ def measure(tmp: Path, n: int, reps: int) -> list[Row]:
             finally:
                 shutil.rmtree(base, ignore_errors=True)
             return 0.0
+
         return go
 
-    alternate(side(lambda b: fila_queue(b, n), fila), side(lambda b: floor_queue(b, n), floor),
-              reps, warmup=0)
+    alternate(
+        side(lambda b: fila_queue(b, n), fila), side(lambda b: floor_queue(b, n), floor), reps, warmup=0
+    )
     sub_fs, sub_bs = [n / x[0] for x in fila], [n / x[0] for x in floor]
     clm_fs, clm_bs = [n / x[1] for x in fila], [n / x[1] for x in floor]
     sub_f, sub_b, clm_f, clm_b = median(sub_fs), median(sub_bs), median(clm_fs), median(clm_bs)
     fs_sub, fs_clm = fila[-1][2], fila[-1][3]
     return [
-        Row(f"queue submit ({n} tasks, no Docker)", sub_f, sub_b, "tasks/s",
+        Row(
+            f"queue submit ({n} tasks, no Docker)",
+            sub_f,
+            sub_b,
+            "tasks/s",
             ratio=paired_ratio(sub_fs, sub_bs),
             note=f"{fs_sub} fsyncs per submit (floor: 2)",
-            samples={"fila": sub_fs, "floor": sub_bs}),
-        Row(f"queue claim ({n} tasks, no Docker)", clm_f, clm_b, "tasks/s",
+            samples={"fila": sub_fs, "floor": sub_bs},
+        ),
+        Row(
+            f"queue claim ({n} tasks, no Docker)",
+            clm_f,
+            clm_b,
+            "tasks/s",
             ratio=paired_ratio(clm_fs, clm_bs),
             note=f"{fs_clm} fsyncs per claim (floor: 2)",
-            samples={"fila": clm_fs, "floor": clm_bs}),
+            samples={"fila": clm_fs, "floor": clm_bs},
+        ),
     ]
 
 

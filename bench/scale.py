@@ -45,8 +45,12 @@ def _one_size(ctx: Ctx, size: int, reps: int) -> list[Row]:
         tid = f"s{n[0]}"
         sync()
         p = subprocess.run(
-            [sys.executable, "-m", "bench.scale_child", str(root), str(proj.path), tid,
-             str(files_json)], cwd=REPO, capture_output=True, text=True, check=False)
+            [sys.executable, "-m", "bench.scale_child", str(root), str(proj.path), tid, str(files_json)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if p.returncode != 0:
             raise RuntimeError(f"bench.scale_child failed: {p.stderr[-3000:]}")
         out = json.loads(p.stdout)
@@ -65,12 +69,19 @@ def _one_size(ctx: Ctx, size: int, reps: int) -> list[Row]:
         mutate(job / "work", proj.files)
         sync()
         with open(job / "DIFF.patch", "wb") as out:
-            rc, diff_s, rss = run_rusage(["git", "diff", "--no-index", "--binary", "input", "work"],
-                                         cwd=job, stdout=out)
+            rc, diff_s, rss = run_rusage(
+                ["git", "diff", "--no-index", "--binary", "input", "work"], cwd=job, stdout=out
+            )
         if rc not in (0, 1):
             raise RuntimeError(f"git diff --no-index exited {rc}")
-        floor_runs.append({"prepare": copy_s, "diff": diff_s, "rss_kb": rss,
-                           "patch_bytes": (job / "DIFF.patch").stat().st_size})
+        floor_runs.append(
+            {
+                "prepare": copy_s,
+                "diff": diff_s,
+                "rss_kb": rss,
+                "patch_bytes": (job / "DIFF.patch").stat().st_size,
+            }
+        )
         shutil.rmtree(jobs, ignore_errors=True)
         return copy_s + diff_s
 
@@ -86,22 +97,45 @@ def _one_size(ctx: Ctx, size: int, reps: int) -> list[Row]:
     f, b = median(xs), median(ys)
     last = fr[-1]
     rows = [
-        Row(f"scale {what}: prepare (vs cp -a x2)", med(fr, "prepare"), med(br, "prepare"), "s",
-            ratio=paired_ratio([r["prepare"] for r in fr], [r["prepare"] for r in br])),
-        Row(f"scale {what}: diff (vs git diff --no-index)", med(fr, "diff"), med(br, "diff"), "s",
+        Row(
+            f"scale {what}: prepare (vs cp -a x2)",
+            med(fr, "prepare"),
+            med(br, "prepare"),
+            "s",
+            ratio=paired_ratio([r["prepare"] for r in fr], [r["prepare"] for r in br]),
+        ),
+        Row(
+            f"scale {what}: diff (vs git diff --no-index)",
+            med(fr, "diff"),
+            med(br, "diff"),
+            "s",
             ratio=paired_ratio([r["diff"] for r in fr], [r["diff"] for r in br]),
             note=f"{last['diff_files']} paths changed; patch {last['patch_bytes']:,} bytes "
-                 f"(git's: {br[-1]['patch_bytes']:,})"),
-        Row(f"scale {what}: prepare + diff", f, b, "s", target=f"<= {TARGET}",
-            ok=paired_ratio(xs, ys) <= TARGET, ratio=paired_ratio(xs, ys),
-            samples={"fila": xs, "floor": ys}),
+            f"(git's: {br[-1]['patch_bytes']:,})",
+        ),
+        Row(
+            f"scale {what}: prepare + diff",
+            f,
+            b,
+            "s",
+            target=f"<= {TARGET}",
+            ok=paired_ratio(xs, ys) <= TARGET,
+            ratio=paired_ratio(xs, ys),
+            samples={"fila": xs, "floor": ys},
+        ),
     ]
     rss = max(r["rss_kb"] for r in fr) / 1024
     git_rss = max(r["rss_kb"] for r in br) / 1024
-    rows.append(Row(
-        f"scale {what}: peak RSS of the fila process", rss, git_rss, "MB",
-        target=f"< {MEM_TARGET_MB} MB" if size >= 10000 else "",
-        ok=rss < MEM_TARGET_MB if size >= 10000 else None,
-        note="baseline: git diff --no-index"))
+    rows.append(
+        Row(
+            f"scale {what}: peak RSS of the fila process",
+            rss,
+            git_rss,
+            "MB",
+            target=f"< {MEM_TARGET_MB} MB" if size >= 10000 else "",
+            ok=rss < MEM_TARGET_MB if size >= 10000 else None,
+            note="baseline: git diff --no-index",
+        )
+    )
     shutil.rmtree(base, ignore_errors=True)
     return rows

@@ -32,11 +32,19 @@ def main(argv: list[str]) -> int:
     t = time.perf_counter()
     d = diff.compute_diff(prep.job_dir, policy=checked.policy, scratch=root.meta(task_id) / "scratch")
     diff_s = time.perf_counter() - t
-    print(json.dumps({
-        "prepare": prepare_s, "diff": diff_s, "files": prep.files, "bytes": prep.bytes,
-        "diff_files": d.stat.files, "patch_bytes": d.bytes,
-        "rss_kb": peak_rss_kb(),
-    }))
+    print(
+        json.dumps(
+            {
+                "prepare": prepare_s,
+                "diff": diff_s,
+                "files": prep.files,
+                "bytes": prep.bytes,
+                "diff_files": d.stat.files,
+                "patch_bytes": d.bytes,
+                "rss_kb": peak_rss_kb(),
+            }
+        )
+    )
     return 0
 
 

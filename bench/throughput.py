@@ -40,8 +40,9 @@ def _run_worker(argv: list[str], ids: list[str], timeout: float) -> float:
     stdout, then stop it (SIGINT, as Ctrl-C would)."""
     want = set(ids)
     t = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True
+    )
     assert proc.stdout is not None
     timer = threading.Timer(timeout, proc.kill)
     timer.start()
@@ -86,15 +87,21 @@ def throughput(ctx: Ctx) -> list[Row]:
     for n in (1, 2):
         probe = fila_command(ctx.tmp, n)
         if probe is None:
-            rows.append(Row(label(n), None, None,
-                            "tasks/min", target=f">= {TARGET:.2f}",
-                            note="not available: this fila has no --concurrency"))
+            rows.append(
+                Row(
+                    label(n),
+                    None,
+                    None,
+                    "tasks/min",
+                    target=f">= {TARGET:.2f}",
+                    note="not available: this fila has no --concurrency",
+                )
+            )
             continue
         failures = Failures()
         container: list[float] = []
 
-        def fila_side(n: int = n, failures: Failures = failures,
-                      container: list[float] = container) -> float:
+        def fila_side(n: int = n, failures: Failures = failures, container: list[float] = container) -> float:
             root = init_root(ctx.mkdtemp("tp-root"))
             ids = submit_noops(root, project, tasks)
             cmd = fila_command(root, n)
@@ -116,8 +123,9 @@ def throughput(ctx: Ctx) -> list[Row]:
             slots = [new_job(jobs, i) for i in range(n)]
             for job in slots:
                 copy_in(project, job)
-            argvs = [[spec.docker_args(job, f"fila-bench-{jobs.name}-{i}") for i in range(tasks)]
-                     for job in slots]
+            argvs = [
+                [spec.docker_args(job, f"fila-bench-{jobs.name}-{i}") for i in range(tasks)] for job in slots
+            ]
             todo = list(range(tasks))
             lock = threading.Lock()
             errors: list[BaseException] = []
@@ -151,11 +159,23 @@ def throughput(ctx: Ctx) -> list[Row]:
         f, b = median(xs), median(ys)
         ratio = paired_ratio(xs, ys)
         cont = median(container) if container else 0.0
-        note = (f"wall time per task: fila {60 / f:.3f} s, bare {60 / b:.3f} s; fila's median "
-                f"container phase (create to remove) {cont:.3f} s")
+        note = (
+            f"wall time per task: fila {60 / f:.3f} s, bare {60 / b:.3f} s; fila's median "
+            f"container phase (create to remove) {cont:.3f} s"
+        )
         if failures.count:
             note = f"{failures.note()}; {note}"
-        rows.append(Row(label(n), f, b, "tasks/min",
-                        target=f">= {TARGET:.2f}", ok=ratio >= TARGET and not failures.count,
-                        ratio=ratio, note=note, samples={"fila": xs, "bare": ys}))
+        rows.append(
+            Row(
+                label(n),
+                f,
+                b,
+                "tasks/min",
+                target=f">= {TARGET:.2f}",
+                ok=ratio >= TARGET and not failures.count,
+                ratio=ratio,
+                note=note,
+                samples={"fila": xs, "bare": ys},
+            )
+        )
     return rows

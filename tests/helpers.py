@@ -58,8 +58,7 @@ class FakeDocker:
     them, whatever the filter), and removes them; with `fail_remove` every removal fails as a
     daemon error would. Tests that need the real daemon use the `docker_client` fixture."""
 
-    def __init__(self, containers: list[FakeContainer] | None = None, *,
-                 fail_remove: bool = False) -> None:
+    def __init__(self, containers: list[FakeContainer] | None = None, *, fail_remove: bool = False) -> None:
         from types import SimpleNamespace
 
         self.items = list(containers or [])

@@ -30,6 +30,7 @@ def run_task(root: Path, command: str, *targets: str, status: str = "needs_revie
     assert record(root, tid)["status"] == status, record(root, tid)
     return tid
 
+
 docker = pytest.mark.docker
 
 
@@ -191,8 +192,13 @@ def test_apply_refuses_moved_base_and_writes_nothing(proj: Path) -> None:
     (proj / "notes.txt").write_text("notes\n")
     (proj / "lib").mkdir()
     (proj / "lib" / "util.py").write_text("x = 1\n")
-    tid = run_task(proj, "echo world > greeting.txt; echo new > lib/new.py; echo y=2 >> lib/util.py",
-                   "greeting.txt", "notes.txt", "lib")
+    tid = run_task(
+        proj,
+        "echo world > greeting.txt; echo new > lib/new.py; echo y=2 >> lib/util.py",
+        "greeting.txt",
+        "notes.txt",
+        "lib",
+    )
     (proj / "greeting.txt").write_text("hello there\n")  # touched by the patch
     (proj / "notes.txt").write_text("edited meanwhile\n")  # not touched, but copied
     (proj / "lib" / "new.py").write_text("someone else's\n")  # the patch creates it
@@ -233,7 +239,8 @@ def test_apply_3way_merges_a_moved_base_and_refuses_conflicts(proj: Path) -> Non
     out = json.loads(res.stdout)
     assert out["merged"] == ["doc.txt"] and out["status"] == "applied"
     assert (proj / "doc.txt").read_text() == lines.replace("line 1\n", "LINE ONE\n").replace(
-        "line 9\n", "line nine\n")
+        "line 9\n", "line nine\n"
+    )
     assert (proj / "other.txt").read_text() == lines.replace("line 1\n", "LINE ONE\n")
 
 
@@ -268,19 +275,28 @@ HOSTILE = {
     "absolute path": (new_file(b"/fila-evil"), "absolute"),
     "git hook": (new_file(b".git/hooks/pre-commit", b"#!/bin/sh", b"100755"), ".git"),
     "git hook, case": (new_file(b".GIT/hooks/pre-commit", b"#!/bin/sh", b"100755"), ".git"),
-    "symlink then write through it": (NEW_LINK % {b"p": b"link", b"t": b"/etc"}
-                                      + new_file(b"link/x"), "symlink"),
+    "symlink then write through it": (
+        NEW_LINK % {b"p": b"link", b"t": b"/etc"} + new_file(b"link/x"),
+        "symlink",
+    ),
     "symlink out of the project": (NEW_LINK % {b"p": b"up", b"t": b"../../.."}, "outside"),
-    "escape sequence in a name": (new_file(b'"\\033[31mred"').replace(b'a/"', b'"a/')
-                                  .replace(b'b/"', b'"b/'), "control character"),
+    "escape sequence in a name": (
+        new_file(b'"\\033[31mred"').replace(b'a/"', b'"a/').replace(b'b/"', b'"b/'),
+        "control character",
+    ),
     "setuid file": (new_file(b"suid", mode=b"104755"), "setuid"),
     "fila's own queue": (new_file(b"fila/in/evil.json", b"{}"), "fila's own"),
     "fila's own policy": (new_file(b"policies/default.json", b"{}"), "fila's own"),
     "symlink to an unreviewed job file": (
-        NEW_LINK % {b"p": b"conftest.py", b"t": b"sandbox/jobs/x/payload.py"}, "fila's own"),
+        NEW_LINK % {b"p": b"conftest.py", b"t": b"sandbox/jobs/x/payload.py"},
+        "fila's own",
+    ),
     "a denied secret": (new_file(b".env", b"TOKEN=x"), "denies"),
-    "a rename": (b"diff --git a/greeting.txt b/other\nsimilarity index 100%\nrename from "
-                 b"greeting.txt\nrename to other\n", None),
+    "a rename": (
+        b"diff --git a/greeting.txt b/other\nsimilarity index 100%\nrename from "
+        b"greeting.txt\nrename to other\n",
+        None,
+    ),
 }
 
 
@@ -303,8 +319,16 @@ def test_apply_refuses_a_hostile_patch(proj: Path, case: str) -> None:
 
 
 @docker
-@pytest.mark.parametrize("case", ["path escape", "git hook", "symlink then write through it",
-                                  "symlink out of the project", "fila's own queue"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "path escape",
+        "git hook",
+        "symlink then write through it",
+        "symlink out of the project",
+        "fila's own queue",
+    ],
+)
 def test_hostile_patches_are_refused_even_without_the_path_checks(
     proj: Path, case: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -335,11 +359,14 @@ def test_apply_refuses_to_write_through_a_symlinked_directory_in_the_project(pro
 def test_patch_parser_refuses_what_fila_never_writes() -> None:
     good = new_file(b"ok.txt")
     assert [f.path for f in patch.parse(good).files] == ["ok.txt"]
-    for bad in (b"junk\n" + good, good.replace(b"100644", b"100664"),
-                b"diff --git a/x b/x\nnew file mode 100644\nindex 0000000..1111111\n"
-                b"Binary files /dev/null and b/x differ\n",
-                good.replace(b"@@ -0,0 +1 @@", b"@@ -0,0 +1,3 @@"),
-                b"diff --git a/x b/y\nold mode 100644\nnew mode 100755\n"):
+    for bad in (
+        b"junk\n" + good,
+        good.replace(b"100644", b"100664"),
+        b"diff --git a/x b/x\nnew file mode 100644\nindex 0000000..1111111\n"
+        b"Binary files /dev/null and b/x differ\n",
+        good.replace(b"@@ -0,0 +1 @@", b"@@ -0,0 +1,3 @@"),
+        b"diff --git a/x b/y\nold mode 100644\nnew mode 100755\n",
+    ):
         with pytest.raises(patch.PatchError):
             patch.parse(bad)
     quoted = patch.parse(new_file(b'"sp ace \\303\\251"').replace(b'a/"', b'"a/')

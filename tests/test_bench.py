@@ -30,9 +30,20 @@ def test_floor_has_the_sandbox_options(tmp_path: Path) -> None:
     argv = FloorSpec(root.path).docker_args(job, "fila-bench-test")
     joined = " ".join(argv)
     assert argv[:3] == ["docker", "run", "--rm"]
-    for opt in ("--read-only", "--network none", "--cap-drop ALL", "--init", "--pids-limit",
-                "--memory", "--cpus", "no-new-privileges", "--tmpfs /tmp:", "--ulimit nofile=",
-                f"source={job.resolve()},target=/job", "target=/job/input,readonly"):
+    for opt in (
+        "--read-only",
+        "--network none",
+        "--cap-drop ALL",
+        "--init",
+        "--pids-limit",
+        "--memory",
+        "--cpus",
+        "no-new-privileges",
+        "--tmpfs /tmp:",
+        "--ulimit nofile=",
+        f"source={job.resolve()},target=/job",
+        "target=/job/input,readonly",
+    ):
         assert opt in joined, opt
     assert argv[argv.index("--entrypoint") + 2] == "fila/shell:latest"
 

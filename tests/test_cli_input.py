@@ -73,14 +73,25 @@ def test_shell_engine_needs_a_command(proj: Path) -> None:
 
 
 def test_unknown_policy_lists_the_existing_ones(proj: Path) -> None:
-    res = fila(proj, "submit", "--engine", "shell", "--command", "true", "-t", "greeting.txt",
-               "--policy", "nope")
+    res = fila(
+        proj, "submit", "--engine", "shell", "--command", "true", "-t", "greeting.txt", "--policy", "nope"
+    )
     assert res.exit_code == 2 and "unknown policy 'nope'" in res.stderr and "default" in res.stderr
 
 
 def test_timeout_above_the_cap_is_refused_not_clipped(proj: Path) -> None:
-    res = fila(proj, "submit", "--engine", "shell", "--command", "true", "-t", "greeting.txt",
-               "--timeout", str(10**9))
+    res = fila(
+        proj,
+        "submit",
+        "--engine",
+        "shell",
+        "--command",
+        "true",
+        "-t",
+        "greeting.txt",
+        "--timeout",
+        str(10**9),
+    )
     assert res.exit_code == 2 and "above the cap" in res.stderr
     assert not list((proj / "fila" / "in").glob("*.json"))
 

@@ -49,15 +49,21 @@ def test_cycle_ends_in_needs_review_with_a_diff_that_git_applies(proj: Path) -> 
     assert "needs_review" in show.stdout and "greeting.txt" in show.stdout
     # The patch applies in the project root.
     subprocess.run(["git", "apply", "--check", str(proj / rec["patch_path"])], cwd=proj, check=True)
-    events = [json.loads(x)["event"] for x in
-              (proj / "fila" / "logs" / f"{tid}.events.jsonl").read_text().splitlines()]
+    events = [
+        json.loads(x)["event"]
+        for x in (proj / "fila" / "logs" / f"{tid}.events.jsonl").read_text().splitlines()
+    ]
     assert events[0] == "submitted" and "claimed" in events and events[-1] == "status"
 
 
 def test_task_file_with_directory_target_and_json_output(proj: Path) -> None:
-    task = {"id": "tf", "engine": "shell", "targets": ["src", "greeting.txt"],
-            "command": "sed -i s/hello/bye/ src/run.sh && printf 'new\\n' > src/new.txt "
-                       "&& chmod +x src/new.txt && rm greeting.txt"}
+    task = {
+        "id": "tf",
+        "engine": "shell",
+        "targets": ["src", "greeting.txt"],
+        "command": "sed -i s/hello/bye/ src/run.sh && printf 'new\\n' > src/new.txt "
+        "&& chmod +x src/new.txt && rm greeting.txt",
+    }
     (proj / "task.json").write_text(json.dumps(task))
     assert fila(proj, "submit", str(proj / "task.json")).stdout.strip() == "tf"
     res = fila(proj, "run", "--once", "--json")
@@ -80,8 +86,12 @@ def test_input_cannot_be_written_from_the_container(proj: Path) -> None:
 
 
 def test_network_is_unreachable_under_the_default_policy(proj: Path) -> None:
-    tid = submit(proj, "cat /proc/net/dev > net.txt; nc -w 2 198.51.100.1 80 </dev/null "
-                       "> out.txt 2>&1; echo rc=$? >> out.txt", "greeting.txt")
+    tid = submit(
+        proj,
+        "cat /proc/net/dev > net.txt; nc -w 2 198.51.100.1 80 </dev/null "
+        "> out.txt 2>&1; echo rc=$? >> out.txt",
+        "greeting.txt",
+    )
     assert fila(proj, "run", "--once").exit_code == 0
     job = proj / "sandbox" / "jobs" / tid / "work"
     interfaces = [ln.split(":")[0].strip() for ln in (job / "net.txt").read_text().splitlines()[2:]]
@@ -123,9 +133,12 @@ def test_an_engine_replacing_work_with_a_symlink_fails_without_reading_it(proj: 
 
 
 def test_what_the_engine_leaves_is_made_inert_before_the_host_reads_it(proj: Path) -> None:
-    tid = submit(proj, "cp /bin/busybox tool && chmod 6755 tool && mkdir -p sub/.git "
-                       "&& echo '[core] fsmonitor = touch /pwned' > sub/.git/config "
-                       "&& chmod 0777 . ; (echo x > ../planted) 2>/dev/null; true")
+    tid = submit(
+        proj,
+        "cp /bin/busybox tool && chmod 6755 tool && mkdir -p sub/.git "
+        "&& echo '[core] fsmonitor = touch /pwned' > sub/.git/config "
+        "&& chmod 0777 . ; (echo x > ../planted) 2>/dev/null; true",
+    )
     assert fila(proj, "run", "--once").exit_code == 0
     rec = record(proj, tid)
     work = proj / "sandbox" / "jobs" / tid / "work"
@@ -169,8 +182,13 @@ def test_unreachable_docker_keeps_the_task_queued_and_exits_3(proj: Path) -> Non
 
 
 def test_a_missing_image_keeps_the_task_queued_with_a_build_hint(proj: Path) -> None:
-    task = {"id": "noimg", "engine": "shell", "command": "true", "targets": ["greeting.txt"],
-            "image": "fila/not-built-anywhere:latest"}
+    task = {
+        "id": "noimg",
+        "engine": "shell",
+        "command": "true",
+        "targets": ["greeting.txt"],
+        "image": "fila/not-built-anywhere:latest",
+    }
     (proj / "t.json").write_text(json.dumps(task))
     assert fila(proj, "submit", str(proj / "t.json")).exit_code == 0
     res = fila(proj, "run", "--once")

@@ -34,9 +34,14 @@ pytestmark = pytest.mark.docker
 CLI = [sys.executable, "-c", "from fila.cli import main; main()"]
 
 
-def fila(root: Root, *args: str, crash: str | None = None, check: bool = False,
-         timeout: float = 120, env_extra: dict[str, str] | None = None,
-         ) -> subprocess.CompletedProcess[str]:
+def fila(
+    root: Root,
+    *args: str,
+    crash: str | None = None,
+    check: bool = False,
+    timeout: float = 120,
+    env_extra: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "FILA_ROOT": str(root.path), **(env_extra or {})}
     env.pop("FILA_CRASH_AT", None)
     if crash:
@@ -53,8 +58,9 @@ class Starts:
 
     def __init__(self, client: docker.DockerClient, root: Root) -> None:
         self.n = 0
-        self._stream = client.events(decode=True, filters={
-            "event": "start", "label": [f"fila.root={root.path}"]})
+        self._stream = client.events(
+            decode=True, filters={"event": "start", "label": [f"fila.root={root.path}"]}
+        )
         self._thread = threading.Thread(target=self._count, daemon=True)
         self._thread.start()
 
@@ -72,8 +78,7 @@ class Starts:
 
 
 def containers_left(client: docker.DockerClient, root: Root) -> list[str]:
-    return [c.name for c in client.containers.list(
-        all=True, filters={"label": [f"fila.root={root.path}"]})]
+    return [c.name for c in client.containers.list(all=True, filters={"label": [f"fila.root={root.path}"]})]
 
 
 def assert_one_state_each(root: Root, ids: list[str]) -> dict[str, Status]:
@@ -93,11 +98,18 @@ def assert_one_state_each(root: Root, ids: list[str]) -> dict[str, Status]:
 
 # Where each crash point leaves the task once recovery has run.
 EXPECTED = {
-    "after_claim": S.queued, "after_begin": S.queued, "after_job_dir": S.queued,
-    "after_checkpoint": S.needs_human, "after_container_start": S.needs_human,
-    "during_run": S.needs_human, "after_exit": S.needs_human, "after_diff": S.needs_human,
-    "after_result": S.needs_human, "after_win": S.needs_review,
-    "during_record_write": S.needs_review, "after_record": S.needs_review,
+    "after_claim": S.queued,
+    "after_begin": S.queued,
+    "after_job_dir": S.queued,
+    "after_checkpoint": S.needs_human,
+    "after_container_start": S.needs_human,
+    "during_run": S.needs_human,
+    "after_exit": S.needs_human,
+    "after_diff": S.needs_human,
+    "after_result": S.needs_human,
+    "after_win": S.needs_review,
+    "during_record_write": S.needs_review,
+    "after_record": S.needs_review,
 }
 
 
@@ -115,12 +127,26 @@ def test_every_crash_point_is_named_and_tested() -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("point", list(EXPECTED))
 def test_sigkill_at_each_point_then_recovery_keeps_every_invariant(
-        proj: Root, docker_client: docker.DockerClient, started_containers: Starts,
-        point: str) -> None:
-    cmd = "echo world >> greeting.txt; sleep 3" if point in ("after_container_start", "during_run") else \
-        "echo world >> greeting.txt"
-    fila(proj, "submit", "--id", "t1", "--engine", "shell", "--command", cmd,
-         "--target", "greeting.txt", check=True)
+    proj: Root, docker_client: docker.DockerClient, started_containers: Starts, point: str
+) -> None:
+    cmd = (
+        "echo world >> greeting.txt; sleep 3"
+        if point in ("after_container_start", "during_run")
+        else "echo world >> greeting.txt"
+    )
+    fila(
+        proj,
+        "submit",
+        "--id",
+        "t1",
+        "--engine",
+        "shell",
+        "--command",
+        cmd,
+        "--target",
+        "greeting.txt",
+        check=True,
+    )
     crashed = fila(proj, "run", "--once", crash=point)
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     rep = json.loads(fila(proj, "recover", "--json", check=True).stdout)
@@ -154,12 +180,25 @@ def test_sigkill_at_each_point_then_recovery_keeps_every_invariant(
     assert containers_left(docker_client, proj) == []
 
 
-def test_sigkill_during_a_hand_back_loses_nothing(proj: Root, docker_client: docker.DockerClient,
-                                                  ) -> None:
+def test_sigkill_during_a_hand_back_loses_nothing(
+    proj: Root,
+    docker_client: docker.DockerClient,
+) -> None:
     # An image the policy allows but nobody built: an infra error before the container starts,
     # so the worker hands the task back, and dies half-way through.
-    fila(proj, "submit", "--id", "t1", "--engine", "shell", "--command", "true", "--target",
-         "greeting.txt", check=True)
+    fila(
+        proj,
+        "submit",
+        "--id",
+        "t1",
+        "--engine",
+        "shell",
+        "--command",
+        "true",
+        "--target",
+        "greeting.txt",
+        check=True,
+    )
     rec_path = proj.record_path("t1")
     data: dict[str, Any] = json.loads(rec_path.read_text())
     task = json.loads(proj.queued_path("t1").read_text())
@@ -174,13 +213,26 @@ def test_sigkill_during_a_hand_back_loses_nothing(proj: Root, docker_client: doc
 
 
 def test_sigkill_of_a_busy_worker_with_two_jobs_settles_both(
-        proj: Root, docker_client: docker.DockerClient) -> None:
+    proj: Root, docker_client: docker.DockerClient
+) -> None:
     for i in range(3):
-        fila(proj, "submit", "--id", f"t{i}", "--engine", "shell", "--command", "sleep 30",
-             "--target", "greeting.txt", check=True)
+        fila(
+            proj,
+            "submit",
+            "--id",
+            f"t{i}",
+            "--engine",
+            "shell",
+            "--command",
+            "sleep 30",
+            "--target",
+            "greeting.txt",
+            check=True,
+        )
     env = {**os.environ, "FILA_ROOT": str(proj.path)}
-    p = subprocess.Popen([*CLI, "worker", "--concurrency", "2"], env=env,
-                         stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+    p = subprocess.Popen(
+        [*CLI, "worker", "--concurrency", "2"], env=env, stderr=subprocess.DEVNULL, stdout=subprocess.DEVNULL
+    )
     try:
         deadline = time.time() + 60
         while sum(1 for r in queue.all_records(proj) if r.container_started) < 2:
@@ -202,8 +254,9 @@ def frozen_worker(root: Root, point: str) -> subprocess.Popen[bytes]:
     """`fila run --once` that SIGSTOPs itself at `point` (FILA_CRASH_AT=<point>:stop). The
     caller must SIGKILL it in a `finally` (`kill_worker`)."""
     env = {**os.environ, "FILA_ROOT": str(root.path), "FILA_CRASH_AT": f"{point}:stop"}
-    p = subprocess.Popen([*CLI, "run", "--once"], env=env, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(
+        [*CLI, "run", "--once"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     deadline = time.time() + 60
     while _proc_state(p.pid) != "T":
         if p.poll() is not None or time.time() > deadline:
@@ -214,7 +267,7 @@ def frozen_worker(root: Root, point: str) -> subprocess.Popen[bytes]:
 
 
 def _proc_state(pid: int) -> str:
-    """"T" once every thread of the process is stopped."""
+    """ "T" once every thread of the process is stopped."""
     states = set()
     for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
         with contextlib.suppress(FileNotFoundError, IndexError):
@@ -237,22 +290,37 @@ def expire_lease(root: Root, tid: str) -> None:
 
 @pytest.mark.parametrize("docker_at_recovery", ["down", "up"])
 def test_a_zombie_worker_never_starts_its_engine_after_recovery_took_its_task(
-        proj: Root, docker_client: docker.DockerClient, started_containers: Starts,
-        docker_at_recovery: str) -> None:
-    fila(proj, "submit", "--id", "t1", "--engine", "shell", "--command",
-         "echo world >> greeting.txt", "--target", "greeting.txt", check=True)
+    proj: Root, docker_client: docker.DockerClient, started_containers: Starts, docker_at_recovery: str
+) -> None:
+    fila(
+        proj,
+        "submit",
+        "--id",
+        "t1",
+        "--engine",
+        "shell",
+        "--command",
+        "echo world >> greeting.txt",
+        "--target",
+        "greeting.txt",
+        check=True,
+    )
     # Frozen with its container created and container_started=True durable, not yet started.
     p = frozen_worker(proj, "after_checkpoint")
     try:
         expire_lease(proj, "t1")
         assert len(containers_left(docker_client, proj)) == 1
         if docker_at_recovery == "down":
-            rep = json.loads(fila(proj, "recover", "--json", check=True, env_extra={
-                "DOCKER_HOST": "unix:///nonexistent"}).stdout)
+            rep = json.loads(
+                fila(
+                    proj, "recover", "--json", check=True, env_extra={"DOCKER_HOST": "unix:///nonexistent"}
+                ).stdout
+            )
             assert "undecided" in [a["action"] for a in rep["actions"]], rep
             fila(proj, "recover", "--no-docker", check=True)
-            assert queue.get_record(proj, "t1").status == S.running, \
+            assert queue.get_record(proj, "t1").status == S.running, (
                 "nobody decides while the container may still be started"
+            )
             assert fila(proj, "reject", "t1", "--by", "tester").returncode != 0
         else:
             fila(proj, "recover", check=True)  # removes the container, then decides
@@ -275,9 +343,21 @@ def test_a_zombie_worker_never_starts_its_engine_after_recovery_took_its_task(
 
 
 def test_a_zombie_worker_never_wipes_a_later_attempts_finished_job_directory(
-        proj: Root, docker_client: docker.DockerClient, started_containers: Starts) -> None:
-    fila(proj, "submit", "--id", "t1", "--engine", "shell", "--command",
-         "echo world >> greeting.txt", "--target", "greeting.txt", check=True)
+    proj: Root, docker_client: docker.DockerClient, started_containers: Starts
+) -> None:
+    fila(
+        proj,
+        "submit",
+        "--id",
+        "t1",
+        "--engine",
+        "shell",
+        "--command",
+        "echo world >> greeting.txt",
+        "--target",
+        "greeting.txt",
+        check=True,
+    )
     p = frozen_worker(proj, "after_begin")  # running, attempt 1, no job directory yet
     try:
         expire_lease(proj, "t1")

@@ -29,8 +29,10 @@ def test_image_tag() -> None:
 def test_shell_image_has_the_usual_tools(docker_client, shell_image: ImageRef) -> None:
     tools = "sh sed awk grep find sleep ln mkfifo dd cat printf env xargs sort diff"
     out = docker_client.containers.run(
-        shell_image.tag, ["sh", "-c", f"for t in {tools}; do command -v $t; done"],
-        remove=True, network_mode="none",
+        shell_image.tag,
+        ["sh", "-c", f"for t in {tools}; do command -v $t; done"],
+        remove=True,
+        network_mode="none",
     ).decode()
     assert len(out.split()) == len(tools.split())
 

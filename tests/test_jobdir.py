@@ -49,8 +49,9 @@ def test_targets_are_copied_into_input_and_work(root: Root) -> None:
         assert (base / "src" / "a.py").read_text() == "print('hello')\n"
         assert os.stat(base / "src" / "run.sh").st_mode & 0o777 == 0o755
         assert os.stat(base / "src" / "a.py").st_mode & 0o777 == 0o644
-    assert not os.path.samefile(prep.job_dir / "input" / "greeting.txt",
-                                prep.job_dir / "work" / "greeting.txt")
+    assert not os.path.samefile(
+        prep.job_dir / "input" / "greeting.txt", prep.job_dir / "work" / "greeting.txt"
+    )
 
 
 def test_secrets_and_vcs_metadata_are_never_copied(root: Root) -> None:

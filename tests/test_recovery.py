@@ -34,15 +34,15 @@ def root(tmp_path: Path) -> Root:
     return r.require()
 
 
-def recover(root: Root, alive: lease.AliveFn = GONE, ttl: float = 60,
-            client: object = None) -> recovery.Report:
+def recover(
+    root: Root, alive: lease.AliveFn = GONE, ttl: float = 60, client: object = None
+) -> recovery.Report:
     """Recovery with a Docker that answers and holds no container (unless `client` is given)."""
     return recovery.recover(root, client=client or FakeDocker(), alive=alive, ttl=ttl)
 
 
 def actions(root: Root, tid: str) -> list[str]:
-    return [e["action"] for e in queue.read_events(root, tid) if e["event"] == "recovered"
-            and "action" in e]
+    return [e["action"] for e in queue.read_events(root, tid) if e["event"] == "recovered" and "action" in e]
 
 
 def begun(root: Root, tid: str = "t1", worker: str = "w1") -> queue.Claim:
@@ -124,11 +124,12 @@ def test_the_real_liveness_probe_sees_a_held_worker_lock(root: Root) -> None:
 
 def test_a_done_tombstone_of_a_dead_worker_is_published_from_its_result(root: Root) -> None:
     c = started(root)
-    fields = {"patch_path": "sandbox/jobs/t1/DIFF.patch", "patch_sha256": "0" * 64,
-              "exit_code": 0}
+    fields = {"patch_path": "sandbox/jobs/t1/DIFF.patch", "patch_sha256": "0" * 64, "exit_code": 0}
     root.meta("t1").mkdir(parents=True)
-    fsutil.atomic_write(queue.result_path(root, c), json.dumps(
-        {"claim": c.name, "attempt": 1, "status": "needs_review", "fields": fields}))
+    fsutil.atomic_write(
+        queue.result_path(root, c),
+        json.dumps({"claim": c.name, "attempt": 1, "status": "needs_review", "fields": fields}),
+    )
     assert queue.win(c, "done")
     recover(root)
     rec = queue.get_record(root, "t1")
@@ -140,8 +141,7 @@ def test_a_done_tombstone_of_a_dead_worker_is_published_from_its_result(root: Ro
 def test_a_done_tombstone_whose_record_is_final_is_only_removed(root: Root) -> None:
     c = started(root)
     assert queue.win(c, "done")
-    queue.finish_done(root, c, S.failed, {"error": ErrorInfo(kind=ErrorKind.timeout, message="t")},
-                      attempt=1)
+    queue.finish_done(root, c, S.failed, {"error": ErrorInfo(kind=ErrorKind.timeout, message="t")}, attempt=1)
     recover(root)
     assert queue.get_record(root, "t1").status == S.failed and not queue.claim_files(root, "t1")
 
@@ -184,8 +184,7 @@ def test_a_running_record_without_any_claim_is_settled(root: Root, container_sta
 
 def test_a_second_file_for_a_finished_task_is_kept_aside(root: Root) -> None:
     c = started(root)
-    queue.publish(root, c, S.needs_review, {"patch_path": "p", "patch_sha256": "0" * 64},
-                  attempt=1)
+    queue.publish(root, c, S.needs_review, {"patch_path": "p", "patch_sha256": "0" * 64}, attempt=1)
     root.queued_path("t1").write_text(queue.task_json(shell_task()))
     assert not cycle.claimable(root, root.queued_path("t1"), time.time())
     recover(root)
@@ -262,17 +261,14 @@ def test_a_killed_recovery_that_had_decided_leaves_no_duplicate_behind(root: Roo
 def test_a_result_of_an_earlier_attempt_is_never_published_over_a_later_one(root: Root) -> None:
     c = started(root)
     assert queue.win(c, "done")
-    rec = queue.finish_done(root, c, S.needs_review, {"patch_path": "p", "patch_sha256": "0"},
-                            attempt=2)
+    rec = queue.finish_done(root, c, S.needs_review, {"patch_path": "p", "patch_sha256": "0"}, attempt=2)
     assert rec is not None and rec.status == S.running, "attempt 1 is running, not 2"
-    rec = queue.finish_done(root, c, S.needs_review, {"patch_path": "p", "patch_sha256": "0"},
-                            attempt=1)
+    rec = queue.finish_done(root, c, S.needs_review, {"patch_path": "p", "patch_sha256": "0"}, attempt=1)
     assert rec is not None and rec.status == S.needs_review
 
 
 @pytest.mark.parametrize("docker", ["off", "removal fails"])
-def test_a_started_task_is_never_decided_while_its_container_may_still_exist(
-        root: Root, docker: str) -> None:
+def test_a_started_task_is_never_decided_while_its_container_may_still_exist(root: Root, docker: str) -> None:
     # A frozen worker's container, created and marked started: the worker may wake up and start
     # it. Recovery that cannot make sure it is gone must not decide (a person would then
     # reject or retry while the engine runs).
@@ -297,8 +293,7 @@ def test_a_started_task_is_never_decided_while_its_container_may_still_exist(
     assert rec.diagnosis and "found and removed" in rec.diagnosis
 
 
-def test_a_running_record_without_a_claim_is_not_decided_while_its_container_may_exist(
-        root: Root) -> None:
+def test_a_running_record_without_a_claim_is_not_decided_while_its_container_may_exist(root: Root) -> None:
     c = started(root)
     c.path.unlink()
     recovery.recover(root, docker=False, alive=ALIVE, ttl=60)
@@ -307,8 +302,7 @@ def test_a_running_record_without_a_claim_is_not_decided_while_its_container_may
     assert queue.get_record(root, "t1").status == S.needs_human
 
 
-def test_the_container_sweep_never_removes_the_container_of_a_claim_it_did_not_reap(
-        root: Root) -> None:
+def test_the_container_sweep_never_removes_the_container_of_a_claim_it_did_not_reap(root: Root) -> None:
     c = started(root)
     mine = FakeContainer("c1", {"fila.job": "t1", "fila.worker": "w1"})
     orphan = FakeContainer("c2", {"fila.job": "t2", "fila.worker": "w9"})
@@ -332,9 +326,15 @@ def test_a_status_change_whose_event_was_lost_is_logged_by_recovery(root: Root) 
     # A crash between the record write and its event: write the record as set_status would,
     # without the event.
     rec = queue.get_record(root, "t1")
-    rec = rec.model_copy(update={"status": S.needs_human, "error": ErrorInfo(
-        kind=ErrorKind.interrupted, message="x"), "attempts": [rec.attempts[-1].model_copy(
-            update={"ended_at": "2026-01-01T00:00:00Z", "outcome": "lost"})]})
+    rec = rec.model_copy(
+        update={
+            "status": S.needs_human,
+            "error": ErrorInfo(kind=ErrorKind.interrupted, message="x"),
+            "attempts": [
+                rec.attempts[-1].model_copy(update={"ended_at": "2026-01-01T00:00:00Z", "outcome": "lost"})
+            ],
+        }
+    )
     fsutil.atomic_write(root.record_path("t1"), rec.to_json())
     c.path.unlink()
     recover(root)

@@ -22,6 +22,7 @@ def run_task(root: Path, command: str, *targets: str) -> str:
     fila(root, "run", "--once")
     return tid
 
+
 pytestmark = pytest.mark.docker
 
 HOSTILE_NAMES = r"""printf 'x\033]0;pwned\007\033[2J\n' > "$(printf 'evil\033[31mname')"
@@ -170,8 +171,7 @@ def test_ci_steps_work_without_a_terminal(proj: Path) -> None:
     res = fila(proj, "run", "--once", "--json")
     assert res.exit_code == 1  # some task failed
     lines = [json.loads(line) for line in res.stdout.splitlines()]
-    assert {(r["id"], r["status"]) for r in lines} == {("ci-task", "needs_review"),
-                                                       ("ci-fails", "failed")}
+    assert {(r["id"], r["status"]) for r in lines} == {("ci-task", "needs_review"), ("ci-fails", "failed")}
     res = fila(proj, "review", "ci-task", "--html", "--json")
     assert Path(json.loads(res.stdout)["html"]).is_file()
     res = fila(proj, "apply", "ci-task", "--yes", "--by", "ci", "--json")

@@ -88,9 +88,7 @@ def test_output_lands_in_log_and_exit_code_propagates(tmp_path, docker_client, s
 
 def test_container_is_hardened_before_start(tmp_path, docker_client, shell_image):
     """Inspect the created container at the side-effect boundary: what the engine will get."""
-    spec = make_spec(
-        tmp_path, shell_image, "true", limits=Limits(memory="64m", cpus=0.5, pids=50)
-    )
+    spec = make_spec(tmp_path, shell_image, "true", limits=Limits(memory="64m", cpus=0.5, pids=50))
     seen: dict = {}
 
     def before_start(cid: str) -> None:
@@ -142,8 +140,7 @@ def test_non_root_host_user(tmp_path, docker_client, shell_image, monkeypatch):
     monkeypatch.setattr(os, "getuid", lambda: 4321)
     monkeypatch.setattr(os, "getgid", lambda: 4321)
     spec.argv[2] = (
-        'id -u; touch /tmp/t "$HOME/h" work/w && echo writable; stat -c "%u %a" "$HOME"; '
-        "touch /etc/x"
+        'id -u; touch /tmp/t "$HOME/h" work/w && echo writable; stat -c "%u %a" "$HOME"; touch /etc/x'
     )
     res = sandbox.run(spec, client=docker_client)
     out = log_of(spec)
@@ -154,7 +151,7 @@ def test_non_root_host_user(tmp_path, docker_client, shell_image, monkeypatch):
 
 def test_root_fs_read_only_tmp_and_home_writable_and_capped(tmp_path, docker_client, shell_image):
     script = (
-        "touch /etc/x 2>&1; touch /tmp/x && echo tmp-ok; touch \"$HOME/x\" && echo home-ok; "
+        'touch /etc/x 2>&1; touch /tmp/x && echo tmp-ok; touch "$HOME/x" && echo home-ok; '
         "dd if=/dev/zero of=/tmp/big bs=1M count=16 2>&1; echo dd=$?"
     )
     policy = make_policy(tmpfs={"tmp": "4m", "home": "4m"})
@@ -215,7 +212,9 @@ def test_engine_trapping_sigterm_is_killed_after_grace(tmp_path, docker_client, 
 def test_memory_bomb_is_oom_killed(tmp_path, docker_client, shell_image):
     # dd fills a buffer of bs bytes: 128 MiB against a 32 MiB limit (swap equal: none extra).
     spec = make_spec(
-        tmp_path, shell_image, "dd if=/dev/zero of=/dev/null bs=128M count=1",
+        tmp_path,
+        shell_image,
+        "dd if=/dev/zero of=/dev/null bs=128M count=1",
         policy=make_policy(memory="32m"),
     )
     res = sandbox.run(spec, client=docker_client)
@@ -230,7 +229,10 @@ def test_fork_bomb_is_held_by_pids_limit(tmp_path, docker_client, shell_image):
     assert "can't fork" in log_of(spec)
     # A real bomb: it cannot outgrow the limit, and the timeout ends it.
     bomb = make_spec(
-        tmp_path, shell_image, "b() { b | b & }; b; sleep 30", timeout_ms=1500,
+        tmp_path,
+        shell_image,
+        "b() { b | b & }; b; sleep 30",
+        timeout_ms=1500,
         policy=make_policy(pids=32),
     )
     res = sandbox.run(bomb, client=docker_client)
@@ -240,7 +242,9 @@ def test_fork_bomb_is_held_by_pids_limit(tmp_path, docker_client, shell_image):
 
 def test_log_is_capped_and_says_so(tmp_path, docker_client, shell_image):
     spec = make_spec(
-        tmp_path, shell_image, "yes 0123456789 | head -c 200000; echo END",
+        tmp_path,
+        shell_image,
+        "yes 0123456789 | head -c 200000; echo END",
         policy=make_policy(max_log_bytes=4096),
     )
     res = sandbox.run(spec, client=docker_client)
@@ -253,9 +257,7 @@ def test_log_is_capped_and_says_so(tmp_path, docker_client, shell_image):
 def test_secrets_are_redacted_even_across_chunks(tmp_path, docker_client, shell_image):
     secret = "sk-TOPSECRET-123"
     script = 'echo "key=$API_KEY"; printf "xx sk-TOPS"; sleep 0.3; printf "ECRET-123 yy\\n"'
-    spec = make_spec(
-        tmp_path, shell_image, script, env={"PATH": "/bin", "API_KEY": secret}, redact=[secret]
-    )
+    spec = make_spec(tmp_path, shell_image, script, env={"PATH": "/bin", "API_KEY": secret}, redact=[secret])
     sandbox.run(spec, client=docker_client)
     out = log_of(spec)
     assert secret not in out and "key=***" in out and "xx *** yy" in out
@@ -282,9 +284,7 @@ def test_redactor_chunking_changes_nothing(text: str, cuts: list[int], secrets: 
     assert not any(s.encode() in streamed for s in secrets)
 
 
-def test_keyboard_interrupt_from_heartbeat_leaves_no_container(
-    tmp_path, docker_client, shell_image
-):
+def test_keyboard_interrupt_from_heartbeat_leaves_no_container(tmp_path, docker_client, shell_image):
     spec = make_spec(tmp_path, shell_image, "sleep 30", timeout_ms=20_000)
     started: list[str] = []
     beats = 0
@@ -297,7 +297,10 @@ def test_keyboard_interrupt_from_heartbeat_leaves_no_container(
 
     with pytest.raises(KeyboardInterrupt):
         sandbox.run(
-            spec, client=docker_client, before_start=started.append, heartbeat=heartbeat,
+            spec,
+            client=docker_client,
+            before_start=started.append,
+            heartbeat=heartbeat,
             heartbeat_s=0.2,
         )
     assert len(started) == 1
@@ -334,7 +337,9 @@ def test_signal_to_caller_leaves_no_container(tmp_path, docker_client, shell_ima
     spec = make_spec(tmp_path, shell_image, "")
     proc = subprocess.Popen(
         [sys.executable, "-c", _CHILD, str(spec.job_dir), spec.job_id, shell_image.tag],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         assert proc.stdout is not None
@@ -353,18 +358,16 @@ def test_find_and_remove_containers_by_label(tmp_path, docker_client, shell_imag
     made = []
     for root, job_id in [(root_a, job), (root_a, "other"), (root_b, job)]:
         c = docker_client.containers.create(
-            shell_image.tag, ["sleep", "30"], network_mode="none",
+            shell_image.tag,
+            ["sleep", "30"],
+            network_mode="none",
             labels={"fila": "1", "fila.job": job_id, "fila.root": root},
         )
         made.append(c)
     made[0].start()  # running and created containers are both found
     try:
-        assert {c.id for c in sandbox.find_containers(docker_client, root=root_a)} == {
-            made[0].id, made[1].id
-        }
-        assert [c.id for c in sandbox.find_containers(docker_client, job_id=job, root=root_b)] == [
-            made[2].id
-        ]
+        assert {c.id for c in sandbox.find_containers(docker_client, root=root_a)} == {made[0].id, made[1].id}
+        assert [c.id for c in sandbox.find_containers(docker_client, job_id=job, root=root_b)] == [made[2].id]
         removed = sandbox.remove_containers(docker_client, root=root_a)
         assert set(removed) == {made[0].id, made[1].id}
         assert sandbox.find_containers(docker_client, root=root_a) == []
@@ -407,9 +410,13 @@ def test_unknown_runtime_is_an_infra_error_with_a_hint(tmp_path, docker_client, 
 
 def test_filling_the_disk_during_the_run_is_stopped(tmp_path, docker_client, shell_image):
     policy = make_policy(max_work_bytes=2 << 20, max_work_files=1000)
-    spec = make_spec(tmp_path, shell_image,
-                     "i=0; while true; do i=$((i+1)); dd if=/dev/zero of=work/f$i bs=1M count=1 "
-                     "2>/dev/null; done", policy=policy, timeout_ms=30_000)
+    spec = make_spec(
+        tmp_path,
+        shell_image,
+        "i=0; while true; do i=$((i+1)); dd if=/dev/zero of=work/f$i bs=1M count=1 2>/dev/null; done",
+        policy=policy,
+        timeout_ms=30_000,
+    )
     res = sandbox.run(spec, client=docker_client, heartbeat_s=0.2)
     assert res.limit_exceeded and "bytes" in res.limit_exceeded
     assert not res.timed_out and res.duration_s < 20
@@ -418,7 +425,12 @@ def test_filling_the_disk_during_the_run_is_stopped(tmp_path, docker_client, she
 
 def test_millions_of_small_files_are_stopped(tmp_path, docker_client, shell_image):
     policy = make_policy(max_work_files=500)
-    spec = make_spec(tmp_path, shell_image, "i=0; while true; do i=$((i+1)); : > work/f$i; done",
-                     policy=policy, timeout_ms=30_000)
+    spec = make_spec(
+        tmp_path,
+        shell_image,
+        "i=0; while true; do i=$((i+1)); : > work/f$i; done",
+        policy=policy,
+        timeout_ms=30_000,
+    )
     res = sandbox.run(spec, client=docker_client, heartbeat_s=0.2)
     assert res.limit_exceeded and "entries" in res.limit_exceeded

@@ -97,8 +97,9 @@ class QueueMachine(RuleBasedStateMachine):
             self.jobs.append(Job(c, "claimed"))
 
     def _job(self, data: st.DataObject, phase: str | None = None) -> Job | None:
-        jobs = [j for j in self.jobs if (phase is None or j.phase == phase)
-                and j.claim.worker not in self.dead]
+        jobs = [
+            j for j in self.jobs if (phase is None or j.phase == phase) and j.claim.worker not in self.dead
+        ]
         return data.draw(st.sampled_from(jobs)) if jobs else None
 
     @rule(data=st.data())
@@ -107,8 +108,7 @@ class QueueMachine(RuleBasedStateMachine):
         if job is None:
             return
         try:
-            rec = queue.begin(self.root, job.claim, shell_task().model_copy(
-                update={"id": job.claim.task_id}))
+            rec = queue.begin(self.root, job.claim, shell_task().model_copy(update={"id": job.claim.task_id}))
             job.phase, job.attempt = "begun", rec.attempt
         except queue.LeaseLost:
             self.jobs.remove(job)
@@ -122,8 +122,13 @@ class QueueMachine(RuleBasedStateMachine):
         if job is None:
             return
         try:
-            queue.checkpoint(self.root, job.claim, container=f"c-{job.claim.token}",
-                             container_started=True, event="container started")
+            queue.checkpoint(
+                self.root,
+                job.claim,
+                container=f"c-{job.claim.token}",
+                container_started=True,
+                event="container started",
+            )
         except queue.LeaseLost:
             self.jobs.remove(job)
             return
@@ -143,10 +148,14 @@ class QueueMachine(RuleBasedStateMachine):
         if job is None:
             return
         self.jobs.remove(job)
-        fields = ({"patch_path": "x", "patch_sha256": "0" * 64, "exit_code": 0} if ok else
-                  {"exit_code": 1, "error": ErrorInfo(kind=ErrorKind.engine_error, message="x")})
-        rec = queue.publish(self.root, job.claim, S.needs_review if ok else S.failed, fields,
-                            attempt=job.attempt)
+        fields = (
+            {"patch_path": "x", "patch_sha256": "0" * 64, "exit_code": 0}
+            if ok
+            else {"exit_code": 1, "error": ErrorInfo(kind=ErrorKind.engine_error, message="x")}
+        )
+        rec = queue.publish(
+            self.root, job.claim, S.needs_review if ok else S.failed, fields, attempt=job.attempt
+        )
         if rec is not None:
             breaker.record(self.root, rec, worker=job.claim.worker)
 
@@ -156,8 +165,12 @@ class QueueMachine(RuleBasedStateMachine):
         if job is None:
             return
         self.jobs.remove(job)
-        queue.hand_back(self.root, job.claim, outcome="requeued", error=ErrorInfo(
-            kind=ErrorKind.infra, message="daemon unreachable"))
+        queue.hand_back(
+            self.root,
+            job.claim,
+            outcome="requeued",
+            error=ErrorInfo(kind=ErrorKind.infra, message="daemon unreachable"),
+        )
 
     @rule(data=st.data(), where=st.sampled_from(["anywhere", "after_result", "after_win"]))
     def crash(self, data: st.DataObject, where: str) -> None:
@@ -170,9 +183,17 @@ class QueueMachine(RuleBasedStateMachine):
             if job.phase == "started" and where != "anywhere":
                 c = job.claim
                 self.root.meta(c.task_id).mkdir(parents=True, exist_ok=True)
-                fsutil.atomic_write(queue.result_path(self.root, c), json.dumps(
-                    {"claim": c.name, "attempt": job.attempt, "status": "needs_review",
-                     "fields": {"patch_path": "x", "patch_sha256": "0" * 64}}))
+                fsutil.atomic_write(
+                    queue.result_path(self.root, c),
+                    json.dumps(
+                        {
+                            "claim": c.name,
+                            "attempt": job.attempt,
+                            "status": "needs_review",
+                            "fields": {"patch_path": "x", "patch_sha256": "0" * 64},
+                        }
+                    ),
+                )
                 if where == "after_win":
                     queue.win(c, "done")
             self.jobs.remove(job)
@@ -206,8 +227,7 @@ class QueueMachine(RuleBasedStateMachine):
     def reject(self, data: st.DataObject) -> None:
         tid = self._with_status(data, S.needs_review, S.needs_human, S.failed)
         if tid:
-            queue.set_status(self.root, tid, S.rejected,
-                             expect={S.needs_review, S.needs_human, S.failed})
+            queue.set_status(self.root, tid, S.rejected, expect={S.needs_review, S.needs_human, S.failed})
 
     @rule(data=st.data())
     def retry(self, data: st.DataObject) -> None:
@@ -286,22 +306,24 @@ class QueueMachineChecked(QueueMachine):
             self.every_task_in_exactly_one_state()
             for rec in queue.all_records(self.root):
                 owner_dead = rec.worker in self.dead | self.stalled
-                assert not (rec.status == S.running and owner_dead), \
+                assert not (rec.status == S.running and owner_dead), (
                     f"{rec.id} still running for a gone worker after recovery"
+                )
         finally:
             super().teardown()
 
 
 TestQueueStateMachine = QueueMachineChecked.TestCase
 TestQueueStateMachine.settings = settings(
-    max_examples=150, stateful_step_count=40, deadline=None,
+    max_examples=150,
+    stateful_step_count=40,
+    deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 
 
 @pytest.mark.parametrize("to", [S.running, S.needs_review, S.failed, S.needs_human])
-def test_invalid_transitions_from_queued_are_refused_and_write_nothing(tmp_path: Path,
-                                                                       to: Status) -> None:
+def test_invalid_transitions_from_queued_are_refused_and_write_nothing(tmp_path: Path, to: Status) -> None:
     root = Root(tmp_path)
     for d in root.all_dirs():
         d.mkdir(parents=True)

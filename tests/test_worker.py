@@ -41,16 +41,32 @@ def proj(tmp_path: Path, shell_image: ImageRef) -> Root:
 
 
 def submit(root: Root, tid: str, command: str, *extra: str) -> None:
-    fila(root, "submit", "--id", tid, "--engine", "shell", "--command", command,
-         "--target", "greeting.txt", *extra, check=True)
+    fila(
+        root,
+        "submit",
+        "--id",
+        tid,
+        "--engine",
+        "shell",
+        "--command",
+        command,
+        "--target",
+        "greeting.txt",
+        *extra,
+        check=True,
+    )
 
 
-def start_worker(root: Root, *args: str, env: dict[str, str] | None = None,
-                 log: Path | None = None) -> subprocess.Popen[bytes]:
+def start_worker(
+    root: Root, *args: str, env: dict[str, str] | None = None, log: Path | None = None
+) -> subprocess.Popen[bytes]:
     out = open(log, "wb") if log else subprocess.DEVNULL  # noqa: SIM115
-    return subprocess.Popen([*CLI, "worker", *args],
-                            env={**os.environ, "FILA_ROOT": str(root.path), **(env or {})},
-                            stdout=out, stderr=out)
+    return subprocess.Popen(
+        [*CLI, "worker", *args],
+        env={**os.environ, "FILA_ROOT": str(root.path), **(env or {})},
+        stdout=out,
+        stderr=out,
+    )
 
 
 def wait_for(cond: object, timeout: float, what: str) -> None:
@@ -77,20 +93,26 @@ def stop(p: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float =
 
 
 def test_one_worker_chains_tasks_idles_and_wakes_for_a_new_one(
-        proj: Root, docker_client: docker.DockerClient, started_containers: Starts,
-        tmp_path: Path) -> None:
+    proj: Root, docker_client: docker.DockerClient, started_containers: Starts, tmp_path: Path
+) -> None:
     for i in range(3):
         submit(proj, f"t{i}", f"echo {i} >> greeting.txt")
     w = start_worker(proj, log=tmp_path / "worker.log")
     try:
-        wait_for(lambda: all(status_of(proj, f"t{i}") == S.needs_review for i in range(3)), 60,
-                 "the three queued tasks")
+        wait_for(
+            lambda: all(status_of(proj, f"t{i}") == S.needs_review for i in range(3)),
+            60,
+            "the three queued tasks",
+        )
         time.sleep(1.5)  # idle: nothing queued
         assert w.poll() is None, "an idle worker keeps waiting"
         submit(proj, "late", "echo late >> greeting.txt")
         submitted = time.time()
-        wait_for(lambda: any(e["event"] == "claimed" for e in queue.read_events(proj, "late")),
-                 5, "the new task to be claimed")
+        wait_for(
+            lambda: any(e["event"] == "claimed" for e in queue.read_events(proj, "late")),
+            5,
+            "the new task to be claimed",
+        )
         woke = time.time() - submitted
         wait_for(lambda: status_of(proj, "late") == S.needs_review, 30, "the late task")
     finally:
@@ -115,7 +137,8 @@ def test_concurrency_runs_jobs_at_the_same_time(proj: Root, tmp_path: Path) -> N
 
 
 def test_sigterm_lets_the_running_job_finish_and_claims_nothing_more(
-        proj: Root, docker_client: docker.DockerClient, tmp_path: Path) -> None:
+    proj: Root, docker_client: docker.DockerClient, tmp_path: Path
+) -> None:
     submit(proj, "t0", "sleep 3; echo done >> greeting.txt")
     w = start_worker(proj, log=tmp_path / "worker.log")
     try:
@@ -131,7 +154,8 @@ def test_sigterm_lets_the_running_job_finish_and_claims_nothing_more(
 
 
 def test_ctrl_c_removes_the_container_and_records_the_task(
-        proj: Root, docker_client: docker.DockerClient, tmp_path: Path) -> None:
+    proj: Root, docker_client: docker.DockerClient, tmp_path: Path
+) -> None:
     submit(proj, "t0", "sleep 60")
     w = start_worker(proj, "--once", log=tmp_path / "worker.log")
     try:
@@ -178,27 +202,23 @@ def test_breaker_stops_claiming_until_rearmed(proj: Root, tmp_path: Path) -> Non
 
 def test_run_once_without_docker_keeps_tasks_queued(proj: Root, tmp_path: Path) -> None:
     submit(proj, "t0", "true")
-    env = {**os.environ, "FILA_ROOT": str(proj.path),
-           "DOCKER_HOST": f"unix://{tmp_path}/no-such.sock"}
-    res = subprocess.run([*CLI, "run", "--once"], env=env, capture_output=True, text=True,
-                         timeout=60)
+    env = {**os.environ, "FILA_ROOT": str(proj.path), "DOCKER_HOST": f"unix://{tmp_path}/no-such.sock"}
+    res = subprocess.run([*CLI, "run", "--once"], env=env, capture_output=True, text=True, timeout=60)
     assert res.returncode == 3, res.stderr
     assert status_of(proj, "t0") == S.queued and proj.queued_path("t0").exists()
 
 
 @pytest.mark.slow
 def test_several_worker_processes_process_each_task_exactly_once(
-        proj: Root, docker_client: docker.DockerClient, started_containers: Starts,
-        tmp_path: Path) -> None:
+    proj: Root, docker_client: docker.DockerClient, started_containers: Starts, tmp_path: Path
+) -> None:
     n = 200
     for i in range(n):  # through the library: 200 CLI start-ups would dominate the test
         from fila.cycle import submit as do_submit
         from fila.models import Task
 
-        do_submit(proj, Task(id=f"t{i:03d}", engine="shell", command="true",
-                             targets=["greeting.txt"]))
-    procs = [start_worker(proj, "--once", "--concurrency", "2", log=tmp_path / f"w{k}.log")
-             for k in range(3)]
+        do_submit(proj, Task(id=f"t{i:03d}", engine="shell", command="true", targets=["greeting.txt"]))
+    procs = [start_worker(proj, "--once", "--concurrency", "2", log=tmp_path / f"w{k}.log") for k in range(3)]
     codes = [p.wait(timeout=600) for p in procs]
     assert codes == [0, 0, 0], [(tmp_path / f"w{k}.log").read_text()[-2000:] for k in range(3)]
     recs = queue.all_records(proj)
@@ -235,11 +255,26 @@ class PrivateDocker:
         log = open(self.base / "dockerd.log", "ab")  # noqa: SIM115
         # --bridge names our own interface: with --bridge=none dockerd deletes docker0.
         self.proc = subprocess.Popen(
-            ["dockerd", "--data-root", str(self.base / "data"), "--exec-root",
-             str(self.base / "x"), "--pidfile", str(self.base / "d.pid"), "-H", self.host,
-             f"--bridge={self.bridge}", "--iptables=false", "--ip-masq=false",
-             "--ip6tables=false", "--ip-forward=false"],
-            stdout=log, stderr=log, start_new_session=True)
+            [
+                "dockerd",
+                "--data-root",
+                str(self.base / "data"),
+                "--exec-root",
+                str(self.base / "x"),
+                "--pidfile",
+                str(self.base / "d.pid"),
+                "-H",
+                self.host,
+                f"--bridge={self.bridge}",
+                "--iptables=false",
+                "--ip-masq=false",
+                "--ip6tables=false",
+                "--ip-forward=false",
+            ],
+            stdout=log,
+            stderr=log,
+            start_new_session=True,
+        )
         deadline = time.time() + 60
         while True:
             try:
@@ -268,8 +303,10 @@ class PrivateDocker:
 
 
 @pytest.fixture
-def private_docker(docker_client: docker.DockerClient, shell_image: ImageRef,
-                   ) -> Iterator[PrivateDocker]:
+def private_docker(
+    docker_client: docker.DockerClient,
+    shell_image: ImageRef,
+) -> Iterator[PrivateDocker]:
     if shutil.which("dockerd") is None or os.geteuid() != 0:
         pytest.fail("this test starts its own dockerd: it needs dockerd and root")
     base = Path(tempfile.mkdtemp(prefix="fd"))  # short: containerd's socket paths have a limit
@@ -288,7 +325,8 @@ def private_docker(docker_client: docker.DockerClient, shell_image: ImageRef,
 
 @pytest.mark.slow
 def test_docker_daemon_stopped_mid_run_and_started_again(
-        proj: Root, private_docker: PrivateDocker, tmp_path: Path) -> None:
+    proj: Root, private_docker: PrivateDocker, tmp_path: Path
+) -> None:
     submit(proj, "long", "sleep 30")
     submit(proj, "next", "echo next >> greeting.txt")
     w = start_worker(proj, env={"DOCKER_HOST": private_docker.host}, log=tmp_path / "w.log")
@@ -302,8 +340,11 @@ def test_docker_daemon_stopped_mid_run_and_started_again(
         wait_for(lambda: status_of(proj, "next") == S.needs_review, 90, "the queued task")
         client = docker.DockerClient(base_url=private_docker.host, timeout=30)
         try:
-            wait_for(lambda: not containers_left(client, proj), 60,
-                     "recovery to remove the container the outage left")
+            wait_for(
+                lambda: not containers_left(client, proj),
+                60,
+                "recovery to remove the container the outage left",
+            )
         finally:
             client.close()
         code = stop(w)
@@ -325,11 +366,16 @@ def test_breaker_counts_failures_not_interruptions_or_invalid_files(tmp_path: Pa
     task = Task(engine="shell", command="true", targets=["x"])
 
     def rec(status: Status, kind: str | None = None) -> Record:
-        return Record(id="t", status=status, task=task,
-                      error=ErrorInfo(kind=kind, message="m") if kind else None)  # type: ignore[arg-type]
+        return Record(
+            id="t", status=status, task=task, error=ErrorInfo(kind=kind, message="m") if kind else None
+        )  # type: ignore[arg-type]
 
-    for r in (rec(S.failed, "engine_error"), rec(S.needs_human, "interrupted"),
-              rec(S.failed, "invalid"), rec(S.needs_human, "infra")):
+    for r in (
+        rec(S.failed, "engine_error"),
+        rec(S.needs_human, "interrupted"),
+        rec(S.failed, "invalid"),
+        rec(S.needs_human, "infra"),
+    ):
         breaker.record(root, r, worker="w")
     assert breaker.read(root).consecutive == 2
     breaker.record(root, rec(S.needs_review), worker="w")
@@ -340,7 +386,8 @@ def test_breaker_counts_failures_not_interruptions_or_invalid_files(tmp_path: Pa
 
 
 def test_a_job_stopped_before_its_container_starts_goes_back_to_the_queue(
-        proj: Root, docker_client: docker.DockerClient, started_containers: Starts) -> None:
+    proj: Root, docker_client: docker.DockerClient, started_containers: Starts
+) -> None:
     from fila import cycle
 
     class Draining(cycle.Hooks):
@@ -372,7 +419,8 @@ def test_start_up_does_not_wait_for_recovery(proj: Root) -> None:
 
 
 def test_the_heartbeat_thread_marks_a_reaped_job_lost_so_its_next_check_stops_it(
-        proj: Root, monkeypatch: pytest.MonkeyPatch) -> None:
+    proj: Root, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import threading
 
     from fila import lease

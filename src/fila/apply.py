@@ -104,8 +104,15 @@ def apply(root: Root, task_id: str, *, by: str | None = None, reason: str | None
                     plan.merge()
                 ops = plan.ops()
                 landing.write_marker(root, task_id, rec.patch_sha256, project, ops, plan.merged)
-                queue.log_event(root, task_id, "apply started", by=who, files=len(ops),
-                                merged=plan.merged, project=str(project))
+                queue.log_event(
+                    root,
+                    task_id,
+                    "apply started",
+                    by=who,
+                    files=len(ops),
+                    merged=plan.merged,
+                    project=str(project),
+                )
                 written, deleted = landing.land(proj, ops, staging, task_id, root)
                 crash_point("apply_before_record")
         except BaseException:
@@ -151,8 +158,9 @@ class _Plan:
         # The state each touched path has after the patch, from the patch alone (last section wins).
         self.post: dict[str, str] = {}
         for f in pt.files:
-            self.post[f.path] = "absent" if f.new_mode is None else (
-                "symlink" if f.new_mode == "120000" else "file")
+            self.post[f.path] = (
+                "absent" if f.new_mode is None else ("symlink" if f.new_mode == "120000" else "file")
+            )
         self.before: dict[str, State] = {}
         self.perm: dict[str, int] = {}
         self.after: dict[str, State] = {}
@@ -177,13 +185,20 @@ class _Plan:
             if why:
                 bad.append(f"{p} ({why})")
         for f in self.pt.files:  # the staged result is checked too; this names the reason early
-            why = (patch.link_escapes(f.path, f.link_target, reserved=_reserved(self.root, self.proj.root))
-                   if f.link_target is not None else None)
+            why = (
+                patch.link_escapes(f.path, f.link_target, reserved=_reserved(self.root, self.proj.root))
+                if f.link_target is not None
+                else None
+            )
             if why:
                 bad.append(f"{f.path} ({why}: {os.fsdecode(f.link_target or b'')})")
         if bad:
-            raise refuse("the patch touches paths fila never writes", self.tid, bad,
-                         hint="nothing was written; reject the task (fila reject ID --reason ...)")
+            raise refuse(
+                "the patch touches paths fila never writes",
+                self.tid,
+                bad,
+                hint="nothing was written; reject the task (fila reject ID --reason ...)",
+            )
 
     def _project_parent(self, p: str) -> str | None:
         parts = p.split("/")
@@ -281,8 +296,9 @@ class _Plan:
                     diffs.append(p)
                 if got.kind == "symlink":
                     reserved = _reserved(self.root, self.proj.root)
-                    why = (patch.link_escapes(p, adir.readlink(p), reserved=reserved)
-                           or self._link_resolves_out(p, adir))
+                    why = patch.link_escapes(
+                        p, adir.readlink(p), reserved=reserved
+                    ) or self._link_resolves_out(p, adir)
                     if why:
                         raise refuse(f"the patch makes a symlink that leaves the project: "
                                      f"{escape_name(p)} ({why})", self.tid)  # fmt: skip
@@ -383,9 +399,12 @@ def _resume(root: Root, rec: Record, marker: dict[str, Any], staging: Path, who:
             if not landing.done(cur, op.after) and cur not in (op.before, ABSENT):
                 odd.append(op.path)
         if odd:
-            raise refuse("an interrupted apply left files that are neither as they were nor as "
-                         "the patch makes them", tid, odd,
-                         hint=f"inspect them; the intended contents are in {staging}/after")
+            raise refuse(
+                "an interrupted apply left files that are neither as they were nor as the patch makes them",
+                tid,
+                odd,
+                hint=f"inspect them; the intended contents are in {staging}/after",
+            )
         queue.log_event(root, tid, "apply resumed", by=who, files=len(ops))
         written, deleted = landing.land(proj, ops, staging, tid, root, resuming=True)
     new = decision.record(root, tid, "apply", by=who, reason=why, expect=decision.DECIDABLE["apply"])

@@ -75,16 +75,14 @@ def _write(root: Root, state: BreakerState) -> None:
 
 
 def _event(root: Root, event: str, **data: object) -> None:
-    fsutil.append_line(events_path(root),
-                       json.dumps({"at": now_iso(), "event": event, **data}, default=str))
+    fsutil.append_line(events_path(root), json.dumps({"at": now_iso(), "event": event, **data}, default=str))
 
 
 def verdict(rec: Record) -> Literal["success", "failure"] | None:
     """How an outcome counts: None for what says nothing about the engine or the host."""
     if rec.status == Status.needs_review:
         return "success"
-    if rec.status == Status.failed and rec.error is not None \
-            and rec.error.kind == ErrorKind.invalid:
+    if rec.status == Status.failed and rec.error is not None and rec.error.kind == ErrorKind.invalid:
         return None  # a bad task file is its author's problem, not a sick worker's
     if rec.error is not None and rec.error.kind == ErrorKind.interrupted:
         return None  # a person stopped the worker (Ctrl-C, SIGTERM): nothing is sick
@@ -97,8 +95,7 @@ def _threshold(root: Root, rec: Record) -> int:
     from .policy import load_policy
 
     try:
-        return load_policy(root, rec.task.policy if rec.task else "default")[0] \
-            .max_consecutive_failures
+        return load_policy(root, rec.task.policy if rec.task else "default")[0].max_consecutive_failures
     except Exception:  # a policy that no longer loads must not stop the count
         return DEFAULT_THRESHOLD
 
@@ -120,11 +117,19 @@ def record(root: Root, rec: Record, *, worker: str) -> BreakerState:
         st.threshold = _threshold(root, rec)
         if not st.open and st.consecutive >= st.threshold:
             st.open, st.tripped_at, st.tripped_by = True, now_iso(), worker
-            st.reason = (f"{st.consecutive} consecutive tasks failed or need a person "
-                         f"(max_consecutive_failures {st.threshold}); last: {rec.id}")
+            st.reason = (
+                f"{st.consecutive} consecutive tasks failed or need a person "
+                f"(max_consecutive_failures {st.threshold}); last: {rec.id}"
+            )
             _write(root, st)
-            _event(root, "tripped", worker=worker, consecutive=st.consecutive,
-                   threshold=st.threshold, tasks=st.recent)
+            _event(
+                root,
+                "tripped",
+                worker=worker,
+                consecutive=st.consecutive,
+                threshold=st.threshold,
+                tasks=st.recent,
+            )
         else:
             _write(root, st)
         return st
@@ -137,6 +142,13 @@ def rearm(root: Root, *, by: str, reason: str | None = None) -> BreakerState:
         was = st.model_dump()
         st = BreakerState(rearmed_at=now_iso(), rearmed_by=by, threshold=st.threshold)
         _write(root, st)
-        _event(root, "rearmed", by=by, reason=reason, was_open=was["open"],
-               consecutive=was["consecutive"], tasks=was["recent"])
+        _event(
+            root,
+            "rearmed",
+            by=by,
+            reason=reason,
+            was_open=was["open"],
+            consecutive=was["consecutive"],
+            tasks=was["recent"],
+        )
         return st

@@ -68,20 +68,30 @@ Exit codes:
   6 circuit breaker open   130 interrupted
 """
 
-app = typer.Typer(cls=_Group, help=HELP, no_args_is_help=True, add_completion=False,
-                  rich_markup_mode=None, pretty_exceptions_enable=False)
-images_app = typer.Typer(cls=_Group, help="Build and list engine images.", no_args_is_help=True,
-                         rich_markup_mode=None)
+app = typer.Typer(
+    cls=_Group,
+    help=HELP,
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+)
+images_app = typer.Typer(
+    cls=_Group, help="Build and list engine images.", no_args_is_help=True, rich_markup_mode=None
+)
 app.add_typer(images_app, name="images")
 
 RootOpt = Annotated[
     Path | None,
-    typer.Option("--root", envvar="FILA_ROOT", help="queue root (default: current directory)",
-                 show_default=False),
+    typer.Option(
+        "--root", envvar="FILA_ROOT", help="queue root (default: current directory)", show_default=False
+    ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output on stdout")]
-ByOpt = Annotated[str | None, typer.Option(
-    "--by", help="who decides (default: $FILA_USER, else the login name)", show_default=False)]
+ByOpt = Annotated[
+    str | None,
+    typer.Option("--by", help="who decides (default: $FILA_USER, else the login name)", show_default=False),
+]
 ReasonOpt = Annotated[str | None, typer.Option("--reason", "-m", help="why (recorded)")]
 
 
@@ -121,12 +131,15 @@ def init(root: RootOpt = None, json_: JsonOpt = False) -> None:
 
 @app.command()
 def submit(
-    task_file: Annotated[str | None, typer.Argument(
-        help="task JSON file (see `fila schema task`); '-' reads stdin", show_default=False)] = None,
+    task_file: Annotated[
+        str | None,
+        typer.Argument(help="task JSON file (see `fila schema task`); '-' reads stdin", show_default=False),
+    ] = None,
     engine: Annotated[str | None, typer.Option(help="engine name (shell, ...)")] = None,
     command: Annotated[str | None, typer.Option(help="shell engine: command run in work/")] = None,
-    target: Annotated[list[str] | None, typer.Option(
-        "--target", "-t", help="path relative to the project; repeatable")] = None,
+    target: Annotated[
+        list[str] | None, typer.Option("--target", "-t", help="path relative to the project; repeatable")
+    ] = None,
     prompt: Annotated[str | None, typer.Option(help="what the engine is asked to do")] = None,
     model: Annotated[str | None, typer.Option(help="model passed to the engine")] = None,
     timeout: Annotated[int | None, typer.Option(help="milliseconds; at most the policy cap")] = None,
@@ -159,9 +172,18 @@ def submit(
             data = parse_task_file(Path(f.name)).model_dump(exclude_none=True)
     elif task_file:
         data = parse_task_file(Path(task_file)).model_dump(exclude_none=True)
-    opts = {"engine": engine, "command": command, "targets": target or None, "prompt": prompt,
-            "model": model, "timeout": timeout, "policy": policy, "id": task_id,
-            "fallback": fallback or None, "project": project}
+    opts = {
+        "engine": engine,
+        "command": command,
+        "targets": target or None,
+        "prompt": prompt,
+        "model": model,
+        "timeout": timeout,
+        "policy": policy,
+        "id": task_id,
+        "fallback": fallback or None,
+        "project": project,
+    }
     data.update({k: v for k, v in opts.items() if v is not None})
     if not data:
         raise InvalidInput("nothing to submit", hint="give a task file or --engine and --target")
@@ -189,11 +211,11 @@ def _record_json(rec: Record) -> dict[str, Any]:
 def run_cmd(
     once: Annotated[bool, typer.Option("--once", help="process what is queued, then exit")] = False,
     root: RootOpt = None,
-    json_: Annotated[bool, typer.Option(
-        "--json", help="one JSON object per processed task on stdout")] = False,
+    json_: Annotated[
+        bool, typer.Option("--json", help="one JSON object per processed task on stdout")
+    ] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress on stderr")] = False,
-    concurrency: Annotated[int, typer.Option(
-        "--concurrency", "-j", min=1, help="jobs run at once")] = 1,
+    concurrency: Annotated[int, typer.Option("--concurrency", "-j", min=1, help="jobs run at once")] = 1,
 ) -> None:
     """Process queued tasks. With --once (for CI): process what is queued, then exit.
 
@@ -209,13 +231,14 @@ def run_cmd(
 def worker(
     root: RootOpt = None,
     once: Annotated[bool, typer.Option("--once", help="process what is queued, then exit")] = False,
-    concurrency: Annotated[int, typer.Option(
-        "--concurrency", "-j", min=1, help="jobs run at once")] = 1,
+    concurrency: Annotated[int, typer.Option("--concurrency", "-j", min=1, help="jobs run at once")] = 1,
     poll: Annotated[float, typer.Option(help="seconds between looks when inotify is missing")] = 1.0,
-    grace: Annotated[float, typer.Option(
-        help="after SIGTERM, seconds running jobs get to finish before they are stopped")] = 60.0,
-    json_: Annotated[bool, typer.Option(
-        "--json", help="one JSON object per processed task on stdout")] = False,
+    grace: Annotated[
+        float, typer.Option(help="after SIGTERM, seconds running jobs get to finish before they are stopped")
+    ] = 60.0,
+    json_: Annotated[
+        bool, typer.Option("--json", help="one JSON object per processed task on stdout")
+    ] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress on stderr")] = False,
 ) -> None:
     """Keep processing tasks; wake within a second when a task appears (inotify).
@@ -229,8 +252,15 @@ def worker(
     def on_record(rec: Record) -> None:
         typer.echo(json.dumps(_record_json(rec)) if json_ else _summary_line(rec))
 
-    w = Worker(_root(root), once=once, concurrency=concurrency, poll_s=poll, grace_s=grace,
-               on_record=on_record, progress=(lambda _m: None) if quiet else _err)
+    w = Worker(
+        _root(root),
+        once=once,
+        concurrency=concurrency,
+        poll_s=poll,
+        grace_s=grace,
+        on_record=on_record,
+        progress=(lambda _m: None) if quiet else _err,
+    )
     code = w.run()
     if once and not w.records and not quiet and code == 0:
         _err("fila: nothing queued")
@@ -238,16 +268,19 @@ def worker(
         if isinstance(e, FilaError):
             _err(f"fila: error: {e}" + (f"\nfila: hint: {e.hint}" if e.hint else ""))
     if once and w.breaker_tripped:
-        _err("fila: error: the circuit breaker is open; `fila status` shows why, `fila rearm` "
-             "lets workers claim again")
+        _err(
+            "fila: error: the circuit breaker is open; `fila status` shows why, `fila rearm` "
+            "lets workers claim again"
+        )
     raise typer.Exit(code)
 
 
 @app.command()
 def recover(
     root: RootOpt = None,
-    no_docker: Annotated[bool, typer.Option(
-        "--no-docker", help="settle files only; leave containers alone")] = False,
+    no_docker: Annotated[
+        bool, typer.Option("--no-docker", help="settle files only; leave containers alone")
+    ] = False,
     json_: JsonOpt = False,
 ) -> None:
     """Settle what crashed workers left: stale claims (requeued before their container started,
@@ -260,8 +293,10 @@ def recover(
         return
     for a in rep.actions:
         typer.echo(f"{a.task_id or '-'}  {a.action}: {_safe(a.detail)}")
-    typer.echo(f"recovered: {len(rep.actions)} actions, {len(rep.containers_removed)} containers "
-               f"removed (Docker: {rep.docker})")
+    typer.echo(
+        f"recovered: {len(rep.actions)} actions, {len(rep.containers_removed)} containers "
+        f"removed (Docker: {rep.docker})"
+    )
 
 
 @app.command()
@@ -330,11 +365,24 @@ def ls_cmd(
         recs = [x for x in recs if x.status == status]
     recs.sort(key=lambda x: x.submitted_at)
     if json_:
-        _out([{"id": x.id, "status": x.status, "engine": x.engine, "submitted_at": x.submitted_at,
-               "error": x.error.kind if x.error else None,
-               "diffstat": x.diffstat.model_dump() if x.diffstat else None} for x in recs]
-             + [{"id": d, "status": "queued", "engine": None} for d in dropped
-                if status in (None, Status.queued)])
+        _out(
+            [
+                {
+                    "id": x.id,
+                    "status": x.status,
+                    "engine": x.engine,
+                    "submitted_at": x.submitted_at,
+                    "error": x.error.kind if x.error else None,
+                    "diffstat": x.diffstat.model_dump() if x.diffstat else None,
+                }
+                for x in recs
+            ]
+            + [
+                {"id": d, "status": "queued", "engine": None}
+                for d in dropped
+                if status in (None, Status.queued)
+            ]
+        )
         return
     for x in recs:
         typer.echo(_summary_line(x))
@@ -353,8 +401,11 @@ def show(task_id: str, root: RootOpt = None, json_: JsonOpt = False) -> None:
     if json_:
         _out(_record_json(rec))
         return
-    lines = [f"id:        {rec.id}", f"status:    {rec.status}",
-             f"engine:    {rec.engine or '-'}" + (f" (model {rec.model})" if rec.model else "")]
+    lines = [
+        f"id:        {rec.id}",
+        f"status:    {rec.status}",
+        f"engine:    {rec.engine or '-'}" + (f" (model {rec.model})" if rec.model else ""),
+    ]
     if rec.image:
         lines.append(f"image:     {rec.image.tag} {rec.image.id or ''}".rstrip())
     if rec.policy:
@@ -370,8 +421,10 @@ def show(task_id: str, root: RootOpt = None, json_: JsonOpt = False) -> None:
         lines.append("timings:   " + ", ".join(f"{k} {v:.2f}s" for k, v in rec.timings.items()))
     if rec.diffstat:
         s = rec.diffstat
-        lines.append(f"diff:      {s.files} files, +{s.insertions} -{s.deletions}"
-                     + (f", {s.binary} binary" if s.binary else ""))
+        lines.append(
+            f"diff:      {s.files} files, +{s.insertions} -{s.deletions}"
+            + (f", {s.binary} binary" if s.binary else "")
+        )
         lines += [f"           {_safe(p)}" for p in s.paths]
     if rec.patch_path:
         lines.append(f"patch:     {r.path / rec.patch_path} (sha256 {rec.patch_sha256})")
@@ -381,8 +434,7 @@ def show(task_id: str, root: RootOpt = None, json_: JsonOpt = False) -> None:
         lines.append(f"warning:   {_safe(w)}")
     if rec.decision:
         d = rec.decision
-        lines.append(f"decision:  {d.action} by {d.by} at {d.at}"
-                     + (f": {d.reason}" if d.reason else ""))
+        lines.append(f"decision:  {d.action} by {d.by} at {d.at}" + (f": {d.reason}" if d.reason else ""))
     typer.echo("\n".join(lines))
 
 
@@ -397,8 +449,9 @@ def _safe(text: str) -> str:
 def logs(
     task_id: str,
     root: RootOpt = None,
-    follow: Annotated[bool, typer.Option("--follow", "-f",
-                                         help="keep printing while the task is queued or running")] = False,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="keep printing while the task is queued or running")
+    ] = False,
     events: Annotated[bool, typer.Option("--events", help="the task's event log (JSON lines)")] = False,
 ) -> None:
     """Print a task's engine output (fila/logs/ID.log), or with --events its event log.
@@ -459,13 +512,16 @@ def diff(task_id: str, root: RootOpt = None) -> None:
 # -- the review gate: review, apply, reject, gc (fila.review, fila.apply, fila.decision, fila.gc)
 
 
-
 @app.command()
 def review(
     task_id: str,
     root: RootOpt = None,
-    html: Annotated[bool, typer.Option(
-        "--html", help="write a self-contained REVIEW.html in the job directory; print its path")] = False,
+    html: Annotated[
+        bool,
+        typer.Option(
+            "--html", help="write a self-contained REVIEW.html in the job directory; print its path"
+        ),
+    ] = False,
     no_pager: Annotated[bool, typer.Option("--no-pager", help="print, do not page")] = False,
     json_: JsonOpt = False,
 ) -> None:
@@ -500,11 +556,17 @@ def review(
 def apply_cmd(
     task_id: str,
     root: RootOpt = None,
-    yes: Annotated[bool, typer.Option(
-        "--yes", "-y", help="do not ask for confirmation (required without a terminal)")] = False,
-    three_way: Annotated[bool, typer.Option(
-        "--3way", help="merge into files changed in the project since the task ran; "
-        "refuses (writing nothing) on any conflict")] = False,
+    yes: Annotated[
+        bool, typer.Option("--yes", "-y", help="do not ask for confirmation (required without a terminal)")
+    ] = False,
+    three_way: Annotated[
+        bool,
+        typer.Option(
+            "--3way",
+            help="merge into files changed in the project since the task ran; "
+            "refuses (writing nothing) on any conflict",
+        ),
+    ] = False,
     by: ByOpt = None,
     reason: Annotated[str | None, typer.Option(help="recorded with the decision")] = None,
     json_: JsonOpt = False,
@@ -523,8 +585,10 @@ def apply_cmd(
     r = _root(root)
     if not yes:
         if not sys.stdin.isatty():
-            raise InvalidInput("apply asks for confirmation and there is no terminal",
-                               hint="pass --yes to apply without asking (CI)")
+            raise InvalidInput(
+                "apply asks for confirmation and there is no terminal",
+                hint="pass --yes to apply without asking (CI)",
+            )
         rec = get_record(r.require(), task_id)
         typer.echo(_summary_line(rec), err=True)
         if not typer.confirm(f"apply task {task_id} to the project?", default=False, err=True):
@@ -533,16 +597,32 @@ def apply_cmd(
     res = apply(r, task_id, by=by, reason=reason, three_way=three_way)
     d = res.record.decision
     if json_:
-        _out({"id": task_id, "status": res.record.status, "project": str(res.project),
-              "decision": d.model_dump(mode="json") if d else None, "written": res.written,
-              "deleted": res.deleted, "merged": res.merged, "resumed": res.resumed,
-              "changed_not_touched": res.moved_untouched})
+        _out(
+            {
+                "id": task_id,
+                "status": res.record.status,
+                "project": str(res.project),
+                "decision": d.model_dump(mode="json") if d else None,
+                "written": res.written,
+                "deleted": res.deleted,
+                "merged": res.merged,
+                "resumed": res.resumed,
+                "changed_not_touched": res.moved_untouched,
+            }
+        )
         return
-    typer.echo(f"applied {task_id} to {res.project}: {len(res.written)} written, "
-               f"{len(res.deleted)} deleted" + (" (finished an interrupted apply)" if res.resumed
-                                                 else "") + (f"; by {d.by}" if d else ""))
-    for kind, names in (("written", res.written), ("deleted", res.deleted), ("merged", res.merged),
-                        ("changed, not in the patch", res.moved_untouched)):
+    typer.echo(
+        f"applied {task_id} to {res.project}: {len(res.written)} written, "
+        f"{len(res.deleted)} deleted"
+        + (" (finished an interrupted apply)" if res.resumed else "")
+        + (f"; by {d.by}" if d else "")
+    )
+    for kind, names in (
+        ("written", res.written),
+        ("deleted", res.deleted),
+        ("merged", res.merged),
+        ("changed, not in the patch", res.moved_untouched),
+    ):
         for name in names:
             typer.echo(f"  {kind:<8} {name}")
 
@@ -564,15 +644,17 @@ def reject(
     if json_:
         _out({"id": task_id, "status": rec.status, "decision": d.model_dump(mode="json") if d else None})
         return
-    typer.echo(f"rejected {task_id}" + (f" by {d.by}" + (f": {_safe(d.reason)}" if d.reason else "")
-                                        if d else ""))
+    typer.echo(
+        f"rejected {task_id}" + (f" by {d.by}" + (f": {_safe(d.reason)}" if d.reason else "") if d else "")
+    )
 
 
 @app.command("gc")
 def gc_cmd(
     root: RootOpt = None,
-    older_than: Annotated[str, typer.Option(
-        "--older-than", help="age of the decision: 30s, 15m, 12h, 14d")] = "14d",
+    older_than: Annotated[
+        str, typer.Option("--older-than", help="age of the decision: 30s, 15m, 12h, 14d")
+    ] = "14d",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="list, remove nothing")] = False,
     json_: JsonOpt = False,
 ) -> None:
@@ -582,8 +664,19 @@ def gc_cmd(
 
     got = collect(_root(root), parse_age(older_than), dry_run=dry_run)
     if json_:
-        _out([{"id": c.id, "status": c.status, "decided_at": c.decided_at, "paths": c.paths,
-               "bytes": c.bytes, "removed": not dry_run} for c in got])
+        _out(
+            [
+                {
+                    "id": c.id,
+                    "status": c.status,
+                    "decided_at": c.decided_at,
+                    "paths": c.paths,
+                    "bytes": c.bytes,
+                    "removed": not dry_run,
+                }
+                for c in got
+            ]
+        )
         return
     verb = "would remove" if dry_run else "removed"
     for c in got:
@@ -606,8 +699,9 @@ def schema(kind: Annotated[str, typer.Argument(help="task, policy or record")]) 
 def images_build(
     engine: Annotated[str | None, typer.Argument(help="engine (default: every engine)")] = None,
     base: Annotated[str | None, typer.Option(help="base image (overrides the BASE arg)")] = None,
-    ca_file: Annotated[Path | None, typer.Option(
-        help="CA bundle to trust in the image (TLS-intercepting proxy)")] = None,
+    ca_file: Annotated[
+        Path | None, typer.Option(help="CA bundle to trust in the image (TLS-intercepting proxy)")
+    ] = None,
     force: Annotated[bool, typer.Option(help="rebuild even when the image is current")] = False,
     json_: JsonOpt = False,
 ) -> None:

@@ -155,8 +155,15 @@ RETRY_HINT = "`fila retry ID` runs it again from a clean copy, `fila reject ID` 
 class _Run:
     """State of one claimed task while it runs; `finish` publishes at most once."""
 
-    def __init__(self, root: Root, claim: queue.Claim, client: Any,
-                 progress: Callable[[str], None], hooks: Hooks, attempt: int):
+    def __init__(
+        self,
+        root: Root,
+        claim: queue.Claim,
+        client: Any,
+        progress: Callable[[str], None],
+        hooks: Hooks,
+        attempt: int,
+    ):
         self.root, self.claim, self.client, self.progress = root, claim, client, progress
         self.attempt = attempt
         self.hooks = hooks
@@ -176,8 +183,12 @@ class _Run:
         if not queue.holds(self.claim):
             raise queue.LeaseLost(f"{self.claim.name}: the claim is gone")
         cur = queue.read_record(self.root, self.tid)
-        if cur is None or cur.status != Status.running or cur.worker != self.claim.worker \
-                or cur.attempt != self.attempt:
+        if (
+            cur is None
+            or cur.status != Status.running
+            or cur.worker != self.claim.worker
+            or cur.attempt != self.attempt
+        ):
             raise queue.LeaseLost(f"{self.claim.name}: the record is no longer this claim's")
 
     def heartbeat(self) -> None:
@@ -191,8 +202,9 @@ class _Run:
         self.hooks.check()
 
     def finish(self, status: Status, **fields: Any) -> Record | None:
-        return queue.publish(self.root, self.claim, status, {**fields, "timings": self.timings},
-                             attempt=self.attempt)
+        return queue.publish(
+            self.root, self.claim, status, {**fields, "timings": self.timings}, attempt=self.attempt
+        )
 
     def requeue(self, err: BaseException, *, outcome: str) -> Record | None:
         """Before the container started: back to the queue. `requeued` (an infrastructure error)
@@ -202,11 +214,18 @@ class _Run:
         if outcome == "requeued":
             tries = infra_tries(queue.read_record(self.root, self.tid)) + 1
             if tries >= MAX_INFRA_ATTEMPTS:
-                return self.finish(Status.failed, error=ErrorInfo(
-                    kind=ErrorKind.infra, message=f"{err} (gave up after {tries} attempts)"))
+                return self.finish(
+                    Status.failed,
+                    error=ErrorInfo(kind=ErrorKind.infra, message=f"{err} (gave up after {tries} attempts)"),
+                )
             nb = time.time() + backoff_s(tries)
-        ok = queue.hand_back(self.root, self.claim, error=ErrorInfo(kind=kind, message=str(err)),
-                             outcome=outcome, not_before=nb)
+        ok = queue.hand_back(
+            self.root,
+            self.claim,
+            error=ErrorInfo(kind=kind, message=str(err)),
+            outcome=outcome,
+            not_before=nb,
+        )
         return queue.read_record(self.root, self.tid) if ok else None
 
 
@@ -225,9 +244,15 @@ def _reject_invalid(root: Root, claim: queue.Claim, err: InvalidInput) -> Record
             raise queue.LeaseLost(claim.name)
 
     try:
-        rec = queue.set_status(root, tid, Status.failed, expect={None, Status.queued},
-                               guard=guard, event="rejected", error=ErrorInfo(
-                                   kind=ErrorKind.invalid, message=f"{err} (file kept in {kept})"))
+        rec = queue.set_status(
+            root,
+            tid,
+            Status.failed,
+            expect={None, Status.queued},
+            guard=guard,
+            event="rejected",
+            error=ErrorInfo(kind=ErrorKind.invalid, message=f"{err} (file kept in {kept})"),
+        )
     except queue.LeaseLost:
         return _lost(root, claim)
     except InvalidTransition:
@@ -249,16 +274,22 @@ def _job_lock(root: Root, tid: str) -> Iterator[None]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise InfraError("the job directory is still in use by another process "
-                             "(a stalled worker)", task_id=tid) from None
+            raise InfraError(
+                "the job directory is still in use by another process (a stalled worker)", task_id=tid
+            ) from None
         yield
     finally:
         os.close(fd)
 
 
-def run_one(root: Root, claim: queue.Claim, *, client: docker.DockerClient,
-            progress: Callable[[str], None] = lambda _m: None,
-            hooks: Hooks | None = None) -> Record | None:
+def run_one(
+    root: Root,
+    claim: queue.Claim,
+    *,
+    client: docker.DockerClient,
+    progress: Callable[[str], None] = lambda _m: None,
+    hooks: Hooks | None = None,
+) -> Record | None:
     """Take one claimed task to its record. Returns None when the claim was lost (reaped, or a
     duplicate file put back for recovery). Raises InfraError after handing the task back when
     the infrastructure failed before its container started."""
@@ -291,7 +322,8 @@ def run_one(root: Root, claim: queue.Claim, *, client: docker.DockerClient,
         ref = images.find_image(client, checked.image)
         if ref is None:
             raise ImageMissing(
-                f"image {checked.image} is not built", task_id=tid,
+                f"image {checked.image} is not built",
+                task_id=tid,
                 hint=f"run `fila images build {task.engine}`",
             )
         with _job_lock(root, tid):
@@ -303,22 +335,30 @@ def run_one(root: Root, claim: queue.Claim, *, client: docker.DockerClient,
     except Interrupted as e:
         if not run.container_started:
             return run.requeue(e, outcome="handed back")
-        return run.finish(Status.needs_human, error=ErrorInfo(
-            kind=ErrorKind.interrupted, message=f"interrupted: {e}"),
+        return run.finish(
+            Status.needs_human,
+            error=ErrorInfo(kind=ErrorKind.interrupted, message=f"interrupted: {e}"),
             diagnosis="the worker was stopped while the container ran; the container was "
-                      f"removed and work/ may hold a partial change. {RETRY_HINT}")
+            f"removed and work/ may hold a partial change. {RETRY_HINT}",
+        )
     except InfraError as e:
         if not run.container_started:
             run.requeue(e, outcome="requeued")
             raise
-        return run.finish(Status.needs_human, error=ErrorInfo(kind=ErrorKind.infra, message=str(e)),
-                          diagnosis=f"Docker failed while the container ran: {e}. work/ may hold "
-                                    f"a partial change. {RETRY_HINT}")
+        return run.finish(
+            Status.needs_human,
+            error=ErrorInfo(kind=ErrorKind.infra, message=str(e)),
+            diagnosis=f"Docker failed while the container ran: {e}. work/ may hold "
+            f"a partial change. {RETRY_HINT}",
+        )
     except BaseException as e:  # bugs, KeyboardInterrupt: never leave a running record behind
         msg = f"interrupted: {type(e).__name__}: {e}".rstrip(": ")
         if run.container_started:
-            run.finish(Status.needs_human, error=ErrorInfo(kind=ErrorKind.interrupted, message=msg),
-                       diagnosis=f"the worker stopped while the container ran. {RETRY_HINT}")
+            run.finish(
+                Status.needs_human,
+                error=ErrorInfo(kind=ErrorKind.interrupted, message=msg),
+                diagnosis=f"the worker stopped while the container ran. {RETRY_HINT}",
+            )
         else:
             run.requeue(InfraError(msg), outcome="handed back")
         raise
@@ -335,10 +375,14 @@ def _run_engines(run: _Run, checked: Checked, ref: Any, attempt: int, t0: float)
         image = checked.image if i == 0 else (task.image or engine.image_tag())
         if i > 0:
             from . import images
+
             ref = images.find_image(run.client, image)
             if ref is None:
-                raise ImageMissing(f"fallback image {image} is not built", task_id=tid,
-                                   hint=f"run `fila images build {name}`")
+                raise ImageMissing(
+                    f"fallback image {image} is not built",
+                    task_id=tid,
+                    hint=f"run `fila images build {name}`",
+                )
         t = time.monotonic()
         run.fence()  # under the job lock: a reaped zombie never wipes a later attempt's job dir
         prep = jobdir.prepare(root, tid, task, checked.policy, checked.effective)
@@ -349,44 +393,72 @@ def _run_engines(run: _Run, checked: Checked, ref: Any, attempt: int, t0: float)
         inv = engine.invocation(task)
         creds, secrets = engine.credentials()
         spec = sandbox.RunSpec(
-            job_id=tid, job_dir=prep.job_dir, image=image, argv=inv.argv,
-            env={**inv.env, **creds}, policy=checked.policy, limits=checked.effective.limits,
-            timeout_ms=checked.effective.timeout_ms, log_path=root.log_path(tid),
+            job_id=tid,
+            job_dir=prep.job_dir,
+            image=image,
+            argv=inv.argv,
+            env={**inv.env, **creds},
+            policy=checked.policy,
+            limits=checked.effective.limits,
+            timeout_ms=checked.effective.timeout_ms,
+            log_path=root.log_path(tid),
             labels={"fila.root": str(root.path), "fila.worker": run.claim.worker},
             redact=[*inv.secrets, *secrets],
         )
 
         image_ref = ImageRef(tag=image, id=ref.id)
 
-        def before_start(container_id: str, engine_name: str = name,
-                         image_ref: ImageRef = image_ref) -> None:
+        def before_start(container_id: str, engine_name: str = name, image_ref: ImageRef = image_ref) -> None:
             run.hooks.before_start()
             # The flag first: if the checkpoint's outcome is unknown, assume it started.
             run.container_started = True
-            run.checkpoint(container=container_id, container_started=True, engine=engine_name,
-                           image=image_ref, policy=checked.policy_ref, event="container started")
+            run.checkpoint(
+                container=container_id,
+                container_started=True,
+                engine=engine_name,
+                image=image_ref,
+                policy=checked.policy_ref,
+                event="container started",
+            )
             crash_point("after_checkpoint")
             # The sandbox starts the container as soon as this returns: re-check the fence, so a
             # worker frozen since its checkpoint whose claim was reaped meanwhile stops here.
             run.fence()
 
         t = time.monotonic()
-        result = sandbox.run(spec, client=run.client, before_start=before_start,
-                             heartbeat=run.heartbeat, heartbeat_s=HEARTBEAT_IN_RUN_S)
+        result = sandbox.run(
+            spec,
+            client=run.client,
+            before_start=before_start,
+            heartbeat=run.heartbeat,
+            heartbeat_s=HEARTBEAT_IN_RUN_S,
+        )
         run.timings["run"] = round(time.monotonic() - t, 3)
-        queue.log_event(root, tid, "container exited", exit_code=result.exit_code,
-                        timed_out=result.timed_out, seconds=result.duration_s)
+        queue.log_event(
+            root,
+            tid,
+            "container exited",
+            exit_code=result.exit_code,
+            timed_out=result.timed_out,
+            seconds=result.duration_s,
+        )
         crash_point("after_exit")
         t = time.monotonic()
         warnings = [*prep.warnings, *result.warnings]
         diff_fields: dict[str, Any] = {}
         diff_error: str | None = None
         try:
-            d = diff.compute_diff(prep.job_dir, policy=checked.policy,
-                                  scratch=root.meta(tid) / "scratch",
-                                  skip=jobdir.diff_skip(root, checked.project, checked.policy))
-            diff_fields = {"diffstat": d.stat, "patch_sha256": d.sha256,
-                           "patch_path": str(d.patch_path.relative_to(root.path))}
+            d = diff.compute_diff(
+                prep.job_dir,
+                policy=checked.policy,
+                scratch=root.meta(tid) / "scratch",
+                skip=jobdir.diff_skip(root, checked.project, checked.policy),
+            )
+            diff_fields = {
+                "diffstat": d.stat,
+                "patch_sha256": d.sha256,
+                "patch_path": str(d.patch_path.relative_to(root.path)),
+            }
             warnings += d.warnings
         except (LimitExceeded, FilaError) as e:
             diff_error = str(e)
@@ -396,35 +468,57 @@ def _run_engines(run: _Run, checked: Checked, ref: Any, attempt: int, t0: float)
         if result.log_truncated:
             warnings.append(f"log truncated at max_log_bytes {checked.policy.max_log_bytes}")
         common = dict(
-            engine=name, model=task.model, exit_code=result.exit_code,
-            image=ImageRef(tag=image, id=result.image_id or ref.id), policy=checked.policy_ref,
-            container=result.container_name, log_path=str(root.log_path(tid).relative_to(root.path)),
-            warnings=warnings, **diff_fields,
+            engine=name,
+            model=task.model,
+            exit_code=result.exit_code,
+            image=ImageRef(tag=image, id=result.image_id or ref.id),
+            policy=checked.policy_ref,
+            container=result.container_name,
+            log_path=str(root.log_path(tid).relative_to(root.path)),
+            warnings=warnings,
+            **diff_fields,
         )
         outcome = _classify(engine, result, root.log_path(tid), checked)
         if diff_error and outcome.kind == "success":
             outcome = _Out(ErrorKind.engine_error, f"the engine's output breaks a limit: {diff_error}")
         if outcome.kind == ErrorKind.quota and i + 1 < len(engines):
-            attempts_done.append(Attempt(number=attempt, engine=name, worker=run.claim.worker,
-                                         ended_at=now_iso(), outcome="quota",
-                                         error=ErrorInfo(kind=ErrorKind.quota, message=outcome.msg)))
+            attempts_done.append(
+                Attempt(
+                    number=attempt,
+                    engine=name,
+                    worker=run.claim.worker,
+                    ended_at=now_iso(),
+                    outcome="quota",
+                    error=ErrorInfo(kind=ErrorKind.quota, message=outcome.msg),
+                )
+            )
             cur = queue.get_record(root, tid)
-            run.checkpoint(attempts=[*cur.attempts[:-1], *attempts_done[-1:], cur.attempts[-1]],
-                           engine=engines[i + 1])
+            run.checkpoint(
+                attempts=[*cur.attempts[:-1], *attempts_done[-1:], cur.attempts[-1]], engine=engines[i + 1]
+            )
             run.progress(f"{tid}: {name} is out of quota; falling back to {engines[i + 1]}")
             continue
         cur = queue.get_record(root, tid)
         attempts = list(cur.attempts)
         if attempts:
-            attempts[-1] = attempts[-1].model_copy(update={
-                "ended_at": now_iso(), "outcome": "success" if outcome.kind == "success" else "failed",
-                "engine": name,
-                "error": None if outcome.kind == "success" else ErrorInfo(kind=outcome.kind,
-                                                                          message=outcome.msg)})
+            attempts[-1] = attempts[-1].model_copy(
+                update={
+                    "ended_at": now_iso(),
+                    "outcome": "success" if outcome.kind == "success" else "failed",
+                    "engine": name,
+                    "error": None
+                    if outcome.kind == "success"
+                    else ErrorInfo(kind=outcome.kind, message=outcome.msg),
+                }
+            )
         if outcome.kind == "success":
             return run.finish(Status.needs_review, attempts=attempts, error=None, **common)
-        return run.finish(Status.failed, attempts=attempts,
-                          error=ErrorInfo(kind=outcome.kind, message=outcome.msg), **common)
+        return run.finish(
+            Status.failed,
+            attempts=attempts,
+            error=ErrorInfo(kind=outcome.kind, message=outcome.msg),
+            **common,
+        )
     raise AssertionError("unreachable: the last engine always finishes")
 
 
@@ -437,8 +531,11 @@ class _Out:
 def _classify(engine: Engine, result: Any, log_path: Path, checked: Checked) -> _Out:
     secs = checked.effective.timeout_ms / 1000
     if result.timed_out:
-        return _Out(ErrorKind.timeout, f"timed out after {secs:g} s (task timeout); stopped, "
-                                       f"killed after the {checked.policy.grace_ms} ms grace")
+        return _Out(
+            ErrorKind.timeout,
+            f"timed out after {secs:g} s (task timeout); stopped, "
+            f"killed after the {checked.policy.grace_ms} ms grace",
+        )
     if result.limit_exceeded:
         return _Out(ErrorKind.engine_error, f"killed: {result.limit_exceeded}")
     if result.oom_killed:
@@ -488,19 +585,30 @@ def earliest_backoff(root: Root) -> float | None:
     return min(waits) if waits else None
 
 
-def run_queue(root: Root, *, worker: str | None = None, client: Any = None,
-              on_record: Callable[[Record], None] = lambda _r: None,
-              progress: Callable[[str], None] = lambda _m: None,
-              concurrency: int = 1) -> list[Record]:
+def run_queue(
+    root: Root,
+    *,
+    worker: str | None = None,
+    client: Any = None,
+    on_record: Callable[[Record], None] = lambda _r: None,
+    progress: Callable[[str], None] = lambda _m: None,
+    concurrency: int = 1,
+) -> list[Record]:
     """Process what is queued, waiting out backoffs, then return (`fila run --once`).
 
     Raises DockerUnavailable / InfraError (tasks stay queued), BreakerTripped, or
     KeyboardInterrupt (after the running jobs were stopped cleanly)."""
     from .worker import Worker
 
-    w = Worker(root, once=True, concurrency=concurrency, worker_id=worker,
-               client_factory=(lambda: client) if client is not None else None,
-               on_record=on_record, progress=progress)
+    w = Worker(
+        root,
+        once=True,
+        concurrency=concurrency,
+        worker_id=worker,
+        client_factory=(lambda: client) if client is not None else None,
+        on_record=on_record,
+        progress=progress,
+    )
     w.run()
     w.raise_outcome()
     return w.records

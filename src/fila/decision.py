@@ -69,12 +69,18 @@ def check_undecided(rec: Record, action: str) -> None:
         return
     d = rec.decision
     if d is not None and d.action in ("applied", "rejected"):
-        msg = (f"task {rec.id} was already {d.action} by {d.by} at {d.at}"
-               + (f" ({d.reason})" if d.reason else "") + f"; it cannot be {_past(action)} now")
+        msg = (
+            f"task {rec.id} was already {d.action} by {d.by} at {d.at}"
+            + (f" ({d.reason})" if d.reason else "")
+            + f"; it cannot be {_past(action)} now"
+        )
         hint = "a decision is final; submit a new task to try again"
     else:
-        msg = f"task {rec.id} is {rec.status}; only a task in " + " or ".join(
-            sorted(DECIDABLE[action])) + f" can be {_past(action)}"
+        msg = (
+            f"task {rec.id} is {rec.status}; only a task in "
+            + " or ".join(sorted(DECIDABLE[action]))
+            + f" can be {_past(action)}"
+        )
         hint = "`fila show ID` shows its state; `fila run --once` processes queued tasks"
     raise InvalidTransition(msg, task_id=rec.id, hint=hint)
 
@@ -88,8 +94,15 @@ def record(root: Root, task_id: str, action: str, *, by: str, reason: str | None
     """Write the decision with the status change, once (set_status checks the transition)."""
     to = Status.applied if action == "apply" else Status.rejected
     decision = Decision(action=to.value, by=by, at=now_iso(), reason=reason)
-    return queue.set_status(root, task_id, to, expect=expect, event=to.value, decision=decision,
-                            log={"decision": decision.model_dump(mode="json")})
+    return queue.set_status(
+        root,
+        task_id,
+        to,
+        expect=expect,
+        event=to.value,
+        decision=decision,
+        log={"decision": decision.model_dump(mode="json")},
+    )
 
 
 def reject(root: Root, task_id: str, *, by: str | None = None, reason: str | None = None) -> Record:

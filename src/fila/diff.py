@@ -242,8 +242,7 @@ class _Importers:
     def __getitem__(self, side: int) -> _Importer:
         if self.pair is None:
             # One fast-import per side, run in parallel: hashing (SHA-1DC) is what costs most.
-            self.pair = (_Importer(self.git, b"refs/fila/input"),
-                         _Importer(self.git, b"refs/fila/work"))
+            self.pair = (_Importer(self.git, b"refs/fila/input"), _Importer(self.git, b"refs/fila/work"))
         return self.pair[side]
 
     def started(self) -> tuple[_Importer, ...]:
@@ -268,8 +267,7 @@ def _import_changes(
     try:
         pairs = _pairs(_entries(before, policy, skip, None), _entries(after, policy, skip, notes))
         for a, b in pairs:
-            changed |= _one(imps, before, after, a, b, policy.max_work_bytes, notes,
-                            policy.max_diff_bytes)
+            changed |= _one(imps, before, after, a, b, policy.max_work_bytes, notes, policy.max_diff_bytes)
     except BaseException:
         for imp in imps.started():
             imp.abort()
@@ -375,11 +373,16 @@ def _one(
     versions of a file in memory to diff them, and no reviewer reads a change that large.
     """
     for e in (a, b):
-        if e is not None and e.kind == "file" and e.size > max_changed and not (
-            a is not None and b is not None and a.kind == b.kind == "file" and a.size == b.size
+        if (
+            e is not None
+            and e.kind == "file"
+            and e.size > max_changed
+            and not (a is not None and b is not None and a.kind == b.kind == "file" and a.size == b.size)
         ):
-            raise LimitExceeded(f"a changed file is {e.size} bytes, above max_diff_bytes="
-                                f"{max_changed}", path=fswalk.escape_name(e.rel))
+            raise LimitExceeded(
+                f"a changed file is {e.size} bytes, above max_diff_bytes={max_changed}",
+                path=fswalk.escape_name(e.rel),
+            )
     if b is not None and b.kind == "symlink":
         target = after.readlink(b.rel)
         if a is not None and a.kind == "symlink" and before.readlink(a.rel) == target:
@@ -398,7 +401,12 @@ def _one(
 
 
 def _compare_files(
-    imps: _Importers, before: Tree, after: Tree, a: Entry, b: Entry, max_bytes: int,
+    imps: _Importers,
+    before: Tree,
+    after: Tree,
+    a: Entry,
+    b: Entry,
+    max_bytes: int,
     max_changed: int,
 ) -> bool:
     fa, size_a = before.open(a.rel, max_bytes=max_bytes)
@@ -415,8 +423,10 @@ def _compare_files(
             if same:
                 return False
             if size_b > max_changed:
-                raise LimitExceeded(f"a changed file is {size_b} bytes, above max_diff_bytes="
-                                    f"{max_changed}", path=fswalk.escape_name(b.rel))
+                raise LimitExceeded(
+                    f"a changed file is {size_b} bytes, above max_diff_bytes={max_changed}",
+                    path=fswalk.escape_name(b.rel),
+                )
             imps[0].add_fd(_mode(a), a.rel, fa, size_a, da)
             imps[1].add_fd(_mode(b), b.rel, fb, size_b, db)
             return True

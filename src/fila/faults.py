@@ -34,9 +34,19 @@ import signal
 import threading
 
 POINTS = (
-    "after_claim", "after_begin", "after_job_dir", "after_checkpoint", "after_container_start",
-    "during_run", "after_exit", "after_diff", "after_result", "after_win", "during_record_write",
-    "after_record", "during_hand_back",
+    "after_claim",
+    "after_begin",
+    "after_job_dir",
+    "after_checkpoint",
+    "after_container_start",
+    "during_run",
+    "after_exit",
+    "after_diff",
+    "after_result",
+    "after_win",
+    "during_record_write",
+    "after_record",
+    "during_hand_back",
 )
 ENV = "FILA_CRASH_AT"
 

@@ -137,7 +137,15 @@ def remove_tree(path: Path) -> None:
     if path.is_symlink() or not path.is_dir():
         path.unlink()
         return
-    subprocess.run(["chmod", "-R", "u+rwx", "--", str(path)], check=False,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    subprocess.run(["rm", "-rf", "--one-file-system", "--", str(path)], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    subprocess.run(
+        ["chmod", "-R", "u+rwx", "--", str(path)],
+        check=False,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    subprocess.run(
+        ["rm", "-rf", "--one-file-system", "--", str(path)],
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )

@@ -136,8 +136,16 @@ def _stream_build(
 ) -> ImageRef:
     try:
         chunks: Iterable[dict[str, Any]] = client.api.build(
-            path=str(context), tag=tag, buildargs=buildargs, labels=labels, rm=True,
-            forcerm=True, pull=False, nocache=nocache, decode=True, timeout=BUILD_READ_TIMEOUT_S,
+            path=str(context),
+            tag=tag,
+            buildargs=buildargs,
+            labels=labels,
+            rm=True,
+            forcerm=True,
+            pull=False,
+            nocache=nocache,
+            decode=True,
+            timeout=BUILD_READ_TIMEOUT_S,
         )
         for chunk in chunks:
             if "error" in chunk:
@@ -171,9 +179,7 @@ def _public_base_usable(client: docker.DockerClient, base: str, progress: Progre
         return False
 
 
-def offline_busybox_base(
-    client: docker.DockerClient, *, progress: Progress = print
-) -> ImageRef:
+def offline_busybox_base(client: docker.DockerClient, *, progress: Progress = print) -> ImageRef:
     """`fila/base-busybox:local`: busybox from Debian's apt mirrors, no registry involved."""
     ref = find_image(client, OFFLINE_BUSYBOX_TAG)
     if ref is not None:
@@ -185,14 +191,19 @@ def offline_busybox_base(
         try:
             subprocess.run(
                 ["apt-get", "download", "busybox-static"],
-                cwd=work, check=True, capture_output=True, timeout=300,
+                cwd=work,
+                check=True,
+                capture_output=True,
+                timeout=300,
             )
             debs = sorted(work.glob("busybox-static_*.deb"))
             if not debs:
                 raise FileNotFoundError("apt-get download left no busybox-static .deb")
             subprocess.run(
                 ["dpkg-deb", "-x", str(debs[0]), str(work / "root")],
-                check=True, capture_output=True, timeout=120,
+                check=True,
+                capture_output=True,
+                timeout=120,
             )
         except (OSError, subprocess.SubprocessError) as e:
             detail = getattr(e, "stderr", b"") or b""
@@ -210,7 +221,12 @@ def offline_busybox_base(
         (ctx / "group").write_text(_GROUP)
         labels = {"fila": "1", LABEL_CONTEXT: context_hash(ctx)}
         return _stream_build(
-            client, ctx, OFFLINE_BUSYBOX_TAG, buildargs={}, labels=labels, nocache=False,
+            client,
+            ctx,
+            OFFLINE_BUSYBOX_TAG,
+            buildargs={},
+            labels=labels,
+            nocache=False,
             progress=progress,
         )
 
@@ -240,7 +256,8 @@ def _read_ca(ca_file: Path) -> bytes:
         raise InvalidInput(f"cannot read the CA bundle: {e}", path=ca_file) from e
     if b"-----BEGIN CERTIFICATE-----" not in data:
         raise InvalidInput(
-            "the CA bundle holds no PEM certificate", path=ca_file,
+            "the CA bundle holds no PEM certificate",
+            path=ca_file,
             hint="pass a PEM file (-----BEGIN CERTIFICATE-----), e.g. your proxy's root CA",
         )
     return data
@@ -283,8 +300,13 @@ def build(
             LABEL_CA: ca_hash or "",
         }
         ref = _stream_build(
-            client, ctx, tag, buildargs={"BASE": chosen} if chosen else {}, labels=labels,
-            nocache=force, progress=progress,
+            client,
+            ctx,
+            tag,
+            buildargs={"BASE": chosen} if chosen else {},
+            labels=labels,
+            nocache=force,
+            progress=progress,
         )
     if old is not None and old.id != ref.id:
         _remove_if_untagged(client, old.id)

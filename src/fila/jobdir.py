@@ -106,13 +106,14 @@ def resolve_targets(root: Root, project: Path, targets: list[str], policy: Polic
                 resolved = cur.resolve()
                 if not resolved.is_relative_to(project):
                     raise TargetError(
-                        f"target {raw!r} is a symlink pointing outside the project "
-                        f"(to {resolved})", path=cur,
+                        f"target {raw!r} is a symlink pointing outside the project (to {resolved})",
+                        path=cur,
                     )
                 if i < len(parts) - 1:
                     raise TargetError(
                         f"target {raw!r} goes through the symlink {'/'.join(parts[: i + 1])!r}",
-                        hint="name the real path instead", path=cur,
+                        hint="name the real path instead",
+                        path=cur,
                     )
         if rel != ".":
             why = _exclusion(rel, (project / rel).is_dir(), policy, prefixes)
@@ -152,7 +153,12 @@ def _copy_file(src: Path, dsts: list[Path], mode: int, max_bytes: int) -> tuple[
 
 
 def prepare(
-    root: Root, task_id: str, task: Task, policy: Policy, effective: Effective, *,
+    root: Root,
+    task_id: str,
+    task: Task,
+    policy: Policy,
+    effective: Effective,
+    *,
     task_md_extra: str = "",
 ) -> Prepared:
     project = project_of(root, task)
@@ -183,8 +189,9 @@ def prepare(
             os.symlink(target, ins)
             os.symlink(target, wrk)
             data = os.fsencode(target)
-            prep.manifest.append(ManifestEntry(rel, "symlink", len(data),
-                                               hashlib.sha256(data).hexdigest(), 0o777))
+            prep.manifest.append(
+                ManifestEntry(rel, "symlink", len(data), hashlib.sha256(data).hexdigest(), 0o777)
+            )
         elif kind == "file":
             mode = 0o755 if st_mode & stat.S_IXUSR else 0o644
             size, sha = _copy_file(src, [ins, wrk], mode, policy.max_work_bytes - prep.bytes)
@@ -213,21 +220,26 @@ def prepare(
 
             if base:
                 add(rel, src, "dir", st.st_mode, 1)
-            for e in walk(src, skip=skip, max_files=policy.max_work_files,
-                          max_bytes=policy.max_work_bytes):
+            for e in walk(src, skip=skip, max_files=policy.max_work_files, max_bytes=policy.max_work_bytes):
                 add(base + e.rel, src / e.rel, e.kind, e.mode, e.nlink)
         else:
-            kind = "symlink" if stat.S_ISLNK(st.st_mode) else (
-                "file" if stat.S_ISREG(st.st_mode) else "other")
+            kind = (
+                "symlink" if stat.S_ISLNK(st.st_mode) else ("file" if stat.S_ISREG(st.st_mode) else "other")
+            )
             add(rel, src, kind, st.st_mode, st.st_nlink)
 
     meta = root.meta(task_id)
     meta.mkdir(parents=True, exist_ok=True)
-    fsutil.atomic_write(meta / "manifest.json", json.dumps(
-        {"project": str(project), "targets": targets,
-         "entries": [asdict(m) for m in prep.manifest]}, indent=1))
-    fsutil.atomic_write(job / "TASK.md", task_md(task_id, task, targets, policy, effective, prep,
-                                                 task_md_extra))
+    fsutil.atomic_write(
+        meta / "manifest.json",
+        json.dumps(
+            {"project": str(project), "targets": targets, "entries": [asdict(m) for m in prep.manifest]},
+            indent=1,
+        ),
+    )
+    fsutil.atomic_write(
+        job / "TASK.md", task_md(task_id, task, targets, policy, effective, prep, task_md_extra)
+    )
     return prep
 
 
@@ -262,8 +274,9 @@ def reclaim(job_dir: Path, *, owner: tuple[int, int] | None = None) -> list[str]
     """
     warnings: list[str] = []
     for entry in os.scandir(job_dir):
-        if entry.name not in JOB_ENTRIES or (entry.name in {"TASK.md", "DIFF.patch"}
-                                             and not entry.is_file(follow_symlinks=False)):
+        if entry.name not in JOB_ENTRIES or (
+            entry.name in {"TASK.md", "DIFF.patch"} and not entry.is_file(follow_symlinks=False)
+        ):
             warnings.append(f"the engine left {escape_name(entry.name)!s} beside work/; removed")
             fsutil.remove_tree(Path(entry.path))
     work = job_dir / "work"
@@ -271,8 +284,27 @@ def reclaim(job_dir: Path, *, owner: tuple[int, int] | None = None) -> list[str]
         return warnings  # the diff refuses it, and says so
     # One pass over work/ finds both what to strip and what to remove, before chown (which clears
     # setuid bits by itself and would hide them); chmod runs only when something needs it.
-    found = _tool("find", str(work), "(", "-iname", ".git", "-prune", "-printf", "G%p\\0", ")",
-                  "-o", "(", "-not", "-type", "l", "-perm", "/7022", "-printf", "M%m %p\\0", ")")
+    found = _tool(
+        "find",
+        str(work),
+        "(",
+        "-iname",
+        ".git",
+        "-prune",
+        "-printf",
+        "G%p\\0",
+        ")",
+        "-o",
+        "(",
+        "-not",
+        "-type",
+        "l",
+        "-perm",
+        "/7022",
+        "-printf",
+        "M%m %p\\0",
+        ")",
+    )
     gits, loose, special = [], False, []
     for item in (x for x in found.split("\0") if x):
         if item[0] == "G":
@@ -285,13 +317,17 @@ def reclaim(job_dir: Path, *, owner: tuple[int, int] | None = None) -> list[str]
     if owner is not None:
         _tool("chown", "-R", "-h", f"{owner[0]}:{owner[1]}", "--", str(work))
     if special:
-        warnings.append("setuid/setgid/sticky bits stripped in work/: "
-                        + ", ".join(escape_name(os.path.relpath(n, work)) for n in special[:5]))
+        warnings.append(
+            "setuid/setgid/sticky bits stripped in work/: "
+            + ", ".join(escape_name(os.path.relpath(n, work)) for n in special[:5])
+        )
     if loose:
         _tool("chmod", "-R", "ug-s,-t,go-w", "--", str(work))
     for name in gits:
-        warnings.append(f"removed {escape_name(os.path.relpath(name, work))} from work/: "
-                        "git metadata is never copied in or applied")
+        warnings.append(
+            f"removed {escape_name(os.path.relpath(name, work))} from work/: "
+            "git metadata is never copied in or applied"
+        )
         fsutil.remove_tree(Path(name))
     return warnings
 
@@ -323,13 +359,23 @@ def read_manifest(root: Root, task_id: str) -> dict:
     return json.loads((root.meta(task_id) / "manifest.json").read_text())
 
 
-def task_md(task_id: str, task: Task, targets: list[str], policy: Policy, eff: Effective,
-            prep: Prepared, extra: str = "") -> str:
+def task_md(
+    task_id: str,
+    task: Task,
+    targets: list[str],
+    policy: Policy,
+    eff: Effective,
+    prep: Prepared,
+    extra: str = "",
+) -> str:
     lim = eff.limits
     lines = [
-        f"# Task {task_id}", "",
-        task.prompt.strip() or "(no prompt: a mechanical change)", "",
-        "## Context", "",
+        f"# Task {task_id}",
+        "",
+        task.prompt.strip() or "(no prompt: a mechanical change)",
+        "",
+        "## Context",
+        "",
         f"- Engine: {task.engine}" + (f", model {task.model}" if task.model else ""),
         f"- Files to change are in `work/` ({prep.files} entries, {prep.bytes} bytes), copied "
         "from these targets of the project: " + ", ".join(f"`{t}`" for t in targets),

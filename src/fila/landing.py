@@ -44,8 +44,12 @@ class Op:
     perm: int | None = None  # the file's exact permission bits before, to put it back as it was
 
     def to_json(self) -> dict[str, Any]:
-        return {"path": self.path, "before": self.before.to_json(), "after": self.after.to_json(),
-                "perm": self.perm}
+        return {
+            "path": self.path,
+            "before": self.before.to_json(),
+            "after": self.after.to_json(),
+            "perm": self.perm,
+        }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Op:
@@ -137,8 +141,9 @@ def _put(src: SafeDir, dst: SafeDir, rel: str, state: State, made: list[str],
     """Copy `rel` from staging into the project; the copy must be `state` (it is compared after
     writing: a failure then rolls back)."""
     if src.copy_to(rel, dst, max_bytes=_ANY, made=made, mode=perm) != state:
-        raise FilaError(f"the staged copy of {escape_name(rel)} is not what was checked",
-                        path=escape_name(rel))
+        raise FilaError(
+            f"the staged copy of {escape_name(rel)} is not what was checked", path=escape_name(rel)
+        )
 
 
 def _rollback(proj: SafeDir, undo: list[tuple[str, Any]], staging: Path) -> list[str]:
@@ -173,9 +178,18 @@ def read_marker(root: Root, task_id: str) -> dict[str, Any] | None:
 def write_marker(root: Root, task_id: str, patch_sha256: str | None, project: Path, ops: list[Op],
                  merged: list[str]) -> None:  # fmt: skip
     # ensure_ascii (the default) keeps names that are not UTF-8 (surrogates) as \\udcNN escapes.
-    fsutil.atomic_write(marker_path(root, task_id), json.dumps({
-        "patch_sha256": patch_sha256, "project": str(project), "merged": merged,
-        "ops": [op.to_json() for op in ops]}, indent=1))
+    fsutil.atomic_write(
+        marker_path(root, task_id),
+        json.dumps(
+            {
+                "patch_sha256": patch_sha256,
+                "project": str(project),
+                "merged": merged,
+                "ops": [op.to_json() for op in ops],
+            },
+            indent=1,
+        ),
+    )
 
 
 def clear(root: Root, task_id: str) -> None:

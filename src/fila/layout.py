@@ -67,8 +67,15 @@ class Root:
 
     def all_dirs(self) -> list[Path]:
         return [
-            self.in_dir, self.run_dir, self.out_dir, self.logs_dir, self.rejected_dir,
-            self.state_dir, self.jobs_dir, self.meta_dir, self.policies_dir,
+            self.in_dir,
+            self.run_dir,
+            self.out_dir,
+            self.logs_dir,
+            self.rejected_dir,
+            self.state_dir,
+            self.jobs_dir,
+            self.meta_dir,
+            self.policies_dir,
         ]
 
     def job_dir(self, task_id: str) -> Path:

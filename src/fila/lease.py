@@ -163,8 +163,9 @@ def heartbeat_age(path: Path, now: float | None = None) -> float | None:
         return None
 
 
-def stale_reason(root: Root, path: Path, worker: str, *, ttl: float,
-                 alive: AliveFn | None = None, now: float | None = None) -> str | None:
+def stale_reason(
+    root: Root, path: Path, worker: str, *, ttl: float, alive: AliveFn | None = None, now: float | None = None
+) -> str | None:
     """Why the claim at `path` is stale, or None while its lease holds."""
     state = (alive or (lambda w: worker_liveness(root, w)))(worker)
     if state == "gone":

@@ -63,15 +63,11 @@ class Task(BaseModel):
     timeout: int | None = Field(
         default=None, gt=0, description="wall-clock limit in milliseconds; at most the policy's cap"
     )
-    targets: list[str] = Field(
-        min_length=1, description="paths relative to the project; directories allowed"
-    )
+    targets: list[str] = Field(min_length=1, description="paths relative to the project; directories allowed")
     policy: str = Field(default="default", pattern=ID_PATTERN, description="policy name")
     command: str | None = Field(default=None, description="shell engine: run with sh -c in work/")
     fallback: list[str] = Field(default_factory=list, description="engines to try on quota")
-    project: str | None = Field(
-        default=None, description="project directory (default: the queue root)"
-    )
+    project: str | None = Field(default=None, description="project directory (default: the queue root)")
     image: str | None = Field(default=None, description="engine image; must be allowed by policy")
     limits: Limits | None = Field(default=None, description="narrow the policy's resources")
 
@@ -115,9 +111,7 @@ class Policy(BaseModel):
     max_log_bytes: int = Field(default=10 << 20, gt=0)
     max_work_bytes: int = Field(default=1 << 30, gt=0, description="total size of work/")
     max_work_files: int = Field(default=50_000, gt=0, description="entries in work/")
-    images: list[str] = Field(
-        default_factory=lambda: ["fila/*"], description="globs of allowed images"
-    )
+    images: list[str] = Field(default_factory=lambda: ["fila/*"], description="globs of allowed images")
     runtime: str | None = Field(default=None, description="Docker runtime, e.g. runsc")
     max_consecutive_failures: int = Field(default=5, gt=0, description="circuit breaker")
 

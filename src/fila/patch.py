@@ -99,7 +99,7 @@ def _section(lines: list[bytes], i: int, kinds: list[str]) -> tuple[FilePatch, i
     if not head.startswith(b"diff --git "):
         raise PatchError(f"line {i + 1}: expected 'diff --git', found {_show(head)}")
     kinds[i] = "file"
-    path = _git_line_path(head[len(b"diff --git "):], i)
+    path = _git_line_path(head[len(b"diff --git ") :], i)
     old: str | None = None
     new: str | None = None
     index_mode: str | None = None
@@ -368,28 +368,36 @@ def read_reviewed(root: Root, rec: Record, policy: Policy) -> bytes:
     """
     expected = root.job_dir(rec.id) / "DIFF.patch"
     if not rec.patch_path or not rec.patch_sha256:
-        raise NotFound(f"task {rec.id} has no DIFF.patch (status {rec.status})", task_id=rec.id,
-                       hint="`fila show ID` tells why; a failed task may have no diff")
+        raise NotFound(
+            f"task {rec.id} has no DIFF.patch (status {rec.status})",
+            task_id=rec.id,
+            hint="`fila show ID` tells why; a failed task may have no diff",
+        )
     if root.path / rec.patch_path != expected:
-        raise ApplyRefused(f"the record names an unexpected patch path {rec.patch_path!r}",
-                           task_id=rec.id, path=expected)
+        raise ApplyRefused(
+            f"the record names an unexpected patch path {rec.patch_path!r}", task_id=rec.id, path=expected
+        )
     # A patch over the policy's limit is still read (review warns about it), up to a hard cap.
     cap = max(policy.max_diff_bytes, 1 << 30)
     if not os.path.lexists(expected):
-        raise NotFound("DIFF.patch is missing", task_id=rec.id, path=expected,
-                       hint="`fila gc` removes job directories of decided tasks only")
+        raise NotFound(
+            "DIFF.patch is missing",
+            task_id=rec.id,
+            path=expected,
+            hint="`fila gc` removes job directories of decided tasks only",
+        )
     try:
         data = read_file(expected, max_bytes=cap)
     except FilaError as e:
-        raise ApplyRefused(f"cannot read DIFF.patch: {e.message}", task_id=rec.id,
-                           path=expected) from None
+        raise ApplyRefused(f"cannot read DIFF.patch: {e.message}", task_id=rec.id, path=expected) from None
     digest = hashlib.sha256(data).hexdigest()
     if digest != rec.patch_sha256:
         raise ApplyRefused(
             f"DIFF.patch does not match the sha256 in the record (recorded "
             f"{rec.patch_sha256[:16]}..., now {digest[:16]}...): it was changed after the task ran "
             "(tampered with or regenerated)",
-            task_id=rec.id, path=expected,
+            task_id=rec.id,
+            path=expected,
             hint="nothing was written; run the task again (fila submit) to get a patch to review",
         )
     return data

@@ -150,8 +150,7 @@ def denied_by(rel: str, is_dir: bool, deny: list[str]) -> str | None:
     if not (
         (dir_rx is not None and any(dir_rx.match(p) for p in (parts if is_dir else parts[:-1])))
         or (name_rx is not None and any(name_rx.match(p) for p in parts))
-        or (path_rx is not None and any(path_rx.match("/".join(parts[:i]))
-                                        for i in range(1, len(parts) + 1)))
+        or (path_rx is not None and any(path_rx.match("/".join(parts[:i])) for i in range(1, len(parts) + 1)))
     ):
         return None
     for rule in deny:

@@ -59,10 +59,13 @@ ALLOWED: dict[Status | None, set[Status]] = {
 CLAIM_SEP = "~"
 # Fields that belong to one run: entering `queued` clears them, so a requeued or retried record
 # never carries a previous run's container, exit code or diff as if they were current.
-RUN_FIELDS = ("worker", "container", "exit_code", "diffstat", "patch_sha256", "patch_path",
-              "diagnosis")
-OUTCOME_OF = {S.needs_review: "success", S.failed: "failed", S.needs_human: "needs_human",
-              S.queued: "requeued"}
+RUN_FIELDS = ("worker", "container", "exit_code", "diffstat", "patch_sha256", "patch_path", "diagnosis")
+OUTCOME_OF = {
+    S.needs_review: "success",
+    S.failed: "failed",
+    S.needs_human: "needs_human",
+    S.queued: "requeued",
+}
 
 
 class LeaseLost(Exception):
@@ -112,8 +115,7 @@ def read_events(root: Root, task_id: str) -> list[dict[str, Any]]:
 def locked(root: Root, task_id: str) -> Iterator[None]:
     """The record lock: serialises every read-check-write of one task's record and the file
     moves that go with it, between processes and threads (flock is per open file)."""
-    fd = os.open(root.out_dir / f".{check_id(task_id)}.lock",
-                 os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    fd = os.open(root.out_dir / f".{check_id(task_id)}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
@@ -145,8 +147,7 @@ def field_problem(rec: Record) -> str | None:
 def _close_attempt(attempts: list[Attempt], outcome: str, error: ErrorInfo | None) -> list[Attempt]:
     if not attempts or attempts[-1].ended_at is not None:
         return attempts
-    last = attempts[-1].model_copy(update={"ended_at": now_iso(), "outcome": outcome,
-                                           "error": error})
+    last = attempts[-1].model_copy(update={"ended_at": now_iso(), "outcome": outcome, "error": error})
     return [*attempts[:-1], last]
 
 
@@ -170,10 +171,19 @@ def _write_record(path: Path, data: str, to: Status) -> None:
     fsutil.fsync_dir(path.parent)
 
 
-def transition_locked(root: Root, task_id: str, cur: Record | None, to: Status, *,
-                      expect: set[Status] | None = None, task: Task | None = None,
-                      event: str | None = None, log: dict[str, Any] | None = None,
-                      outcome: str | None = None, changes: dict[str, Any] | None = None) -> Record:
+def transition_locked(
+    root: Root,
+    task_id: str,
+    cur: Record | None,
+    to: Status,
+    *,
+    expect: set[Status] | None = None,
+    task: Task | None = None,
+    event: str | None = None,
+    log: dict[str, Any] | None = None,
+    outcome: str | None = None,
+    changes: dict[str, Any] | None = None,
+) -> Record:
     """Check, build, validate and durably write one status change, then append its event.
 
     The caller holds `locked(root, task_id)` and passes the record it read under it. Use
@@ -183,7 +193,8 @@ def transition_locked(root: Root, task_id: str, cur: Record | None, to: Status, 
     if to not in ALLOWED[frm] or (expect is not None and frm not in expect):
         raise InvalidTransition(
             f"task {task_id} is {frm or 'unknown'}; it cannot become {to}",
-            task_id=task_id, hint="`fila show ID` shows its state and history",
+            task_id=task_id,
+            hint="`fila show ID` shows its state and history",
         )
     if cur is None:
         base: dict[str, Any] = {"id": task_id, "task": task}
@@ -204,12 +215,12 @@ def transition_locked(root: Root, task_id: str, cur: Record | None, to: Status, 
         base["attempts"] = _close_attempt(
             [Attempt.model_validate(a) if isinstance(a, dict) else a for a in base.get("attempts", [])],
             outcome or OUTCOME_OF.get(to, str(to)),
-            ErrorInfo.model_validate(err) if isinstance(err, dict) else err)
+            ErrorInfo.model_validate(err) if isinstance(err, dict) else err,
+        )
     new = Record.model_validate(base)
     problem = field_problem(new)
     if problem:
-        raise InvalidTransition(f"refused to write task {task_id} as {to}: {problem}",
-                                task_id=task_id)
+        raise InvalidTransition(f"refused to write task {task_id} as {to}: {problem}", task_id=task_id)
     path = root.record_path(task_id)
     if cur is None:
         if not fsutil.create_exclusive(path, new.to_json()):
@@ -219,8 +230,7 @@ def transition_locked(root: Root, task_id: str, cur: Record | None, to: Status, 
     summary = {k: v for k, v in changes.items() if k in {"attempt", "worker", "exit_code"}}
     if new.error and to in {S.failed, S.needs_human, S.queued}:
         summary["error"] = new.error.model_dump(mode="json")
-    log_event(root, task_id, event or "status", **{"from": frm, "to": to}, **summary,
-              **(log or {}))
+    log_event(root, task_id, event or "status", **{"from": frm, "to": to}, **summary, **(log or {}))
     return new
 
 
@@ -250,8 +260,18 @@ def set_status(
         cur = read_record(root, task_id)
         if guard is not None:
             guard(cur)
-        return transition_locked(root, task_id, cur, to, expect=expect, task=task, event=event,
-                           log=log, outcome=outcome, changes=changes)
+        return transition_locked(
+            root,
+            task_id,
+            cur,
+            to,
+            expect=expect,
+            task=task,
+            event=event,
+            log=log,
+            outcome=outcome,
+            changes=changes,
+        )
 
 
 # -- submit and claim ------------------------------------------------------------------------
@@ -265,7 +285,9 @@ def claim_files(root: Root, task_id: str) -> list[Path]:
 def id_in_use(root: Root, task_id: str) -> str | None:
     """Where the id exists already, or None. Idempotency: such an id is refused at submit."""
     places = [
-        root.queued_path(task_id), root.record_path(task_id), root.job_dir(task_id),
+        root.queued_path(task_id),
+        root.record_path(task_id),
+        root.job_dir(task_id),
         root.rejected_dir / f"{task_id}.json",
     ]
     for p in places:
@@ -289,8 +311,18 @@ def enqueue(root: Root, task_id: str, task: Task) -> Record:
         )
     task = task.model_copy(update={"id": task_id})
     with locked(root, task_id):
-        rec = transition_locked(root, task_id, None, S.queued, expect=None, task=task,
-                          event="submitted", log=None, outcome=None, changes={})
+        rec = transition_locked(
+            root,
+            task_id,
+            None,
+            S.queued,
+            expect=None,
+            task=task,
+            event="submitted",
+            log=None,
+            outcome=None,
+            changes={},
+        )
         if not fsutil.create_exclusive(root.queued_path(task_id), task_json(task)):
             raise DuplicateId(f"task file {root.queued_path(task_id)} appeared meanwhile")
     return rec
@@ -381,12 +413,15 @@ def holds(claim: Claim) -> bool:
 
 def _fence(claim: Claim, *, suffix: str = "json") -> Callable[[Record | None], None]:
     """A guard: the claim (or its tombstone) still exists and the record is this worker's."""
+
     def guard(cur: Record | None) -> None:
         if not claim.tombstone(suffix).exists():
             raise LeaseLost(f"{claim.name}: the claim is gone")
         if cur is None or cur.status != S.running or cur.worker != claim.worker:
-            raise LeaseLost(f"{claim.name}: the record is no longer this claim's "
-                            f"({cur.status if cur else 'no record'})")
+            raise LeaseLost(
+                f"{claim.name}: the record is no longer this claim's ({cur.status if cur else 'no record'})"
+            )
+
     return guard
 
 
@@ -401,23 +436,46 @@ def begin(root: Root, claim: Claim, task: Task) -> Record:
             raise LeaseLost(f"{claim.name}: the claim is gone")
         cur = read_record(root, tid)
         if cur is None:
-            cur = transition_locked(root, tid, None, S.queued, expect=None, task=task,
-                              event="submitted", log={"via": "file dropped in fila/in"},
-                              outcome=None, changes={})
+            cur = transition_locked(
+                root,
+                tid,
+                None,
+                S.queued,
+                expect=None,
+                task=task,
+                event="submitted",
+                log={"via": "file dropped in fila/in"},
+                outcome=None,
+                changes={},
+            )
         attempt = cur.attempt + 1
         return transition_locked(
-            root, tid, cur, S.running, expect={S.queued}, task=task, event="started",
-            log={"claim": claim.name}, outcome=None,
-            changes=dict(worker=claim.worker, attempt=attempt, error=None, attempts=[
-                *cur.attempts, Attempt(number=attempt, engine=task.engine, worker=claim.worker,
-                                       started_at=now_iso())]),
+            root,
+            tid,
+            cur,
+            S.running,
+            expect={S.queued},
+            task=task,
+            event="started",
+            log={"claim": claim.name},
+            outcome=None,
+            changes=dict(
+                worker=claim.worker,
+                attempt=attempt,
+                error=None,
+                attempts=[
+                    *cur.attempts,
+                    Attempt(number=attempt, engine=task.engine, worker=claim.worker, started_at=now_iso()),
+                ],
+            ),
         )
 
 
 def checkpoint(root: Root, claim: Claim, *, event: str = "checkpoint", **fields: Any) -> Record:
     """running -> running with new fields, only while the claim is this worker's."""
-    return set_status(root, claim.task_id, S.running, expect={S.running}, guard=_fence(claim),
-                      event=event, **fields)
+    return set_status(
+        root, claim.task_id, S.running, expect={S.running}, guard=_fence(claim), event=event, **fields
+    )
 
 
 def win(claim: Claim, suffix: str) -> bool:
@@ -444,8 +502,9 @@ def result_path(root: Root, claim: Claim) -> Path:
     return root.meta(claim.task_id) / f"result.{claim.token}.json"
 
 
-def publish(root: Root, claim: Claim, status: Status, fields: dict[str, Any], *,
-            attempt: int) -> Record | None:
+def publish(
+    root: Root, claim: Claim, status: Status, fields: dict[str, Any], *, attempt: int
+) -> Record | None:
     """Publish a worker's outcome exactly once, or not at all when its lease is lost.
 
     The pending result goes to sandbox/meta/<id>/result.<token>.json first, so that a worker
@@ -456,9 +515,13 @@ def publish(root: Root, claim: Claim, status: Status, fields: dict[str, Any], *,
 
     meta = root.meta(claim.task_id)
     meta.mkdir(parents=True, exist_ok=True)
-    fsutil.atomic_write(result_path(root, claim), json.dumps(
-        {"claim": claim.name, "attempt": attempt, "status": status,
-         "fields": to_jsonable_python(fields)}, indent=1))
+    fsutil.atomic_write(
+        result_path(root, claim),
+        json.dumps(
+            {"claim": claim.name, "attempt": attempt, "status": status, "fields": to_jsonable_python(fields)},
+            indent=1,
+        ),
+    )
     crash_point("after_result")
     if not win(claim, "done"):
         log_event(root, claim.task_id, "result discarded", reason="lease lost", claim=claim.name)
@@ -472,24 +535,54 @@ def publish(root: Root, claim: Claim, status: Status, fields: dict[str, Any], *,
     return rec
 
 
-def finish_done(root: Root, claim: Claim, status: Status, fields: dict[str, Any], *,
-                attempt: int, log: dict[str, Any] | None = None) -> Record | None:
+def finish_done(
+    root: Root,
+    claim: Claim,
+    status: Status,
+    fields: dict[str, Any],
+    *,
+    attempt: int,
+    log: dict[str, Any] | None = None,
+) -> Record | None:
     """Write the outcome of a claim that won the race (.done exists) for its attempt.
     Idempotent: when the record was finished already (by recovery, or by the worker), or has
     moved on to a later attempt, it is returned unchanged."""
     tid = claim.task_id
     with locked(root, tid):
         cur = read_record(root, tid)
-        if not claim.tombstone("done").exists() or cur is None or cur.status != S.running \
-                or cur.worker != claim.worker or cur.attempt != attempt:
+        if (
+            not claim.tombstone("done").exists()
+            or cur is None
+            or cur.status != S.running
+            or cur.worker != claim.worker
+            or cur.attempt != attempt
+        ):
             return cur
-        return transition_locked(root, tid, cur, status, expect={S.running}, task=None, event=None,
-                           log=log, outcome=None, changes=dict(fields))
+        return transition_locked(
+            root,
+            tid,
+            cur,
+            status,
+            expect={S.running},
+            task=None,
+            event=None,
+            log=log,
+            outcome=None,
+            changes=dict(fields),
+        )
 
 
-def hand_back(root: Root, claim: Claim, *, suffix: str = "json", error: ErrorInfo | None = None,
-              outcome: str = "handed back", not_before: float | None = None,
-              event: str = "requeued", log: dict[str, Any] | None = None) -> bool:
+def hand_back(
+    root: Root,
+    claim: Claim,
+    *,
+    suffix: str = "json",
+    error: ErrorInfo | None = None,
+    outcome: str = "handed back",
+    not_before: float | None = None,
+    event: str = "requeued",
+    log: dict[str, Any] | None = None,
+) -> bool:
     """Give a claimed task back to in/ (its container never started), then mark the record
     queued. False when the claim is gone or the record is not this claim's."""
     tid = claim.task_id
@@ -511,13 +604,26 @@ def hand_back(root: Root, claim: Claim, *, suffix: str = "json", error: ErrorInf
                 # Someone dropped a new file with this id while it was claimed: a duplicate id,
                 # kept aside with the reason (never silently replaced, never deleted).
                 with contextlib.suppress(FileNotFoundError):
-                    reject_file(root, dst, f"task id {tid} was claimed when this file appeared; "
-                                "duplicate ids are refused", name=f"{tid}.json")
+                    reject_file(
+                        root,
+                        dst,
+                        f"task id {tid} was claimed when this file appeared; duplicate ids are refused",
+                        name=f"{tid}.json",
+                    )
         crash_point("during_hand_back")
         if mine:
-            transition_locked(root, tid, cur, S.queued, expect={S.running}, task=None, event=event,
-                        log=log, outcome=outcome,
-                        changes=dict(not_before=not_before, error=error))
+            transition_locked(
+                root,
+                tid,
+                cur,
+                S.queued,
+                expect={S.running},
+                task=None,
+                event=event,
+                log=log,
+                outcome=outcome,
+                changes=dict(not_before=not_before, error=error),
+            )
         else:
             log_event(root, tid, "handed back", claim=claim.name, **(log or {}))
     return True
@@ -530,8 +636,9 @@ def unclaim(root: Root, claim: Claim) -> None:
         dst = root.queued_path(claim.task_id)
         with contextlib.suppress(FileNotFoundError):
             if dst.exists():
-                reject_file(root, claim.path, f"a second file for task {claim.task_id}",
-                            name=f"{claim.task_id}.json")
+                reject_file(
+                    root, claim.path, f"a second file for task {claim.task_id}", name=f"{claim.task_id}.json"
+                )
             else:
                 fsutil.durable_rename(claim.path, dst)
 
@@ -545,14 +652,27 @@ def retry(root: Root, task_id: str, *, by: str, reason: str | None = None) -> Re
         if left:
             raise InvalidTransition(
                 f"task {task_id} still has {left[0].name} in fila/run/",
-                task_id=task_id, hint="run `fila recover` first")
+                task_id=task_id,
+                hint="run `fila recover` first",
+            )
         if cur.task is None:
-            raise InvalidTransition(f"task {task_id} has no valid task to run again",
-                                    task_id=task_id, hint="fix the file and submit it anew")
+            raise InvalidTransition(
+                f"task {task_id} has no valid task to run again",
+                task_id=task_id,
+                hint="fix the file and submit it anew",
+            )
         rec = transition_locked(
-            root, task_id, cur, S.queued, expect={S.needs_human, S.failed}, task=None,
-            event="retried", log={"by": by, "reason": reason}, outcome=None,
-            changes=dict(decision=Decision(action="retried", by=by, at=now_iso(), reason=reason)))
+            root,
+            task_id,
+            cur,
+            S.queued,
+            expect={S.needs_human, S.failed},
+            task=None,
+            event="retried",
+            log={"by": by, "reason": reason},
+            outcome=None,
+            changes=dict(decision=Decision(action="retried", by=by, at=now_iso(), reason=reason)),
+        )
         fsutil.create_exclusive(root.queued_path(task_id), task_json(cur.task))
         return rec
 

@@ -66,14 +66,20 @@ class Report:
         if task_id is not None:
             queue.log_event(root, task_id, "recovered", action=action, detail=detail, **data)
         with contextlib.suppress(OSError):
-            fsutil.append_line(root.state_dir / "recovery.events.jsonl", json.dumps(
-                {"at": now_iso(), "task": task_id, "action": action, "detail": detail},
-                default=str))
+            fsutil.append_line(
+                root.state_dir / "recovery.events.jsonl",
+                json.dumps(
+                    {"at": now_iso(), "task": task_id, "action": action, "detail": detail}, default=str
+                ),
+            )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"actions": [asdict(a) for a in self.actions],
-                "containers_removed": self.containers_removed, "docker": self.docker,
-                "skipped": self.skipped}
+        return {
+            "actions": [asdict(a) for a in self.actions],
+            "containers_removed": self.containers_removed,
+            "docker": self.docker,
+            "skipped": self.skipped,
+        }
 
 
 class _Docker:
@@ -98,8 +104,7 @@ class _Docker:
         frozen worker may still start its engine, so nothing may be decided."""
         client = self.get()
         if client is None:
-            return [], (f"Docker did not answer, so the container could not be checked "
-                        f"({self.error})"), False
+            return [], (f"Docker did not answer, so the container could not be checked ({self.error})"), False
         from .sandbox import find_containers
 
         try:
@@ -136,8 +141,15 @@ def _recovery_lock(root: Root, wait: bool) -> Iterator[bool]:
         os.close(fd)
 
 
-def recover(root: Root, *, client: Any = None, docker: bool = True, ttl: float | None = None,
-            alive: lease.AliveFn | None = None, wait: bool = True) -> Report:
+def recover(
+    root: Root,
+    *,
+    client: Any = None,
+    docker: bool = True,
+    ttl: float | None = None,
+    alive: lease.AliveFn | None = None,
+    wait: bool = True,
+) -> Report:
     """One recovery pass over the root. `alive` replaces the worker liveness probe (tests)."""
     root.require()
     ttl = lease.lease_ttl() if ttl is None else ttl
@@ -166,11 +178,25 @@ def recover(root: Root, *, client: Any = None, docker: bool = True, ttl: float |
     return rep
 
 
-def _settle_claim(root: Root, claim: queue.Claim, suffix: str, ttl: float,
-                  alive: lease.AliveFn | None, dk: _Docker, rep: Report) -> None:
+def _settle_claim(
+    root: Root,
+    claim: queue.Claim,
+    suffix: str,
+    ttl: float,
+    alive: lease.AliveFn | None,
+    dk: _Docker,
+    rep: Report,
+) -> None:
     if suffix == "reaped":  # a recovery was killed after winning: we hold the recovery lock now
-        _settle_reaped(root, claim, "reaped by an earlier recovery that was interrupted or could "
-                       "not make sure its container was gone", None, dk, rep)
+        _settle_reaped(
+            root,
+            claim,
+            "reaped by an earlier recovery that was interrupted or could "
+            "not make sure its container was gone",
+            None,
+            dk,
+            rep,
+        )
         return
     if suffix not in ("json", "done"):
         return
@@ -188,8 +214,9 @@ def _settle_claim(root: Root, claim: queue.Claim, suffix: str, ttl: float,
     _settle_reaped(root, claim, why, last_beat, dk, rep)
 
 
-def _settle_reaped(root: Root, claim: queue.Claim, why: str, last_beat: float | None,
-                   dk: _Docker, rep: Report) -> None:
+def _settle_reaped(
+    root: Root, claim: queue.Claim, why: str, last_beat: float | None, dk: _Docker, rep: Report
+) -> None:
     """Decide a reaped claim. After the rename its worker can no longer write the record (its
     fence fails), so what we read now is final; the guards below re-check it under the lock."""
     from .cycle import MAX_INFRA_ATTEMPTS, backoff_s, infra_tries
@@ -215,16 +242,35 @@ def _settle_reaped(root: Root, claim: queue.Claim, why: str, last_beat: float | 
         tries = infra_tries(rec) + 1
         removed, _seen, _gone = dk.job_containers(root, tid) if dk.enabled else ([], "", False)
         rep.containers_removed += removed
-        err = ErrorInfo(kind=ErrorKind.infra,
-                        message=f"the worker was lost before the container started: {why}")
+        err = ErrorInfo(
+            kind=ErrorKind.infra, message=f"the worker was lost before the container started: {why}"
+        )
         if tries >= MAX_INFRA_ATTEMPTS:
-            _decide(root, claim, S.failed, rep, error=ErrorInfo(
-                kind=ErrorKind.infra, message=f"{err.message} (gave up after {tries} attempts)"))
+            _decide(
+                root,
+                claim,
+                S.failed,
+                rep,
+                error=ErrorInfo(
+                    kind=ErrorKind.infra, message=f"{err.message} (gave up after {tries} attempts)"
+                ),
+            )
             return
-        if queue.hand_back(root, claim, suffix="reaped", error=err, outcome="lost",
-                           not_before=time.time() + backoff_s(tries), event="recovered"):
-            rep.add(root, tid, "requeued", f"its container had not started; attempt {tries} "
-                                           f"of {MAX_INFRA_ATTEMPTS} ({why})")
+        if queue.hand_back(
+            root,
+            claim,
+            suffix="reaped",
+            error=err,
+            outcome="lost",
+            not_before=time.time() + backoff_s(tries),
+            event="recovered",
+        ):
+            rep.add(
+                root,
+                tid,
+                "requeued",
+                f"its container had not started; attempt {tries} of {MAX_INFRA_ATTEMPTS} ({why})",
+            )
         return
     removed, seen, gone = dk.job_containers(root, tid)
     rep.containers_removed += removed
@@ -232,16 +278,32 @@ def _settle_reaped(root: Root, claim: queue.Claim, why: str, last_beat: float | 
         # Never decide while the container may still exist: its worker may be frozen, not dead,
         # and would start the engine after a person decided. The tombstone stays (the worker is
         # fenced off, `fila retry` refuses) and a later pass decides once Docker confirms.
-        rep.add(root, tid, "undecided", f"{seen}; {tomb.name} is kept and the task is decided "
-                "once Docker confirms its container is gone (run `fila recover` again)")
+        rep.add(
+            root,
+            tid,
+            "undecided",
+            f"{seen}; {tomb.name} is kept and the task is decided "
+            "once Docker confirms its container is gone (run `fila recover` again)",
+        )
         return
     evidence, work = _work_evidence(root, rec)
-    diagnosis = (f"The worker was lost while the task's container ran: {why}. "
-                 f"{_how_long(rec, last_beat)} {seen[0].upper()}{seen[1:]}. {work} Nothing was "
-                 f"run again: `fila retry {tid}` runs it from a clean copy, `fila reject {tid}` "
-                 "drops it.")
-    _decide(root, claim, S.needs_human, rep, diagnosis=diagnosis, **evidence, error=ErrorInfo(
-        kind=ErrorKind.interrupted, message=f"the worker was lost while the container ran: {why}"))
+    diagnosis = (
+        f"The worker was lost while the task's container ran: {why}. "
+        f"{_how_long(rec, last_beat)} {seen[0].upper()}{seen[1:]}. {work} Nothing was "
+        f"run again: `fila retry {tid}` runs it from a clean copy, `fila reject {tid}` "
+        "drops it."
+    )
+    _decide(
+        root,
+        claim,
+        S.needs_human,
+        rep,
+        diagnosis=diagnosis,
+        **evidence,
+        error=ErrorInfo(
+            kind=ErrorKind.interrupted, message=f"the worker was lost while the container ran: {why}"
+        ),
+    )
 
 
 def _how_long(rec: Record, last_beat: float | None) -> str:
@@ -253,8 +315,10 @@ def _how_long(rec: Record, last_beat: float | None) -> str:
     text = f"Attempt {rec.attempt} began at {started}"
     if last_beat is not None:
         ran = time.time() - last_beat - datetime.fromisoformat(started).timestamp()
-        text += (f" and ran for about {max(0.0, ran):.0f} s until its last heartbeat, "
-                 f"{last_beat:.0f} s before recovery")
+        text += (
+            f" and ran for about {max(0.0, ran):.0f} s until its last heartbeat, "
+            f"{last_beat:.0f} s before recovery"
+        )
     return text + "."
 
 
@@ -264,10 +328,10 @@ def _decide(root: Root, claim: queue.Claim, to: Status, rep: Report, **fields: A
     tid, tomb = claim.task_id, claim.tombstone("reaped")
     with queue.locked(root, tid):
         cur = queue.read_record(root, tid)
-        if tomb.exists() and cur is not None and cur.status == S.running \
-                and cur.worker == claim.worker:
-            queue.transition_locked(root, tid, cur, to, expect={S.running}, event="recovered",
-                                    outcome="lost", changes=fields)
+        if tomb.exists() and cur is not None and cur.status == S.running and cur.worker == claim.worker:
+            queue.transition_locked(
+                root, tid, cur, to, expect={S.running}, event="recovered", outcome="lost", changes=fields
+            )
             rep.add(root, tid, str(to), fields.get("diagnosis") or fields["error"].message)
         with contextlib.suppress(FileNotFoundError):
             tomb.unlink()
@@ -292,11 +356,17 @@ def _work_evidence(root: Root, rec: Record) -> tuple[dict[str, Any], str]:
     except (FilaError, OSError) as e:
         return {}, f"work/ could not be compared with input/: {e}."
     st = d.stat
-    what = (f"work/ holds {st.files} changed file(s) (+{st.insertions} -{st.deletions}), "
-            f"kept in {d.patch_path.relative_to(root.path)} as evidence."
-            if st.files else "work/ holds no change.")
-    return {"diffstat": d.stat, "patch_sha256": d.sha256,
-            "patch_path": str(d.patch_path.relative_to(root.path))}, what
+    what = (
+        f"work/ holds {st.files} changed file(s) (+{st.insertions} -{st.deletions}), "
+        f"kept in {d.patch_path.relative_to(root.path)} as evidence."
+        if st.files
+        else "work/ holds no change."
+    )
+    return {
+        "diffstat": d.stat,
+        "patch_sha256": d.sha256,
+        "patch_path": str(d.patch_path.relative_to(root.path)),
+    }, what
 
 
 def _finish_done(root: Root, claim: queue.Claim, why: str, rep: Report) -> None:
@@ -314,26 +384,52 @@ def _finish_done(root: Root, claim: queue.Claim, why: str, rep: Report) -> None:
     if ours:
         assert rec is not None
         if pending and pending.get("claim") == claim.name:
-            new = queue.finish_done(root, claim, Status(pending["status"]), pending["fields"],
-                                    attempt=rec.attempt,
-                                    log={"recovered": f"published its pending result ({why})"})
-            rep.add(root, tid, f"published {new.status if new else '?'}",
-                    f"the worker won the race, then was lost; its result was published ({why})")
+            new = queue.finish_done(
+                root,
+                claim,
+                Status(pending["status"]),
+                pending["fields"],
+                attempt=rec.attempt,
+                log={"recovered": f"published its pending result ({why})"},
+            )
+            rep.add(
+                root,
+                tid,
+                f"published {new.status if new else '?'}",
+                f"the worker won the race, then was lost; its result was published ({why})",
+            )
         else:
             with queue.locked(root, tid):
                 cur = queue.read_record(root, tid)
-                if claim.tombstone("done").exists() and cur is not None \
-                        and cur.status == S.running and cur.worker == claim.worker:
+                if (
+                    claim.tombstone("done").exists()
+                    and cur is not None
+                    and cur.status == S.running
+                    and cur.worker == claim.worker
+                ):
                     queue.transition_locked(
-                        root, tid, cur, S.needs_human, expect={S.running}, event="recovered",
-                        outcome="lost", changes=dict(error=ErrorInfo(
-                            kind=ErrorKind.interrupted, message="the result was lost"),
+                        root,
+                        tid,
+                        cur,
+                        S.needs_human,
+                        expect={S.running},
+                        event="recovered",
+                        outcome="lost",
+                        changes=dict(
+                            error=ErrorInfo(kind=ErrorKind.interrupted, message="the result was lost"),
                             diagnosis=f"Worker {claim.worker} finished but its pending result "
-                                      f"is missing ({why}). `fila retry {tid}` or `fila reject`."))
+                            f"is missing ({why}). `fila retry {tid}` or `fila reject`.",
+                        ),
+                    )
                     rep.add(root, tid, "needs_human", "the worker's pending result is missing")
     else:
-        rep.add(root, tid, "tombstone removed", f"{claim.name}.done: the record was written "
-                f"({rec.status if rec else 'no record'}); the worker was lost before tidying up")
+        rep.add(
+            root,
+            tid,
+            "tombstone removed",
+            f"{claim.name}.done: the record was written "
+            f"({rec.status if rec else 'no record'}); the worker was lost before tidying up",
+        )
     queue.release(root, claim, "done")
 
 
@@ -357,45 +453,87 @@ def _settle_task(root: Root, tid: str, dk: _Docker, rep: Report) -> None:
         if cur.status == S.queued:
             if not has_file and not has_claim:
                 fsutil.create_exclusive(in_file, queue.task_json(cur.task))  # type: ignore[arg-type]
-                rep.add(root, tid, "file restored", "the record said queued but the task file "
-                        "was missing (a submit or retry was interrupted); written from the record")
+                rep.add(
+                    root,
+                    tid,
+                    "file restored",
+                    "the record said queued but the task file "
+                    "was missing (a submit or retry was interrupted); written from the record",
+                )
             return
         if cur.status == S.running and not has_claim:
             if has_file or not cur.container_started:
                 if not has_file:
                     fsutil.create_exclusive(in_file, queue.task_json(cur.task))  # type: ignore[arg-type]
                 queue.transition_locked(
-                    root, tid, cur, S.queued, expect={S.running}, event="recovered", outcome="lost",
-                    changes=dict(error=ErrorInfo(kind=ErrorKind.infra, message=(
-                        "a hand back was interrupted" if has_file else
-                        "the task was running without any claim")), not_before=None))
-                rep.add(root, tid, "requeued", "the record said running but no worker held it; "
-                        "its container had not started")
+                    root,
+                    tid,
+                    cur,
+                    S.queued,
+                    expect={S.running},
+                    event="recovered",
+                    outcome="lost",
+                    changes=dict(
+                        error=ErrorInfo(
+                            kind=ErrorKind.infra,
+                            message=(
+                                "a hand back was interrupted"
+                                if has_file
+                                else "the task was running without any claim"
+                            ),
+                        ),
+                        not_before=None,
+                    ),
+                )
+                rep.add(
+                    root,
+                    tid,
+                    "requeued",
+                    "the record said running but no worker held it; its container had not started",
+                )
                 return
             removed, seen, gone = dk.job_containers(root, tid)
             rep.containers_removed += removed
             if not gone:
-                rep.add(root, tid, "undecided", f"running with a started container and no claim: "
-                        f"{seen}; decided once Docker confirms its container is gone")
+                rep.add(
+                    root,
+                    tid,
+                    "undecided",
+                    f"running with a started container and no claim: "
+                    f"{seen}; decided once Docker confirms its container is gone",
+                )
                 return
             queue.transition_locked(
-                root, tid, cur, S.needs_human, expect={S.running}, event="recovered",
-                outcome="lost", changes=dict(
+                root,
+                tid,
+                cur,
+                S.needs_human,
+                expect={S.running},
+                event="recovered",
+                outcome="lost",
+                changes=dict(
                     error=ErrorInfo(kind=ErrorKind.interrupted, message="no claim was found"),
                     diagnosis=f"the record said running, its container had started, and no "
-                              f"worker held the task. `fila retry {tid}` or `fila reject {tid}`."))
+                    f"worker held the task. `fila retry {tid}` or `fila reject {tid}`.",
+                ),
+            )
             rep.add(root, tid, "needs_human", "running with a started container and no claim")
             return
         if has_file and cur.status != S.running:
-            kept = queue.reject_file(root, in_file, f"task {tid} is already {cur.status}: this "
-                                     "file is a second copy", name=f"{tid}.json")
-            rep.add(root, tid, "duplicate kept aside", f"a second file for a {cur.status} "
-                    f"task; kept as {kept}")
+            kept = queue.reject_file(
+                root,
+                in_file,
+                f"task {tid} is already {cur.status}: this file is a second copy",
+                name=f"{tid}.json",
+            )
+            rep.add(
+                root, tid, "duplicate kept aside", f"a second file for a {cur.status} task; kept as {kept}"
+            )
         elif has_file and has_claim:
-            kept = queue.reject_file(root, in_file, f"task {tid} is running: this file is a "
-                                     "second copy", name=f"{tid}.json")
-            rep.add(root, tid, "duplicate kept aside", f"a second file for a running task; "
-                    f"kept as {kept}")
+            kept = queue.reject_file(
+                root, in_file, f"task {tid} is running: this file is a second copy", name=f"{tid}.json"
+            )
+            rep.add(root, tid, "duplicate kept aside", f"a second file for a running task; kept as {kept}")
 
 
 def _last_status_event(root: Root, tid: str) -> tuple[bool, str | None]:
@@ -432,16 +570,28 @@ def _reconcile_events(root: Root, cur: Record, rep: Report) -> None:
     found, last_to = _last_status_event(root, cur.id)
     if found and last_to == str(cur.status):
         return
-    rep.add(root, cur.id, "event lost", f"the record says {cur.status} but the log's last status "
-            f"change ends at {last_to or 'nothing'}: a crash came between the record write and "
-            "its event", **{"from": last_to, "to": str(cur.status)})
+    rep.add(
+        root,
+        cur.id,
+        "event lost",
+        f"the record says {cur.status} but the log's last status "
+        f"change ends at {last_to or 'nothing'}: a crash came between the record write and "
+        "its event",
+        **{"from": last_to, "to": str(cur.status)},
+    )
 
 
 def _sweep_temp_files(root: Root, ttl: float, rep: Report) -> None:
     """Temp files of atomic writes whose writer died (a live writer renames within ms)."""
     now = time.time()
-    dirs = [root.in_dir, root.out_dir, root.run_dir, root.state_dir, root.rejected_dir,
-            lease.workers_dir(root)]
+    dirs = [
+        root.in_dir,
+        root.out_dir,
+        root.run_dir,
+        root.state_dir,
+        root.rejected_dir,
+        lease.workers_dir(root),
+    ]
     if root.meta_dir.is_dir():
         dirs += [p for p in root.meta_dir.iterdir() if p.is_dir()]
     for d in dirs:
@@ -461,8 +611,9 @@ def _sweep_temp_files(root: Root, ttl: float, rep: Report) -> None:
 def _task_of_temp(p: Path) -> str | None:
     """`.<id>.json.<random>.tmp` (fsutil's names) -> id, when it names a task file or record."""
     parts = p.name[1:].split(".json.")
-    return parts[0] if len(parts) == 2 and queue.valid_id(parts[0]) and p.parent.name in (
-        "in", "out") else None
+    return (
+        parts[0] if len(parts) == 2 and queue.valid_id(parts[0]) and p.parent.name in ("in", "out") else None
+    )
 
 
 def _sweep_containers(root: Root, dk: _Docker, rep: Report) -> None:
@@ -498,8 +649,13 @@ def _sweep_containers(root: Root, dk: _Docker, rep: Report) -> None:
             continue
         rep.containers_removed += removed
         if removed:
-            rep.add(root, tid, "container removed", f"{c.name} ({c.status}): no live worker "
-                    "holds its task", container=c.name)
+            rep.add(
+                root,
+                tid,
+                "container removed",
+                f"{c.name} ({c.status}): no live worker holds its task",
+                container=c.name,
+            )
 
 
 def _docker_errors() -> tuple[type[BaseException], ...]:

@@ -30,22 +30,88 @@ from .models import Policy, Record, Status, now_iso
 
 LOG_TAIL_BYTES = 32 << 10
 _CI_DIRS = {".github", ".gitlab", ".circleci", ".buildkite", ".woodpecker", ".ci", ".azure-pipelines"}
-_CI_FILES = {".gitlab-ci.yml", "Jenkinsfile", ".travis.yml", "azure-pipelines.yml", ".drone.yml",
-             "bitbucket-pipelines.yml", "appveyor.yml", "cloudbuild.yaml", ".pre-commit-config.yaml"}
-_LOCKS = {"package-lock.json", "npm-shrinkwrap.json", "yarn.lock", "pnpm-lock.yaml", "bun.lockb",
-          "poetry.lock", "Pipfile.lock", "uv.lock", "pdm.lock", "Cargo.lock", "Gemfile.lock",
-          "go.sum", "composer.lock", "mix.lock", "pubspec.lock", "packages.lock.json",
-          "flake.lock", "gradle.lockfile"}
-_BUILD = {"Makefile", "GNUmakefile", "makefile", "CMakeLists.txt", "setup.py", "setup.cfg",
-          "pyproject.toml", "package.json", "build.gradle", "build.gradle.kts", "settings.gradle",
-          "settings.gradle.kts", "pom.xml", "build.rs", "build.sh", "build.xml", "meson.build",
-          "BUILD", "BUILD.bazel", "WORKSPACE", "MODULE.bazel", "configure", "Rakefile",
-          "Justfile", "justfile", "Taskfile.yml", "tox.ini", "noxfile.py", "conftest.py",
-          "Dockerfile", "Containerfile", "docker-compose.yml", "compose.yaml", "go.mod",
-          "Gemfile", "requirements.txt", "Pipfile", "MANIFEST.in"}
+_CI_FILES = {
+    ".gitlab-ci.yml",
+    "Jenkinsfile",
+    ".travis.yml",
+    "azure-pipelines.yml",
+    ".drone.yml",
+    "bitbucket-pipelines.yml",
+    "appveyor.yml",
+    "cloudbuild.yaml",
+    ".pre-commit-config.yaml",
+}
+_LOCKS = {
+    "package-lock.json",
+    "npm-shrinkwrap.json",
+    "yarn.lock",
+    "pnpm-lock.yaml",
+    "bun.lockb",
+    "poetry.lock",
+    "Pipfile.lock",
+    "uv.lock",
+    "pdm.lock",
+    "Cargo.lock",
+    "Gemfile.lock",
+    "go.sum",
+    "composer.lock",
+    "mix.lock",
+    "pubspec.lock",
+    "packages.lock.json",
+    "flake.lock",
+    "gradle.lockfile",
+}
+_BUILD = {
+    "Makefile",
+    "GNUmakefile",
+    "makefile",
+    "CMakeLists.txt",
+    "setup.py",
+    "setup.cfg",
+    "pyproject.toml",
+    "package.json",
+    "build.gradle",
+    "build.gradle.kts",
+    "settings.gradle",
+    "settings.gradle.kts",
+    "pom.xml",
+    "build.rs",
+    "build.sh",
+    "build.xml",
+    "meson.build",
+    "BUILD",
+    "BUILD.bazel",
+    "WORKSPACE",
+    "MODULE.bazel",
+    "configure",
+    "Rakefile",
+    "Justfile",
+    "justfile",
+    "Taskfile.yml",
+    "tox.ini",
+    "noxfile.py",
+    "conftest.py",
+    "Dockerfile",
+    "Containerfile",
+    "docker-compose.yml",
+    "compose.yaml",
+    "go.mod",
+    "Gemfile",
+    "requirements.txt",
+    "Pipfile",
+    "MANIFEST.in",
+}
 _BUILD_GLOBS = ("*.mk", "*.gradle", "*.cmake", "Dockerfile.*", "*.dockerfile", "requirements*.txt")
-_ANSI = {"file": "\033[1m", "meta": "\033[1m", "hunk": "\033[36m", "add": "\033[32m",
-         "del": "\033[31m", "binary": "\033[35m", "nonl": "\033[2m", "warn": "\033[33m"}
+_ANSI = {
+    "file": "\033[1m",
+    "meta": "\033[1m",
+    "hunk": "\033[36m",
+    "add": "\033[32m",
+    "del": "\033[31m",
+    "binary": "\033[35m",
+    "nonl": "\033[2m",
+    "warn": "\033[33m",
+}
 _RESET = "\033[0m"
 
 
@@ -141,8 +207,7 @@ def _warnings(root: Root, rv: Review) -> list[str]:
         if f.new_mode == "120000":
             target = f.link_target
             shown = f" -> {inert(target)}" if target is not None else ""
-            escapes = (patch.link_escapes(f.path, target, reserved=reserved)
-                       if target is not None else None)
+            escapes = patch.link_escapes(f.path, target, reserved=reserved) if target is not None else None
             out.append(f"{'adds' if f.kind == 'new' else 'changes'} a symlink: {name}{shown}"
                        + (f" ({escapes}; apply will refuse it)" if escapes else ""))  # fmt: skip
         if f.binary:
@@ -278,12 +343,14 @@ def render_html(rv: Review, log_tail: bytes) -> str:
     rec = rv.record
     title = f"fila review: task {rec.id}"
     parts = [
-        "<!doctype html>", '<html lang="en"><head><meta charset="utf-8">',
+        "<!doctype html>",
+        '<html lang="en"><head><meta charset="utf-8">',
         # No external asset can load, and no script runs: the page holds engine-written text.
-        "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; "
+        '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; '
         "style-src 'unsafe-inline'\">",
         f"<title>{_h(title)}</title><style>{_CSS}</style></head><body>",
-        f"<h1>{_h(title)}</h1>", '<table class="meta">',
+        f"<h1>{_h(title)}</h1>",
+        '<table class="meta">',
     ]
     for line in summary_lines(rv):
         key, _, value = line.partition(" ")
@@ -319,7 +386,7 @@ def _html_diff(rv: Review) -> list[str]:
                 out.append("</table></details>")
             f = next(names, None)
             label = f"{escape_name(f.path)} ({_file_kind(f)})" if f else inert(raw)
-            out.append(f"<details open><summary>{_h(label)}</summary><table class=\"diff\">")
+            out.append(f'<details open><summary>{_h(label)}</summary><table class="diff">')
             continue
         if kind == "hunk":
             nums = raw.split(b" ")

@@ -80,7 +80,8 @@ def docker_client(timeout: float = 60) -> docker.DockerClient:
         denied = "Permission denied" in str(e)
         raise DockerUnavailable(
             f"the Docker daemon does not answer: {e}",
-            hint="add your user to the docker group (or use rootless Docker)" if denied
+            hint="add your user to the docker group (or use rootless Docker)"
+            if denied
             else "start Docker (e.g. `systemctl start docker`) or set DOCKER_HOST",
         ) from e
 
@@ -173,9 +174,7 @@ def create_kwargs(spec: RunSpec, name: str) -> dict[str, Any]:
         ipc_mode="private",
         oom_score_adj=500,  # under host-wide memory pressure the engine dies before the host's
         stop_signal="SIGTERM",
-        log_config=LogConfig(
-            type=LogConfig.types.JSON, config={"max-size": daemon_log, "max-file": "3"}
-        ),
+        log_config=LogConfig(type=LogConfig.types.JSON, config={"max-size": daemon_log, "max-file": "3"}),
         stdin_open=False,
         tty=False,
     )
@@ -471,9 +470,7 @@ def find_containers(
 ) -> list[Container]:
     """fila's containers in any state, by label (of one job, one queue root, or all)."""
     try:
-        return client.containers.list(
-            all=True, filters=_label_filters(job_id, root), ignore_removed=True
-        )
+        return client.containers.list(all=True, filters=_label_filters(job_id, root), ignore_removed=True)
     except _DOCKER_ERRORS as e:
         raise InfraError(f"Docker failed while listing fila's containers: {e}") from e
 

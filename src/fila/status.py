@@ -41,44 +41,57 @@ def gather(root: Root, *, ttl: float | None = None) -> dict[str, Any]:
         started = rec.attempts[-1].started_at if rec and rec.attempts else None
         why = lease.stale_reason(root, path, claim.worker, ttl=ttl)
         beat = lease.heartbeat_age(path, now)
-        job = {"id": claim.task_id, "worker": claim.worker,
-               "worker_alive": lease.worker_liveness(root, claim.worker),
-               "attempt": rec.attempt if rec else None,
-               "container_started": bool(rec and rec.container_started),
-               "age_s": _age(started, now), "heartbeat_age_s": round(beat, 1) if beat else beat,
-               "stale": why}
+        job = {
+            "id": claim.task_id,
+            "worker": claim.worker,
+            "worker_alive": lease.worker_liveness(root, claim.worker),
+            "attempt": rec.attempt if rec else None,
+            "container_started": bool(rec and rec.container_started),
+            "age_s": _age(started, now),
+            "heartbeat_age_s": round(beat, 1) if beat else beat,
+            "stale": why,
+        }
         running.append(job)
         if why:
             stale.append(job)
     br = breaker.read(root)
-    return {"root": str(root.path), "counts": counts, "dropped_files": dropped,
-            "running": running, "stale_claims": stale, "tombstones": tombstones,
-            "workers": lease.live_workers(root), "lease_ttl_s": ttl,
-            "breaker": br.model_dump()}
+    return {
+        "root": str(root.path),
+        "counts": counts,
+        "dropped_files": dropped,
+        "running": running,
+        "stale_claims": stale,
+        "tombstones": tombstones,
+        "workers": lease.live_workers(root),
+        "lease_ttl_s": ttl,
+        "breaker": br.model_dump(),
+    }
 
 
 def render(d: dict[str, Any]) -> str:
     c = d["counts"]
-    lines = [f"queue {d['root']}",
-             "  " + "  ".join(f"{k} {v}" for k, v in c.items())]
+    lines = [f"queue {d['root']}", "  " + "  ".join(f"{k} {v}" for k, v in c.items())]
     br = d["breaker"]
     if br["open"]:
-        lines.append(f"breaker:  OPEN since {br['tripped_at']} ({br['reason']}); "
-                     "`fila rearm` lets workers claim again")
+        lines.append(
+            f"breaker:  OPEN since {br['tripped_at']} ({br['reason']}); `fila rearm` lets workers claim again"
+        )
     else:
-        lines.append(f"breaker:  closed ({br['consecutive']} of {br['threshold']} consecutive "
-                     "failures)")
-    lines.append(f"workers:  {len(d['workers'])} alive" +
-                 (f" ({', '.join(d['workers'])})" if d["workers"] else ""))
+        lines.append(f"breaker:  closed ({br['consecutive']} of {br['threshold']} consecutive failures)")
+    lines.append(
+        f"workers:  {len(d['workers'])} alive" + (f" ({', '.join(d['workers'])})" if d["workers"] else "")
+    )
     if d["running"]:
         lines.append("running:")
         for j in d["running"]:
             age = f"{j['age_s']:.0f}s" if j["age_s"] is not None else "?"
             beat = f"{j['heartbeat_age_s']:.0f}s ago" if j["heartbeat_age_s"] is not None else "?"
             state = "container running" if j["container_started"] else "preparing"
-            lines.append(f"  {j['id']}  {state}  age {age}  heartbeat {beat}  "
-                         f"worker {j['worker']} ({j['worker_alive']})"
-                         + (f"  STALE: {j['stale']}" if j["stale"] else ""))
+            lines.append(
+                f"  {j['id']}  {state}  age {age}  heartbeat {beat}  "
+                f"worker {j['worker']} ({j['worker_alive']})"
+                + (f"  STALE: {j['stale']}" if j["stale"] else "")
+            )
     if d["stale_claims"]:
         lines.append(f"stale claims: {len(d['stale_claims'])}; `fila recover` settles them")
     if d["tombstones"]:

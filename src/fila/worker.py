@@ -60,8 +60,7 @@ class _Job(cycle.Hooks):
         self.error: BaseException | None = None
         self.done = threading.Event()
         self.started = time.monotonic()
-        self.thread = threading.Thread(target=self._run, name=f"fila-job-{claim.task_id}",
-                                       daemon=True)
+        self.thread = threading.Thread(target=self._run, name=f"fila-job-{claim.task_id}", daemon=True)
 
     def check(self) -> None:
         if self.lost.is_set():
@@ -72,8 +71,7 @@ class _Job(cycle.Hooks):
     def before_start(self) -> None:
         self.check()
         if self.worker.draining:
-            raise cycle.Interrupted("the worker is stopping; handed back before its container "
-                                    "started")
+            raise cycle.Interrupted("the worker is stopping; handed back before its container started")
 
     def _run(self) -> None:
         w = self.worker
@@ -86,8 +84,7 @@ class _Job(cycle.Hooks):
                 queue.hand_back(w.root, self.claim, log={"reason": e.message})  # never begun
                 self.error = e
                 return
-            self.result = cycle.run_one(w.root, self.claim, client=client, progress=w.progress,
-                                        hooks=self)
+            self.result = cycle.run_one(w.root, self.claim, client=client, progress=w.progress, hooks=self)
             healthy = True
         except BaseException as e:  # reported by the main loop; a thread cannot raise to it
             self.error = e
@@ -145,11 +142,18 @@ class _Watcher(threading.Thread):
 
 class Worker:
     def __init__(
-        self, root: Root, *, once: bool = False, concurrency: int = 1,
-        worker_id: str | None = None, client_factory: Callable[[], Any] | None = None,
+        self,
+        root: Root,
+        *,
+        once: bool = False,
+        concurrency: int = 1,
+        worker_id: str | None = None,
+        client_factory: Callable[[], Any] | None = None,
         on_record: Callable[[Record], None] = lambda _r: None,
-        progress: Callable[[str], None] = lambda _m: None, poll_s: float = 1.0,
-        grace_s: float = DEFAULT_GRACE_S, recover_every_s: float = RECOVER_EVERY_S,
+        progress: Callable[[str], None] = lambda _m: None,
+        poll_s: float = 1.0,
+        grace_s: float = DEFAULT_GRACE_S,
+        recover_every_s: float = RECOVER_EVERY_S,
     ) -> None:
         from .sandbox import docker_client
 
@@ -206,17 +210,22 @@ class Worker:
         lock = lease.WorkerLock(self.root, self.id).acquire()
         handlers: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
-            handlers = {signal.SIGTERM: signal.signal(signal.SIGTERM, self._on_sigterm),
-                        signal.SIGINT: signal.signal(signal.SIGINT, self._on_sigint)}
+            handlers = {
+                signal.SIGTERM: signal.signal(signal.SIGTERM, self._on_sigterm),
+                signal.SIGINT: signal.signal(signal.SIGINT, self._on_sigint),
+            }
         watcher = _Watcher([self.root.in_dir, self.root.state_dir], self.wake)
         watcher.start()
-        helpers = [threading.Thread(target=self._heartbeats, name="fila-heartbeat", daemon=True),
-                   threading.Thread(target=self._recovery, name="fila-recovery", daemon=True)]
+        helpers = [
+            threading.Thread(target=self._heartbeats, name="fila-heartbeat", daemon=True),
+            threading.Thread(target=self._recovery, name="fila-recovery", daemon=True),
+        ]
         self.recovering.set()
         for t in helpers:
             t.start()
-        self.progress(f"fila worker {self.id}: watching {self.root.in_dir}"
-                      + ("" if watcher.ino else " (polling)"))
+        self.progress(
+            f"fila worker {self.id}: watching {self.root.in_dir}" + ("" if watcher.ino else " (polling)")
+        )
         try:
             self._loop()
         except BaseException:
@@ -247,10 +256,15 @@ class Worker:
     def _loop(self) -> None:
         while True:
             self._collect()
-            if self.draining and not self.cancelling and self.drain_deadline \
-                    and time.monotonic() > self.drain_deadline:
-                self.request_stop(cancel=True, reason=f"the worker's {self.grace_s:g} s grace "
-                                                      "after SIGTERM ran out")
+            if (
+                self.draining
+                and not self.cancelling
+                and self.drain_deadline
+                and time.monotonic() > self.drain_deadline
+            ):
+                self.request_stop(
+                    cancel=True, reason=f"the worker's {self.grace_s:g} s grace after SIGTERM ran out"
+                )
             if self.cancelling:
                 for job in self.active.values():
                     job.cancel.set()
@@ -262,8 +276,10 @@ class Worker:
             if breaker.read(self.root).open:
                 if not self.breaker_tripped:
                     self.breaker_tripped = True
-                    self.progress(f"fila worker: circuit breaker open: "
-                                  f"{breaker.read(self.root).reason}; run `fila rearm`")
+                    self.progress(
+                        f"fila worker: circuit breaker open: "
+                        f"{breaker.read(self.root).reason}; run `fila rearm`"
+                    )
                 if self.once:
                     self.stop_claiming = True
                     continue
@@ -319,8 +335,9 @@ class Worker:
             st = breaker.record(self.root, rec, worker=self.id)
             if st.open and not self.breaker_tripped:
                 self.breaker_tripped = True
-                self.progress(f"fila worker: circuit breaker tripped: {st.reason}; no more "
-                              "claims until `fila rearm`")
+                self.progress(
+                    f"fila worker: circuit breaker tripped: {st.reason}; no more claims until `fila rearm`"
+                )
 
     def _job_failed(self, job: _Job) -> None:
         e = job.error
@@ -433,8 +450,7 @@ class Worker:
             return EXIT_SOME_FAILED
         if not self.once:
             return EXIT_OK
-        if any(r.status in (Status.failed, Status.needs_human) and not _invalid(r)
-               for r in self.records):
+        if any(r.status in (Status.failed, Status.needs_human) and not _invalid(r) for r in self.records):
             return EXIT_SOME_FAILED
         if any(_invalid(r) for r in self.records):
             return EXIT_INVALID
@@ -450,10 +466,10 @@ class Worker:
             raise self.infra_error
         if self.once and self.breaker_tripped:
             st = breaker.read(self.root)
-            raise BreakerTripped(f"circuit breaker open: {st.reason}",
-                                 hint="look at the failed tasks, then `fila rearm`")
+            raise BreakerTripped(
+                f"circuit breaker open: {st.reason}", hint="look at the failed tasks, then `fila rearm`"
+            )
 
 
 def _invalid(rec: Record) -> bool:
-    return rec.status == Status.failed and rec.error is not None \
-        and rec.error.kind == ErrorKind.invalid
+    return rec.status == Status.failed and rec.error is not None and rec.error.kind == ErrorKind.invalid

@@ -25,9 +25,7 @@ QUOTA_RE = re.compile(
     r"|credit balance is too low|insufficient credits",
     re.IGNORECASE,
 )
-AUTH_RE = re.compile(
-    r"\b401\b|authentication|invalid api key|please run /login", re.IGNORECASE
-)
+AUTH_RE = re.compile(r"\b401\b|authentication|invalid api key|please run /login", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -64,9 +62,7 @@ class Engine(ABC):
         except ValidationError as e:
             err = e.errors()[0]
             field_name = ".".join(str(p) for p in err["loc"])
-            raise InvalidTaskFile(
-                f"{err['msg']} (engine {self.name})", field=field_name
-            ) from None
+            raise InvalidTaskFile(f"{err['msg']} (engine {self.name})", field=field_name) from None
 
     def image_tag(self) -> str:
         """The engine's image, built by `fila images build NAME` from images/NAME/Dockerfile."""
