@@ -125,46 +125,51 @@ def image_allowed(policy: Policy, image: str) -> bool:
     return any(fnmatch.fnmatchcase(image, pat) for pat in policy.images)
 
 
+_ANY_DEPTH = "^(?:.+/)?"  # how pathspec starts the regex of a rule without an inner '/'
+
+
 @functools.lru_cache(maxsize=32)
-def _deny_regexes(deny: tuple[str, ...]) -> tuple[re.Pattern[str] | None, ...]:
-    """One regex per kind of rule (directory, name, path): the union of its rules' patterns."""
+def _deny_spec(deny: tuple[str, ...]) -> tuple[Any, re.Pattern[str] | None]:
+    """The rules compiled once per rule set: pathspec's gitignore matcher, and one regex, the
+    union of the rules that deny, which answers "no rule matches" (nearly every path) in one match.
+    pathspec anchors and ends its regexes so that a rule matching a directory also matches every
+    path below it: the union therefore also catches a path whose ancestor is denied."""
+    import pathspec  # lazy: start-up time of the commands that never copy or diff
 
-    def union(pats: list[str]) -> re.Pattern[str] | None:
-        return re.compile("|".join(fnmatch.translate(p) for p in pats)) if pats else None
-
-    return (
-        union([r[:-1] for r in deny if r.endswith("/")]),
-        union([r for r in deny if not r.endswith("/") and "/" not in r]),
-        union([r.lstrip("/") for r in deny if not r.endswith("/") and "/" in r]),
-    )
+    try:
+        spec = pathspec.GitIgnoreSpec.from_lines(deny)
+    except (ValueError, TypeError) as e:
+        raise InvalidPolicy(
+            f"policy field 'deny': not a gitignore pattern: {e}",
+            hint="deny rules use .gitignore syntax (see `git help gitignore`)",
+        ) from None
+    # The group that marks a directory match is named in every rule's regex; the union needs none.
+    rx = [p.regex.pattern.replace("(?P<ps_d>", "(?:") for p in spec.patterns if p.include]
+    # Rules that match at any depth share one prefix: factored out, the regex tries each directory
+    # boundary once instead of once per rule (3x faster on 10,000 paths).
+    floating = [r[len(_ANY_DEPTH) :] for r in rx if r.startswith(_ANY_DEPTH)]
+    alts = [f"(?:{r})" for r in rx if not r.startswith(_ANY_DEPTH)]
+    if floating:
+        alts.append(_ANY_DEPTH + "(?:" + "|".join(f"(?:{r})" for r in floating) + ")")
+    return spec, (re.compile("|".join(alts)) if alts else None)
 
 
 def denied_by(rel: str, is_dir: bool, deny: list[str]) -> str | None:
-    """The deny rule matching a project path, or None. Rules are gitignore-like: 'x/' matches a
-    directory at any depth, a rule without '/' matches a name at any depth, a rule with '/'
-    matches the path from the project root."""
-    parts = rel.split("/")
-    # Runs for every path of every tree fila copies or diffs: one regex per kind of rule says
-    # whether any rule matches (usually none); only then are the rules tried in order.
-    dir_rx, name_rx, path_rx = _deny_regexes(tuple(deny))
-    if not (
-        (dir_rx is not None and any(dir_rx.match(p) for p in (parts if is_dir else parts[:-1])))
-        or (name_rx is not None and any(name_rx.match(p) for p in parts))
-        or (path_rx is not None and any(path_rx.match("/".join(parts[:i])) for i in range(1, len(parts) + 1)))
-    ):
+    """The deny rule that excludes a project path, or None. Rules have .gitignore semantics
+    (pathspec): 'x/' matches a directory at any depth, a rule without an inner '/' matches a name
+    at any depth, '/x' and 'a/x' match from the project root, '**' spans directories, the last
+    matching rule wins and '!rule' re-allows, except below an excluded directory (git never
+    looks inside one): so every ancestor directory is judged before the path itself."""
+    spec, union = _deny_spec(tuple(deny))
+    full = rel + "/" if is_dir else rel
+    # Runs for every path of every tree fila copies or diffs: usually no rule matches at all.
+    if union is None or union.match(full) is None:
         return None
-    for rule in deny:
-        if rule.endswith("/"):
-            name = rule[:-1]
-            dirs = parts if is_dir else parts[:-1]
-            if any(fnmatch.fnmatchcase(p, name) for p in dirs):
-                return rule
-        elif "/" in rule:
-            pat = rule.lstrip("/")
-            if fnmatch.fnmatchcase(rel, pat) or any(
-                fnmatch.fnmatchcase("/".join(parts[:i]), pat) for i in range(1, len(parts))
-            ):
-                return rule
-        elif any(fnmatch.fnmatchcase(p, rule) for p in parts):
-            return rule
+    parts = rel.split("/")
+    for i in range(1, len(parts) + 1):
+        path = full if i == len(parts) else "/".join(parts[:i]) + "/"
+        if union.match(path) is not None:
+            res = spec.check_file(path)
+            if res.include:
+                return deny[res.index]
     return None
