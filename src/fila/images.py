@@ -3,7 +3,9 @@
 Each `images/<engine>/Dockerfile` starts `ARG BASE=<public image>` / `FROM ${BASE}`. The base is
 chosen automatically: `--base` when given; else the public BASE when it is present locally or can
 be pulled; else (no registry) a local base built from what the host can reach. For the shell
-engine that is a `FROM scratch` image around Debian's static busybox, fetched with apt.
+engine that is a `FROM scratch` image around Debian's static busybox, fetched with apt. A
+Dockerfile whose BASE names a local base (`fila/base-debian:local`: Debian minbase made with
+debootstrap and `docker import`) gets that base built on first use and reused after.
 
 An image is labelled with a hash of its build context, so a changed Dockerfile triggers a rebuild
 and an unchanged one is reused.
@@ -13,6 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
+import os
 import re
 import shutil
 import subprocess
@@ -38,6 +42,33 @@ OFFLINE_BUSYBOX_TAG = "fila/base-busybox:local"
 CA_DIR = "extra-ca"
 CA_NAME = "fila-extra-ca.crt"
 BUILD_READ_TIMEOUT_S = 900  # between two progress lines; a hung build must not hang fila forever
+
+DEBIAN_TAG = "fila/base-debian:local"
+LABEL_DEFINITION = "fila.definition-sha256"
+DEBOOTSTRAP_TIMEOUT_S = 1800
+# What defines the Debian base; its hash labels the image, so a change here rebuilds it.
+DEBIAN = {
+    "suite": "bookworm",
+    "variant": "minbase",
+    "mirror": "http://deb.debian.org/debian",
+    # Extra packages for debootstrap's --include; images built FROM the base apt-get their own.
+    "packages": [],
+    # Plain http: apt checks signatures itself, and no TLS-intercepting proxy needs trusting.
+    "sources": "deb http://deb.debian.org/debian bookworm main\n"
+    "deb http://deb.debian.org/debian bookworm-updates main\n"
+    "deb http://deb.debian.org/debian-security bookworm-security main\n",
+    # Small images: no recommends, no docs or man pages; retry a flaky mirror.
+    "apt_conf": 'APT::Install-Recommends "false";\nAPT::Install-Suggests "false";\nAcquire::Retries "3";\n',
+    "dpkg_cfg": "path-exclude=/usr/share/doc/*\npath-include=/usr/share/doc/*/copyright\n"
+    "path-exclude=/usr/share/man/*\npath-exclude=/usr/share/info/*\n"
+    "path-exclude=/usr/share/locale/*\npath-include=/usr/share/locale/locale.alias\n",
+    "changes": [
+        "ENV PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "ENV LANG=C.UTF-8",
+        'CMD ["bash"]',
+    ],
+    "format": 1,
+}
 
 # Built around the busybox binary from Debian's busybox-static package. busybox creates its own
 # applet links, so the image needs nothing from a registry.
@@ -231,12 +262,155 @@ def offline_busybox_base(client: docker.DockerClient, *, progress: Progress = pr
         )
 
 
+def _definition_hash() -> str:
+    return hashlib.sha256(json.dumps(DEBIAN, sort_keys=True).encode()).hexdigest()
+
+
+def _mounts_under(path: Path) -> list[str]:
+    prefix = str(path.resolve()) + "/"
+    with open("/proc/self/mounts") as f:
+        points = [line.split()[1].replace("\\040", " ") for line in f]
+    return sorted((p for p in points if p.startswith(prefix)), reverse=True)
+
+
+def _unmount_all(root: Path) -> None:
+    """debootstrap mounts /proc and /sys in the target and may leave them on failure: removing
+    the tree with a mount still inside it would reach into the host's."""
+    for point in _mounts_under(root):
+        subprocess.run(["umount", "-l", point], capture_output=True, timeout=60)
+    left = _mounts_under(root)
+    if left:
+        raise InfraError(
+            f"cannot unmount {', '.join(left)} left by debootstrap",
+            hint="unmount them by hand (umount -l PATH), then delete the directory",
+            path=root,
+        )
+
+
+def _debootstrap(root: Path, progress: Progress) -> None:
+    if shutil.which("debootstrap") is None:
+        raise ImageMissing(
+            f"building {DEBIAN_TAG} needs Debian's debootstrap, which is not installed",
+            hint="run scripts/docker-up (it installs it), or `apt-get install debootstrap`",
+        )
+    if os.geteuid() != 0:
+        raise ImageMissing(
+            f"building {DEBIAN_TAG} runs debootstrap, which needs root",
+            hint="build it once as root (`sudo fila images build testnet`); later builds reuse it",
+        )
+    cmd = ["debootstrap", f"--variant={DEBIAN['variant']}"]
+    if DEBIAN["packages"]:
+        cmd.append("--include=" + ",".join(DEBIAN["packages"]))
+    cmd += [str(DEBIAN["suite"]), str(root), str(DEBIAN["mirror"])]
+    tail: list[str] = []
+    try:
+        with subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+        ) as proc:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                tail = [*tail[-20:], line.rstrip()]
+                if line.startswith(("I: Retrieving", "I: Installing", "I: Base system", "E:", "W:")):
+                    progress(f"debootstrap: {line.rstrip()}")
+            rc = proc.wait(timeout=DEBOOTSTRAP_TIMEOUT_S)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise ImageMissing(f"debootstrap failed to run: {e}", path=root) from e
+    if rc != 0:
+        log = root / "debootstrap" / "debootstrap.log"
+        raise ImageMissing(
+            f"debootstrap of {DEBIAN['suite']} from {DEBIAN['mirror']} failed (exit {rc}): "
+            + " | ".join(tail[-5:]),
+            hint="check that the host reaches the Debian mirror (apt-get update); "
+            f"the full log is {log} while the build runs",
+        )
+
+
+def _finish_rootfs(root: Path, ca: bytes | None) -> None:
+    (root / "etc/apt/sources.list").write_text(str(DEBIAN["sources"]))
+    (root / "etc/apt/apt.conf.d/90fila").write_text(str(DEBIAN["apt_conf"]))
+    (root / "etc/dpkg/dpkg.cfg.d/90fila-nodoc").write_text(str(DEBIAN["dpkg_cfg"]))
+    if ca is not None:
+        # Where update-ca-certificates looks once an image installs ca-certificates; same name
+        # and place as an engine image's extra-ca/ copy.
+        dest = root / "usr/local/share/ca-certificates"
+        dest.mkdir(parents=True, exist_ok=True)
+        (dest / CA_NAME).write_bytes(ca)
+    for junk in ("var/lib/apt/lists", "var/cache/apt/archives", "var/log"):
+        for f in (root / junk).rglob("*"):
+            if f.is_file() or f.is_symlink():
+                f.unlink()
+    for f in (root / "var/cache/apt").glob("*.bin"):
+        f.unlink()
+
+
+def debian_base(
+    client: docker.DockerClient, *, ca_file: Path | None = None, progress: Progress = print
+) -> ImageRef:
+    """`fila/base-debian:local`: Debian minbase from debootstrap, imported without a registry.
+
+    Reused while its definition (`DEBIAN`) is unchanged and, when a CA file is given, it holds
+    that CA; built otherwise (about a minute or two, once)."""
+    definition = _definition_hash()
+    ca = _read_ca(ca_file) if ca_file is not None else None
+    ca_hash = hashlib.sha256(ca).hexdigest() if ca is not None else None
+    img = _get(client, DEBIAN_TAG)
+    if img is not None:
+        labels = img.labels or {}
+        if labels.get(LABEL_DEFINITION) == definition and ca_hash in (None, labels.get(LABEL_CA)):
+            progress(f"local base {DEBIAN_TAG}: reusing {img.id[:19]}")
+            return ImageRef(tag=DEBIAN_TAG, id=img.id)
+    progress(f"local base {DEBIAN_TAG}: building with debootstrap from {DEBIAN['mirror']} (once)")
+    with tempfile.TemporaryDirectory(prefix="fila-debian-", dir="/var/tmp") as tmp:
+        work = Path(tmp)
+        root = work / "root"
+        try:
+            _debootstrap(root, progress)
+            _finish_rootfs(root, ca)
+        finally:
+            if root.exists():
+                _unmount_all(root)
+        archive = work / "rootfs.tar"
+        try:
+            subprocess.run(
+                ["tar", "--numeric-owner", "--xattrs", "-C", str(root), "-cf", str(archive), "."],
+                check=True,
+                capture_output=True,
+                timeout=600,
+            )
+        except (OSError, subprocess.SubprocessError) as e:
+            raise ImageMissing(f"cannot pack the Debian root filesystem: {e}", path=root) from e
+        changes = [
+            *DEBIAN["changes"],
+            "LABEL fila=1",
+            f"LABEL {LABEL_DEFINITION}={definition}",
+            f"LABEL {LABEL_CA}={ca_hash or ''}",
+        ]
+        repo, _, tag = DEBIAN_TAG.partition(":")
+        progress(f"local base {DEBIAN_TAG}: docker import")
+        try:
+            client.api.import_image(src=str(archive), repository=repo, tag=tag, changes=changes)
+        except (DockerException, requests.RequestException) as e:
+            raise _infra(f"importing {DEBIAN_TAG}", e) from e
+    ref = find_image(client, DEBIAN_TAG)
+    if ref is None:
+        raise ImageMissing(f"docker import of {DEBIAN_TAG} reported success but the image is missing")
+    if img is not None and img.id != ref.id:
+        _remove_if_untagged(client, img.id)
+    return ref
+
+
 # Engines whose Dockerfile also builds on a local base when the public one is out of reach.
 OFFLINE_BASES: dict[str, Callable[..., ImageRef]] = {"shell": offline_busybox_base}
+# Bases that only exist locally: a Dockerfile naming one in `ARG BASE=` gets it built here.
+LOCAL_BASES: dict[str, Callable[..., ImageRef]] = {DEBIAN_TAG: debian_base}
 
 
-def _choose_base(client: docker.DockerClient, engine: str, progress: Progress) -> str | None:
+def _choose_base(
+    client: docker.DockerClient, engine: str, progress: Progress, ca_file: Path | None = None
+) -> str | None:
     public = _default_base(engine_dir(engine) / "Dockerfile")
+    if public in LOCAL_BASES:
+        return LOCAL_BASES[public](client, ca_file=ca_file, progress=progress).tag
     if public is None or _public_base_usable(client, public, progress):
         return public
     offline = OFFLINE_BASES.get(engine)
@@ -285,7 +459,7 @@ def build(
     if not force and old is not None and _up_to_date(old, ctx_hash, base, ca_hash):
         progress(f"{tag}: up to date ({old.id[:19]})")
         return ImageRef(tag=tag, id=old.id)
-    chosen = base or _choose_base(client, engine, progress)
+    chosen = base or _choose_base(client, engine, progress, ca_file)
     progress(f"{tag}: building from {src}" + (f" on {chosen}" if chosen else ""))
     with tempfile.TemporaryDirectory(prefix=f"fila-build-{engine}-") as tmp:
         ctx = Path(tmp) / "ctx"
