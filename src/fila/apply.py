@@ -71,7 +71,7 @@ class Applied:
 
 
 def apply(root: Root, task_id: str, *, by: str | None = None, reason: str | None = None,
-          three_way: bool = False) -> Applied:  # fmt: skip
+          three_way: bool = False, allow_git_metadata: bool = False) -> Applied:  # fmt: skip
     """Apply a task's DIFF.patch to its project and record the decision (see the module doc)."""
     who, why = decision.decider(by), decision.check_reason(reason)
     queue.get_record(root.require(), task_id)  # NotFound before any lock file is made
@@ -97,6 +97,7 @@ def apply(root: Root, task_id: str, *, by: str | None = None, reason: str | None
             with SafeDir(project) as proj:
                 plan = _Plan(root, rec, pt, manifest, proj, staging, policy, data)
                 plan.check_paths()
+                plan.check_git_metadata(allow_git_metadata)
                 plan.check_base(three_way)
                 plan.stage()
                 plan.verify_against_work()
@@ -198,6 +199,19 @@ class _Plan:
                 self.tid,
                 bad,
                 hint="nothing was written; reject the task (fila reject ID --reason ...)",
+            )
+
+    def check_git_metadata(self, allowed: bool) -> None:
+        """A directory the patch makes look like a git repository is refused unless the person
+        says so: git run there later would obey its config (see patch.git_repositories)."""
+        repos = patch.git_repositories(self.pt, lambda rel: self.proj.lstat(rel) is not None)
+        if repos and not allowed:
+            raise refuse(
+                "the patch makes directories that look like git repositories (HEAD, objects/, refs/)",
+                self.tid,
+                [f"{d}/" for d in repos],
+                hint=f"nothing was written; if you meant to add them, apply with "
+                f"{patch.ALLOW_GIT_METADATA}; otherwise reject the task",
             )
 
     def _project_parent(self, p: str) -> str | None:

@@ -569,6 +569,14 @@ def apply_cmd(
     ] = False,
     by: ByOpt = None,
     reason: Annotated[str | None, typer.Option(help="recorded with the decision")] = None,
+    allow_git_metadata: Annotated[
+        bool,
+        typer.Option(
+            "--allow-git-metadata",
+            help="write directories that look like git repositories (HEAD, objects/, refs/); "
+            "refused without it",
+        ),
+    ] = False,
     json_: JsonOpt = False,
 ) -> None:
     """Apply the task's DIFF.patch to the project and record the decision (status applied).
@@ -594,7 +602,7 @@ def apply_cmd(
         if not typer.confirm(f"apply task {task_id} to the project?", default=False, err=True):
             _err("fila: nothing applied")
             raise typer.Exit(1)
-    res = apply(r, task_id, by=by, reason=reason, three_way=three_way)
+    res = apply(r, task_id, by=by, reason=reason, three_way=three_way, allow_git_metadata=allow_git_metadata)
     d = res.record.decision
     if json_:
         _out(

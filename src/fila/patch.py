@@ -16,6 +16,7 @@ import os
 import posixpath
 import re
 import unicodedata
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .errors import ApplyRefused, FilaError, NotFound
@@ -346,6 +347,45 @@ def link_escapes(path: str, target: bytes, *, reserved: list[str] | tuple[str, .
         if where == rb or where.startswith(rb + b"/"):
             return f"a symlink into fila's own {r}/"
     return None
+
+
+# The flag that lets `fila apply` write a directory that looks like a git repository.
+ALLOW_GIT_METADATA = "--allow-git-metadata"
+_GIT_MARKERS = ("head", "objects", "refs")
+
+
+def git_repositories(pt: Patch, exists: Callable[[str], bool] | None = None) -> list[str]:
+    """Directories the patch leaves looking like a bare git repository (HEAD, objects/ and refs/
+    side by side, whatever the directory's name; '.' is the project root), sorted.
+
+    git opens such a directory as a repository wherever a later `git` command runs in it or below,
+    and runs what its config names (core.fsmonitor, hooks): engine-written code on the host.
+    `.git` itself never gets here (unsafe_path refuses it outright). `exists(rel)` says whether the
+    project already has a path, since the patch may add only the missing parts; names are
+    compared case-insensitively, as a case-insensitive filesystem would open them.
+    """
+    present: dict[str, bool] = {}
+    for f in pt.files:  # the last section of a path wins (a type change is two sections)
+        present[f.path] = f.new_mode is not None
+    found: dict[str, set[str]] = {}
+    for path, there in present.items():
+        if not there:
+            continue
+        parts = path.split("/")
+        for i, name in enumerate(parts):
+            marker = name.casefold()
+            # HEAD is the file itself; objects/ and refs/ show as a file somewhere below them.
+            if (marker == "head" and i == len(parts) - 1) or (
+                marker in ("objects", "refs") and i < len(parts) - 1
+            ):
+                found.setdefault("/".join(parts[:i]) or ".", set()).add(marker)
+    out = []
+    for d, markers in found.items():
+        missing = [m for m in _GIT_MARKERS if m not in markers]
+        base = "" if d == "." else d + "/"
+        if all(exists is not None and any(exists(base + n) for n in (m, m.upper())) for m in missing):
+            out.append(d)
+    return sorted(out)
 
 
 # -- the reviewed bytes ------------------------------------------------------------------------

@@ -212,6 +212,12 @@ def _warnings(root: Root, rv: Review) -> list[str]:
                        + (f" ({escapes}; apply will refuse it)" if escapes else ""))  # fmt: skip
         if f.binary:
             out.append(f"binary file: {name}")
+    if rv.patch:
+        exists = (lambda rel: os.path.lexists(project / rel)) if project is not None else None
+        for d in patch.git_repositories(rv.patch, exists):
+            out.append(f"looks like a git repository (HEAD, objects/, refs/): {escape_name(d)}/ "
+                       f"(git would run what its config names); apply refuses it unless "
+                       f"{patch.ALLOW_GIT_METADATA}")  # fmt: skip
     out += [inert(w) for w in rec.warnings]
     return list(dict.fromkeys(out))
 
