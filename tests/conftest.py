@@ -13,6 +13,8 @@ from fila.images import ensure_image
 from fila.models import ImageRef
 from fila.sandbox import docker_client as connect
 
+from .upstreams.fixtures import upstreams  # noqa: F401  (the `upstreams` fixture, for every test)
+
 
 @pytest.fixture(scope="session")
 def docker_client() -> docker.DockerClient:
