@@ -256,8 +256,9 @@ def _tool(*argv: str) -> str:
 
 def hand_over(job_dir: Path, uid: int, gid: int) -> None:
     """Give work/ to the container's user (when it is not the host user, e.g. fila runs as
-    root and the engine must not). Only work/: the job directory itself stays the host's, so an
-    engine running as another user cannot leave files beside work/."""
+    root and the engine must not). Only work/: the job directory itself stays the host's. What
+    keeps the engine from writing beside work/ in either mode is the read-only mount of the job
+    directory (sandbox.create_kwargs); ownership is the second wall when fila runs as root."""
     _tool("chown", "-R", "-h", f"{uid}:{gid}", "--", str(job_dir / "work"))
 
 

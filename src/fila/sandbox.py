@@ -128,11 +128,12 @@ def create_kwargs(spec: RunSpec, name: str) -> dict[str, Any]:
     if not spec.argv:
         raise ValueError("RunSpec.argv is empty")
     job_dir = spec.job_dir.resolve()
-    input_dir = job_dir / "input"
+    input_dir, work_dir = job_dir / "input", job_dir / "work"
     if not job_dir.is_dir():
         raise InfraError("the job directory is missing", task_id=spec.job_id, path=job_dir)
-    if input_dir.is_symlink() or not input_dir.is_dir():
-        raise InfraError("the job's input/ is not a directory", task_id=spec.job_id, path=input_dir)
+    for sub in (input_dir, work_dir):
+        if sub.is_symlink() or not sub.is_dir():
+            raise InfraError(f"the job's {sub.name}/ is not a directory", task_id=spec.job_id, path=sub)
     p = spec.policy
     mem, cpus, pids = _effective(p, spec.limits)
     uid, gid = run_as()
@@ -152,9 +153,13 @@ def create_kwargs(spec: RunSpec, name: str) -> dict[str, Any]:
         user=f"{uid}:{gid}",
         hostname="fila",
         labels={**spec.labels, LABEL: "1", JOB_LABEL: spec.job_id},
+        # Only work/ is writable, whoever the engine runs as: with the host user's uid (fila not
+        # run as root) the engine owns the job directory, and only the mount keeps it from
+        # rewriting TASK.md or leaving files beside work/ (the host would read them later).
         mounts=[
-            Mount(JOB_MOUNT, str(job_dir), type="bind", read_only=False),
+            Mount(JOB_MOUNT, str(job_dir), type="bind", read_only=True),
             Mount(f"{JOB_MOUNT}/input", str(input_dir), type="bind", read_only=True),
+            Mount(f"{JOB_MOUNT}/work", str(work_dir), type="bind", read_only=False),
         ],
         network_mode=p.network,
         mem_limit=mem,

@@ -1,0 +1,180 @@
+"""The cycle with fila run as root and as an ordinary user, on the real Docker daemon.
+
+As root the engine runs as nobody (65534) and work/ is handed over; as an ordinary user the engine
+has that user's uid and owns the job directory, so only the mounts keep it from rewriting TASK.md,
+input/ or leaving files beside work/. Both modes must behave the same: only work/ changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pwd
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+import fila
+from fila.models import ImageRef
+
+pytestmark = [
+    pytest.mark.docker,
+    pytest.mark.skipif(os.getuid() != 0, reason="creating an ordinary user for the test needs root"),
+]
+
+SOCKET = "/var/run/docker.sock"
+
+
+def _usable_by_anyone(path: Path) -> bool:
+    """Can any user run `path` (o+x on it and on every directory above it)?"""
+    path = path.resolve()
+    return all(os.stat(p).st_mode & 0o001 for p in (path, *path.parents))
+
+
+def _python_for_others() -> str | None:
+    """An interpreter an ordinary user can start, of this one's version (the venv's compiled
+    packages must load): the venv's own when it is reachable, else the system's."""
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    for cand in (Path(sys.executable), Path(f"/usr/bin/python{version}")):
+        if cand.exists() and _usable_by_anyone(cand):
+            return str(cand)
+    return None
+
+
+# Every write outside work/ must fail inside the container; the one in work/ must land.
+ATTEMPTS = (
+    'echo "uid=$(id -u)"; echo pwned > ../TASK.md; echo "task=$?"; echo pwned > ../input/greeting.txt; '
+    'echo "input=$?"; echo pwned > ../beside.txt; echo "beside=$?"; mkdir ../extra; '
+    'echo "mkdir=$?"; sed -i s/hello/world/ greeting.txt && echo "work=$?"'
+)
+
+
+@dataclass
+class Fila:
+    """`fila` as a separate process, as root or (with `user`) as that ordinary user."""
+
+    root: Path
+    user: str | None
+
+    @property
+    def uid(self) -> int:
+        return pwd.getpwnam(self.user).pw_uid if self.user else 0
+
+    def __call__(self, *args: str) -> subprocess.CompletedProcess[str]:
+        env = {"PATH": os.environ["PATH"], "HOME": str(self.root / ".home"), "FILA_ROOT": str(self.root)}
+        if "DOCKER_HOST" in os.environ:
+            env["DOCKER_HOST"] = os.environ["DOCKER_HOST"]
+        # Both modes run the same fila (the one under test) the same way: an interpreter on the
+        # venv's packages and fila's source, all world-readable, while the venv's interpreter may
+        # live where only root can go (/root/.pyenv).
+        python = sys.executable if self.user is None else _python_for_others()
+        if python is None:
+            pytest.skip(f"no Python {sys.version_info[:2]} an ordinary user may run")
+        site = next(p for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix))
+        env["PYTHONPATH"] = f"{Path(fila.__file__).parent.parent}:{site}"
+        argv = [python, "-c", "from fila.cli import main; main()", *args]
+        if self.user:
+            # runuser sets the user's uid, gid and groups (docker, for the socket) from /etc/group.
+            argv = [
+                "runuser",
+                "-u",
+                self.user,
+                "--",
+                "env",
+                "-i",
+                *(f"{k}={v}" for k, v in env.items()),
+                *argv,
+            ]
+        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, cwd=self.root)
+
+
+@contextlib.contextmanager
+def ordinary_user() -> Iterator[str]:
+    """A throwaway user in the group that owns the Docker socket, removed afterwards."""
+    name = f"filat{secrets.token_hex(4)}"
+    group = os.stat(SOCKET).st_gid
+    subprocess.run(
+        ["useradd", "--no-create-home", "--shell", "/bin/sh", "--user-group", "-G", str(group), name],
+        check=True,
+        capture_output=True,
+    )
+    try:
+        yield name
+    finally:
+        subprocess.run(["userdel", name], capture_output=True)
+
+
+@pytest.fixture(params=["root", "user"])
+def run_as(request: pytest.FixtureRequest, shell_image: ImageRef) -> Iterator[Fila]:
+    """A queue root (outside pytest's 0700 tmp) owned by whoever runs fila, with a project in it."""
+    base = Path(tempfile.mkdtemp(prefix="fila-unpriv-"))
+    try:
+        with contextlib.ExitStack() as stack:
+            user = stack.enter_context(ordinary_user()) if request.param == "user" else None
+            f = Fila(base / "q", user)
+            f.root.mkdir()
+            (f.root / ".home").mkdir()
+            (f.root / "greeting.txt").write_text("hello\n")
+            if user:
+                pw = pwd.getpwnam(user)
+                os.chmod(base, 0o755)
+                for p in (f.root, f.root / ".home", f.root / "greeting.txt"):
+                    os.chown(p, pw.pw_uid, pw.pw_gid)
+            res = f("init")
+            assert res.returncode == 0, res.stderr
+            yield f
+    finally:
+        # As root the job's work/ may still belong to nobody after a failure: rmtree as root is fine.
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_only_work_is_writable_to_the_engine_whoever_runs_fila(run_as: Fila) -> None:
+    f = run_as
+    res = f("submit", "--engine", "shell", "--command", ATTEMPTS, "--target", "greeting.txt")
+    assert res.returncode == 0, res.stderr
+    tid = res.stdout.strip()
+    res = f("run", "--once")
+    assert res.returncode == 0, res.stdout + res.stderr
+    job = f.root / "sandbox" / "jobs" / tid
+    task_md = (job / "TASK.md").read_text()
+    log = (f.root / "fila" / "logs" / f"{tid}.log").read_text()
+
+    # The engine ran with the uid of the mode: nobody under root, the user's own otherwise.
+    assert f"uid={65534 if f.user is None else f.uid}\n" in log
+    # The allowed counterpart first: the write in work/ landed...
+    assert "work=0" in log and (job / "work" / "greeting.txt").read_text() == "world\n"
+    # ...and every other write failed inside the container, said so, and left nothing.
+    for attempt in ("task", "input", "beside", "mkdir"):
+        assert f"{attempt}=0" not in log and f"{attempt}=" in log, attempt
+    assert log.count("Read-only file system") + log.count("Permission denied") >= 4, log
+    if f.user is not None:
+        # The engine owns the job directory here: only the read-only mount stops it.
+        assert (job / "TASK.md").stat().st_uid == f.uid
+        assert log.count("Read-only file system") >= 4, log
+    assert task_md.startswith("# Task") and not task_md.startswith("pwned")
+    assert (job / "input" / "greeting.txt").read_text() == "hello\n"
+    assert sorted(e.name for e in job.iterdir()) == ["DIFF.patch", "TASK.md", "input", "work"]
+
+    show = f("show", tid, "--json")
+    assert show.returncode == 0, show.stderr
+    assert json.loads(show.stdout)["status"] == "needs_review"
+    diff = f("diff", tid)
+    assert diff.returncode == 0, diff.stderr
+    assert [ln for ln in diff.stdout.splitlines() if ln.startswith("diff --git")] == [
+        "diff --git a/greeting.txt b/greeting.txt"
+    ]
+    assert "-hello\n+world\n" in diff.stdout
+
+    res = f("apply", tid, "--yes")
+    assert res.returncode == 0, res.stderr
+    landed = f.root / "greeting.txt"
+    assert landed.read_text() == "world\n"
+    assert landed.stat().st_uid == f.uid  # the project stays its owner's
