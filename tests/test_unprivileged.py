@@ -178,3 +178,44 @@ def test_only_work_is_writable_to_the_engine_whoever_runs_fila(run_as: Fila) -> 
     landed = f.root / "greeting.txt"
     assert landed.read_text() == "world\n"
     assert landed.stat().st_uid == f.uid  # the project stays its owner's
+
+
+def test_a_directory_target_round_trips_the_same_whoever_runs_fila(run_as: Fila) -> None:
+    f = run_as
+    src = f.root / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("one\n")
+    (src / "old.txt").write_text("gone soon\n")
+    if f.user:
+        pw = pwd.getpwnam(f.user)
+        for p in (src, src / "a.txt", src / "old.txt"):
+            os.chown(p, pw.pw_uid, pw.pw_gid)
+    cmd = (
+        "echo two >> src/a.txt && rm src/old.txt && printf '#!/bin/sh\\n' > src/run.sh && "
+        "chmod 4755 src/run.sh && mkdir src/sub && echo deep > src/sub/d.txt && ln -s a.txt src/link"
+    )
+    res = f("submit", "--engine", "shell", "--command", cmd, "--target", "src")
+    assert res.returncode == 0, res.stderr
+    tid = res.stdout.strip()
+    res = f("run", "--once")
+    assert res.returncode == 0, res.stdout + res.stderr
+    rec = json.loads((f.root / "fila" / "out" / f"{tid}.json").read_text())
+    assert rec["status"] == "needs_review"
+    assert sorted(rec["diffstat"]["paths"]) == [
+        "src/a.txt",
+        "src/link",
+        "src/old.txt",
+        "src/run.sh",
+        "src/sub/d.txt",
+    ]
+    # The engine's setuid bit is stripped on the way back, and said so, in both modes.
+    assert any("setuid" in w for w in rec["warnings"]), rec["warnings"]
+    work = f.root / "sandbox" / "jobs" / tid / "work"
+    assert {p.lstat().st_uid for p in work.rglob("*")} == {f.uid}  # work/ is the host user's again
+
+    res = f("apply", tid, "--yes")
+    assert res.returncode == 0, res.stderr
+    assert (src / "a.txt").read_text() == "one\ntwo\n" and not (src / "old.txt").exists()
+    assert (src / "run.sh").stat().st_mode & 0o7777 == 0o755
+    assert os.readlink(src / "link") == "a.txt" and (src / "sub" / "d.txt").read_text() == "deep\n"
+    assert {p.lstat().st_uid for p in src.rglob("*")} == {f.uid}
