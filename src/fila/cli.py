@@ -584,7 +584,9 @@ def apply_cmd(
     Refused, writing nothing, when DIFF.patch changed since the record, when the project changed
     since the task copied its files (unless --3way merges cleanly), when the patch does not
     apply as a whole, or when it touches a path fila never writes (outside the project, .git/,
-    through a symlink). What lands equals the job's work/ byte for byte, modes 0644/0755.
+    through a symlink). A directory the patch makes look like a git repository (HEAD, objects/,
+    refs/) is refused unless --allow-git-metadata. What lands equals the job's work/ byte for
+    byte, modes 0644/0755.
     """
     from .apply import apply
     from .errors import InvalidInput
