@@ -86,6 +86,15 @@ _PASSWD = "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexiste
 _GROUP = "root:x:0:\nnogroup:x:65534:\n"
 
 
+# Images under images/ that are not engines: fila runs them beside an engine (or in tests). They
+# build like an engine image (`fila images build gateway`: same context label, base and CA file).
+SUPPORT_IMAGES: dict[str, str] = {
+    "gateway": "the egress gateway of `network: allowlist` (mitmproxy with fila's addon)",
+    "testnet": "test upstreams and the curl client of network tests (not an engine)",
+}
+GATEWAY_IMAGE = "fila/gateway:latest"
+
+
 def image_tag(engine: str) -> str:
     return f"fila/{engine}:latest"
 

@@ -1,0 +1,629 @@
+"""fila's egress gateway: a mitmproxy addon that is the policy, the log and the meter.
+
+mitmproxy does all the HTTP and TLS work. This addon decides, per request, whether it may pass:
+
+- door "proxy" (forward proxy, regular mode on 3128): CONNECT only to a listed host:port, tunnelled
+  raw (never intercepted: the engine trusts no gateway CA); plain-HTTP absolute-URL requests with
+  the same checks plus the entry's method list. The name is resolved here, every address must be
+  global (or inside `allow_private`), and the connection is pinned to the checked address so that a
+  second lookup (DNS rebinding) cannot change where it goes.
+- door "route" (reverse mode on 8080): `/<route>/<rest>` goes to the route's upstream with the
+  engine's credential headers dropped and the real one (from the secrets directory) added; usage is
+  read from the responses (streams stay streamed) and the job's budget is enforced before forwarding.
+
+Every decision is one JSON line in egress.jsonl. The addon fails closed: a config it cannot load
+stops mitmdump at start-up, and an exception inside a hook refuses the request it was deciding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import ipaddress
+import json
+import logging
+import os
+import re
+import socket
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from mitmproxy import ctx, http, tcp
+from mitmproxy.net.http import url
+from mitmproxy.proxy import layer, layers
+from mitmproxy.proxy.mode_specs import RegularMode, ReverseMode
+
+CONFIG_PATH = Path(os.environ.get("FILA_GATEWAY_CONFIG", "/etc/fila-gateway/config.json"))
+SECRETS_DIR = Path(os.environ.get("FILA_GATEWAY_SECRETS", "/run/fila-gateway/secrets"))
+LOG_DIR = Path(os.environ.get("FILA_GATEWAY_LOG_DIR", "/var/log/fila-gateway"))
+PROXY_PORT = int(os.environ.get("FILA_GATEWAY_PROXY_PORT", "3128"))
+ROUTE_PORT = int(os.environ.get("FILA_GATEWAY_ROUTE_PORT", "8080"))
+SYSTEM_CA = "/etc/ssl/certs/ca-certificates.crt"
+
+MAX_HEADER_BYTES = 32 * 1024  # mitmproxy reads headers without a limit; refuse what no API needs
+MAX_BODY_SCAN = 8 * 1024 * 1024  # a non-streamed JSON body kept for reading its usage
+MAX_SSE_LINE = 1024 * 1024
+
+# Headers that carry a credential on some model API: whatever the engine sends is dropped.
+CREDENTIAL_HEADERS = ("authorization", "x-api-key", "x-goog-api-key", "api-key", "proxy-authorization")
+CREDENTIAL_QUERY = ("key",)
+
+# Names that are never the public internet, listed or not (defence in depth: the policy check
+# on the host refuses them too).
+RESERVED_SUFFIXES = (".localhost", ".internal", ".local", ".localdomain", ".home.arpa", ".lan")
+RESERVED_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback")
+_HOSTNAME = re.compile(
+    r"^(?=.{1,253}$)[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?(\.[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?)*$"
+)
+# Every form inet_aton() accepts as an address: 127.1, 2130706433, 0x7f000001, 0177.0.0.1.
+_NUMERIC_HOST = re.compile(r"^((0x[0-9a-f]*)|[0-9]+)(\.((0x[0-9a-f]*)|[0-9]+))*$")
+_ROUTE_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
+
+logger = logging.getLogger("fila_gateway")
+
+
+class ConfigError(Exception):
+    """The gateway's config or a secret it names is unusable: the gateway must not start."""
+
+
+# ---------------------------------------------------------------- config
+
+
+def _allow_entry(raw: Any, i: int) -> dict[str, Any]:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"allow[{i}] must be an object")
+    host, port, methods = raw.get("host"), raw.get("port"), raw.get("methods")
+    if not isinstance(host, str) or not host:
+        raise ConfigError(f"allow[{i}].host must be a non-empty string")
+    host = host.lower().rstrip(".")
+    bare = host[2:] if host.startswith("*.") else host
+    if not _HOSTNAME.match(bare) or _NUMERIC_HOST.match(bare) or _is_ip(bare):
+        raise ConfigError(f"allow[{i}].host {host!r} is not a DNS name")
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        raise ConfigError(f"allow[{i}].port must be an integer 1-65535")
+    if methods is not None and (
+        not isinstance(methods, list) or not all(isinstance(m, str) and m for m in methods)
+    ):
+        raise ConfigError(f"allow[{i}].methods must be null or a list of method names")
+    return {"host": host, "port": port, "methods": None if methods is None else [m.upper() for m in methods]}
+
+
+def _route(name: str, raw: Any) -> dict[str, Any]:
+    if not _ROUTE_NAME.match(name):
+        raise ConfigError(f"routes: {name!r} is not a route name (a-z, 0-9, -, _)")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"routes.{name} must be an object")
+    up = raw.get("upstream")
+    parts = urlsplit(up) if isinstance(up, str) else None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ConfigError(f"routes.{name}.upstream must be an http(s) URL")
+    header, fmt, secret = raw.get("header"), raw.get("format", "{key}"), raw.get("secret")
+    if not isinstance(header, str) or not re.fullmatch(r"[A-Za-z0-9-]+", header):
+        raise ConfigError(f"routes.{name}.header must be a header name")
+    if not isinstance(fmt, str) or "{key}" not in fmt:
+        raise ConfigError(f"routes.{name}.format must contain {{key}}")
+    if not isinstance(secret, str) or not re.fullmatch(r"[A-Za-z0-9._-]+", secret) or secret.startswith("."):
+        raise ConfigError(f"routes.{name}.secret must name a file in {SECRETS_DIR}")
+    path = SECRETS_DIR / secret
+    try:
+        key = path.read_text().strip()
+    except OSError as e:
+        raise ConfigError(f"routes.{name}: cannot read the secret {path}: {e.strerror}") from e
+    if not key or "\n" in key or "\r" in key:
+        raise ConfigError(f"routes.{name}: the secret {path} must hold one line")
+    return {
+        "scheme": parts.scheme,
+        "host": parts.hostname,
+        "port": parts.port or (443 if parts.scheme == "https" else 80),
+        "base_path": parts.path.rstrip("/"),
+        "header": header.lower(),
+        "value": fmt.replace("{key}", key),
+    }
+
+
+def load_config(path: Path = CONFIG_PATH) -> dict[str, Any]:
+    """The parsed, checked config with each route's credential read in. Raises ConfigError."""
+    try:
+        raw = json.loads(path.read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read the gateway config {path}: {e.strerror}") from e
+    except ValueError as e:
+        raise ConfigError(f"the gateway config {path} is not JSON: {e}") from e
+    if not isinstance(raw, dict):
+        raise ConfigError(f"the gateway config {path} must be a JSON object")
+    allow = raw.get("allow") or []
+    if not isinstance(allow, list):
+        raise ConfigError("allow must be a list")
+    try:
+        private = [ipaddress.ip_network(c, strict=False) for c in raw.get("allow_private") or []]
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"allow_private: {e}") from e
+    routes = raw.get("routes") or {}
+    if not isinstance(routes, dict):
+        raise ConfigError("routes must be an object")
+    budget = raw.get("budget") or {}
+    for k in ("max_requests", "max_tokens"):
+        v = budget.get(k)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise ConfigError(f"budget.{k} must be null or a non-negative integer")
+    ca = raw.get("upstream_ca")
+    if ca is not None and not (isinstance(ca, str) and Path(ca).is_file()):
+        raise ConfigError(f"upstream_ca {ca!r} is not a readable file in the gateway")
+    return {
+        "job": str(raw.get("job") or ""),
+        "allow": [_allow_entry(e, i) for i, e in enumerate(allow)],
+        "allow_private": private,
+        "routes": {n: _route(n, r) for n, r in routes.items()},
+        "budget": {"max_requests": budget.get("max_requests"), "max_tokens": budget.get("max_tokens")},
+        "upstream_ca": ca,
+    }
+
+
+# ---------------------------------------------------------------- host checks
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
+    except ValueError:
+        return False
+    return True
+
+
+def host_problem(host: str) -> str | None:
+    """Why a host name may not be asked for at all, before any allowlist lookup."""
+    if _is_ip(host) or _NUMERIC_HOST.match(host):
+        return "ip literal"
+    if not _HOSTNAME.match(host):
+        return "invalid host"
+    if host in RESERVED_NAMES or host.endswith(RESERVED_SUFFIXES):
+        return "reserved name"
+    return None
+
+
+def matching_entries(allow: Iterable[dict[str, Any]], host: str, port: int) -> list[dict[str, Any]]:
+    """Entries listing host:port: `host` exactly, or `*.suffix` for any name below suffix."""
+    out = []
+    for e in allow:
+        pat = e["host"]
+        hit = host.endswith(pat[1:]) if pat.startswith("*.") else host == pat
+        if hit and e["port"] == port:
+            out.append(e)
+    return out
+
+
+def address_problem(addr: str, allow_private: Iterable[ipaddress._BaseNetwork]) -> str | None:
+    """Why a resolved address may not be connected to, or None when it is a public one (or a
+    private one the config opens with allow_private)."""
+    ip = ipaddress.ip_address(addr.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    for kind, bad in (
+        ("unspecified", ip.is_unspecified),
+        ("loopback", ip.is_loopback),
+        ("link-local", ip.is_link_local),  # cloud metadata lives here
+        ("multicast", ip.is_multicast),
+    ):
+        if bad:
+            return f"{kind} address {ip}"
+    if ip.is_global and not ip.is_private and not ip.is_reserved:
+        return None
+    if any(ip.version == net.version and ip in net for net in allow_private):
+        return None
+    return f"private address {ip}"
+
+
+async def resolve(host: str, port: int) -> list[str]:
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    seen: list[str] = []
+    for *_, sockaddr in infos:
+        if sockaddr[0] not in seen:
+            seen.append(sockaddr[0])
+    return seen
+
+
+# ---------------------------------------------------------------- usage metering
+
+
+def _usage_of(obj: Any) -> dict[str, Any] | None:
+    """The usage object in one API response body or stream event, any of the supported APIs."""
+    if not isinstance(obj, dict):
+        return None
+    typ = obj.get("type")
+    if typ == "message_start" and isinstance(obj.get("message"), dict):
+        return obj["message"].get("usage")  # Anthropic stream start: input tokens
+    if isinstance(typ, str) and typ.startswith("response.") and isinstance(obj.get("response"), dict):
+        return obj["response"].get("usage")  # OpenAI Responses: response.completed
+    if isinstance(obj.get("usageMetadata"), dict):
+        return obj["usageMetadata"]  # Gemini
+    if isinstance(obj.get("usage"), dict):
+        return obj["usage"]  # Anthropic body / message_delta, OpenAI body / final chunk
+    return None
+
+
+def normalize_usage(raw: dict[str, Any]) -> dict[str, int] | None:
+    """{"input_tokens", "output_tokens"} from the fields each API uses. Anthropic's cache reads and
+    writes count as input (they are billed as input)."""
+
+    def n(*keys: str) -> int:
+        return sum(v for k in keys if isinstance(v := raw.get(k), int) and not isinstance(v, bool))
+
+    if not raw:
+        return None
+    return {
+        "input_tokens": n(
+            "input_tokens", "prompt_tokens", "promptTokenCount",
+            "cache_creation_input_tokens", "cache_read_input_tokens",
+        ),
+        "output_tokens": n(
+            "output_tokens", "completion_tokens", "candidatesTokenCount", "thoughtsTokenCount"
+        ),
+    }  # fmt: skip
+
+
+class Meter:
+    """Watches one response go by: counts bytes and collects usage, streamed or not."""
+
+    def __init__(self, content_type: str) -> None:
+        self.sse = content_type.lower().startswith("text/event-stream")
+        self.bytes = 0
+        self.raw_usage: dict[str, Any] = {}
+        self._pending = b""
+        self._body: bytearray | None = None if self.sse else bytearray()
+
+    def __call__(self, chunk: bytes) -> bytes:
+        # Called by mitmproxy for every chunk of a streamed response, and once with b"" at its end.
+        self.bytes += len(chunk)
+        if self.sse:
+            self._pending += chunk
+            *lines, self._pending = self._pending.split(b"\n")
+            for line in lines:
+                self._line(line)
+            if len(self._pending) > MAX_SSE_LINE:
+                self._pending = b""  # no API sends such a line; do not hold on to it
+            if not chunk and self._pending:
+                self._line(self._pending)
+                self._pending = b""
+        elif self._body is not None:
+            if len(self._body) + len(chunk) > MAX_BODY_SCAN:
+                self._body = None
+            else:
+                self._body += chunk
+        return chunk
+
+    def _line(self, line: bytes) -> None:
+        line = line.rstrip(b"\r")
+        if not line.startswith(b"data:"):
+            return
+        with contextlib.suppress(ValueError):
+            self._add(json.loads(line[5:].strip() or b"null"))
+
+    def _add(self, obj: Any) -> None:
+        usage = _usage_of(obj)
+        if isinstance(usage, dict):
+            self.raw_usage.update({k: v for k, v in usage.items() if v is not None})
+
+    def usage(self) -> dict[str, int] | None:
+        if self._body:
+            with contextlib.suppress(ValueError, UnicodeDecodeError):
+                self._add(json.loads(bytes(self._body)))
+            self._body = None
+        return normalize_usage(self.raw_usage)
+
+
+# ---------------------------------------------------------------- the addon
+
+
+def _now() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _json_response(status: int, reason: str, **extra: Any) -> http.Response:
+    body = json.dumps({"error": {"type": "fila_gateway", "message": reason, **extra}}).encode()
+    return http.Response.make(status, body, {"content-type": "application/json", "connection": "close"})
+
+
+def _header_bytes(req: http.Request) -> int:
+    return sum(len(k) + len(v) + 4 for k, v in req.headers.fields) + len(req.path or "") + len(req.host or "")
+
+
+def fail_closed(deny: Callable[[Any, Any, str], None]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Run a hook; if it raises, refuse the flow it was deciding instead of letting it through
+    (mitmproxy logs an addon's exception and carries on with the flow)."""
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        async def run(self: Any, flow: Any) -> None:
+            try:
+                r = fn(self, flow)
+                if asyncio.iscoroutine(r):
+                    await r
+            except Exception as e:
+                logger.error(f"fila_gateway: {fn.__name__} failed, refusing: {e!r}")
+                deny(self, flow, f"gateway error: {type(e).__name__}")
+
+        return run
+
+    return wrap
+
+
+def _deny_http(self: Gateway, flow: http.HTTPFlow, reason: str) -> None:
+    if not flow.metadata.get("fila_logged"):
+        flow.response = _json_response(500, reason)
+        self.record(flow, allowed=False, reason=reason, status=500)
+
+
+def _deny_tcp(self: Gateway, flow: tcp.TCPFlow, reason: str) -> None:
+    flow.kill()
+
+
+class Gateway:
+    def __init__(self) -> None:
+        self.config: dict[str, Any] | None = None
+        self.requests = 0
+        self.tokens = 0
+        self.tunnels: dict[str, dict[str, Any]] = {}
+        self._log: Any = None
+
+    # -- lifecycle
+
+    def load(self, loader: Any) -> None:
+        try:
+            self.config = load_config()
+        except ConfigError as e:
+            # An error logged at start-up makes mitmdump exit (errorcheck): no gateway without policy.
+            logger.error(f"fila_gateway: {e}")
+            return
+        LOG_DIR.mkdir(parents=True, exist_ok=True)
+        self._log = open(LOG_DIR / "egress.jsonl", "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+
+    def running(self) -> None:
+        if self.config is None:
+            return
+        # mitmproxy's own TLS to a route upstream: the configured CA, else the system bundle (which
+        # holds the build-time extra CA), never certifi's copy.
+        ctx.options.update(ssl_verify_upstream_trusted_ca=self.config["upstream_ca"] or SYSTEM_CA)
+        ps = ctx.master.addons.get("proxyserver")
+        ports = {addr[1] for addr in ps.listen_addrs()} if ps else set()
+        if {PROXY_PORT, ROUTE_PORT} <= ports:
+            tmp = LOG_DIR / ".ready.tmp"
+            tmp.write_text(_now() + "\n")
+            tmp.replace(LOG_DIR / "ready")
+        else:
+            logger.error(f"fila_gateway: listeners {sorted(ports)} lack {PROXY_PORT} or {ROUTE_PORT}")
+
+    def done(self) -> None:
+        if self._log is not None:
+            self._log.close()
+
+    # -- the log
+
+    def write(self, **fields: Any) -> None:
+        line = {
+            "t": _now(),
+            "door": "proxy",
+            "method": None,
+            "host": None,
+            "port": None,
+            "route": None,
+            "path": None,
+            "allowed": False,
+            "reason": None,
+            "status": None,
+            "bytes_in": 0,
+            "bytes_out": 0,
+            "usage": None,
+            "budget": None,
+        }
+        line.update(fields)
+        if self._log is not None:
+            self._log.write(json.dumps(line) + "\n")
+
+    def record(self, flow: http.HTTPFlow, *, allowed: bool, reason: str | None, status: int | None) -> None:
+        """The one line for an HTTP flow (each flow is logged once)."""
+        if flow.metadata.get("fila_logged"):
+            return
+        flow.metadata["fila_logged"] = True
+        m = flow.metadata
+        meter: Meter | None = m.get("fila_meter")
+        usage = meter.usage() if meter else None
+        self.write(
+            door=m.get("fila_door", "proxy"),
+            method=flow.request.method,
+            host=m.get("fila_host", flow.request.pretty_host),
+            port=m.get("fila_port", flow.request.port),
+            route=m.get("fila_route"),
+            path=m.get("fila_path"),
+            allowed=allowed,
+            reason=reason,
+            status=status,
+            bytes_in=meter.bytes if meter else len(flow.response.raw_content or b"") if flow.response else 0,
+            bytes_out=len(flow.request.raw_content or b""),
+            usage=usage,
+            budget=m.get("fila_budget"),
+        )
+        if usage:
+            self.tokens += usage["input_tokens"] + usage["output_tokens"]
+
+    def refuse(self, flow: http.HTTPFlow, status: int, reason: str, **extra: Any) -> None:
+        flow.response = _json_response(status, reason, **extra)
+        self.record(flow, allowed=False, reason=reason, status=status)
+
+    # -- door "proxy": CONNECT
+
+    async def _check_destination(self, host: str, port: int) -> tuple[str | None, str | None]:
+        """(reason it is refused, None) or (None, the checked address to connect to)."""
+        assert self.config is not None
+        if problem := host_problem(host):
+            return problem, None
+        if not matching_entries(self.config["allow"], host, port):
+            return "not in allowlist", None
+        try:
+            addrs = await resolve(host, port)
+        except OSError as e:
+            return f"does not resolve ({e.strerror or e})", None
+        if not addrs:
+            return "does not resolve", None
+        for a in addrs:
+            if problem := address_problem(a, self.config["allow_private"]):
+                return problem, None
+        return None, addrs[0]
+
+    @fail_closed(_deny_http)
+    async def http_connect(self, flow: http.HTTPFlow) -> None:
+        host = flow.request.host.lower().rstrip(".")
+        port = flow.request.port
+        flow.metadata.update(fila_door="proxy", fila_host=host, fila_port=port)
+        if self.config is None:
+            return self.refuse(flow, 503, "gateway has no config")
+        if not isinstance(flow.client_conn.proxy_mode, RegularMode):
+            return self.refuse(flow, 405, "CONNECT only on the proxy port")
+        reason, addr = await self._check_destination(host, port)
+        if reason:
+            return self.refuse(flow, 403, reason)
+        # Pin: the tunnel opens to the address just checked, not to a second lookup of the name.
+        # The client's TLS (and its SNI) passes through untouched.
+        flow.request.data.host = addr
+        self.tunnels[flow.client_conn.id] = {"host": host, "port": port, "in": 0, "out": 0}
+
+    def next_layer(self, nextlayer: layer.NextLayer) -> None:
+        # After a CONNECT on the proxy port: relay raw bytes. No TLS interception, and no HTTP
+        # parsing inside the tunnel (a nested CONNECT or request goes to the checked upstream).
+        c = nextlayer.context
+        if (
+            isinstance(c.client.proxy_mode, RegularMode)
+            and any(isinstance(x, layers.HttpLayer) for x in c.layers)
+            and c.client.id in self.tunnels
+        ):
+            nextlayer.layer = layers.TCPLayer(c)
+
+    def tcp_message(self, flow: tcp.TCPFlow) -> None:
+        t = self.tunnels.get(flow.client_conn.id)
+        msg = flow.messages[-1]
+        if t is not None:
+            t["out" if msg.from_client else "in"] += len(msg.content)
+        flow.messages.clear()  # counted; a long tunnel must not keep every byte it carried
+
+    def _tunnel_done(self, flow: tcp.TCPFlow, reason: str | None, status: int) -> None:
+        t = self.tunnels.pop(flow.client_conn.id, None)
+        if t is not None:
+            self.write(
+                door="proxy", method="CONNECT", host=t["host"], port=t["port"], allowed=True,
+                reason=reason, status=status, bytes_in=t["in"], bytes_out=t["out"],
+            )  # fmt: skip
+
+    def tcp_end(self, flow: tcp.TCPFlow) -> None:
+        self._tunnel_done(flow, None, 200)
+
+    def tcp_error(self, flow: tcp.TCPFlow) -> None:
+        self._tunnel_done(flow, f"upstream: {flow.error.msg if flow.error else 'error'}", 502)
+
+    # -- both doors: every HTTP request that is not a CONNECT
+
+    @fail_closed(_deny_http)
+    async def requestheaders(self, flow: http.HTTPFlow) -> None:
+        if flow.request.method == "CONNECT":
+            return
+        if self.config is None:
+            return self.refuse(flow, 503, "gateway has no config")
+        if _header_bytes(flow.request) > MAX_HEADER_BYTES:
+            flow.metadata["fila_door"] = self._door(flow)
+            return self.refuse(flow, 431, f"headers larger than {MAX_HEADER_BYTES} bytes")
+        if isinstance(flow.client_conn.proxy_mode, ReverseMode):
+            return self._route_request(flow)
+        await self._proxy_request(flow)
+
+    def _door(self, flow: http.HTTPFlow) -> str:
+        return "route" if isinstance(flow.client_conn.proxy_mode, ReverseMode) else "proxy"
+
+    async def _proxy_request(self, flow: http.HTTPFlow) -> None:
+        assert self.config is not None
+        req = flow.request
+        host, port = req.host.lower().rstrip("."), req.port
+        flow.metadata.update(fila_door="proxy", fila_host=host, fila_port=port, fila_path=req.path)
+        # The Host header must name the URL's host: a shared upstream (a CDN) would otherwise serve
+        # a name nobody listed from a listed name's address.
+        hh = req.host_header
+        if hh is not None:
+            try:
+                hh_host, _ = url.parse_authority(hh, check=False)
+            except ValueError:
+                hh_host = hh
+            if hh_host.lower().rstrip(".") != host:
+                return self.refuse(flow, 403, "host header differs from the URL")
+        entries = matching_entries(self.config["allow"], host, port)
+        methods = [e["methods"] for e in entries]
+        if entries and None not in methods and req.method not in {x for m in methods for x in m}:
+            return self.refuse(flow, 405, "method not allowed")
+        reason, addr = await self._check_destination(host, port)
+        if reason:
+            return self.refuse(flow, 403, reason)
+        req.data.host = addr  # pinned, as for CONNECT; the Host header keeps the name
+        flow.metadata["fila_meter"] = None
+
+    # -- door "route"
+
+    def _route_request(self, flow: http.HTTPFlow) -> None:
+        assert self.config is not None
+        req = flow.request
+        path = req.path.split("?", 1)[0]
+        parts = path.split("/", 2)  # "/anthropic/v1/messages" -> "", "anthropic", "v1/messages"
+        name = parts[1] if len(parts) > 1 else ""
+        rest = "/" + parts[2] if len(parts) > 2 else "/"
+        flow.metadata.update(fila_door="route", fila_route=name or None, fila_path=rest)
+        route = self.config["routes"].get(name)
+        if route is None:
+            flow.metadata["fila_host"] = None
+            flow.metadata["fila_port"] = None
+            return self.refuse(flow, 404, "unknown route", route=name)
+        if ".." in rest.split("/") or "%2e" in rest.lower():
+            return self.refuse(flow, 400, "dot segment in path")
+        flow.metadata.update(fila_host=route["host"], fila_port=route["port"])
+        budget = self.config["budget"]
+        for key, used in (("max_requests", self.requests), ("max_tokens", self.tokens)):
+            limit = budget[key]
+            if limit is not None and used >= limit:
+                flow.metadata["fila_budget"] = key
+                return self.refuse(flow, 429, f"budget {key}", budget=key, limit=limit, used=used)
+        self.requests += 1
+        for h in (*CREDENTIAL_HEADERS, route["header"]):
+            req.headers.pop(h, None)
+        for q in CREDENTIAL_QUERY:
+            if q in req.query:
+                del req.query[q]
+        query = req.path.split("?", 1)[1] if "?" in req.path else ""
+        req.scheme = route["scheme"]
+        req.host = route["host"]
+        req.port = route["port"]
+        req.path = route["base_path"] + rest + (f"?{query}" if query else "")
+        req.host_header = route["host"] if route["port"] in (80, 443) else f"{route['host']}:{route['port']}"
+        req.headers[route["header"]] = route["value"]
+        # Usage is read from plain bodies; a compressed one would hide it.
+        req.headers["accept-encoding"] = "identity"
+
+    def responseheaders(self, flow: http.HTTPFlow) -> None:
+        if flow.metadata.get("fila_logged") or flow.response is None:
+            return
+        meter = Meter(flow.response.headers.get("content-type", ""))
+        flow.metadata["fila_meter"] = meter
+        flow.response.stream = meter  # streamed on as it arrives; the meter only watches
+
+    def response(self, flow: http.HTTPFlow) -> None:
+        if flow.metadata.get("fila_logged") or flow.response is None:
+            return
+        self.record(flow, allowed=True, reason=None, status=flow.response.status_code)
+
+    def error(self, flow: http.HTTPFlow) -> None:
+        if flow.metadata.get("fila_logged") or flow.request.method == "CONNECT":
+            return  # a tunnel is logged when it ends (tcp_end / tcp_error)
+        msg = flow.error.msg if flow.error else "error"
+        self.record(
+            flow, allowed=True, reason=f"upstream: {msg}", status=flow.response and flow.response.status_code
+        )
+
+
+addons = [Gateway()]

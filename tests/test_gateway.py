@@ -1,0 +1,740 @@
+"""The egress gateway container (images/gateway) against real upstream servers.
+
+A client container (fila/testnet, curl) sits on a job-like network (`--internal`, no IPv4 on the
+host side) whose only other member is the gateway; the gateway is also on the upstreams' sealed
+network (tests/upstreams). Every refusal is shown after its allowed counterpart succeeded in the
+same test, so each test can fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import json
+import os
+import random
+import shlex
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import docker
+import pytest
+from docker.errors import APIError, NotFound
+
+from fila.images import GATEWAY_IMAGE, build
+
+from .upstreams.fixtures import CA_IN_CONTAINER, HARDENED, IMAGE, Upstreams, check_no_route_out
+
+pytestmark = pytest.mark.docker
+
+LABEL = "fila.test"
+LABEL_VALUE = "gateway"
+SYSTEM_CA = Path("/etc/ssl/certs/ca-certificates.crt")
+JOB_POOL = ipaddress.ip_network("172.29.0.0/16")
+REAL_KEY = "sk-ant-REAL-" + uuid.uuid4().hex
+REAL_OPENAI_KEY = "sk-openai-REAL-" + uuid.uuid4().hex
+PLACEHOLDER = "fila-placeholder"
+FIELDS = {
+    "t",
+    "door",
+    "method",
+    "host",
+    "port",
+    "route",
+    "path",
+    "allowed",
+    "reason",
+    "status",
+    "bytes_in",
+    "bytes_out",
+    "usage",
+    "budget",
+}
+CURL = f"curl -sS --max-time 15 --cacert {CA_IN_CONTAINER}"
+
+
+@dataclass
+class Gw:
+    """One running gateway: its container, its address on the job network, its log."""
+
+    container: Any
+    ip: str
+    log_dir: Path
+
+    @property
+    def proxy(self) -> str:
+        return f"http://{self.ip}:3128"
+
+    @property
+    def routes(self) -> str:
+        return f"http://{self.ip}:8080"
+
+    def log(self) -> list[dict[str, Any]]:
+        path = self.log_dir / "egress.jsonl"
+        lines = path.read_text().splitlines() if path.exists() else []
+        return [json.loads(line) for line in lines if line.strip()]
+
+    def last(self, **match: Any) -> dict[str, Any]:
+        """The newest log line whose fields equal `match` (the log is written as the response
+        ends: wait a moment for it)."""
+        deadline = time.monotonic() + 5
+        while True:
+            hits = [e for e in self.log() if all(e.get(k) == v for k, v in match.items())]
+            if hits or time.monotonic() > deadline:
+                assert hits, f"no log line with {match}; log: {self.log()[-5:]}"
+                return hits[-1]
+            time.sleep(0.05)
+
+
+@dataclass
+class Env:
+    docker: docker.DockerClient
+    ups: Upstreams
+    job_net: str
+    job_subnet: str
+    client: Any
+    tmp: Path
+    session: str
+
+    def sh(self, cmd: str, client: Any = None, timeout: int = 40) -> tuple[int, str, str]:
+        """Run `cmd` with sh in the client container: (exit code, stdout, stderr)."""
+        c = client or self.client
+        code, (out, err) = c.exec_run(["timeout", str(timeout), "sh", "-c", cmd], demux=True)
+        return code, (out or b"").decode(errors="replace"), (err or b"").decode(errors="replace")
+
+    def gateway(self, **config: Any) -> Gw:
+        return start_gateway(self, **config)
+
+
+def _labels(session: str) -> dict[str, str]:
+    return {LABEL: LABEL_VALUE, f"{LABEL}.session": session, f"{LABEL}.pid": str(os.getpid())}
+
+
+def _chown_nobody(path: Path, mode: int) -> None:
+    os.chown(path, 65534, 65534)  # the gateway runs as 65534, like fila writes it for a job
+    path.chmod(mode)
+
+
+def start_gateway(
+    env: Env,
+    *,
+    allow: list[dict[str, Any]] | None = None,
+    allow_private: list[str] | None = None,
+    routes: dict[str, Any] | None = None,
+    budget: dict[str, Any] | None = None,
+) -> Gw:
+    """A hardened gateway on the job network and the upstream network, as the contract says."""
+    name = f"fila-test-gw-{env.session}-{uuid.uuid4().hex[:6]}"
+    d = env.tmp / name
+    (d / "secrets").mkdir(parents=True)
+    (d / "log").mkdir()
+    (d / "secrets" / "anthropic").write_text(REAL_KEY + "\n")
+    (d / "secrets" / "openai").write_text(REAL_OPENAI_KEY)
+    for f in (d / "secrets").iterdir():
+        _chown_nobody(f, 0o600)
+    _chown_nobody(d / "secrets", 0o700)
+    _chown_nobody(d / "log", 0o700)
+    config = {
+        "job": name,
+        "allow": allow or [],
+        "allow_private": allow_private or [],
+        "routes": routes or {},
+        "budget": budget or {"max_requests": None, "max_tokens": None},
+        "upstream_ca": "/etc/fila-gateway/upstream-ca.pem",
+    }
+    (d / "config.json").write_text(json.dumps(config))
+    (d / "config.json").chmod(0o644)
+    c = env.docker.containers.create(
+        GATEWAY_IMAGE,
+        name=name,
+        network=env.job_net,
+        user="65534:65534",
+        read_only=True,
+        cap_drop=["ALL"],
+        security_opt=["no-new-privileges"],
+        tmpfs={"/tmp": "rw,nosuid,nodev,noexec,size=64m"},
+        mem_limit="256m",
+        pids_limit=128,
+        labels={**_labels(env.session), "fila.role": "gateway"},
+        volumes={
+            str(d / "config.json"): {"bind": "/etc/fila-gateway/config.json", "mode": "ro"},
+            str(d / "secrets"): {"bind": "/run/fila-gateway/secrets", "mode": "ro"},
+            str(d / "log"): {"bind": "/var/log/fila-gateway", "mode": "rw"},
+            str(env.ups.ca_file): {"bind": "/etc/fila-gateway/upstream-ca.pem", "mode": "ro"},
+        },
+    )
+    env.docker.networks.get(env.ups.network).connect(c)
+    c.start()
+    deadline = time.monotonic() + 30
+    while not (d / "log" / "ready").exists():
+        c.reload()
+        if c.status != "running" or time.monotonic() > deadline:
+            pytest.fail(f"gateway not ready ({c.status}): {c.logs().decode(errors='replace')[-2000:]}")
+        time.sleep(0.05)
+    c.reload()
+    ip = c.attrs["NetworkSettings"]["Networks"][env.job_net]["IPAddress"]
+    return Gw(container=c, ip=ip, log_dir=d / "log")
+
+
+def _job_network(client: docker.DockerClient, session: str) -> tuple[str, str]:
+    """A network like fila's per-job one: internal, no IPv4 on the host side, no IPv6."""
+    subnets = list(JOB_POOL.subnets(new_prefix=24))
+    random.shuffle(subnets)
+    name = f"fila-test-jobnet-{session}"
+    for sub in subnets[:32]:
+        ipam = docker.types.IPAMConfig(pool_configs=[docker.types.IPAMPool(subnet=str(sub))])
+        try:
+            client.networks.create(
+                name,
+                driver="bridge",
+                internal=True,
+                enable_ipv6=False,
+                ipam=ipam,
+                options={"com.docker.network.bridge.inhibit_ipv4": "true"},
+                labels=_labels(session),
+            )
+            return name, str(sub)
+        except APIError as e:
+            if "overlap" not in str(e).lower():
+                raise
+    raise RuntimeError(f"no free /24 in {JOB_POOL} for the job network")
+
+
+def _client(env_docker: docker.DockerClient, net: str, session: str, ups: Upstreams, **kw: Any) -> Any:
+    opts = HARDENED | {"labels": _labels(session)} | kw
+    return env_docker.containers.run(
+        IMAGE,
+        ["sleep", "infinity"],
+        detach=True,
+        network=net,
+        volumes={str(ups.ca_file): {"bind": CA_IN_CONTAINER, "mode": "ro"}},
+        **opts,
+    )
+
+
+@pytest.fixture(scope="module")
+def gateway_image(docker_client: docker.DockerClient) -> str:
+    # pip reaches PyPI through this host's TLS-intercepting proxy: the system bundle goes in as
+    # the build's extra CA (harmless where there is no such proxy). Reused when current.
+    build(
+        "gateway",
+        client=docker_client,
+        ca_file=SYSTEM_CA if SYSTEM_CA.exists() else None,
+        progress=lambda _: None,
+    )
+    return GATEWAY_IMAGE
+
+
+@pytest.fixture(scope="module")
+def env(
+    docker_client: docker.DockerClient,
+    upstreams: Upstreams,
+    gateway_image: str,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Env]:
+    session = uuid.uuid4().hex[:10]
+    tmp = tmp_path_factory.mktemp("gateway")
+    tmp.chmod(0o755)
+    net, subnet = _job_network(docker_client, session)
+    try:
+        # The job network must be as sealed as the upstreams' before anything runs on it.
+        check_no_route_out(docker_client, net, subnet, session)
+        client = _client(docker_client, net, session, upstreams)
+        yield Env(docker_client, upstreams, net, subnet, client, tmp, session)
+    finally:
+        for c in docker_client.containers.list(all=True, filters={"label": f"{LABEL}.session={session}"}):
+            with contextlib.suppress(NotFound, APIError):
+                c.remove(force=True)
+        with contextlib.suppress(NotFound, APIError):
+            docker_client.networks.get(net).remove()
+
+
+def _private(env: Env) -> list[str]:
+    return [env.ups.subnet]
+
+
+def raw_connect(env: Env, gw: Gw, target: str, then: str = "") -> str:
+    """Send `CONNECT target` by hand (curl normalises odd hosts itself); print the proxy's status
+    line and, after a 200, what comes back for the bytes `then` sent inside the tunnel."""
+    script = (
+        "import socket,sys\n"
+        f"s=socket.create_connection(({gw.ip!r},3128),timeout=8)\n"
+        f"s.sendall(b'CONNECT {target} HTTP/1.1\\r\\nHost: {target}\\r\\n\\r\\n')\n"
+        "head=b''\n"
+        "while b'\\r\\n\\r\\n' not in head:\n"
+        "    d=s.recv(4096)\n"
+        "    if not d: break\n"
+        "    head+=d\n"
+        "print(head.split(b'\\r\\n')[0].decode())\n"
+        f"inner={then.encode()!r}\n"
+        "if inner and b' 200' in head.split(b'\\r\\n')[0]:\n"
+        "    s.sendall(inner); out=b''\n"
+        "    try:\n"
+        "        while True:\n"
+        "            d=s.recv(65536)\n"
+        "            if not d: break\n"
+        "            out+=d\n"
+        "    except OSError as e:\n"
+        "        out+=b'<'+str(e).encode()+b'>'\n"
+        "    print('INNER', out.decode(errors='replace'))\n"
+    )
+    code, out, err = env.sh(f"python3 -c {shlex.quote(script)}")
+    assert code == 0, err
+    return out
+
+
+# ---------------------------------------------------------------- the proxy door
+
+
+def test_connect_tunnels_tls_untouched_to_a_listed_host_and_refuses_every_other_target(env: Env) -> None:
+    allowed_ip = env.ups.ip("allowed.test")
+    gw = env.gateway(
+        allow=[
+            {"host": "allowed.test", "port": 443, "methods": None},
+            {"host": "localhost", "port": 443, "methods": None},  # listed, still refused
+            {"host": "metadata.internal", "port": 443, "methods": None},
+        ],
+        allow_private=_private(env),
+    )
+    # Allowed: HTTPS through the tunnel, the server's certificate verified by the client against
+    # the test CA alone (so the gateway did not intercept: the client trusts no gateway CA).
+    code, out, err = env.sh(f"{CURL} -v -x {gw.proxy} https://allowed.test/")
+    assert code == 0, err
+    assert out.strip() == "hello from allowed.test"
+    assert "issuer: CN=fila test CA" in err
+    line = gw.last(method="CONNECT", host="allowed.test")
+    assert line["allowed"] is True and line["status"] == 200 and line["port"] == 443
+    assert line["bytes_in"] > 0 and line["bytes_out"] > 0  # the TLS handshake and the reply
+
+    refused = {
+        "https://denied.test/": ("denied.test", 443, "not in allowlist"),
+        "https://allowed.test:8443/": ("allowed.test", 8443, "not in allowlist"),  # served, not listed
+        f"https://{allowed_ip}/": (allowed_ip, 443, "ip literal"),
+        "https://localhost/": ("localhost", 443, "reserved name"),
+        "https://metadata.internal/": ("metadata.internal", 443, "reserved name"),
+        # userinfo: curl sends the part after @ as the host, which is not listed
+        "https://allowed.test@denied.test/": ("denied.test", 443, "not in allowlist"),
+    }
+    for url, (host, port, reason) in refused.items():
+        code, out, err = env.sh(f"{CURL} -x {gw.proxy} {shlex.quote(url)}")
+        assert code != 0 and "403" in err, (url, out, err)
+        line = gw.last(method="CONNECT", host=host, port=port)
+        assert line["allowed"] is False and line["reason"] == reason and line["status"] == 403, line
+
+    # Literal forms curl would normalise, sent by hand: IPv6, decimal, hex, short, userinfo.
+    for target, reason in {
+        "[::1]:443": "ip literal",
+        f"[::ffff:{allowed_ip}]:443": "ip literal",
+        "2130706433:443": "ip literal",
+        "0x7f000001:443": "ip literal",
+        "127.1:443": "ip literal",
+        f"{int(ipaddress.ip_address(allowed_ip))}:443": "ip literal",
+    }.items():
+        out = raw_connect(env, gw, target)
+        assert " 403" in out.splitlines()[0], (target, out)
+        assert gw.log()[-1]["reason"] == reason and gw.log()[-1]["allowed"] is False, (target, gw.log()[-1])
+    out = raw_connect(env, gw, "allowed.test@denied.test:443")
+    assert " 200" not in out.splitlines()[0] and " 40" in out.splitlines()[0], out
+    assert env.ups.requests("denied.test") == []  # nothing ever reached denied.test
+
+
+def test_a_listed_name_that_resolves_to_a_private_address_is_refused_unless_allow_private_covers_it(
+    env: Env,
+) -> None:
+    allow = [{"host": "allowed.test", "port": 443, "methods": None}]
+    open_gw = env.gateway(allow=allow, allow_private=_private(env))
+    code, out, err = env.sh(f"{CURL} -x {open_gw.proxy} https://allowed.test/")
+    assert code == 0 and out.strip() == "hello from allowed.test", err
+
+    closed_gw = env.gateway(allow=allow, allow_private=[])
+    code, out, err = env.sh(f"{CURL} -x {closed_gw.proxy} https://allowed.test/")
+    assert code != 0 and "403" in err
+    line = closed_gw.last(method="CONNECT", host="allowed.test")
+    assert line["allowed"] is False
+    assert line["reason"] == f"private address {env.ups.ip('allowed.test')}"
+
+    # A range that does not hold the address opens nothing.
+    other_gw = env.gateway(allow=allow, allow_private=["10.99.0.0/16"])
+    code, _, err = env.sh(f"{CURL} -x {other_gw.proxy} https://allowed.test/")
+    assert code != 0 and "403" in err
+
+
+def test_the_tunnel_is_raw_so_host_headers_and_nested_connects_cannot_reach_an_unlisted_server(
+    env: Env,
+) -> None:
+    gw = env.gateway(
+        allow=[
+            {"host": "allowed.test", "port": 443, "methods": None},
+            {"host": "allowed.test", "port": 80, "methods": None},
+        ],
+        allow_private=_private(env),
+    )
+    env.ups.clear_requests("denied.test")
+    env.ups.clear_requests("allowed.test")
+    # Host header naming denied.test inside a tunnel to allowed.test: the upstream that answers
+    # is allowed.test (the tunnel goes where the checked name resolved, whatever is inside).
+    code, out, err = env.sh(f"{CURL} -x {gw.proxy} -H 'Host: denied.test' https://allowed.test/")
+    assert code == 0 and out.strip() == "hello from allowed.test", err
+    assert env.ups.requests("allowed.test")[-1]["headers"]["host"] == "denied.test"
+
+    # Inside a plain tunnel to allowed.test:80, an absolute-URL request and a CONNECT for
+    # denied.test: both are bytes to allowed.test, which answers them itself.
+    out = raw_connect(
+        env,
+        gw,
+        "allowed.test:80",
+        then="GET http://denied.test/ HTTP/1.1\r\nHost: denied.test\r\nConnection: close\r\n\r\n",
+    )
+    assert " 200" in out.splitlines()[0] and "hello from allowed.test" in out, out
+    out = raw_connect(
+        env, gw, "allowed.test:80", then="CONNECT denied.test:443 HTTP/1.1\r\nHost: denied.test:443\r\n\r\n"
+    )
+    inner = out.split("INNER", 1)[1]
+    assert " 200" in out.splitlines()[0] and "Unsupported method ('CONNECT')" in inner, (
+        out
+    )  # allowed.test's own answer
+    # Relayed through TLS: the HTTPS server gets plaintext CONNECT bytes and answers no tunnel.
+    out = raw_connect(env, gw, "allowed.test:443", then="CONNECT denied.test:443 HTTP/1.1\r\n\r\n")
+    assert " 200" in out.splitlines()[0], out
+    assert (
+        "Connection established" not in out.split("INNER", 1)[-1]
+        and "HTTP/1.1 200" not in out.split("INNER", 1)[-1]
+    )
+    # CONNECT to the gateway itself (a relay through its own port) is an IP literal.
+    out = raw_connect(env, gw, f"{gw.ip}:3128")
+    assert " 403" in out.splitlines()[0]
+    assert gw.log()[-1]["reason"] == "ip literal"
+    assert env.ups.requests("denied.test") == []
+
+
+def test_plain_http_through_the_proxy_checks_host_port_method_and_header_size(env: Env) -> None:
+    gw = env.gateway(
+        allow=[{"host": "allowed.test", "port": 80, "methods": ["GET", "HEAD"]}],
+        allow_private=_private(env),
+    )
+    code, out, err = env.sh(f"{CURL} -x {gw.proxy} http://allowed.test/")
+    assert code == 0 and out.strip() == "hello from allowed.test", err
+    line = gw.last(method="GET", host="allowed.test")
+    assert line["allowed"] is True and line["status"] == 200 and line["door"] == "proxy"
+    assert line["bytes_in"] == len("hello from allowed.test\n")
+
+    cases = [
+        ("http://denied.test/", "", 403, "denied.test", "GET", "not in allowlist"),
+        ("http://allowed.test:8080/", "", 403, "allowed.test", "GET", "not in allowlist"),
+        ("http://allowed.test/", "-X POST -d x=1", 405, "allowed.test", "POST", "method not allowed"),
+        (
+            "http://allowed.test/",
+            "-H 'Host: denied.test'",
+            403,
+            "allowed.test",
+            "GET",
+            "host header differs from the URL",
+        ),
+        (f"http://{env.ups.ip('allowed.test')}/", "", 403, env.ups.ip("allowed.test"), "GET", "ip literal"),
+        ("http://localhost/", "", 403, "localhost", "GET", "reserved name"),
+    ]
+    for url, extra, status, host, method, reason in cases:
+        code, out, err = env.sh(f"{CURL} -o /dev/null -w '%{{http_code}}' -x {gw.proxy} {extra} {url}")
+        assert out == str(status), (url, out, err)
+        line = gw.last(method=method, host=host)
+        assert line["allowed"] is False and line["reason"] == reason and line["status"] == status, line
+
+    # Very long headers: the same allowed request, refused once its headers pass 32 KiB.
+    big = "a" * 40000
+    code, out, _ = env.sh(
+        f"{CURL} -o /dev/null -w '%{{http_code}}' -x {gw.proxy} -H 'X-Pad: {big[:100]}' http://allowed.test/"
+    )
+    assert out == "200"
+    code, out, _ = env.sh(
+        f"{CURL} -o /dev/null -w '%{{http_code}}' -x {gw.proxy} -H 'X-Pad: {big}' http://allowed.test/"
+    )
+    assert out == "431"
+    assert gw.log()[-1]["reason"].startswith("headers larger than") and gw.log()[-1]["allowed"] is False
+    assert all(
+        len(r.get("headers", {}).get("x-pad", "")) < 1000 for r in env.ups.requests("allowed.test")
+    )  # the big one never left the gateway
+
+
+def test_the_engine_has_no_route_and_no_resolver_only_the_gateway_resolves(env: Env) -> None:
+    gw = env.gateway(
+        allow=[{"host": "allowed.test", "port": 443, "methods": None}], allow_private=_private(env)
+    )
+    # The client as fila will start the engine: its resolver is the gateway.
+    engine = _client(env.docker, env.job_net, env.session, env.ups, dns=[gw.ip])
+    try:
+        code, out, err = env.sh(f"{CURL} -x {gw.proxy} https://allowed.test/", client=engine)
+        assert code == 0 and out.strip() == "hello from allowed.test", err
+        # The gateway resolves the name...
+        code, out = gw.container.exec_run(
+            ["python3", "-c", "import socket; print(socket.gethostbyname('allowed.test'))"]
+        )
+        assert code == 0 and out.decode().strip() == env.ups.ip("allowed.test")
+        # ...the engine cannot, neither that name nor an outside one, nor by asking any server.
+        for name in ("allowed.test", "denied.test", "example.com"):
+            code, out, _ = env.sh(f"getent hosts {name}", client=engine)
+            assert code != 0 and out == "", (name, out)
+        code, out, _ = env.sh("dig +time=2 +tries=1 +short example.com", client=engine)
+        assert env.ups.ip("allowed.test") not in out and not any(c.isdigit() for c in out.split(";")[0]), out
+        # No route: the upstream network is not reachable without the proxy.
+        code, _, err = env.sh(
+            f"{CURL} --noproxy '*' --connect-timeout 3 https://{env.ups.ip('allowed.test')}/", client=engine
+        )
+        assert code != 0, err
+    finally:
+        engine.remove(force=True)
+
+
+# ---------------------------------------------------------------- the route door
+
+
+def _routes(env: Env) -> dict[str, Any]:
+    return {
+        "anthropic": {
+            "upstream": "https://model.test",
+            "header": "x-api-key",
+            "format": "{key}",
+            "secret": "anthropic",
+        },
+        "openai": {
+            "upstream": "https://model.test/v1",
+            "header": "authorization",
+            "format": "Bearer {key}",
+            "secret": "openai",
+        },
+    }
+
+
+ANTHROPIC_BODY = {"model": "claude-test", "max_tokens": 50, "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _post(env: Env, url: str, body: dict[str, Any], *headers: str) -> tuple[str, str]:
+    """POST JSON with curl -i from the client: (status, everything the client received)."""
+    hs = " ".join(f"-H {shlex.quote(h)}" for h in ("content-type: application/json", *headers))
+    code, out, err = env.sh(f"{CURL} -i -N {hs} --data-binary {shlex.quote(json.dumps(body))} {url}")
+    assert code == 0, err
+    return out.split(" ", 2)[1], out
+
+
+def test_model_routes_add_the_real_key_drop_the_engines_and_meter_usage(env: Env) -> None:
+    gw = env.gateway(routes=_routes(env))
+    env.ups.clear_requests("model.test")
+    env.ups.set_script(
+        [
+            {
+                "protocol": "anthropic",
+                "reply": {"text": "plain"},
+                "usage": {"input_tokens": 12, "output_tokens": 7},
+            },
+            {
+                "protocol": "anthropic",
+                "reply": {"text": "streamed"},
+                "usage": {"input_tokens": 20, "output_tokens": 9},
+            },
+            {
+                "protocol": "openai",
+                "reply": {"text": "chat"},
+                "usage": {"input_tokens": 31, "output_tokens": 4},
+            },
+        ]
+    )
+    seen = []
+    status, out = _post(
+        env,
+        f"{gw.routes}/anthropic/v1/messages",
+        ANTHROPIC_BODY,
+        f"x-api-key: {PLACEHOLDER}",
+        f"authorization: Bearer {PLACEHOLDER}",
+        "anthropic-version: 2023-06-01",
+    )
+    assert status == "200" and "plain" in out
+    seen.append(out)
+    status, out = _post(
+        env,
+        f"{gw.routes}/anthropic/v1/messages",
+        {**ANTHROPIC_BODY, "stream": True},
+        f"x-api-key: {PLACEHOLDER}",
+    )
+    assert status == "200" and "text/event-stream" in out and "event: message_delta" in out
+    seen.append(out)
+    status, out = _post(
+        env,
+        f"{gw.routes}/openai/chat/completions?key={PLACEHOLDER}",
+        {
+            "model": "gpt-test",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": "hi"}],
+        },
+        f"authorization: Bearer {PLACEHOLDER}",
+        f"x-goog-api-key: {PLACEHOLDER}",
+        f"api-key: {PLACEHOLDER}",
+    )
+    assert status == "200" and "[DONE]" in out
+    seen.append(out)
+
+    reqs = env.ups.requests("model.test")
+    assert [r["path"] for r in reqs] == ["/v1/messages", "/v1/messages", "/v1/chat/completions"]
+    for r, key, header in zip(
+        reqs, (REAL_KEY, REAL_KEY, REAL_OPENAI_KEY), ("x-api-key", "x-api-key", "authorization"), strict=True
+    ):
+        text = json.dumps(r)
+        assert text.count(key) == 1, r  # the real key, exactly once, in its header
+        assert PLACEHOLDER not in text, r  # every credential the engine sent was dropped
+        assert key in r["headers"][header]
+    assert reqs[2]["headers"]["authorization"] == f"Bearer {REAL_OPENAI_KEY}"
+    assert "key" not in (reqs[2].get("query") or {})
+    for out in seen:
+        assert REAL_KEY not in out and REAL_OPENAI_KEY not in out  # the client never sees it
+
+    lines = [e for e in gw.log() if e["door"] == "route"]
+    assert [(e["route"], e["path"], e["status"], e["usage"]) for e in lines] == [
+        ("anthropic", "/v1/messages", 200, {"input_tokens": 12, "output_tokens": 7}),
+        ("anthropic", "/v1/messages", 200, {"input_tokens": 20, "output_tokens": 9}),
+        ("openai", "/chat/completions", 200, {"input_tokens": 31, "output_tokens": 4}),
+    ]
+    assert all(e["allowed"] and e["host"] == "model.test" and e["port"] == 443 for e in lines)
+    assert all(e["bytes_in"] > 0 and e["bytes_out"] > 0 for e in lines)
+    assert REAL_KEY not in (gw.log_dir / "egress.jsonl").read_text()
+
+
+def test_upstream_errors_pass_through_and_an_unknown_route_is_refused(env: Env) -> None:
+    gw = env.gateway(routes=_routes(env))
+    env.ups.set_script(
+        [
+            {"protocol": "anthropic", "reply": {"text": "ok"}},
+            {"protocol": "anthropic", "error": {"status": 429}},
+            {"protocol": "anthropic", "error": {"status": 401}},
+            {"protocol": "anthropic", "error": {"status": 500}},
+        ]
+    )
+    for want in ("200", "429", "401", "500"):
+        status, out = _post(env, f"{gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)
+        assert status == want, out
+    lines = [e for e in gw.log() if e["route"] == "anthropic"]
+    assert [(e["status"], e["allowed"]) for e in lines] == [
+        (200, True),
+        (429, True),
+        (401, True),
+        (500, True),
+    ]
+    assert "rate_limit_error" in out or status == "500"
+
+    status, out = _post(env, f"{gw.routes}/nosuchroute/v1/messages", ANTHROPIC_BODY)
+    assert status == "404" and "unknown route" in out
+    line = gw.last(route="nosuchroute")
+    assert line["allowed"] is False and line["reason"] == "unknown route" and line["status"] == 404
+    assert len(env.ups.requests("model.test")) >= 4
+
+
+def test_budgets_let_requests_under_them_pass_and_answer_429_past_them(env: Env) -> None:
+    gw = env.gateway(routes=_routes(env), budget={"max_requests": 2, "max_tokens": None})
+    env.ups.set_script([{"protocol": "anthropic", "reply": {"text": f"r{i}"}} for i in range(3)])
+    before = len(env.ups.requests("model.test"))
+    assert [_post(env, f"{gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)[0] for _ in range(2)] == [
+        "200",
+        "200",
+    ]
+    status, out = _post(env, f"{gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)
+    assert status == "429"
+    body = json.loads(out.split("\r\n\r\n", 1)[1])
+    assert body["error"]["budget"] == "max_requests" and body["error"]["limit"] == 2
+    line = gw.log()[-1]
+    assert line["budget"] == "max_requests" and line["allowed"] is False and line["status"] == 429
+    assert len(env.ups.requests("model.test")) == before + 2  # the third never left
+
+    # Tokens: 15 per reply (10 in, 5 out); a budget of 25 lets two through, refuses the third.
+    gw = env.gateway(routes=_routes(env), budget={"max_requests": None, "max_tokens": 25})
+    env.ups.set_script(
+        [
+            {
+                "protocol": "anthropic",
+                "reply": {"text": f"t{i}"},
+                "usage": {"input_tokens": 10, "output_tokens": 5},
+            }
+            for i in range(3)
+        ]
+    )
+    assert _post(env, f"{gw.routes}/anthropic/v1/messages", {**ANTHROPIC_BODY, "stream": True})[0] == "200"
+    assert _post(env, f"{gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)[0] == "200"
+    status, out = _post(env, f"{gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)
+    assert status == "429" and '"budget": "max_tokens"' in out
+    assert [e["budget"] for e in gw.log()] == [None, None, "max_tokens"]
+
+
+# ---------------------------------------------------------------- the log and the container
+
+
+def test_the_log_has_one_line_per_decision_with_every_field(env: Env) -> None:
+    gw = env.gateway(
+        allow=[{"host": "allowed.test", "port": 443, "methods": None}],
+        allow_private=_private(env),
+        routes=_routes(env),
+    )
+    assert (gw.log_dir / "ready").is_file()
+    env.ups.set_script([{"protocol": "anthropic", "reply": {"text": "x"}}])
+    env.sh(f"{CURL} -x {gw.proxy} https://allowed.test/ https://denied.test/")
+    _post(env, f"{gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)
+    _post(env, f"{gw.routes}/nope/x", ANTHROPIC_BODY)
+    time.sleep(0.3)
+    lines = gw.log()
+    assert len(lines) == 4, lines
+    for e in lines:
+        assert set(e) == FIELDS, e
+        assert e["t"].endswith("Z") and e["door"] in ("proxy", "route")
+        assert isinstance(e["bytes_in"], int) and isinstance(e["bytes_out"], int)
+    assert sorted((e["door"], e["allowed"]) for e in lines) == [
+        ("proxy", False),
+        ("proxy", True),
+        ("route", False),
+        ("route", True),
+    ]
+
+
+def test_the_gateway_runs_hardened_and_still_works(env: Env) -> None:
+    gw = env.gateway(
+        allow=[{"host": "allowed.test", "port": 443, "methods": None}], allow_private=_private(env)
+    )
+    code, out, err = env.sh(f"{CURL} -x {gw.proxy} https://allowed.test/")
+    assert code == 0 and out.strip() == "hello from allowed.test", err
+    cfg = gw.container.attrs
+    assert cfg["Config"]["User"] == "65534:65534"
+    assert cfg["HostConfig"]["ReadonlyRootfs"] is True
+    assert cfg["HostConfig"]["CapDrop"] == ["ALL"]
+    assert "no-new-privileges" in cfg["HostConfig"]["SecurityOpt"]
+    code, out = gw.container.exec_run(["sh", "-c", "id -u; grep -E '^(Uid|CapEff)' /proc/1/status; touch /x"])
+    text = out.decode()
+    assert text.splitlines()[0] == "65534"
+    assert "CapEff:\t0000000000000000" in text
+    assert "Read-only file system" in text
+
+
+def test_a_bad_config_or_missing_secret_stops_the_gateway_before_it_listens(env: Env) -> None:
+    # Allowed counterpart: the same routes with the secret present start (every test above).
+    gw = env.gateway(routes=_routes(env))
+    assert (gw.log_dir / "ready").exists()
+    (gw.log_dir.parent / "secrets" / "anthropic").unlink()
+    name = f"{gw.container.name}-again"
+    c = env.docker.containers.run(
+        GATEWAY_IMAGE,
+        name=name,
+        detach=True,
+        network=env.job_net,
+        user="65534:65534",
+        read_only=True,
+        cap_drop=["ALL"],
+        tmpfs={"/tmp": "rw,size=64m"},
+        labels=_labels(env.session),
+        volumes={
+            str(gw.log_dir.parent / "config.json"): {"bind": "/etc/fila-gateway/config.json", "mode": "ro"},
+            str(gw.log_dir.parent / "secrets"): {"bind": "/run/fila-gateway/secrets", "mode": "ro"},
+            str(env.ups.ca_file): {"bind": "/etc/fila-gateway/upstream-ca.pem", "mode": "ro"},
+        },
+    )
+    result = c.wait(timeout=60)
+    logs = c.logs().decode(errors="replace")
+    assert result["StatusCode"] != 0
+    assert "routes.anthropic: cannot read the secret" in logs, logs
