@@ -107,8 +107,9 @@ def test_container_is_hardened_before_start(tmp_path, docker_client, shell_image
     assert hc["PidMode"] == "" and hc["IpcMode"] == "private" and hc["UTSMode"] == ""
     assert hc["LogConfig"]["Type"] == "json-file" and "max-size" in hc["LogConfig"]["Config"]
     mounts = {m["Destination"]: m for m in seen["Mounts"]}
-    assert set(mounts) == {"/job", "/job/input"}
-    assert mounts["/job/input"]["RW"] is False and mounts["/job"]["RW"] is True
+    assert set(mounts) == {"/job", "/job/input", "/job/work"}
+    assert mounts["/job"]["RW"] is False and mounts["/job/input"]["RW"] is False
+    assert mounts["/job/work"]["RW"] is True
     assert not any("docker.sock" in m["Source"] for m in seen["Mounts"])
     assert set(hc["Tmpfs"]) == {"/tmp", "/home/fila"}
     uid, gid = sandbox.run_as()
