@@ -156,7 +156,7 @@ def submit(
     override its fields. The task is checked now (engine, policy, limits, targets), so a bad
     task is refused here rather than failing later.
     """
-    from .cycle import parse_task_file
+    from .cycle import parse_task_bytes, parse_task_file
     from .cycle import submit as do_submit
     from .errors import InvalidInput
     from .models import Task
@@ -164,12 +164,10 @@ def submit(
 
     data: dict[str, Any] = {}
     if task_file == "-":
-        import tempfile
+        from .untrusted import MAX_TASK_BYTES
 
-        with tempfile.NamedTemporaryFile("wb", suffix=".json") as f:
-            f.write(sys.stdin.buffer.read())
-            f.flush()
-            data = parse_task_file(Path(f.name)).model_dump(exclude_none=True)
+        raw = sys.stdin.buffer.read(MAX_TASK_BYTES + 1)  # capped: stdin may be endless
+        data = parse_task_bytes(raw, source="stdin").model_dump(exclude_none=True)
     elif task_file:
         data = parse_task_file(Path(task_file)).model_dump(exclude_none=True)
     opts = {

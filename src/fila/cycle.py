@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import jobdir, queue
+from . import jobdir, queue, untrusted
 from .engines import Engine, get_engine
 from .errors import (
     FilaError,
@@ -70,9 +70,23 @@ class Checked:
 
 
 def parse_task_file(path: Path, *, expected_id: str | None = None) -> Task:
-    data = load_json(path, "task")
-    validate_document("task", data, path=path)
+    """An untrusted task file (fila/in/, `fila submit FILE`): never blocks, never follows a link."""
+    return parse_task_data(load_json(path, "task"), path=path, expected_id=expected_id)
+
+
+def parse_task_bytes(raw: bytes, *, source: str) -> Task:
+    """An untrusted task read from a stream (`fila submit -`), capped by the caller."""
+    if len(raw) > untrusted.MAX_TASK_BYTES:
+        raise InvalidTaskFile(f"the task is above the {untrusted.MAX_TASK_BYTES}-byte limit", path=source)
+    return parse_task_data(
+        untrusted.parse_json(raw, kind="task", error=InvalidTaskFile, path=source), path=source
+    )
+
+
+def parse_task_data(data: Any, *, path: Path | str, expected_id: str | None = None) -> Task:
+    validate_document("task", data, path=path)  # the schema, then the model: names the field
     task = Task.model_validate(data)
+    check_names(task, path=path)
     if expected_id and task.id and task.id != expected_id:
         raise InvalidTaskFile(
             f"id {task.id!r} differs from the file name's {expected_id!r}", field="id", path=path
@@ -80,8 +94,28 @@ def parse_task_file(path: Path, *, expected_id: str | None = None) -> Task:
     return task
 
 
+def check_names(task: Task, *, path: Path | str | None = None) -> None:
+    """Names and paths a task hands to file names, argv and terminals hold no control or bidi
+    characters (prompt and command may: they are text, quoted where shown)."""
+    untrusted.check_names(
+        [
+            ("id", task.id),
+            ("engine", task.engine),
+            ("model", task.model),
+            ("policy", task.policy),
+            ("project", task.project),
+            ("image", task.image),
+            *((f"targets.{i}", t) for i, t in enumerate(task.targets)),
+            *((f"fallback.{i}", f) for i, f in enumerate(task.fallback)),
+        ],
+        error=InvalidTaskFile,
+        path=path,
+    )
+
+
 def check_task(root: Root, task: Task) -> Checked:
     """Everything that can be known to be wrong before a container exists."""
+    check_names(task)
     engine = get_engine(task.engine)
     engine.config(task)
     for name in task.fallback:
@@ -238,6 +272,7 @@ def _reject_invalid(root: Root, claim: queue.Claim, err: InvalidInput) -> Record
     keep the file in fila/rejected/. A crash between leaves a claim that recovery rejects."""
     tid = claim.task_id
     kept = root.rejected_dir / f"{tid}.json"
+    where = f"file kept in {kept}" if queue.keepable(claim.path) else f"entry removed; see {kept}.reason"
 
     def guard(_cur: Record | None) -> None:
         if not queue.holds(claim):
@@ -251,7 +286,7 @@ def _reject_invalid(root: Root, claim: queue.Claim, err: InvalidInput) -> Record
             expect={None, Status.queued},
             guard=guard,
             event="rejected",
-            error=ErrorInfo(kind=ErrorKind.invalid, message=f"{err} (file kept in {kept})"),
+            error=ErrorInfo(kind=ErrorKind.invalid, message=f"{err} ({where})"),
         )
     except queue.LeaseLost:
         return _lost(root, claim)
@@ -342,6 +377,14 @@ def run_one(
             f"removed and work/ may hold a partial change. {RETRY_HINT}",
         )
     except InfraError as e:
+        refusal = docker_refusal(e)
+        if refusal is not None and not run.container_started:
+            # Docker refused this task's request itself: retrying cannot help, and the next
+            # task must still run. The task's record says why; the run goes on.
+            return run.finish(
+                Status.failed,
+                error=ErrorInfo(kind=ErrorKind.invalid, message=f"Docker refused this task: {refusal}"),
+            )
         if not run.container_started:
             run.requeue(e, outcome="requeued")
             raise
@@ -362,6 +405,18 @@ def run_one(
         else:
             run.requeue(InfraError(msg), outcome="handed back")
         raise
+
+
+def docker_refusal(err: BaseException) -> str | None:
+    """Docker's own words when it refused a request as malformed (HTTP 400: an invalid image
+    reference, a parameter or a limit out of range), else None. A 400 is the
+    request's fault, never the daemon's health: it is the task's outcome, not an outage."""
+    from docker.errors import APIError
+
+    cause = err.__cause__
+    if isinstance(cause, APIError) and cause.status_code == 400:
+        return str(cause.explanation or cause)
+    return None
 
 
 def _run_engines(run: _Run, checked: Checked, ref: Any, attempt: int, t0: float) -> Record | None:
@@ -566,7 +621,18 @@ def claimable(root: Root, path: Path, now: float) -> bool:
     return rec.status == Status.queued and not (rec.not_before and rec.not_before > now)
 
 
-def next_claim(root: Root, worker: str) -> queue.Claim | None:
+def reject_strays(root: Root, progress: Callable[[str], None] = lambda _m: None) -> None:
+    """Move every entry of in/ that can never be a task to fila/rejected/ with its reason."""
+    for path in queue.stray_entries(root):
+        kept = queue.reject_stray(root, path)
+        if kept is not None:
+            progress(f"{path.name!r} in fila/in is not a task file name: rejected ({kept}.reason)")
+
+
+def next_claim(
+    root: Root, worker: str, progress: Callable[[str], None] = lambda _m: None
+) -> queue.Claim | None:
+    reject_strays(root, progress)
     now = time.time()
     for path in queue.queued_files(root):
         if claimable(root, path, now):

@@ -158,7 +158,8 @@ def live_workers(root: Root) -> list[str]:
 
 def heartbeat_age(path: Path, now: float | None = None) -> float | None:
     try:
-        return (now or time.time()) - path.stat().st_mtime
+        # lstat: a claim may be a symlink dropped in fila/in/; its target's mtime is not the lease.
+        return (now or time.time()) - path.lstat().st_mtime
     except FileNotFoundError:
         return None
 

@@ -5,13 +5,14 @@ from __future__ import annotations
 import fnmatch
 import functools
 import hashlib
-import json
+import os
 import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import untrusted
 from .assets import shipped_dir
 from .errors import InvalidPolicy, InvalidTaskFile, UnknownPolicy
 from .layout import Root
@@ -40,16 +41,14 @@ def validate_document(kind: str, data: Any, *, path: Path | str | None = None) -
 
 
 def load_json(path: Path, kind: str) -> Any:
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        cls = InvalidTaskFile if kind == "task" else InvalidPolicy
-        raise cls(f"{kind} file not found", path=path) from None
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        cls = InvalidTaskFile if kind == "task" else InvalidPolicy
-        raise cls(f"malformed JSON: {e}", path=path) from None
+    """An untrusted task or policy file, through the one safe reader (untrusted.py)."""
+    return _read(path, kind)[0]
+
+
+def _read(path: Path, kind: str) -> tuple[Any, bytes]:
+    cls = InvalidTaskFile if kind == "task" else InvalidPolicy
+    cap = untrusted.MAX_TASK_BYTES if kind == "task" else untrusted.MAX_POLICY_BYTES
+    return untrusted.read_json(path, kind=kind, cap=cap, error=cls)
 
 
 def policy_names(root: Root) -> list[str]:
@@ -63,7 +62,7 @@ def policy_path(root: Root, name: str) -> Path:
     if valid_id(name):
         for d in (root.policies_dir, shipped_dir("policies")):
             p = d / f"{name}.json"
-            if p.is_file():
+            if os.path.lexists(p):  # whatever it is: the reader says why it is not a policy
                 return p
     raise UnknownPolicy(
         f"unknown policy {name!r}",
@@ -73,12 +72,22 @@ def policy_path(root: Root, name: str) -> Path:
 
 def load_policy(root: Root, name: str) -> tuple[Policy, PolicyRef]:
     path = policy_path(root, name)
-    data = load_json(path, "policy")
+    # The hash is of the bytes that were parsed: a second read could see another file.
+    data, raw = _read(path, "policy")
     validate_document("policy", data, path=path)
     policy = Policy.model_validate(data)
     if policy.default_timeout_ms > policy.max_timeout_ms:
         raise InvalidPolicy("default_timeout_ms is above max_timeout_ms", path=path)
-    sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    untrusted.check_names(
+        [
+            *(("deny", d) for d in policy.deny),
+            *(("images", i) for i in policy.images),
+            ("runtime", policy.runtime),
+        ],
+        error=InvalidPolicy,
+        path=path,
+    )
+    sha = hashlib.sha256(raw).hexdigest()
     return policy, PolicyRef(name=name, sha256=sha)
 
 

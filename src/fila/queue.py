@@ -30,6 +30,7 @@ import fcntl
 import json
 import os
 import secrets
+import stat
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import fsutil
+from . import fsutil, untrusted
 from .errors import DuplicateId, InvalidTransition, NotFound, Refused
 from .faults import crash_point
 from .layout import Root, check_id
@@ -332,16 +333,47 @@ def task_json(task: Task) -> str:
     return task.model_dump_json(indent=2, exclude_none=True) + "\n"
 
 
+def _is_task_name(name: str) -> bool:
+    return name.endswith(".json") and valid_id(name[: -len(".json")])
+
+
 def queued_files(root: Root) -> list[Path]:
-    """Task files waiting in in/, oldest first. Hidden and temporary files are not tasks."""
+    """Task files waiting in in/ (`<id>.json`, whatever kind of entry), oldest first. Hidden
+    and temporary files are not tasks; other names are `stray_entries`."""
     out = []
     with os.scandir(root.in_dir) as it:
         for e in it:
-            if e.name.startswith(".") or not e.name.endswith(".json"):
+            if e.name.startswith(".") or not _is_task_name(e.name):
                 continue
             with contextlib.suppress(FileNotFoundError):
                 out.append((e.stat(follow_symlinks=False).st_mtime_ns, e.name, Path(e.path)))
     return [p for _, _, p in sorted(out)]
+
+
+def stray_entries(root: Root) -> list[Path]:
+    """Entries of in/ that can never be a task: not hidden, and not named `<id>.json` (a name
+    with a space, a control character or a trailing newline, another suffix)."""
+    with os.scandir(root.in_dir) as it:
+        return sorted(Path(e.path) for e in it if not e.name.startswith(".") and not _is_task_name(e.name))
+
+
+def reject_stray(root: Root, src: Path) -> Path | None:
+    """Move a stray entry to fila/rejected/ under a safe name, with a `.reason` that names it.
+    Its name is never used as an id or as a file name. None when another worker moved it."""
+    try:
+        mode = os.lstat(src).st_mode
+    except FileNotFoundError:
+        return None
+    what = "a file" if stat.S_ISREG(mode) else untrusted.entry_kind(mode)
+    reason = (
+        f"{src.name!r} ({what}) in {root.in_dir} is not a task file: a task file is named <id>.json "
+        f"with the id made of 1-128 of [A-Za-z0-9._-]; rename it and drop it again"
+    )
+    try:
+        safe = f"stray.{untrusted.safe_name(src.name)}.{secrets.token_hex(3)}"
+        return reject_file(root, src, reason, name=safe)
+    except FileNotFoundError:
+        return None
 
 
 @dataclass(frozen=True)
@@ -390,7 +422,7 @@ def try_claim(root: Root, src: Path, worker: str) -> Claim | None:
     try:
         # rename keeps the mtime, and the claim's mtime is its heartbeat: a task that waited
         # longer than the lease TTL would look stale the moment it is claimed.
-        os.utime(src)
+        os.utime(src, follow_symlinks=False)  # a symlink's target is never touched
         fsutil.durable_rename(src, claim.path)
     except FileNotFoundError:
         return None  # another worker won
@@ -401,21 +433,22 @@ def try_claim(root: Root, src: Path, worker: str) -> Claim | None:
 def heartbeat(claim: Claim) -> bool:
     """Refresh the lease; False when it is gone (reaped), so the worker must not publish."""
     try:
-        os.utime(claim.path)
+        os.utime(claim.path, follow_symlinks=False)
         return True
     except FileNotFoundError:
         return False
 
 
 def holds(claim: Claim) -> bool:
-    return claim.path.exists()
+    # lexists: a claimed entry may be a dangling symlink (a hostile drop) and is still held.
+    return os.path.lexists(claim.path)
 
 
 def _fence(claim: Claim, *, suffix: str = "json") -> Callable[[Record | None], None]:
     """A guard: the claim (or its tombstone) still exists and the record is this worker's."""
 
     def guard(cur: Record | None) -> None:
-        if not claim.tombstone(suffix).exists():
+        if not os.path.lexists(claim.tombstone(suffix)):
             raise LeaseLost(f"{claim.name}: the claim is gone")
         if cur is None or cur.status != S.running or cur.worker != claim.worker:
             raise LeaseLost(
@@ -677,13 +710,30 @@ def retry(root: Root, task_id: str, *, by: str, reason: str | None = None) -> Re
         return rec
 
 
+def keepable(path: Path) -> bool:
+    """False for a FIFO, socket or device: rejecting it removes it instead of keeping it."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return True
+    return not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode) or stat.S_ISCHR(mode) or stat.S_ISBLK(mode))
+
+
 def reject_file(root: Root, src: Path, reason: str, *, name: str | None = None) -> Path:
-    """Keep an invalid task file in fila/rejected/ beside `<name>.reason`; never delete it."""
+    """Keep an invalid task file in fila/rejected/ beside `<name>.reason`; never delete it.
+    A FIFO, socket or device holds no content to keep and must never sit where someone may open
+    it: it is removed, and the `.reason` says so."""
     root.rejected_dir.mkdir(parents=True, exist_ok=True)
     dst = root.rejected_dir / (name or src.name)
-    if dst.exists():
+    if os.path.lexists(dst):
         dst = root.rejected_dir / f"{dst.stem}.{secrets.token_hex(3)}{dst.suffix}"
-    fsutil.durable_rename(src, dst)
+    if not keepable(src):
+        what = untrusted.entry_kind(os.lstat(src).st_mode)
+        os.unlink(src)
+        fsutil.fsync_dir(src.parent)
+        reason = f"{reason.rstrip()}\n{what} holds no content to keep: it was removed"
+    else:
+        fsutil.durable_rename(src, dst)
     fsutil.atomic_write(dst.with_name(dst.name + ".reason"), reason.rstrip() + "\n")
     return dst
 

@@ -33,6 +33,7 @@ import contextlib
 import fcntl
 import json
 import os
+import stat
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
@@ -445,7 +446,7 @@ def _settle_task(root: Root, tid: str, dk: _Docker, rep: Report) -> None:
     with queue.locked(root, tid):
         cur = queue.read_record(root, tid)
         in_file = root.queued_path(tid)
-        has_file = in_file.exists()
+        has_file = os.path.lexists(in_file)  # a dangling symlink dropped there is a file too
         has_claim = bool(queue.claim_files(root, tid))
         if cur is None:
             return
@@ -603,7 +604,10 @@ def _sweep_temp_files(root: Root, ttl: float, rep: Report) -> None:
             # record is an interrupted write, however young. Elsewhere, age tells.
             held = queue.locked(root, tid) if tid and d == root.out_dir else None
             with held or contextlib.nullcontext(), contextlib.suppress(FileNotFoundError):
-                if held is not None or now - p.lstat().st_mtime > ttl:
+                st = p.lstat()
+                if not stat.S_ISREG(st.st_mode):
+                    continue  # fila's temp files are regular files: a directory or FIFO is not one
+                if held is not None or now - st.st_mtime > ttl:
                     p.unlink()
                     rep.add(root, tid, "temp file removed", f"{p} (a write was interrupted)")
 

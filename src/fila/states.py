@@ -10,8 +10,9 @@ _ID_RE = re.compile(ID_PATTERN)
 
 
 def valid_id(value: str) -> bool:
-    # "." and ".." match the character class but are path tricks.
-    return bool(_ID_RE.match(value)) and value not in {".", ".."}
+    # "." and ".." match the character class but are path tricks. fullmatch: with re.match, `$`
+    # also matches before a trailing newline, and "x\n" would pass as an id.
+    return bool(_ID_RE.fullmatch(value)) and value not in {".", ".."}
 
 
 class Status(StrEnum):

@@ -310,7 +310,7 @@ class Worker:
     def _fill(self) -> int:
         started = 0
         while len(self.active) < self.concurrency:
-            claim = cycle.next_claim(self.root, self.id)
+            claim = cycle.next_claim(self.root, self.id, self.progress)
             if claim is None:
                 break
             job = _Job(self, claim)
@@ -412,7 +412,7 @@ class Worker:
         while not self.stopped.wait(lease.HEARTBEAT_S):
             for job in list(self.active.values()):
                 try:
-                    os.utime(job.claim.path)
+                    os.utime(job.claim.path, follow_symlinks=False)
                 except FileNotFoundError:
                     # Reaped (or won/handed back by the job itself, after which it checks
                     # nothing): the job's next check raises LeaseLost.
