@@ -156,6 +156,8 @@ def _up_to_date(img: Any, ctx_hash: str, base: str | None, ca_hash: str | None) 
         return False
     if base is not None and labels.get(LABEL_BASE) != base:
         return False
+    if labels.get(LABEL_BASE) == DEBIAN_TAG and labels.get(LABEL_DEFINITION) != _definition_hash():
+        return False  # built on a Debian base whose definition changed since (label inherited)
     return ca_hash is None or labels.get(LABEL_CA) == ca_hash
 
 

@@ -98,7 +98,8 @@ class Upstreams:
     def set_script(self, script: list[dict[str, Any]] | dict[str, Any]) -> None:
         """Replace the model server's script (a list of steps, or {"steps": [...]}); every step
         is unused again. The server re-reads the file on its next request."""
-        doc = {"steps": script} if isinstance(script, list) else script
+        doc = {"steps": script} if isinstance(script, list) else dict(script)
+        doc["written"] = uuid.uuid4().hex  # new content, so the server resets even for the same steps
         tmp = self.script_file.with_name(f".script-{uuid.uuid4().hex}.json")
         tmp.write_text(json.dumps(doc))
         tmp.chmod(0o644)

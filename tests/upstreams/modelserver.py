@@ -92,29 +92,35 @@ def has_tool_result(protocol: str, body: dict[str, Any]) -> bool:
 
 
 class Script:
-    """The steps and which are used; re-read when the file changes (then nothing is used yet)."""
+    """The steps and which are used. The file is re-read when its content changes (then nothing
+    is used yet); a POSTed script replaces the steps until the file changes again."""
 
     def __init__(self, path: Path | None) -> None:
         self.path = path
         self.lock = threading.Lock()
         self.steps: list[dict[str, Any]] = []
         self.used: list[bool] = []
-        self.digest = ""
+        self.file_digest = ""
 
     def _reload(self) -> None:
         if self.path is None or not self.path.is_file():
             return
         raw = self.path.read_bytes()
         digest = hashlib.sha256(raw).hexdigest()
-        if digest != self.digest:
-            self.set(json.loads(raw or b"{}"), digest)
+        if digest != self.file_digest:
+            self.set(json.loads(raw or b"{}"))
+            self.file_digest = digest
 
-    def set(self, doc: Any, digest: str | None = None) -> None:
+    def set(self, doc: Any) -> None:
         steps = doc.get("steps", []) if isinstance(doc, dict) else doc
         if not isinstance(steps, list) or not all(isinstance(s, dict) for s in steps):
             raise ValueError("a script is {'steps': [ {...}, ... ]}")
         self.steps, self.used = steps, [False] * len(steps)
-        self.digest = digest or hashlib.sha256(json.dumps(doc).encode()).hexdigest()
+
+    def post(self, doc: Any) -> None:
+        with self.lock:
+            self._reload()  # a pending file change must not undo this script later
+            self.set(doc)
 
     def take(self, protocol: str, tool_result: bool) -> tuple[int, dict[str, Any]] | None:
         """The first unused step for this protocol whose rule matches; marked used."""
@@ -550,7 +556,7 @@ class Handler(BaseHTTPRequestHandler):
     def _control(self, path: str, body: bytes) -> None:
         if path == "/_control/script" and self.command == "POST":
             try:
-                self.script.set(json.loads(body))
+                self.script.post(json.loads(body))
             except ValueError as e:
                 self._json(400, {"error": f"bad script: {e}"})
                 return
