@@ -430,6 +430,9 @@ def show(task_id: str, root: RootOpt = None, json_: JsonOpt = False) -> None:
         lines.append(f"log:       {r.path / rec.log_path}")
     for w in rec.warnings:
         lines.append(f"warning:   {_safe(w)}")
+    from .egress import lines as egress_lines
+
+    lines += egress_lines(rec.egress)
     if rec.decision:
         d = rec.decision
         lines.append(f"decision:  {d.action} by {d.by} at {d.at}" + (f": {d.reason}" if d.reason else ""))
@@ -690,6 +693,26 @@ def gc_cmd(
     for c in got:
         typer.echo(f"{verb} {c.id} ({c.status} {c.decided_at}, {c.bytes >> 10} KiB)")
     typer.echo(f"{verb} {len(got)} job directories ({sum(c.bytes for c in got) >> 10} KiB)")
+
+
+@app.command()
+def doctor(
+    root: RootOpt = None,
+    json_: JsonOpt = False,
+    no_self_test: Annotated[
+        bool, typer.Option("--no-self-test", help="skip the containers of the self-test")
+    ] = False,
+) -> None:
+    """Check this host: the container engine, runtimes, images built, every policy of the root,
+    and a self-test with real containers (no network under none, the allowlist lets a listed host
+    through and refuses another, input/ read-only, no capabilities). Exit 1 naming what failed."""
+    from . import doctor as dr
+    from .errors import FilaError
+
+    rep = dr.run(_root(root), self_test=not no_self_test, progress=_err)
+    typer.echo(dr.to_json(rep) if json_ else dr.render(rep))
+    if rep.failed:
+        raise FilaError(f"doctor: failed checks: {', '.join(rep.failed)}")
 
 
 @app.command()

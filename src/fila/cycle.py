@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import jobdir, queue, untrusted
+from . import egress, jobdir, queue, untrusted
 from .engines import Engine, get_engine
 from .errors import (
     FilaError,
@@ -458,7 +458,8 @@ def _run_engines(run: _Run, checked: Checked, ref: Any, attempt: int, t0: float)
             timeout_ms=checked.effective.timeout_ms,
             log_path=root.log_path(tid),
             labels={"fila.root": str(root.path), "fila.worker": run.claim.worker},
-            redact=[*inv.secrets, *secrets],
+            redact=[*inv.secrets, *secrets, *egress.secret_values(checked.policy)],
+            egress_dir=root.meta(tid) / "egress",
         )
 
         image_ref = ImageRef(tag=image, id=ref.id)
@@ -531,12 +532,18 @@ def _run_engines(run: _Run, checked: Checked, ref: Any, attempt: int, t0: float)
             container=result.container_name,
             log_path=str(root.log_path(tid).relative_to(root.path)),
             warnings=warnings,
+            egress=result.egress,
             **diff_fields,
         )
         outcome = _classify(engine, result, root.log_path(tid), checked)
         if diff_error and outcome.kind == "success":
             outcome = _Out(ErrorKind.engine_error, f"the engine's output breaks a limit: {diff_error}")
-        if outcome.kind == ErrorKind.quota and i + 1 < len(engines):
+        budget = egress.budget_message(result.egress)
+        if budget:  # the job's budget, not the engine's quota: no fallback engine gets a new one
+            warnings.append(budget)
+            if outcome.kind != "success":
+                outcome = _Out(ErrorKind.quota, f"{budget}; {outcome.msg}")
+        if outcome.kind == ErrorKind.quota and i + 1 < len(engines) and not budget:
             attempts_done.append(
                 Attempt(
                     number=attempt,

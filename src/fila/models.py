@@ -86,15 +86,72 @@ class Tmpfs(BaseModel):
     home: Size = "256m"
 
 
+HOST_PATTERN = r"^(\*\.)?[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*\.?$"
+ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
+HTTP_METHOD_PATTERN = r"^[A-Z]{1,16}$"
+
+
+class AllowEntry(BaseModel):
+    """One host the engine may reach through the gateway's forward proxy."""
+
+    model_config = ConfigDict(extra="forbid")
+    host: str = Field(
+        max_length=253, pattern=HOST_PATTERN, description="a DNS name, or *.suffix for its subdomains"
+    )
+    port: int = Field(default=443, ge=1, le=65535)
+    methods: list[Annotated[str, Field(pattern=HTTP_METHOD_PATTERN)]] | None = Field(
+        default=None, description="plain-HTTP methods allowed (e.g. GET, HEAD); null: any"
+    )
+
+
+class Route(BaseModel):
+    """A model route: the gateway forwards /<name>/... to `upstream`, adding the real credential."""
+
+    model_config = ConfigDict(extra="forbid")
+    upstream: str | None = Field(
+        default=None, pattern=r"^https?://[^/?#@\s]+/?$", description="default: the known route's"
+    )
+    credential: str | None = Field(
+        default=None, pattern=ENV_NAME_PATTERN, description="name of the host environment variable"
+    )
+    credential_file: str | None = Field(
+        default=None, description="file holding the credential (regular, owned by fila's user, 0600)"
+    )
+    header: str | None = Field(default=None, pattern=r"^[A-Za-z0-9-]{1,64}$")
+    format: str | None = Field(default=None, description="header value, with {key}")
+    ca_file: str | None = Field(default=None, description="CA bundle the gateway trusts for upstream")
+
+
+class Egress(BaseModel):
+    """What `network: allowlist` lets out, through the job's gateway."""
+
+    model_config = ConfigDict(extra="forbid")
+    allow: list[AllowEntry] = Field(default_factory=list)
+    routes: dict[str, Route] = Field(default_factory=dict, description="anthropic, openai, gemini")
+    allow_private: list[str] = Field(
+        default_factory=list, description="CIDRs of private addresses allowed (internal mirrors)"
+    )
+    max_requests: int | None = Field(default=None, gt=0, description="route requests per job")
+    max_tokens: int | None = Field(default=None, gt=0, description="input + output tokens per job")
+    egress_network: str = Field(
+        default="fila-egress",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$",
+        description="Docker network the gateway reaches upstreams on",
+    )
+
+
 class Policy(BaseModel):
     """A policy file, `policies/<name>.json`. A task may narrow it, never widen it."""
 
     model_config = ConfigDict(extra="forbid", title="fila policy")
 
     description: str = ""
-    network: Literal["none", "bridge"] = Field(
-        default="none", description="none: no network at all; bridge: Docker's default bridge"
+    network: Literal["none", "bridge", "allowlist"] = Field(
+        default="none",
+        description="none: no network at all; bridge: Docker's default bridge; "
+        "allowlist: only the egress hosts and routes, through a per-job gateway",
     )
+    egress: Egress | None = Field(default=None, description="network allowlist: hosts, routes, budget")
     max_timeout_ms: int = Field(gt=0, description="cap for a task's timeout")
     default_timeout_ms: int = Field(gt=0, description="timeout when the task gives none")
     grace_ms: int = Field(default=10_000, ge=0, description="SIGTERM to SIGKILL grace period")
@@ -156,6 +213,43 @@ class Decision(BaseModel):
     reason: str | None = None
 
 
+class EgressRequest(BaseModel):
+    """One decision of the gateway, as it logged it (egress.jsonl)."""
+
+    t: str | None = None
+    door: str | None = None
+    method: str | None = None
+    host: str | None = None
+    port: int | None = None
+    route: str | None = None
+    path: str | None = None
+    allowed: bool = False
+    reason: str | None = None
+    status: int | None = None
+    bytes_in: int | None = None
+    bytes_out: int | None = None
+    usage: dict[str, int] | None = None
+    budget: str | None = None
+
+
+class RouteSummary(BaseModel):
+    requests: int = 0
+    statuses: dict[str, int] = Field(default_factory=dict)
+    input_tokens: int = 0
+    output_tokens: int = 0
+
+
+class EgressRecord(BaseModel):
+    """What the job's gateway saw: each request (capped), per route totals, the budget."""
+
+    requests: list[EgressRequest] = Field(default_factory=list)
+    dropped: int = Field(default=0, description="lines not kept (cap, unreadable)")
+    routes: dict[str, RouteSummary] = Field(default_factory=dict)
+    allowed: int = 0
+    denied: int = 0
+    budget_exhausted: str | None = Field(default=None, description="max_requests or max_tokens")
+
+
 class Record(BaseModel):
     """The review record, `fila/out/<id>.json`. Written atomically by `queue.set_status` only."""
 
@@ -186,6 +280,7 @@ class Record(BaseModel):
     warnings: list[str] = Field(default_factory=list)
     decision: Decision | None = None
     diagnosis: str | None = None
+    egress: EgressRecord | None = Field(default=None, description="network allowlist: the gateway's log")
 
     def to_json(self) -> str:
         return self.model_dump_json(indent=2, exclude_none=False) + "\n"

@@ -87,6 +87,9 @@ def load_policy(root: Root, name: str) -> tuple[Policy, PolicyRef]:
         error=InvalidPolicy,
         path=path,
     )
+    from . import egress  # network allowlist: routes, names, credentials (errors name the field)
+
+    egress.validate(policy, path=path)
     sha = hashlib.sha256(raw).hexdigest()
     return policy, PolicyRef(name=name, sha256=sha)
 

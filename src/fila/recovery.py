@@ -660,6 +660,23 @@ def _sweep_containers(root: Root, dk: _Docker, rep: Report) -> None:
                 f"{c.name} ({c.status}): no live worker holds its task",
                 container=c.name,
             )
+    _sweep_egress(root, client, rep)
+
+
+def _sweep_egress(root: Root, client: Any, rep: Report) -> None:
+    """Job networks and gateway directories (secrets) of jobs no live worker holds: after the
+    containers, so their gateways are gone and the networks can be removed."""
+    from . import egress
+
+    try:
+        removed = egress.sweep(
+            client, root.path, root.meta_dir, lambda tid, worker: _has_claim(root, tid, worker)
+        )
+    except (*_docker_errors(), OSError) as e:
+        rep.add(root, None, "error", f"could not sweep job networks or gateway directories: {e}")
+        return
+    for what in removed:
+        rep.add(root, None, "egress removed", f"{what}: no live worker holds its task")
 
 
 def _docker_errors() -> tuple[type[BaseException], ...]:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import fsutil, jobdir, patch
+from . import egress, fsutil, jobdir, patch
 from .errors import NotFound
 from .fswalk import escape_name, inert
 from .layout import Root
@@ -267,7 +267,7 @@ def render_text(rv: Review, *, color: bool) -> str:
     def paint(kind: str, text: str) -> str:
         return f"{_ANSI[kind]}{text}{_RESET}" if color and kind in _ANSI else text
 
-    out = summary_lines(rv)
+    out = summary_lines(rv) + egress.lines(rv.record.egress)
     if rv.warnings:
         out.append(paint("warn", f"warnings  {len(rv.warnings)}"))
         out += [paint("warn", f"  ! {w}") for w in rv.warnings]
@@ -318,6 +318,7 @@ def to_json(rv: Review) -> dict[str, Any]:
         "files": [{"path": escape_name(f.path), "kind": f.kind, "old_mode": f.old_mode,
                    "new_mode": f.new_mode, "added": f.added, "deleted": f.deleted,
                    "binary": f.binary} for f in files],
+        "egress": rv.record.egress.model_dump(mode="json") if rv.record.egress else None,
         "record": rv.record.model_dump(mode="json"),
     }  # fmt: skip
 
@@ -365,6 +366,9 @@ def render_html(rv: Review, log_tail: bytes) -> str:
     parts.append(f"<h2>Warnings ({len(rv.warnings)})</h2>")
     parts.append('<ul class="warn">' + "".join(f"<li>{_h(w)}</li>" for w in rv.warnings) + "</ul>"
                  if rv.warnings else '<p class="none">none</p>')  # fmt: skip
+    if rec.egress is not None:
+        parts.append("<h2>Egress</h2>")
+        parts.append(f'<pre class="log">{_h(chr(10).join(egress.lines(rec.egress)))}</pre>')
     parts.append("<h2>Diff</h2>")
     if rv.data:
         parts += _html_diff(rv)

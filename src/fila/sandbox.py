@@ -51,6 +51,8 @@ class RunSpec:
     log_path: Path
     labels: dict[str, str]
     redact: list[str] = field(default_factory=list)
+    # network allowlist: the gateway's config, secrets and log (0700; never under job_dir)
+    egress_dir: Path | None = None
 
 
 @dataclass
@@ -68,6 +70,7 @@ class RunResult:
     log_truncated: bool
     warnings: list[str] = field(default_factory=list)  # what reclaiming the job dir found
     limit_exceeded: str | None = None  # the container was killed for breaking a disk limit
+    egress: Any = None  # models.EgressRecord: what the job's gateway logged (network allowlist)
 
 
 def docker_client(timeout: float = 60) -> docker.DockerClient:
@@ -121,7 +124,7 @@ def container_name(job_id: str) -> str:
     return f"fila-{job_id[:100]}-{secrets.token_hex(4)}"
 
 
-def create_kwargs(spec: RunSpec, name: str) -> dict[str, Any]:
+def create_kwargs(spec: RunSpec, name: str, gateway: Any = None) -> dict[str, Any]:
     """Everything the container is created with. The image controls none of the entrypoint,
     command, user or workdir (runc CVE-2024-21626 was a workdir trick); its ENV only fills the
     names `spec.env` leaves unset, and never comes from the host."""
@@ -161,7 +164,7 @@ def create_kwargs(spec: RunSpec, name: str) -> dict[str, Any]:
             Mount(f"{JOB_MOUNT}/input", str(input_dir), type="bind", read_only=True),
             Mount(f"{JOB_MOUNT}/work", str(work_dir), type="bind", read_only=False),
         ],
-        network_mode=p.network,
+        network_mode=p.network if p.network != "allowlist" else "none",
         mem_limit=mem,
         memswap_limit=mem,
         nano_cpus=int(cpus * 1e9),
@@ -184,7 +187,12 @@ def create_kwargs(spec: RunSpec, name: str) -> dict[str, Any]:
         tty=False,
     )
     if p.runtime:
-        kwargs["runtime"] = p.runtime
+        kwargs["runtime"] = docker_runtime(p)
+    if p.network == "allowlist" and gateway is not None:  # without one: no network at all
+        # The job network only: the gateway is the engine's proxy, resolver and model routes.
+        kwargs["network_mode"] = gateway.network
+        kwargs["dns"] = [gateway.ip]
+        kwargs["environment"] = {**gateway.engine_env(), **kwargs["environment"]}
     return kwargs
 
 
@@ -414,7 +422,14 @@ def run(
     owner = host if (uid, gid) != host else None
     if owner is not None:
         jobdir.hand_over(spec.job_dir, uid, gid)
+    gateway = None
+    left: list[str] = []
     try:
+        if spec.policy.runtime:
+            _check_runtime(client, spec)
+        if spec.policy.network == "allowlist":
+            gateway = _start_gateway(client, spec, uid, gid)
+            kwargs = create_kwargs(spec, name, gateway)
         try:
             container = client.containers.create(**kwargs)
         except ImageNotFound as e:
@@ -432,16 +447,83 @@ def run(
             _remove(client, name)
         except _DOCKER_ERRORS as e:
             raise _docker_error(spec, f"removing container {name}", e) from e
-        result.warnings = jobdir.reclaim(spec.job_dir, owner=owner)
+        if gateway is not None:
+            from . import egress
+
+            result.egress = egress.collect(gateway)
+            gw, gateway = gateway, None
+            try:
+                egress.stop(client, gw)
+            except InfraError as e:  # the run itself is complete: say what is left, keep the result
+                left.append(f"{e}; `fila recover` removes it")
+        result.warnings = jobdir.reclaim(spec.job_dir, owner=owner) + left
         return result
     except BaseException as exc:
         # Removed by name: an interrupted create may have made the container without telling us.
         _cleanup_after_failure(client, name, exc)
+        if gateway is not None:
+            _stop_gateway_after_failure(client, gateway, exc)
         try:
             jobdir.reclaim(spec.job_dir, owner=owner)
         except Exception as e:  # the original error matters more; say what is left
             exc.add_note(f"fila: could not reclaim {spec.job_dir}: {e}")
         raise
+
+
+def docker_runtime(policy: Policy) -> str:
+    """The Docker runtime of a policy. gVisor is registered twice (scripts/docker-up): `runsc`
+    with --network=none, and `runsc-hostinet` whose gVisor uses the container's own network
+    namespace (the job network), since its netstack cannot start on this kind of host."""
+    if policy.runtime == "runsc" and policy.network != "none":
+        return "runsc-hostinet"
+    return str(policy.runtime)
+
+
+def _check_runtime(client: docker.DockerClient, spec: RunSpec) -> None:
+    """Before any container starts (also the gateway): the runtime must be registered. Never a
+    silent fallback to runc."""
+    want = docker_runtime(spec.policy)
+    try:
+        have = client.info().get("Runtimes") or {}
+    except _DOCKER_ERRORS as e:
+        raise _docker_error(spec, "listing Docker's runtimes", e) from e
+    if want not in have:
+        raise InfraError(
+            f"the policy's runtime {spec.policy.runtime!r} with network {spec.policy.network!r} needs "
+            f"the Docker runtime {want!r}, which is not registered (have: {', '.join(sorted(have))})",
+            hint="run scripts/docker-up as root (installs runsc and registers runsc and runsc-hostinet), "
+            "or change the policy's runtime",
+            task_id=spec.job_id,
+        )
+
+
+def _start_gateway(client: docker.DockerClient, spec: RunSpec, uid: int, gid: int) -> Any:
+    from . import egress
+
+    if spec.egress_dir is None:
+        raise InfraError("network allowlist needs RunSpec.egress_dir", task_id=spec.job_id)
+    return egress.start(
+        client,
+        job_id=spec.job_id,
+        policy=spec.policy,
+        state=spec.egress_dir,
+        labels=spec.labels,
+        uid=uid,
+        gid=gid,
+    )
+
+
+def _stop_gateway_after_failure(client: docker.DockerClient, gateway: Any, exc: BaseException) -> None:
+    from . import egress
+
+    try:
+        fresh = _fresh_client(client)
+        try:
+            egress.stop(fresh, gateway)
+        finally:
+            fresh.close()
+    except Exception as e:
+        exc.add_note(f"fila: could not remove the job's gateway or network: {e}; `fila recover` sweeps them")
 
 
 def _cleanup_after_failure(client: docker.DockerClient, name: str, exc: BaseException) -> None:

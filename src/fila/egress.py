@@ -1,0 +1,668 @@
+"""`network: allowlist`: the job's own network and egress gateway, from policy to record.
+
+Per job (egress.md, the gateway contract): an internal bridge network with no IPv4 on the bridge
+(so the engine cannot reach host services through the bridge address), a gateway container
+(`fila/gateway:latest`, mitmproxy with fila's addon) on that network and on the egress network,
+and the engine on the job network only, with the gateway as its proxy, its resolver and its model
+routes. The real credentials exist only in the secrets directory mounted into the gateway; the
+engine holds the placeholder key. After the engine container is gone the gateway, the network and
+the secrets are removed, and the gateway's log becomes the record's `egress` section.
+
+Everything is labelled (`fila=1`, `fila.job`, `fila.role`, `fila.root`) so `fila recover` sweeps
+what a killed fila left (`sweep`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import ipaddress
+import json
+import os
+import secrets as _secrets
+import shutil
+import stat
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .errors import InfraError, InvalidPolicy
+from .models import EgressRecord, EgressRequest, Policy, Route, RouteSummary
+
+if TYPE_CHECKING:
+    import docker
+
+GATEWAY_IMAGE = "fila/gateway:latest"
+ROLE_LABEL = "fila.role"
+ROLE_GATEWAY = "gateway"
+ROLE_JOB_NET = "job-net"
+ROLE_EGRESS_NET = "egress-net"
+DEFAULT_EGRESS_NETWORK = "fila-egress"
+PROXY_PORT = 3128
+ROUTE_PORT = 8080
+PLACEHOLDER_KEY = "fila-placeholder"
+CONFIG_PATH = "/etc/fila-gateway/config.json"
+UPSTREAM_CA_PATH = "/etc/fila-gateway/upstream-ca.pem"
+SECRETS_PATH = "/run/fila-gateway/secrets"
+LOG_PATH = "/var/log/fila-gateway"
+READY_TIMEOUT_S = 20.0
+GATEWAY_MEMORY = 256 << 20
+GATEWAY_PIDS = 128
+MAX_LOG_BYTES = 8 << 20  # egress.jsonl read into the record at most this much
+MAX_RECORD_REQUESTS = 500  # requests kept in the record; the rest are counted as dropped
+
+
+@dataclass(frozen=True)
+class KnownRoute:
+    upstream: str
+    header: str
+    format: str
+    base_url_env: str
+    base_url_suffix: str  # what the engine's SDK expects after the route (OpenAI's includes /v1)
+    key_env: str
+
+
+KNOWN_ROUTES: dict[str, KnownRoute] = {
+    "anthropic": KnownRoute(
+        "https://api.anthropic.com", "x-api-key", "{key}", "ANTHROPIC_BASE_URL", "", "ANTHROPIC_API_KEY"
+    ),
+    "openai": KnownRoute(
+        "https://api.openai.com", "authorization", "Bearer {key}", "OPENAI_BASE_URL", "/v1", "OPENAI_API_KEY"
+    ),
+    "gemini": KnownRoute(
+        "https://generativelanguage.googleapis.com",
+        "x-goog-api-key",
+        "{key}",
+        "GOOGLE_GEMINI_BASE_URL",
+        "",
+        "GEMINI_API_KEY",
+    ),
+}
+
+# Names that resolve to this machine, the local network or a cloud's metadata service: never
+# allowed, whatever they resolve to today (the gateway also checks every address it resolves).
+_PRIVATE_NAMES = {"localhost", "metadata", "metadata.google.internal", "metadata.goog", "instance-data"}
+_PRIVATE_SUFFIXES = (".localhost", ".local", ".internal", ".localdomain", ".lan", ".home.arpa", ".arpa")
+
+
+# -- the policy ----------------------------------------------------------------------------------
+
+
+def _bad(field: str, message: str, path: Path | str | None, hint: str | None = None) -> InvalidPolicy:
+    return InvalidPolicy(f"policy field {field!r}: {message}", hint=hint, path=path)
+
+
+def _is_ip_literal(host: str) -> bool:
+    h = host.strip("[]").rstrip(".")
+    with contextlib.suppress(ValueError):
+        ipaddress.ip_address(h)
+        return True
+    # 2130706433, 0x7f.1, 127.1: forms inet_aton accepts that ip_address does not.
+    labels = h.split(".")
+    return all(lbl.isdigit() or lbl.lower().startswith("0x") for lbl in labels if lbl)
+
+
+def private_name(host: str) -> bool:
+    h = host.lower().rstrip(".")
+    if h.startswith("*."):
+        h = h[2:]
+    return h in _PRIVATE_NAMES or h.endswith(_PRIVATE_SUFFIXES) or "." + h in _PRIVATE_SUFFIXES
+
+
+def validate(policy: Policy, *, path: Path | str | None = None) -> None:
+    """Everything about `network`/`egress` a schema cannot say; errors name the field (exit 2)."""
+    eg = policy.egress
+    if policy.network != "allowlist":
+        if eg is not None:
+            raise _bad(
+                "egress",
+                f"set while network is {policy.network!r}",
+                path,
+                'use "network": "allowlist", or remove egress',
+            )
+        return
+    if eg is None or (not eg.allow and not eg.routes):
+        raise _bad(
+            "egress",
+            "network allowlist needs at least one egress.allow entry or egress.routes route",
+            path,
+            'e.g. "egress": {"allow": [{"host": "registry.npmjs.org"}]}',
+        )
+    for i, entry in enumerate(eg.allow):
+        field = f"egress.allow.{i}.host"
+        if _is_ip_literal(entry.host):
+            raise _bad(field, f"{entry.host!r} is an IP address; list host names only", path)
+        if private_name(entry.host):
+            raise _bad(field, f"{entry.host!r} is a private or metadata name", path)
+    for i, cidr in enumerate(eg.allow_private):
+        try:
+            ipaddress.ip_network(cidr, strict=False)
+        except ValueError as e:
+            raise _bad(f"egress.allow_private.{i}", f"not a CIDR: {e}", path) from None
+    for name, route in eg.routes.items():
+        _validate_route(name, route, path)
+
+
+def _validate_route(name: str, route: Route, path: Path | str | None) -> None:
+    base = f"egress.routes.{name}"
+    if name not in KNOWN_ROUTES:
+        raise _bad(base, f"unknown route {name!r}", path, f"known routes: {', '.join(sorted(KNOWN_ROUTES))}")
+    if (route.credential is None) == (route.credential_file is None):
+        raise _bad(base, "give exactly one of credential (a variable name) or credential_file", path)
+    if route.credential is not None and not os.environ.get(route.credential):
+        raise _bad(
+            f"{base}.credential",
+            f"the environment variable {route.credential} is not set",
+            path,
+            f"export {route.credential} in the environment fila runs in",
+        )
+    if route.credential_file is not None:
+        _check_secret_file(f"{base}.credential_file", Path(route.credential_file), path)
+    if route.ca_file is not None:
+        try:
+            st = os.stat(route.ca_file)
+        except OSError as e:
+            raise _bad(f"{base}.ca_file", f"cannot read {route.ca_file}: {e.strerror}", path) from None
+        if not stat.S_ISREG(st.st_mode):
+            raise _bad(f"{base}.ca_file", f"{route.ca_file} is not a regular file", path)
+    if route.format is not None and "{key}" not in route.format:
+        raise _bad(f"{base}.format", "must contain {key}", path)
+
+
+def _check_secret_file(field: str, p: Path, path: Path | str | None) -> None:
+    try:
+        st = os.lstat(p)
+    except OSError as e:
+        raise _bad(field, f"cannot read {p}: {e.strerror}", path) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise _bad(field, f"{p} is not a regular file (a symlink or special file is refused)", path)
+    if st.st_uid != os.getuid():
+        raise _bad(field, f"{p} is owned by uid {st.st_uid}, not by fila's user ({os.getuid()})", path)
+    if st.st_mode & 0o077:
+        raise _bad(
+            field,
+            f"{p} is readable or writable by others (mode {stat.S_IMODE(st.st_mode):04o})",
+            path,
+            f"chmod 600 {p}",
+        )
+
+
+@dataclass(frozen=True)
+class Resolved:
+    name: str
+    upstream: str
+    header: str
+    format: str
+    key: str
+    ca_file: str | None
+
+
+def resolve_routes(policy: Policy) -> list[Resolved]:
+    """The policy's routes with the known defaults filled in and the credential read."""
+    eg = policy.egress
+    out = []
+    for name, r in (eg.routes if eg else {}).items():
+        known = KNOWN_ROUTES[name]
+        if r.credential is not None:
+            key = os.environ.get(r.credential, "")
+        else:
+            assert r.credential_file is not None
+            fd = os.open(r.credential_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as f:
+                key = f.read(1 << 16).decode().strip()
+        if not key:
+            raise _bad(f"egress.routes.{name}", "the credential is empty", None)
+        out.append(
+            Resolved(
+                name,
+                (r.upstream or known.upstream).rstrip("/"),
+                (r.header or known.header).lower(),
+                r.format or known.format,
+                key,
+                r.ca_file,
+            )
+        )
+    return out
+
+
+def secret_values(policy: Policy) -> list[str]:
+    """The real credentials of the policy's routes: redacted from the engine's log, belt and braces."""
+    if policy.network != "allowlist":
+        return []
+    with contextlib.suppress(InvalidPolicy, OSError, UnicodeDecodeError):
+        return [r.key for r in resolve_routes(policy)]
+    return []
+
+
+# -- the job's network and gateway ---------------------------------------------------------------
+
+
+@dataclass
+class Gateway:
+    job_id: str
+    network: str
+    container: str
+    ip: str
+    dir: Path
+    routes: list[str]
+
+    def engine_env(self) -> dict[str, str]:
+        proxy = f"http://{self.ip}:{PROXY_PORT}"
+        env = {k: proxy for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")}
+        # Gemini CLI and qwen CONNECT even for plain http: the routes must bypass the proxy.
+        env |= {"NO_PROXY": self.ip, "no_proxy": self.ip}
+        for name in self.routes:
+            base = f"http://{self.ip}:{ROUTE_PORT}/{name}"
+            env[f"FILA_ROUTE_{name.upper()}"] = base
+            known = KNOWN_ROUTES.get(name)
+            if known is not None:
+                env[known.base_url_env] = base + known.base_url_suffix
+                env[known.key_env] = PLACEHOLDER_KEY
+        return env
+
+
+def _labels(job_id: str, role: str, extra: dict[str, str]) -> dict[str, str]:
+    return {**extra, "fila": "1", "fila.job": job_id, ROLE_LABEL: role}
+
+
+def _docker_errors() -> tuple[type[BaseException], ...]:
+    import requests
+    from docker.errors import DockerException
+
+    return (DockerException, requests.RequestException)
+
+
+def network_name(job_id: str) -> str:
+    return f"fila-net-{job_id[:90]}-{_secrets.token_hex(4)}"
+
+
+def ensure_egress_network(client: docker.DockerClient, name: str) -> None:
+    """The default egress network is fila's own, created on first use; a named one must exist."""
+    from docker.errors import NotFound
+
+    try:
+        client.networks.get(name)
+        return
+    except NotFound:
+        pass
+    if name != DEFAULT_EGRESS_NETWORK:
+        raise InvalidPolicy(
+            f"policy field 'egress.egress_network': Docker network {name!r} does not exist",
+            hint=f"create it, or leave egress_network unset to use {DEFAULT_EGRESS_NETWORK}",
+        )
+    from docker.errors import APIError
+
+    try:
+        client.networks.create(name, driver="bridge", labels={"fila": "1", ROLE_LABEL: ROLE_EGRESS_NET})
+    except APIError as e:
+        if e.status_code != 409:  # another worker created it meanwhile
+            raise
+
+
+def _write_private(path: Path, data: bytes, uid: int, gid: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, data)
+        if (uid, gid) != (os.getuid(), os.getgid()):
+            os.fchown(fd, uid, gid)
+    finally:
+        os.close(fd)
+
+
+def _prepare_dir(state: Path, policy: Policy, job_id: str, uid: int, gid: int) -> list[Resolved]:
+    """state/ (0700, the host's): config.json, upstream-ca.pem, secrets/ and log/ (the gateway's)."""
+    assert policy.egress is not None
+    routes = resolve_routes(policy)
+    if state.exists():
+        remove_dir(state)
+    state.mkdir(mode=0o700, parents=True)
+    os.chmod(state, 0o700)
+    sdir, ldir = state / "secrets", state / "log"
+    for d in (sdir, ldir):
+        d.mkdir(mode=0o700)
+        if (uid, gid) != (os.getuid(), os.getgid()):
+            os.chown(d, uid, gid)
+    cas = [r.ca_file for r in routes if r.ca_file]
+    if cas:
+        bundle = b"".join(Path(c).read_bytes().rstrip(b"\n") + b"\n" for c in dict.fromkeys(cas))
+        (state / "upstream-ca.pem").write_bytes(bundle)
+        os.chmod(state / "upstream-ca.pem", 0o644)
+    for r in routes:
+        _write_private(sdir / r.name, r.key.encode(), uid, gid)
+    eg = policy.egress
+    config = {
+        "job": job_id,
+        "allow": [e.model_dump() for e in eg.allow],
+        "allow_private": list(eg.allow_private),
+        "routes": {
+            r.name: {"upstream": r.upstream, "header": r.header, "format": r.format, "secret": r.name}
+            for r in routes
+        },
+        "budget": {"max_requests": eg.max_requests, "max_tokens": eg.max_tokens},
+        "upstream_ca": UPSTREAM_CA_PATH if cas else None,
+    }
+    (state / "config.json").write_text(json.dumps(config, indent=2))
+    os.chmod(state / "config.json", 0o644)
+    return routes
+
+
+def remove_dir(state: Path) -> None:
+    """The job's gateway directory, secrets included; never following a link out of it."""
+    with contextlib.suppress(FileNotFoundError):
+        if state.is_symlink() or not state.is_dir():
+            state.unlink()
+            return
+        shutil.rmtree(state)
+
+
+def _gateway_kwargs(
+    job_id: str, name: str, net: str, state: Path, labels: dict[str, str], uid: int, gid: int, ca: bool
+) -> dict[str, Any]:
+    from docker.types import LogConfig, Mount
+
+    mounts = [
+        Mount(CONFIG_PATH, str(state / "config.json"), type="bind", read_only=True),
+        Mount(SECRETS_PATH, str(state / "secrets"), type="bind", read_only=True),
+        Mount(LOG_PATH, str(state / "log"), type="bind", read_only=False),
+    ]
+    if ca:
+        mounts.append(Mount(UPSTREAM_CA_PATH, str(state / "upstream-ca.pem"), type="bind", read_only=True))
+    return dict(
+        image=GATEWAY_IMAGE,
+        name=name,
+        user=f"{uid}:{gid}",
+        labels=_labels(job_id, ROLE_GATEWAY, labels),
+        mounts=mounts,
+        network=net,
+        hostname="gateway",
+        read_only=True,
+        tmpfs={"/tmp": f"rw,nosuid,nodev,noexec,size={64 << 20},mode=1777"},
+        environment={"HOME": "/tmp"},
+        cap_drop=["ALL"],
+        security_opt=["no-new-privileges:true"],
+        privileged=False,
+        init=True,
+        mem_limit=GATEWAY_MEMORY,
+        memswap_limit=GATEWAY_MEMORY,
+        pids_limit=GATEWAY_PIDS,
+        log_config=LogConfig(type=LogConfig.types.JSON, config={"max-size": "1m", "max-file": "2"}),
+    )
+
+
+def start(
+    client: docker.DockerClient,
+    *,
+    job_id: str,
+    policy: Policy,
+    state: Path,
+    labels: dict[str, str],
+    uid: int,
+    gid: int,
+    ready_timeout_s: float = READY_TIMEOUT_S,
+) -> Gateway:
+    """Create the job network, write the gateway's files, start it and wait until it is ready.
+    On any failure what was made is removed before the error is raised."""
+    from docker.errors import ImageNotFound
+
+    from .errors import ImageMissing
+
+    assert policy.egress is not None
+    gw = Gateway(
+        job_id, network_name(job_id), f"fila-gw-{job_id[:90]}-{_secrets.token_hex(4)}", "", state, []
+    )
+    step = "creating the job network"
+    try:
+        ensure_egress_network(client, policy.egress.egress_network)
+        client.networks.create(
+            gw.network,
+            driver="bridge",
+            internal=True,
+            enable_ipv6=False,
+            # Without this the bridge holds an address, and through it the host's services.
+            options={"com.docker.network.bridge.inhibit_ipv4": "true"},
+            labels=_labels(job_id, ROLE_JOB_NET, labels),
+        )
+        step = "writing the gateway's configuration"
+        routes = _prepare_dir(state, policy, job_id, uid, gid)
+        gw.routes = [r.name for r in routes]
+        step = "creating the gateway container"
+        kwargs = _gateway_kwargs(
+            job_id, gw.container, gw.network, state, labels, uid, gid, any(r.ca_file for r in routes)
+        )
+        try:
+            client.containers.create(**kwargs)
+        except ImageNotFound as e:
+            raise ImageMissing(
+                f"image {GATEWAY_IMAGE} is not present (network allowlist needs it)",
+                hint="build it with `fila images build gateway`",
+                task_id=job_id,
+            ) from e
+        step = f"attaching the gateway to {policy.egress.egress_network}"
+        client.networks.get(policy.egress.egress_network).connect(gw.container)
+        step = "starting the gateway"
+        client.api.start(gw.container)
+        step = "waiting for the gateway"
+        gw.ip = _wait_ready(client, gw, ready_timeout_s)
+        return gw
+    except BaseException as exc:
+        try:
+            stop(client, gw)
+        except Exception as e:  # the original error matters more; say what is left
+            exc.add_note(f"fila: could not remove the gateway of {job_id}: {e}")
+        if isinstance(exc, _docker_errors()):
+            raise InfraError(f"{step} failed: {exc}", task_id=job_id) from exc
+        raise
+
+
+def _wait_ready(client: docker.DockerClient, gw: Gateway, timeout_s: float) -> str:
+    ready = gw.dir / "log" / "ready"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = client.api.inspect_container(gw.container)
+        st = info["State"]
+        if not st.get("Running"):
+            raise InfraError(
+                f"the gateway exited (code {st.get('ExitCode')}) before it was ready: "
+                f"{_log_tail(client, gw)}",
+                task_id=gw.job_id,
+                hint=f"check the image {GATEWAY_IMAGE} (`fila images build gateway`) and `fila doctor`",
+            )
+        if ready.exists():
+            ip = info["NetworkSettings"]["Networks"].get(gw.network, {}).get("IPAddress")
+            if not ip:
+                raise InfraError(f"the gateway has no address on {gw.network}", task_id=gw.job_id)
+            return str(ip)
+        if time.monotonic() > deadline:
+            raise InfraError(
+                f"the gateway was not ready within {timeout_s:g} s: {_log_tail(client, gw)}",
+                task_id=gw.job_id,
+                hint="the host may be overloaded; the task is retried with backoff",
+            )
+        time.sleep(0.05)
+
+
+def _log_tail(client: docker.DockerClient, gw: Gateway, n: int = 2000) -> str:
+    from .fswalk import inert
+
+    try:
+        raw = client.api.logs(gw.container, stdout=True, stderr=True, tail=20)
+    except _docker_errors() as e:
+        return f"(its log could not be read: {e})"
+    return inert(raw[-n:].decode("utf-8", "replace").strip().replace("\n", " | ")) or "(empty log)"
+
+
+def stop(client: docker.DockerClient, gw: Gateway) -> None:
+    """Remove the gateway, the job network and the gateway's directory (secrets included). The
+    log is read first by the caller (`collect`)."""
+    from docker.errors import APIError, NotFound
+
+    errors = []
+    try:
+        client.api.remove_container(gw.container, force=True, v=True)
+    except NotFound:
+        pass
+    except APIError as e:
+        if not (e.status_code == 409 and "already in progress" in str(e)):
+            errors.append(f"gateway {gw.container}: {e}")
+    try:
+        client.api.remove_network(gw.network)
+    except NotFound:
+        pass
+    except APIError as e:
+        errors.append(f"network {gw.network}: {e}")
+    try:
+        remove_dir(gw.dir)
+    except OSError as e:
+        errors.append(f"{gw.dir}: {e}")
+    if errors:
+        raise InfraError("could not remove " + "; ".join(errors), task_id=gw.job_id)
+
+
+# -- the record ----------------------------------------------------------------------------------
+
+
+def read_log(path: Path, *, cap: int = MAX_LOG_BYTES, keep: int = MAX_RECORD_REQUESTS) -> EgressRecord:
+    """egress.jsonl as the record's `egress` section. The file was written by the gateway: it is
+    opened without following a link, must be a regular file, and is read up to `cap` bytes."""
+    rec = EgressRecord()
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ENOENT:
+            return rec
+        rec.dropped = 1
+        return rec
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            rec.dropped = 1
+            return rec
+        data = f.read(cap + 1)
+    lines = data.split(b"\n")
+    if len(data) > cap:
+        lines = lines[:-1]
+        rec.dropped += 1
+    for raw in lines:
+        if not raw.strip():
+            continue
+        try:
+            item = EgressRequest.model_validate(json.loads(raw))
+        except (ValueError, TypeError):
+            rec.dropped += 1
+            continue
+        _count(rec, item)
+        if len(rec.requests) < keep:
+            rec.requests.append(item)
+        else:
+            rec.dropped += 1
+    return rec
+
+
+def _count(rec: EgressRecord, item: EgressRequest) -> None:
+    if item.allowed:
+        rec.allowed += 1
+    else:
+        rec.denied += 1
+    if item.budget and rec.budget_exhausted is None:
+        rec.budget_exhausted = item.budget
+    if item.route:
+        s = rec.routes.setdefault(item.route, RouteSummary())
+        s.requests += 1
+        key = str(item.status) if item.status is not None else "denied"
+        s.statuses[key] = s.statuses.get(key, 0) + 1
+        if item.usage:
+            s.input_tokens += int(item.usage.get("input_tokens", 0) or 0)
+            s.output_tokens += int(item.usage.get("output_tokens", 0) or 0)
+
+
+def collect(gw: Gateway) -> EgressRecord:
+    return read_log(gw.dir / "log" / "egress.jsonl")
+
+
+def budget_message(rec: EgressRecord | None) -> str | None:
+    if rec is None or rec.budget_exhausted is None:
+        return None
+    return (
+        f"the egress budget {rec.budget_exhausted} ended the run: the gateway answered 429 "
+        "to the engine's model requests past it"
+    )
+
+
+def lines(rec: EgressRecord | None) -> list[str]:
+    """The egress section as text lines (show, review, REVIEW.html); engine-chosen text escaped."""
+    from .fswalk import inert
+
+    if rec is None:
+        return []
+    out = [
+        f"egress    {rec.allowed} allowed, {rec.denied} denied"
+        + (f", {rec.dropped} dropped" if rec.dropped else "")
+    ]
+    if rec.budget_exhausted:
+        out.append(f"budget    {rec.budget_exhausted} exhausted: it ended the run")
+    for name, s in sorted(rec.routes.items()):
+        st = ", ".join(f"{k}: {v}" for k, v in sorted(s.statuses.items()))
+        out.append(
+            f"route     {inert(name)}: {s.requests} requests ({st}), "
+            f"{s.input_tokens} input / {s.output_tokens} output tokens"
+        )
+    for r in rec.requests:
+        where = f"/{r.route}{r.path or ''}" if r.route else f"{r.host}:{r.port}"
+        verdict = "allowed" if r.allowed else f"DENIED ({r.reason})"
+        size = f" in {r.bytes_in or 0} B out {r.bytes_out or 0} B" if r.allowed else ""
+        out.append(
+            inert(f"  {r.door or '?'} {r.method or '-'} {where} {r.status if r.status is not None else '-'} "
+                  f"{verdict}{size}")
+        )  # fmt: skip
+    return out
+
+
+# -- crash recovery ------------------------------------------------------------------------------
+
+
+def sweep(client: Any, root: Path, meta_dir: Path, has_claim: Callable[[str, str | None], bool]) -> list[str]:
+    """Remove job networks and gateway directories of this root's jobs whose worker holds no
+    claim (their gateways are containers: the container sweep removed them first). Returns
+    what was removed, described."""
+    from .models import valid_id
+
+    removed = []
+    networks = getattr(client, "networks", None)
+    if networks is not None:  # a client without network support (a recovery test double)
+        found = networks.list(
+            filters={"label": ["fila=1", f"{ROLE_LABEL}={ROLE_JOB_NET}", f"fila.root={root}"]}
+        )
+        for net in found:
+            labels = net.attrs.get("Labels") or {}
+            tid = labels.get("fila.job", "")
+            if not valid_id(tid) or has_claim(tid, labels.get("fila.worker")):
+                continue
+            _remove_net_containers(client, net)
+            with contextlib.suppress(*_not_found()):
+                client.api.remove_network(net.id)
+                removed.append(f"network {net.name}")
+    if meta_dir.is_dir():
+        for d in meta_dir.glob("*/egress"):
+            tid = d.parent.name
+            if valid_id(tid) and not has_claim(tid, None):
+                remove_dir(d)
+                removed.append(f"gateway directory {d}")
+    return removed
+
+
+def _remove_net_containers(client: Any, net: Any) -> None:
+    """A gateway of the job still attached (its labels lost, or created by a killed fila): force
+    it off the network by removing it, when it is fila's."""
+    with contextlib.suppress(*_docker_errors()):
+        net.reload()
+        for cid in net.attrs.get("Containers") or {}:
+            c = client.containers.get(cid)
+            if (c.labels or {}).get("fila") == "1":
+                client.api.remove_container(cid, force=True, v=True)
+
+
+def _not_found() -> tuple[type[BaseException], ...]:
+    from docker.errors import NotFound
+
+    return (NotFound,)

@@ -1,0 +1,481 @@
+"""`network: allowlist` end to end on real Docker: the job's gateway, its network, its record.
+
+The engine is the shell engine on fila/testnet (curl); the upstreams are the test servers of
+tests/upstreams (model.test, allowed.test, denied.test) on their own sealed `--internal` network,
+which the policy names as its egress network. Every blocked request is shown next to the allowed
+one succeeding in the same job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import docker
+import pytest
+
+from fila import egress
+from fila.models import ImageRef
+from tests.helpers import fila, make_root, record
+from tests.upstreams.fixtures import Upstreams, upstreams  # noqa: F401  (the fixture)
+
+pytestmark = pytest.mark.docker
+
+FILA = str(Path(sys.executable).with_name("fila"))
+KEY_VAR = "FILA_TEST_ANTHROPIC_KEY"
+MESSAGES = (
+    '-H "content-type: application/json" -H "anthropic-version: 2023-06-01" '
+    '-d \'{"model":"m","max_tokens":10,"messages":[{"role":"user","content":"hi"}]}\''
+)
+
+
+@pytest.fixture(scope="module")
+def images(docker_client: docker.DockerClient) -> ImageRef:
+    from fila.images import ensure_image, find_image
+
+    ref = find_image(docker_client, egress.GATEWAY_IMAGE)
+    if ref is None:
+        pytest.fail(f"{egress.GATEWAY_IMAGE} is not built: `fila images build gateway`")
+    return ensure_image("testnet", client=docker_client, progress=lambda _l: None)
+
+
+@pytest.fixture
+def proj(tmp_path: Path, upstreams: Upstreams, images: ImageRef) -> Path:  # noqa: F811
+    make_root(tmp_path)
+    (tmp_path / "greeting.txt").write_text("hello\n")
+    # The engine trusts the test CA (its TLS goes through the gateway's tunnel untouched).
+    shutil.copyfile(upstreams.ca_file, tmp_path / "ca.crt")
+    return tmp_path
+
+
+def write_policy(root: Path, name: str, **kw: Any) -> None:
+    base: dict[str, Any] = {
+        "network": "allowlist",
+        "max_timeout_ms": 120_000,
+        "default_timeout_ms": 60_000,
+        "grace_ms": 1000,
+        "memory": "512m",
+    }
+    (root / "policies" / f"{name}.json").write_text(json.dumps(base | kw))
+
+
+def egress_for(ups: Upstreams, **kw: Any) -> dict[str, Any]:
+    e: dict[str, Any] = {"allow": [{"host": "allowed.test", "port": 443}], "egress_network": ups.network}
+    return e | kw
+
+
+def anthropic_route(ups: Upstreams) -> dict[str, Any]:
+    return {
+        "anthropic": {"upstream": "https://model.test", "credential": KEY_VAR, "ca_file": str(ups.ca_file)}
+    }
+
+
+def submit_task(root: Path, policy: str, command: str, env: dict[str, str] | None = None) -> str:
+    task = {
+        "engine": "shell",
+        "command": command,
+        "targets": ["greeting.txt", "ca.crt"],
+        "policy": policy,
+        "image": "fila/testnet:latest",
+    }
+    (root / "task.json").write_text(json.dumps(task))
+    res = fila(root, "submit", str(root / "task.json"), env=env)
+    assert res.exit_code == 0, res.output
+    return res.stdout.strip()
+
+
+def run_once(root: Path, env: dict[str, str], **kw: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [FILA, "run", "--once", "--root", str(root)], env={**os.environ, **env}, capture_output=True,
+        text=True, timeout=180, **kw,
+    )  # fmt: skip
+
+
+def leftovers(client: docker.DockerClient, root: Path, tid: str) -> list[str]:
+    """Everything of the job that must be gone: containers (engine and gateway), its network,
+    the gateway's directory with the secrets."""
+    f = {"label": [f"fila.job={tid}"]}
+    out = [f"container {c.name}" for c in client.containers.list(all=True, filters=f)]
+    out += [f"network {n.name}" for n in client.networks.list(filters=f)]
+    if (root / "sandbox" / "meta" / tid / "egress").exists():
+        out.append("the gateway directory")
+    return out
+
+
+class Inspector(threading.Thread):
+    """Captures `docker inspect` of the job's engine and gateway containers while they run."""
+
+    def __init__(self, client: docker.DockerClient, root: Path) -> None:
+        super().__init__(daemon=True)
+        self.client, self.root = client, root
+        self.seen: dict[str, dict[str, Any]] = {}
+        self.networks: dict[str, dict[str, Any]] = {}
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            for c in self.client.containers.list(filters={"label": f"fila.root={self.root}"}):
+                self.seen.setdefault(c.labels.get("fila.role", "engine"), c.attrs)
+            for n in self.client.networks.list(
+                filters={"label": [f"fila.root={self.root}", "fila.role=job-net"]}
+            ):
+                self.networks.setdefault(n.name, n.attrs)
+            time.sleep(0.1)
+
+
+# -- the allowlist, the routes and the secret --------------------------------------------------
+
+
+def test_engine_reaches_the_listed_host_and_the_model_route_never_an_unlisted_host_nor_the_key(
+    proj: Path,
+    upstreams: Upstreams,  # noqa: F811
+    docker_client: docker.DockerClient,
+) -> None:
+    secret = f"sk-test-{secrets.token_hex(16)}"
+    env = {KEY_VAR: secret}
+    write_policy(
+        proj,
+        "allow",
+        egress=egress_for(upstreams, routes=anthropic_route(upstreams), allow_private=[upstreams.subnet]),
+    )
+    allowed_ip = upstreams.ip("allowed.test")
+    cmd = (
+        'echo "allowed: $(curl -sS --max-time 10 --cacert ca.crt https://allowed.test/ 2>&1)"; '
+        'echo "denied: $(curl -sS --max-time 10 --cacert ca.crt -o /dev/null -w "%{http_connect}" '
+        'https://denied.test/ 2>/dev/null)"; '
+        'echo "direct: $(curl -sS --noproxy "*" --connect-timeout 3 --max-time 5 -k '
+        f'https://{allowed_ip}/ 2>&1)"; '
+        'echo "dns: $(getent hosts allowed.test || echo none)"; '
+        f'echo "model: $(curl -sS --max-time 10 -X POST "$ANTHROPIC_BASE_URL/v1/messages" '
+        f'-H "x-api-key: $ANTHROPIC_API_KEY" {MESSAGES})"; '
+        "env | sort > env.txt; sleep 1"
+    )
+    tid = submit_task(proj, "allow", cmd, env=env)
+    upstreams.set_script(
+        [{"reply": {"text": "hello from the model"}, "usage": {"input_tokens": 7, "output_tokens": 3}}]
+    )
+    upstreams.clear_requests()
+    watch = Inspector(docker_client, proj)
+    watch.start()
+    try:
+        res = run_once(proj, env)
+    finally:
+        watch.stop.set()
+        watch.join()
+    assert res.returncode == 0, res.stderr
+    rec = record(proj, tid)
+    assert rec["status"] == "needs_review", rec["error"]
+    log = (proj / rec["log_path"]).read_text()
+    lines = dict(line.split(": ", 1) for line in log.splitlines() if ": " in line)
+    # Allowed first: the listed host answers through the gateway's tunnel, TLS end to end.
+    assert lines["allowed"] == "hello from allowed.test", log
+    # The unlisted host on the same server: the gateway refuses the CONNECT.
+    assert lines["denied"] == "403", log
+    assert [r["path"] for r in upstreams.requests("denied.test")] == []
+    # Around the gateway: no route to the very server that answered through it, no resolver.
+    assert "hello from" not in lines["direct"], log
+    assert lines["dns"] == "none", log
+    # The model route: the model server answered, and it DID receive the real key...
+    assert "hello from the model" in lines["model"], log
+    got = upstreams.requests("model.test")
+    assert len(got) == 1 and got[0]["headers"].get("x-api-key") == secret, got
+    # ...which the engine never held: its inspect, environment, files, log, the record, REVIEW.html.
+    engine = watch.seen["engine"]
+    assert engine["HostConfig"]["NetworkMode"].startswith("fila-net-"), engine["HostConfig"]
+    assert list(engine["NetworkSettings"]["Networks"]) == [engine["HostConfig"]["NetworkMode"]]
+    assert "ANTHROPIC_API_KEY=fila-placeholder" in engine["Config"]["Env"]
+    env_txt = (proj / "sandbox" / "jobs" / tid / "work" / "env.txt").read_text()
+    assert "ANTHROPIC_BASE_URL=http://" in env_txt and "HTTPS_PROXY=http://" in env_txt
+    html = fila(proj, "review", tid, "--html")
+    assert html.exit_code == 0, html.output
+    show = fila(proj, "show", tid)
+    everything = {
+        "engine inspect": json.dumps(engine),
+        "engine env": env_txt,
+        "job dir": "".join(
+            p.read_text(errors="replace") for p in (proj / "sandbox" / "jobs" / tid).rglob("*") if p.is_file()
+        ),
+        "log": log,
+        "record": (proj / "fila" / "out" / f"{tid}.json").read_text(),
+        "REVIEW.html": Path(html.stdout.strip()).read_text(),
+        "show": show.stdout,
+    }
+    assert [k for k, v in everything.items() if secret in v] == []
+    # The gateway held it in a file, not in its environment either.
+    assert secret not in json.dumps(watch.seen["gateway"])
+    # The job network: internal, no IPv4 on the bridge, labelled.
+    (net,) = watch.networks.values()
+    assert net["Internal"] is True and net["EnableIPv6"] is False
+    assert net["Options"]["com.docker.network.bridge.inhibit_ipv4"] == "true"
+    # The record's egress section: each decision, per-route usage read at the gateway.
+    eg = rec["egress"]
+    assert eg["allowed"] >= 2 and eg["denied"] >= 1, eg
+    denied = [r for r in eg["requests"] if not r["allowed"]]
+    assert any(r["host"] == "denied.test" and r["reason"] for r in denied), denied
+    assert eg["routes"]["anthropic"]["requests"] == 1
+    assert (eg["routes"]["anthropic"]["input_tokens"], eg["routes"]["anthropic"]["output_tokens"]) == (7, 3)
+    assert "route     anthropic: 1 requests" in show.stdout and "DENIED" in show.stdout
+    rv = fila(proj, "review", tid, "--json")
+    assert json.loads(rv.stdout)["egress"]["denied"] == eg["denied"]
+    # Nothing of the job is left: no gateway, no network, no secrets directory.
+    assert leftovers(docker_client, proj, tid) == []
+
+
+def test_a_listed_host_on_a_private_address_is_refused_unless_allow_private_covers_it(
+    proj: Path,
+    upstreams: Upstreams,  # noqa: F811
+    docker_client: docker.DockerClient,
+) -> None:
+    cmd = 'echo "allowed: $(curl -sS --max-time 10 --cacert ca.crt https://allowed.test/ 2>&1)"'
+    write_policy(proj, "private-ok", egress=egress_for(upstreams, allow_private=[upstreams.subnet]))
+    write_policy(proj, "private-no", egress=egress_for(upstreams))
+    ok = submit_task(proj, "private-ok", cmd)
+    no = submit_task(proj, "private-no", cmd)
+    res = run_once(proj, {})
+    assert res.returncode == 0, res.stderr
+    assert "allowed: hello from allowed.test" in (proj / record(proj, ok)["log_path"]).read_text()
+    rec = record(proj, no)
+    assert "hello from" not in (proj / rec["log_path"]).read_text()
+    (req,) = [r for r in rec["egress"]["requests"] if r["host"] == "allowed.test"]
+    assert not req["allowed"] and "private" in req["reason"], req
+    assert leftovers(docker_client, proj, ok) == leftovers(docker_client, proj, no) == []
+
+
+def test_a_budget_ends_the_run_with_429_and_the_record_says_which(
+    proj: Path,
+    upstreams: Upstreams,  # noqa: F811
+) -> None:
+    env = {KEY_VAR: f"sk-test-{secrets.token_hex(8)}"}
+    write_policy(
+        proj,
+        "budget",
+        egress=egress_for(
+            upstreams, routes=anthropic_route(upstreams), allow_private=[upstreams.subnet], max_requests=1
+        ),
+    )
+    call = (
+        'curl -sS --max-time 10 -o /dev/null -w "%{http_code}" -X POST '
+        f'"$ANTHROPIC_BASE_URL/v1/messages" {MESSAGES}'
+    )
+    cmd = f'a=$({call}); b=$({call}); echo "first: $a"; echo "second: $b"; [ "$b" != 429 ]'
+    tid = submit_task(proj, "budget", cmd, env=env)
+    upstreams.set_script([{"reply": {"text": "one"}}, {"reply": {"text": "two"}}])
+    upstreams.clear_requests()
+    run_once(proj, env)
+    rec = record(proj, tid)
+    log = (proj / rec["log_path"]).read_text()
+    assert "first: 200" in log and "second: 429" in log, log
+    assert len(upstreams.requests("model.test")) == 1  # the second never left the gateway
+    assert rec["egress"]["budget_exhausted"] == "max_requests"
+    assert rec["status"] == "failed" and "egress budget max_requests ended the run" in rec["error"]["message"]
+    assert any("max_requests" in w for w in rec["warnings"])
+    assert "budget    max_requests exhausted" in fila(proj, "show", tid).stdout
+
+
+# -- bad policies: exit 2 naming the field, before any container ---------------------------------
+
+
+@pytest.mark.parametrize(
+    ("egress_doc", "field"),
+    [
+        ({"routes": {"anthropc": {"credential": KEY_VAR}}}, "egress.routes.anthropc"),
+        ({"allow": [{"host": "10.0.0.5"}]}, "egress.allow.0.host"),
+        ({"allow": [{"host": "2130706433"}]}, "egress.allow.0.host"),
+        ({"allow": [{"host": "metadata.google.internal"}]}, "egress.allow.0.host"),
+        ({"allow": [{"host": "localhost"}]}, "egress.allow.0.host"),
+        ({"allow": [{"host": "printer.local"}]}, "egress.allow.0.host"),
+        (
+            {"routes": {"anthropic": {"credential": "FILA_TEST_UNSET_VAR"}}},
+            "egress.routes.anthropic.credential",
+        ),
+        ({}, "egress"),
+        ({"allow": [], "routes": {}}, "egress"),
+    ],
+)
+def test_a_bad_egress_policy_is_refused_naming_the_field(
+    tmp_path: Path, egress_doc: dict[str, Any], field: str
+) -> None:
+    make_root(tmp_path)
+    (tmp_path / "greeting.txt").write_text("hello\n")
+    write_policy(tmp_path, "good", egress={"allow": [{"host": "registry.npmjs.org"}]})
+    write_policy(tmp_path, "bad", egress=egress_doc)
+    env = {KEY_VAR: "k"}
+    ok = fila(
+        tmp_path,
+        "submit",
+        "--engine",
+        "shell",
+        "--command",
+        "true",
+        "--target",
+        "greeting.txt",
+        "--policy",
+        "good",
+        env=env,
+    )
+    assert ok.exit_code == 0, ok.output
+    res = fila(
+        tmp_path,
+        "submit",
+        "--engine",
+        "shell",
+        "--command",
+        "true",
+        "--target",
+        "greeting.txt",
+        "--policy",
+        "bad",
+        env=env,
+    )
+    assert res.exit_code == 2, res.output
+    assert f"'{field}'" in res.output, res.output
+
+
+def test_egress_without_network_allowlist_is_refused(tmp_path: Path) -> None:
+    make_root(tmp_path)
+    (tmp_path / "greeting.txt").write_text("hello\n")
+    write_policy(tmp_path, "none-egress", network="none", egress={"allow": [{"host": "example.com"}]})
+    res = fila(
+        tmp_path,
+        "submit",
+        "--engine",
+        "shell",
+        "--command",
+        "true",
+        "--target",
+        "greeting.txt",
+        "--policy",
+        "none-egress",
+    )
+    assert res.exit_code == 2 and "'egress'" in res.output and "network is 'none'" in res.output, res.output
+
+
+def test_a_secrets_file_must_be_a_private_regular_file_of_fila_user(tmp_path: Path) -> None:
+    make_root(tmp_path)
+    (tmp_path / "greeting.txt").write_text("hello\n")
+    key = tmp_path / "anthropic.key"
+    key.write_text("sk-file\n")
+    key.chmod(0o600)
+    link = tmp_path / "link.key"
+    link.symlink_to(key)
+
+    def submit_with(path: Path) -> Any:
+        route = {"anthropic": {"credential_file": str(path)}}
+        write_policy(tmp_path, "filekey", egress={"routes": route})
+        return fila(
+            tmp_path,
+            "submit",
+            "--engine",
+            "shell",
+            "--command",
+            "true",
+            "--target",
+            "greeting.txt",
+            "--policy",
+            "filekey",
+        )
+
+    assert submit_with(key).exit_code == 0  # the allowed counterpart: 0600, a regular file, ours
+    key.chmod(0o640)
+    res = submit_with(key)
+    assert res.exit_code == 2 and "'egress.routes.anthropic.credential_file'" in res.output, res.output
+    assert "chmod 600" in res.output
+    key.chmod(0o600)
+    res = submit_with(link)
+    assert res.exit_code == 2 and "not a regular file" in res.output, res.output
+    if os.getuid() == 0:
+        os.chown(key, 12345, 12345)
+        res = submit_with(key)
+        assert res.exit_code == 2 and "owned by uid 12345" in res.output, res.output
+
+
+# -- crash and recovery ------------------------------------------------------------------------
+
+
+def test_a_killed_run_leaves_gateway_and_network_that_recover_removes(
+    proj: Path,
+    upstreams: Upstreams,  # noqa: F811
+    docker_client: docker.DockerClient,
+) -> None:
+    write_policy(proj, "crash", egress=egress_for(upstreams, allow_private=[upstreams.subnet]))
+    tid = submit_task(proj, "crash", "sleep 30")
+    res = run_once(proj, {"FILA_CRASH_AT": "after_container_start"})
+    assert res.returncode == -9, (res.returncode, res.stderr)
+    left = leftovers(docker_client, proj, tid)
+    # What the crash left: the engine, the gateway, the job network and the secrets directory.
+    assert any(x.startswith("network fila-net-") for x in left) and "the gateway directory" in left, left
+    assert sum(x.startswith("container ") for x in left) == 2, left
+    rec = fila(proj, "recover")  # the worker is dead: its lock is free, no TTL to wait out
+    assert rec.exit_code == 0, rec.output
+    assert leftovers(docker_client, proj, tid) == []
+    assert record(proj, tid)["status"] in ("needs_human", "queued")
+
+
+# -- gVisor ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("network", ["none", "allowlist"])
+def test_runsc_runs_the_engine_in_gvisor_under_none_and_allowlist(
+    proj: Path,
+    upstreams: Upstreams,  # noqa: F811
+    docker_client: docker.DockerClient,
+    network: str,
+) -> None:
+    if "runsc" not in (docker_client.info().get("Runtimes") or {}):
+        pytest.fail("runsc is not registered in Docker: run scripts/docker-up as root")
+    extra = (
+        {"egress": egress_for(upstreams, allow_private=[upstreams.subnet])} if network == "allowlist" else {}
+    )
+    write_policy(proj, "gvisor", network=network, runtime="runsc", **extra)
+    cmd = (
+        'echo "kernel: $(uname -r)"; '
+        'echo "allowed: $(curl -sS --max-time 10 --cacert ca.crt https://allowed.test/ 2>&1)"; '
+        'echo "denied: $(curl -sS --max-time 10 --cacert ca.crt -o /dev/null -w "%{http_connect}" '
+        'https://denied.test/ 2>/dev/null)"'
+    )
+    tid = submit_task(proj, "gvisor", cmd)
+    watch = Inspector(docker_client, proj)
+    watch.start()
+    try:
+        res = run_once(proj, {})
+    finally:
+        watch.stop.set()
+        watch.join()
+    rec = record(proj, tid)
+    assert res.returncode == 0 and rec["status"] == "needs_review", (res.stderr, rec["error"])
+    log = (proj / rec["log_path"]).read_text()
+    lines = dict(line.split(": ", 1) for line in log.splitlines() if ": " in line)
+    assert watch.seen["engine"]["HostConfig"]["Runtime"].startswith("runsc"), watch.seen["engine"][
+        "HostConfig"
+    ]
+    assert lines["kernel"] != os.uname().release, log  # gVisor's own kernel answers
+    if network == "allowlist":
+        assert lines["allowed"] == "hello from allowed.test" and lines["denied"] == "403", log
+    else:
+        assert "hello from" not in lines["allowed"] and rec["egress"] is None, log
+    assert leftovers(docker_client, proj, tid) == []
+
+
+# -- the record's reader ---------------------------------------------------------------------------
+
+
+def test_the_gateway_log_is_read_capped_and_never_through_a_link(tmp_path: Path) -> None:
+    line = {"door": "route", "route": "anthropic", "allowed": True, "status": 200,
+            "usage": {"input_tokens": 2, "output_tokens": 1}}  # fmt: skip
+    log = tmp_path / "egress.jsonl"
+    log.write_text("\n".join([json.dumps(line)] * 5 + ["not json"]) + "\n")
+    rec = egress.read_log(log, keep=3)
+    assert (len(rec.requests), rec.dropped, rec.routes["anthropic"].input_tokens) == (3, 3, 10)
+    capped = egress.read_log(log, cap=len(json.dumps(line)) * 2 + 5)
+    assert capped.allowed == 2 and capped.dropped == 1
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(log)
+    assert egress.read_log(link).requests == [] and egress.read_log(link).dropped == 1
