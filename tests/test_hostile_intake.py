@@ -660,3 +660,26 @@ def test_a_worker_records_each_task_docker_refuses_and_runs_the_rest(proj: Root,
         assert w.wait(timeout=15) == 0
     assert_refused(proj, refused)
     assert "Traceback" not in log.read_text(errors="replace")
+
+
+# -- the fuzz harness (bench/fuzz.py) ---------------------------------------------------------
+
+
+def test_the_fuzz_harness_counts_outcomes_and_reports_a_crash(monkeypatch: pytest.MonkeyPatch) -> None:
+    import bench.fuzz as fz
+
+    found = fz.fuzz(3, batch=20)
+    assert set(found.inputs) == set(fz.TARGETS) and all(n >= 20 for n in found.inputs.values())
+    assert not found.crashes, fz.report(found, 3)  # the real loaders: no crash
+    assert "InvalidTaskFile" in found.outcomes["task file (fila/in)"]
+
+    def broken(_root: object, raw: bytes) -> str:  # a loader with a bug on some inputs
+        if len(raw) % 2:
+            raise KeyError("bug")
+        return "accepted"
+
+    monkeypatch.setattr(fz, "TARGETS", {"broken": (broken, fz.task_bytes)})
+    found = fz.fuzz(1, batch=20)
+    assert "broken: CRASH KeyError" in found.crashes
+    text = fz.report(found, 1)
+    assert "crashes (distinct target/type): 1" in text and "KeyError: 'bug'" in text
