@@ -7,8 +7,12 @@ errors, hangs and broken streams really happen (each next to a request that succ
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
+import os
+import socket
 import subprocess
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -150,7 +154,8 @@ def test_testnet_runs_as_a_shell_engine_image_under_fila_sandbox(
     (tmp_path / "out.txt").write_text("")
     cmd = (
         "{ id -u; echo $HOME; touch $HOME/h /tmp/t && echo writable; curl --version | head -c 4; echo;"
-        " python3 -c 'print(6*7)'; openssl version | head -c 7; echo; { command -v dig; command -v ip; } | wc -l;"
+        " python3 -c 'print(6*7)'; openssl version | head -c 7; echo;"
+        " { command -v dig; command -v ip; } | wc -l;"
         " touch /usr/x 2>/dev/null || echo root-read-only; } > out.txt"
     )
     task = {"id": "testnet-engine", "engine": "shell", "image": "fila/testnet:latest", "command": cmd}
@@ -568,3 +573,39 @@ def test_ca_certificates_verify_with_openssl(tmp_path: Path) -> None:
     assert "DNS:allowed.test" in sans and "DNS:*.allowed.test" in sans
     with pytest.raises(ValueError):
         ca.issue("bad name; rm -rf /")
+
+
+def test_a_dead_session_is_swept_and_a_live_one_kept(docker_client: docker.DockerClient) -> None:
+    from .upstreams import fixtures
+
+    images.ensure_image("testnet", client=docker_client, progress=lambda s: None)
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a pid that no longer runs
+    made = {}
+    for kind, pid in (("dead", gone.pid), ("live", os.getpid())):
+        session = f"sweep{kind}{uuid.uuid4().hex[:6]}"
+        labels = {LABEL: "upstreams", f"{LABEL}.session": session, f"{LABEL}.pid": str(pid)}
+        labels[f"{LABEL}.host"] = socket.gethostname()
+        net = docker_client.networks.create(f"fila-test-{session}", internal=True, labels=labels)
+        c = docker_client.containers.run(
+            fixtures.IMAGE, ["sleep", "60"], detach=True, network=net.name, labels=labels, **_quiet()
+        )
+        made[kind] = (net, c)
+    try:
+        fixtures._sweep_dead_sessions(docker_client)
+        names = {n.name for n in docker_client.networks.list(filters={"label": f"{LABEL}=upstreams"})}
+        assert made["live"][0].name in names, "a live session is left alone"
+        assert made["dead"][0].name not in names
+        with pytest.raises(docker.errors.NotFound):
+            docker_client.containers.get(made["dead"][1].id)
+        assert docker_client.containers.get(made["live"][1].id).status == "running"
+    finally:
+        for net, c in made.values():
+            with contextlib.suppress(docker.errors.NotFound):
+                c.remove(force=True)
+            with contextlib.suppress(docker.errors.NotFound):
+                net.remove()
+
+
+def _quiet() -> dict[str, Any]:
+    return {"user": "65534:65534", "read_only": True, "cap_drop": ["ALL"], "init": True}

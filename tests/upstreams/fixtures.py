@@ -15,6 +15,7 @@ import ipaddress
 import json
 import os
 import random
+import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -249,7 +250,12 @@ def _create_network(client: docker.DockerClient, name: str, session: str) -> tup
                 # No IPv4 address on the host's side of the bridge: nothing on the network
                 # reaches the host's services (an --internal network alone still does).
                 options={"com.docker.network.bridge.inhibit_ipv4": "true"},
-                labels={LABEL: LABEL_VALUE, f"{LABEL}.session": session, f"{LABEL}.pid": str(os.getpid())},
+                labels={
+                    LABEL: LABEL_VALUE,
+                    f"{LABEL}.session": session,
+                    f"{LABEL}.pid": str(os.getpid()),
+                    f"{LABEL}.host": socket.gethostname(),
+                },
             )
             return net, str(sub)
         except APIError as e:
@@ -263,15 +269,27 @@ def _sweep_dead_sessions(client: docker.DockerClient) -> None:
     """Remove what a killed test session of this host left (its pid is gone); never another
     live session's."""
     for net in client.networks.list(filters={"label": f"{LABEL}={LABEL_VALUE}"}):
-        pid = (net.attrs.get("Labels") or {}).get(f"{LABEL}.pid", "")
-        if not pid.isdigit() or _alive(int(pid)):
+        labels = net.attrs.get("Labels") or {}
+        pid = labels.get(f"{LABEL}.pid", "")
+        # Only this host's sessions (pids of another host or pid namespace mean nothing here).
+        host = labels.get(f"{LABEL}.host", socket.gethostname())
+        if host != socket.gethostname() or not pid.isdigit() or _alive(int(pid)):
             continue
-        session = net.attrs["Labels"].get(f"{LABEL}.session", "")
-        for c in client.containers.list(all=True, filters={"label": f"{LABEL}.session={session}"}):
-            with contextlib.suppress(NotFound, APIError):
-                c.remove(force=True)
+        _remove_session(client, net, labels.get(f"{LABEL}.session", ""))
+
+
+def _remove_session(client: docker.DockerClient, net: Any, session: str) -> None:
+    """The session's containers, then its network. Another test's container still attached to
+    it (a gateway it left behind) is only disconnected, so the network can go."""
+    for c in client.containers.list(all=True, filters={"label": f"{LABEL}.session={session}"}):
         with contextlib.suppress(NotFound, APIError):
-            net.remove()
+            c.remove(force=True)
+    with contextlib.suppress(NotFound, APIError):
+        net.reload()
+        for c in net.containers:
+            with contextlib.suppress(NotFound, APIError):
+                net.disconnect(c, force=True)
+        net.remove()
 
 
 def _alive(pid: int) -> bool:
@@ -363,11 +381,7 @@ def start_upstreams(client: docker.DockerClient, base: Path) -> Iterator[Upstrea
         ups.set_script([])
         yield ups
     finally:
-        for c in client.containers.list(all=True, filters={"label": f"{LABEL}.session={session}"}):
-            with contextlib.suppress(NotFound, APIError):
-                c.remove(force=True)
-        with contextlib.suppress(NotFound, APIError):
-            net.remove()
+        _remove_session(client, net, session)
 
 
 @pytest.fixture(scope="session")
