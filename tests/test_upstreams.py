@@ -609,3 +609,16 @@ def test_a_dead_session_is_swept_and_a_live_one_kept(docker_client: docker.Docke
 
 def _quiet() -> dict[str, Any]:
     return {"user": "65534:65534", "read_only": True, "cap_drop": ["ALL"], "init": True}
+
+
+def test_an_unreachable_mirror_fails_the_base_build_with_debootstrap_s_reason(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Loopback port 9 (discard) answers nothing: debootstrap cannot fetch the Release file.
+    monkeypatch.setitem(images.DEBIAN, "mirror", "http://127.0.0.1:9/debian")
+    root = tmp_path / "root"
+    with pytest.raises(ImageMissing) as info:
+        images._debootstrap(root, lambda s: None)
+    assert "failed (exit" in str(info.value) and "127.0.0.1:9" in str(info.value)
+    assert "Release" in str(info.value), "debootstrap's own reason is kept"
+    images._unmount_all(root)  # nothing mounted: the directory can go

@@ -327,12 +327,14 @@ def _debootstrap(root: Path, progress: Progress) -> None:
     except (OSError, subprocess.SubprocessError) as e:
         raise ImageMissing(f"debootstrap failed to run: {e}", path=root) from e
     if rc != 0:
+        # The work directory goes with the failure: keep the end of debootstrap's own log.
         log = root / "debootstrap" / "debootstrap.log"
+        with contextlib.suppress(OSError):
+            tail += log.read_text(errors="replace").splitlines()[-5:]
         raise ImageMissing(
             f"debootstrap of {DEBIAN['suite']} from {DEBIAN['mirror']} failed (exit {rc}): "
-            + " | ".join(tail[-5:]),
-            hint="check that the host reaches the Debian mirror (apt-get update); "
-            f"the full log is {log} while the build runs",
+            + " | ".join(line for line in tail[-8:] if line.strip()),
+            hint="check that the host reaches the Debian mirror (apt-get update), then build again",
         )
 
 
