@@ -41,9 +41,10 @@ class _Group(TyperGroup):
             args = [*getattr(ctx, "protected_args", []), *ctx.args]
             if "--json" in args:
                 typer.echo(json.dumps(e.to_dict()))
-            typer.echo(f"fila: error: {e}", err=True)
+            # A message may quote a task's field, a file name in fila/in or a policy name.
+            typer.echo(f"fila: error: {_safe(str(e))}", err=True)
             if e.hint:
-                typer.echo(f"fila: hint: {e.hint}", err=True)
+                typer.echo(f"fila: hint: {_safe(e.hint)}", err=True)
             raise typer.Exit(e.exit_code) from None
         except KeyboardInterrupt:
             typer.echo("fila: interrupted", err=True)
@@ -104,7 +105,8 @@ def _out(data: Any) -> None:
 
 
 def _err(msg: str) -> None:
-    typer.echo(msg, err=True)
+    # Progress and failures of running tasks quote their fields and errors: escaped per line.
+    typer.echo("\n".join(_safe(line) for line in msg.split("\n")), err=True)
 
 
 @app.command()
@@ -198,7 +200,7 @@ def _summary_line(rec: Record) -> str:
     diff = f"{st.files} files +{st.insertions} -{st.deletions}" if st else "no diff"
     err = f"  {rec.error.kind}: {rec.error.message}" if rec.error else ""
     total = rec.timings.get("total")
-    return f"{rec.id}  {rec.status}  {diff}" + (f"  {total:.1f}s" if total else "") + err
+    return _safe(f"{rec.id}  {rec.status}  {diff}" + (f"  {total:.1f}s" if total else "") + err)
 
 
 def _record_json(rec: Record) -> dict[str, Any]:
@@ -290,7 +292,7 @@ def recover(
         _out(rep.to_dict())
         return
     for a in rep.actions:
-        typer.echo(f"{a.task_id or '-'}  {a.action}: {_safe(a.detail)}")
+        typer.echo(_safe(f"{a.task_id or '-'}  {a.action}: {a.detail}"))
     typer.echo(
         f"recovered: {len(rep.actions)} actions, {len(rep.containers_removed)} containers "
         f"removed (Docker: {rep.docker})"
@@ -313,7 +315,7 @@ def retry(
     if json_:
         _out({"id": rec.id, "status": rec.status})
         return
-    typer.echo(f"queued {task_id} again (attempt {rec.attempt + 1} next)")
+    typer.echo(_safe(f"queued {task_id} again (attempt {rec.attempt + 1} next)"))
 
 
 @app.command()
@@ -331,7 +333,7 @@ def rearm(
     if json_:
         _out(st.model_dump())
         return
-    typer.echo(f"circuit breaker rearmed by {st.rearmed_by}")
+    typer.echo(_safe(f"circuit breaker rearmed by {st.rearmed_by}"))
 
 
 @app.command()
@@ -343,7 +345,7 @@ def status(root: RootOpt = None, json_: JsonOpt = False) -> None:
     if json_:
         _out(d)
         return
-    typer.echo(render(d))
+    typer.echo("\n".join(_safe(line) for line in render(d).split("\n")))
 
 
 @app.command("ls")
@@ -386,13 +388,15 @@ def ls_cmd(
         typer.echo(_summary_line(x))
     if status in (None, Status.queued):
         for d in dropped:
-            typer.echo(f"{d}  queued  (dropped in fila/in, not yet claimed)")
+            typer.echo(f"{_safe(d)}  queued  (dropped in fila/in, not yet claimed)")
 
 
 @app.command()
 def show(task_id: str, root: RootOpt = None, json_: JsonOpt = False) -> None:
     """Show a task's record: status, engine, image, policy, timings, diffstat, error."""
+    from .fswalk import escape_name
     from .queue import get_record
+    from .review import project_path
 
     r = _root(root).require()
     rec = get_record(r, task_id)
@@ -401,6 +405,7 @@ def show(task_id: str, root: RootOpt = None, json_: JsonOpt = False) -> None:
         return
     lines = [
         f"id:        {rec.id}",
+        f"project:   {escape_name(project_path(r, rec))}",
         f"status:    {rec.status}",
         f"engine:    {rec.engine or '-'}" + (f" (model {rec.model})" if rec.model else ""),
     ]
@@ -436,7 +441,8 @@ def show(task_id: str, root: RootOpt = None, json_: JsonOpt = False) -> None:
     if rec.decision:
         d = rec.decision
         lines.append(f"decision:  {d.action} by {d.by} at {d.at}" + (f": {d.reason}" if d.reason else ""))
-    typer.echo("\n".join(lines))
+    # Each line escaped whole: id, model, image, policy, error, decision all come from files.
+    typer.echo("\n".join(_safe(line) for line in lines))
 
 
 def _safe(text: str) -> str:
@@ -600,9 +606,14 @@ def apply_cmd(
                 "apply asks for confirmation and there is no terminal",
                 hint="pass --yes to apply without asking (CI)",
             )
+        from .fswalk import escape_name
+        from .review import project_path
+
         rec = get_record(r.require(), task_id)
         typer.echo(_summary_line(rec), err=True)
-        if not typer.confirm(f"apply task {task_id} to the project?", default=False, err=True):
+        where = escape_name(project_path(r, rec))
+        typer.echo(f"project: {where}", err=True)
+        if not typer.confirm(f"apply task {_safe(task_id)} to {where}?", default=False, err=True):
             _err("fila: nothing applied")
             raise typer.Exit(1)
     res = apply(r, task_id, by=by, reason=reason, three_way=three_way, allow_git_metadata=allow_git_metadata)
@@ -623,10 +634,12 @@ def apply_cmd(
         )
         return
     typer.echo(
-        f"applied {task_id} to {res.project}: {len(res.written)} written, "
-        f"{len(res.deleted)} deleted"
-        + (" (finished an interrupted apply)" if res.resumed else "")
-        + (f"; by {d.by}" if d else "")
+        _safe(
+            f"applied {task_id} to {res.project}: {len(res.written)} written, "
+            f"{len(res.deleted)} deleted"
+            + (" (finished an interrupted apply)" if res.resumed else "")
+            + (f"; by {d.by}" if d else "")
+        )
     )
     for kind, names in (
         ("written", res.written),
@@ -635,7 +648,7 @@ def apply_cmd(
         ("changed, not in the patch", res.moved_untouched),
     ):
         for name in names:
-            typer.echo(f"  {kind:<8} {name}")
+            typer.echo(f"  {kind:<8} {_safe(name)}")
 
 
 @app.command()
@@ -656,7 +669,7 @@ def reject(
         _out({"id": task_id, "status": rec.status, "decision": d.model_dump(mode="json") if d else None})
         return
     typer.echo(
-        f"rejected {task_id}" + (f" by {d.by}" + (f": {_safe(d.reason)}" if d.reason else "") if d else "")
+        _safe(f"rejected {task_id}" + (f" by {d.by}" + (f": {d.reason}" if d.reason else "") if d else ""))
     )
 
 

@@ -122,7 +122,7 @@ def check_task(root: Root, task: Task) -> Checked:
         get_engine(name).config(task)
     policy, ref = load_policy(root, task.policy)
     eff = narrow(policy, task, name=task.policy)
-    project = jobdir.project_of(root, task)
+    project = jobdir.project_of(root, task, policy)
     if not project.is_dir():
         raise TargetError("project directory does not exist", path=project)
     targets = jobdir.resolve_targets(root, project, task.targets, policy)

@@ -47,11 +47,34 @@ class Prepared:
     warnings: list[str] = field(default_factory=list)
 
 
-def project_of(root: Root, task: Task) -> Path:
-    if not task.project:
-        return root.path
-    p = Path(task.project)
-    return (p if p.is_absolute() else root.path / p).resolve()
+def allowed_projects(root: Root, policy: Policy) -> list[Path]:
+    """The directories a task may name as its project: the queue root, and the policy's
+    `projects` (the operator's file; a task only picks a policy by name). Real paths."""
+    return [Path(os.path.realpath(d)) for d in (root.path, *policy.projects)]
+
+
+def project_of(root: Root, task: Task, policy: Policy) -> Path:
+    """The task's project as a real path, refused unless it is exactly an allowed directory:
+    whoever writes a task file may have fewer rights than fila, which reads the project and
+    apply writes there. Symlinks and `..` are resolved before the comparison, so a link into a
+    forbidden place is refused and a link to an allowed one resolves to it."""
+    raw = task.project or str(root.path)
+    if "\x00" in raw:  # no path holds one; realpath would raise
+        raise TargetError(f"project {escape_name(raw)} holds a NUL character", hint="name a directory")
+    p = Path(raw)
+    real = Path(os.path.realpath(p if p.is_absolute() else root.path / p))
+    allowed = allowed_projects(root, policy)
+    if real not in allowed:
+        raise TargetError(
+            f"project {escape_name(raw)} (real path {escape_name(str(real))}) is not allowed: policy "
+            f"{task.policy!r} field 'projects' allows "
+            + ", ".join(escape_name(str(a)) for a in allowed[1:])
+            + (" and " if len(allowed) > 1 else "")
+            + f"the queue root {escape_name(str(allowed[0]))} only",
+            hint="an operator adds the directory to the policy's `projects` (policies/"
+            f"{task.policy}.json), or submit from that project's own queue root",
+        )
+    return real
 
 
 def _excluded_prefixes(root: Root, project: Path, *extra: Path) -> list[str]:
@@ -161,7 +184,7 @@ def prepare(
     *,
     task_md_extra: str = "",
 ) -> Prepared:
-    project = project_of(root, task)
+    project = project_of(root, task, policy)
     targets = resolve_targets(root, project, task.targets, policy)
     prefixes = _excluded_prefixes(root, project)
     job = root.job_dir(task_id)

@@ -11,7 +11,7 @@ import re
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # Re-exported: the names and ids that need no pydantic (the CLI imports them at start-up).
 from .states import ID_PATTERN, ErrorKind, Status, valid_id  # noqa: F401
@@ -22,7 +22,7 @@ _SIZE_RE = re.compile(SIZE_PATTERN)
 
 def parse_size(value: str) -> int:
     """'512m' -> bytes. Sizes are Docker's: k, m, g are powers of 1024."""
-    if not _SIZE_RE.match(value):
+    if not _SIZE_RE.fullmatch(value):
         raise ValueError(f"not a size: {value!r} (use e.g. 512m or 2g)")
     units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
     unit = value[-1].lower()
@@ -37,14 +37,60 @@ def now_iso() -> str:
 
 Size = Annotated[str, Field(pattern=SIZE_PATTERN, description="bytes, or a number with k, m or g")]
 
+# Floors and ceilings of every resource a policy grants or a task narrows (issue 11, point 3).
+# Docker reads 0 (and an empty value) as "no limit" or "the daemon's default" for memory, cpus,
+# pids and tmpfs sizes, and an overflowing size wraps; so no value below a floor that still runs
+# something, or above a ceiling that fits every kernel interface, is ever accepted. A task's
+# narrowing meets the same floors as the policy it narrows.
+MiB = 1 << 20
+MIN_MEMORY = 6 * MiB  # Docker's own floor ("Minimum memory limit allowed is 6MB")
+MIN_SIZE = 1 * MiB  # tmpfs and fsize: 0 is "unlimited" for a tmpfs, and nothing can be written below this
+MAX_SIZE = 1 << 40  # 1 TiB: far above any sandbox, far below int64 overflow
+MIN_CPUS = 0.01  # Docker's floor; nano_cpus >= 10_000_000, never rounded to 0
+MAX_CPUS = 1024.0
+MIN_PIDS = 4  # docker-init, sh, one command and a child: fewer runs nothing
+MAX_PIDS = 4_194_304  # the kernel's PID_MAX_LIMIT
+MIN_NOFILE = 16
+MAX_NOFILE = 1_048_576  # the kernel's default nr_open: a higher hard limit fails at start
+MAX_TIMEOUT_MS = 30 * 24 * 3600 * 1000  # 30 days: timeouts and grace are fila's, not Docker's
+MAX_COUNT = 1 << 40  # byte and entry caps fila enforces itself (max_*_bytes, max_work_files)
+
+
+def _size_within(minimum: int, maximum: int = MAX_SIZE) -> AfterValidator:
+    """A size that parses to bytes within [minimum, maximum]: "0", "0k" and "9999999999999g" fail."""
+
+    def check(value: str) -> str:
+        n = parse_size(value)
+        if not minimum <= n <= maximum:
+            raise ValueError(f"{value!r} is {n} bytes: allowed {minimum // MiB}m to {maximum // (1 << 30)}g")
+        return value
+
+    return AfterValidator(check)
+
+
+MemorySize = Annotated[
+    str,
+    Field(pattern=SIZE_PATTERN, description="bytes, or a number with k, m or g; at least 6m, at most 1024g"),
+    _size_within(MIN_MEMORY),
+]
+LimitSize = Annotated[
+    str,
+    Field(pattern=SIZE_PATTERN, description="bytes, or a number with k, m or g; at least 1m, at most 1024g"),
+    _size_within(MIN_SIZE),
+]
+Cpus = Annotated[float, Field(strict=True, ge=MIN_CPUS, le=MAX_CPUS, allow_inf_nan=False)]
+Pids = Annotated[int, Field(strict=True, ge=MIN_PIDS, le=MAX_PIDS)]
+Millis = Annotated[int, Field(strict=True, gt=0, le=MAX_TIMEOUT_MS)]
+Count = Annotated[int, Field(strict=True, gt=0, le=MAX_COUNT)]
+
 
 class Limits(BaseModel):
     """What a task may ask for: each value must be at most the policy's."""
 
     model_config = ConfigDict(extra="forbid")
-    memory: Size | None = None
-    cpus: float | None = Field(default=None, gt=0)
-    pids: int | None = Field(default=None, gt=0)
+    memory: MemorySize | None = None
+    cpus: Cpus | None = None
+    pids: Pids | None = None
 
 
 class Task(BaseModel):
@@ -60,8 +106,8 @@ class Task(BaseModel):
     prompt: str = Field(default="", description="what the engine is asked to do (TASK.md)")
     engine: str = Field(description="engine name: shell, claude, codex, ...")
     model: str | None = Field(default=None, description="model name passed to the engine")
-    timeout: int | None = Field(
-        default=None, gt=0, description="wall-clock limit in milliseconds; at most the policy's cap"
+    timeout: Millis | None = Field(
+        default=None, description="wall-clock limit in milliseconds; at most the policy's cap"
     )
     targets: list[str] = Field(min_length=1, description="paths relative to the project; directories allowed")
     policy: str = Field(default="default", pattern=ID_PATTERN, description="policy name")
@@ -80,10 +126,19 @@ class Task(BaseModel):
         return v
 
 
+RUNTIME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
+
+
+def _absolute_dir(value: str) -> str:
+    if not value.startswith("/") or "\x00" in value:
+        raise ValueError(f"{value!r} is not an absolute directory")
+    return value
+
+
 class Tmpfs(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    tmp: Size = "256m"
-    home: Size = "256m"
+    tmp: LimitSize = "256m"
+    home: LimitSize = "256m"
 
 
 HOST_PATTERN = r"^(\*\.)?[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*\.?$"
@@ -152,25 +207,44 @@ class Policy(BaseModel):
         "allowlist: only the egress hosts and routes, through a per-job gateway",
     )
     egress: Egress | None = Field(default=None, description="network allowlist: hosts, routes, budget")
-    max_timeout_ms: int = Field(gt=0, description="cap for a task's timeout")
-    default_timeout_ms: int = Field(gt=0, description="timeout when the task gives none")
-    grace_ms: int = Field(default=10_000, ge=0, description="SIGTERM to SIGKILL grace period")
-    memory: Size = "2g"
-    cpus: float = Field(default=1.0, gt=0)
-    pids: int = Field(default=256, gt=0)
-    nofile: int = Field(default=4096, gt=0, description="open files ulimit")
-    fsize: Size = Field(default="1g", description="largest file the engine may write (ulimit)")
+    max_timeout_ms: Millis = Field(description="cap for a task's timeout")
+    default_timeout_ms: Millis = Field(description="timeout when the task gives none; at most max_timeout_ms")
+    grace_ms: Millis = Field(default=10_000, description="SIGTERM to SIGKILL grace period")
+    memory: MemorySize = "2g"
+    cpus: Cpus = 1.0
+    pids: Pids = 256
+    nofile: int = Field(
+        default=4096, strict=True, ge=MIN_NOFILE, le=MAX_NOFILE, description="open files ulimit"
+    )
+    fsize: LimitSize = Field(default="1g", description="largest file the engine may write (ulimit)")
     tmpfs: Tmpfs = Field(default_factory=Tmpfs)
     deny: list[str] = Field(
         default_factory=list, description="globs never copied into a job (gitignore-like)"
     )
-    max_diff_bytes: int = Field(default=20 << 20, gt=0)
-    max_log_bytes: int = Field(default=10 << 20, gt=0)
-    max_work_bytes: int = Field(default=1 << 30, gt=0, description="total size of work/")
-    max_work_files: int = Field(default=50_000, gt=0, description="entries in work/")
+    max_diff_bytes: Count = 20 << 20
+    max_log_bytes: Count = 10 << 20
+    max_work_bytes: Count = Field(default=1 << 30, description="total size of work/")
+    max_work_files: Count = Field(default=50_000, description="entries in work/")
     images: list[str] = Field(default_factory=lambda: ["fila/*"], description="globs of allowed images")
-    runtime: str | None = Field(default=None, description="Docker runtime, e.g. runsc")
-    max_consecutive_failures: int = Field(default=5, gt=0, description="circuit breaker")
+    runtime: str | None = Field(
+        default=None, pattern=RUNTIME_PATTERN, description="Docker runtime, e.g. runsc (a name only)"
+    )
+    max_consecutive_failures: int = Field(
+        default=5, strict=True, gt=0, le=1000, description="circuit breaker"
+    )
+    projects: list[Annotated[str, Field(pattern=r"^/"), AfterValidator(_absolute_dir)]] = Field(
+        default_factory=list,
+        description="directories a task may name as its project, absolute, each exactly (not below it); "
+        "the queue root is always allowed. Empty: the queue root only",
+    )
+
+    @model_validator(mode="after")
+    def _default_within_cap(self) -> Policy:
+        if self.default_timeout_ms > self.max_timeout_ms:
+            raise ValueError(
+                f"default_timeout_ms {self.default_timeout_ms} is above max_timeout_ms {self.max_timeout_ms}"
+            )
+        return self
 
 
 class ImageRef(BaseModel):

@@ -32,12 +32,37 @@ def validate_document(kind: str, data: Any, *, path: Path | str | None = None) -
     """Validate against the published JSON Schema so the error names the field."""
     errors = sorted(_validator(kind).iter_errors(data), key=lambda e: list(e.absolute_path))
     if errors:
-        err = errors[0]
+        from jsonschema.exceptions import best_match
+
+        # best_match descends into `anyOf` (an optional field): "limits.cpus: 0.001 is less than
+        # the minimum of 0.01" rather than "limits: not valid under any of the given schemas".
+        err = best_match(errors)
         field = ".".join(str(p) for p in err.absolute_path) or None
         msg = err.message + (f" (and {len(errors) - 1} more)" if len(errors) > 1 else "")
         if kind == "task":
             raise InvalidTaskFile(msg, field=field, path=path)
         raise InvalidPolicy(f"{kind} field {field!r}: {msg}" if field else msg, path=path)
+    _validate_model(kind, data, path=path)
+
+
+def _validate_model(kind: str, data: Any, *, path: Path | str | None) -> None:
+    """What a JSON Schema cannot say (a size's bytes within its floor and ceiling, a default within
+    its cap, an id with a trailing newline that Python's `$` lets through) the models check:
+    refused here as input, naming the field, never escaping as a pydantic error."""
+    import pydantic
+
+    from .models import Policy, Record, Task
+
+    models: dict[str, type[pydantic.BaseModel]] = {"task": Task, "policy": Policy, "record": Record}
+    try:
+        models[kind].model_validate(data)
+    except pydantic.ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        field = ".".join(str(p) for p in err["loc"]) or None
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        if kind == "task":
+            raise InvalidTaskFile(msg, field=field, path=path) from None
+        raise InvalidPolicy(f"{kind} field {field!r}: {msg}" if field else msg, path=path) from None
 
 
 def load_json(path: Path, kind: str) -> Any:
@@ -124,12 +149,16 @@ def narrow(policy: Policy, task: Task, *, name: str = "") -> Effective:
             hint="ask for a shorter timeout, or use a policy with a higher max_timeout_ms",
         )
     lim = task.limits or Limits()
+    # Validated again: a Task built in code (model_construct, attribute assignment) skips the
+    # model's floors, and below a floor Docker reads "no limit" (memory "0" ran unlimited).
+    limits = lim.model_dump(exclude_none=True)
+    _validate_model("task", {"engine": "-", "targets": ["-"], "limits": limits}, path=None)
     if lim.memory is not None and parse_size(lim.memory) > parse_size(policy.memory):
-        raise InvalidPolicy(f"memory {lim.memory} is above {where}'s {policy.memory}")
+        raise InvalidPolicy(f"limits.memory {lim.memory} is above {where}'s memory {policy.memory}")
     if lim.cpus is not None and lim.cpus > policy.cpus:
-        raise InvalidPolicy(f"cpus {lim.cpus} is above {where}'s {policy.cpus}")
+        raise InvalidPolicy(f"limits.cpus {lim.cpus} is above {where}'s cpus {policy.cpus}")
     if lim.pids is not None and lim.pids > policy.pids:
-        raise InvalidPolicy(f"pids {lim.pids} is above {where}'s {policy.pids}")
+        raise InvalidPolicy(f"limits.pids {lim.pids} is above {where}'s pids {policy.pids}")
     return Effective(timeout_ms=timeout, limits=lim)
 
 

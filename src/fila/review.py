@@ -123,6 +123,16 @@ class Review:
     patch: patch.Patch | None = None
     parse_error: str | None = None
     warnings: list[str] = field(default_factory=list)
+    project: str = ""  # where apply writes: shown first, escaped (issue 11)
+
+
+def project_path(root: Root, rec: Record) -> str:
+    """The directory apply would write to: the manifest's (what the job copied from and apply
+    uses), or for a task that never ran, the one it names (relative to the queue root)."""
+    with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+        return str(jobdir.read_manifest(root, rec.id)["project"])
+    named = rec.task.project if rec.task and rec.task.project else None
+    return str(root.path / named) if named else str(root.path)
 
 
 def load(root: Root, task_id: str) -> Review:
@@ -132,7 +142,7 @@ def load(root: Root, task_id: str) -> Review:
 
     root.require()
     rec = queue.get_record(root, task_id)
-    rv = Review(record=rec, policy=patch.policy_for(root, rec))
+    rv = Review(record=rec, policy=patch.policy_for(root, rec), project=project_path(root, rec))
     if rec.patch_path and rec.patch_sha256:
         try:
             rv.data = patch.read_reviewed(root, rec, rv.policy)
@@ -228,11 +238,15 @@ def _warnings(root: Root, rv: Review) -> list[str]:
 def summary_lines(rv: Review) -> list[str]:
     rec = rv.record
     model = f" (model {inert(rec.model)})" if rec.model else ""
-    lines = [f"task      {rec.id}  ({rec.status})", f"engine    {inert(rec.engine or '-')}{model}"]
+    lines = [
+        f"task      {inert(rec.id)}  ({rec.status})",
+        f"project   {escape_name(rv.project)}",
+        f"engine    {inert(rec.engine or '-')}{model}",
+    ]
     if rec.image:
         lines.append(f"image     {inert(rec.image.tag)} {rec.image.id or ''}".rstrip())
     if rec.policy:
-        lines.append(f"policy    {rec.policy.name} sha256:{rec.policy.sha256[:12]}")
+        lines.append(f"policy    {inert(rec.policy.name)} sha256:{inert(rec.policy.sha256[:12])}")
     if rec.timings:
         lines.append("timings   " + ", ".join(f"{k} {v:.2f}s" for k, v in rec.timings.items()))
     if rec.error:
@@ -310,7 +324,7 @@ def page(text: str, *, enabled: bool) -> None:
 def to_json(rv: Review) -> dict[str, Any]:
     files = rv.patch.files if rv.patch else []
     return {
-        "id": rv.record.id, "status": rv.record.status,
+        "id": rv.record.id, "status": rv.record.status, "project": escape_name(rv.project),
         "patch_path": rv.record.patch_path, "patch_sha256": rv.record.patch_sha256,
         "patch_bytes": len(rv.data) if rv.data is not None else None,
         "verified": rv.data is not None, "parse_error": rv.parse_error,

@@ -28,7 +28,7 @@ from docker.types import LogConfig, Mount, Ulimit
 
 from . import jobdir
 from .engines.base import HOME, JOB_MOUNT
-from .errors import DockerUnavailable, ImageMissing, InfraError
+from .errors import DockerUnavailable, ImageMissing, InfraError, InvalidPolicy
 from .models import Limits, Policy, now_iso, parse_size
 
 LABEL = "fila"
@@ -104,10 +104,41 @@ def _effective(policy: Policy, limits: Limits | None) -> tuple[int, float, int]:
     """memory bytes, cpus, pids. The caller checked limits <= policy; min() keeps that true anyway."""
     mem, cpus, pids = parse_size(policy.memory), policy.cpus, policy.pids
     if limits is not None:
-        mem = min(mem, parse_size(limits.memory)) if limits.memory else mem
-        cpus = min(cpus, limits.cpus) if limits.cpus else cpus
-        pids = min(pids, limits.pids) if limits.pids else pids
+        mem = min(mem, parse_size(limits.memory)) if limits.memory is not None else mem
+        cpus = min(cpus, limits.cpus) if limits.cpus is not None else cpus
+        pids = min(pids, limits.pids) if limits.pids is not None else pids
     return mem, cpus, pids
+
+
+def _check_limits(kw: dict[str, Any], policy: Policy) -> None:
+    """The last look at what reaches Docker: every limit > 0 (0 and -1 read as "unlimited") and
+    within the policy, whatever the models let through. A policy is input too (issue 11)."""
+    from .models import MIN_CPUS, MIN_MEMORY, MIN_PIDS, MIN_SIZE
+
+    mem = parse_size(policy.memory)
+    fsize = parse_size(policy.fsize)
+    tmp_caps = {"/tmp": parse_size(policy.tmpfs.tmp), HOME: parse_size(policy.tmpfs.home)}
+    tmpfs = []  # a tmpfs without size= gets half the host's memory: refused like size=0
+    for target, opts in kw.get("tmpfs", {}).items():
+        size = re.search(r"(?:^|,)size=([0-9]+)(?:,|$)", opts)
+        cap = tmp_caps.get(target, max(tmp_caps.values()))
+        tmpfs.append((f"tmpfs {target}", int(size.group(1)) if size else None, MIN_SIZE, cap))
+    checks = [
+        ("memory", kw["mem_limit"], MIN_MEMORY, mem),
+        ("memory swap", kw["memswap_limit"], MIN_MEMORY, mem),
+        ("cpus", kw["nano_cpus"], int(MIN_CPUS * 1e9), int(policy.cpus * 1e9)),
+        ("pids", kw["pids_limit"], MIN_PIDS, policy.pids),
+        *((f"ulimit {u['Name']}", u["Hard"], 1, policy.nofile if u["Name"] == "nofile" else fsize)
+          for u in kw["ulimits"]),
+        *((f"ulimit {u['Name']} (soft)", u["Soft"], 1, u["Hard"]) for u in kw["ulimits"]),
+        *tmpfs,
+    ]  # fmt: skip
+    for what, value, floor, cap in checks:
+        if not (isinstance(value, int) and not isinstance(value, bool) and 0 < floor <= value <= cap):
+            raise InvalidPolicy(
+                f"container {what} would be {value!r}: allowed {floor} to {cap}",
+                hint="fix the policy or the task's limits: 0 and tiny values mean no limit to Docker",
+            )
 
 
 # The engine never runs as root: when fila itself does, the container gets this uid ("nobody"),
@@ -193,6 +224,7 @@ def create_kwargs(spec: RunSpec, name: str, gateway: Any = None) -> dict[str, An
         kwargs["network_mode"] = gateway.network
         kwargs["dns"] = [gateway.ip]
         kwargs["environment"] = {**gateway.engine_env(), **kwargs["environment"]}
+    _check_limits(kwargs, p)
     return kwargs
 
 
