@@ -158,3 +158,27 @@ def test_a_hostile_decision_and_engine_output_reach_no_terminal_raw(
         assert "<img" not in html and "&lt;img src=x onerror=alert(1)&gt;" in html
     assert "by mallory\\u202ecod.exe\\u202c" in fila(proj.path, "show", "t1").stdout
     assert b"\x1b[2J" in (proj.logs_dir / "t1.log").read_bytes(), "the engine's output was hostile"
+
+
+@pytest.mark.docker
+def test_policy_names_from_the_policies_directory_are_shown_escaped(proj: Root, docker_client: Any) -> None:
+    (proj.policies_dir / "plain-policy.json").write_text("{}")
+    (proj.policies_dir / "ev\x1b[31mil\u202ex.json").write_text("{}")
+    res = fila(
+        proj.path,
+        "submit",
+        "--engine",
+        "shell",
+        "--command",
+        "true",
+        "-t",
+        "greeting.txt",
+        "--policy",
+        "nope",
+    )
+    assert res.exit_code == 2 and "plain-policy" in res.stderr, res.output  # allowed counterpart, as is
+    assert "ev\\x1b[31mil\\u202ex" in res.stderr
+    assert_inert(res, "submit --policy nope (the hint lists the policies)")
+    res = fila(proj.path, "doctor", "--no-self-test")
+    assert res.exit_code == 1 and "plain-policy" in res.stdout, res.output
+    assert_inert(res, "doctor")

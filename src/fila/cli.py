@@ -704,7 +704,7 @@ def gc_cmd(
         return
     verb = "would remove" if dry_run else "removed"
     for c in got:
-        typer.echo(f"{verb} {c.id} ({c.status} {c.decided_at}, {c.bytes >> 10} KiB)")
+        typer.echo(_safe(f"{verb} {c.id} ({c.status} {c.decided_at}, {c.bytes >> 10} KiB)"))
     typer.echo(f"{verb} {len(got)} job directories ({sum(c.bytes for c in got) >> 10} KiB)")
 
 
@@ -723,7 +723,8 @@ def doctor(
     from .errors import FilaError
 
     rep = dr.run(_root(root), self_test=not no_self_test, progress=_err)
-    typer.echo(dr.to_json(rep) if json_ else dr.render(rep))
+    # Policy names and their errors come from the operator's files: escaped like everything else.
+    typer.echo(dr.to_json(rep) if json_ else "\n".join(_safe(line) for line in dr.render(rep).split("\n")))
     if rep.failed:
         raise FilaError(f"doctor: failed checks: {', '.join(rep.failed)}")
 
