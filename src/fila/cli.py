@@ -742,7 +742,10 @@ def schema(kind: Annotated[str, typer.Argument(help="task, policy or record")]) 
 
 @images_app.command("build")
 def images_build(
-    engine: Annotated[str | None, typer.Argument(help="engine (default: every engine)")] = None,
+    engine: Annotated[
+        str | None,
+        typer.Argument(help="engine, or a support image: gateway, testnet (default: every engine)"),
+    ] = None,
     base: Annotated[str | None, typer.Option(help="base image (overrides the BASE arg)")] = None,
     ca_file: Annotated[
         Path | None, typer.Option(help="CA bundle to trust in the image (TLS-intercepting proxy)")
@@ -752,12 +755,13 @@ def images_build(
 ) -> None:
     """Build engine images locally, also on a host with no registry. A current image is reused."""
     from .engines import engine_names, get_engine
-    from .images import build
+    from .images import SUPPORT_IMAGES, build
 
     names = [engine] if engine else engine_names()
     built = []
     for name in names:
-        get_engine(name)
+        if name not in SUPPORT_IMAGES:
+            get_engine(name)  # an unknown name lists the valid engines
         ref = build(name, base=base, ca_file=ca_file, force=force, progress=_err)
         built.append({"engine": name, "tag": ref.tag, "id": ref.id})
         if not json_:
