@@ -349,3 +349,28 @@ def test_a_narrowing_reaches_the_cgroup_and_zero_never_does(
     assert rec["status"] == "failed" and rec["error"]["kind"] == "invalid", rec
     assert "limits.memory" in rec["error"]["message"]
     assert started_containers.count() == 1, "only the allowed task ran a container"
+
+
+@pytest.mark.docker
+def test_a_task_queued_before_the_floors_is_refused_at_claim_and_its_record_still_reads(
+    proj: Root, shell_image: Any, started_containers: Any
+) -> None:
+    """A record is history: one written by an older fila (memory "0" was accepted then) still
+    loads for ls and show, and its task never runs with the unlimited value."""
+    res = fila(proj.path, "submit", str(_task_file(proj, "ok", {"memory": "64m"})))
+    assert res.exit_code == 0, res.output
+    ok = res.stdout.strip()
+    res = fila(proj.path, "submit", str(_task_file(proj, "old", {"memory": "64m"})))
+    old = res.stdout.strip()
+    for path in (proj.record_path(old), proj.queued_path(old)):  # as an older fila wrote them
+        data = json.loads(path.read_text())
+        data.get("task", data)["limits"] = {"memory": "0"}
+        path.write_text(json.dumps(data))
+    assert old in fila(proj.path, "ls").stdout and fila(proj.path, "show", old).exit_code == 0
+    fila(proj.path, "run", "--once")
+    assert record(proj.path, ok)["status"] == "needs_review"
+    rec = record(proj.path, old)
+    assert rec["status"] == "failed" and rec["error"]["kind"] == "invalid", rec
+    assert "limits.memory" in rec["error"]["message"]
+    assert started_containers.count() == 1, "only the valid task started a container"
+    assert fila(proj.path, "show", old).exit_code == 0

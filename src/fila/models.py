@@ -11,7 +11,16 @@ import re
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 # Re-exported: the names and ids that need no pydantic (the CLI imports them at start-up).
 from .states import ID_PATTERN, ErrorKind, Status, valid_id  # noqa: F401
@@ -355,6 +364,22 @@ class Record(BaseModel):
     decision: Decision | None = None
     diagnosis: str | None = None
     egress: EgressRecord | None = Field(default=None, description="network allowlist: the gateway's log")
+
+    @field_validator("task", mode="wrap")
+    @classmethod
+    def _recorded_task(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Task | None:
+        """A record is history: a task recorded before today's floors (memory "0" queued by an
+        older fila) still loads, so ls, show and the worker keep working. It never runs as it is:
+        the task file is checked again at claim, and narrow and create_kwargs check its limits."""
+        try:
+            return handler(value)
+        except ValidationError:
+            if not isinstance(value, dict):
+                raise
+            data = dict(value)
+            if isinstance(data.get("limits"), dict):
+                data["limits"] = Limits.model_construct(**data["limits"])
+            return Task.model_construct(**data)
 
     def to_json(self) -> str:
         return self.model_dump_json(indent=2, exclude_none=False) + "\n"
