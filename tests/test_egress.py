@@ -209,6 +209,7 @@ def test_engine_reaches_the_listed_host_and_the_model_route_never_an_unlisted_ho
         "show": show.stdout,
     }
     assert [k for k, v in everything.items() if secret in v] == []
+    assert "<h2>Egress</h2>" in everything["REVIEW.html"] and "denied.test" in everything["REVIEW.html"]
     # The gateway held it in a file, not in its environment either.
     assert secret not in json.dumps(watch.seen["gateway"])
     # The job network: internal, no IPv4 on the bridge, labelled.
@@ -479,3 +480,50 @@ def test_the_gateway_log_is_read_capped_and_never_through_a_link(tmp_path: Path)
     link = tmp_path / "link.jsonl"
     link.symlink_to(log)
     assert egress.read_log(link).requests == [] and egress.read_log(link).dropped == 1
+
+
+# -- a gateway that dies or is not ready in time ---------------------------------------------------
+
+
+def _gateway_policy(ups: Upstreams) -> Any:
+    from fila.models import Policy
+
+    return Policy.model_validate(
+        {"network": "allowlist", "max_timeout_ms": 60_000, "default_timeout_ms": 60_000,
+         "egress": egress_for(ups, allow_private=[ups.subnet])}
+    )  # fmt: skip
+
+
+def test_a_gateway_that_dies_or_is_late_is_an_infra_error_and_leaves_nothing(
+    tmp_path: Path,
+    upstreams: Upstreams,  # noqa: F811
+    docker_client: docker.DockerClient,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from fila.errors import InfraError
+    from fila.sandbox import run_as
+
+    uid, gid = run_as()
+    policy = _gateway_policy(upstreams)
+
+    def start(tid: str, **kw: Any) -> egress.Gateway:
+        return egress.start(
+            docker_client, job_id=tid, policy=policy, state=tmp_path / tid, labels={}, uid=uid, gid=gid, **kw
+        )
+
+    # The allowed counterpart: the real gateway gets ready and is removed with its network.
+    gw = start("gw-ok")
+    assert gw.ip and (tmp_path / "gw-ok" / "log" / "ready").exists()
+    egress.stop(docker_client, gw)
+    assert leftovers(docker_client, tmp_path, "gw-ok") == [] and not (tmp_path / "gw-ok").exists()
+    # Not ready in time: an infra error naming the limit.
+    with pytest.raises(InfraError, match=r"not ready within 0\.01 s"):
+        start("gw-late", ready_timeout_s=0.01)
+    # A gateway image whose process exits at once: an infra error with its exit code and log.
+    monkeypatch.setattr(egress, "GATEWAY_IMAGE", "fila/testnet:latest")
+    with pytest.raises(InfraError, match=r"the gateway exited \(code \d+\) before it was ready"):
+        start("gw-dead")
+    for tid in ("gw-late", "gw-dead"):
+        assert docker_client.containers.list(all=True, filters={"label": f"fila.job={tid}"}) == []
+        assert docker_client.networks.list(filters={"label": f"fila.job={tid}"}) == []
+        assert not (tmp_path / tid).exists()
