@@ -411,6 +411,39 @@ def test_the_tunnel_is_raw_so_host_headers_and_nested_connects_cannot_reach_an_u
     assert env.ups.requests("denied.test") == []
 
 
+def test_a_tunnel_carrying_a_tls_handshake_for_another_name_is_closed(env: Env) -> None:
+    gw = env.gateway(
+        allow=[{"host": "allowed.test", "port": 443, "methods": None}], allow_private=_private(env)
+    )
+    s_client = (
+        f"echo | openssl s_client -proxy {gw.ip}:3128 -connect allowed.test:443 -CAfile {CA_IN_CONTAINER}"
+    )
+    code, out, err = env.sh(f"{s_client} -servername allowed.test")
+    assert code == 0 and "Verify return code: 0 (ok)" in out and "CN = allowed.test" in out, err
+    # The same tunnel with the TLS server name of an unlisted host (domain fronting): closed
+    # before the handshake reaches the upstream.
+    code, out, err = env.sh(f"{s_client} -servername denied.test")
+    assert code != 0 and "no peer certificate available" in out and "CN = allowed.test" not in out, out
+    line = gw.last(method="CONNECT", allowed=False)
+    assert (
+        line["host"] == "allowed.test"
+        and line["reason"] == "tls server name denied.test is not the CONNECT host"
+    )
+
+
+def test_a_listed_port_with_nothing_listening_answers_502_and_is_logged(env: Env) -> None:
+    gw = env.gateway(
+        allow=[{"host": "allowed.test", "port": p, "methods": None} for p in (443, 9443)],
+        allow_private=_private(env),
+    )
+    code, out, err = env.sh(f"{CURL} -x {gw.proxy} https://allowed.test/")
+    assert code == 0 and out.strip() == "hello from allowed.test", err
+    code, out, err = env.sh(f"{CURL} -x {gw.proxy} https://allowed.test:9443/")
+    assert code != 0 and "502" in err, err
+    line = gw.last(method="CONNECT", port=9443)
+    assert line["allowed"] is True and line["status"] == 502 and line["reason"].startswith("upstream:")
+
+
 def test_plain_http_through_the_proxy_checks_host_port_method_and_header_size(env: Env) -> None:
     gw = env.gateway(
         allow=[{"host": "allowed.test", "port": 80, "methods": ["GET", "HEAD"]}],

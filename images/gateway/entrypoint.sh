@@ -1,17 +1,26 @@
 #!/bin/sh
-# Starts mitmdump with fila's addon: the forward proxy on 3128 (regular mode) and the model
-# routes on 8080 (reverse mode; the addon rewrites each request to its route's upstream, so the
-# reverse target below is never connected to). CONNECT tunnels are relayed raw by the addon's
-# next_layer hook, so mitmproxy's CA (made in the tmpfs confdir) is never shown to a client.
-# connection_strategy=lazy: no connection is opened before the addon has checked the request.
+# Starts mitmdump with fila's addon (fila_gateway.py, next to this file): the forward proxy on
+# 3128 (regular mode) and the model routes on 8080 (reverse mode; the addon rewrites each request
+# to its route's upstream).
+# - The reverse target below is a sink the addon listens on (127.0.0.1:3127). mitmproxy connects
+#   to it when a route client connects (connection_strategy eager, which CONNECT needs: the tunnel
+#   is opened to the checked address before the 200, and server-speaks-first protocols work; and
+#   mitmproxy refuses to connect to its own listeners), but no request is sent there: the addon
+#   sends each to its route's upstream.
+# - allow_hosts lists only that target, so mitmproxy's own layer choice for anything else (a
+#   CONNECT tunnel) is a raw relay, never TLS interception; the addon picks a raw relay itself.
+# - mitmproxy's CA (made in the tmpfs confdir) is thus never shown to a client.
 # Extra arguments are passed on to mitmdump (e.g. --set termlog_verbosity=debug).
 set -eu
+proxy_port="${FILA_GATEWAY_PROXY_PORT:-3128}"
+sink_port="${FILA_GATEWAY_SINK_PORT:-3127}"
 exec mitmdump \
-    --mode "regular@${FILA_GATEWAY_PROXY_PORT:-3128}" \
-    --mode "reverse:http://127.0.0.1:9@${FILA_GATEWAY_ROUTE_PORT:-8080}" \
+    --mode "regular@${proxy_port}" \
+    --mode "reverse:http://127.0.0.1:${sink_port}@${FILA_GATEWAY_ROUTE_PORT:-8080}" \
     --set listen_host="${FILA_GATEWAY_LISTEN_HOST:-}" \
+    --set allow_hosts="^127\.0\.0\.1:${sink_port}\$" \
     --set confdir=/tmp/mitmproxy \
-    --set connection_strategy=lazy \
+    --set connection_strategy=eager \
     --set onboarding=false \
     --set flow_detail=0 \
     --set termlog_verbosity=warn \

@@ -34,7 +34,8 @@ from urllib.parse import urlsplit
 
 from mitmproxy import ctx, http, tcp
 from mitmproxy.net.http import url
-from mitmproxy.proxy import layer, layers
+from mitmproxy.proxy import commands, events, layer, layers
+from mitmproxy.proxy.layers.tls import parse_client_hello, starts_like_tls_record
 from mitmproxy.proxy.mode_specs import RegularMode, ReverseMode
 
 CONFIG_PATH = Path(os.environ.get("FILA_GATEWAY_CONFIG", "/etc/fila-gateway/config.json"))
@@ -42,6 +43,7 @@ SECRETS_DIR = Path(os.environ.get("FILA_GATEWAY_SECRETS", "/run/fila-gateway/sec
 LOG_DIR = Path(os.environ.get("FILA_GATEWAY_LOG_DIR", "/var/log/fila-gateway"))
 PROXY_PORT = int(os.environ.get("FILA_GATEWAY_PROXY_PORT", "3128"))
 ROUTE_PORT = int(os.environ.get("FILA_GATEWAY_ROUTE_PORT", "8080"))
+SINK_PORT = int(os.environ.get("FILA_GATEWAY_SINK_PORT", "3127"))  # entrypoint.sh's reverse target
 SYSTEM_CA = "/etc/ssl/certs/ca-certificates.crt"
 
 MAX_HEADER_BYTES = 32 * 1024  # mitmproxy reads headers without a limit; refuse what no API needs
@@ -361,6 +363,22 @@ def _deny_tcp(self: Gateway, flow: tcp.TCPFlow, reason: str) -> None:
     flow.kill()
 
 
+async def _sink(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    with contextlib.suppress(OSError):
+        if await reader.read(65536):
+            writer.write(b"HTTP/1.1 502 Bad Gateway\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            await writer.drain()
+    writer.close()
+
+
+class CloseClient(layer.Layer):
+    """A tunnel's next layer that only closes the client's connection (a refused handshake)."""
+
+    def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
+        if isinstance(event, events.Start):
+            yield commands.CloseConnection(self.context.client)
+
+
 class Gateway:
     def __init__(self) -> None:
         self.config: dict[str, Any] | None = None
@@ -368,6 +386,7 @@ class Gateway:
         self.tokens = 0
         self.tunnels: dict[str, dict[str, Any]] = {}
         self._log: Any = None
+        self._sink: asyncio.Server | None = None
 
     # -- lifecycle
 
@@ -381,9 +400,13 @@ class Gateway:
         LOG_DIR.mkdir(parents=True, exist_ok=True)
         self._log = open(LOG_DIR / "egress.jsonl", "a", buffering=1, encoding="utf-8")  # noqa: SIM115
 
-    def running(self) -> None:
+    async def running(self) -> None:
         if self.config is None:
             return
+        # The reverse listener's nominal target: mitmproxy connects there when a route client
+        # connects (eager strategy), and never sends a request there (the addon sends each to its
+        # route's upstream). Should one ever arrive, it gets a 502, not a hang.
+        self._sink = await asyncio.start_server(_sink, "127.0.0.1", SINK_PORT)
         # mitmproxy's own TLS to a route upstream: the configured CA, else the system bundle (which
         # holds the build-time extra CA), never certifi's copy.
         ctx.options.update(ssl_verify_upstream_trusted_ca=self.config["upstream_ca"] or SYSTEM_CA)
@@ -397,6 +420,8 @@ class Gateway:
             logger.error(f"fila_gateway: listeners {sorted(ports)} lack {PROXY_PORT} or {ROUTE_PORT}")
 
     def done(self) -> None:
+        if self._sink is not None:
+            self._sink.close()
         if self._log is not None:
             self._log.close()
 
@@ -493,13 +518,36 @@ class Gateway:
     def next_layer(self, nextlayer: layer.NextLayer) -> None:
         # After a CONNECT on the proxy port: relay raw bytes. No TLS interception, and no HTTP
         # parsing inside the tunnel (a nested CONNECT or request goes to the checked upstream).
+        # (entrypoint.sh also sets allow_hosts so that mitmproxy's own choice is a raw relay too.)
         c = nextlayer.context
-        if (
+        if not (
             isinstance(c.client.proxy_mode, RegularMode)
             and any(isinstance(x, layers.HttpLayer) for x in c.layers)
             and c.client.id in self.tunnels
         ):
-            nextlayer.layer = layers.TCPLayer(c)
+            return
+        data = nextlayer.data_client()
+        if data and starts_like_tls_record(data):
+            try:
+                hello = parse_client_hello(data)
+            except ValueError:
+                hello = None
+                data = b""  # not a ClientHello after all: the upstream decides what it is
+            if hello is None and data:
+                return  # the ClientHello is incomplete: asked again when more arrives
+            sni = (hello.sni or "").lower().rstrip(".") if hello else ""
+            host = self.tunnels[c.client.id]["host"]
+            if sni and sni != host:
+                # The TLS server name is what a shared front end (a CDN) routes by: a tunnel to a
+                # listed name must not carry a handshake for another one (domain fronting).
+                t = self.tunnels.pop(c.client.id)
+                self.write(
+                    door="proxy", method="CONNECT", host=t["host"], port=t["port"], allowed=False,
+                    reason=f"tls server name {sni} is not the CONNECT host", status=None,
+                )  # fmt: skip
+                nextlayer.layer = CloseClient(c)
+                return
+        nextlayer.layer = layers.TCPLayer(c)
 
     def tcp_message(self, flow: tcp.TCPFlow) -> None:
         t = self.tunnels.get(flow.client_conn.id)
@@ -514,6 +562,25 @@ class Gateway:
             self.write(
                 door="proxy", method="CONNECT", host=t["host"], port=t["port"], allowed=True,
                 reason=reason, status=status, bytes_in=t["in"], bytes_out=t["out"],
+            )  # fmt: skip
+
+    def http_connect_error(self, flow: http.HTTPFlow) -> None:
+        # The checked address did not accept the connection (mitmproxy answers 502).
+        t = self.tunnels.pop(flow.client_conn.id, None)
+        if t is not None and flow.response is not None:
+            msg = flow.response.get_text(strict=False) or ""
+            self.write(
+                door="proxy", method="CONNECT", host=t["host"], port=t["port"], allowed=True,
+                reason=f"upstream: {msg[:200]}", status=flow.response.status_code,
+            )  # fmt: skip
+
+    def client_disconnected(self, client: Any) -> None:
+        # A tunnel the client closed before sending a byte (no TCP flow was ever made for it).
+        t = self.tunnels.pop(client.id, None)
+        if t is not None:
+            self.write(
+                door="proxy", method="CONNECT", host=t["host"], port=t["port"], allowed=True,
+                status=200, bytes_in=t["in"], bytes_out=t["out"],
             )  # fmt: skip
 
     def tcp_end(self, flow: tcp.TCPFlow) -> None:
