@@ -523,8 +523,8 @@ def _check_runtime(client: docker.DockerClient, spec: RunSpec) -> None:
         raise InfraError(
             f"the policy's runtime {spec.policy.runtime!r} with network {spec.policy.network!r} needs "
             f"the Docker runtime {want!r}, which is not registered (have: {', '.join(sorted(have))})",
-            hint="run scripts/docker-up as root (installs runsc and registers runsc and runsc-hostinet), "
-            "or change the policy's runtime",
+            hint=f"register the {want!r} runtime in Docker (for runsc: scripts/docker-up as root installs it "
+            "and registers runsc and runsc-hostinet), or change the policy's runtime",
             task_id=spec.job_id,
         )
 
