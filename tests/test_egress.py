@@ -401,14 +401,16 @@ def test_a_secrets_file_must_be_a_private_regular_file_of_fila_user(tmp_path: Pa
 # -- crash and recovery ------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("point", ["after_checkpoint", "after_container_start"])
 def test_a_killed_run_leaves_gateway_and_network_that_recover_removes(
     proj: Path,
     upstreams: Upstreams,  # noqa: F811
     docker_client: docker.DockerClient,
+    point: str,
 ) -> None:
     write_policy(proj, "crash", egress=egress_for(upstreams, allow_private=[upstreams.subnet]))
     tid = submit_task(proj, "crash", "sleep 30")
-    res = run_once(proj, {"FILA_CRASH_AT": "after_container_start"})
+    res = run_once(proj, {"FILA_CRASH_AT": point})
     assert res.returncode == -9, (res.returncode, res.stderr)
     left = leftovers(docker_client, proj, tid)
     # What the crash left: the engine, the gateway, the job network and the secrets directory.
@@ -527,3 +529,35 @@ def test_a_gateway_that_dies_or_is_late_is_an_infra_error_and_leaves_nothing(
         assert docker_client.containers.list(all=True, filters={"label": f"fila.job={tid}"}) == []
         assert docker_client.networks.list(filters={"label": f"fila.job={tid}"}) == []
         assert not (tmp_path / tid).exists()
+
+
+def test_the_gateway_files_are_private_and_outside_the_job_directory(tmp_path: Path) -> None:
+    import stat
+
+    from fila.models import Policy
+    from fila.sandbox import run_as
+
+    key = f"sk-{secrets.token_hex(8)}"
+    os.environ[KEY_VAR] = key
+    try:
+        policy = Policy.model_validate(
+            {"network": "allowlist", "max_timeout_ms": 1000, "default_timeout_ms": 1000,
+             "egress": {"allow": [{"host": "example.com"}], "routes": {"openai": {"credential": KEY_VAR}},
+                        "max_tokens": 100}}
+        )  # fmt: skip
+        uid, gid = run_as()
+        state = tmp_path / "sandbox" / "meta" / "job" / "egress"
+        state.parent.mkdir(parents=True)
+        egress._prepare_dir(state, policy, "job", uid, gid)
+    finally:
+        del os.environ[KEY_VAR]
+    secret = state / "secrets" / "openai"
+    assert secret.read_text() == key
+    assert stat.S_IMODE(state.stat().st_mode) == 0o700 and stat.S_IMODE(secret.stat().st_mode) == 0o600
+    assert stat.S_IMODE((state / "secrets").stat().st_mode) == 0o700
+    assert (secret.stat().st_uid, (state / "log").stat().st_uid) == (uid, uid)  # the gateway's user
+    config = json.loads((state / "config.json").read_text())
+    assert key not in (state / "config.json").read_text()
+    want = {"upstream": "https://api.openai.com", "header": "authorization", "format": "Bearer {key}"}
+    assert config["routes"]["openai"] == want | {"secret": "openai"}
+    assert config["budget"] == {"max_requests": None, "max_tokens": 100}

@@ -600,7 +600,7 @@ def lines(rec: EgressRecord | None) -> list[str]:
         + (f", {rec.dropped} dropped" if rec.dropped else "")
     ]
     if rec.budget_exhausted:
-        out.append(f"budget    {rec.budget_exhausted} exhausted: it ended the run")
+        out.append(f"budget    {inert(rec.budget_exhausted)} exhausted: it ended the run")
     for name, s in sorted(rec.routes.items()):
         st = ", ".join(f"{k}: {v}" for k, v in sorted(s.statuses.items()))
         out.append(
