@@ -447,6 +447,8 @@ def _run_engines(run: _Run, checked: Checked, ref: Any, attempt: int, t0: float)
         run.progress(f"{tid}: prepared {prep.files} files ({prep.bytes} bytes); running {name}")
         inv = engine.invocation(task)
         creds, secrets = engine.credentials()
+        if checked.policy.network == "allowlist":
+            creds = {}  # the gateway holds the real keys; the engine gets the placeholder (still redacted)
         spec = sandbox.RunSpec(
             job_id=tid,
             job_dir=prep.job_dir,

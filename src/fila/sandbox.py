@@ -223,7 +223,8 @@ def create_kwargs(spec: RunSpec, name: str, gateway: Any = None) -> dict[str, An
         # The job network only: the gateway is the engine's proxy, resolver and model routes.
         kwargs["network_mode"] = gateway.network
         kwargs["dns"] = [gateway.ip]
-        kwargs["environment"] = {**gateway.engine_env(), **kwargs["environment"]}
+        # The gateway's values win: a real key forwarded by an adapter never replaces the placeholder.
+        kwargs["environment"] = {**kwargs["environment"], **gateway.engine_env()}
     _check_limits(kwargs, p)
     return kwargs
 
