@@ -561,3 +561,42 @@ def test_the_gateway_files_are_private_and_outside_the_job_directory(tmp_path: P
     want = {"upstream": "https://api.openai.com", "header": "authorization", "format": "Bearer {key}"}
     assert config["routes"]["openai"] == want | {"secret": "openai"}
     assert config["budget"] == {"max_requests": None, "max_tokens": 100}
+
+
+def test_a_real_key_in_the_engine_environment_is_replaced_by_the_placeholder(
+    tmp_path: Path,
+    upstreams: Upstreams,  # noqa: F811
+    docker_client: docker.DockerClient,
+    images: ImageRef,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from fila import sandbox
+
+    secret = f"sk-{secrets.token_hex(8)}"
+    job_dir = tmp_path / "jobs" / "key-job"
+    (job_dir / "input").mkdir(parents=True)
+    (job_dir / "work").mkdir()
+
+    def spec(policy: Any) -> sandbox.RunSpec:
+        return sandbox.RunSpec(
+            job_id="key-job", job_dir=job_dir, image="fila/testnet:latest",
+            argv=["sh", "-c", 'echo "key=$ANTHROPIC_API_KEY"'], env={"ANTHROPIC_API_KEY": secret},
+            policy=policy, limits=None, timeout_ms=30_000, log_path=tmp_path / "key.log", labels={},
+            egress_dir=tmp_path / "egress",
+        )  # fmt: skip
+
+    from fila.models import Policy
+
+    # Under network none the adapter's variable reaches the engine as given (the counterpart)...
+    none = Policy.model_validate({"network": "none", "max_timeout_ms": 60_000, "default_timeout_ms": 60_000})
+    sandbox.run(spec(none), client=docker_client)
+    assert (tmp_path / "key.log").read_text().strip() == f"key={secret}"
+    # ...under allowlist with the route, the gateway's placeholder replaces it.
+    monkeypatch.setenv(KEY_VAR, "sk-the-real-one")
+    policy = _gateway_policy(upstreams).model_copy(deep=True)
+    policy.egress.routes = Policy.model_validate(
+        {"max_timeout_ms": 1, "default_timeout_ms": 1, "network": "allowlist",
+         "egress": {"routes": anthropic_route(upstreams)}}
+    ).egress.routes  # fmt: skip
+    sandbox.run(spec(policy), client=docker_client)
+    assert (tmp_path / "key.log").read_text().strip() == f"key={egress.PLACEHOLDER_KEY}"
