@@ -476,6 +476,12 @@ def test_plain_http_through_the_proxy_checks_host_port_method_and_header_size(en
         line = gw.last(method=method, host=host)
         assert line["allowed"] is False and line["reason"] == reason and line["status"] == status, line
 
+    # HTTP/2 (prior knowledge) to the proxy: the same checks.
+    h2 = f"{CURL} --http2-prior-knowledge -o /dev/null -w '%{{http_code}}' -x {gw.proxy}"
+    assert env.sh(f"{h2} http://allowed.test/")[1] == "200"
+    assert env.sh(f"{h2} http://denied.test/")[1] == "403"
+    assert gw.last(host="denied.test")["reason"] == "not in allowlist"
+
     # Very long headers: the same allowed request, refused once its headers pass 32 KiB.
     big = "a" * 40000
     code, out, _ = env.sh(
@@ -634,6 +640,46 @@ def test_model_routes_add_the_real_key_drop_the_engines_and_meter_usage(env: Env
     assert REAL_KEY not in (gw.log_dir / "egress.jsonl").read_text()
 
 
+def test_usage_is_read_from_responses_and_gemini_streams_too(env: Env) -> None:
+    routes = {
+        **_routes(env),
+        "gemini": {
+            "upstream": "https://model.test",
+            "header": "x-goog-api-key",
+            "format": "{key}",
+            "secret": "anthropic",
+        },
+    }
+    gw = env.gateway(routes=routes)
+    env.ups.set_script(
+        [
+            {
+                "protocol": "responses",
+                "reply": {"text": "r"},
+                "usage": {"input_tokens": 40, "output_tokens": 6},
+            },
+            {"protocol": "gemini", "reply": {"text": "g"}, "usage": {"input_tokens": 50, "output_tokens": 8}},
+            {"protocol": "gemini", "reply": {"text": "g2"}, "usage": {"input_tokens": 3, "output_tokens": 2}},
+        ]
+    )
+    status, out = _post(env, f"{gw.routes}/openai/responses", {"model": "m", "input": "hi", "stream": True})
+    assert status == "200" and "response.completed" in out
+    url = f"{gw.routes}/gemini/v1beta/models/g:streamGenerateContent?alt=sse&key={PLACEHOLDER}"
+    status, out = _post(env, url, {"contents": [{"role": "user", "parts": [{"text": "hi"}]}]})
+    assert status == "200" and "usageMetadata" in out
+    status, out = _post(env, f"{gw.routes}/gemini/v1beta/models/g:generateContent", {"contents": []})
+    assert status == "200"
+    lines = [e for e in gw.log() if e["door"] == "route"]
+    assert [(e["route"], e["usage"]) for e in lines] == [
+        ("openai", {"input_tokens": 40, "output_tokens": 6}),
+        ("gemini", {"input_tokens": 50, "output_tokens": 8}),
+        ("gemini", {"input_tokens": 3, "output_tokens": 2}),
+    ]
+    gemini = env.ups.requests("model.test")[-2]
+    assert gemini["query"] == {"alt": ["sse"]}  # the engine's key= is gone
+    assert gemini["headers"]["x-goog-api-key"] == REAL_KEY
+
+
 def test_upstream_errors_pass_through_and_an_unknown_route_is_refused(env: Env) -> None:
     gw = env.gateway(routes=_routes(env))
     env.ups.set_script(
@@ -655,6 +701,19 @@ def test_upstream_errors_pass_through_and_an_unknown_route_is_refused(env: Env) 
         (500, True),
     ]
     assert "rate_limit_error" in out or status == "500"
+
+    # A route whose upstream does not answer: 502 to the engine, logged with the reason.
+    down = {
+        "upstream": "https://allowed.test:9443",
+        "header": "x-api-key",
+        "format": "{key}",
+        "secret": "anthropic",
+    }
+    gw_down = env.gateway(routes={**_routes(env), "down": down})
+    status, out = _post(env, f"{gw_down.routes}/down/v1/messages", ANTHROPIC_BODY)
+    assert status == "502", out
+    line = gw_down.last(route="down")
+    assert line["status"] == 502 and line["reason"].startswith("upstream:"), line
 
     status, out = _post(env, f"{gw.routes}/nosuchroute/v1/messages", ANTHROPIC_BODY)
     assert status == "404" and "unknown route" in out

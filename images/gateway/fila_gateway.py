@@ -688,9 +688,9 @@ class Gateway:
         if flow.metadata.get("fila_logged") or flow.request.method == "CONNECT":
             return  # a tunnel is logged when it ends (tcp_end / tcp_error)
         msg = flow.error.msg if flow.error else "error"
-        self.record(
-            flow, allowed=True, reason=f"upstream: {msg}", status=flow.response and flow.response.status_code
-        )
+        # No response from the upstream: mitmproxy answers the engine 502 itself.
+        status = flow.response.status_code if flow.response else 502
+        self.record(flow, allowed=True, reason=f"upstream: {msg}", status=status)
 
 
 addons = [Gateway()]
