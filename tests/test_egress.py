@@ -212,6 +212,7 @@ def test_engine_reaches_the_listed_host_and_the_model_route_never_an_unlisted_ho
     assert "<h2>Egress</h2>" in everything["REVIEW.html"] and "denied.test" in everything["REVIEW.html"]
     # The gateway held it in a file, not in its environment either.
     assert secret not in json.dumps(watch.seen["gateway"])
+    assert watch.seen["gateway"]["HostConfig"]["Sysctls"] == {"net.ipv4.ip_forward": "0"}  # not a router
     # The job network: internal, no IPv4 on the bridge, labelled.
     (net,) = watch.networks.values()
     assert net["Internal"] is True and net["EnableIPv6"] is False

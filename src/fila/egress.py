@@ -380,6 +380,9 @@ def _gateway_kwargs(
         read_only=True,
         tmpfs={"/tmp": f"rw,nosuid,nodev,noexec,size={64 << 20},mode=1777"},
         environment={"HOME": "/tmp"},
+        # On two networks with forwarding inherited from the host (1): it must never route packets
+        # between the job network and the egress network, whatever an engine sends it.
+        sysctls={"net.ipv4.ip_forward": "0"},
         cap_drop=["ALL"],
         security_opt=["no-new-privileges:true"],
         privileged=False,
