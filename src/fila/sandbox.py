@@ -485,6 +485,9 @@ def run(
 
             result.egress = egress.collect(gateway)
             gw, gateway = gateway, None
+            dead = egress.died(client, gw)
+            if dead:
+                left.append(dead)
             try:
                 egress.stop(client, gw)
             except InfraError as e:  # the run itself is complete: say what is left, keep the result
