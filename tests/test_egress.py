@@ -601,3 +601,48 @@ def test_a_real_key_in_the_engine_environment_is_replaced_by_the_placeholder(
     ).egress.routes  # fmt: skip
     sandbox.run(spec(policy), client=docker_client)
     assert (tmp_path / "key.log").read_text().strip() == f"key={egress.PLACEHOLDER_KEY}"
+
+
+def test_a_gateway_that_dies_during_the_run_is_a_warning_of_the_result(
+    tmp_path: Path,
+    upstreams: Upstreams,  # noqa: F811
+    docker_client: docker.DockerClient,
+    images: ImageRef,
+) -> None:
+    from fila import sandbox
+
+    def run(tid: str, kill: bool) -> sandbox.RunResult:
+        job_dir = tmp_path / tid
+        (job_dir / "input").mkdir(parents=True)
+        (job_dir / "work").mkdir()
+        spec = sandbox.RunSpec(
+            job_id=tid, job_dir=job_dir, image="fila/testnet:latest", argv=["sh", "-c", "sleep 3"],
+            env={}, policy=_gateway_policy(upstreams), limits=None, timeout_ms=30_000,
+            log_path=tmp_path / f"{tid}.log", labels={}, egress_dir=tmp_path / f"{tid}.egress",
+        )  # fmt: skip
+        killed: list[str] = []
+
+        def killer() -> None:
+            deadline = time.monotonic() + 20
+            while kill and not killed and time.monotonic() < deadline:
+                engines = docker_client.containers.list(
+                    filters={"label": f"fila.job={tid}", "status": "running"}
+                )
+                if len(engines) == 2:  # the gateway and the engine
+                    (gw,) = [c for c in engines if c.labels.get("fila.role") == "gateway"]
+                    gw.kill()
+                    killed.append(gw.name)
+                time.sleep(0.1)
+
+        t = threading.Thread(target=killer, daemon=True)
+        t.start()
+        res = sandbox.run(spec, client=docker_client)
+        t.join()
+        assert bool(killed) == kill
+        return res
+
+    calm = run("gw-calm", kill=False)
+    assert calm.exit_code == 0 and not any("gateway" in w for w in calm.warnings), calm.warnings
+    res = run("gw-killed", kill=True)
+    assert any("the job's gateway exited during the run" in w for w in res.warnings), res.warnings
+    assert leftovers(docker_client, tmp_path, "gw-killed") == []

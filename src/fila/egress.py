@@ -496,6 +496,21 @@ def _log_tail(client: docker.DockerClient, gw: Gateway, n: int = 2000) -> str:
     return inert(raw[-n:].decode("utf-8", "replace").strip().replace("\n", " | ")) or "(empty log)"
 
 
+def died(client: docker.DockerClient, gw: Gateway) -> str | None:
+    """After the engine's run: a warning when the gateway was not running any more (the engine
+    lost its network and its routes part-way; the log may end early)."""
+    try:
+        st = client.api.inspect_container(gw.container)["State"]
+    except _docker_errors() as e:
+        return f"the job's gateway could not be checked after the run: {e}"
+    if st.get("Running"):
+        return None
+    return (
+        f"the job's gateway exited during the run (code {st.get('ExitCode')}, OOM killed: "
+        f"{bool(st.get('OOMKilled'))}): the engine lost its network from then on; {_log_tail(client, gw)}"
+    )
+
+
 def stop(client: docker.DockerClient, gw: Gateway) -> None:
     """Remove the gateway, the job network and the gateway's directory (secrets included). The
     log is read first by the caller (`collect`)."""
