@@ -342,6 +342,17 @@ def test_connect_tunnels_tls_untouched_to_a_listed_host_and_refuses_every_other_
     assert env.ups.requests("denied.test") == []  # nothing ever reached denied.test
 
 
+def test_a_wildcard_entry_opens_the_names_below_it_and_not_the_name_itself(env: Env) -> None:
+    gw = env.gateway(
+        allow=[{"host": "*.allowed.test", "port": 443, "methods": None}], allow_private=_private(env)
+    )
+    code, out, err = env.sh(f"{CURL} -x {gw.proxy} https://other.allowed.test/")
+    assert code == 0 and out.strip() == "hello from other.allowed.test", err
+    code, out, err = env.sh(f"{CURL} -x {gw.proxy} https://allowed.test/")
+    assert code != 0 and "403" in err
+    assert gw.last(host="allowed.test")["reason"] == "not in allowlist"
+
+
 def test_a_listed_name_that_resolves_to_a_private_address_is_refused_unless_allow_private_covers_it(
     env: Env,
 ) -> None:
@@ -629,11 +640,21 @@ def test_model_routes_add_the_real_key_drop_the_engines_and_meter_usage(env: Env
     for out in seen:
         assert REAL_KEY not in out and REAL_OPENAI_KEY not in out  # the client never sees it
 
+    # An engine that sends its model URL to the proxy (ignoring NO_PROXY) reaches the route too;
+    # any other address of the gateway through the proxy is an IP literal.
+    env.ups.set_script([{"protocol": "anthropic", "reply": {"text": "via proxy"}}])
+    status, out = _post(env, f"-x {gw.proxy} {gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)
+    assert status == "200" and "via proxy" in out
+    assert env.ups.requests("model.test")[-1]["headers"]["x-api-key"] == REAL_KEY
+    status, out = _post(env, f"-x {gw.proxy} http://{gw.ip}:3128/anthropic/v1/messages", ANTHROPIC_BODY)
+    assert status == "403" and "ip literal" in out
+
     lines = [e for e in gw.log() if e["door"] == "route"]
     assert [(e["route"], e["path"], e["status"], e["usage"]) for e in lines] == [
         ("anthropic", "/v1/messages", 200, {"input_tokens": 12, "output_tokens": 7}),
         ("anthropic", "/v1/messages", 200, {"input_tokens": 20, "output_tokens": 9}),
         ("openai", "/chat/completions", 200, {"input_tokens": 31, "output_tokens": 4}),
+        ("anthropic", "/v1/messages", 200, {"input_tokens": 10, "output_tokens": 5}),
     ]
     assert all(e["allowed"] and e["host"] == "model.test" and e["port"] == 443 for e in lines)
     assert all(e["bytes_in"] > 0 and e["bytes_out"] > 0 for e in lines)

@@ -600,12 +600,22 @@ class Gateway:
         if _header_bytes(flow.request) > MAX_HEADER_BYTES:
             flow.metadata["fila_door"] = self._door(flow)
             return self.refuse(flow, 431, f"headers larger than {MAX_HEADER_BYTES} bytes")
-        if isinstance(flow.client_conn.proxy_mode, ReverseMode):
+        if isinstance(flow.client_conn.proxy_mode, ReverseMode) or self._to_own_routes(flow):
             return self._route_request(flow)
         await self._proxy_request(flow)
 
+    def _to_own_routes(self, flow: http.HTTPFlow) -> bool:
+        """An absolute-URL request on the proxy port for this gateway's own route port: an engine
+        that sent its model URL to the proxy (NO_PROXY not honoured). Served as a route request."""
+        sock = flow.client_conn.sockname
+        return bool(sock) and flow.request.port == ROUTE_PORT and flow.request.host == sock[0]
+
     def _door(self, flow: http.HTTPFlow) -> str:
-        return "route" if isinstance(flow.client_conn.proxy_mode, ReverseMode) else "proxy"
+        return (
+            "route"
+            if isinstance(flow.client_conn.proxy_mode, ReverseMode) or self._to_own_routes(flow)
+            else "proxy"
+        )
 
     async def _proxy_request(self, flow: http.HTTPFlow) -> None:
         assert self.config is not None
