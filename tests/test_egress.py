@@ -646,3 +646,44 @@ def test_a_gateway_that_dies_during_the_run_is_a_warning_of_the_result(
     res = run("gw-killed", kill=True)
     assert any("the job's gateway exited during the run" in w for w in res.warnings), res.warnings
     assert leftovers(docker_client, tmp_path, "gw-killed") == []
+
+
+def test_containers_on_fila_egress_network_cannot_reach_each_other(
+    docker_client: docker.DockerClient, images: ImageRef
+) -> None:
+    """Every job's gateway sits on the default egress network: one must never reach another's
+    routes port (and with it another job's key)."""
+    egress.ensure_egress_network(docker_client, egress.DEFAULT_EGRESS_NETWORK)
+    opts = docker_client.networks.get(egress.DEFAULT_EGRESS_NETWORK).attrs["Options"]
+    assert opts.get("com.docker.network.bridge.enable_icc") == "false", opts
+    own = f"fila-test-icc-{secrets.token_hex(4)}"
+    docker_client.networks.create(own, driver="bridge", internal=True, labels={"fila.test": "icc"})
+    knock = (
+        "import socket,sys; s=socket.socket(); s.settimeout(3)\n"
+        "try:\n s.connect((sys.argv[1], 8000)); print('connected')\n"
+        "except OSError as e:\n print('refused', e)"
+    )
+
+    def reach(network: str) -> str:
+        kw: dict[str, Any] = dict(
+            network=network, user="65534:65534", cap_drop=["ALL"], labels={"fila.test": "icc"}
+        )
+        server = docker_client.containers.run(
+            "fila/testnet:latest", ["python3", "-m", "http.server", "8000"], detach=True, **kw
+        )
+        try:
+            server.reload()
+            ip = server.attrs["NetworkSettings"]["Networks"][network]["IPAddress"]
+            time.sleep(1)  # the server binds
+            out = docker_client.containers.run(
+                "fila/testnet:latest", ["python3", "-c", knock, ip], remove=True, **kw
+            )
+            return out.decode().strip()
+        finally:
+            server.remove(force=True)
+
+    try:
+        assert reach(own) == "connected"  # the counterpart: a network that allows it
+        assert reach(egress.DEFAULT_EGRESS_NETWORK).startswith("refused")
+    finally:
+        docker_client.networks.get(own).remove()

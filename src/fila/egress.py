@@ -295,7 +295,13 @@ def ensure_egress_network(client: docker.DockerClient, name: str) -> None:
     from docker.errors import APIError
 
     try:
-        client.networks.create(name, driver="bridge", labels={"fila": "1", ROLE_LABEL: ROLE_EGRESS_NET})
+        # No traffic between containers on it: one job's gateway never reaches another's routes.
+        client.networks.create(
+            name,
+            driver="bridge",
+            options={"com.docker.network.bridge.enable_icc": "false"},
+            labels={"fila": "1", ROLE_LABEL: ROLE_EGRESS_NET},
+        )
     except APIError as e:
         if e.status_code != 409:  # another worker created it meanwhile
             raise
