@@ -154,6 +154,7 @@ def test_engine_reaches_the_listed_host_and_the_model_route_never_an_unlisted_ho
         'echo "direct: $(curl -sS --noproxy "*" --connect-timeout 3 --max-time 5 -k '
         f'https://{allowed_ip}/ 2>&1)"; '
         'echo "dns: $(getent hosts allowed.test || echo none)"; '
+        'echo "ipv6 off: $(cat /proc/sys/net/ipv6/conf/all/disable_ipv6)"; '
         f'echo "model: $(curl -sS --max-time 10 -X POST "$ANTHROPIC_BASE_URL/v1/messages" '
         f'-H "x-api-key: $ANTHROPIC_API_KEY" {MESSAGES})"; '
         "env | sort > env.txt; sleep 1"
@@ -183,6 +184,7 @@ def test_engine_reaches_the_listed_host_and_the_model_route_never_an_unlisted_ho
     # Around the gateway: no route to the very server that answered through it, no resolver.
     assert "hello from" not in lines["direct"], log
     assert lines["dns"] == "none", log
+    assert lines["ipv6 off"] == "1", log  # no IPv6 at all, so no link-local path to the host's bridge
     # The model route: the model server answered, and it DID receive the real key...
     assert "hello from the model" in lines["model"], log
     got = upstreams.requests("model.test")
