@@ -495,9 +495,104 @@ def build(
             nocache=force,
             progress=progress,
         )
+    try:
+        smoke_test(client, engine, ref, progress)
+    except ImageMissing:
+        _untag_failed(client, tag, old)
+        raise
     if old is not None and old.id != ref.id:
         _remove_if_untagged(client, old.id)
     return ref
+
+
+LABEL_ENGINE_VERSION = "fila.engine.version"
+SMOKE_TIMEOUT_S = 120
+
+
+def _run_in_image(client: docker.DockerClient, image: str, argv: tuple[str, ...]) -> tuple[int | None, str]:
+    """`argv` in the image as fila runs an engine: uid 65534, read-only root, tmpfs /tmp and HOME,
+    no network, no capabilities. (exit code, stdout+stderr); None when it did not finish in time."""
+    c = client.containers.create(
+        image,
+        list(argv),
+        user="65534:65534",
+        read_only=True,
+        network_mode="none",
+        cap_drop=["ALL"],
+        security_opt=["no-new-privileges:true"],
+        tmpfs={
+            "/tmp": "rw,nosuid,nodev,size=64m",
+            "/home/fila": "rw,nosuid,nodev,size=64m,uid=65534,gid=65534",
+        },
+        working_dir="/job",
+        environment={"HOME": "/home/fila", "CI": "1", "TERM": "dumb", "NO_COLOR": "1"},
+        labels={"fila": "1", "fila.role": "smoke"},
+    )
+    try:
+        c.start()
+        try:
+            code: int | None = int(c.wait(timeout=SMOKE_TIMEOUT_S)["StatusCode"])
+        except requests.RequestException:
+            code = None
+        return code, c.logs(stdout=True, stderr=True).decode(errors="replace")
+    finally:
+        with contextlib.suppress(DockerException, requests.RequestException):
+            c.remove(force=True)
+
+
+def smoke_test(client: docker.DockerClient, engine: str, ref: ImageRef, progress: Progress = print) -> None:
+    """An engine image's build-time check: its CLI prints the version the image is labelled with,
+    and its help still lists every flag the adapter passes (a renamed flag fails the build, not a
+    user's job). Then the image is tagged with that version too. Images without an adapter that
+    declares checks (support images, shell) pass unchecked."""
+    from .engines import engine_names, get_engine
+
+    if engine not in engine_names():
+        return
+    adapter = get_engine(engine)
+    if not adapter.version_argv:
+        return
+    try:
+        version = (client.images.get(ref.id).labels or {}).get(LABEL_ENGINE_VERSION)
+        if not version:
+            raise ImageMissing(
+                f"{ref.tag} has no {LABEL_ENGINE_VERSION} label",
+                hint=f"images/{engine}/Dockerfile must say LABEL {LABEL_ENGINE_VERSION}=<the CLI's version>",
+            )
+        code, out = _run_in_image(client, ref.id, adapter.version_argv)
+        if code != 0 or version not in out:
+            raise ImageMissing(
+                f"smoke test of {ref.tag}: `{' '.join(adapter.version_argv)}` "
+                + (f"exited {code}" if code != 0 else f"does not print {version}")
+                + f": {out.strip()[-300:]!r}",
+                hint=f"check the package version pinned in images/{engine}/Dockerfile",
+            )
+        for check in adapter.smoke:
+            code, out = _run_in_image(client, ref.id, check.argv)
+            missing = [flag for flag in check.expect if flag not in out]
+            if code != 0 or missing:
+                raise ImageMissing(
+                    f"smoke test of {ref.tag}: `{' '.join(check.argv)}` "
+                    + (f"exited {code}" if code != 0 else f"lists no {', '.join(missing)}")
+                    + f" (the {engine} adapter passes them)",
+                    hint=f"the CLI changed its flags: update src/fila/engines/{engine}.py for {version}",
+                )
+        repo = ref.tag.rpartition(":")[0]
+        client.api.tag(ref.id, repo, version)
+    except (DockerException, requests.RequestException) as e:
+        raise _infra(f"smoke-testing {ref.tag}", e) from e
+    progress(f"{ref.tag}: smoke test passed ({engine} {version}); tagged {repo}:{version}")
+
+
+def _untag_failed(client: docker.DockerClient, tag: str, old: Any | None) -> None:
+    """A build that failed its smoke test must not stay `latest`: the previous image gets the tag
+    back, or the tag goes."""
+    with contextlib.suppress(DockerException, requests.RequestException):
+        if old is not None:
+            repo, _, name = tag.rpartition(":")
+            client.api.tag(old.id, repo, name)
+        else:
+            client.images.remove(tag)
 
 
 def _remove_if_untagged(client: docker.DockerClient, image_id: str) -> None:

@@ -333,6 +333,21 @@ class EgressRecord(BaseModel):
     budget_exhausted: str | None = Field(default=None, description="max_requests or max_tokens")
 
 
+class EngineReport(BaseModel):
+    """What the engine CLI itself reported in its structured output (absent where it says nothing),
+    beside what the gateway measured in `egress`."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    turns: int | None = None
+    input_tokens: int | None = None
+    output_tokens: int | None = None
+    cost_usd: float | None = None
+    session_id: str | None = None
+    message: str | None = Field(default=None, description="the CLI's own final or error message")
+
+
 class Record(BaseModel):
     """The review record, `fila/out/<id>.json`. Written atomically by `queue.set_status` only."""
 
@@ -364,6 +379,9 @@ class Record(BaseModel):
     decision: Decision | None = None
     diagnosis: str | None = None
     egress: EgressRecord | None = Field(default=None, description="network allowlist: the gateway's log")
+    engine_report: EngineReport | None = Field(
+        default=None, description="what the engine CLI reported: model, turns, usage, cost"
+    )
 
     @field_validator("task", mode="wrap")
     @classmethod

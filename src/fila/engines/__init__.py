@@ -12,6 +12,9 @@ __all__ = ["Engine", "Outcome", "engine_names", "get_engine"]
 # name -> "module:Class"; an adapter's module is imported only when a task names it.
 _ENGINES = {
     "shell": "fila.engines.shell:ShellEngine",
+    "claude": "fila.engines.claude:ClaudeEngine",
+    "codex": "fila.engines.codex:CodexEngine",
+    "opencode": "fila.engines.opencode:OpencodeEngine",
 }
 
 

@@ -7,16 +7,17 @@ signal, so the log text is read too. The sandbox, not the adapter, enforces time
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ValidationError
 
 from ..errors import InvalidTaskFile
-from ..models import Task
+from ..models import EgressRecord, Policy, Task
 
 OutcomeKind = Literal["success", "engine_error", "quota", "auth"]
 
@@ -32,6 +33,18 @@ AUTH_RE = re.compile(r"\b401\b|authentication|invalid api key|please run /login"
 class Outcome:
     kind: OutcomeKind
     message: str = ""
+    # What the CLI itself reported (model, turns, usage, cost), for the record's engine_report.
+    report: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Smoke:
+    """A build-time check of an engine image: `argv` runs in the image (as uid 65534, read-only
+    root, no network) and its output must contain each of `expect` (the flags the adapter passes),
+    so a renamed flag fails `fila images build`, not a user's job."""
+
+    argv: tuple[str, ...]
+    expect: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -53,6 +66,11 @@ class Engine(ABC):
     Config: ClassVar[type[BaseModel]]
     # Host variables forwarded to this engine's container only, and redacted from its log.
     credential_vars: ClassVar[tuple[str, ...]] = ()
+    # Model routes of the egress gateway this engine's CLI talks to (egress.KNOWN_ROUTES names).
+    routes: ClassVar[tuple[str, ...]] = ()
+    # Build-time checks of the engine's image; `version_argv` must print the image's version label.
+    version_argv: ClassVar[tuple[str, ...]] = ()
+    smoke: ClassVar[tuple[Smoke, ...]] = ()
 
     def config(self, task: Task) -> BaseModel:
         """The engine's options from the task; errors name the task field."""
@@ -70,6 +88,11 @@ class Engine(ABC):
 
     @abstractmethod
     def invocation(self, task: Task) -> Invocation: ...
+
+    def invocation_for(self, task: Task, policy: Policy | None) -> Invocation:
+        """The invocation with the policy's deny rules also written where the CLI reads its own
+        (claude's permissions, gemini's policy rules, ...). Engines without such rules keep this."""
+        return self.invocation(task)
 
     def base_env(self) -> dict[str, str]:
         return {
@@ -93,6 +116,49 @@ class Engine(ABC):
         if exit_code != 0:
             return Outcome("engine_error", f"{self.name} exited with code {exit_code}")
         return Outcome("success")
+
+    def classify_run(
+        self, exit_code: int | None, log_tail: str, egress: EgressRecord | None = None
+    ) -> Outcome:
+        """`classify`, then the gateway's word (engines.md: it beats the engine's): a run that did not
+        succeed while a model route answered 429 is `quota`, 401/403 `auth`."""
+        o = self.classify(exit_code, log_tail)
+        if o.kind == "success" or not self.routes or egress is None:
+            return o
+        statuses = {r.status for r in egress.requests if r.route is not None and r.status is not None}
+        for kind, codes in (("quota", {429}), ("auth", {401, 403})):
+            if o.kind != kind and statuses & codes:
+                code = min(statuses & codes)
+                msg = f"the model route answered HTTP {code} (gateway log); {o.message}"
+                return Outcome(kind, msg, o.report)
+        return o
+
+
+def error_outcome(status: int | None, message: str, report: dict[str, Any] | None = None) -> Outcome:
+    """A CLI's structured error: its HTTP status first, then its message's words, else engine_error."""
+    msg = message.strip()[:500]
+    if status == 429 or QUOTA_RE.search(msg):
+        return Outcome("quota", msg, report)
+    if status in (401, 403) or AUTH_RE.search(msg):
+        return Outcome("auth", msg, report)
+    return Outcome("engine_error", msg, report)
+
+
+def json_lines(text: str) -> list[dict[str, Any]]:
+    """The JSON objects of a log, one a line; other lines (the CLI's own text, a cut first line of a
+    tail) are skipped."""
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not line.startswith("{"):
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(obj, dict):
+            out.append(obj)
+    return out
 
 
 def _last_line_matching(text: str, rx: re.Pattern[str]) -> str:
