@@ -689,3 +689,38 @@ def test_containers_on_fila_egress_network_cannot_reach_each_other(
         assert reach(egress.DEFAULT_EGRESS_NETWORK).startswith("refused")
     finally:
         docker_client.networks.get(own).remove()
+
+
+def test_a_runtime_docker_lacks_is_refused_before_the_gateway_or_any_container_starts(
+    tmp_path: Path,
+    upstreams: Upstreams,  # noqa: F811
+    docker_client: docker.DockerClient,
+    images: ImageRef,
+) -> None:
+    from fila import sandbox
+    from fila.errors import InfraError
+
+    def spec(tid: str, runtime: str) -> sandbox.RunSpec:
+        job_dir = tmp_path / tid
+        (job_dir / "input").mkdir(parents=True)
+        (job_dir / "work").mkdir()
+        policy = _gateway_policy(upstreams).model_copy(update={"runtime": runtime})
+        return sandbox.RunSpec(
+            job_id=tid, job_dir=job_dir, image="fila/testnet:latest", argv=["true"], env={}, policy=policy,
+            limits=None, timeout_ms=30_000, log_path=tmp_path / f"{tid}.log", labels={},
+            egress_dir=tmp_path / f"{tid}.egress",
+        )  # fmt: skip
+
+    def events(since: float, tid: str) -> list[str]:
+        seen = docker_client.events(since=int(since), until=int(time.time()) + 1, decode=True)
+        return [f"{e['Type']} {e['Action']}" for e in seen if tid in json.dumps(e)]
+
+    # The counterpart: runsc under allowlist (gVisor on the job network) creates what it needs.
+    t0 = time.time()
+    assert sandbox.run(spec("rt-ok", "runsc"), client=docker_client).exit_code == 0
+    assert "network create" in events(t0, "rt-ok") and "container start" in events(t0, "rt-ok")
+    t0 = time.time()
+    with pytest.raises(InfraError, match="fila-no-such-rt") as info:
+        sandbox.run(spec("rt-missing", "fila-no-such-rt"), client=docker_client)
+    assert info.value.hint and "fila-no-such-rt" in info.value.hint
+    assert events(t0, "rt-missing") == []  # no network, no gateway, no engine: nothing was made
