@@ -64,6 +64,7 @@ class Gw:
     container: Any
     ip: str
     log_dir: Path
+    egress_ip: str  # its address on the upstreams' network
 
     @property
     def proxy(self) -> str:
@@ -107,6 +108,7 @@ class Env:
         return code, (out or b"").decode(errors="replace"), (err or b"").decode(errors="replace")
 
     def gateway(self, **config: Any) -> Gw:
+        """A gateway with this config (`clients` defaults to the job network, as fila sets it)."""
         return start_gateway(self, **config)
 
 
@@ -126,6 +128,7 @@ def start_gateway(
     allow_private: list[str] | None = None,
     routes: dict[str, Any] | None = None,
     budget: dict[str, Any] | None = None,
+    clients: list[str] | None = None,
 ) -> Gw:
     """A hardened gateway on the job network and the upstream network, as the contract says."""
     name = f"fila-test-gw-{env.session}-{uuid.uuid4().hex[:6]}"
@@ -145,6 +148,7 @@ def start_gateway(
         "routes": routes or {},
         "budget": budget or {"max_requests": None, "max_tokens": None},
         "upstream_ca": "/etc/fila-gateway/upstream-ca.pem",
+        "clients": clients or [env.job_subnet],
     }
     (d / "config.json").write_text(json.dumps(config))
     (d / "config.json").chmod(0o644)
@@ -176,8 +180,8 @@ def start_gateway(
             pytest.fail(f"gateway not ready ({c.status}): {c.logs().decode(errors='replace')[-2000:]}")
         time.sleep(0.05)
     c.reload()
-    ip = c.attrs["NetworkSettings"]["Networks"][env.job_net]["IPAddress"]
-    return Gw(container=c, ip=ip, log_dir=d / "log")
+    nets = c.attrs["NetworkSettings"]["Networks"]
+    return Gw(c, nets[env.job_net]["IPAddress"], d / "log", nets[env.ups.network]["IPAddress"])
 
 
 def _job_network(client: docker.DockerClient, session: str) -> tuple[str, str]:
@@ -805,6 +809,23 @@ def test_the_log_has_one_line_per_decision_with_every_field(env: Env) -> None:
         ("route", False),
         ("route", True),
     ]
+
+
+def test_only_clients_on_the_job_network_may_use_the_gateway(env: Env) -> None:
+    gw = env.gateway(
+        allow=[{"host": "allowed.test", "port": 443, "methods": None}], allow_private=_private(env)
+    )
+    code, out, err = env.sh(f"{CURL} -x {gw.proxy} https://allowed.test/")
+    assert code == 0 and out.strip() == "hello from allowed.test", err
+    # The same request from the other side (a container on the egress network, like another
+    # job's gateway reached through a broad allow_private): closed, for both doors.
+    res = env.ups.run(
+        f"{CURL} -x http://{gw.egress_ip}:3128 https://allowed.test/; echo rc=$?;"
+        f" {CURL} http://{gw.egress_ip}:8080/anthropic/v1/messages -d x=1; echo rc=$?"
+    )
+    assert res.stdout.count("rc=0") == 0 and "hello from" not in res.stdout, res
+    reasons = [e["reason"] for e in gw.log() if not e["allowed"]]
+    assert len([r for r in reasons if r and r.endswith("not on the job network")]) == 2, reasons
 
 
 def test_the_gateway_runs_hardened_and_still_works(env: Env) -> None:

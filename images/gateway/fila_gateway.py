@@ -152,6 +152,10 @@ def load_config(path: Path = CONFIG_PATH) -> dict[str, Any]:
         v = budget.get(k)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
             raise ConfigError(f"budget.{k} must be null or a non-negative integer")
+    try:
+        clients = None if raw.get("clients") is None else [ipaddress.ip_network(c) for c in raw["clients"]]
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"clients: {e}") from e
     ca = raw.get("upstream_ca")
     if ca is not None and not (isinstance(ca, str) and Path(ca).is_file()):
         raise ConfigError(f"upstream_ca {ca!r} is not a readable file in the gateway")
@@ -162,6 +166,7 @@ def load_config(path: Path = CONFIG_PATH) -> dict[str, Any]:
         "routes": {n: _route(n, r) for n, r in routes.items()},
         "budget": {"max_requests": budget.get("max_requests"), "max_tokens": budget.get("max_tokens")},
         "upstream_ca": ca,
+        "clients": clients,
     }
 
 
@@ -424,6 +429,24 @@ class Gateway:
             self._sink.close()
         if self._log is not None:
             self._log.close()
+
+    def client_connected(self, client: Any) -> None:
+        # Only the job's engine may use this gateway (and its credentials): with `clients` set to
+        # the job network, a connection from elsewhere (another job's gateway on the egress
+        # network, through a broad allow_private) is closed before any request is read.
+        nets = self.config["clients"] if self.config else []
+        peer = client.peername[0] if client.peername else ""
+        if nets is None:
+            return
+        with contextlib.suppress(ValueError):
+            ip = ipaddress.ip_address(peer.split("%", 1)[0])
+            if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+                ip = ip.ipv4_mapped
+            if any(ip.version == n.version and ip in n for n in nets):
+                return
+        client.error = "client not on the job network"
+        door = "route" if isinstance(client.proxy_mode, ReverseMode) else "proxy"
+        self.write(door=door, host=peer, reason=f"client {peer} not on the job network")
 
     # -- the log
 
