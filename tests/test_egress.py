@@ -227,6 +227,8 @@ def test_engine_reaches_the_listed_host_and_the_model_route_never_an_unlisted_ho
     assert eg["routes"]["anthropic"]["requests"] == 1
     assert (eg["routes"]["anthropic"]["input_tokens"], eg["routes"]["anthropic"]["output_tokens"]) == (7, 3)
     assert "route     anthropic: 1 requests" in show.stdout and "DENIED" in show.stdout
+    text = fila(proj, "review", tid, "--no-pager")
+    assert "route     anthropic: 1 requests" in text.stdout and "denied.test:443" in text.stdout, text.output
     rv = fila(proj, "review", tid, "--json")
     assert json.loads(rv.stdout)["egress"]["denied"] == eg["denied"]
     # Nothing of the job is left: no gateway, no network, no secrets directory.
