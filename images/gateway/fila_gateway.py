@@ -13,6 +13,17 @@ mitmproxy does all the HTTP and TLS work. This addon decides, per request, wheth
 
 Every decision is one JSON line in egress.jsonl. The addon fails closed: a config it cannot load
 stops mitmdump at start-up, and an exception inside a hook refuses the request it was deciding.
+
+The container (images/gateway, run as any non-root uid, read-only root, tmpfs /tmp):
+- /etc/fila-gateway/config.json (ro): {"job", "allow": [{"host": "name" | "*.suffix", "port",
+  "methods": null | [..]}], "allow_private": [CIDR], "routes": {name: {"upstream": URL, "header",
+  "format": "...{key}...", "secret": file name}}, "budget": {"max_requests", "max_tokens"},
+  "upstream_ca": path | null, "clients": [CIDR] | null (optional: who may connect; fila gives the
+  job network)};
+- /run/fila-gateway/secrets/<secret> (ro): one credential per file, read once at start;
+- /var/log/fila-gateway/ (rw): egress.jsonl (one line per decision, fields in `Gateway.write`) and
+  `ready`, written once both listeners are bound;
+- ports 3128 (proxy) and 8080 (routes); entrypoint.sh starts mitmdump.
 """
 
 from __future__ import annotations
@@ -275,12 +286,13 @@ def normalize_usage(raw: dict[str, Any]) -> dict[str, int] | None:
 class Meter:
     """Watches one response go by: counts bytes and collects usage, streamed or not."""
 
-    def __init__(self, content_type: str) -> None:
-        self.sse = content_type.lower().startswith("text/event-stream")
+    def __init__(self, content_type: str, *, usage: bool = True) -> None:
+        self.sse = usage and content_type.lower().startswith("text/event-stream")
         self.bytes = 0
         self.raw_usage: dict[str, Any] = {}
         self._pending = b""
-        self._body: bytearray | None = None if self.sse else bytearray()
+        # Only a route's JSON reply is kept (bounded) to read its usage; proxied bodies are counted.
+        self._body: bytearray | None = bytearray() if usage and not self.sse else None
 
     def __call__(self, chunk: bytes) -> bytes:
         # Called by mitmproxy for every chunk of a streamed response, and once with b"" at its end.
@@ -511,7 +523,7 @@ class Gateway:
         if not matching_entries(self.config["allow"], host, port):
             return "not in allowlist", None
         try:
-            addrs = await resolve(host, port)
+            addrs = await resolve(host + ".", port)  # absolute: no resolv.conf search domain
         except OSError as e:
             return f"does not resolve ({e.strerror or e})", None
         if not addrs:
@@ -708,7 +720,8 @@ class Gateway:
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         if flow.metadata.get("fila_logged") or flow.response is None:
             return
-        meter = Meter(flow.response.headers.get("content-type", ""))
+        route = flow.metadata.get("fila_door") == "route"
+        meter = Meter(flow.response.headers.get("content-type", ""), usage=route)
         flow.metadata["fila_meter"] = meter
         flow.response.stream = meter  # streamed on as it arrives; the meter only watches
 
