@@ -128,3 +128,14 @@ def test_a_rule_pathspec_cannot_read_is_an_invalid_policy() -> None:
     assert denied_by("a.txt", False, ["*.pem"]) is None
     with pytest.raises(InvalidPolicy, match="deny"):
         denied_by("a.txt", False, ["!"])
+
+
+def test_a_policy_with_a_rule_pathspec_cannot_read_is_refused_when_loaded(tmp_path: Path) -> None:
+    root = make_root(tmp_path)
+    good = json.loads((root.policies_dir / "default.json").read_text())
+    (root.policies_dir / "fine.json").write_text(json.dumps(good))
+    assert load_policy(root, "fine")[0].deny == good["deny"]
+    bad = {**good, "deny": [*good["deny"], "!"]}
+    (root.policies_dir / "broken.json").write_text(json.dumps(bad))
+    with pytest.raises(InvalidPolicy, match="deny"):
+        load_policy(root, "broken")

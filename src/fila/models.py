@@ -195,8 +195,8 @@ class Egress(BaseModel):
     allow_private: list[str] = Field(
         default_factory=list, description="CIDRs of private addresses allowed (internal mirrors)"
     )
-    max_requests: int | None = Field(default=None, gt=0, description="route requests per job")
-    max_tokens: int | None = Field(default=None, gt=0, description="input + output tokens per job")
+    max_requests: Count | None = Field(default=None, description="route requests per job")
+    max_tokens: Count | None = Field(default=None, description="input + output tokens per job")
     egress_network: str = Field(
         default="fila-egress",
         pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$",
@@ -228,7 +228,7 @@ class Policy(BaseModel):
     fsize: LimitSize = Field(default="1g", description="largest file the engine may write (ulimit)")
     tmpfs: Tmpfs = Field(default_factory=Tmpfs)
     deny: list[str] = Field(
-        default_factory=list, description="globs never copied into a job (gitignore-like)"
+        default_factory=list, description="rules (.gitignore syntax) for paths never copied into a job"
     )
     max_diff_bytes: Count = 20 << 20
     max_log_bytes: Count = 10 << 20

@@ -112,6 +112,7 @@ def load_policy(root: Root, name: str) -> tuple[Policy, PolicyRef]:
         error=InvalidPolicy,
         path=path,
     )
+    _deny_spec(tuple(policy.deny))  # a rule pathspec cannot read is refused now, not mid-copy
     from . import egress  # network allowlist: routes, names, credentials (errors name the field)
 
     egress.validate(policy, path=path)
