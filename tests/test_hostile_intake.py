@@ -420,6 +420,15 @@ def test_submit_from_stdin_refuses_more_than_the_cap(qroot: Root) -> None:
     assert res.exit_code == 2 and "1048576-byte limit" in res.output
 
 
+def test_submit_from_options_refuses_what_a_claim_would_refuse(qroot: Root) -> None:
+    args = ["submit", "--engine", "shell", "--command", "true", "--target", "greeting.txt"]
+    assert fila_in_process(qroot.path, *args, "--prompt", "plain words").exit_code == 0
+    queued = set(os.listdir(qroot.in_dir))
+    res = fila_in_process(qroot.path, *args, "--prompt", "a\x00b")
+    assert res.exit_code == 2 and "NUL" in res.output, res.output
+    assert set(os.listdir(qroot.in_dir)) == queued  # nothing queued to be refused at claim
+
+
 # -- the queue, with real containers ---------------------------------------------------------
 
 

@@ -136,6 +136,9 @@ def check_task(root: Root, task: Task) -> Checked:
 
 def submit(root: Root, task: Task) -> Record:
     root.require()
+    # Through the reader a claim uses: a task built from options (a NUL in --prompt) is refused
+    # here, not queued and then refused at claim.
+    task = parse_task_bytes(queue.task_json(task).encode(), source="the submitted task")
     check_task(root, task)
     return queue.enqueue(root, task.id or queue.new_task_id(), task)
 
