@@ -265,13 +265,82 @@ def walk(
     regular files (st_size, so a sparse file counts at its full size).
     Raises FilaError when `root` is a symlink or not a directory, LimitExceeded past a limit.
     """
+    rfd = open_dir(root)
+    try:
+        for found in walk_fd(
+            rfd,
+            label=str(root),
+            skip=skip,
+            max_files=max_files,
+            max_bytes=max_bytes,
+            max_depth=max_depth,
+            max_path_bytes=max_path_bytes,
+        ):
+            yield found.entry
+    finally:
+        os.close(rfd)
+
+
+@dataclass(frozen=True)
+class Found:
+    """An entry of `walk_fd` with what it takes to open it without a path: the fd of the
+    directory holding it (valid until the walk moves on), its raw name there, and its lstat.
+    Whoever reads it opens `name` relative to `dir_fd` and compares (st_dev, st_ino) with
+    `st`: a name swapped after the listing is then refused, never followed."""
+
+    entry: Entry
+    dir_fd: int
+    name: bytes
+    st: os.stat_result
+
+
+def same_file(a: os.stat_result, b: os.stat_result) -> bool:
+    return (a.st_dev, a.st_ino) == (b.st_dev, b.st_ino)
+
+
+def open_beneath(base_fd: int, rel: str) -> int:
+    """A new fd for the directory `rel` below the directory `base_fd`, one component at a time
+    with O_NOFOLLOW: no component can be a symlink, whatever is swapped meanwhile."""
+    fd = os.dup(base_fd)
+    try:
+        for part in [p for p in rel.split("/") if p not in ("", ".")]:
+            if part == "..":
+                raise FilaError("refusing '..' in a path", path=escape_name(rel))
+            nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+    except OSError as err:
+        os.close(fd)
+        if err.errno in (errno.ENOTDIR, errno.ELOOP):
+            raise FilaError("refusing a path through a symlink or a file", path=escape_name(rel)) from None
+        raise _open_error(err, rel) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def walk_fd(
+    rfd: int,
+    *,
+    label: str,
+    skip: Callable[[str, bool], bool] | None = None,
+    max_files: int,
+    max_bytes: int,
+    max_depth: int = 64,
+    max_path_bytes: int = 4096,
+) -> Iterator[Found]:
+    """`walk` below the open directory `rfd` (the caller's; not closed), yielding each entry with
+    its directory fd: a copy that opens files through these fds cannot be sent outside the tree
+    by a directory swapped for a symlink above them. A subdirectory whose inode changed between
+    its listing and its open is refused."""
     files = 0
     total = 0
     # Names listed but not yet visited, across every directory open on the way down: they bound
     # the next listing too, or nested wide directories would hold millions of names at once.
     pending = 0
 
-    def visit(dfd: int, prefix: str, depth: int) -> Iterator[Entry]:
+    def visit(dfd: int, prefix: str, depth: int) -> Iterator[Found]:
         nonlocal files, total, pending
         names = _names(dfd, prefix, max(0, max_files - files - pending), max_files)
         pending += len(names)
@@ -294,27 +363,25 @@ def walk(
                 )
             files += 1
             if files > max_files:
-                raise LimitExceeded(f"more than max_files={max_files} entries", path=root)
+                raise LimitExceeded(f"more than max_files={max_files} entries", path=label)
             if kind == "file":
                 total += st.st_size
                 if total > max_bytes:
                     raise LimitExceeded(f"files total more than max_bytes={max_bytes}", path=escape_name(rel))
-            yield Entry(rel, kind, st.st_mode, st.st_size, st.st_nlink)
+            yield Found(Entry(rel, kind, st.st_mode, st.st_size, st.st_nlink), dfd, raw, st)
             if kind == "dir":
                 try:
                     cfd = os.open(raw, _DIR_FLAGS, dir_fd=dfd)
                 except OSError as err:
                     raise _open_error(err, rel) from None
                 try:
+                    if not same_file(os.fstat(cfd), st):
+                        raise FilaError("directory replaced while it was being read", path=escape_name(rel))
                     yield from visit(cfd, rel + "/", depth + 1)
                 finally:
                     os.close(cfd)
 
-    rfd = open_dir(root)
-    try:
-        yield from visit(rfd, "", 1)
-    finally:
-        os.close(rfd)
+    yield from visit(rfd, "", 1)
 
 
 def _names(dfd: int, prefix: str, limit: int, max_files: int) -> list[tuple[bytes, str]]:

@@ -21,7 +21,7 @@ from pathlib import Path, PurePosixPath
 
 from . import fsutil
 from .errors import LimitExceeded, TargetError
-from .fswalk import escape_name, walk
+from .fswalk import escape_name, kind_of, open_beneath, open_dir, same_file, walk_fd
 from .layout import Root
 from .models import Policy, Task
 from .policy import Effective, denied_by
@@ -147,24 +147,81 @@ def resolve_targets(root: Root, project: Path, targets: list[str], policy: Polic
     return out
 
 
-def _copy_file(src: Path, dsts: list[Path], mode: int, max_bytes: int) -> tuple[int, str]:
-    """Read once, write to every destination, hash on the way. Never follows a link or blocks."""
-    fd = os.open(src, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_SRC_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_DST_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class _Dest:
+    """input/ or work/ of the job being prepared, written through directory fds only: no path
+    below it is ever resolved by the kernel from the top, so nothing swapped in meanwhile is
+    followed. The last parent's fd is cached (entries come depth first)."""
+
+    def __init__(self, path: Path) -> None:
+        self.fd = open_dir(path)
+        self._last: tuple[str, int] | None = None
+
+    def close(self) -> None:
+        self._drop()
+        os.close(self.fd)
+
+    def _drop(self) -> None:
+        if self._last is not None:
+            os.close(self._last[1])
+            self._last = None
+
+    def dir(self, rel: str) -> int:
+        """The fd of directory `rel` (made if missing); borrowed until the next call."""
+        if not rel:
+            return self.fd
+        if self._last is not None and self._last[0] == rel:
+            return self._last[1]
+        self._drop()
+        fd = os.dup(self.fd)
+        try:
+            for part in rel.split("/"):
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(part, 0o777, dir_fd=fd)
+                nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                os.close(fd)
+                fd = nfd
+        except BaseException:
+            os.close(fd)
+            raise
+        self._last = (rel, fd)
+        return fd
+
+
+def _copy_file(
+    src_dir: int, name: bytes, walked: os.stat_result, dsts: list[tuple[int, str]], mode: int, max_bytes: int
+) -> tuple[int, str]:
+    """Read once, write to every destination, hash on the way. Never follows a link or blocks.
+
+    `name` is opened relative to its directory's fd, and must still be the file the walk saw
+    (device and inode): a name swapped for another file after the listing is refused."""
+    where = escape_name(os.fsdecode(name))
+    try:
+        fd = os.open(name, _SRC_FLAGS, dir_fd=src_dir)
+    except OSError as err:
+        raise TargetError(f"cannot open {where} in the project: {err.strerror}") from None
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise TargetError(f"{src} is not a regular file")
+        if not stat.S_ISREG(st.st_mode) or not same_file(st, walked):
+            raise TargetError(f"{where} was replaced while it was being copied", hint="submit it again")
         if st.st_size > max_bytes:
-            raise LimitExceeded(f"{src} is {st.st_size} bytes, above max_work_bytes {max_bytes}")
+            raise LimitExceeded(f"{where} is {st.st_size} bytes, above max_work_bytes {max_bytes}")
         h = hashlib.sha256()
-        outs = [os.open(d, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode) for d in dsts]
-        for o in outs:
-            os.fchmod(o, mode)  # the umask must not decide what the engine and the diff see
-        size = 0
+        outs: list[int] = []
         try:
+            for dfd, dname in dsts:
+                outs.append(os.open(dname, _DST_FLAGS, mode, dir_fd=dfd))
+                os.fchmod(outs[-1], mode)  # the umask must not decide what the engine and the diff see
+            size = 0
             while chunk := os.read(fd, 1 << 20):
                 h.update(chunk)
                 size += len(chunk)
+                if size > max_bytes:  # grew after the fstat
+                    raise LimitExceeded(f"{where} grew above max_work_bytes {max_bytes} while copied")
                 for o in outs:
                     os.write(o, chunk)
         finally:
@@ -195,32 +252,40 @@ def prepare(
     (job / "work").mkdir()
     prep = Prepared(job_dir=job, files=0, bytes=0, manifest=[])
     seen: set[str] = set()
+    # Every open below the project goes through directory fds taken one component at a time
+    # with O_NOFOLLOW (resolve_targets checked paths, but whoever writes in the project can swap
+    # a directory for a symlink after that): nothing outside the project can be reached.
+    stack = contextlib.ExitStack()
+    pfd = open_dir(project)
+    stack.callback(os.close, pfd)
+    ins = _Dest(job / "input")
+    stack.callback(ins.close)
+    wrk = _Dest(job / "work")
+    stack.callback(wrk.close)
 
-    def add(rel: str, src: Path, kind: str, st_mode: int, nlink: int) -> None:
+    def add(rel: str, src_dir: int, name: bytes, kind: str, st: os.stat_result) -> None:
         if rel in seen:
             return
         seen.add(rel)
-        ins, wrk = job / "input" / rel, job / "work" / rel
+        parent, _, base = rel.rpartition("/")
         if kind == "dir":
-            ins.mkdir(parents=True, exist_ok=True)
-            wrk.mkdir(parents=True, exist_ok=True)
+            ins.dir(rel)
+            wrk.dir(rel)
             return
-        ins.parent.mkdir(parents=True, exist_ok=True)
-        wrk.parent.mkdir(parents=True, exist_ok=True)
         if kind == "symlink":
-            target = os.readlink(src)
-            os.symlink(target, ins)
-            os.symlink(target, wrk)
-            data = os.fsencode(target)
+            target = os.readlink(name, dir_fd=src_dir)  # bytes: data, never followed
+            os.symlink(target, base, dir_fd=ins.dir(parent))
+            os.symlink(target, base, dir_fd=wrk.dir(parent))
             prep.manifest.append(
-                ManifestEntry(rel, "symlink", len(data), hashlib.sha256(data).hexdigest(), 0o777)
+                ManifestEntry(rel, "symlink", len(target), hashlib.sha256(target).hexdigest(), 0o777)
             )
         elif kind == "file":
-            mode = 0o755 if st_mode & stat.S_IXUSR else 0o644
-            size, sha = _copy_file(src, [ins, wrk], mode, policy.max_work_bytes - prep.bytes)
+            mode = 0o755 if st.st_mode & stat.S_IXUSR else 0o644
+            dsts = [(ins.dir(parent), base), (wrk.dir(parent), base)]
+            size, sha = _copy_file(src_dir, name, st, dsts, mode, policy.max_work_bytes - prep.bytes)
             prep.bytes += size
             prep.manifest.append(ManifestEntry(rel, "file", size, sha, mode))
-            if nlink > 1:
+            if st.st_nlink > 1:
                 prep.warnings.append(f"{rel}: hard-linked in the project; copied as a file")
         else:
             prep.warnings.append(f"{rel}: not a regular file, symlink or directory; not copied")
@@ -232,24 +297,39 @@ def prepare(
                 task_id=task_id,
             )
 
-    for rel in targets:
-        src = project if rel == "." else project / rel
-        st = src.lstat()
-        if stat.S_ISDIR(st.st_mode):
-            base = "" if rel == "." else rel + "/"
+    with stack:
+        for rel in targets:
+            parent, _, base_name = rel.rpartition("/")
+            dir_fd = open_beneath(pfd, "" if rel == "." else parent)
+            try:
+                name = os.fsencode("." if rel == "." else base_name)
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                if stat.S_ISDIR(st.st_mode):
+                    base = "" if rel == "." else rel + "/"
 
-            def skip(sub: str, is_dir: bool, base: str = base) -> bool:
-                return _exclusion(base + sub, is_dir, policy, prefixes) is not None
+                    def skip(sub: str, is_dir: bool, base: str = base) -> bool:
+                        return _exclusion(base + sub, is_dir, policy, prefixes) is not None
 
-            if base:
-                add(rel, src, "dir", st.st_mode, 1)
-            for e in walk(src, skip=skip, max_files=policy.max_work_files, max_bytes=policy.max_work_bytes):
-                add(base + e.rel, src / e.rel, e.kind, e.mode, e.nlink)
-        else:
-            kind = (
-                "symlink" if stat.S_ISLNK(st.st_mode) else ("file" if stat.S_ISREG(st.st_mode) else "other")
-            )
-            add(rel, src, kind, st.st_mode, st.st_nlink)
+                    if base:
+                        add(rel, dir_fd, name, "dir", st)
+                    tfd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+                    try:
+                        if not same_file(os.fstat(tfd), st):
+                            raise TargetError(f"target {rel!r} was replaced while it was being copied")
+                        for f in walk_fd(
+                            tfd,
+                            label=str(project / rel),
+                            skip=skip,
+                            max_files=policy.max_work_files,
+                            max_bytes=policy.max_work_bytes,
+                        ):
+                            add(base + f.entry.rel, f.dir_fd, f.name, f.entry.kind, f.st)
+                    finally:
+                        os.close(tfd)
+                else:
+                    add(rel, dir_fd, name, kind_of(st.st_mode), st)
+            finally:
+                os.close(dir_fd)
 
     meta = root.meta(task_id)
     meta.mkdir(parents=True, exist_ok=True)
