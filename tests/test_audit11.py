@@ -85,3 +85,17 @@ def test_copy_never_lands_a_file_from_outside_the_project_while_a_directory_is_s
         stop.touch()
         racer.wait(timeout=30)
     assert copied > 0, "the race left nothing to check"
+
+
+# -- 8. resolve_targets keeps order and drops repeats in linear time ---------------------------
+
+
+def test_many_targets_resolve_once_each_in_order(tmp_path: Path) -> None:
+    root = make_root(tmp_path).require()
+    for i in range(3):
+        (tmp_path / f"t{i}.txt").write_text("x\n")
+    policy, _ = load_policy(root, "default")
+    names = ["t2.txt", "t0.txt", "t2.txt", "./t1.txt", "t0.txt"] * 4000
+    assert jobdir.resolve_targets(root, root.path, names, policy) == ["t2.txt", "t0.txt", "t1.txt"]
+    with pytest.raises(FilaError):
+        jobdir.resolve_targets(root, root.path, [*names, "missing.txt"], policy)

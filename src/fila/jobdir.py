@@ -106,6 +106,7 @@ def resolve_targets(root: Root, project: Path, targets: list[str], policy: Polic
     """Normalise targets to project-relative paths; refuse what is outside, missing or denied."""
     prefixes = _excluded_prefixes(root, project)
     out: list[str] = []
+    kept: set[str] = set()  # a list's `in` made 40,000 targets cost 30 s per call
     for raw in targets:
         pure = PurePosixPath(raw)
         if pure.is_absolute() or ".." in pure.parts:
@@ -142,7 +143,8 @@ def resolve_targets(root: Root, project: Path, targets: list[str], policy: Polic
             why = _exclusion(rel, (project / rel).is_dir(), policy, prefixes)
             if why:
                 raise TargetError(f"target {raw!r} is never copied ({why})", path=project / rel)
-        if rel not in out:
+        if rel not in kept:
+            kept.add(rel)
             out.append(rel)
     return out
 
