@@ -7,7 +7,9 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -99,3 +101,135 @@ def test_many_targets_resolve_once_each_in_order(tmp_path: Path) -> None:
     assert jobdir.resolve_targets(root, root.path, names, policy) == ["t2.txt", "t0.txt", "t1.txt"]
     with pytest.raises(FilaError):
         jobdir.resolve_targets(root, root.path, [*names, "missing.txt"], policy)
+
+
+# -- 3. a project fila cannot read ends as that task's record; the other tasks run -------------
+
+
+def _deep_target(base: Path, levels: int) -> str:
+    """A file below `levels` directories of 253-byte names: the full path is past PATH_MAX."""
+    cur = os.open(base, os.O_RDONLY | os.O_DIRECTORY)
+    parts = []
+    for i in range(levels):
+        name = f"d{i:02d}" + "x" * 250
+        os.mkdir(name, dir_fd=cur)
+        nxt = os.open(name, os.O_RDONLY | os.O_DIRECTORY, dir_fd=cur)
+        os.close(cur)
+        cur = nxt
+        parts.append(name)
+    os.close(os.open("f", os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=cur))
+    os.close(cur)
+    return "/".join([*parts, "f"])
+
+
+def test_a_target_path_longer_than_the_kernel_allows_is_refused_by_name_not_with_a_traceback(
+    tmp_path: Path,
+) -> None:
+    from .helpers import fila
+
+    root = make_root(tmp_path)
+    (tmp_path / "g.txt").write_text("hello\n")
+    ok = fila(tmp_path, "submit", "--engine", "shell", "--command", "true", "--target", "g.txt")
+    assert ok.exit_code == 0, ok.output  # the allowed counterpart
+    deep = _deep_target(tmp_path, 18)
+    res = fila(tmp_path, "submit", "--engine", "shell", "--command", "true", "--target", deep)
+    assert res.exit_code == 2, res.output
+    assert "cannot be read: File name too long" in res.output and "Traceback" not in res.output
+    policy, _ = load_policy(root, "default")
+    with pytest.raises(FilaError, match="File name too long"):
+        jobdir.resolve_targets(root, root.path, [deep], policy)
+
+
+# -- 3 and 6 as an ordinary user: an unreadable directory in the project; a chmod 000 in work/ ---
+
+
+@pytest.fixture
+def as_user(shell_image: object) -> Iterator[Any]:
+    """fila as a throwaway ordinary user (in the Docker group), on its own queue root."""
+    if os.getuid() != 0:
+        pytest.skip("creating an ordinary user for the test needs root")
+    import pwd
+    import shutil
+    import tempfile
+
+    from .test_unprivileged import Fila, ordinary_user
+
+    base = Path(tempfile.mkdtemp(prefix="fila-audit11-"))
+    try:
+        with ordinary_user() as user:
+            pw = pwd.getpwnam(user)
+            os.chmod(base, 0o755)
+            f = Fila(base / "q", user)
+            (f.root / ".home").mkdir(parents=True)
+            (f.root / "greeting.txt").write_text("hello\n")
+            for p in (f.root, f.root / ".home", f.root / "greeting.txt"):
+                os.chown(p, pw.pw_uid, pw.pw_gid)
+            res = f("init")
+            assert res.returncode == 0, res.stderr
+            yield f
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def _submit(f: Any, tid: str, command: str, target: str) -> None:
+    res = f("submit", "--id", tid, "--engine", "shell", "--command", command, "--target", target)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def _rec(f: Any, tid: str) -> dict:
+    import json
+
+    return json.loads((f.root / "fila" / "out" / f"{tid}.json").read_text())
+
+
+@pytest.mark.docker
+def test_an_unreadable_directory_in_the_project_fails_its_task_once_and_the_next_task_runs(
+    as_user: Any,
+) -> None:
+    f = as_user
+    src = f.root / "src"
+    (src / "locked").mkdir(parents=True)
+    (src / "ok.txt").write_text("ok\n")
+    import pwd
+
+    pw = pwd.getpwnam(f.user)
+    for p in (src, src / "locked", src / "ok.txt"):
+        os.chown(p, pw.pw_uid, pw.pw_gid)
+    os.chmod(src / "locked", 0)
+    _submit(f, "locked", "true", "src")
+    _submit(f, "after", "sed -i s/hello/world/ greeting.txt", "greeting.txt")
+    res = f("run", "--once")
+    out = res.stdout + res.stderr
+    assert "fila bug" not in out and "Traceback" not in out, out
+    # The allowed counterpart: the valid task queued behind it ran to review.
+    assert _rec(f, "after")["status"] == "needs_review", out
+    bad = _rec(f, "locked")
+    assert bad["status"] == "failed" and bad["error"]["kind"] == "invalid", bad
+    assert "Permission denied" in bad["error"]["message"] and bad["attempt"] == 1, bad
+    assert not list((f.root / "fila" / "in").glob("*.json"))  # nothing handed back to loop on
+
+
+ENGINE_LEAVES = (
+    "sed -i s/hello/world/ greeting.txt && mkdir -p .git/objects .git/refs z/.git && "
+    'echo "ref: refs/heads/m" > .git/HEAD && printf "[core]\\n\\tfsmonitor = x\\n" > .git/config && '
+    "echo keep > z/k && cp /bin/sh suid && chmod 4755 suid && chmod 000 z"
+)
+
+
+@pytest.mark.docker
+def test_a_directory_the_engine_made_unreadable_does_not_stop_the_cleanup_of_work(as_user: Any) -> None:
+    f = as_user
+    _submit(f, "u6", ENGINE_LEAVES, "greeting.txt")
+    _submit(f, "next", "true", "greeting.txt")
+    res = f("run", "--once")
+    out = res.stdout + res.stderr
+    assert "fila bug" not in out and "Traceback" not in out, out
+    work = f.root / "sandbox" / "jobs" / "u6" / "work"
+    rec = _rec(f, "u6")
+    # The allowed counterpart: what the engine changed is kept and reviewed.
+    assert rec["status"] == "needs_review", rec
+    assert (work / "greeting.txt").read_text() == "world\n" and (work / "z" / "k").read_text() == "keep\n"
+    # What would run on the host is gone or inert.
+    assert not (work / ".git").exists() and not (work / "z" / ".git").exists()
+    assert not os.stat(work / "suid").st_mode & 0o6000
+    assert _rec(f, "next")["status"] == "needs_review"

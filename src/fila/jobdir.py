@@ -15,12 +15,12 @@ import json
 import os
 import stat
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 
 from . import fsutil
-from .errors import LimitExceeded, TargetError
+from .errors import FilaError, LimitExceeded, TargetError
 from .fswalk import escape_name, kind_of, open_beneath, open_dir, same_file, walk_fd
 from .layout import Root
 from .models import Policy, Task
@@ -102,47 +102,60 @@ def diff_skip(root: Root, project: Path, policy: Policy) -> Callable[[str, bool]
     return lambda rel, is_dir: _exclusion(rel, is_dir, policy, prefixes) is not None
 
 
+def _resolve_one(project: Path, raw: str, policy: Policy, prefixes: list[str]) -> str:
+    pure = PurePosixPath(raw)
+    if pure.is_absolute() or ".." in pure.parts:
+        raise TargetError(
+            f"target {raw!r} is outside the project",
+            hint="targets are paths relative to the project root, without '..'",
+            path=project,
+        )
+    rel = pure.as_posix().strip("/")
+    if rel in ("", "."):
+        rel = "."
+    cur = project
+    parts = [] if rel == "." else list(PurePosixPath(rel).parts)
+    for i, part in enumerate(parts):
+        cur = cur / part
+        try:
+            st = cur.lstat()
+        except FileNotFoundError:
+            raise TargetError(f"target {raw!r} does not exist", path=cur) from None
+        if stat.S_ISLNK(st.st_mode):
+            resolved = cur.resolve()
+            if not resolved.is_relative_to(project):
+                raise TargetError(
+                    f"target {raw!r} is a symlink pointing outside the project (to {resolved})",
+                    path=cur,
+                )
+            if i < len(parts) - 1:
+                raise TargetError(
+                    f"target {raw!r} goes through the symlink {'/'.join(parts[: i + 1])!r}",
+                    hint="name the real path instead",
+                    path=cur,
+                )
+    if rel != ".":
+        why = _exclusion(rel, (project / rel).is_dir(), policy, prefixes)
+        if why:
+            raise TargetError(f"target {raw!r} is never copied ({why})", path=project / rel)
+    return rel
+
+
 def resolve_targets(root: Root, project: Path, targets: list[str], policy: Policy) -> list[str]:
     """Normalise targets to project-relative paths; refuse what is outside, missing or denied."""
     prefixes = _excluded_prefixes(root, project)
     out: list[str] = []
     kept: set[str] = set()  # a list's `in` made 40,000 targets cost 30 s per call
     for raw in targets:
-        pure = PurePosixPath(raw)
-        if pure.is_absolute() or ".." in pure.parts:
+        try:
+            rel = _resolve_one(project, raw, policy, prefixes)
+        except OSError as err:  # a path too long for the kernel, an unreadable directory
             raise TargetError(
-                f"target {raw!r} is outside the project",
-                hint="targets are paths relative to the project root, without '..'",
+                f"target {escape_name(raw[:200])}{'...' if len(raw) > 200 else ''} cannot be read: "
+                f"{err.strerror}",
+                hint="name a shorter path, or one fila can read",
                 path=project,
-            )
-        rel = pure.as_posix().strip("/")
-        if rel in ("", "."):
-            rel = "."
-        cur = project
-        parts = [] if rel == "." else list(PurePosixPath(rel).parts)
-        for i, part in enumerate(parts):
-            cur = cur / part
-            try:
-                st = cur.lstat()
-            except FileNotFoundError:
-                raise TargetError(f"target {raw!r} does not exist", path=cur) from None
-            if stat.S_ISLNK(st.st_mode):
-                resolved = cur.resolve()
-                if not resolved.is_relative_to(project):
-                    raise TargetError(
-                        f"target {raw!r} is a symlink pointing outside the project (to {resolved})",
-                        path=cur,
-                    )
-                if i < len(parts) - 1:
-                    raise TargetError(
-                        f"target {raw!r} goes through the symlink {'/'.join(parts[: i + 1])!r}",
-                        hint="name the real path instead",
-                        path=cur,
-                    )
-        if rel != ".":
-            why = _exclusion(rel, (project / rel).is_dir(), policy, prefixes)
-            if why:
-                raise TargetError(f"target {raw!r} is never copied ({why})", path=project / rel)
+            ) from None
         if rel not in kept:
             kept.add(rel)
             out.append(rel)
@@ -388,6 +401,60 @@ def reclaim(job_dir: Path, *, owner: tuple[int, int] | None = None) -> list[str]
     work = job_dir / "work"
     if work.is_symlink() or not work.is_dir():
         return warnings  # the diff refuses it, and says so
+    try:
+        return warnings + _make_inert(work, owner)
+    except (OSError, FilaError) as err:
+        # Whatever is left may be live (a .git/config with core.fsmonitor, a setuid file): no
+        # diff may come from it, so work/ goes. The task fails with this message.
+        with contextlib.suppress(OSError, subprocess.CalledProcessError):
+            fsutil.remove_tree(work)
+        raise FilaError(
+            f"work/ could not be made safe after the run ({err}); it was removed, no diff is taken",
+            path=job_dir,
+        ) from None
+
+
+def _open_up(work: Path) -> None:
+    """Give every directory below work/ back u+rwx, through fds and never following a link: an
+    engine running as fila's own user (fila not root) can chmod 000 a directory, and find
+    could not go in to strip what lies there. Only directories: the diff reads files' modes.
+    Depth first, one fd per level open."""
+    flags = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+    def entered(fd: int) -> tuple[int, Iterator[str]]:
+        st = os.fstat(fd)
+        if st.st_mode & 0o700 != 0o700:
+            # fchmod refuses an O_PATH fd; its /proc link names this very inode.
+            os.chmod(f"/proc/self/fd/{fd}", stat.S_IMODE(st.st_mode) | 0o700)
+        with os.scandir(f"/proc/self/fd/{fd}") as it:
+            names = [e.name for e in it if e.is_dir(follow_symlinks=False)]
+        return fd, iter(names)
+
+    stack = [entered(os.open(work, flags))]
+    try:
+        while stack:
+            fd, names = stack[-1]
+            name = next(names, None)
+            if name is None:
+                os.close(stack.pop()[0])
+                continue
+            try:
+                cfd = os.open(name, flags, dir_fd=fd)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            try:
+                stack.append(entered(cfd))
+            except BaseException:
+                os.close(cfd)
+                raise
+    finally:
+        for fd, _names in stack:
+            os.close(fd)
+
+
+def _make_inert(work: Path, owner: tuple[int, int] | None) -> list[str]:
+    warnings: list[str] = []
+    _open_up(work)
     # One pass over work/ finds both what to strip and what to remove, before chown (which clears
     # setuid bits by itself and would hide them); chmod runs only when something needs it.
     found = _tool(
