@@ -397,6 +397,21 @@ def run_one(
             diagnosis=f"Docker failed while the container ran: {e}. work/ may hold "
             f"a partial change. {RETRY_HINT}",
         )
+    except (FilaError, OSError) as e:
+        # Neither the infrastructure (InfraError is above) nor the worker stopping: this task's
+        # project or job directory (an unreadable directory, a file swapped during the copy, a
+        # cleanup the engine blocked). Its record says so and the run goes on; handing it back
+        # would claim it again at once, forever. OSError counts as infra (the disk may be full).
+        kind = ErrorKind.infra if isinstance(e, OSError) else ErrorKind.invalid
+        msg = f"{type(e).__name__}: {e}" if isinstance(e, OSError) else str(e)
+        if run.container_started:
+            return run.finish(
+                Status.failed,
+                error=ErrorInfo(kind=ErrorKind.engine_error, message=f"after the run: {msg}"),
+                diagnosis=f"fila could not finish the job after the run (work/ not made safe, or "
+                f"unreadable); no diff was taken from it. {RETRY_HINT}",
+            )
+        return run.finish(Status.failed, error=ErrorInfo(kind=kind, message=msg))
     except BaseException as e:  # bugs, KeyboardInterrupt: never leave a running record behind
         msg = f"interrupted: {type(e).__name__}: {e}".rstrip(": ")
         if run.container_started:
