@@ -31,6 +31,7 @@ from fila.errors import FilaError, InfraError, LimitExceeded
 from fila.fswalk import Entry, Tree, escape_name
 from fila.models import DiffStat, Policy
 from fila.policy import denied_by
+from fila.snapshot import Layers
 
 EMPTY_TREE = "4b825dc642cb6eb9a060e54bf8d69288fbee4904"  # git's well-known empty tree
 _CHUNK = 1 << 20
@@ -72,8 +73,13 @@ def compute_diff(
     scratch: Path,
     out_name: str = "DIFF.patch",
     skip: Callable[[str, bool], bool] | None = None,
+    layers: Layers | None = None,
 ) -> DiffResult:
     """Write `job_dir/out_name`, the patch from `job_dir/input` to `job_dir/work`.
+
+    With `layers` (the `overlay` strategy), input/ is the snapshot `layers.lower` and work/ that
+    snapshot under the upper layer `layers.upper`; only the upper layer and what it hides of the
+    snapshot are read, and the patch is byte for byte the one the copy strategy gives.
 
     The recipe, which `fila apply` relies on (change one side, change the other):
     - `git apply PATCH` (default -p1) run in the project root: every path is relative to input/
@@ -102,8 +108,9 @@ def compute_diff(
     patch: Path | None = None
     try:
         imps = _Importers(tmp)
-        with Tree(job_dir / "input") as before, Tree(job_dir / "work") as after:
-            changed = _import_changes(imps, before, after, policy, skip, notes)
+        sides = (job_dir / "input", job_dir / "work") if layers is None else (layers.lower, layers.upper)
+        with Tree(sides[0]) as before, Tree(sides[1]) as after:
+            changed = _import_changes(imps, before, after, policy, skip, notes, layers)
         if not changed:
             patch, digest, size = _write_temp(job_dir, out_name, iter(()), policy.max_diff_bytes)
             stat_ = DiffStat()
@@ -256,6 +263,7 @@ def _import_changes(
     policy: Policy,
     skip: Callable[[str, bool], bool] | None,
     notes: _Notes,
+    layers: Layers | None = None,
 ) -> bool:
     """Feed fast-import the files that differ; True when anything does.
 
@@ -265,9 +273,23 @@ def _import_changes(
     """
     changed = False
     try:
-        pairs = _pairs(_entries(before, policy, skip, None), _entries(after, policy, skip, notes))
+        if layers is None:
+            pairs = _pairs(_entries(before, policy, skip, None), _entries(after, policy, skip, notes))
+        else:
+            # The upper layer first (it says what the snapshot lost), held in memory: its size is
+            # what the engine changed. Then the snapshot's hidden entries, in the same order.
+            lay, mf, mb = layers, policy.max_work_files, policy.max_work_bytes
+
+            def upper_walk(prune: Callable[[str, bool], bool]) -> Iterator[Entry]:
+                return lay.upper_walk(prune, max_files=mf, max_bytes=mb)
+
+            upper = list(_entries(after, policy, skip, notes, upper_walk))
+            lower = _entries(before, policy, skip, None, layers.lower_walk)
+            pairs = _pairs(lower, iter(upper))
         for a, b in pairs:
             changed |= _one(imps, before, after, a, b, policy.max_work_bytes, notes, policy.max_diff_bytes)
+        if layers is not None:
+            layers.check_totals(max_files=policy.max_work_files, max_bytes=policy.max_work_bytes)
     except BaseException:
         for imp in imps.started():
             imp.abort()
@@ -293,8 +315,10 @@ def _entries(
     policy: Policy,
     skip: Callable[[str, bool], bool] | None,
     notes: _Notes | None,
+    walker: Callable[[Callable[[str, bool], bool]], Iterator[Entry]] | None = None,
 ) -> Iterator[Entry]:
-    """Files and symlinks of one side; `notes` is None for input/, which fila itself wrote."""
+    """Files and symlinks of one side; `notes` is None for input/, which fila itself wrote.
+    `walker(prune)` replaces the walk of the whole tree (an overlay's layers)."""
     warn = notes.add if notes is not None else (lambda msg: None)
 
     def prune(rel: str, is_dir: bool) -> bool:
@@ -310,8 +334,9 @@ def _entries(
             return True
         return False
 
-    for e in fswalk.walk(tree.root, skip=prune, max_files=policy.max_work_files,
-                         max_bytes=policy.max_work_bytes):  # fmt: skip
+    found = walker(prune) if walker is not None else fswalk.walk(
+        tree.root, skip=prune, max_files=policy.max_work_files, max_bytes=policy.max_work_bytes)  # fmt: skip
+    for e in found:
         if e.kind == "other":
             warn(f"not in the diff: {escape_name(e.rel)} ({_special_kind(e.mode)}, not a file)")
         elif e.kind == "file":

@@ -1,0 +1,660 @@
+"""Snapshots: the targets' files copied once, kept read-only and shared by every job on that state.
+
+A job on the `overlay` strategy copies nothing: input/ is a snapshot, and work/ an overlay whose
+lower layer is that snapshot and whose upper layer is the job's own. The snapshot is found by the
+targets' manifest (content-addressed), so a later task on an unchanged project pays one stat pass
+(as `git status` does) and a task group shares one snapshot; only files whose stat data changed
+since the last scan are read again.
+
+Layout under `sandbox/snapshots/` (the host's; no container ever gets a path above a `tree/`):
+    <key>/tree/          the files as `jobdir.prepare` copies them into input/ (0644/0755, dirs
+                         0755, owned by the engine's uid when fila runs as root: an overlay's
+                         copy-up keeps the lower file's owner and mode, and the engine must be
+                         able to write its own view of them)
+    <key>/manifest.json  what `fila apply` checks the project against, and the tree's totals
+    stat/<scope>.json    the stat data and hashes of the last scan of one project + targets
+    .lock                held while a snapshot is published or linked to a job, and by gc
+    .new-*               snapshots being built (a crash leaves one; gc removes it)
+A job holds its snapshot by a hard link of manifest.json at `sandbox/meta/<id>/manifest.json`
+(the file apply reads): a snapshot whose manifest has a single link left serves no job, and gc
+removes it. Nothing under `<key>/` is written after it is published.
+
+The upper layer the engine leaves is read by `Layers` (for diff.py), under the host-side rules of
+threat-model.md: never a symlink followed, whiteouts (character devices 0/0) are deletions and
+never files, an opaque directory (`user.overlay.opaque` or `trusted.overlay.opaque` = "y") hides
+the lower directory's entries, and a redirect or metacopy xattr, which fila never enables, is
+refused rather than guessed at.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import stat
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import fsutil
+from .errors import FilaError, LimitExceeded, TargetError
+from .fswalk import Entry, escape_name, kind_of, walk
+from .layout import Root
+from .models import Policy
+
+# Stat data younger than this when the scan started is not trusted next time: a file written twice
+# within one timestamp tick keeps its size and times (git's "racily clean" entries).
+_RACY_NS = 2_000_000_000
+_CHUNK = 1 << 20
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+_OPAQUE = ("user.overlay.opaque", "trusted.overlay.opaque")
+# What fila never enables (redirect_dir, metacopy) and what only a lower layer may hold: an upper
+# layer carrying one was not made by the mount fila asked for.
+_REFUSED_XATTRS = ("redirect", "metacopy", "whiteout", "whiteouts")
+
+
+@dataclass
+class Snapshot:
+    key: str
+    path: Path  # sandbox/snapshots/<key>
+    files: int  # files and symlinks (what prepare reports)
+    bytes: int
+    entries: int  # every entry of tree/, directories included (the diff's max_work_files count)
+    how: str  # "built" | "reused" (stat pass only) | "rehashed" (some files read again)
+    hashed: int  # files read to check or build it this time
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def tree(self) -> Path:
+        return self.path / "tree"
+
+    @property
+    def manifest(self) -> Path:
+        return self.path / "manifest.json"
+
+
+@dataclass
+class _Source:
+    rel: str
+    kind: str  # "file" | "symlink" | "dir"
+    mode: int
+    sig: list[int]  # size, mtime_ns, ctime_ns, ino, dev, mode: what the stat pass compares
+    nlink: int
+
+
+def store(root: Root) -> Path:
+    return root.path / "sandbox" / "snapshots"
+
+
+@contextlib.contextmanager
+def _locked(root: Root) -> Iterator[None]:
+    d = store(root)
+    d.mkdir(parents=True, exist_ok=True)
+    fd = os.open(d / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def scan(root: Root, project: Path, targets: list[str], policy: Policy) -> tuple[list[_Source], list[str]]:
+    """The stat pass: every entry prepare would copy, in its order, with its stat data; and the
+    warnings prepare gives (what is not copied, hard links). Reads no file."""
+    from .jobdir import _excluded_prefixes, _exclusion  # one set of rules for both strategies
+
+    prefixes = _excluded_prefixes(root, project)
+    out: list[_Source] = []
+    warnings: list[str] = []
+    seen: set[str] = set()
+    counted = [0, 0]  # files and symlinks, bytes
+
+    def add(rel: str, st: os.stat_result) -> None:
+        if rel in seen:
+            return
+        seen.add(rel)
+        kind = kind_of(st.st_mode)
+        if kind == "other":
+            warnings.append(f"{rel}: not a regular file, symlink or directory; not copied")
+            return
+        mode = 0o777 if kind == "symlink" else (0o755 if st.st_mode & stat.S_IXUSR else 0o644)
+        sig = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev, st.st_mode]
+        out.append(_Source(rel, kind, mode, sig, st.st_nlink))
+        if kind == "dir":
+            return
+        if kind == "file":
+            counted[1] += st.st_size
+            if st.st_nlink > 1:
+                warnings.append(f"{rel}: hard-linked in the project; copied as a file")
+            if counted[1] > policy.max_work_bytes:
+                raise LimitExceeded(
+                    f"targets hold more than max_work_bytes {policy.max_work_bytes} bytes",
+                    path=escape_name(rel),
+                )
+        counted[0] += 1
+        if counted[0] > policy.max_work_files:
+            raise LimitExceeded(f"targets hold more than max_work_files {policy.max_work_files} entries")
+
+    def visit(path: str, base: str, depth: int) -> None:
+        if depth > 64:
+            raise LimitExceeded("tree deeper than max_depth=64", path=escape_name(base))
+        try:
+            with os.scandir(path) as it:
+                names = sorted((os.fsencode(e.name), e) for e in it)
+        except OSError as err:
+            raise TargetError(f"cannot list: {err.strerror}", path=escape_name(base) or ".") from None
+        for _, e in names:
+            rel = base + e.name
+            st = e.stat(follow_symlinks=False)
+            is_dir = stat.S_ISDIR(st.st_mode)
+            if _exclusion(rel, is_dir, policy, prefixes) is not None:
+                continue
+            add(rel, st)
+            if is_dir:
+                visit(e.path, rel + "/", depth + 1)
+
+    for rel in targets:
+        src = project if rel == "." else project / rel
+        st = src.lstat()
+        if stat.S_ISDIR(st.st_mode):
+            if rel != ".":
+                add(rel, st)
+            visit(str(src), "" if rel == "." else rel + "/", 1)
+        else:
+            add(rel, st)
+    return out, warnings
+
+
+def _scope(project: Path, targets: list[str], owner: tuple[int, int] | None) -> str:
+    raw = json.dumps({"project": str(project), "targets": targets, "owner": owner})
+    return hashlib.sha256(raw.encode()).hexdigest()[:32]
+
+
+def _key(project: Path, targets: list[str], owner: tuple[int, int] | None, entries: list[list]) -> str:
+    """The snapshot's name: a hash of everything that makes its tree and manifest what they are."""
+    h = hashlib.sha256()
+    h.update(json.dumps({"v": 1, "project": str(project), "targets": targets, "owner": owner}).encode())
+    for e in entries:
+        h.update(json.dumps(e).encode() + b"\n")
+    return h.hexdigest()
+
+
+def _load_cache(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_bytes())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) and isinstance(data.get("entries"), dict) else {}
+
+
+def take(
+    root: Root,
+    task_id: str,
+    project: Path,
+    targets: list[str],
+    policy: Policy,
+    *,
+    owner: tuple[int, int] | None,
+) -> Snapshot:
+    """The snapshot of `targets` as they are now, linked to the job `task_id`.
+
+    Reused when one with the same manifest exists: a stat pass decides which files must be read
+    again (all of them the first time, none when nothing changed). Built otherwise, into a new
+    directory that is renamed into place, files that did not change hard-linked from the last
+    snapshot of the same targets. The job's `sandbox/meta/<id>/manifest.json` becomes a link to
+    the snapshot's manifest (apply's moved-base check reads it; gc counts the links)."""
+    started = time.time_ns()
+    sources, warnings = scan(root, project, targets, policy)
+    cache_path = store(root) / "stat" / f"{_scope(project, targets, owner)}.json"
+    cache = _load_cache(cache_path)
+    known: dict[str, list] = cache.get("entries", {})
+    shas: dict[str, str] = {}
+    stale: list[_Source] = []
+    for s in sources:
+        if s.kind == "dir":
+            continue
+        hit = known.get(s.rel)
+        if hit is not None and hit[:6] == s.sig and len(hit) == 7:
+            shas[s.rel] = hit[6]
+        else:
+            stale.append(s)
+    prev = cache.get("key") if isinstance(cache.get("key"), str) else None
+    prev_path = store(root) / prev if prev else None
+    if not stale and prev_path is not None and _listing(sources) == cache.get("listing"):
+        snap = _attach(root, task_id, prev, how="reused", hashed=0, warnings=warnings)
+        if snap is not None:
+            return snap
+    hashed = 0
+    for s in stale:
+        if prev_path is None or not (prev_path / "manifest.json").exists():
+            break  # a build reads every file anyway (hashing while it copies)
+        shas[s.rel] = _hash_file(project, s)
+        hashed += s.kind == "file"
+    if len(shas) == sum(1 for s in sources if s.kind != "dir"):
+        key = _key(project, targets, owner, _entries(project, sources, shas))
+        snap = _attach(root, task_id, key, how="rehashed" if hashed else "reused", hashed=hashed,
+                       warnings=warnings)  # fmt: skip
+        if snap is not None:
+            _save_cache(cache_path, sources, shas, key, started)
+            return snap
+    key, shas, read = _build(root, project, targets, policy, sources, shas, prev_path, owner)
+    snap = _attach(root, task_id, key, how="built", hashed=hashed + read, warnings=warnings)
+    if snap is None:  # removed between its publication and the link: gc cannot win twice in a row
+        raise FilaError(f"snapshot {key} vanished while it was being linked", path=store(root))
+    _save_cache(cache_path, sources, shas, key, started)
+    return snap
+
+
+def _listing(sources: list[_Source]) -> str:
+    """What the stat pass found, by name and kind: a new or removed empty directory changes it."""
+    h = hashlib.sha256()
+    for s in sources:
+        h.update(os.fsencode(s.rel) + b"\0" + s.kind.encode() + b"\0%d\n" % s.mode)
+    return h.hexdigest()
+
+
+def _entries(project: Path, sources: list[_Source], shas: dict[str, str]) -> list[list]:
+    out: list[list] = []
+    for s in sources:
+        if s.kind != "dir":
+            out.append([s.rel, s.kind, s.sig[0], shas[s.rel], s.mode])
+        else:
+            out.append([s.rel, "dir", 0, "", 0o755])
+    return out
+
+
+def _open_source(project: Path, s: _Source) -> int:
+    fd = os.open(project / s.rel, _FILE_FLAGS)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise TargetError(f"{escape_name(s.rel)} is not a regular file any more", path=project)
+    return fd
+
+
+def _hash_file(project: Path, s: _Source) -> str:
+    """The sha256 of a file's bytes or of a symlink's text (never followed)."""
+    if s.kind == "symlink":
+        return hashlib.sha256(os.fsencode(os.readlink(project / s.rel))).hexdigest()
+    fd = _open_source(project, s)
+    try:
+        h = hashlib.sha256()
+        while chunk := os.read(fd, _CHUNK):
+            h.update(chunk)
+        return h.hexdigest()
+    finally:
+        os.close(fd)
+
+
+def _build(
+    root: Root,
+    project: Path,
+    targets: list[str],
+    policy: Policy,
+    sources: list[_Source],
+    shas: dict[str, str],
+    prev_path: Path | None,
+    owner: tuple[int, int] | None,
+) -> tuple[str, dict[str, str], int]:
+    """Copy the sources into a new snapshot and publish it; (key, file hashes, files read)."""
+    d = store(root)
+    d.mkdir(parents=True, exist_ok=True)
+    new = Path(tempfile.mkdtemp(prefix=".new-", dir=d))
+    published = False
+    try:
+        tree = new / "tree"
+        tree.mkdir(mode=0o755)
+        os.chmod(tree, 0o755)
+        prev_entries = _manifest_entries(prev_path) if prev_path is not None else {}
+        entries: list[list] = []
+        out_shas: dict[str, str] = {}
+        files = size_total = read = 0
+        for s in sources:
+            dst = tree / s.rel
+            if s.kind == "dir":
+                dst.mkdir(mode=0o755, exist_ok=True)
+                os.chmod(dst, 0o755)
+                entries.append([s.rel, "dir", 0, "", 0o755])
+            elif s.kind == "symlink":
+                data = os.fsencode(os.readlink(project / s.rel))
+                os.symlink(data, dst)
+                out_shas[s.rel] = hashlib.sha256(data).hexdigest()
+                entries.append([s.rel, "symlink", len(data), out_shas[s.rel], 0o777])
+            else:
+                size, sha = s.sig[0], shas.get(s.rel)
+                if not (sha is not None and prev_entries.get(s.rel) == [s.rel, "file", size, sha, s.mode]
+                        and _link(prev_path, s.rel, dst)):  # fmt: skip
+                    size, sha = _copy(project, s, dst, policy.max_work_bytes - size_total)
+                    read += 1
+                    if owner is not None:
+                        os.lchown(dst, *owner)
+                out_shas[s.rel] = sha
+                size_total += size
+                entries.append([s.rel, "file", size, sha, s.mode])
+            if owner is not None and s.kind != "file":
+                os.lchown(dst, *owner)
+            if s.kind != "dir":
+                files += 1
+        if owner is not None:
+            os.lchown(tree, *owner)
+        if size_total > policy.max_work_bytes:
+            raise LimitExceeded(f"targets hold more than max_work_bytes {policy.max_work_bytes} bytes")
+        key = _key(project, targets, owner, entries)
+        manifest = {
+            "project": str(project),
+            "targets": targets,
+            "entries": [
+                {"path": e[0], "kind": e[1], "size": e[2], "sha256": e[3], "mode": e[4]}
+                for e in entries
+                if e[1] != "dir"
+            ],
+            "snapshot": {"key": key, "owner": owner, "files": files, "bytes": size_total,
+                         "entries": len(entries), "dirs": [e[0] for e in entries if e[1] == "dir"]},
+        }  # fmt: skip
+        fsutil.atomic_write(new / "manifest.json", json.dumps(manifest, indent=1), mode=0o444)
+        _syncfs(new)  # the files' data on disk before the name that vouches for them exists
+        with _locked(root):
+            try:
+                os.rename(new, d / key)
+                published = True
+            except OSError as err:
+                if err.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+                    raise
+                # Another job built the same state meanwhile: theirs is as good as ours.
+        return key, out_shas, read
+    finally:
+        if not published:
+            fsutil.remove_tree(new)
+
+
+def _link(prev: Path | None, rel: str, dst: Path) -> bool:
+    """Share an unchanged file with the previous snapshot (both are never written again)."""
+    if prev is None:
+        return False
+    try:
+        os.link(prev / "tree" / rel, dst, follow_symlinks=False)
+    except OSError:  # that snapshot was collected meanwhile: copy instead
+        return False
+    return True
+
+
+def _copy(project: Path, s: _Source, dst: Path, max_bytes: int) -> tuple[int, str]:
+    """Read once, write once, hash on the way; the hash is of the bytes written."""
+    fd = _open_source(project, s)
+    try:
+        h = hashlib.sha256()
+        out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, s.mode)
+        size = 0
+        try:
+            os.fchmod(out, s.mode)
+            while chunk := os.read(fd, _CHUNK):
+                size += len(chunk)
+                if size > max_bytes:
+                    raise LimitExceeded(
+                        f"targets hold more than the max_work_bytes left ({max_bytes})",
+                        path=escape_name(s.rel),
+                    )
+                h.update(chunk)
+                os.write(out, chunk)
+        finally:
+            os.close(out)
+        return size, h.hexdigest()
+    finally:
+        os.close(fd)
+
+
+def _syncfs(path: Path) -> None:
+    fd = os.open(path, _DIR_FLAGS)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.syncfs(fd) != 0:
+            os.sync()
+    except (OSError, AttributeError):
+        os.sync()
+    finally:
+        os.close(fd)
+
+
+def _manifest_entries(path: Path) -> dict[str, list]:
+    try:
+        data = json.loads((path / "manifest.json").read_bytes())
+    except (OSError, ValueError):
+        return {}
+    return {e["path"]: [e["path"], e["kind"], e["size"], e["sha256"], e["mode"]]
+            for e in data.get("entries", []) if e.get("kind") == "file"}  # fmt: skip
+
+
+def _save_cache(path: Path, sources: list[_Source], shas: dict[str, str], key: str, started: int) -> None:
+    horizon = started - _RACY_NS
+    entries = {
+        s.rel: [*s.sig, shas[s.rel]]
+        for s in sources
+        if s.kind != "dir" and s.rel in shas and s.sig[1] < horizon  # mtime, as git does
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"key": key, "listing": _listing(sources), "entries": entries}
+    fsutil.atomic_write(path, json.dumps(data, separators=(",", ":")), mode=0o600)
+
+
+def _attach(
+    root: Root, task_id: str, key: str, *, how: str, hashed: int, warnings: list[str]
+) -> Snapshot | None:
+    """Link the job to the snapshot `key` (None when there is none); under the store's lock, so
+    gc never removes a snapshot between this check and the link."""
+    path = store(root) / key
+    meta = root.meta(task_id)
+    meta.mkdir(parents=True, exist_ok=True)
+    with _locked(root):
+        try:
+            info = json.loads((path / "manifest.json").read_bytes())["snapshot"]
+        except (OSError, ValueError, KeyError):
+            return None
+        link = meta / "manifest.json"
+        with contextlib.suppress(FileNotFoundError):
+            link.unlink()
+        os.link(path / "manifest.json", link)
+    return Snapshot(
+        key=key,
+        path=path,
+        files=info["files"],
+        bytes=info["bytes"],
+        entries=info["entries"],
+        how=how,
+        hashed=hashed,
+        warnings=list(warnings),
+    )
+
+
+@dataclass
+class Collected:
+    key: str
+    bytes: int
+
+
+def collect(root: Root, *, dry_run: bool = False, stale_s: float = 86400) -> list[Collected]:
+    """Remove the snapshots no job links to any more (their manifest has one link), and builds a
+    crash left behind (`.new-*` older than `stale_s`). Runs after gc has removed decided jobs."""
+    from .jobdir import usage
+
+    d = store(root)
+    if not d.is_dir():
+        return []
+    out: list[Collected] = []
+    doomed: list[Path] = []
+    with _locked(root):
+        for entry in os.scandir(d):
+            p = Path(entry.path)
+            if entry.name.startswith(".new-"):
+                if time.time() - entry.stat(follow_symlinks=False).st_mtime > stale_s:
+                    doomed.append(p)
+                continue
+            if len(entry.name) != 64 or not entry.is_dir(follow_symlinks=False):
+                continue
+            try:
+                links = os.lstat(p / "manifest.json").st_nlink
+            except FileNotFoundError:
+                links = 1
+            if links <= 1:
+                doomed.append(p)
+        for p in doomed:
+            size = usage(p, max_bytes=1 << 62, max_files=1 << 62)[0]
+            if not dry_run:
+                gone = d / f".gone-{p.name}"
+                os.rename(p, gone)  # out of reach of _attach before the lock is let go
+                p = gone
+            out.append(Collected(p.name.removeprefix(".gone-"), size))
+    if not dry_run:
+        for p in d.glob(".gone-*"):
+            fsutil.remove_tree(p)
+    return out
+
+
+# --- the upper layer an engine leaves --------------------------------------------------------
+
+
+def _xattrs(dfd: int, name: str, where: str) -> dict[str, bytes]:
+    """The overlay xattrs of one upper entry (read without following it); refuses the ones a
+    mount fila made never writes."""
+    path = f"/proc/self/fd/{dfd}/{name}"
+    try:
+        names = os.listxattr(path, follow_symlinks=False)
+    except OSError as err:
+        if err.errno in (errno.ENOTSUP, errno.EPERM):
+            return {}
+        raise FilaError(f"cannot read xattrs: {err.strerror}", path=escape_name(where)) from None
+    out: dict[str, bytes] = {}
+    for n in names:
+        ns, _, attr = n.partition(".overlay.")
+        if ns not in ("user", "trusted") or not attr:
+            continue
+        if attr in _REFUSED_XATTRS:
+            raise FilaError(
+                f"the overlay's upper layer holds {n}: a redirect, metacopy or whiteout xattr that "
+                "fila's mount never makes",
+                path=escape_name(where),
+                hint="the job's work/ cannot be read safely; remove the job and run the task again",
+            )
+        with contextlib.suppress(OSError):
+            out[n] = os.getxattr(path, n, follow_symlinks=False)
+    return out
+
+
+class Layers:
+    """A snapshot (lower) and the upper layer an engine's overlay left, read as the two sides of
+    the diff: `upper_walk` gives what the engine's work/ holds that the snapshot does not (every
+    upper entry but whiteouts), `lower_walk` what of the snapshot the engine deleted or replaced.
+    Unchanged files are never visited: the cost is what the engine changed.
+
+    Both keep fswalk.walk's order and limits; `check_totals` applies max_work_files and
+    max_work_bytes to the merged view (the snapshot's totals, less what was hidden, plus the
+    upper layer's), as the copy strategy's walk of work/ does."""
+
+    def __init__(self, lower: Path, upper: Path, *, entries: int, bytes_: int) -> None:
+        self.lower, self.upper = lower, upper
+        self.lower_entries, self.lower_bytes = entries, bytes_
+        self.hidden: list[tuple[str, bool]] = []  # (rel, with its subtree): in walk order
+        self.upper_entries = self.upper_bytes = 0
+        self.hidden_entries = self.hidden_bytes = 0
+
+    def upper_walk(
+        self, prune: Callable[[str, bool], bool], *, max_files: int, max_bytes: int
+    ) -> Iterator[Entry]:
+        from .fswalk import _names, open_dir
+
+        def hide(rel: str, subtree: bool) -> None:
+            self.hidden.append((rel, subtree))
+
+        def visit(ufd: int, lfd: int | None, prefix: str, depth: int) -> Iterator[Entry]:
+            for raw, name in _names(ufd, prefix, max_files, max_files):
+                rel = prefix + name
+                try:
+                    st = os.stat(raw, dir_fd=ufd, follow_symlinks=False)
+                except OSError as err:
+                    raise FilaError(f"cannot stat: {err.strerror}", path=escape_name(rel)) from None
+                low = None
+                if lfd is not None:
+                    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                        low = os.stat(raw, dir_fd=lfd, follow_symlinks=False)
+                xattrs = _xattrs(ufd, name, rel)
+                if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:  # a whiteout: a deletion
+                    if low is not None:
+                        hide(rel, True)
+                    continue
+                kind = kind_of(st.st_mode)
+                opaque = kind == "dir" and any(xattrs.get(n) == b"y" for n in _OPAQUE)
+                merge = kind == "dir" and not opaque and low is not None and stat.S_ISDIR(low.st_mode)
+                if low is not None:
+                    hide(rel, not merge)
+                if prune(rel, kind == "dir"):
+                    continue
+                if depth > 64:
+                    raise LimitExceeded("tree deeper than max_depth=64", path=escape_name(rel))
+                if len(os.fsencode(rel)) > 4096:
+                    raise LimitExceeded("path longer than max_path_bytes=4096",
+                                        path=escape_name(rel[:200]) + "...")  # fmt: skip
+                self.upper_entries += 1
+                if self.upper_entries > max_files:
+                    raise LimitExceeded(f"more than max_files={max_files} entries", path=self.upper)
+                if kind == "file":
+                    self.upper_bytes += st.st_size
+                    if self.upper_bytes > max_bytes:
+                        raise LimitExceeded(f"files total more than max_bytes={max_bytes}",
+                                            path=escape_name(rel))  # fmt: skip
+                yield Entry(rel, kind, st.st_mode, st.st_size, st.st_nlink)
+                if kind != "dir":
+                    continue
+                cfd = os.open(raw, _DIR_FLAGS, dir_fd=ufd)
+                clfd = None
+                try:
+                    if merge:
+                        clfd = os.open(raw, _DIR_FLAGS, dir_fd=lfd)
+                    yield from visit(cfd, clfd, rel + "/", depth + 1)
+                finally:
+                    os.close(cfd)
+                    if clfd is not None:
+                        os.close(clfd)
+
+        ufd, lfd = open_dir(self.upper), open_dir(self.lower)
+        try:
+            yield from visit(ufd, lfd, "", 1)
+        finally:
+            os.close(ufd)
+            os.close(lfd)
+
+    def lower_walk(self, prune: Callable[[str, bool], bool]) -> Iterator[Entry]:
+        """The snapshot's entries the upper layer hid, in walk order (call after upper_walk)."""
+        for rel, subtree in self.hidden:
+            st = os.lstat(self.lower / rel)
+            kind = kind_of(st.st_mode)
+            self._count(kind, st.st_size)
+            if prune(rel, kind == "dir"):
+                continue
+            yield Entry(rel, kind, st.st_mode, st.st_size, st.st_nlink)
+            if kind == "dir" and subtree:
+
+                def skip(sub: str, is_dir: bool, base: str = rel + "/") -> bool:
+                    return prune(base + sub, is_dir)
+
+                for e in walk(self.lower / rel, skip=skip, max_files=1 << 62, max_bytes=1 << 62):
+                    self._count(e.kind, e.size)
+                    yield Entry(f"{rel}/{e.rel}", e.kind, e.mode, e.size, e.nlink)
+
+    def _count(self, kind: str, size: int) -> None:
+        self.hidden_entries += 1
+        if kind == "file":
+            self.hidden_bytes += size
+
+    def check_totals(self, *, max_files: int, max_bytes: int) -> None:
+        """work/ as the engine left it, held to the limits the copy strategy's walk applies."""
+        files = self.lower_entries - self.hidden_entries + self.upper_entries
+        size = self.lower_bytes - self.hidden_bytes + self.upper_bytes
+        if files > max_files:
+            raise LimitExceeded(f"more than max_files={max_files} entries", path=self.upper)
+        if size > max_bytes:
+            raise LimitExceeded(f"files total more than max_bytes={max_bytes}", path=self.upper)

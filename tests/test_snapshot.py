@@ -1,0 +1,406 @@
+"""Snapshots and overlay layers: a later task pays a stat pass, and the diff read from an overlay's
+upper layer is byte for byte the diff of the full copy (real kernel overlays, mounted in a user
+namespace with `userxattr`, as the Docker daemon mounts the job's `local` overlay volume)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from fila import jobdir, snapshot
+from fila.diff import DiffResult, compute_diff
+from fila.errors import FilaError, LimitExceeded
+from fila.layout import Root
+from fila.models import Policy
+from fila.policy import load_policy, narrow
+
+from .helpers import make_root, shell_task
+from .test_diff import DIRS, Node, build, policy, tree_pairs
+
+# --- the same change made on a copy and through a real overlay ----------------------------------
+
+
+def _transform(root: bytes, before: dict, after: dict, recreate: list) -> None:
+    """Make the tree at `root` (holding `before`) hold `after`: the engine's work. Directories in
+    `recreate` are deleted and made again first (through an overlay: an opaque directory). Runs
+    here on a copy and, by its source, inside the user namespace on the overlay's merged view."""
+    import os as _os
+    import shutil as _shutil
+
+    def p(rel: str) -> bytes:
+        return root + b"/" + _os.fsencode(rel)
+
+    for d in recreate:
+        if _os.path.isdir(p(d)) and not _os.path.islink(p(d)):
+            _shutil.rmtree(p(d))
+            _os.mkdir(p(d))
+    for rel in before:
+        if rel not in after and _os.path.lexists(p(rel)):
+            _os.unlink(p(rel))
+    for rel, node in after.items():
+        path = p(rel)
+        _os.makedirs(_os.path.dirname(path), exist_ok=True)
+        if _os.path.lexists(path) and (node[0] == "link" or _os.path.islink(path)):
+            _os.unlink(path)
+        if node[0] == "link":
+            _os.symlink(node[1], path)
+            continue
+        with open(path, "wb") as f:  # rewrites an unchanged file too: a copy-up that changes nothing
+            f.write(node[1])
+        _os.chmod(path, 0o755 if node[2] else 0o644)
+
+
+_MOUNTED = """
+import os, pickle, sys
+{source}
+args = pickle.loads(bytes.fromhex(sys.argv[1]))
+_transform(*args)
+"""
+
+
+def overlay_possible() -> str | None:
+    if not shutil.which("unshare"):
+        return "no unshare(1)"
+    d = Path(tempfile.mkdtemp())
+    try:
+        for sub in ("l", "u", "w", "m"):
+            (d / sub).mkdir()
+        res = _mount_run(d / "l", d / "u", d / "w", d / "m", "true")
+        return None if res.returncode == 0 else f"no overlay in a user namespace: {res.stderr[-300:]!r}"
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _mount_run(lower: Path, upper: Path, work: Path, merged: Path, cmd: str) -> subprocess.CompletedProcess:
+    opts = f"lowerdir={lower},upperdir={upper},workdir={work},userxattr"
+    script = f"mount -t overlay overlay -o {opts} {merged} && {cmd}"
+    return subprocess.run(["unshare", "-Urm", "sh", "-c", script], capture_output=True, check=False)
+
+
+def in_overlay(lower: Path, upper: Path, before: dict, after: dict, recreate: list) -> None:
+    """Run _transform on `lower` seen through a fresh overlay whose upper layer is `upper`."""
+    import pickle
+
+    scratch, merged = upper.parent / "ovl-work", upper.parent / "merged"
+    for d in (upper, scratch, merged):
+        d.mkdir()
+    code = _MOUNTED.format(source=inspect.getsource(_transform))
+    arg = pickle.dumps((os.fsencode(merged), before, after, recreate)).hex()
+    cmd = f"{sys.executable} -c {_sh(code)} {arg}"
+    res = _mount_run(lower, upper, scratch, merged, cmd)
+    assert res.returncode == 0, res.stderr.decode(errors="replace")
+
+
+def _sh(s: str) -> str:
+    return "'" + s.replace("'", "'\"'\"'") + "'"
+
+
+def totals(tree: Path) -> tuple[int, int]:
+    entries = size = 0
+    for dirpath, dirs, files in os.walk(tree):
+        for n in dirs + files:
+            entries += 1
+            st_ = os.lstat(os.path.join(dirpath, n))
+            if stat.S_ISREG(st_.st_mode):
+                size += st_.st_size
+    return entries, size
+
+
+def both(base: Path, before: dict, after: dict, recreate: list, pol: Policy) -> tuple[DiffResult, DiffResult]:
+    """The diff of the same change by the copy strategy and by the overlay strategy."""
+    copy = base / "copy"
+    build(copy / "input", before)
+    for d in DIRS:
+        if d:
+            (copy / "input" / d).mkdir(parents=True, exist_ok=True)
+    shutil.copytree(copy / "input", copy / "work", symlinks=True)
+    _transform(os.fsencode(copy / "work"), before, after, recreate)
+    ovl = base / "ovl"
+    (ovl / "job").mkdir(parents=True)
+    lower = ovl / "lower"
+    shutil.copytree(copy / "input", lower, symlinks=True)
+    in_overlay(lower, ovl / "upper", before, after, recreate)
+    n, size = totals(lower)
+    layers = snapshot.Layers(lower, ovl / "upper", entries=n, bytes_=size)
+    a = compute_diff(copy, policy=pol, scratch=base / "s1")
+    b = compute_diff(ovl / "job", policy=pol, scratch=base / "s2", layers=layers)
+    return a, b
+
+
+needs_overlay = pytest.mark.skipif(
+    (why := overlay_possible()) is not None, reason=f"kernel overlay unavailable here: {why}"
+)
+
+
+@needs_overlay
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pair=tree_pairs(), recreate=st.lists(st.sampled_from([d for d in DIRS if d]), max_size=2, unique=True))
+def test_overlay_and_copy_strategies_write_the_same_patch(
+    tmp_path: Path, pair: tuple, recreate: list
+) -> None:
+    base = Path(tempfile.mkdtemp(dir=tmp_path))
+    a, b = both(base, pair[0], pair[1], recreate, policy(deny=[]))
+    assert a.patch_path.read_bytes() == b.patch_path.read_bytes()
+    assert a.stat == b.stat
+    assert sorted(a.warnings) == sorted(b.warnings)
+
+
+@needs_overlay
+def test_overlay_upper_holds_only_changes_and_whiteouts_are_deletions(tmp_path: Path) -> None:
+    before: dict[str, Node] = {
+        "keep.txt": ("file", b"same\n", False),
+        "gone.txt": ("file", b"bye\n", False),
+        "d/old.txt": ("file", b"old\n", False),
+        "d/ü/deep": ("file", b"deep\n", True),
+        "link": ("link", "keep.txt"),
+    }
+    after: dict[str, Node] = {
+        "keep.txt": ("file", b"same\n", True),  # a mode change only
+        "d/new.txt": ("file", b"new\n", False),  # d/ deleted and made again: opaque
+        "link": ("link", "elsewhere"),
+        "fresh": ("file", b"\0binary", False),
+    }
+    a, b = both(tmp_path, before, after, ["d"], policy(deny=[]))
+    patch = b.patch_path.read_bytes()
+    assert patch == a.patch_path.read_bytes()
+    assert sorted(b.stat.paths) == ["d/new.txt", "d/old.txt", "d/\\xfc/deep".replace("\\xfc", "ü"),
+                                    "fresh", "gone.txt", "keep.txt", "link"]  # fmt: skip
+    assert patch.count(b"deleted file mode") == 3 and patch.count(b"new file mode") == 2
+    upper = tmp_path / "ovl" / "upper"
+    whiteout = os.lstat(upper / "gone.txt")
+    assert stat.S_ISCHR(whiteout.st_mode) and whiteout.st_rdev == 0
+    assert os.getxattr(upper / "d", "user.overlay.opaque") == b"y"
+    assert not (upper / "sub dir").exists()  # untouched: never copied up
+    assert (tmp_path / "ovl" / "lower" / "gone.txt").read_bytes() == b"bye\n"  # the lower: untouched
+
+
+@needs_overlay
+def test_an_unchanged_overlay_reads_nothing_and_gives_an_empty_patch(tmp_path: Path) -> None:
+    before = {f"d/f{i}": ("file", b"x" * i, False) for i in range(50)}
+    a, b = both(tmp_path, before, before, [], policy(deny=[]))  # every file rewritten unchanged
+    assert a.bytes == b.bytes == 0
+    # Without the rewrite, the upper layer is empty and the snapshot is never walked.
+    layers = snapshot.Layers(tmp_path / "ovl" / "lower", tmp_path / "empty", entries=51, bytes_=1225)
+    (tmp_path / "empty").mkdir()
+    seen = list(layers.upper_walk(lambda r, d: False, max_files=100, max_bytes=1 << 20))
+    assert seen == [] and list(layers.lower_walk(lambda r, d: False)) == []
+
+
+@needs_overlay
+def test_overlay_totals_are_held_to_max_work_files_as_the_copy_is(tmp_path: Path) -> None:
+    before = {f"f{i}": ("file", b"x", False) for i in range(6)}
+    grown = {**before, "g1": ("file", b"y", False), "g2": ("file", b"y", False)}
+    # Allowed: 6 files, 4 directories (DIRS) and 2 new files = 12 entries, the limit.
+    ok_copy, ok_ovl = both(tmp_path / "ok", before, grown, [], policy(deny=[], max_work_files=12))
+    assert ok_copy.patch_path.read_bytes() == ok_ovl.patch_path.read_bytes() != b""
+    # Blocked: one entry more than the limit, by both strategies.
+    with pytest.raises(LimitExceeded, match="max_files=11"):  # the copy strategy (`both` runs it first)
+        both(tmp_path / "no", before, grown, [], policy(deny=[], max_work_files=11))
+    base = tmp_path / "ovl-only"
+    (base / "job").mkdir(parents=True)
+    build(base / "lower", before)
+    in_overlay(base / "lower", base / "upper", before, grown, [])
+    layers = snapshot.Layers(base / "lower", base / "upper", entries=6, bytes_=6)
+    with pytest.raises(LimitExceeded, match="max_files=7"):
+        compute_diff(
+            base / "job", policy=policy(deny=[], max_work_files=7), scratch=base / "s", layers=layers
+        )
+
+
+def test_an_upper_layer_with_a_redirect_xattr_is_refused(tmp_path: Path) -> None:
+    lower, upper = tmp_path / "lower", tmp_path / "upper"
+    build(lower, {"d/a": ("file", b"a\n", False)})
+    build(upper, {"d/a": ("file", b"b\n", False)})
+    (tmp_path / "job").mkdir()
+    pol = policy(deny=[])
+
+    def run() -> DiffResult:
+        layers = snapshot.Layers(lower, upper, entries=2, bytes_=2)
+        return compute_diff(tmp_path / "job", policy=pol, scratch=tmp_path / "s", layers=layers)
+
+    assert b"+b" in run().patch_path.read_bytes()  # allowed: a plain upper layer
+    try:
+        os.setxattr(upper / "d", "user.overlay.redirect", b"/elsewhere")
+    except OSError as err:
+        pytest.skip(f"this filesystem keeps no user xattrs: {err}")
+    with pytest.raises(FilaError, match=r"user\.overlay\.redirect"):
+        run()
+
+
+def test_a_whiteout_made_by_hand_is_a_deletion_and_a_fifo_is_not_a_file(tmp_path: Path) -> None:
+    if os.getuid() != 0:
+        pytest.skip("mknod of a 0/0 character device needs root")
+    lower, upper = tmp_path / "lower", tmp_path / "upper"
+    build(lower, {"a": ("file", b"a\n", False), "b": ("file", b"b\n", False)})
+    upper.mkdir()
+    os.mknod(upper / "a", 0o600 | stat.S_IFCHR, os.makedev(0, 0))
+    os.mkfifo(upper / "pipe")
+    (tmp_path / "job").mkdir()
+    layers = snapshot.Layers(lower, upper, entries=2, bytes_=4)
+    d = compute_diff(tmp_path / "job", policy=policy(deny=[]), scratch=tmp_path / "s", layers=layers)
+    assert d.stat.paths == ["a"] and b"deleted file mode" in d.patch_path.read_bytes()
+    assert any("pipe" in w and "FIFO" in w for w in d.warnings)
+
+
+# --- the snapshot store ----------------------------------------------------------------------
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Root:
+    r = make_root(tmp_path).require()
+    (tmp_path / "greeting.txt").write_text("hello\n")
+    src = tmp_path / "src"
+    (src / "empty").mkdir(parents=True)
+    (src / "a.py").write_text("print('hello')\n")
+    (src / "run.sh").write_text("#!/bin/sh\n")
+    (src / "run.sh").chmod(0o755)
+    (src / ".env").write_text("SECRET=1\n")
+    (src / ".git").mkdir()
+    (src / ".git" / "HEAD").write_text("ref\n")
+    os.symlink("a.py", src / "inner-link")
+    os.mkfifo(src / "pipe")
+    old = time.time() - 3600  # older than the racy window: the stat data is trusted
+    for p in (tmp_path / "greeting.txt", src / "a.py", src / "run.sh"):
+        os.utime(p, (old, old))
+    return r
+
+
+def take(root: Root, tid: str, targets: list[str] | None = None) -> snapshot.Snapshot:
+    task = shell_task(targets=targets or ["greeting.txt", "src"])
+    pol, _ = load_policy(root, "default")
+    project = jobdir.project_of(root, task, pol)
+    return snapshot.take(root, tid, project, jobdir.resolve_targets(root, project, task.targets, pol), pol,
+                         owner=None)  # fmt: skip
+
+
+def listing(tree: Path) -> dict[str, tuple]:
+    out = {}
+    for dirpath, dirs, files in os.walk(tree):
+        for n in dirs + files:
+            p = Path(dirpath, n)
+            st_ = p.lstat()
+            kind = "link" if p.is_symlink() else ("dir" if p.is_dir() else "file")
+            data = os.readlink(p) if kind == "link" else (p.read_bytes() if kind == "file" else b"")
+            out[str(p.relative_to(tree))] = (kind, data, stat.S_IMODE(st_.st_mode) if kind != "link" else 0)
+    return out
+
+
+def test_a_snapshot_holds_what_prepare_copies_into_input(root: Root) -> None:
+    task = shell_task(targets=["greeting.txt", "src"])
+    pol, _ = load_policy(root, "default")
+    prep = jobdir.prepare(root, "copy1", task, pol, narrow(pol, task))
+    copy_manifest = jobdir.read_manifest(root, "copy1")
+    snap = take(root, "ovl1")
+    assert listing(snap.tree) == listing(prep.job_dir / "input")
+    assert ".env" not in listing(snap.tree) and "src/empty" in listing(snap.tree)
+    mine = jobdir.read_manifest(root, "ovl1")
+    assert mine["entries"] == copy_manifest["entries"] and mine["project"] == copy_manifest["project"]
+    assert (snap.files, snap.bytes) == (prep.files, prep.bytes)
+    assert sorted(snap.warnings) == sorted(prep.warnings)
+
+
+def test_a_later_task_on_an_unchanged_project_reads_no_file(root: Root) -> None:
+    first = take(root, "t1")
+    assert first.how == "built" and first.hashed == 3
+    again = take(root, "t2")
+    assert again.how == "reused" and again.hashed == 0 and again.key == first.key
+    # The jobs hold the snapshot by a link of its manifest: apply reads the same file.
+    assert os.path.samefile(root.meta("t2") / "manifest.json", first.manifest)
+    assert first.manifest.stat().st_nlink == 3
+
+
+def test_a_changed_file_is_read_again_and_the_rest_is_shared(root: Root) -> None:
+    first = take(root, "t1")
+    a = root.path / "src" / "a.py"
+    old = a.stat()
+    a.write_text("print('HELLO')\n")  # same size
+    os.utime(a, ns=(old.st_atime_ns, old.st_mtime_ns))  # and the same mtime: ctime still moves
+    second = take(root, "t2")
+    assert second.key != first.key and second.how == "built"
+    assert (second.tree / "src" / "a.py").read_text() == "print('HELLO')\n"
+    assert (first.tree / "src" / "a.py").read_text() == "print('hello')\n"  # never written again
+    assert os.path.samefile(first.tree / "greeting.txt", second.tree / "greeting.txt")
+    assert second.hashed == 2  # a.py checked, then copied; nothing else read
+    a.write_text("print('hello')\n")  # back to the first state: that snapshot again
+    assert take(root, "t3").key == first.key
+
+
+def test_a_file_rewritten_within_the_racy_window_is_not_trusted_to_its_stat(root: Root) -> None:
+    f = root.path / "src" / "fresh.txt"
+    f.write_text("one\n")
+    first = take(root, "t1")
+    st_ = f.stat()
+    f.write_text("two\n")
+    os.utime(f, ns=(st_.st_atime_ns, st_.st_mtime_ns))
+    second = take(root, "t2")
+    assert (second.tree / "src" / "fresh.txt").read_text() == "two\n" and second.key != first.key
+    # The counterpart: stat data older than the window is trusted, nothing is read.
+    assert take(root, "t3").hashed <= 1  # fresh.txt only, still young
+
+
+def test_a_new_empty_directory_or_a_retargeted_link_is_a_new_snapshot(root: Root) -> None:
+    first = take(root, "t1")
+    (root.path / "src" / "new-dir").mkdir()
+    second = take(root, "t2")
+    assert second.key != first.key and (second.tree / "src" / "new-dir").is_dir()
+    link = root.path / "src" / "inner-link"
+    link.unlink()
+    os.symlink("run.sh", link)
+    third = take(root, "t3")
+    assert third.key != second.key and os.readlink(third.tree / "src" / "inner-link") == "run.sh"
+
+
+def test_the_snapshot_belongs_to_the_engine_uid_when_fila_runs_as_root(root: Root) -> None:
+    if os.getuid() != 0:
+        pytest.skip("chown to another uid needs root")
+    task = shell_task(targets=["src"])
+    pol, _ = load_policy(root, "default")
+    project = jobdir.project_of(root, task, pol)
+    mine = take(root, "t1", ["src"])
+    theirs = snapshot.take(root, "t2", project, ["src"], pol, owner=(65534, 65534))
+    assert theirs.key != mine.key  # the owner is part of what a snapshot is
+    for p in [theirs.tree, *theirs.tree.rglob("*")]:
+        assert p.lstat().st_uid == 65534, p
+    assert (mine.tree / "src" / "a.py").stat().st_uid == 0
+
+
+def test_gc_removes_a_snapshot_only_once_no_job_links_it(root: Root) -> None:
+    first = take(root, "t1")
+    take(root, "t2")
+    assert snapshot.collect(root) == []  # linked by two jobs: kept
+    (root.meta("t1") / "manifest.json").unlink()
+    assert snapshot.collect(root) == []  # still linked by t2
+    (root.meta("t2") / "manifest.json").unlink()
+    assert snapshot.collect(root, dry_run=True)[0].key == first.key and first.path.exists()
+    gone = snapshot.collect(root)
+    assert [g.key for g in gone] == [first.key] and not first.path.exists()
+    again = take(root, "t3")  # the stat cache names a collected snapshot: built again
+    assert again.how == "built" and again.key == first.key
+
+
+def test_limits_hold_as_for_the_copy(root: Root) -> None:
+    task = shell_task(targets=["src"])
+    pol, _ = load_policy(root, "default")
+    project = jobdir.project_of(root, task, pol)
+    snapshot.take(root, "ok", project, ["src"], pol.model_copy(update={"max_work_files": 3}), owner=None)
+    with pytest.raises(LimitExceeded, match="max_work_files 2"):
+        snapshot.take(root, "no", project, ["src"], pol.model_copy(update={"max_work_files": 2}), owner=None)
+
+
+def test_the_stat_cache_is_private_to_the_host(root: Root) -> None:
+    take(root, "t1")
+    (cache,) = (snapshot.store(root) / "stat").iterdir()
+    assert stat.S_IMODE(cache.stat().st_mode) == 0o600
+    assert json.loads(cache.read_text())["key"] == take(root, "t2").key
