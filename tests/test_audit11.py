@@ -233,3 +233,31 @@ def test_a_directory_the_engine_made_unreadable_does_not_stop_the_cleanup_of_wor
     assert not (work / ".git").exists() and not (work / "z" / ".git").exists()
     assert not os.stat(work / "suid").st_mode & 0o6000
     assert _rec(f, "next")["status"] == "needs_review"
+
+
+# -- 4. a deny rule pathspec cannot compile is a policy error naming the rule ------------------
+
+
+def test_a_deny_rule_with_a_reversed_range_is_refused_by_its_index_everywhere(tmp_path: Path) -> None:
+    import json
+
+    from .helpers import fila
+
+    root = make_root(tmp_path)
+    (tmp_path / "g.txt").write_text("hello\n")
+    pol = json.loads((root.policies_dir / "default.json").read_text())
+    n = len(pol["deny"])
+    (root.policies_dir / "ranged.json").write_text(json.dumps({**pol, "deny": [*pol["deny"], "[a-z].tmp"]}))
+    (root.policies_dir / "bad.json").write_text(json.dumps({**pol, "deny": [*pol["deny"], "[z-a]"]}))
+    args = ("submit", "--engine", "shell", "--command", "true", "--target", "g.txt", "--policy")
+    ok = fila(tmp_path, *args, "ranged")
+    assert ok.exit_code == 0, ok.output  # the allowed counterpart: a range that runs low to high
+    res = fila(tmp_path, *args, "bad")
+    assert res.exit_code == 2, res.output
+    assert f"'deny.{n}'" in res.output and "Traceback" not in res.output
+    doc = fila(tmp_path, "doctor", "--no-self-test")
+    assert "Traceback" not in doc.output
+    line = next(ln for ln in doc.output.splitlines() if "policies" in ln and "valid:" in ln)
+    valid, _, invalid = line.partition("INVALID:")
+    assert line.startswith("FAIL") and "ranged" in valid and "bad" not in valid, doc.output
+    assert f"bad: policy field 'deny.{n}'" in invalid, doc.output

@@ -180,10 +180,15 @@ def _deny_spec(deny: tuple[str, ...]) -> tuple[Any, re.Pattern[str] | None]:
 
     try:
         spec = pathspec.GitIgnoreSpec.from_lines(deny)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, re.error) as e:
+        # re.error: a range like [z-a], which git matches against nothing; pathspec cannot
+        # compile it. Refused by its index, so the operator knows which rule to fix.
+        bad = next((i for i, rule in enumerate(deny) if not _compiles(rule)), None)
+        where = f"'deny.{bad}' ({deny[bad]!r})" if bad is not None else "'deny'"
         raise InvalidPolicy(
-            f"policy field 'deny': not a gitignore pattern: {e}",
-            hint="deny rules use .gitignore syntax (see `git help gitignore`)",
+            f"policy field {where}: not a gitignore pattern fila can read: {e}",
+            hint="deny rules use .gitignore syntax (see `git help gitignore`); a character "
+            "range runs from low to high ([a-z])",
         ) from None
     # The group that marks a directory match is named in every rule's regex; the union needs none.
     rx = [p.regex.pattern.replace("(?P<ps_d>", "(?:") for p in spec.patterns if p.include]
@@ -193,7 +198,20 @@ def _deny_spec(deny: tuple[str, ...]) -> tuple[Any, re.Pattern[str] | None]:
     alts = [f"(?:{r})" for r in rx if not r.startswith(_ANY_DEPTH)]
     if floating:
         alts.append(_ANY_DEPTH + "(?:" + "|".join(f"(?:{r})" for r in floating) + ")")
-    return spec, (re.compile("|".join(alts)) if alts else None)
+    try:
+        return spec, (re.compile("|".join(alts)) if alts else None)
+    except re.error as e:  # each rule compiled alone: their union should too; never a traceback
+        raise InvalidPolicy(f"policy field 'deny': the rules do not combine: {e}") from None
+
+
+def _compiles(rule: str) -> bool:
+    import pathspec
+
+    try:
+        pathspec.GitIgnoreSpec.from_lines([rule])
+    except (ValueError, TypeError, re.error):
+        return False
+    return True
 
 
 def denied_by(rel: str, is_dir: bool, deny: list[str]) -> str | None:
