@@ -163,6 +163,8 @@ def start_gateway(
         tmpfs={"/tmp": "rw,nosuid,nodev,noexec,size=64m"},
         mem_limit="256m",
         pids_limit=128,
+        # The DNS door binds 53 as uid 65534 (fila starts the gateway the same way).
+        sysctls={"net.ipv4.ip_unprivileged_port_start": "53"},
         labels={**_labels(env.session), "fila.role": "gateway"},
         volumes={
             str(d / "config.json"): {"bind": "/etc/fila-gateway/config.json", "mode": "ro"},
@@ -531,6 +533,10 @@ def test_the_engine_has_no_route_and_no_resolver_only_the_gateway_resolves(env: 
         for name in ("allowed.test", "denied.test", "example.com"):
             code, out, _ = env.sh(f"getent hosts {name}", client=engine)
             assert code != 0 and out == "", (name, out)
+        # Every lookup reached the gateway's DNS door, which refused it and logged it.
+        dns = [e for e in gw.log() if e["door"] == "dns"]
+        assert {"allowed.test", "denied.test", "example.com"} <= {e["host"] for e in dns}, dns
+        assert all(e["allowed"] is False and e["method"] in ("A", "AAAA") for e in dns)
         code, out, _ = env.sh("dig +time=2 +tries=1 +short example.com", client=engine)
         assert env.ups.ip("allowed.test") not in out and not any(c.isdigit() for c in out.split(";")[0]), out
         # No route: the upstream network is not reachable without the proxy.
@@ -839,11 +845,13 @@ def test_the_gateway_runs_hardened_and_still_works(env: Env) -> None:
     assert cfg["HostConfig"]["ReadonlyRootfs"] is True
     assert cfg["HostConfig"]["CapDrop"] == ["ALL"]
     assert "no-new-privileges" in cfg["HostConfig"]["SecurityOpt"]
-    code, out = gw.container.exec_run(["sh", "-c", "id -u; grep -E '^(Uid|CapEff)' /proc/1/status; touch /x"])
+    code, (out, err) = gw.container.exec_run(
+        ["sh", "-c", "id -u; grep -E '^(Uid|CapEff)' /proc/1/status; touch /x"], demux=True
+    )
     text = out.decode()
     assert text.splitlines()[0] == "65534"
     assert "CapEff:\t0000000000000000" in text
-    assert "Read-only file system" in text
+    assert "Read-only file system" in err.decode()
 
 
 def test_a_bad_config_or_missing_secret_stops_the_gateway_before_it_listens(env: Env) -> None:

@@ -43,7 +43,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from mitmproxy import ctx, http, tcp
+from mitmproxy import ctx, dns, http, tcp
+from mitmproxy.net.dns import response_codes
+from mitmproxy.net.dns import types as dns_types
 from mitmproxy.net.http import url
 from mitmproxy.proxy import commands, events, layer, layers
 from mitmproxy.proxy.layers.tls import parse_client_hello, starts_like_tls_record
@@ -55,6 +57,7 @@ LOG_DIR = Path(os.environ.get("FILA_GATEWAY_LOG_DIR", "/var/log/fila-gateway"))
 PROXY_PORT = int(os.environ.get("FILA_GATEWAY_PROXY_PORT", "3128"))
 ROUTE_PORT = int(os.environ.get("FILA_GATEWAY_ROUTE_PORT", "8080"))
 SINK_PORT = int(os.environ.get("FILA_GATEWAY_SINK_PORT", "3127"))  # entrypoint.sh's reverse target
+DNS_PORT = int(os.environ.get("FILA_GATEWAY_DNS_PORT", "53"))
 SYSTEM_CA = "/etc/ssl/certs/ca-certificates.crt"
 
 MAX_HEADER_BYTES = 32 * 1024  # mitmproxy reads headers without a limit; refuse what no API needs
@@ -388,6 +391,37 @@ async def _sink(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> N
     writer.close()
 
 
+class DnsRefuser(asyncio.DatagramProtocol):
+    """The DNS door: every query is answered REFUSED and logged; nothing is ever resolved."""
+
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+        self.transport: Any = None
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def datagram_received(self, data: bytes, addr: tuple[str | Any, int]) -> None:
+        try:
+            msg = dns.Message.unpack(data)
+        except Exception:  # not DNS: nothing to answer
+            return
+        if not msg.query or self.transport is None or not self.gateway.client_allowed(str(addr[0])):
+            return
+        answer = msg.fail(response_codes.REFUSED).packed
+        self.transport.sendto(answer, addr)
+        for q in msg.questions or [None]:
+            self.gateway.write(
+                door="dns",
+                method=dns_types.to_str(q.type) if q else None,
+                host=q.name if q else None,
+                port=DNS_PORT,
+                reason="the engine resolves no names (the gateway does)",
+                bytes_in=len(answer),
+                bytes_out=len(data),
+            )
+
+
 class CloseClient(layer.Layer):
     """A tunnel's next layer that only closes the client's connection (a refused handshake)."""
 
@@ -404,6 +438,7 @@ class Gateway:
         self.tunnels: dict[str, dict[str, Any]] = {}
         self._log: Any = None
         self._sink: asyncio.Server | None = None
+        self._dns: Any = None
 
     # -- lifecycle
 
@@ -424,6 +459,18 @@ class Gateway:
         # connects (eager strategy), and never sends a request there (the addon sends each to its
         # route's upstream). Should one ever arrive, it gets a 502, not a hang.
         self._sink = await asyncio.start_server(_sink, "127.0.0.1", SINK_PORT)
+        # The DNS door: the engine's resolver is the gateway, which answers every query REFUSED
+        # (it never resolves for the engine: no DNS channel out) and logs it. Binding 53 as a
+        # non-root user needs net.ipv4.ip_unprivileged_port_start <= 53 on the container; without
+        # it the engine's lookups fail unanswered, just unlogged.
+        try:
+            self._dns, _ = await asyncio.get_running_loop().create_datagram_endpoint(
+                lambda: DnsRefuser(self), local_addr=("0.0.0.0", DNS_PORT)
+            )
+        except OSError as e:
+            logger.warning(
+                f"fila_gateway: no DNS door on port {DNS_PORT} ({e.strerror}); lookups go unlogged"
+            )
         # mitmproxy's own TLS to a route upstream: the configured CA, else the system bundle (which
         # holds the build-time extra CA), never certifi's copy.
         ctx.options.update(ssl_verify_upstream_trusted_ca=self.config["upstream_ca"] or SYSTEM_CA)
@@ -439,23 +486,29 @@ class Gateway:
     def done(self) -> None:
         if self._sink is not None:
             self._sink.close()
+        if self._dns is not None:
+            self._dns.close()
         if self._log is not None:
             self._log.close()
 
-    def client_connected(self, client: Any) -> None:
-        # Only the job's engine may use this gateway (and its credentials): with `clients` set to
-        # the job network, a connection from elsewhere (another job's gateway on the egress
-        # network, through a broad allow_private) is closed before any request is read.
+    def client_allowed(self, peer: str) -> bool:
+        """Whether `peer` may use this gateway (and its credentials): with `clients` set to the
+        job network, nothing from elsewhere (another job's gateway on the egress network, reached
+        through a broad allow_private) gets a request read."""
         nets = self.config["clients"] if self.config else []
-        peer = client.peername[0] if client.peername else ""
         if nets is None:
-            return
+            return True
         with contextlib.suppress(ValueError):
             ip = ipaddress.ip_address(peer.split("%", 1)[0])
             if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
                 ip = ip.ipv4_mapped
-            if any(ip.version == n.version and ip in n for n in nets):
-                return
+            return any(ip.version == n.version and ip in n for n in nets)
+        return False
+
+    def client_connected(self, client: Any) -> None:
+        peer = client.peername[0] if client.peername else ""
+        if self.client_allowed(peer):
+            return
         client.error = "client not on the job network"
         door = "route" if isinstance(client.proxy_mode, ReverseMode) else "proxy"
         self.write(door=door, host=peer, reason=f"client {peer} not on the job network")
