@@ -110,3 +110,32 @@ def test_directories_named_objects_refs_or_head_alone_are_not_flagged(proj: Path
     res = fila(proj, "apply", tid, "--yes")
     assert res.exit_code == 0, res.output
     assert (proj / "objects" / "ab" / "x").read_text() == "a\n" and (proj / "docs" / "HEAD").is_file()
+
+
+# Other layouts git's is_git_directory accepts (audit 11): objects/refs as symlinks or executable
+# files (access(X_OK) passes), a commondir that points them elsewhere, a HEAD beside a config.
+HEAD = "mkdir -p x && echo 'ref: refs/heads/main' > x/HEAD && sed -i s/hello/world/ greeting.txt && "
+LAYOUTS = {
+    "symlinks": HEAD
+    + "mkdir -p store && echo k > store/k && ln -s ../store x/objects && ln -s ../store x/refs",
+    "executable-files": HEAD
+    + "printf '#!/bin/sh\\n' > x/objects && cp x/objects x/refs && chmod 755 x/objects x/refs",
+    "commondir": HEAD + "echo ../store > x/commondir",
+    "config": HEAD + "printf '[core]\\n\\tbare = true\\n' > x/config",
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_every_layout_git_opens_as_a_repository_is_refused_unless_allowed(proj: Path, layout: str) -> None:
+    tid = run_task(proj, LAYOUTS[layout])
+    warnings, text, _ = warnings_of(proj, tid)
+    assert any("looks like a git repository" in w and "x/" in w for w in warnings), warnings
+    assert FLAG in text
+    res = fila(proj, "apply", tid, "--yes")
+    assert res.exit_code == 4 and "x/" in res.stderr and FLAG in res.stderr, res.output
+    assert not (proj / "x").exists() and (proj / "greeting.txt").read_text() == "hello\n"
+    # The allowed counterpart: with the flag the same patch lands.
+    res = fila(proj, "apply", tid, "--yes", FLAG)
+    assert res.exit_code == 0, res.output
+    assert (proj / "x" / "HEAD").read_text() == "ref: refs/heads/main\n"
+    assert (proj / "greeting.txt").read_text() == "world\n"

@@ -351,12 +351,19 @@ def link_escapes(path: str, target: bytes, *, reserved: list[str] | tuple[str, .
 
 # The flag that lets `fila apply` write a directory that looks like a git repository.
 ALLOW_GIT_METADATA = "--allow-git-metadata"
-_GIT_MARKERS = ("head", "objects", "refs")
+# What makes git open a directory as a repository (setup.c, is_git_directory): a HEAD, and
+# objects and refs it can access (any kind of entry: access(X_OK) follows a symlink and passes
+# for an executable file), or a `commondir` file that points them elsewhere. A HEAD beside a
+# `config` is flagged too: that config is what runs (core.fsmonitor, core.pager) once the rest
+# is there, and no ordinary project keeps those two names side by side.
+_GIT_LAYOUTS = (("head", "objects", "refs"), ("head", "commondir"), ("head", "config"))
+_LEAF_MARKERS = frozenset({"head", "objects", "refs", "commondir", "config"})
+_DIR_MARKERS = frozenset({"objects", "refs"})
 
 
 def git_repositories(pt: Patch, exists: Callable[[str], bool] | None = None) -> list[str]:
-    """Directories the patch leaves looking like a bare git repository (HEAD, objects/ and refs/
-    side by side, whatever the directory's name; '.' is the project root), sorted.
+    """Directories the patch leaves looking like a bare git repository (see _GIT_LAYOUTS;
+    whatever the directory's name; '.' is the project root), sorted.
 
     git opens such a directory as a repository wherever a later `git` command runs in it or below,
     and runs what its config names (core.fsmonitor, hooks): engine-written code on the host.
@@ -374,16 +381,19 @@ def git_repositories(pt: Patch, exists: Callable[[str], bool] | None = None) -> 
         parts = path.split("/")
         for i, name in enumerate(parts):
             marker = name.casefold()
-            # HEAD is the file itself; objects/ and refs/ show as a file somewhere below them.
-            if (marker == "head" and i == len(parts) - 1) or (
-                marker in ("objects", "refs") and i < len(parts) - 1
-            ):
+            # A file or symlink of any marker's name; objects/ and refs/ also as a directory,
+            # which shows as a path below them.
+            last = i == len(parts) - 1
+            if (last and marker in _LEAF_MARKERS) or (not last and marker in _DIR_MARKERS):
                 found.setdefault("/".join(parts[:i]) or ".", set()).add(marker)
     out = []
     for d, markers in found.items():
-        missing = [m for m in _GIT_MARKERS if m not in markers]
         base = "" if d == "." else d + "/"
-        if all(exists is not None and any(exists(base + n) for n in (m, m.upper())) for m in missing):
+
+        def there(m: str, markers: set[str] = markers, base: str = base) -> bool:
+            return m in markers or (exists is not None and any(exists(base + n) for n in (m, m.upper())))
+
+        if any(all(there(m) for m in layout) for layout in _GIT_LAYOUTS):
             out.append(d)
     return sorted(out)
 
