@@ -28,7 +28,7 @@ KEY_VAR = "FILA_BENCH_EGRESS_KEY"
 
 
 def _spec(tmp: Path, policy: object, tag: str) -> object:
-    from fila.sandbox import RunSpec
+    from fila.backends.docker import RunSpec
 
     job_id = f"bench-{tag}-{uuid.uuid4().hex[:8]}"
     job_dir = tmp / job_id
@@ -51,7 +51,8 @@ def _spec(tmp: Path, policy: object, tag: str) -> object:
 
 
 def egress_startup(ctx: Ctx) -> list[Row]:
-    from fila import egress, sandbox
+    from fila.backends import docker as sandbox
+    from fila.backends import docker_egress as egress
     from fila.images import ensure_image, find_image
     from fila.models import Policy
 

@@ -124,7 +124,7 @@ class FloorSpec:
         from fila.layout import Root
         from fila.models import Task
         from fila.policy import load_policy, narrow
-        from fila.sandbox import RunSpec, create_kwargs
+        from fila.backends.docker import RunSpec, create_kwargs
 
         root = Root.at(self.root)
         task = Task(engine="shell", command=self.command, targets=["."])

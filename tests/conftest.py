@@ -8,10 +8,10 @@ from typing import Any
 import docker
 import pytest
 
+from fila.backends.docker import docker_client as connect
 from fila.errors import DockerUnavailable
 from fila.images import ensure_image
 from fila.models import ImageRef
-from fila.sandbox import docker_client as connect
 
 from .upstreams.fixtures import upstreams  # noqa: F401  (the `upstreams` fixture, for every test)
 

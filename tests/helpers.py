@@ -67,6 +67,9 @@ class FakeDocker:
         self.containers = SimpleNamespace(list=lambda **_kw: list(self.items))
         self.api = SimpleNamespace(remove_container=self._remove)
 
+    def ping(self) -> bool:
+        return True
+
     def _remove(self, cid: str, **_kw: object) -> None:
         from docker.errors import APIError
 

@@ -23,6 +23,7 @@ import docker
 import pytest
 
 from fila import egress
+from fila.backends import docker_egress
 from fila.models import ImageRef
 from tests.helpers import fila, make_root, record
 from tests.upstreams.fixtures import Upstreams, upstreams  # noqa: F401  (the fixture)
@@ -507,21 +508,21 @@ def test_a_gateway_that_dies_or_is_late_is_an_infra_error_and_leaves_nothing(
     docker_client: docker.DockerClient,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    from fila.backends.docker import run_as
     from fila.errors import InfraError
-    from fila.sandbox import run_as
 
     uid, gid = run_as()
     policy = _gateway_policy(upstreams)
 
     def start(tid: str, **kw: Any) -> egress.Gateway:
-        return egress.start(
+        return docker_egress.start(
             docker_client, job_id=tid, policy=policy, state=tmp_path / tid, labels={}, uid=uid, gid=gid, **kw
         )
 
     # The allowed counterpart: the real gateway gets ready and is removed with its network.
     gw = start("gw-ok")
     assert gw.ip and (tmp_path / "gw-ok" / "log" / "ready").exists()
-    egress.stop(docker_client, gw)
+    docker_egress.stop(docker_client, gw)
     assert leftovers(docker_client, tmp_path, "gw-ok") == [] and not (tmp_path / "gw-ok").exists()
     # Not ready in time: an infra error naming the limit.
     with pytest.raises(InfraError, match=r"not ready within 0\.01 s"):
@@ -539,8 +540,8 @@ def test_a_gateway_that_dies_or_is_late_is_an_infra_error_and_leaves_nothing(
 def test_the_gateway_files_are_private_and_outside_the_job_directory(tmp_path: Path) -> None:
     import stat
 
+    from fila.backends.docker import run_as
     from fila.models import Policy
-    from fila.sandbox import run_as
 
     key = f"sk-{secrets.token_hex(8)}"
     os.environ[KEY_VAR] = key
@@ -575,7 +576,7 @@ def test_a_real_key_in_the_engine_environment_is_replaced_by_the_placeholder(
     images: ImageRef,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from fila import sandbox
+    from fila.backends import docker as sandbox
 
     secret = f"sk-{secrets.token_hex(8)}"
     job_dir = tmp_path / "jobs" / "key-job"
@@ -613,7 +614,7 @@ def test_a_gateway_that_dies_during_the_run_is_a_warning_of_the_result(
     docker_client: docker.DockerClient,
     images: ImageRef,
 ) -> None:
-    from fila import sandbox
+    from fila.backends import docker as sandbox
 
     def run(tid: str, kill: bool) -> sandbox.RunResult:
         job_dir = tmp_path / tid
@@ -657,7 +658,7 @@ def test_containers_on_fila_egress_network_cannot_reach_each_other(
 ) -> None:
     """Every job's gateway sits on the default egress network: one must never reach another's
     routes port (and with it another job's key)."""
-    egress.ensure_egress_network(docker_client, egress.DEFAULT_EGRESS_NETWORK)
+    docker_egress.ensure_egress_network(docker_client, egress.DEFAULT_EGRESS_NETWORK)
     opts = docker_client.networks.get(egress.DEFAULT_EGRESS_NETWORK).attrs["Options"]
     assert opts.get("com.docker.network.bridge.enable_icc") == "false", opts
     own = f"fila-test-icc-{secrets.token_hex(4)}"
@@ -699,7 +700,7 @@ def test_a_runtime_docker_lacks_is_refused_before_the_gateway_or_any_container_s
     docker_client: docker.DockerClient,
     images: ImageRef,
 ) -> None:
-    from fila import sandbox
+    from fila.backends import docker as sandbox
     from fila.errors import InfraError
 
     def spec(tid: str, runtime: str) -> sandbox.RunSpec:

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from fila import sandbox
+from fila.backends import docker as sandbox
 from fila.errors import InvalidPolicy, InvalidTaskFile
 from fila.layout import Root
 from fila.models import MIN_CPUS, MIN_MEMORY, MIN_PIDS, MIN_SIZE, Limits, Policy, Task, parse_size

@@ -15,6 +15,7 @@ import pytest
 from typer.testing import CliRunner
 
 from fila import cycle, fsutil, lease, queue, recovery
+from fila.backends.docker import DockerBackend
 from fila.cli import app
 from fila.errors import InvalidTransition
 from fila.layout import Root
@@ -38,7 +39,7 @@ def recover(
     root: Root, alive: lease.AliveFn = GONE, ttl: float = 60, client: object = None
 ) -> recovery.Report:
     """Recovery with a Docker that answers and holds no container (unless `client` is given)."""
-    return recovery.recover(root, client=client or FakeDocker(), alive=alive, ttl=ttl)
+    return recovery.recover(root, backend=DockerBackend(client or FakeDocker()), alive=alive, ttl=ttl)
 
 
 def actions(root: Root, tid: str) -> list[str]:

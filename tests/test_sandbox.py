@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fila import sandbox
+from fila.backends import docker as sandbox
 from fila.errors import DockerUnavailable, ImageMissing, InfraError
 from fila.models import ImageRef, Limits, Policy
 
@@ -314,7 +314,7 @@ _CHILD = textwrap.dedent(
     """
     import signal, sys
     from pathlib import Path
-    from fila import sandbox
+    from fila.backends import docker as sandbox
     from fila.models import Policy
 
     def on_term(signum, frame):

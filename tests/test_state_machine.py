@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from fila import breaker, fsutil, queue, recovery
+from fila.backends.docker import DockerBackend
 from fila.errors import InvalidTransition, Refused
 from fila.layout import Root
 from fila.models import ErrorInfo, ErrorKind, Status
@@ -209,7 +210,7 @@ class QueueMachine(RuleBasedStateMachine):
     @rule()
     def recover(self) -> None:
         # A Docker that answers and holds no container: recovery may decide started tasks.
-        recovery.recover(self.root, client=FakeDocker(), ttl=1e9, alive=self._alive)
+        recovery.recover(self.root, backend=DockerBackend(FakeDocker()), ttl=1e9, alive=self._alive)
 
     # -- people ----------------------------------------------------------------------------
 
@@ -294,7 +295,7 @@ class QueueMachine(RuleBasedStateMachine):
 
 
 def _after_recover_nothing_is_stale(m: QueueMachine) -> None:
-    recovery.recover(m.root, client=FakeDocker(), ttl=1e9, alive=m._alive)
+    recovery.recover(m.root, backend=DockerBackend(FakeDocker()), ttl=1e9, alive=m._alive)
     for c, suffix in queue.claims(m.root):
         assert c.worker not in m.dead | m.stalled or suffix not in ("json", "reaped"), c.name
 

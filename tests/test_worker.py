@@ -17,6 +17,7 @@ import docker
 import pytest
 
 from fila import breaker, queue
+from fila.backends.docker import DockerBackend
 from fila.layout import Root
 from fila.models import ImageRef, Status
 
@@ -397,7 +398,7 @@ def test_a_job_stopped_before_its_container_starts_goes_back_to_the_queue(
     submit(proj, "t0", "true")
     claim = queue.try_claim(proj, proj.queued_path("t0"), "w1")
     assert claim is not None
-    rec = cycle.run_one(proj, claim, client=docker_client, hooks=Draining())
+    rec = cycle.run_one(proj, claim, backend=DockerBackend(docker_client), hooks=Draining())
     assert rec is not None and rec.status == S.queued and proj.queued_path("t0").exists()
     assert rec.attempts[-1].outcome == "handed back" and cycle.infra_tries(rec) == 0
     assert started_containers.count() == 0 and containers_left(docker_client, proj) == []
@@ -429,7 +430,7 @@ def test_the_heartbeat_thread_marks_a_reaped_job_lost_so_its_next_check_stops_it
     from .helpers import shell_task
 
     monkeypatch.setattr(lease, "HEARTBEAT_S", 0.05)
-    w = wmod.Worker(proj, client_factory=lambda: None)
+    w = wmod.Worker(proj, backend=DockerBackend(None))
     queue.enqueue(proj, "t1", shell_task())
     c = queue.try_claim(proj, proj.queued_path("t1"), w.id)
     assert c is not None

@@ -295,7 +295,7 @@ def recover(
         typer.echo(_safe(f"{a.task_id or '-'}  {a.action}: {a.detail}"))
     typer.echo(
         f"recovered: {len(rep.actions)} actions, {len(rep.containers_removed)} containers "
-        f"removed (Docker: {rep.docker})"
+        f"removed ({rep.backend or 'container engine'}: {rep.docker})"
     )
 
 
@@ -754,15 +754,18 @@ def images_build(
     json_: JsonOpt = False,
 ) -> None:
     """Build engine images locally, also on a host with no registry. A current image is reused."""
+    from .backends import get_backend, root_backend
     from .engines import engine_names, get_engine
-    from .images import SUPPORT_IMAGES, build
+    from .images import SUPPORT_IMAGES
 
     names = [engine] if engine else engine_names()
     built = []
+    r = Root.at(None)
+    backend = get_backend(root_backend(r) if r.fila.is_dir() else None)
     for name in names:
         if name not in SUPPORT_IMAGES:
             get_engine(name)  # an unknown name lists the valid engines
-        ref = build(name, base=base, ca_file=ca_file, force=force, progress=_err)
+        ref = backend.build(name, base=base, ca_file=ca_file, force=force, progress=_err)
         built.append({"engine": name, "tag": ref.tag, "id": ref.id})
         if not json_:
             typer.echo(f"{name}: {ref.tag} {ref.id}")

@@ -46,7 +46,7 @@ from .models import (
 from .policy import Effective, image_allowed, load_json, load_policy, narrow, validate_document
 
 if TYPE_CHECKING:
-    import docker
+    from .backends import Backend
 
 MAX_INFRA_ATTEMPTS = 5
 BACKOFF_BASE_S = 1.0
@@ -196,12 +196,12 @@ class _Run:
         self,
         root: Root,
         claim: queue.Claim,
-        client: Any,
+        backend: Backend,
         progress: Callable[[str], None],
         hooks: Hooks,
         attempt: int,
     ):
-        self.root, self.claim, self.client, self.progress = root, claim, client, progress
+        self.root, self.claim, self.backend, self.progress = root, claim, backend, progress
         self.attempt = attempt
         self.hooks = hooks
         self.tid = claim.task_id
@@ -324,15 +324,13 @@ def run_one(
     root: Root,
     claim: queue.Claim,
     *,
-    client: docker.DockerClient,
+    backend: Backend,
     progress: Callable[[str], None] = lambda _m: None,
     hooks: Hooks | None = None,
 ) -> Record | None:
     """Take one claimed task to its record. Returns None when the claim was lost (reaped, or a
     duplicate file put back for recovery). Raises InfraError after handing the task back when
     the infrastructure failed before its container started."""
-    from . import images  # docker is imported only when something runs
-
     hooks = hooks or Hooks()
     tid = claim.task_id
     crash_point("after_claim")
@@ -352,12 +350,12 @@ def run_one(
         queue.log_event(root, tid, "not started", reason=str(e), claim=claim.name)
         return None
     crash_point("after_begin")
-    run = _Run(root, claim, client, progress, hooks, rec.attempt)
+    run = _Run(root, claim, backend, progress, hooks, rec.attempt)
     progress(f"{tid}: claimed (attempt {rec.attempt})")
     try:
         hooks.check()
         checked = check_task(root, task)
-        ref = images.find_image(client, checked.image)
+        ref = backend.image(checked.image)
         if ref is None:
             raise ImageMissing(
                 f"image {checked.image} is not built",
@@ -380,7 +378,7 @@ def run_one(
             f"removed and work/ may hold a partial change. {RETRY_HINT}",
         )
     except InfraError as e:
-        refusal = docker_refusal(e)
+        refusal = backend.refusal(e)
         if refusal is not None and not run.container_started:
             # Docker refused this task's request itself: retrying cannot help, and the next
             # task must still run. The task's record says why; the run goes on.
@@ -425,20 +423,9 @@ def run_one(
         raise
 
 
-def docker_refusal(err: BaseException) -> str | None:
-    """Docker's own words when it refused a request as malformed (HTTP 400: an invalid image
-    reference, a parameter or a limit out of range), else None. A 400 is the
-    request's fault, never the daemon's health: it is the task's outcome, not an outage."""
-    from docker.errors import APIError
-
-    cause = err.__cause__
-    if isinstance(cause, APIError) and cause.status_code == 400:
-        return str(cause.explanation or cause)
-    return None
-
-
 def _run_engines(run: _Run, checked: Checked, ref: Any, attempt: int, t0: float) -> Record | None:
-    from . import diff, sandbox
+    from . import diff
+    from .backends import RunSpec
 
     root, tid, task = run.root, run.tid, checked.task
     engines = [task.engine, *task.fallback]
@@ -447,9 +434,7 @@ def _run_engines(run: _Run, checked: Checked, ref: Any, attempt: int, t0: float)
         engine = get_engine(name)
         image = checked.image if i == 0 else (task.image or engine.image_tag())
         if i > 0:
-            from . import images
-
-            ref = images.find_image(run.client, image)
+            ref = run.backend.image(image)
             if ref is None:
                 raise ImageMissing(
                     f"fallback image {image} is not built",
@@ -467,7 +452,7 @@ def _run_engines(run: _Run, checked: Checked, ref: Any, attempt: int, t0: float)
         creds, secrets = engine.credentials()
         if checked.policy.network == "allowlist":
             creds = {}  # the gateway holds the real keys; the engine gets the placeholder (still redacted)
-        spec = sandbox.RunSpec(
+        spec = RunSpec(
             job_id=tid,
             job_dir=prep.job_dir,
             image=image,
@@ -502,9 +487,8 @@ def _run_engines(run: _Run, checked: Checked, ref: Any, attempt: int, t0: float)
             run.fence()
 
         t = time.monotonic()
-        result = sandbox.run(
+        result = run.backend.run(
             spec,
-            client=run.client,
             before_start=before_start,
             heartbeat=run.heartbeat,
             heartbeat_s=HEARTBEAT_IN_RUN_S,
@@ -676,32 +660,3 @@ def earliest_backoff(root: Root) -> float | None:
         if rec and rec.status == Status.queued and rec.not_before:
             waits.append(rec.not_before)
     return min(waits) if waits else None
-
-
-def run_queue(
-    root: Root,
-    *,
-    worker: str | None = None,
-    client: Any = None,
-    on_record: Callable[[Record], None] = lambda _r: None,
-    progress: Callable[[str], None] = lambda _m: None,
-    concurrency: int = 1,
-) -> list[Record]:
-    """Process what is queued, waiting out backoffs, then return (`fila run --once`).
-
-    Raises DockerUnavailable / InfraError (tasks stay queued), BreakerTripped, or
-    KeyboardInterrupt (after the running jobs were stopped cleanly)."""
-    from .worker import Worker
-
-    w = Worker(
-        root,
-        once=True,
-        concurrency=concurrency,
-        worker_id=worker,
-        client_factory=(lambda: client) if client is not None else None,
-        on_record=on_record,
-        progress=progress,
-    )
-    w.run()
-    w.raise_outcome()
-    return w.records

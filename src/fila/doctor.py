@@ -20,11 +20,14 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import FilaError
 from .layout import Root
 from .models import Policy
+
+if TYPE_CHECKING:
+    from .backends import Backend
 
 UPSTREAM_PORT = 8000
 GATEWAY_IMAGE_FOR_UPSTREAM = "fila/gateway:latest"  # python3 is in it; no other image is needed
@@ -53,31 +56,41 @@ class Report:
                 "checks": [asdict(c) for c in self.checks]}  # fmt: skip
 
 
-def run(root: Root, *, self_test: bool = True, progress: Callable[[str], None] = lambda _m: None) -> Report:
-    """Every check; a check that cannot run (Docker down) fails and names why."""
+def run(
+    root: Root,
+    *,
+    self_test: bool = True,
+    progress: Callable[[str], None] = lambda _m: None,
+    backend: Backend | None = None,
+) -> Report:
+    """Every check; a check that cannot run (the engine down) fails and names why."""
+    from .backends import get_backend, root_backend
+
     t0 = time.monotonic()
     rep = Report()
     rep.checks.append(_policies(root))
-    client = None
+    answered = False
+    owned = backend is None
     try:
-        from .sandbox import docker_client
-
-        client = docker_client(timeout=30)
-        v = client.version()
-        detail = f"Docker {v.get('Version')} (API {v.get('ApiVersion')}) answers"
-        rep.checks.append(
-            Check("engine", True, detail, {"version": v.get("Version"), "api": v.get("ApiVersion")})
-        )
+        backend = backend or get_backend(root_backend(root))
+        v = backend.describe()
+        detail = f"{v['name']} {v.get('version')} (API {v.get('api')}) answers"
+        rep.checks.append(Check("engine", True, detail, v))
+        answered = True
     except FilaError as e:
         rep.checks.append(Check("engine", False, f"{e} ({e.hint})" if e.hint else str(e)))
-    if client is not None:
-        rep.checks.append(_runtimes(client, root))
-        rep.checks.append(_images(client))
-        if self_test:
-            progress("doctor: self-test under network none")
-            rep.checks += _self_test_none(client)
-            progress("doctor: self-test under network allowlist")
-            rep.checks.append(_self_test_allowlist(client))
+    try:
+        if answered and backend is not None:
+            rep.checks.append(_runtimes(backend, root))
+            rep.checks.append(_images(backend))
+            if self_test:
+                progress("doctor: self-test under network none")
+                rep.checks += _self_test_none(backend)
+                progress("doctor: self-test under network allowlist")
+                rep.checks.append(_self_test_allowlist(backend))
+    finally:
+        if owned and backend is not None:
+            backend.close()
     rep.seconds = round(time.monotonic() - t0, 2)
     return rep
 
@@ -96,31 +109,30 @@ def _policies(root: Root) -> Check:
     return Check("policies", not bad, detail, {"valid": good, "invalid": bad})
 
 
-def _runtimes(client: Any, root: Root) -> Check:
-    """The runtimes Docker has; a policy asking for one that is missing fails the check."""
+def _runtimes(backend: Backend, root: Root) -> Check:
+    """The runtimes the engine has; a policy asking for one that is missing fails the check."""
     from .policy import load_policy, policy_names
-    from .sandbox import docker_runtime
 
-    have = sorted((client.info().get("Runtimes") or {}).keys())
+    have = backend.runtimes()
     missing = []
     for name in policy_names(root):
         with contextlib.suppress(FilaError):
             p, _ = load_policy(root, name)
-            if p.runtime and docker_runtime(p) not in have:
-                missing.append(f"policy {name} needs {docker_runtime(p)}")
+            if p.runtime and backend.runtime_for(p) not in have:
+                missing.append(f"policy {name} needs {backend.runtime_for(p)}")
     detail = f"{', '.join(have)}" + (
         f"; MISSING: {'; '.join(missing)} (scripts/docker-up)" if missing else ""
     )
     return Check("runtimes", not missing, detail, {"available": have, "missing": missing})
 
 
-def _images(client: Any) -> Check:
+def _images(backend: Backend) -> Check:
     from . import images
     from .egress import GATEWAY_IMAGE
 
     found, absent = [], []
     for tag in [*(images.image_tag(e) for e in images.engines() if e != "gateway"), GATEWAY_IMAGE]:
-        (found if images.find_image(client, tag) else absent).append(tag)
+        (found if backend.image(tag) else absent).append(tag)
     detail = f"built: {', '.join(found) or 'none'}" + (f"; not built: {', '.join(absent)}" if absent else "")
     # Informative: a missing engine image is reported when a task needs it, with the command.
     return Check("images", True, detail, {"built": found, "missing": absent})
@@ -130,7 +142,7 @@ def _images(client: Any) -> Check:
 
 
 def _spec(tmp: Path, image: str, argv: list[str], policy: Policy, tag: str) -> Any:
-    from .sandbox import RunSpec
+    from .backends import RunSpec
 
     job_id = f"doctor-{tag}-{secrets.token_hex(4)}"
     job_dir = tmp / job_id
@@ -166,11 +178,11 @@ if echo x > /job/input/pristine.txt 2>/dev/null; then echo "input: WRITABLE"; el
 """
 
 
-def _self_test_none(client: Any) -> list[Check]:
-    from . import images, sandbox
+def _self_test_none(backend: Backend) -> list[Check]:
+    from . import images
 
     image = images.image_tag("shell")
-    if images.find_image(client, image) is None:
+    if backend.image(image) is None:
         why = f"{image} is not built (`fila images build shell`)"
         return [
             Check(n, False, f"not run: {why}") for n in ("no network", "input read-only", "no capabilities")
@@ -178,7 +190,7 @@ def _self_test_none(client: Any) -> list[Check]:
     with tempfile.TemporaryDirectory(prefix="fila-doctor-") as d:
         spec = _spec(Path(d), image, ["/bin/sh", "-c", _NONE_SCRIPT], _policy(network="none"), "none")
         try:
-            res = sandbox.run(spec, client=client)
+            res = backend.run(spec)
             out = spec.log_path.read_text(errors="replace")
         except FilaError as e:
             return [Check("no network", False, f"the container failed: {e}")]
@@ -214,48 +226,36 @@ for host in ("allowed.test", "denied.test"):
 """.replace("PORT", str(UPSTREAM_PORT))
 
 
-def _self_test_allowlist(client: Any) -> Check:
+def _self_test_allowlist(backend: Backend) -> Check:
     """A listed host answers through the gateway, an unlisted one on the same server is refused."""
-    from . import images, sandbox
     from .egress import GATEWAY_IMAGE
 
-    if images.find_image(client, GATEWAY_IMAGE) is None:
+    if backend.image(GATEWAY_IMAGE) is None:
         return Check(
             "allowlist", False, f"not run: {GATEWAY_IMAGE} is not built (`fila images build gateway`)"
         )
-    net_name = f"fila-doctor-{secrets.token_hex(4)}"
-    upstream = None
     tmp = Path(tempfile.mkdtemp(prefix="fila-doctor-"))
+    token = secrets.token_hex(8)
     try:
-        net = client.networks.create(
-            net_name, driver="bridge", internal=True, labels={"fila": "1", "fila.role": "doctor"}
-        )
-        token = secrets.token_hex(8)
-        upstream = _start_upstream(client, net_name, token)
-        net.reload()
-        subnet = net.attrs["IPAM"]["Config"][0]["Subnet"]
-        policy = _policy(
-            network="allowlist",
-            images=["fila/*"],
-            egress={
-                "allow": [{"host": "allowed.test", "port": UPSTREAM_PORT}],
-                "allow_private": [subnet],
-                "egress_network": net_name,
-            },
-        )
-        spec = _spec(tmp, GATEWAY_IMAGE, ["python3", "-c", _CLIENT_SCRIPT], policy, "allowlist")
-        res = sandbox.run(spec, client=client)
-        out = spec.log_path.read_text(errors="replace")
+        server = ["python3", "-c", _SERVER % (token, UPSTREAM_PORT)]
+        with backend.test_upstream(
+            GATEWAY_IMAGE_FOR_UPSTREAM, server, ["allowed.test", "denied.test"], role="doctor"
+        ) as (net_name, subnet):
+            policy = _policy(
+                network="allowlist",
+                images=["fila/*"],
+                egress={
+                    "allow": [{"host": "allowed.test", "port": UPSTREAM_PORT}],
+                    "allow_private": [subnet],
+                    "egress_network": net_name,
+                },
+            )
+            spec = _spec(tmp, GATEWAY_IMAGE, ["python3", "-c", _CLIENT_SCRIPT], policy, "allowlist")
+            res = backend.run(spec)
+            out = spec.log_path.read_text(errors="replace")
     except FilaError as e:
         return Check("allowlist", False, f"the self-test failed to run: {e}")
-    except Exception as e:  # Docker errors while setting up the upstream
-        return Check("allowlist", False, f"the self-test failed to run: {type(e).__name__}: {e}")
     finally:
-        if upstream is not None:
-            with contextlib.suppress(Exception):
-                client.api.remove_container(upstream, force=True)
-        with contextlib.suppress(Exception):
-            client.api.remove_network(net_name)
         shutil.rmtree(tmp, ignore_errors=True)
     got = {parts[0]: parts[1:] for parts in (line.split() for line in out.splitlines()) if len(parts) >= 2}
     allowed = got.get("allowed.test", ["?"])
@@ -273,32 +273,6 @@ def _self_test_allowlist(client: Any) -> Check:
         + (f" ({res.egress.denied} denied at the gateway)" if res.egress else "")
     )
     return Check("allowlist", ok, detail, {"output": out[-2000:]})
-
-
-def _start_upstream(client: Any, net_name: str, token: str) -> str:
-    """The doctor's own upstream: one HTTP server answering as allowed.test and denied.test."""
-    api = client.api
-    host_config = api.create_host_config(
-        read_only=True,
-        cap_drop=["ALL"],
-        security_opt=["no-new-privileges:true"],
-        mem_limit=64 << 20,
-        pids_limit=32,
-        network_mode=net_name,
-    )
-    networking = api.create_networking_config(
-        {net_name: api.create_endpoint_config(aliases=["allowed.test", "denied.test"])}
-    )
-    c = api.create_container(
-        GATEWAY_IMAGE_FOR_UPSTREAM,
-        entrypoint=["python3", "-c", _SERVER % (token, UPSTREAM_PORT)],
-        user="65534:65534",
-        labels={"fila": "1", "fila.role": "doctor"},
-        host_config=host_config,
-        networking_config=networking,
-    )
-    api.start(c["Id"])
-    return str(c["Id"])
 
 
 _SERVER = r"""

@@ -460,7 +460,7 @@ def build(
     progress: Progress = print,
 ) -> ImageRef:
     """Build `fila/<engine>:latest`, or reuse it when its context, base and CA are unchanged."""
-    from .sandbox import docker_client  # sandbox does not import images; no cycle at load time
+    from .backends.docker import docker_client  # imported on use: backends.docker imports images lazily
 
     client = client or docker_client()
     src = engine_dir(engine)
@@ -607,7 +607,7 @@ def ensure_image(
     engine: str, *, client: docker.DockerClient | None = None, progress: Progress = print
 ) -> ImageRef:
     """The engine's image: reused when present and current (quietly), built when not."""
-    from .sandbox import docker_client
+    from .backends.docker import docker_client
 
     client = client or docker_client()
     tag = image_tag(engine)

@@ -38,11 +38,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import fsutil, lease, queue
 from .errors import DockerUnavailable, FilaError, InfraError
 from .layout import Root
+
+if TYPE_CHECKING:
+    from .backends import Backend
 from .models import ErrorInfo, ErrorKind, Record, Status, now_iso
 
 S = Status
@@ -59,7 +62,8 @@ class Action:
 class Report:
     actions: list[Action] = field(default_factory=list)
     containers_removed: list[str] = field(default_factory=list)
-    docker: str = "not needed"
+    docker: str = "not needed"  # the container engine's state (the key predates other backends)
+    backend: str = ""  # the backend that answered
     skipped: bool = False
 
     def add(self, root: Root, task_id: str | None, action: str, detail: str, **data: Any) -> None:
@@ -79,49 +83,57 @@ class Report:
             "actions": [asdict(a) for a in self.actions],
             "containers_removed": self.containers_removed,
             "docker": self.docker,
+            "backend": self.backend,
             "skipped": self.skipped,
         }
 
 
-class _Docker:
-    """A client made on first use; when the daemon does not answer, recovery goes on without it."""
+class _Engine:
+    """The backend, connected on first use; when its engine does not answer, recovery goes on
+    without it (and decides nothing that needs it)."""
 
-    def __init__(self, client: Any, enabled: bool) -> None:
-        self.client, self.enabled, self.error = client, enabled, None if enabled else "skipped"
+    def __init__(self, root: Root, backend: Backend | None, enabled: bool) -> None:
+        self.root, self.backend, self.enabled = root, backend, enabled
+        self.owned = backend is None
+        self.error: str | None = None if enabled else "skipped"
+        self.used = False
 
-    def get(self) -> Any:
-        if self.client is None and self.error is None:
-            from .sandbox import docker_client
+    def get(self) -> Backend | None:
+        if self.error is not None:
+            return None
+        if self.backend is None:
+            from .backends import get_backend, root_backend
 
+            self.backend = get_backend(root_backend(self.root))
+        if not self.used:
             try:
-                self.client = docker_client(timeout=15)
+                self.backend.ping()
             except DockerUnavailable as e:
                 self.error = f"unavailable: {e.message}"
-        return self.client
+                return None
+            self.used = True
+        return self.backend
+
+    def close(self) -> None:
+        if self.owned and self.backend is not None:
+            self.backend.close()
 
     def job_containers(self, root: Root, tid: str) -> tuple[list[str], str, bool]:
         """Describe and remove the job's containers: (ids removed, what was found, gone). `gone`
-        is True only when Docker answered and no container of the job is left: until then a
+        is True only when the engine answered and no container of the job is left: until then a
         frozen worker may still start its engine, so nothing may be decided."""
-        client = self.get()
-        if client is None:
-            return [], (f"Docker did not answer, so the container could not be checked ({self.error})"), False
-        from .sandbox import find_containers
-
+        backend = self.get()
+        if backend is None:
+            why = f"the container engine did not answer, so the container could not be checked ({self.error})"
+            return [], why, False
         try:
-            found = find_containers(client, job_id=tid, root=str(root.path))
             seen, removed = [], []
-            for c in found:
-                st = c.attrs.get("State", {})
-                desc = f"{c.name} {c.status}"
-                if c.status == "exited":
-                    desc += f" (exit code {st.get('ExitCode')})"
-                if c.status == "created":
-                    desc += " (never started)"
-                seen.append(desc)
-                removed += _remove(client, c)
-        except (InfraError, *_docker_errors()) as e:
-            return [], f"Docker failed while checking or removing the container: {e}", False
+            for box in backend.find(job_id=tid, root=str(root.path)):
+                seen.append(box.describe())
+                if backend.remove(box):
+                    removed.append(box.id)
+        except InfraError as e:
+            return [], f"{backend.name} failed while checking or removing the container: {e}", False
         if not seen:
             return [], "no container of this job was found", True
         return removed, "container " + "; ".join(seen) + " was found and removed", True
@@ -145,7 +157,7 @@ def _recovery_lock(root: Root, wait: bool) -> Iterator[bool]:
 def recover(
     root: Root,
     *,
-    client: Any = None,
+    backend: Backend | None = None,
     docker: bool = True,
     ttl: float | None = None,
     alive: lease.AliveFn | None = None,
@@ -159,7 +171,7 @@ def recover(
         if not got:
             rep.skipped = True
             return rep
-        dk = _Docker(client, docker)
+        dk = _Engine(root, backend, docker)
         for claim, suffix in queue.claims(root):
             try:
                 _settle_claim(root, claim, suffix, ttl, alive, dk, rep)
@@ -175,7 +187,9 @@ def recover(
         _sweep_temp_files(root, ttl, rep)
         _sweep_containers(root, dk, rep)
         lease.forget_dead_workers(root)
-        rep.docker = dk.error or ("ok" if dk.client is not None else "not needed")
+        rep.docker = dk.error or ("ok" if dk.used else "not needed")
+        rep.backend = dk.backend.name if dk.used and dk.backend is not None else ""
+        dk.close()
     return rep
 
 
@@ -185,7 +199,7 @@ def _settle_claim(
     suffix: str,
     ttl: float,
     alive: lease.AliveFn | None,
-    dk: _Docker,
+    dk: _Engine,
     rep: Report,
 ) -> None:
     if suffix == "reaped":  # a recovery was killed after winning: we hold the recovery lock now
@@ -216,7 +230,7 @@ def _settle_claim(
 
 
 def _settle_reaped(
-    root: Root, claim: queue.Claim, why: str, last_beat: float | None, dk: _Docker, rep: Report
+    root: Root, claim: queue.Claim, why: str, last_beat: float | None, dk: _Engine, rep: Report
 ) -> None:
     """Decide a reaped claim. After the rename its worker can no longer write the record (its
     fence fails), so what we read now is final; the guards below re-check it under the lock."""
@@ -440,7 +454,7 @@ def _reject(root: Root, src: Path, tid: str, reason: str, rep: Report) -> None:
         rep.add(root, tid, "duplicate kept aside", f"{reason}; kept as {kept}")
 
 
-def _settle_task(root: Root, tid: str, dk: _Docker, rep: Report) -> None:
+def _settle_task(root: Root, tid: str, dk: _Engine, rep: Report) -> None:
     """Record versus files, under the record lock. The in/ file is looked at before run/: a
     claim only moves a file from in/ to run/, so a file seen in neither place is really gone."""
     with queue.locked(root, tid):
@@ -620,81 +634,59 @@ def _task_of_temp(p: Path) -> str | None:
     )
 
 
-def _sweep_containers(root: Root, dk: _Docker, rep: Report) -> None:
+def _sweep_containers(root: Root, dk: _Engine, rep: Report) -> None:
     """Remove fila's containers of this root whose worker holds no claim of their task."""
     if not dk.enabled:
         return
-    client = dk.get()
-    if client is None:
+    backend = dk.get()
+    if backend is None:
         return
-    from .sandbox import JOB_LABEL, find_containers
-
-    worker_label = "fila.worker"
+    from .backends.base import JOB_LABEL, WORKER_LABEL
 
     try:
-        found = find_containers(client, root=str(root.path))
+        found = backend.find(root=str(root.path))
     except InfraError as e:
         dk.error = f"listing containers failed: {e.message}"
         return
-    for c in found:
-        tid = c.labels.get(JOB_LABEL, "")
-        # A claim outlives its container (the sandbox removes the container before the claim is
+    for box in found:
+        tid = box.labels.get(JOB_LABEL, "")
+        # A claim outlives its container (the backend removes the container before the claim is
         # published or handed back), so a container listed before this check whose worker holds
         # no claim file of its task now is left over. A claim that is there, stale or not, is
         # never swept here: only the reaper, after winning the rename race (and with it the
         # right to decide), removes its container. Only that container goes, by id: a new
         # attempt's container of the same task is never touched.
-        if not queue.valid_id(tid) or _has_claim(root, tid, c.labels.get(worker_label)):
+        if not queue.valid_id(tid) or _has_claim(root, tid, box.labels.get(WORKER_LABEL)):
             continue
         try:
-            removed = _remove(client, c)
-        except _docker_errors() as e:
-            rep.add(root, tid, "error", f"could not remove container {c.name}: {e}")
+            removed = backend.remove(box)
+        except InfraError as e:
+            rep.add(root, tid, "error", f"could not remove container {box.name}: {e}")
             continue
-        rep.containers_removed += removed
         if removed:
+            rep.containers_removed.append(box.id)
             rep.add(
                 root,
                 tid,
                 "container removed",
-                f"{c.name} ({c.status}): no live worker holds its task",
-                container=c.name,
+                f"{box.name} ({box.status}): no live worker holds its task",
+                container=box.name,
             )
-    _sweep_egress(root, client, rep)
+    _sweep_egress(root, backend, rep)
 
 
-def _sweep_egress(root: Root, client: Any, rep: Report) -> None:
+def _sweep_egress(root: Root, backend: Backend, rep: Report) -> None:
     """Job networks and gateway directories (secrets) of jobs no live worker holds: after the
     containers, so their gateways are gone and the networks can be removed."""
-    from . import egress
-
     try:
-        removed = egress.sweep(
-            client, root.path, root.meta_dir, lambda tid, worker: _has_claim(root, tid, worker)
+        removed = backend.sweep_egress(
+            root.path, root.meta_dir, lambda tid, worker: _has_claim(root, tid, worker)
         )
-    except (*_docker_errors(), OSError) as e:
+    except (InfraError, OSError) as e:
         rep.add(root, None, "error", f"could not sweep job networks or gateway directories: {e}")
         return
     for what in removed:
         rep.add(root, None, "egress removed", f"{what}: no live worker holds its task")
-
-
-def _docker_errors() -> tuple[type[BaseException], ...]:
-    import requests
-    from docker.errors import DockerException
-
-    return (DockerException, requests.RequestException)
-
-
-def _remove(client: Any, container: Any) -> list[str]:
-    """Force-remove one container by id; [] when it is gone already."""
-    from docker.errors import NotFound
-
-    try:
-        client.api.remove_container(container.id, force=True, v=True)
-    except NotFound:
-        return []
-    return [container.id]
 
 
 def _has_claim(root: Root, tid: str, worker: str | None) -> bool:

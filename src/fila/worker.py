@@ -1,8 +1,8 @@
 """The worker loop (seed 003's chain): claim -> run -> record -> claim the next -> queue empty ->
 idle -> a task appears -> wake within a second -> run it. No restart between tasks.
 
-- `concurrency` jobs at once, each in its own thread with its own Docker client, so one job's
-  Docker calls never wait for another's.
+- `concurrency` jobs at once, each in its own thread; the backend (backends/) gives each call
+  its own connection, so one job's engine calls never wait for another's.
 - Wake-up: inotify on fila/in/ (and fila/state/, for `fila rearm`) through inotify_simple; a
   one-second poll is the fallback where inotify is missing.
 - Recovery runs in a background thread at start and then periodically: start-up never waits
@@ -26,7 +26,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import breaker, cycle, lease, queue
 from .errors import (
@@ -36,13 +36,15 @@ from .errors import (
     EXIT_INVALID,
     EXIT_OK,
     EXIT_SOME_FAILED,
-    BreakerTripped,
     DockerUnavailable,
     FilaError,
     InfraError,
 )
 from .layout import Root
 from .models import ErrorKind, Record, Status
+
+if TYPE_CHECKING:
+    from .backends import Backend
 
 DEFAULT_GRACE_S = 60.0
 RECOVER_EVERY_S = 30.0
@@ -75,27 +77,19 @@ class _Job(cycle.Hooks):
 
     def _run(self) -> None:
         w = self.worker
-        client = None
-        healthy = False
         try:
             try:
-                client = w.take_client()
+                w.backend.ping()
             except DockerUnavailable as e:
                 queue.hand_back(w.root, self.claim, log={"reason": e.message})  # never begun
                 self.error = e
                 return
-            self.result = cycle.run_one(w.root, self.claim, client=client, progress=w.progress, hooks=self)
-            healthy = True
+            self.result = cycle.run_one(
+                w.root, self.claim, backend=w.backend, progress=w.progress, hooks=self
+            )
         except BaseException as e:  # reported by the main loop; a thread cannot raise to it
             self.error = e
         finally:
-            if client is not None:
-                # A client that saw an error is closed; a healthy one serves the next job
-                # (a new client and its ping cost ~8 ms a task).
-                if healthy:
-                    w.give_back(client)
-                else:
-                    w._close(client)
             self.done.set()
             w.wake.set()
 
@@ -148,21 +142,19 @@ class Worker:
         once: bool = False,
         concurrency: int = 1,
         worker_id: str | None = None,
-        client_factory: Callable[[], Any] | None = None,
+        backend: Backend | None = None,
         on_record: Callable[[Record], None] = lambda _r: None,
         progress: Callable[[str], None] = lambda _m: None,
         poll_s: float = 1.0,
         grace_s: float = DEFAULT_GRACE_S,
         recover_every_s: float = RECOVER_EVERY_S,
     ) -> None:
-        from .sandbox import docker_client
+        from .backends import get_backend, root_backend
 
         self.root, self.once, self.concurrency = root, once, max(1, concurrency)
         self.id = worker_id or queue.new_worker_id()
-        self.owns_clients = client_factory is None
-        self.client_factory = client_factory or docker_client
-        self._pool: list[Any] = []  # idle Docker clients, one per job slot at most
-        self._pool_lock = threading.Lock()
+        self.owns_backend = backend is None
+        self.backend = backend or get_backend(root_backend(root))
         self.on_record, self.progress, self.poll_s = on_record, progress, poll_s
         self.grace_s, self.recover_every_s = grace_s, recover_every_s
         self.records: list[Record] = []
@@ -206,7 +198,7 @@ class Worker:
         """Process the queue; returns the exit code (see cli.py). `once`: until it is empty."""
         self.root.require()
         if self.once:
-            self.give_back(self.client_factory())  # unreachable Docker: fail before claiming
+            self.backend.ping()  # an engine that does not answer: fail before claiming
         lock = lease.WorkerLock(self.root, self.id).acquire()
         handlers: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
@@ -246,10 +238,8 @@ class Worker:
                 t.join(timeout=30)
             for sig, h in handlers.items():
                 signal.signal(sig, h)
-            with self._pool_lock:
-                idle, self._pool = self._pool, []
-            for client in idle:
-                self._close(client)
+            if self.owns_backend:
+                self.backend.close()
             lock.release()
         return self.exit_code()
 
@@ -357,29 +347,9 @@ class Worker:
 
     # -- Docker health ------------------------------------------------------------------------
 
-    def take_client(self) -> Any:
-        with self._pool_lock:
-            if self._pool:
-                return self._pool.pop()
-        return self.client_factory()
-
-    def give_back(self, client: Any) -> None:
-        if not self.owns_clients:
-            return
-        with self._pool_lock:
-            if len(self._pool) < self.concurrency:
-                self._pool.append(client)
-                return
-        self._close(client)
-
-    def _close(self, client: Any) -> None:
-        if self.owns_clients:
-            with contextlib.suppress(Exception):
-                client.close()
-
     def _docker_answers(self) -> bool:
         try:
-            self._close(self.client_factory())
+            self.backend.ping()
             return True
         except DockerUnavailable:
             return False
@@ -455,20 +425,6 @@ class Worker:
         if any(_invalid(r) for r in self.records):
             return EXIT_INVALID
         return EXIT_OK
-
-    def raise_outcome(self) -> None:
-        """For callers that want exceptions (`cycle.run_queue`)."""
-        if self.crash is not None:
-            raise self.crash
-        if self.interrupted:
-            raise KeyboardInterrupt
-        if self.infra_error is not None:
-            raise self.infra_error
-        if self.once and self.breaker_tripped:
-            st = breaker.read(self.root)
-            raise BreakerTripped(
-                f"circuit breaker open: {st.reason}", hint="look at the failed tasks, then `fila rearm`"
-            )
 
 
 def _invalid(rec: Record) -> bool:

@@ -1,4 +1,5 @@
-"""Run one job's container through the Docker SDK, hardened as threat-model.md asks, and remove it.
+"""The Docker backend: one job's container through the Docker SDK, hardened as threat-model.md
+asks, and removed.
 
 The engine is assumed hostile: it sees the job directory (input/ read-only) and nothing else of
 the host, no network unless the policy says so, and limits on memory, cpu, pids, files and time.
@@ -12,11 +13,9 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import secrets
 import threading
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,51 +25,26 @@ from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.models.containers import Container
 from docker.types import LogConfig, Mount, Ulimit
 
-from . import jobdir
-from .engines.base import HOME, JOB_MOUNT
-from .errors import DockerUnavailable, ImageMissing, InfraError, InvalidPolicy
-from .models import Limits, Policy, now_iso, parse_size
+from .. import jobdir
+from ..engines.base import HOME, JOB_MOUNT
+from ..errors import DockerUnavailable, ImageMissing, InfraError, InvalidPolicy
+from ..models import ImageRef, Limits, Policy, now_iso, parse_size
+from .base import (
+    JOB_LABEL,
+    LABEL,
+    ROOT_LABEL,
+    UNPRIVILEGED,
+    Backend,
+    Box,
+    RunResult,
+    RunSpec,
+    container_name,
+    run_as,
+)
 
-LABEL = "fila"
-JOB_LABEL = "fila.job"
-ROOT_LABEL = "fila.root"
+__all__ = ["UNPRIVILEGED", "DockerBackend", "RunResult", "RunSpec", "create_kwargs", "docker_client"]
 _DOCKER_ERRORS = (DockerException, requests.RequestException)
 _KILL_WAIT_S = 30.0  # after SIGKILL the daemon reports the exit promptly; longer means it is stuck
-
-
-@dataclass
-class RunSpec:
-    job_id: str
-    job_dir: Path
-    image: str
-    argv: list[str]
-    env: dict[str, str]
-    policy: Policy
-    limits: Limits | None
-    timeout_ms: int
-    log_path: Path
-    labels: dict[str, str]
-    redact: list[str] = field(default_factory=list)
-    # network allowlist: the gateway's config, secrets and log (0700; never under job_dir)
-    egress_dir: Path | None = None
-
-
-@dataclass
-class RunResult:
-    exit_code: int | None
-    timed_out: bool
-    oom_killed: bool
-    started_at: str
-    ended_at: str
-    duration_s: float
-    container_id: str
-    container_name: str
-    image_id: str
-    log_bytes: int
-    log_truncated: bool
-    warnings: list[str] = field(default_factory=list)  # what reclaiming the job dir found
-    limit_exceeded: str | None = None  # the container was killed for breaking a disk limit
-    egress: Any = None  # models.EgressRecord: what the job's gateway logged (network allowlist)
 
 
 def docker_client(timeout: float = 60) -> docker.DockerClient:
@@ -113,7 +87,7 @@ def _effective(policy: Policy, limits: Limits | None) -> tuple[int, float, int]:
 def _check_limits(kw: dict[str, Any], policy: Policy) -> None:
     """The last look at what reaches Docker: every limit > 0 (0 and -1 read as "unlimited") and
     within the policy, whatever the models let through. A policy is input too (issue 11)."""
-    from .models import MIN_CPUS, MIN_MEMORY, MIN_PIDS, MIN_SIZE
+    from ..models import MIN_CPUS, MIN_MEMORY, MIN_PIDS, MIN_SIZE
 
     mem = parse_size(policy.memory)
     fsize = parse_size(policy.fsize)
@@ -139,20 +113,6 @@ def _check_limits(kw: dict[str, Any], policy: Policy) -> None:
                 f"container {what} would be {value!r}: allowed {floor} to {cap}",
                 hint="fix the policy or the task's limits: 0 and tiny values mean no limit to Docker",
             )
-
-
-# The engine never runs as root: when fila itself does, the container gets this uid ("nobody"),
-# and work/ is handed to it for the run and back afterwards (jobdir.hand_over / reclaim).
-UNPRIVILEGED = 65534
-
-
-def run_as() -> tuple[int, int]:
-    uid, gid = os.getuid(), os.getgid()
-    return (UNPRIVILEGED, UNPRIVILEGED) if uid == 0 else (uid, gid)
-
-
-def container_name(job_id: str) -> str:
-    return f"fila-{job_id[:100]}-{secrets.token_hex(4)}"
 
 
 def create_kwargs(spec: RunSpec, name: str, gateway: Any = None) -> dict[str, Any]:
@@ -481,7 +441,7 @@ def run(
         except _DOCKER_ERRORS as e:
             raise _docker_error(spec, f"removing container {name}", e) from e
         if gateway is not None:
-            from . import egress
+            from . import docker_egress as egress
 
             result.egress = egress.collect(gateway)
             gw, gateway = gateway, None
@@ -534,7 +494,7 @@ def _check_runtime(client: docker.DockerClient, spec: RunSpec) -> None:
 
 
 def _start_gateway(client: docker.DockerClient, spec: RunSpec, uid: int, gid: int) -> Any:
-    from . import egress
+    from . import docker_egress as egress
 
     if spec.egress_dir is None:
         raise InfraError("network allowlist needs RunSpec.egress_dir", task_id=spec.job_id)
@@ -550,7 +510,7 @@ def _start_gateway(client: docker.DockerClient, spec: RunSpec, uid: int, gid: in
 
 
 def _stop_gateway_after_failure(client: docker.DockerClient, gateway: Any, exc: BaseException) -> None:
-    from . import egress
+    from . import docker_egress as egress
 
     try:
         fresh = _fresh_client(client)
@@ -610,3 +570,234 @@ def remove_containers(
             raise InfraError(f"Docker failed while removing container {c.name}: {e}") from e
         removed.append(c.id)
     return removed
+
+
+class DockerBackend(Backend):
+    """Docker (the default). Clients are pooled here, one per concurrent job at most: a new client
+    and its ping cost ~8 ms a task, and one job's calls never wait for another's. A client that
+    saw an error is closed, never reused. `client` (tests, `fila run` with a given client) is used
+    for every call and never closed."""
+
+    name = "docker"
+    POOL_MAX = 16
+
+    def __init__(self, client: docker.DockerClient | None = None, *, timeout: float = 60) -> None:
+        self._given = client
+        self._timeout = timeout
+        self._pool: list[docker.DockerClient] = []
+        self._lock = threading.Lock()
+
+    # -- connections ------------------------------------------------------------------------
+
+    def connect(self, timeout: float | None = None) -> docker.DockerClient:
+        """A new client, checked with a ping (DockerUnavailable when it does not answer)."""
+        return docker_client(self._timeout if timeout is None else timeout)
+
+    @contextlib.contextmanager
+    def client(self) -> Iterator[docker.DockerClient]:
+        """A client for the duration of the block: from the pool, or new."""
+        if self._given is not None:
+            yield self._given
+            return
+        with self._lock:
+            c = self._pool.pop() if self._pool else None
+        if c is None:
+            c = self.connect()
+        healthy = False
+        try:
+            yield c
+            healthy = True
+        finally:
+            keep = False
+            if healthy:
+                with self._lock:
+                    if len(self._pool) < self.POOL_MAX:
+                        self._pool.append(c)
+                        keep = True
+            if not keep:
+                with contextlib.suppress(Exception):
+                    c.close()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._pool = self._pool, []
+        for c in idle:
+            with contextlib.suppress(Exception):
+                c.close()
+
+    def ping(self) -> None:
+        if self._given is not None:
+            try:
+                self._given.ping()
+            except _DOCKER_ERRORS as e:
+                raise DockerUnavailable(f"the {self.name} engine does not answer: {e}") from e
+            return
+        self.connect(timeout=15).close()
+
+    # -- the seam -----------------------------------------------------------------------------
+
+    def unenforceable(self, policy: Policy) -> list[str]:
+        return []  # the daemon runs as root with cgroups: every limit create_kwargs sets holds
+
+    def run(
+        self,
+        spec: RunSpec,
+        *,
+        before_start: Callable[[str], None] | None = None,
+        heartbeat: Callable[[], None] | None = None,
+        heartbeat_s: float = 5.0,
+    ) -> RunResult:
+        waived = self.check(spec.policy, job_id=spec.job_id)
+        with self.client() as c:
+            result = run(
+                spec, client=c, before_start=before_start, heartbeat=heartbeat, heartbeat_s=heartbeat_s
+            )
+        result.backend, result.waived = self.name, waived
+        return result
+
+    def image(self, tag: str) -> ImageRef | None:
+        from .. import images
+
+        with self.client() as c:
+            return images.find_image(c, tag)
+
+    def tags(self, image: str) -> list[str]:
+        from .. import images
+
+        with self.client() as c:
+            ref = images.find_image(c, image)
+            if ref is None or not ref.id:
+                return []
+            try:
+                return list(c.images.get(ref.id).tags)
+            except _DOCKER_ERRORS as e:
+                raise InfraError(f"{self.name} failed while looking up image {image}: {e}") from e
+
+    def build(
+        self,
+        engine: str,
+        *,
+        base: str | None = None,
+        ca_file: Path | None = None,
+        force: bool = False,
+        progress: Callable[[str], None] = print,
+    ) -> ImageRef:
+        from .. import images
+
+        with self.client() as c:
+            return images.build(engine, client=c, base=base, ca_file=ca_file, force=force, progress=progress)
+
+    def ensure_image(self, engine: str, *, progress: Callable[[str], None] = print) -> ImageRef:
+        from .. import images
+
+        with self.client() as c:
+            return images.ensure_image(engine, client=c, progress=progress)
+
+    def find(self, *, job_id: str | None = None, root: str | None = None) -> list[Box]:
+        with self.client() as c:
+            found = find_containers(c, job_id=job_id, root=root)
+        return [
+            Box(
+                id=str(x.id),
+                name=str(x.name),
+                status=str(x.status),
+                labels=dict(x.labels or {}),
+                exit_code=(x.attrs.get("State") or {}).get("ExitCode"),
+            )
+            for x in found
+        ]
+
+    def remove(self, box: Box) -> bool:
+        with self.client() as c:
+            try:
+                c.api.remove_container(box.id, force=True, v=True)
+            except NotFound:
+                return False
+            except APIError as e:
+                if e.status_code == 409 and "already in progress" in str(e):
+                    return True
+                raise InfraError(f"{self.name} failed while removing container {box.name}: {e}") from e
+            except _DOCKER_ERRORS as e:
+                raise InfraError(f"{self.name} failed while removing container {box.name}: {e}") from e
+        return True
+
+    def sweep_egress(
+        self, root: Path, meta_dir: Path, has_claim: Callable[[str, str | None], bool]
+    ) -> list[str]:
+        from . import docker_egress
+
+        with self.client() as c:
+            try:
+                return docker_egress.sweep(c, root, meta_dir, has_claim)
+            except _DOCKER_ERRORS as e:
+                raise InfraError(f"{self.name} failed while sweeping job networks: {e}") from e
+
+    def runtimes(self) -> list[str]:
+        with self.client() as c:
+            try:
+                return sorted((c.info().get("Runtimes") or {}).keys())
+            except _DOCKER_ERRORS as e:
+                raise InfraError(f"{self.name} failed while listing its runtimes: {e}") from e
+
+    def runtime_for(self, policy: Policy) -> str | None:
+        return docker_runtime(policy) if policy.runtime else None
+
+    @contextlib.contextmanager
+    def test_upstream(
+        self, image: str, argv: list[str], aliases: list[str], *, role: str
+    ) -> Iterator[tuple[str, str]]:
+        net_name = f"fila-{role}-{os.urandom(4).hex()}"
+        labels = {LABEL: "1", "fila.role": role}
+        with self.client() as c:
+            api = c.api
+            cid = None
+            try:
+                try:
+                    net = c.networks.create(net_name, driver="bridge", internal=True, labels=labels)
+                    host_config = api.create_host_config(
+                        read_only=True,
+                        cap_drop=["ALL"],
+                        security_opt=["no-new-privileges:true"],
+                        mem_limit=64 << 20,
+                        pids_limit=32,
+                        network_mode=net_name,
+                    )
+                    networking = api.create_networking_config(
+                        {net_name: api.create_endpoint_config(aliases=aliases)}
+                    )
+                    cid = api.create_container(
+                        image,
+                        entrypoint=argv,
+                        user="65534:65534",
+                        labels=labels,
+                        host_config=host_config,
+                        networking_config=networking,
+                    )["Id"]
+                    api.start(cid)
+                    net.reload()
+                    subnet = str(net.attrs["IPAM"]["Config"][0]["Subnet"])
+                except _DOCKER_ERRORS as e:
+                    raise InfraError(f"{self.name} failed while starting the {role} upstream: {e}") from e
+                yield net_name, subnet
+            finally:
+                if cid is not None:
+                    with contextlib.suppress(*_DOCKER_ERRORS):
+                        api.remove_container(cid, force=True)
+                with contextlib.suppress(*_DOCKER_ERRORS):
+                    api.remove_network(net_name)
+
+    def refusal(self, err: BaseException) -> str | None:
+        """Docker's own words when it refused a request as malformed (HTTP 400: an invalid image
+        reference, a parameter or a limit out of range): the task's fault, not an outage."""
+        cause = err.__cause__
+        if isinstance(cause, APIError) and cause.status_code == 400:
+            return str(cause.explanation or cause)
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        with self.client() as c:
+            try:
+                v = c.version()
+            except _DOCKER_ERRORS as e:
+                raise DockerUnavailable(f"the {self.name} engine does not answer: {e}") from e
+        return {"name": self.name, "version": v.get("Version", "?"), "api": v.get("ApiVersion", "?")}

@@ -1,0 +1,215 @@
+"""The seam between fila and a container engine (docs: shared/design/backends.md).
+
+The cycle, the worker, recovery and the doctor call a `Backend`; only the modules of this package
+talk to an engine's API. A backend maps the policy to its engine's request in one pure function
+(`create_kwargs` for the Docker API), enforces the host's wall-clock timeout, always removes what
+it created, and labels it so a later sweep finds what a killed fila left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..models import ImageRef, Limits, Policy
+
+LABEL = "fila"
+JOB_LABEL = "fila.job"
+ROOT_LABEL = "fila.root"
+WORKER_LABEL = "fila.worker"
+
+# The engine never runs as root: when fila itself does, the container gets this uid ("nobody"),
+# and work/ is handed to it for the run and back afterwards (jobdir.hand_over / reclaim).
+UNPRIVILEGED = 65534
+
+
+def run_as() -> tuple[int, int]:
+    """The uid:gid the engine runs as inside the container."""
+    uid, gid = os.getuid(), os.getgid()
+    return (UNPRIVILEGED, UNPRIVILEGED) if uid == 0 else (uid, gid)
+
+
+def container_name(job_id: str) -> str:
+    return f"fila-{job_id[:100]}-{secrets.token_hex(4)}"
+
+
+@dataclass
+class RunSpec:
+    job_id: str
+    job_dir: Path
+    image: str
+    argv: list[str]
+    env: dict[str, str]
+    policy: Policy
+    limits: Limits | None
+    timeout_ms: int
+    log_path: Path
+    labels: dict[str, str]
+    redact: list[str] = field(default_factory=list)
+    # network allowlist: the gateway's config, secrets and log (0700; never under job_dir)
+    egress_dir: Path | None = None
+
+
+@dataclass
+class RunResult:
+    exit_code: int | None
+    timed_out: bool
+    oom_killed: bool
+    started_at: str
+    ended_at: str
+    duration_s: float
+    container_id: str
+    container_name: str
+    image_id: str
+    log_bytes: int
+    log_truncated: bool
+    warnings: list[str] = field(default_factory=list)  # what reclaiming the job dir found
+    limit_exceeded: str | None = None  # the container was killed for breaking a disk limit
+    egress: Any = None  # models.EgressRecord: what the job's gateway logged (network allowlist)
+    backend: str = ""  # the backend that ran it (named in the record)
+    waived: list[str] = field(default_factory=list)  # limits the policy let this backend leave unenforced
+
+
+@dataclass(frozen=True)
+class Box:
+    """One of fila's containers as a sweep sees it (any state)."""
+
+    id: str
+    name: str
+    status: str  # created, running, exited, ...
+    labels: dict[str, str]
+    exit_code: int | None = None
+
+    def describe(self) -> str:
+        desc = f"{self.name} {self.status}"
+        if self.status == "exited":
+            desc += f" (exit code {self.exit_code})"
+        if self.status == "created":
+            desc += " (never started)"
+        return desc
+
+
+# The limits a policy sets that a backend may be unable to enforce on a host; `waive` names them.
+WAIVABLE = ("memory", "pids", "cpus")
+
+
+class Backend(ABC):
+    """A container engine fila runs jobs on. Thread-safe: one instance serves every job slot of
+    a worker. Errors are fila's own (errors.py): BackendUnavailable when the engine does not
+    answer, InfraError for what it failed to do, ImageMissing for an absent image."""
+
+    name: str = ""
+
+    @abstractmethod
+    def ping(self) -> None:
+        """Raise DockerUnavailable (the engine does not answer) with what to do next."""
+
+    @abstractmethod
+    def image(self, tag: str) -> ImageRef | None:
+        """The image by tag, or None when it is not there."""
+
+    @abstractmethod
+    def tags(self, image: str) -> list[str]:
+        """The local tags of an image (by id or name); [] when it is not there."""
+
+    @abstractmethod
+    def unenforceable(self, policy: Policy) -> list[str]:
+        """The limits of WAIVABLE this backend cannot enforce on this host (measured, cached)."""
+
+    def check(self, policy: Policy, *, job_id: str | None = None) -> list[str]:
+        """Before any container starts: refuse a policy whose limits this backend cannot enforce
+        here unless the policy waives each of them. Returns the waived limits (for the record)."""
+        from ..errors import InvalidPolicy
+
+        missing = self.unenforceable(policy)
+        waive = getattr(policy, "waive", None) or []
+        waived = [w for w in missing if w in waive]
+        refused = [w for w in missing if w not in waive]
+        if refused:
+            raise InvalidPolicy(
+                f"the {self.name} backend cannot enforce the policy's {', '.join(refused)} limit"
+                f"{'s' if len(refused) > 1 else ''} on this host ({self.why_unenforceable()}); "
+                "the job was not started",
+                hint=f'add "waive": {sorted(set(refused) | set(waived))} to the policy to run without '
+                "them (shown in the review), or use a backend or host that enforces them "
+                "(FILA_BACKEND=docker, or cgroup v2 with delegation for rootless Podman)",
+                task_id=job_id,
+            )
+        return waived
+
+    def why_unenforceable(self) -> str:
+        return "not supported"
+
+    @abstractmethod
+    def run(
+        self,
+        spec: RunSpec,
+        *,
+        before_start: Callable[[str], None] | None = None,
+        heartbeat: Callable[[], None] | None = None,
+        heartbeat_s: float = 5.0,
+    ) -> RunResult:
+        """Create, start, wait (with the host's timeout), and always remove the job's container.
+
+        `before_start(container_id)` runs between create and start: the side-effect boundary the
+        caller records durably, and its last chance to refuse (raise; the container is then
+        removed unstarted). `heartbeat()` runs every `heartbeat_s` while the container runs."""
+
+    @abstractmethod
+    def find(self, *, job_id: str | None = None, root: str | None = None) -> list[Box]:
+        """fila's containers in any state, by label (of one job, one queue root, or all)."""
+
+    @abstractmethod
+    def remove(self, box: Box) -> bool:
+        """Force-remove one container by id; False when it was gone already."""
+
+    @abstractmethod
+    def sweep_egress(
+        self, root: Path, meta_dir: Path, has_claim: Callable[[str, str | None], bool]
+    ) -> list[str]:
+        """Remove job networks, gateways and gateway directories of jobs no live worker holds."""
+
+    @abstractmethod
+    def build(
+        self,
+        engine: str,
+        *,
+        base: str | None = None,
+        ca_file: Path | None = None,
+        force: bool = False,
+        progress: Callable[[str], None] = print,
+    ) -> ImageRef:
+        """Build `fila/<engine>:latest` on this engine (images.py decides what and when)."""
+
+    @abstractmethod
+    def runtimes(self) -> list[str]:
+        """The OCI runtimes the engine offers (runc, crun, runsc...)."""
+
+    def runtime_for(self, policy: Policy) -> str | None:
+        """The engine's name of the policy's runtime (None: the engine's default)."""
+        return policy.runtime
+
+    @abstractmethod
+    def test_upstream(
+        self, image: str, argv: list[str], aliases: list[str], *, role: str
+    ) -> AbstractContextManager[tuple[str, str]]:
+        """A server (`argv` in `image`) on a new internal network, reachable by `aliases` there:
+        yields (network name, subnet) and removes both afterwards (the doctor's allowlist test)."""
+
+    def refusal(self, err: BaseException) -> str | None:
+        """The engine's own words when it refused a request as malformed (the task's fault, not
+        an outage), else None."""
+        return None
+
+    def close(self) -> None:  # noqa: B027 (a backend without connections has nothing to release)
+        """Release connections (idempotent)."""
+
+    def describe(self) -> dict[str, Any]:
+        """What the doctor shows: name, version, where it listens."""
+        return {"name": self.name}
