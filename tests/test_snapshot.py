@@ -394,9 +394,19 @@ def test_limits_hold_as_for_the_copy(root: Root) -> None:
     task = shell_task(targets=["src"])
     pol, _ = load_policy(root, "default")
     project = jobdir.project_of(root, task, pol)
-    snapshot.take(root, "ok", project, ["src"], pol.model_copy(update={"max_work_files": 3}), owner=None)
-    with pytest.raises(LimitExceeded, match="max_work_files 2"):
-        snapshot.take(root, "no", project, ["src"], pol.model_copy(update={"max_work_files": 2}), owner=None)
+    for n, fits in ((7, True), (6, False)):  # src/ lists 7 names
+        p = pol.model_copy(update={"max_work_files": n})
+        outcomes = []
+        for strategy in ("copy", "snapshot"):
+            try:
+                if strategy == "copy":
+                    jobdir.prepare(root, f"c{n}", task, p, narrow(p, task))
+                else:
+                    snapshot.take(root, f"s{n}", project, ["src"], p, owner=None)
+                outcomes.append("ok")
+            except LimitExceeded as e:
+                outcomes.append(str(e))
+        assert outcomes[0] == outcomes[1] and (outcomes[0] == "ok") == fits, outcomes
 
 
 def test_the_stat_cache_is_private_to_the_host(root: Root) -> None:

@@ -44,7 +44,7 @@ from pathlib import Path
 
 from . import fsutil
 from .errors import FilaError, LimitExceeded, TargetError
-from .fswalk import Entry, escape_name, kind_of, walk
+from .fswalk import Entry, escape_name, kind_of, open_beneath, open_dir, same_file, walk, walk_fd
 from .layout import Root
 from .models import Policy
 
@@ -86,7 +86,6 @@ class _Source:
     kind: str  # "file" | "symlink" | "dir"
     mode: int
     sig: list[int]  # size, mtime_ns, ctime_ns, ino, dev, mode: what the stat pass compares
-    nlink: int
 
 
 def store(root: Root) -> Path:
@@ -105,71 +104,79 @@ def _locked(root: Root) -> Iterator[None]:
         os.close(fd)
 
 
-def scan(root: Root, project: Path, targets: list[str], policy: Policy) -> tuple[list[_Source], list[str]]:
-    """The stat pass: every entry prepare would copy, in its order, with its stat data; and the
-    warnings prepare gives (what is not copied, hard links). Reads no file."""
-    from .jobdir import _excluded_prefixes, _exclusion  # one set of rules for both strategies
+def _walk(
+    root: Root, project: Path, targets: list[str], policy: Policy, warnings: list[str]
+) -> Iterator[tuple[_Source, int, bytes, os.stat_result]]:
+    """What prepare copies, in its order and by its rules, each with the fd of its directory and
+    its name there (valid until the next item): every open below the project goes through
+    directory fds with O_NOFOLLOW, as in prepare, so a directory swapped for a symlink meanwhile
+    is never followed. Counts files and bytes against the policy as prepare does."""
+    from .jobdir import _DIR_FLAGS as DIRF
+    from .jobdir import _excluded_prefixes, _exclusion
 
     prefixes = _excluded_prefixes(root, project)
-    out: list[_Source] = []
-    warnings: list[str] = []
     seen: set[str] = set()
-    counted = [0, 0]  # files and symlinks, bytes
+    files = size = 0
 
-    def add(rel: str, st: os.stat_result) -> None:
+    def item(rel: str, st: os.stat_result) -> _Source | None:
+        nonlocal files, size
         if rel in seen:
-            return
+            return None
         seen.add(rel)
         kind = kind_of(st.st_mode)
         if kind == "other":
             warnings.append(f"{rel}: not a regular file, symlink or directory; not copied")
-            return
+            return None
         mode = 0o777 if kind == "symlink" else (0o755 if st.st_mode & stat.S_IXUSR else 0o644)
         sig = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev, st.st_mode]
-        out.append(_Source(rel, kind, mode, sig, st.st_nlink))
-        if kind == "dir":
-            return
         if kind == "file":
-            counted[1] += st.st_size
+            size += st.st_size
             if st.st_nlink > 1:
                 warnings.append(f"{rel}: hard-linked in the project; copied as a file")
-            if counted[1] > policy.max_work_bytes:
+            if size > policy.max_work_bytes:
                 raise LimitExceeded(
                     f"targets hold more than max_work_bytes {policy.max_work_bytes} bytes",
                     path=escape_name(rel),
                 )
-        counted[0] += 1
-        if counted[0] > policy.max_work_files:
-            raise LimitExceeded(f"targets hold more than max_work_files {policy.max_work_files} entries")
+        if kind != "dir":
+            files += 1
+            if files > policy.max_work_files:
+                raise LimitExceeded(f"targets hold more than max_work_files {policy.max_work_files} entries")
+        return _Source(rel, kind, mode, sig)
 
-    def visit(path: str, base: str, depth: int) -> None:
-        if depth > 64:
-            raise LimitExceeded("tree deeper than max_depth=64", path=escape_name(base))
-        try:
-            with os.scandir(path) as it:
-                names = sorted((os.fsencode(e.name), e) for e in it)
-        except OSError as err:
-            raise TargetError(f"cannot list: {err.strerror}", path=escape_name(base) or ".") from None
-        for _, e in names:
-            rel = base + e.name
-            st = e.stat(follow_symlinks=False)
-            is_dir = stat.S_ISDIR(st.st_mode)
-            if _exclusion(rel, is_dir, policy, prefixes) is not None:
-                continue
-            add(rel, st)
-            if is_dir:
-                visit(e.path, rel + "/", depth + 1)
+    pfd = open_dir(project)
+    try:
+        for rel in targets:
+            parent, _, base_name = rel.rpartition("/")
+            dir_fd = open_beneath(pfd, "" if rel == "." else parent)
+            try:
+                name = os.fsencode("." if rel == "." else base_name)
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                if not stat.S_ISDIR(st.st_mode):
+                    if (src := item(rel, st)) is not None:
+                        yield src, dir_fd, name, st
+                    continue
+                base = "" if rel == "." else rel + "/"
 
-    for rel in targets:
-        src = project if rel == "." else project / rel
-        st = src.lstat()
-        if stat.S_ISDIR(st.st_mode):
-            if rel != ".":
-                add(rel, st)
-            visit(str(src), "" if rel == "." else rel + "/", 1)
-        else:
-            add(rel, st)
-    return out, warnings
+                def skip(sub: str, is_dir: bool, base: str = base) -> bool:
+                    return _exclusion(base + sub, is_dir, policy, prefixes) is not None
+
+                if base and (src := item(rel, st)) is not None:
+                    yield src, dir_fd, name, st
+                tfd = os.open(name, DIRF, dir_fd=dir_fd)
+                try:
+                    if not same_file(os.fstat(tfd), st):
+                        raise TargetError(f"target {rel!r} was replaced while it was being read")
+                    limits = {"max_files": policy.max_work_files, "max_bytes": policy.max_work_bytes}
+                    for f in walk_fd(tfd, label=str(project / rel), skip=skip, **limits):
+                        if (src := item(base + f.entry.rel, f.st)) is not None:
+                            yield src, f.dir_fd, f.name, f.st
+                finally:
+                    os.close(tfd)
+            finally:
+                os.close(dir_fd)
+    finally:
+        os.close(pfd)
 
 
 def _scope(project: Path, targets: list[str], owner: tuple[int, int] | None) -> str:
@@ -205,50 +212,61 @@ def take(
 ) -> Snapshot:
     """The snapshot of `targets` as they are now, linked to the job `task_id`.
 
-    Reused when one with the same manifest exists: a stat pass decides which files must be read
-    again (all of them the first time, none when nothing changed). Built otherwise, into a new
-    directory that is renamed into place, files that did not change hard-linked from the last
-    snapshot of the same targets. The job's `sandbox/meta/<id>/manifest.json` becomes a link to
-    the snapshot's manifest (apply's moved-base check reads it; gc counts the links)."""
+    The first time, one walk copies and hashes every file into a new snapshot. Later, a stat pass
+    compares each entry with the last scan's stat data and reads only the files whose data
+    changed (or are younger than the racy window); when the resulting manifest names a snapshot
+    that exists, that is all. Otherwise a second walk builds the new state, hard-linking the files
+    that did not change from the last snapshot. The job's `sandbox/meta/<id>/manifest.json`
+    becomes a link to the snapshot's manifest (apply's moved-base check reads it; gc counts the
+    links). `targets` are resolve_targets' output."""
     started = time.time_ns()
-    sources, warnings = scan(root, project, targets, policy)
     cache_path = store(root) / "stat" / f"{_scope(project, targets, owner)}.json"
     cache = _load_cache(cache_path)
-    known: dict[str, list] = cache.get("entries", {})
-    shas: dict[str, str] = {}
-    stale: list[_Source] = []
-    for s in sources:
-        if s.kind == "dir":
-            continue
-        hit = known.get(s.rel)
-        if hit is not None and hit[:6] == s.sig and len(hit) == 7:
-            shas[s.rel] = hit[6]
-        else:
-            stale.append(s)
     prev = cache.get("key") if isinstance(cache.get("key"), str) else None
-    prev_path = store(root) / prev if prev else None
-    if not stale and prev_path is not None and _listing(sources) == cache.get("listing"):
-        snap = _attach(root, task_id, prev, how="reused", hashed=0, warnings=warnings)
-        if snap is not None:
-            return snap
+    checked: dict[str, list] = {}  # rel -> sig + sha, as found by this stat pass
     hashed = 0
-    for s in stale:
-        if prev_path is None or not (prev_path / "manifest.json").exists():
-            break  # a build reads every file anyway (hashing while it copies)
-        shas[s.rel] = _hash_file(project, s)
-        hashed += s.kind == "file"
-    if len(shas) == sum(1 for s in sources if s.kind != "dir"):
-        key = _key(project, targets, owner, _entries(project, sources, shas))
+    if prev is not None and (store(root) / prev / "manifest.json").exists():
+        known: dict[str, list] = cache["entries"]
+        warnings: list[str] = []
+        sources: list[_Source] = []
+        stale = False
+        for src, dfd, name, st in _walk(root, project, targets, policy, warnings):
+            sources.append(src)
+            if src.kind == "dir":
+                continue
+            hit = known.get(src.rel)
+            if hit is not None and len(hit) == 7 and hit[:6] == src.sig:
+                checked[src.rel] = hit
+                continue
+            stale = True
+            if src.kind == "symlink":
+                sha = hashlib.sha256(os.readlink(name, dir_fd=dfd)).hexdigest()
+            else:
+                from .jobdir import _copy_file
+
+                sha = _copy_file(dfd, name, st, [], src.mode, policy.max_work_bytes)[1]
+                hashed += 1
+            checked[src.rel] = [*src.sig, sha]
+        if not stale and _listing(sources) == cache.get("listing"):
+            snap = _attach(root, task_id, prev, how="reused", hashed=0, warnings=warnings)
+            if snap is not None:
+                return snap
+        key = _key(project, targets, owner, [[s.rel, s.kind, s.sig[0], checked[s.rel][6], s.mode]
+                                             if s.kind != "dir" else [s.rel, "dir", 0, "", 0o755]
+                                             for s in sources])  # fmt: skip
         snap = _attach(root, task_id, key, how="rehashed" if hashed else "reused", hashed=hashed,
                        warnings=warnings)  # fmt: skip
         if snap is not None:
-            _save_cache(cache_path, sources, shas, key, started)
+            _save_cache(cache_path, sources, checked, key, started)
             return snap
-    key, shas, read = _build(root, project, targets, policy, sources, shas, prev_path, owner)
+    else:
+        prev = None
+    warnings = []
+    key, sources, checked, read = _build(root, project, targets, policy, warnings, checked, prev, owner)
     snap = _attach(root, task_id, key, how="built", hashed=hashed + read, warnings=warnings)
-    if snap is None:  # removed between its publication and the link: gc cannot win twice in a row
+    if snap is None:  # collected between its publication and the link: gc cannot win twice in a row
         raise FilaError(f"snapshot {key} vanished while it was being linked", path=store(root))
-    _save_cache(cache_path, sources, shas, key, started)
+    _save_cache(cache_path, sources, checked, key, started)
     return snap
 
 
@@ -260,92 +278,78 @@ def _listing(sources: list[_Source]) -> str:
     return h.hexdigest()
 
 
-def _entries(project: Path, sources: list[_Source], shas: dict[str, str]) -> list[list]:
-    out: list[list] = []
-    for s in sources:
-        if s.kind != "dir":
-            out.append([s.rel, s.kind, s.sig[0], shas[s.rel], s.mode])
-        else:
-            out.append([s.rel, "dir", 0, "", 0o755])
-    return out
-
-
-def _open_source(project: Path, s: _Source) -> int:
-    fd = os.open(project / s.rel, _FILE_FLAGS)
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise TargetError(f"{escape_name(s.rel)} is not a regular file any more", path=project)
-    return fd
-
-
-def _hash_file(project: Path, s: _Source) -> str:
-    """The sha256 of a file's bytes or of a symlink's text (never followed)."""
-    if s.kind == "symlink":
-        return hashlib.sha256(os.fsencode(os.readlink(project / s.rel))).hexdigest()
-    fd = _open_source(project, s)
-    try:
-        h = hashlib.sha256()
-        while chunk := os.read(fd, _CHUNK):
-            h.update(chunk)
-        return h.hexdigest()
-    finally:
-        os.close(fd)
-
-
 def _build(
     root: Root,
     project: Path,
     targets: list[str],
     policy: Policy,
-    sources: list[_Source],
-    shas: dict[str, str],
-    prev_path: Path | None,
+    warnings: list[str],
+    checked: dict[str, list],
+    prev: str | None,
     owner: tuple[int, int] | None,
-) -> tuple[str, dict[str, str], int]:
-    """Copy the sources into a new snapshot and publish it; (key, file hashes, files read)."""
+) -> tuple[str, list[_Source], dict[str, list], int]:
+    """Copy the targets into a new snapshot and publish it; (key, sources, their stat data and
+    hashes, files read). A file whose stat data is the one `checked` holds and whose hash the
+    previous snapshot `prev` has at the same path is hard-linked from it, not read."""
+    from .jobdir import _copy_file, _Dest
+
     d = store(root)
     d.mkdir(parents=True, exist_ok=True)
     new = Path(tempfile.mkdtemp(prefix=".new-", dir=d))
     published = False
+    prev_tree = d / prev / "tree" if prev else None
+    prev_entries = _manifest_entries(d / prev) if prev else {}
     try:
         tree = new / "tree"
-        tree.mkdir(mode=0o755)
-        os.chmod(tree, 0o755)
-        prev_entries = _manifest_entries(prev_path) if prev_path is not None else {}
+        tree.mkdir()
+        dest = _Dest(tree)
         entries: list[list] = []
-        out_shas: dict[str, str] = {}
-        files = size_total = read = 0
-        for s in sources:
-            dst = tree / s.rel
-            if s.kind == "dir":
-                dst.mkdir(mode=0o755, exist_ok=True)
-                os.chmod(dst, 0o755)
-                entries.append([s.rel, "dir", 0, "", 0o755])
-            elif s.kind == "symlink":
-                data = os.fsencode(os.readlink(project / s.rel))
-                os.symlink(data, dst)
-                out_shas[s.rel] = hashlib.sha256(data).hexdigest()
-                entries.append([s.rel, "symlink", len(data), out_shas[s.rel], 0o777])
-            else:
-                size, sha = s.sig[0], shas.get(s.rel)
-                if not (sha is not None and prev_entries.get(s.rel) == [s.rel, "file", size, sha, s.mode]
-                        and _link(prev_path, s.rel, dst)):  # fmt: skip
-                    size, sha = _copy(project, s, dst, policy.max_work_bytes - size_total)
-                    read += 1
-                    if owner is not None:
-                        os.lchown(dst, *owner)
-                out_shas[s.rel] = sha
-                size_total += size
-                entries.append([s.rel, "file", size, sha, s.mode])
-            if owner is not None and s.kind != "file":
-                os.lchown(dst, *owner)
-            if s.kind != "dir":
-                files += 1
-        if owner is not None:
-            os.lchown(tree, *owner)
-        if size_total > policy.max_work_bytes:
-            raise LimitExceeded(f"targets hold more than max_work_bytes {policy.max_work_bytes} bytes")
+        sources: list[_Source] = []
+        found: dict[str, list] = {}
+        dirs: set[str] = set()
+        size_total = read = 0
+        try:
+            for src, dfd, name, st in _walk(root, project, targets, policy, warnings):
+                sources.append(src)
+                rel = src.rel
+                parent, _, base = rel.rpartition("/")
+                while parent and parent not in dirs:  # made by _Dest on the way: chmod/chown later
+                    dirs.add(parent)
+                    parent = parent.rpartition("/")[0]
+                parent = rel.rpartition("/")[0]
+                if src.kind == "dir":
+                    dest.dir(rel)
+                    dirs.add(rel)
+                    entries.append([rel, "dir", 0, "", 0o755])
+                    continue
+                pfd = dest.dir(parent)
+                if src.kind == "symlink":
+                    target = os.readlink(name, dir_fd=dfd)
+                    os.symlink(target, base, dir_fd=pfd)
+                    sha, size = hashlib.sha256(target).hexdigest(), len(target)
+                else:
+                    hit = checked.get(rel)
+                    sha = hit[6] if hit is not None and hit[:6] == src.sig else None
+                    size = src.sig[0]
+                    if not (sha is not None and prev_entries.get(rel) == [rel, "file", size, sha, src.mode]
+                            and _link(prev_tree, rel, pfd, base)):  # fmt: skip
+                        size, sha = _copy_file(dfd, name, st, [(pfd, base)], src.mode,
+                                               policy.max_work_bytes - size_total)  # fmt: skip
+                        read += 1
+                    size_total += size
+                if owner is not None:
+                    os.chown(base, *owner, dir_fd=pfd, follow_symlinks=False)
+                found[rel] = [*src.sig, sha]
+                entries.append([rel, src.kind, size, sha, src.mode])
+        finally:
+            dest.close()
+        for rel in ["", *dirs]:  # directories: 0755 whatever the umask, the engine's when it is not us
+            p = tree / rel if rel else tree
+            os.chmod(p, 0o755)
+            if owner is not None:
+                os.lchown(p, *owner)
         key = _key(project, targets, owner, entries)
+        nfiles = sum(e[1] != "dir" for e in entries)
         manifest = {
             "project": str(project),
             "targets": targets,
@@ -354,8 +358,9 @@ def _build(
                 for e in entries
                 if e[1] != "dir"
             ],
-            "snapshot": {"key": key, "owner": owner, "files": files, "bytes": size_total,
-                         "entries": len(entries), "dirs": [e[0] for e in entries if e[1] == "dir"]},
+            # entries: what a walk of work/ counts (directories made for a target's parents too)
+            "snapshot": {"key": key, "owner": owner, "files": nfiles, "bytes": size_total,
+                         "entries": nfiles + len(dirs)},
         }  # fmt: skip
         fsutil.atomic_write(new / "manifest.json", json.dumps(manifest, indent=1), mode=0o444)
         _syncfs(new)  # the files' data on disk before the name that vouches for them exists
@@ -367,46 +372,21 @@ def _build(
                 if err.errno not in (errno.EEXIST, errno.ENOTEMPTY):
                     raise
                 # Another job built the same state meanwhile: theirs is as good as ours.
-        return key, out_shas, read
+        return key, sources, found, read
     finally:
         if not published:
             fsutil.remove_tree(new)
 
 
-def _link(prev: Path | None, rel: str, dst: Path) -> bool:
-    """Share an unchanged file with the previous snapshot (both are never written again)."""
-    if prev is None:
+def _link(prev_tree: Path | None, rel: str, dir_fd: int, name: str) -> bool:
+    """Share an unchanged file with the previous snapshot (neither is ever written again)."""
+    if prev_tree is None:
         return False
     try:
-        os.link(prev / "tree" / rel, dst, follow_symlinks=False)
+        os.link(prev_tree / rel, name, dst_dir_fd=dir_fd, follow_symlinks=False)
     except OSError:  # that snapshot was collected meanwhile: copy instead
         return False
     return True
-
-
-def _copy(project: Path, s: _Source, dst: Path, max_bytes: int) -> tuple[int, str]:
-    """Read once, write once, hash on the way; the hash is of the bytes written."""
-    fd = _open_source(project, s)
-    try:
-        h = hashlib.sha256()
-        out = os.open(dst, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, s.mode)
-        size = 0
-        try:
-            os.fchmod(out, s.mode)
-            while chunk := os.read(fd, _CHUNK):
-                size += len(chunk)
-                if size > max_bytes:
-                    raise LimitExceeded(
-                        f"targets hold more than the max_work_bytes left ({max_bytes})",
-                        path=escape_name(s.rel),
-                    )
-                h.update(chunk)
-                os.write(out, chunk)
-        finally:
-            os.close(out)
-        return size, h.hexdigest()
-    finally:
-        os.close(fd)
 
 
 def _syncfs(path: Path) -> None:
@@ -430,12 +410,12 @@ def _manifest_entries(path: Path) -> dict[str, list]:
             for e in data.get("entries", []) if e.get("kind") == "file"}  # fmt: skip
 
 
-def _save_cache(path: Path, sources: list[_Source], shas: dict[str, str], key: str, started: int) -> None:
+def _save_cache(path: Path, sources: list[_Source], found: dict[str, list], key: str, started: int) -> None:
     horizon = started - _RACY_NS
     entries = {
-        s.rel: [*s.sig, shas[s.rel]]
+        s.rel: found[s.rel]
         for s in sources
-        if s.kind != "dir" and s.rel in shas and s.sig[1] < horizon  # mtime, as git does
+        if s.rel in found and s.sig[1] < horizon  # mtime, as git does
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {"key": key, "listing": _listing(sources), "entries": entries}
@@ -565,7 +545,7 @@ class Layers:
     def upper_walk(
         self, prune: Callable[[str, bool], bool], *, max_files: int, max_bytes: int
     ) -> Iterator[Entry]:
-        from .fswalk import _names, open_dir
+        from .fswalk import _names
 
         def hide(rel: str, subtree: bool) -> None:
             self.hidden.append((rel, subtree))
