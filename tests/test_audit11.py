@@ -261,3 +261,90 @@ def test_a_deny_rule_with_a_reversed_range_is_refused_by_its_index_everywhere(tm
     valid, _, invalid = line.partition("INVALID:")
     assert line.startswith("FAIL") and "ranged" in valid and "bad" not in valid, doc.output
     assert f"bad: policy field 'deny.{n}'" in invalid, doc.output
+
+
+# -- 7. outcomes the task's author chooses do not trip the host-health breaker -----------------
+
+
+def test_a_task_timeout_below_one_second_is_refused_naming_the_field(tmp_path: Path) -> None:
+    from pydantic import ValidationError
+
+    from fila.models import Task
+
+    from .helpers import fila
+
+    make_root(tmp_path)
+    (tmp_path / "g.txt").write_text("hello\n")
+    assert Task(engine="shell", command="x", targets=["g.txt"], timeout=1000).timeout == 1000
+    with pytest.raises(ValidationError):
+        Task(engine="shell", command="x", targets=["g.txt"], timeout=999)
+    args = ("submit", "--engine", "shell", "--command", "true", "--target", "g.txt", "--timeout")
+    assert fila(tmp_path, *args, "1000").exit_code == 0
+    res = fila(tmp_path, *args, "1")
+    assert res.exit_code == 2 and "timeout" in res.output and "Traceback" not in res.output, res.output
+
+
+def test_infrastructure_and_engine_failures_still_open_the_breaker(tmp_path: Path) -> None:
+    from fila import breaker
+    from fila.models import ErrorInfo, Record, Status, Task
+
+    root = make_root(tmp_path)
+    own = Task(engine="shell", command="false", targets=["x"], timeout=1000)
+    authored = [
+        Record(id="t", status=Status.failed, task=own, error=ErrorInfo(kind="timeout", message="m")),
+        Record(
+            id="t",
+            status=Status.failed,
+            task=own,
+            engine="shell",
+            exit_code=1,
+            error=ErrorInfo(kind="engine_error", message="m"),
+        ),
+    ]
+    for r in authored * 5:
+        breaker.record(root, r, worker="w")
+    assert not breaker.read(root).open and breaker.read(root).consecutive == 0
+    claude = Task(engine="claude", prompt="p", targets=["x"])
+    for _ in range(5):  # a real engine's CLI crashing is not its author's choice
+        r = Record(
+            id="t",
+            status=Status.failed,
+            task=claude,
+            engine="claude",
+            exit_code=1,
+            error=ErrorInfo(kind="engine_error", message="m"),
+        )
+        breaker.record(root, r, worker="w")
+    assert breaker.read(root).open
+
+
+@pytest.mark.docker
+def test_five_failures_their_author_chose_do_not_stop_the_next_task(
+    tmp_path: Path, shell_image: object
+) -> None:
+    from fila import breaker
+
+    from .helpers import fila, record
+
+    make_root(tmp_path)
+    (tmp_path / "greeting.txt").write_text("hello\n")
+    base = ("submit", "--engine", "shell", "--target", "greeting.txt")
+    for i in range(4):
+        assert fila(tmp_path, *base, "--id", f"evil{i}", "--command", "exit 3").exit_code == 0
+    slow = "trap 'exit 0' TERM; sleep 30 & wait"
+    assert fila(tmp_path, *base, "--id", "evil4", "--timeout", "1000", "--command", slow).exit_code == 0
+    victim = ("--id", "victim", "--command", "sed -i s/hello/world/ greeting.txt")
+    assert fila(tmp_path, *base, *victim).exit_code == 0
+    res = fila(tmp_path, "run", "--once")
+    assert "circuit breaker" not in res.output, res.output
+    assert [record(tmp_path, f"evil{i}")["error"]["kind"] for i in range(5)] == ["engine_error"] * 4 + [
+        "timeout"
+    ]
+    assert record(tmp_path, "victim")["status"] == "needs_review"
+    assert not breaker.read(make_root_at(tmp_path)).open
+
+
+def make_root_at(path: Path) -> Any:
+    from fila.layout import Root
+
+    return Root.at(path)

@@ -178,11 +178,14 @@ def test_ctrl_c_removes_the_container_and_records_the_task(
 def test_breaker_stops_claiming_until_rearmed(proj: Root, tmp_path: Path) -> None:
     pol = json.loads((proj.policies_dir / "default.json").read_text())
     pol["max_consecutive_failures"] = 2
+    # Failures the task's author did not choose: the policy's own timeout on a command that
+    # hangs (a shell command's own non-zero exit or its own timeout never counts).
+    pol["default_timeout_ms"] = 1000
     (proj.policies_dir / "strict.json").write_text(json.dumps(pol))
     (proj.in_dir / "bad.json").write_text("{not json")  # invalid files do not count
     submit(proj, "ok0", "true", "--policy", "strict")
     for i in range(4):
-        submit(proj, f"f{i}", "exit 1", "--policy", "strict")
+        submit(proj, f"f{i}", "trap 'exit 0' TERM; sleep 30 & wait", "--policy", "strict")
     res = fila(proj, "run", "--once")
     assert res.returncode == 6, res.stderr
     recs = {r.id: r.status for r in queue.all_records(proj)}

@@ -86,9 +86,26 @@ def verdict(rec: Record) -> Literal["success", "failure"] | None:
         return None  # a bad task file is its author's problem, not a sick worker's
     if rec.error is not None and rec.error.kind == ErrorKind.interrupted:
         return None  # a person stopped the worker (Ctrl-C, SIGTERM): nothing is sick
+    if author_chosen(rec):
+        return None
     if rec.status in (Status.failed, Status.needs_human):
         return "failure"
     return None
+
+
+def author_chosen(rec: Record) -> bool:
+    """An outcome the task's author decides, which says nothing about the host or an engine: a
+    timeout the task set itself (`"timeout": 1000` on a command that sleeps), or the shell
+    engine's command exiting non-zero (`false`; the shell engine is only `sh -c` around the
+    author's program). Counting them let anyone who can submit five tasks stop the queue for
+    everyone. A timeout under the policy's default and a real engine's failure still count."""
+    if rec.status != Status.failed or rec.error is None:
+        return False
+    if rec.error.kind == ErrorKind.timeout:
+        return rec.task is not None and rec.task.timeout is not None
+    return (
+        rec.error.kind == ErrorKind.engine_error and rec.engine == "shell" and rec.exit_code not in (None, 0)
+    )
 
 
 def _threshold(root: Root, rec: Record) -> int:

@@ -90,6 +90,10 @@ LimitSize = Annotated[
 Cpus = Annotated[float, Field(strict=True, ge=MIN_CPUS, le=MAX_CPUS, allow_inf_nan=False)]
 Pids = Annotated[int, Field(strict=True, ge=MIN_PIDS, le=MAX_PIDS)]
 Millis = Annotated[int, Field(strict=True, gt=0, le=MAX_TIMEOUT_MS)]
+# A task's own timeout: below a second no engine even starts, so a shorter one only makes a
+# failure on purpose (audit 11: 1 ms tasks were used to trip the breaker).
+MIN_TASK_TIMEOUT_MS = 1000
+TaskMillis = Annotated[int, Field(strict=True, ge=MIN_TASK_TIMEOUT_MS, le=MAX_TIMEOUT_MS)]
 Count = Annotated[int, Field(strict=True, gt=0, le=MAX_COUNT)]
 
 
@@ -115,8 +119,8 @@ class Task(BaseModel):
     prompt: str = Field(default="", description="what the engine is asked to do (TASK.md)")
     engine: str = Field(description="engine name: shell, claude, codex, ...")
     model: str | None = Field(default=None, description="model name passed to the engine")
-    timeout: Millis | None = Field(
-        default=None, description="wall-clock limit in milliseconds; at most the policy's cap"
+    timeout: TaskMillis | None = Field(
+        default=None, description="wall-clock limit in milliseconds; at least 1000, at most the policy's cap"
     )
     targets: list[str] = Field(min_length=1, description="paths relative to the project; directories allowed")
     policy: str = Field(default="default", pattern=ID_PATTERN, description="policy name")
