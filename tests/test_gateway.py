@@ -129,6 +129,7 @@ def start_gateway(
     routes: dict[str, Any] | None = None,
     budget: dict[str, Any] | None = None,
     clients: list[str] | None = None,
+    upstream_ca: str | None = "/etc/fila-gateway/upstream-ca.pem",
 ) -> Gw:
     """A hardened gateway on the job network and the upstream network, as the contract says."""
     name = f"fila-test-gw-{env.session}-{uuid.uuid4().hex[:6]}"
@@ -147,7 +148,7 @@ def start_gateway(
         "allow_private": allow_private or [],
         "routes": routes or {},
         "budget": budget or {"max_requests": None, "max_tokens": None},
-        "upstream_ca": "/etc/fila-gateway/upstream-ca.pem",
+        "upstream_ca": upstream_ca,
         "clients": clients or [env.job_subnet],
     }
     (d / "config.json").write_text(json.dumps(config))
@@ -753,6 +754,23 @@ def test_upstream_errors_pass_through_and_an_unknown_route_is_refused(env: Env) 
     assert len(env.ups.requests("model.test")) >= 4
 
 
+def test_the_real_key_goes_only_to_an_upstream_whose_certificate_verifies(env: Env) -> None:
+    # Allowed: the route's upstream verified against the configured CA (the test CA).
+    gw = env.gateway(routes=_routes(env))
+    env.ups.set_script([{"protocol": "anthropic", "reply": {"text": "verified"}}])
+    status, out = _post(env, f"{gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)
+    assert status == "200" and "verified" in out
+    # The same route when the gateway trusts only the system bundle: the upstream's certificate
+    # does not verify, the request (and its key) is never sent, the engine gets 502.
+    before = len(env.ups.requests("model.test"))
+    gw = env.gateway(routes=_routes(env), upstream_ca=None)
+    status, out = _post(env, f"{gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)
+    assert status == "502", out
+    assert len(env.ups.requests("model.test")) == before
+    line = gw.last(route="anthropic")
+    assert line["status"] == 502 and "certificate" in line["reason"].lower(), line
+
+
 def test_budgets_let_requests_under_them_pass_and_answer_429_past_them(env: Env) -> None:
     gw = env.gateway(routes=_routes(env), budget={"max_requests": 2, "max_tokens": None})
     env.ups.set_script([{"protocol": "anthropic", "reply": {"text": f"r{i}"}} for i in range(3)])
@@ -880,3 +898,25 @@ def test_a_bad_config_or_missing_secret_stops_the_gateway_before_it_listens(env:
     logs = c.logs().decode(errors="replace")
     assert result["StatusCode"] != 0
     assert "routes.anthropic: cannot read the secret" in logs, logs
+
+    # An allow entry that is an IP literal: refused at start, naming the entry.
+    cfg_dir = env.tmp / f"{name}-cfg"
+    cfg_dir.mkdir()
+    (cfg_dir / "config.json").write_text(
+        json.dumps({"allow": [{"host": env.ups.ip("allowed.test"), "port": 443}]})
+    )
+    (cfg_dir / "config.json").chmod(0o644)
+    c = env.docker.containers.run(
+        GATEWAY_IMAGE,
+        name=f"{name}-ip",
+        detach=True,
+        network=env.job_net,
+        user="65534:65534",
+        read_only=True,
+        cap_drop=["ALL"],
+        tmpfs={"/tmp": "rw,size=64m"},
+        labels=_labels(env.session),
+        volumes={str(cfg_dir / "config.json"): {"bind": "/etc/fila-gateway/config.json", "mode": "ro"}},
+    )
+    assert c.wait(timeout=60)["StatusCode"] != 0
+    assert "allow[0].host" in c.logs().decode(errors="replace") and "is not a DNS name" in c.logs().decode()
