@@ -68,11 +68,34 @@ class Applied:
     merged: list[str] = field(default_factory=list)
     moved_untouched: list[str] = field(default_factory=list)  # --3way: changed, not in the patch
     resumed: bool = False
+    superseded: list[str] = field(default_factory=list)  # the group's other members (compare.py)
+    undecided: list[str] = field(default_factory=list)  # members still queued or running
 
 
 def apply(root: Root, task_id: str, *, by: str | None = None, reason: str | None = None,
           three_way: bool = False, allow_git_metadata: bool = False) -> Applied:  # fmt: skip
-    """Apply a task's DIFF.patch to its project and record the decision (see the module doc)."""
+    """Apply a task's DIFF.patch to its project and record the decision (see the module doc).
+    A member of a compare group is applied only if no other member was, and the others are then
+    marked superseded, under the group's lock (two people cannot land two members)."""
+    from . import compare
+
+    rec = queue.get_record(root.require(), task_id)
+    group = rec.task.group if rec.task else None
+    if group is None:
+        return _apply_one(root, task_id, by=by, reason=reason, three_way=three_way,
+                          allow_git_metadata=allow_git_metadata)  # fmt: skip
+    with compare.group_lock(root, group):
+        compare.check_not_decided(root, rec)
+        res = _apply_one(root, task_id, by=by, reason=reason, three_way=three_way,
+                         allow_git_metadata=allow_git_metadata)  # fmt: skip
+        # After the winner's own lock is released: each member's lock is then taken alone.
+        sup = compare.supersede_others(root, res.record, by=decision.decider(by))
+    res.superseded, res.undecided = sup.done, sup.undecided
+    return res
+
+
+def _apply_one(root: Root, task_id: str, *, by: str | None, reason: str | None,
+               three_way: bool, allow_git_metadata: bool) -> Applied:  # fmt: skip
     who, why = decision.decider(by), decision.check_reason(reason)
     queue.get_record(root.require(), task_id)  # NotFound before any lock file is made
     with decision.lock(root, task_id):

@@ -137,7 +137,13 @@ def submit(
         str | None,
         typer.Argument(help="task JSON file (see `fila schema task`); '-' reads stdin", show_default=False),
     ] = None,
-    engine: Annotated[str | None, typer.Option(help="engine name (shell, ...)")] = None,
+    engine: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="engine name (shell, claude, ...); repeated: one task per engine in a compare group "
+            "(ids GROUP.ENGINE, GROUP from --id or the file's group/id)"
+        ),
+    ] = None,
     command: Annotated[str | None, typer.Option(help="shell engine: command run in work/")] = None,
     target: Annotated[
         list[str] | None, typer.Option("--target", "-t", help="path relative to the project; repeatable")
@@ -149,10 +155,17 @@ def submit(
     task_id: Annotated[str | None, typer.Option("--id", help="task id (default: generated)")] = None,
     fallback: Annotated[list[str] | None, typer.Option(help="engine to try on quota")] = None,
     project: Annotated[str | None, typer.Option(help="project dir (default: root)")] = None,
+    image: Annotated[
+        str | None, typer.Option(help="pin the engine's image: a tag or an image id (sha256:...)")
+    ] = None,
+    check: Annotated[
+        str | None,
+        typer.Option(help="command run on a copy of work/ after the engine (network none); recorded"),
+    ] = None,
     root: RootOpt = None,
     json_: JsonOpt = False,
 ) -> None:
-    """Queue a task and print its id on stdout.
+    """Queue a task and print its id on stdout (a group: one id a line).
 
     Either give a task file, or describe the task with options; options given with a file
     override its fields. The task is checked now (engine, policy, limits, targets), so a bad
@@ -173,7 +186,7 @@ def submit(
     elif task_file:
         data = parse_task_file(Path(task_file)).model_dump(exclude_none=True)
     opts = {
-        "engine": engine,
+        "engine": engine[0] if engine else None,
         "command": command,
         "targets": target or None,
         "prompt": prompt,
@@ -183,11 +196,25 @@ def submit(
         "id": task_id,
         "fallback": fallback or None,
         "project": project,
+        "image": image,
+        "check": check,
     }
     data.update({k: v for k, v in opts.items() if v is not None})
     if not data:
         raise InvalidInput("nothing to submit", hint="give a task file or --engine and --target")
     validate_document("task", data, path=task_file if task_file not in (None, "-") else "options")
+    if engine and len(engine) > 1:
+        from .compare import submit_group
+
+        recs = submit_group(_root(root), Task.model_validate(data), engine)
+        if json_:
+            _out({"group": recs[0].task.group if recs[0].task else None,
+                  "tasks": [{"id": r.id, "engine": r.task.engine if r.task else None, "status": r.status}
+                            for r in recs]})  # fmt: skip
+        else:
+            for r in recs:
+                typer.echo(r.id)
+        return
     rec = do_submit(_root(root), Task.model_validate(data))
     if json_:
         _out({"id": rec.id, "status": rec.status})
@@ -630,6 +657,8 @@ def apply_cmd(
                 "merged": res.merged,
                 "resumed": res.resumed,
                 "changed_not_touched": res.moved_untouched,
+                "superseded": res.superseded,
+                "not_superseded": res.undecided,
             }
         )
         return
@@ -649,6 +678,31 @@ def apply_cmd(
     ):
         for name in names:
             typer.echo(f"  {kind:<8} {_safe(name)}")
+    for tid in res.superseded:
+        typer.echo(_safe(f"superseded {tid} (same group)"))
+    for tid in res.undecided:
+        typer.echo(_safe(f"not superseded {tid}: still queued or running; `fila reject` it when it ends"))
+
+
+@app.command()
+def compare(
+    group: str,
+    root: RootOpt = None,
+    json_: JsonOpt = False,
+    html_: Annotated[bool, typer.Option("--html", help="one self-contained HTML page on stdout")] = False,
+) -> None:
+    """Show a group's tasks side by side: status, files touched, +/- lines, duration, requests,
+    tokens, cost, and the check when the task names one."""
+    from . import compare as cmp
+
+    c = cmp.compare(_root(root), group)
+    if json_:
+        _out(cmp.to_json(c))
+    elif html_:
+        typer.echo(cmp.render_html(c), nl=False)
+    else:
+        for line in cmp.render_lines(c):
+            typer.echo(_safe(line))
 
 
 @app.command()

@@ -10,6 +10,7 @@ import contextlib
 import fcntl
 import os
 import random
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -23,16 +24,17 @@ from .errors import (
     ImageMissing,
     InfraError,
     InvalidInput,
-    InvalidPolicy,
     InvalidTaskFile,
     InvalidTransition,
     LimitExceeded,
     TargetError,
+    UnknownEngine,
 )
 from .faults import crash_point
 from .layout import Root
 from .models import (
     Attempt,
+    EngineReport,
     ErrorInfo,
     ErrorKind,
     ImageRef,
@@ -67,6 +69,8 @@ class Checked:
     project: Path
     targets: list[str]
     image: str
+    # The engines run in turn on quota (the task's own first) and the image of each.
+    chain: tuple[tuple[str, str], ...] = ()
 
 
 def parse_task_file(path: Path, *, expected_id: str | None = None) -> Task:
@@ -106,20 +110,43 @@ def check_names(task: Task, *, path: Path | str | None = None) -> None:
             ("project", task.project),
             ("image", task.image),
             *((f"targets.{i}", t) for i, t in enumerate(task.targets)),
-            *((f"fallback.{i}", f) for i, f in enumerate(task.fallback)),
+            *((f"fallback.{i}", f) for i, f in enumerate(task.fallback or [])),
+            ("group", task.group),
         ],
         error=InvalidTaskFile,
         path=path,
     )
 
 
-def check_task(root: Root, task: Task) -> Checked:
-    """Everything that can be known to be wrong before a container exists."""
+IMAGE_ID_RE = re.compile(r"(sha256:)?[0-9a-f]{12,64}")
+
+
+def fallback_chain(task: Task, policy: Policy) -> list[tuple[str, str]]:
+    """(field, engine) in the order they run on quota: the task's engine, then its `fallback`, or
+    the policy's when the task names none (an explicit [] means none). An engine named twice runs
+    once: it would only report quota again."""
+    own = task.fallback is not None
+    rest = task.fallback if own else policy.fallback
+    chain = [("engine", task.engine)]
+    for i, name in enumerate(rest or []):
+        if name not in (n for _f, n in chain):
+            chain.append((f"fallback.{i}" if own else f"policy {task.policy!r} fallback.{i}", name))
+    return chain
+
+
+def _engine_for(field: str, name: str) -> Engine:
+    try:
+        return get_engine(name)
+    except UnknownEngine as e:  # the field, so a fallback's typo is not blamed on `engine`
+        raise InvalidTaskFile(e.message, field=field, hint=e.hint) from None
+
+
+def check_task(root: Root, task: Task, *, tags_of: Callable[[str], list[str]] | None = None) -> Checked:
+    """Everything that can be known to be wrong before a container exists. `tags_of` (Docker)
+    resolves a pinned image the policy's patterns do not name literally (an image id) to its tags."""
     check_names(task)
-    engine = get_engine(task.engine)
+    engine = _engine_for("engine", task.engine)
     engine.config(task)
-    for name in task.fallback:
-        get_engine(name).config(task)
     policy, ref = load_policy(root, task.policy)
     eff = narrow(policy, task, name=task.policy)
     project = jobdir.project_of(root, task, policy)
@@ -127,11 +154,64 @@ def check_task(root: Root, task: Task) -> Checked:
         raise TargetError("project directory does not exist", path=project)
     targets = jobdir.resolve_targets(root, project, task.targets, policy)
     image = task.image or engine.image_tag()
-    if not image_allowed(policy, image):
-        raise InvalidPolicy(
-            f"image {image!r} is not allowed by policy {task.policy!r} ({', '.join(policy.images)})"
+    allowed = f"allowed: {', '.join(policy.images) or 'none'}"
+    # Only an image id is judged by its tags: a name is judged as written, never by what it points to.
+    by_id = bool(task.image and IMAGE_ID_RE.fullmatch(task.image))
+    if not image_allowed(policy, image) and not (
+        by_id and tags_of and image_allowed(policy, image, tags_of(image))
+    ):
+        raise InvalidTaskFile(
+            f"image {image!r} is not allowed by policy {task.policy!r} ({allowed})",
+            field="image" if task.image else "engine",
+            hint="pin an image the policy's `images` patterns match (an image id counts by its tags)",
         )
-    return Checked(task, engine, policy, ref, eff, project, targets, image)
+    chain = [(task.engine, image)]
+    for field, name in fallback_chain(task, policy)[1:]:
+        fb = _engine_for(field, name)
+        fb.config(task)
+        # A pinned image is the task engine's: each fallback engine runs its own image.
+        if not image_allowed(policy, fb.image_tag()):
+            raise InvalidTaskFile(
+                f"fallback engine {name!r} runs image {fb.image_tag()!r}, which policy {task.policy!r} "
+                f"does not allow ({allowed})",
+                field=field,
+            )
+        chain.append((name, fb.image_tag()))
+    if policy.network == "allowlist":
+        routes = policy.egress.routes if policy.egress else {}
+        for field, name in fallback_chain(task, policy):
+            missing = [r for r in get_engine(name).routes if r not in routes]
+            if missing:
+                raise InvalidTaskFile(
+                    f"engine {name!r} talks to model route {missing[0]!r}, and policy {task.policy!r} "
+                    f"has no egress.routes.{missing[0]} (no credential for it)",
+                    field=field,
+                    hint=f"add egress.routes.{missing[0]} with its credential to the policy, "
+                    "or choose another engine",
+                )
+    if task.check and not image_allowed(policy, get_engine("shell").image_tag()):
+        raise InvalidTaskFile(
+            f"the check runs in {get_engine('shell').image_tag()!r}, which policy {task.policy!r} "
+            f"does not allow ({allowed})",
+            field="check",
+        )
+    return Checked(task, engine, policy, ref, eff, project, targets, image, tuple(chain))
+
+
+def local_tags(backend: Backend, image: str) -> list[str]:
+    """The local tags of an image (by id or name), for the policy's image patterns; none when it
+    is not built."""
+    return backend.tags(image)
+
+
+def docker_tags(image: str) -> list[str]:
+    from .backends import get_backend
+
+    backend = get_backend()
+    try:
+        return backend.tags(image)
+    finally:
+        backend.close()
 
 
 def submit(root: Root, task: Task) -> Record:
@@ -139,7 +219,7 @@ def submit(root: Root, task: Task) -> Record:
     # Through the reader a claim uses: a task built from options (a NUL in --prompt) is refused
     # here, not queued and then refused at claim.
     task = parse_task_bytes(queue.task_json(task).encode(), source="the submitted task")
-    check_task(root, task)
+    check_task(root, task, tags_of=docker_tags)
     return queue.enqueue(root, task.id or queue.new_task_id(), task)
 
 
@@ -354,16 +434,20 @@ def run_one(
     progress(f"{tid}: claimed (attempt {rec.attempt})")
     try:
         hooks.check()
-        checked = check_task(root, task)
-        ref = backend.image(checked.image)
-        if ref is None:
-            raise ImageMissing(
-                f"image {checked.image} is not built",
-                task_id=tid,
-                hint=f"run `fila images build {task.engine}`",
-            )
+        checked = check_task(root, task, tags_of=backend.tags)
+        # Every image the job may need, before any container: a missing fallback image is found
+        # now, not after the first engine ran out of quota.
+        need = [*checked.chain, *([("shell", get_engine("shell").image_tag())] if task.check else [])]
+        refs: dict[str, ImageRef] = {}
+        for name, image in need:
+            ref = backend.image(image)
+            if ref is None:
+                raise ImageMissing(
+                    f"image {image} is not built", task_id=tid, hint=f"run `fila images build {name}`"
+                )
+            refs[image] = ref
         with _job_lock(root, tid):
-            return _run_engines(run, checked, ref, rec.attempt, t0)
+            return _run_engines(run, checked, refs, rec.attempt, t0)
     except (InvalidInput, LimitExceeded) as e:
         return run.finish(Status.failed, error=ErrorInfo(kind=ErrorKind.invalid, message=str(e)))
     except queue.LeaseLost:
@@ -423,26 +507,21 @@ def run_one(
         raise
 
 
-def _run_engines(run: _Run, checked: Checked, ref: Any, attempt: int, t0: float) -> Record | None:
-    from . import diff
+def _run_engines(
+    run: _Run, checked: Checked, refs: dict[str, ImageRef], attempt: int, t0: float
+) -> Record | None:
+    from . import compare, diff
     from .backends import RunSpec
 
     root, tid, task = run.root, run.tid, checked.task
-    engines = [task.engine, *task.fallback]
-    attempts_done: list[Attempt] = []
-    for i, name in enumerate(engines):
+    engines = list(checked.chain)
+    for i, (name, image) in enumerate(engines):
         engine = get_engine(name)
-        image = checked.image if i == 0 else (task.image or engine.image_tag())
-        if i > 0:
-            ref = run.backend.image(image)
-            if ref is None:
-                raise ImageMissing(
-                    f"fallback image {image} is not built",
-                    task_id=tid,
-                    hint=f"run `fila images build {name}`",
-                )
+        ref = refs[image]
+        started_at = now_iso()
         t = time.monotonic()
         run.fence()  # under the job lock: a reaped zombie never wipes a later attempt's job dir
+        # A fresh copy for every engine: a fallback never sees what the engine before it left.
         prep = jobdir.prepare(root, tid, task, checked.policy, checked.effective)
         run.timings["prepare"] = round(time.monotonic() - t, 3)
         crash_point("after_job_dir")
@@ -498,13 +577,26 @@ def _run_engines(run: _Run, checked: Checked, ref: Any, attempt: int, t0: float)
             root,
             tid,
             "container exited",
+            engine=name,
             exit_code=result.exit_code,
             timed_out=result.timed_out,
             seconds=result.duration_s,
         )
         crash_point("after_exit")
+        outcome = _classify(engine, result, root.log_path(tid), checked)
+        budget = egress.budget_message(result.egress)
+        if budget and outcome.kind != "success":
+            outcome = _Out(ErrorKind.quota, f"{budget}; {outcome.msg}", outcome.report)
+        # Only the engine's own quota falls back: the job's egress budget is spent for every engine
+        # (a new one would get no new budget), and auth or an engine error would fail again.
+        if outcome.kind == ErrorKind.quota and i + 1 < len(engines) and not budget:
+            _fall_back(run, checked, i, result, outcome, ImageRef(tag=image, id=result.image_id or ref.id),
+                       started_at)  # fmt: skip
+            continue
         t = time.monotonic()
         warnings = [*prep.warnings, *result.warnings]
+        if budget:
+            warnings.append(budget)
         diff_fields: dict[str, Any] = {}
         diff_error: str | None = None
         try:
@@ -523,10 +615,20 @@ def _run_engines(run: _Run, checked: Checked, ref: Any, attempt: int, t0: float)
         except (LimitExceeded, FilaError) as e:
             diff_error = str(e)
         run.timings["diff"] = round(time.monotonic() - t, 3)
-        run.timings["total"] = round(time.monotonic() - t0, 3)
         crash_point("after_diff")
         if result.log_truncated:
             warnings.append(f"log truncated at max_log_bytes {checked.policy.max_log_bytes}")
+        if diff_error and outcome.kind == "success":
+            outcome = _Out(ErrorKind.engine_error, f"the engine's output breaks a limit: {diff_error}")
+        check = None
+        if task.check and outcome.kind == "success":
+            t = time.monotonic()
+            # The same sandbox as the engine's (what this loop calls), on a copy of work/.
+            check = compare.run_check(
+                run, checked, prep.job_dir, refs, runner=run.backend.run, spec_of=RunSpec
+            )
+            run.timings["check"] = round(time.monotonic() - t, 3)
+        run.timings["total"] = round(time.monotonic() - t0, 3)
         common = dict(
             engine=name,
             model=task.model,
@@ -537,33 +639,10 @@ def _run_engines(run: _Run, checked: Checked, ref: Any, attempt: int, t0: float)
             log_path=str(root.log_path(tid).relative_to(root.path)),
             warnings=warnings,
             egress=result.egress,
+            engine_report=outcome.report,
+            check=check,
             **diff_fields,
         )
-        outcome = _classify(engine, result, root.log_path(tid), checked)
-        if diff_error and outcome.kind == "success":
-            outcome = _Out(ErrorKind.engine_error, f"the engine's output breaks a limit: {diff_error}")
-        budget = egress.budget_message(result.egress)
-        if budget:  # the job's budget, not the engine's quota: no fallback engine gets a new one
-            warnings.append(budget)
-            if outcome.kind != "success":
-                outcome = _Out(ErrorKind.quota, f"{budget}; {outcome.msg}")
-        if outcome.kind == ErrorKind.quota and i + 1 < len(engines) and not budget:
-            attempts_done.append(
-                Attempt(
-                    number=attempt,
-                    engine=name,
-                    worker=run.claim.worker,
-                    ended_at=now_iso(),
-                    outcome="quota",
-                    error=ErrorInfo(kind=ErrorKind.quota, message=outcome.msg),
-                )
-            )
-            cur = queue.get_record(root, tid)
-            run.checkpoint(
-                attempts=[*cur.attempts[:-1], *attempts_done[-1:], cur.attempts[-1]], engine=engines[i + 1]
-            )
-            run.progress(f"{tid}: {name} is out of quota; falling back to {engines[i + 1]}")
-            continue
         cur = queue.get_record(root, tid)
         attempts = list(cur.attempts)
         if attempts:
@@ -588,10 +667,44 @@ def _run_engines(run: _Run, checked: Checked, ref: Any, attempt: int, t0: float)
     raise AssertionError("unreachable: the last engine always finishes")
 
 
+def _fall_back(
+    run: _Run, checked: Checked, i: int, result: Any, outcome: _Out, image: ImageRef, started_at: str
+) -> None:
+    """Record engine i's quota as an attempt of its own (with its log kept aside), and hand the
+    open attempt to the next engine."""
+    root, tid = run.root, run.tid
+    name, nxt = checked.chain[i][0], checked.chain[i + 1][0]
+    kept = root.logs_dir / f"{tid}.{i + 1}-{name}.log"
+    with contextlib.suppress(FileNotFoundError):
+        os.replace(root.log_path(tid), kept)
+    done = Attempt(
+        number=run.attempt,
+        engine=name,
+        worker=run.claim.worker,
+        started_at=started_at,
+        ended_at=now_iso(),
+        outcome="quota",
+        error=ErrorInfo(
+            kind=ErrorKind.quota, message=outcome.msg.replace(str(root.log_path(tid)), str(kept))
+        ),
+        image=image,
+        exit_code=result.exit_code,
+        log_path=str(kept.relative_to(root.path)),
+        egress=result.egress,
+        engine_report=outcome.report,
+    )
+    cur = queue.get_record(root, tid)
+    open_attempt = cur.attempts[-1].model_copy(update={"engine": nxt, "started_at": now_iso()})
+    run.checkpoint(attempts=[*cur.attempts[:-1], done, open_attempt], engine=nxt, event="fallback")
+    queue.log_event(root, tid, "fell back", engine=name, to=nxt, reason=outcome.msg)
+    run.progress(f"{tid}: {name} is out of quota; falling back to {nxt}")
+
+
 @dataclass(frozen=True)
 class _Out:
     kind: Any
     msg: str
+    report: EngineReport | None = None
 
 
 def _classify(engine: Engine, result: Any, log_path: Path, checked: Checked) -> _Out:
@@ -607,11 +720,13 @@ def _classify(engine: Engine, result: Any, log_path: Path, checked: Checked) -> 
     if result.oom_killed:
         mem = checked.effective.limits.memory or checked.policy.memory
         return _Out(ErrorKind.engine_error, f"killed: out of memory (limit {mem})")
-    o = engine.classify(result.exit_code, _tail(log_path))
+    # The CLI's structured output first, then its text, then the gateway's statuses (engines.md).
+    o = engine.classify_run(result.exit_code, _tail(log_path), result.egress)
+    report = EngineReport.model_validate(o.report) if o.report else None
     if o.kind == "success":
-        return _Out("success", "")
+        return _Out("success", "", report)
     kind = {"quota": ErrorKind.quota, "auth": ErrorKind.auth}.get(o.kind, ErrorKind.engine_error)
-    return _Out(kind, f"{o.message}; see {log_path}")
+    return _Out(kind, f"{o.message}; see {log_path}", report)
 
 
 # -- processing the queue --------------------------------------------------------------------

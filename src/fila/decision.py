@@ -68,7 +68,7 @@ def check_undecided(rec: Record, action: str) -> None:
     if rec.status in DECIDABLE[action]:
         return
     d = rec.decision
-    if d is not None and d.action in ("applied", "rejected"):
+    if d is not None and d.action in ("applied", "rejected", "superseded"):
         msg = (
             f"task {rec.id} was already {d.action} by {d.by} at {d.at}"
             + (f" ({d.reason})" if d.reason else "")

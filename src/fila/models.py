@@ -125,10 +125,25 @@ class Task(BaseModel):
     targets: list[str] = Field(min_length=1, description="paths relative to the project; directories allowed")
     policy: str = Field(default="default", pattern=ID_PATTERN, description="policy name")
     command: str | None = Field(default=None, description="shell engine: run with sh -c in work/")
-    fallback: list[str] = Field(default_factory=list, description="engines to try on quota")
+    fallback: list[str] | None = Field(
+        default=None,
+        description="engines tried in turn when one reports quota, each on a fresh work/; "
+        "absent: the policy's fallback chain; []: none",
+    )
     project: str | None = Field(default=None, description="project directory (default: the queue root)")
     image: str | None = Field(default=None, description="engine image; must be allowed by policy")
     limits: Limits | None = Field(default=None, description="narrow the policy's resources")
+    group: str | None = Field(
+        default=None,
+        pattern=ID_PATTERN,
+        description="compare group: tasks on the same input, one per engine (`fila compare GROUP`)",
+    )
+    check: str | None = Field(
+        default=None,
+        min_length=1,
+        description="command run by sh -c on a copy of work/ after the engine succeeds (shell image, "
+        "network none); its exit status is recorded",
+    )
 
     @field_validator("targets")
     @classmethod
@@ -238,7 +253,13 @@ class Policy(BaseModel):
     max_log_bytes: Count = 10 << 20
     max_work_bytes: Count = Field(default=1 << 30, description="total size of work/")
     max_work_files: Count = Field(default=50_000, description="entries in work/")
-    images: list[str] = Field(default_factory=lambda: ["fila/*"], description="globs of allowed images")
+    images: list[str] = Field(
+        default_factory=lambda: ["fila/*"],
+        description="globs of allowed images; an image id (sha256:...) is allowed when one of its tags is",
+    )
+    fallback: list[str] = Field(
+        default_factory=list, description="engines tried on quota when a task names no fallback"
+    )
     runtime: str | None = Field(
         default=None, pattern=RUNTIME_PATTERN, description="Docker runtime, e.g. runsc (a name only)"
     )
@@ -291,10 +312,28 @@ class Attempt(BaseModel):
     ended_at: str | None = None
     outcome: str | None = None
     error: ErrorInfo | None = None
+    # An engine that ran and fell back (quota): what it ran on and what it reported.
+    image: ImageRef | None = None
+    exit_code: int | None = None
+    log_path: str | None = None
+    egress: EgressRecord | None = None
+    engine_report: EngineReport | None = None
+
+
+class CheckResult(BaseModel):
+    """The task's `check` command, run after the engine on a copy of its work/ (network none)."""
+
+    command: str
+    passed: bool
+    exit_code: int | None = None
+    timed_out: bool = False
+    duration_s: float | None = None
+    log_path: str | None = None
+    image: ImageRef | None = None
 
 
 class Decision(BaseModel):
-    action: Literal["applied", "rejected", "retried"]
+    action: Literal["applied", "rejected", "retried", "superseded"]
     by: str
     at: str
     reason: str | None = None
@@ -386,6 +425,7 @@ class Record(BaseModel):
     engine_report: EngineReport | None = Field(
         default=None, description="what the engine CLI reported: model, turns, usage, cost"
     )
+    check: CheckResult | None = Field(default=None, description="the task's check command, when it ran")
 
     @field_validator("task", mode="wrap")
     @classmethod

@@ -163,8 +163,11 @@ def narrow(policy: Policy, task: Task, *, name: str = "") -> Effective:
     return Effective(timeout_ms=timeout, limits=lim)
 
 
-def image_allowed(policy: Policy, image: str) -> bool:
-    return any(fnmatch.fnmatchcase(image, pat) for pat in policy.images)
+def image_allowed(policy: Policy, image: str, tags: list[str] | tuple[str, ...] = ()) -> bool:
+    """An image the policy's patterns match: by its reference (`name@sha256:...` by its name, the
+    digest pinning the content), or by one of `tags`, the local tags of an image pinned by id."""
+    name = image.split("@", 1)[0] if "@" in image else image
+    return any(fnmatch.fnmatchcase(c, pat) for pat in policy.images for c in (name, *tags))
 
 
 _ANY_DEPTH = "^(?:.+/)?"  # how pathspec starts the regex of a rule without an inner '/'
