@@ -348,3 +348,57 @@ def make_root_at(path: Path) -> Any:
     from fila.layout import Root
 
     return Root.at(path)
+
+
+# -- 5. an image or runtime that is not there is that task's record; the run goes on -----------
+
+
+@pytest.mark.docker
+def test_a_pinned_image_or_runtime_that_is_not_there_fails_its_task_and_the_next_runs(
+    tmp_path: Path, shell_image: object
+) -> None:
+    import json
+
+    from .helpers import fila, record
+
+    root = make_root(tmp_path)
+    (tmp_path / "greeting.txt").write_text("hello\n")
+    pol = json.loads((root.policies_dir / "default.json").read_text())
+    (root.policies_dir / "oddrt.json").write_text(json.dumps({**pol, "runtime": "fila-no-such-runtime"}))
+    base = {"engine": "shell", "command": "true", "targets": ["greeting.txt"]}
+    tasks = {
+        "pinned": {**base, "image": "fila/shell"},  # the allowed counterpart: a pinned image that is here
+        "unbuilt": {**base, "image": "fila/doesnotexist"},
+        "digest": {**base, "image": "fila/shell@sha256:" + "0" * 64},
+        "dotdot": {**base, "image": "fila/../../x"},
+        "runtime": {**base, "policy": "oddrt"},
+        "victim": {**base, "command": "sed -i s/hello/world/ greeting.txt"},
+    }
+    for tid, t in tasks.items():
+        (root.in_dir / f"{tid}.json").write_text(json.dumps(t))
+    res = fila(tmp_path, "run", "--once")
+    assert "fila bug" not in res.output and "Traceback" not in res.output, res.output
+    assert record(tmp_path, "pinned")["status"] == "needs_review"
+    assert record(tmp_path, "victim")["status"] == "needs_review"
+    for tid in ("unbuilt", "digest", "dotdot"):
+        rec = record(tmp_path, tid)
+        assert rec["status"] == "failed" and rec["error"]["kind"] == "invalid", rec
+        assert "image" in rec["error"]["message"]
+    assert "not a Docker image reference" in record(tmp_path, "dotdot")["error"]["message"]
+    rt = record(tmp_path, "runtime")
+    assert rt["status"] == "failed" and "fila-no-such-runtime" in rt["error"]["message"], rt
+    assert "register" in rt["error"]["message"]
+    # At submit the reference is refused with the field named (exit 2), before anything queues.
+    sub = fila(
+        tmp_path,
+        "submit",
+        "--engine",
+        "shell",
+        "--command",
+        "true",
+        "--target",
+        "greeting.txt",
+        "--image",
+        "fila/../../x",
+    )
+    assert sub.exit_code == 2 and "image" in sub.output and "Traceback" not in sub.output, sub.output

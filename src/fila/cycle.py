@@ -145,6 +145,12 @@ def check_task(root: Root, task: Task, *, tags_of: Callable[[str], list[str]] | 
     """Everything that can be known to be wrong before a container exists. `tags_of` (Docker)
     resolves a pinned image the policy's patterns do not name literally (an image id) to its tags."""
     check_names(task)
+    if task.image is not None and not untrusted.image_reference(task.image):
+        raise InvalidTaskFile(
+            f"{task.image!r} is not a Docker image reference",
+            field="image",
+            hint="name[:tag][@sha256:digest], names in lowercase letters, digits and . _ -",
+        )
     engine = _engine_for("engine", task.engine)
     engine.config(task)
     policy, ref = load_policy(root, task.policy)
@@ -441,11 +447,37 @@ def run_one(
         refs: dict[str, ImageRef] = {}
         for name, image in need:
             ref = backend.image(image)
+            if ref is None and task.image is not None and image == checked.image:
+                # An image the task pinned is not on this host (a digest never built here, a tag
+                # nobody builds): no retry makes it appear, so it is the task's own failure, and
+                # the queue goes on. The engines' own images stay a wait-and-retry (ImageMissing):
+                # `fila images build` may be making one right now.
+                raise InvalidTaskFile(
+                    f"image {image!r} is not present in {backend.name}",
+                    field="image",
+                    hint=f"build it, or leave `image` out to run the engine's own ({name}: "
+                    f"`fila images build {name}`)",
+                )
             if ref is None:
                 raise ImageMissing(
                     f"image {image} is not built", task_id=tid, hint=f"run `fila images build {name}`"
                 )
             refs[image] = ref
+        want = backend.runtime_for(checked.policy)
+        if want is not None and want not in backend.runtimes():
+            # The policy's runtime is not registered: every task of that policy would fail the
+            # same way, but tasks of other policies must still run. Counted by the breaker
+            # (infra): the host is not set up as its policy says.
+            return run.finish(
+                Status.failed,
+                error=ErrorInfo(
+                    kind=ErrorKind.infra,
+                    message=f"policy {task.policy!r} runs containers with the runtime {want!r}, which "
+                    f"{backend.name} does not have (it has: {', '.join(sorted(backend.runtimes()))}); "
+                    f"register {want!r} (for runsc: scripts/docker-up as root) or change the "
+                    f"policy's runtime",
+                ),
+            )
         with _job_lock(root, tid):
             return _run_engines(run, checked, refs, rec.attempt, t0)
     except (InvalidInput, LimitExceeded) as e:

@@ -203,3 +203,25 @@ def safe_name(name: str, *, limit: int = 100) -> str:
     """A file name made of [A-Za-z0-9._-] only, for an entry whose own name is hostile."""
     cleaned = _SAFE_NAME.sub("_", name).lstrip(".")[:limit]
     return cleaned or "unnamed"
+
+
+# Docker's reference grammar (distribution/reference): an optional registry host[:port], path
+# components of lowercase letters and digits joined by '.', '_', '__' or dashes, an optional tag,
+# an optional sha256 digest; or a bare image id. Anything else (`fila/../../x`, which reached the
+# API URL as GET /x/json) is refused before Docker sees it.
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+_DOMAIN = rf"{_LABEL}(?:\.{_LABEL})*(?::[0-9]{{1,5}})?"
+_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_IMAGE_REF = re.compile(
+    rf"(?:(?:{_DOMAIN})/)?{_COMPONENT}(?:/{_COMPONENT})*(?::[\w][\w.-]{{0,127}})?(?:@sha256:[0-9a-f]{{64}})?"
+    r"|sha256:[0-9a-f]{64}"
+)
+
+
+def image_reference(value: str) -> bool:
+    """Whether `value` is a Docker image reference (or an image id), by the registry's grammar."""
+    name = value.partition("@")[0]
+    last = name.rpartition("/")[2]
+    if ":" in last:  # the tag, not a registry's port
+        name = name[: len(name) - len(last) + last.index(":")]
+    return len(name) <= 255 and _IMAGE_REF.fullmatch(value) is not None

@@ -38,6 +38,7 @@ from .errors import (
     EXIT_SOME_FAILED,
     DockerUnavailable,
     FilaError,
+    ImageMissing,
     InfraError,
 )
 from .layout import Root
@@ -336,7 +337,9 @@ class Worker:
             self.progress(f"{tid}: {e}" + (f"\n  hint: {e.hint}" if e.hint else ""))
             if self.once:
                 self.infra_error = self.infra_error or e
-                self.stop_claiming = True
+                # An engine's image not built yet is that task's wait (requeued with backoff,
+                # failed after MAX_INFRA_ATTEMPTS): the tasks of other engines still run.
+                self.stop_claiming = self.stop_claiming or not isinstance(e, ImageMissing)
             elif not self._docker_answers():
                 self._docker_down()
             return
