@@ -402,3 +402,56 @@ def test_a_pinned_image_or_runtime_that_is_not_there_fails_its_task_and_the_next
         "fila/../../x",
     )
     assert sub.exit_code == 2 and "image" in sub.output and "Traceback" not in sub.output, sub.output
+
+
+# -- the test gap: `fila logs` and `fila diff` escape on a terminal, pass bytes through a pipe ---
+
+
+def _on_a_terminal(argv: list[str]) -> bytes:
+    """What `argv` writes to stdout when stdout is a pseudo-terminal."""
+    import pty
+
+    master, slave = pty.openpty()
+    try:
+        proc = subprocess.Popen(argv, stdout=slave, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+        os.close(slave)
+        out = b""
+        while True:
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            out += chunk
+        assert proc.wait(timeout=60) == 0, proc.stderr.read() if proc.stderr else ""
+        return out
+    finally:
+        os.close(master)
+
+
+@pytest.mark.docker
+def test_logs_and_diff_escape_engine_control_characters_on_a_terminal_only(
+    tmp_path: Path, shell_image: object
+) -> None:
+    from .helpers import fila, record
+
+    make_root(tmp_path)
+    (tmp_path / "greeting.txt").write_text("hello\n")
+    cmd = r"printf 'log \033]0;owned\007 \033[2J end\n'; printf 'hi \033[8mhidden\033[0m\n' > greeting.txt"
+    res = fila(
+        tmp_path, "submit", "--id", "esc", "--engine", "shell", "--command", cmd, "--target", "greeting.txt"
+    )
+    assert res.exit_code == 0, res.output
+    assert fila(tmp_path, "run", "--once").exit_code == 0
+    assert record(tmp_path, "esc")["status"] == "needs_review"
+    cli = [sys.executable, "-c", "from fila.cli import main; main()"]
+    for sub, raw in (("logs", b"\x1b]0;owned\x07"), ("diff", b"\x1b[8mhidden")):
+        argv = [*cli, sub, "esc", "--root", str(tmp_path)]
+        # Piped, the bytes pass unchanged (`fila diff | git apply` must get the real patch)...
+        piped = subprocess.run(argv, capture_output=True, timeout=60, check=True).stdout
+        assert raw in piped
+        # ...on a terminal no raw ESC or BEL reaches it: they are shown escaped.
+        shown = _on_a_terminal(argv)
+        assert b"\x1b" not in shown and b"\x07" not in shown, shown
+        assert b"\\x1b" in shown, shown
