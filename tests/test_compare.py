@@ -179,9 +179,16 @@ def proj(tmp_path: Path) -> Path:
 
 def test_a_group_is_checked_whole_before_any_member_is_queued(proj: Path) -> None:
     ok = fila(proj, "submit", "--target", "a.txt", "--engine", "shell", "--engine", "claude",
-              "--command", "true", "--prompt", "x", "--id", "g1")  # fmt: skip
+              "--command", "true", "--prompt", "x", "--id", "g1", "--model", "claude=claude-x-1")  # fmt: skip
     assert ok.exit_code == 0 and ok.stdout.split() == ["g1.shell", "g1.claude"], ok.output
+    # Each engine gets its own model (a model name is one vendor's), the others none.
+    assert [record(proj, t)["task"]["model"] for t in ("g1.shell", "g1.claude")] == [None, "claude-x-1"]
     for args, field in [
+        (("--engine", "shell", "--engine", "claude", "--model", "codex=gpt-9"), "model"),  # not in the group
+        (
+            ("--engine", "shell", "--engine", "claude", "--model", "claude=no spaces"),
+            "model",
+        ),  # claude's option
         (("--engine", "shell", "--engine", "shell"), "engine"),  # an engine named twice
         (("--engine", "shell", "--engine", "nope"), "engine"),  # unknown: nothing is queued
         (("--engine", "shell", "--engine", "claude", "--image", "fila/shell:latest"), "image"),
@@ -194,6 +201,10 @@ def test_a_group_is_checked_whole_before_any_member_is_queued(proj: Path) -> Non
                "--command", "true", "--prompt", "x", "--id", "g1")  # fmt: skip
     assert dup.exit_code == 4 and "g1.shell" in dup.output
     assert sorted(p.stem for p in (proj / "fila" / "in").glob("*.json")) == ["g1.claude", "g1.shell"]
+    one = fila(
+        proj, "submit", "--target", "a.txt", "--engine", "claude", "--prompt", "x", "--model", "claude=m"
+    )
+    assert one.exit_code == 2 and "are for a group" in one.output, one.output
     assert fila(proj, "compare", "g1").exit_code == 0
     assert fila(proj, "compare", "g2").exit_code == 5  # no such group
 

@@ -149,7 +149,10 @@ def submit(
         list[str] | None, typer.Option("--target", "-t", help="path relative to the project; repeatable")
     ] = None,
     prompt: Annotated[str | None, typer.Option(help="what the engine is asked to do")] = None,
-    model: Annotated[str | None, typer.Option(help="model passed to the engine")] = None,
+    model: Annotated[
+        list[str] | None,
+        typer.Option(help="model passed to the engine; in a group, ENGINE=MODEL (repeatable) per engine"),
+    ] = None,
     timeout: Annotated[int | None, typer.Option(help="milliseconds; at most the policy cap")] = None,
     policy: Annotated[str | None, typer.Option(help="policy name (default: default)")] = None,
     task_id: Annotated[str | None, typer.Option("--id", help="task id (default: generated)")] = None,
@@ -190,7 +193,7 @@ def submit(
         "command": command,
         "targets": target or None,
         "prompt": prompt,
-        "model": model,
+        "model": model[0] if model and len(model) == 1 and "=" not in model[0] else None,
         "timeout": timeout,
         "policy": policy,
         "id": task_id,
@@ -202,11 +205,15 @@ def submit(
     data.update({k: v for k, v in opts.items() if v is not None})
     if not data:
         raise InvalidInput("nothing to submit", hint="give a task file or --engine and --target")
+    if model and (len(model) > 1 or "=" in model[0]) and not (engine and len(engine) > 1):
+        raise InvalidInput("--model ENGINE=MODEL and a repeated --model are for a group (--engine repeated)",
+                           hint="one engine takes one --model MODEL")  # fmt: skip
     validate_document("task", data, path=task_file if task_file not in (None, "-") else "options")
     if engine and len(engine) > 1:
         from .compare import submit_group
 
-        recs = submit_group(_root(root), Task.model_validate(data), engine)
+        per_engine = dict(m.split("=", 1) for m in model or [] if "=" in m)
+        recs = submit_group(_root(root), Task.model_validate(data), engine, models=per_engine)
         if json_:
             _out({"group": recs[0].task.group if recs[0].task else None,
                   "tasks": [{"id": r.id, "engine": r.task.engine if r.task else None, "status": r.status}

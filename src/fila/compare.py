@@ -116,10 +116,13 @@ def members(root: Root, group: str) -> list[Record]:
     return sorted(found, key=lambda r: r.id)
 
 
-def submit_group(root: Root, task: Task, engines: list[str]) -> list[Record]:
+def submit_group(
+    root: Root, task: Task, engines: list[str], *, models: dict[str, str] | None = None
+) -> list[Record]:
     """One task per engine on the same prompt, targets and policy, in one group. The group id is
-    the task's `group`, else its `id`, else a new id; members are `<group>.<engine>`. Every member
-    is checked (engine options, image, policy) and every id is free before any is queued."""
+    the task's `group`, else its `id`, else a new id; members are `<group>.<engine>`; `models`
+    gives an engine its own model (a model name is one vendor's). Every member is checked (engine
+    options, image, policy) and every id is free before any is queued."""
     from .cycle import check_task, submit
 
     if len(set(engines)) != len(engines):
@@ -132,7 +135,18 @@ def submit_group(root: Root, task: Task, engines: list[str]) -> list[Record]:
             hint="submit one task file per engine with the same `group`, each pinning its image",
         )
     group = task.group or task.id or queue.new_task_id()
-    tasks = [task.model_copy(update={"engine": e, "group": group, "id": f"{group}.{e}"}) for e in engines]
+    models = models or {}
+    for name in models:
+        if name not in engines:
+            raise InvalidTaskFile(
+                f"--model {name}=... names an engine not in the group ({', '.join(engines)})", field="model"
+            )
+    tasks = [
+        task.model_copy(
+            update={"engine": e, "group": group, "id": f"{group}.{e}", "model": models.get(e, task.model)}
+        )
+        for e in engines
+    ]
     root.require()
     for t in tasks:
         assert t.id is not None
