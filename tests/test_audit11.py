@@ -455,3 +455,98 @@ def test_logs_and_diff_escape_engine_control_characters_on_a_terminal_only(
         shown = _on_a_terminal(argv)
         assert b"\x1b" not in shown and b"\x07" not in shown, shown
         assert b"\\x1b" in shown, shown
+
+
+# -- 6. cleanup that cannot finish removes work/ and says so ------------------------------------
+
+_RECLAIM = textwrap.dedent(
+    """
+    import resource, sys
+    from pathlib import Path
+    from fila import jobdir
+    from fila.errors import FilaError
+    resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[2]), int(sys.argv[2])))
+    try:
+        print("ok", jobdir.reclaim(Path(sys.argv[1])))
+    except FilaError as e:
+        print("refused", e)
+    """
+)
+
+
+def _engine_left(job: Path, depth: int) -> Path:
+    work = job / "work"
+    (work / ".git").mkdir(parents=True)
+    (work / ".git" / "config").write_text("[core]\n\tfsmonitor = touch /tmp/pwned\n")
+    (work / "suid").write_text("#!/bin/sh\n")
+    os.chmod(work / "suid", 0o4755)
+    cur = os.open(work, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(depth):
+        os.mkdir("d", dir_fd=cur)
+        nxt = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=cur)
+        os.close(cur)
+        cur = nxt
+    os.close(cur)
+    os.chmod(work / "d", 0)
+    return work
+
+
+def test_a_work_dir_fila_cannot_finish_cleaning_is_removed_not_left_live(tmp_path: Path) -> None:
+    # The allowed counterpart: 200 levels and a chmod 000 directory are cleaned and kept.
+    work = _engine_left(tmp_path / "calm", 200)
+    out = subprocess.run(
+        [sys.executable, "-c", _RECLAIM, str(work.parent), "1024"], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.startswith("ok"), out
+    assert not (work / ".git").exists() and not os.stat(work / "suid").st_mode & 0o6000
+    assert (work / "d" / "d").is_dir()
+    # With fewer fds than levels, walking it cannot finish: work/ goes, and the error says so.
+    work = _engine_left(tmp_path / "deep", 200)
+    out = subprocess.run(
+        [sys.executable, "-c", _RECLAIM, str(work.parent), "64"], capture_output=True, text=True, check=True
+    ).stdout
+    assert out.startswith("refused") and "could not be made safe" in out, out
+    assert not work.exists()
+
+
+# -- 3, the class: only a worker that is stopping hands a task back ----------------------------
+
+
+def test_a_bug_before_the_container_fails_its_task_once_while_a_stop_hands_it_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fila import cycle, queue
+    from fila.backends.docker import DockerBackend
+    from fila.models import Status
+
+    from .helpers import fila
+
+    root = make_root(tmp_path)
+    (tmp_path / "g.txt").write_text("hello\n")
+    for tid in ("stopped", "buggy"):
+        res = fila(
+            tmp_path, "submit", "--id", tid, "--engine", "shell", "--command", "true", "--target", "g.txt"
+        )
+        assert res.exit_code == 0, res.output
+
+    def run(tid: str, exc: BaseException) -> None:
+        def boom(*_a: object, **_k: object) -> None:
+            raise exc
+
+        monkeypatch.setattr(cycle, "check_task", boom)
+        claim = queue.try_claim(root, root.queued_path(tid), "w1")
+        assert claim is not None
+        with pytest.raises(type(exc)):
+            cycle.run_one(root, claim, backend=DockerBackend(None))
+
+    # The allowed counterpart: a worker stopping (Ctrl-C) hands the task back, queued as it was.
+    run("stopped", KeyboardInterrupt())
+    rec = queue.get_record(root, "stopped")
+    assert rec.status == Status.queued and root.queued_path("stopped").exists()
+    assert rec.attempts[-1].outcome == "handed back"
+    # A bug is reported (re-raised) but the task ends failed: claimed again, it would loop.
+    run("buggy", ZeroDivisionError("division by zero"))
+    rec = queue.get_record(root, "buggy")
+    assert rec.status == Status.failed and not root.queued_path("buggy").exists()
+    assert rec.error is not None and rec.error.kind == "infra"
+    assert rec.error.message == "fila bug: ZeroDivisionError: division by zero"

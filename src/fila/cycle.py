@@ -534,7 +534,13 @@ def run_one(
                 error=ErrorInfo(kind=ErrorKind.interrupted, message=msg),
                 diagnosis=f"the worker stopped while the container ran. {RETRY_HINT}",
             )
-        else:
+        elif isinstance(e, Exception):
+            # A bug in fila, not the worker stopping: handed back, the task would be claimed
+            # again at once and fail the same way, forever. Its record says so; the worker
+            # still reports the bug loudly.
+            bug = f"fila bug: {type(e).__name__}: {e}".rstrip(": ")
+            run.finish(Status.failed, error=ErrorInfo(kind=ErrorKind.infra, message=bug))
+        else:  # KeyboardInterrupt, SystemExit: the worker is really stopping
             run.requeue(InfraError(msg), outcome="handed back")
         raise
 
