@@ -677,6 +677,8 @@ def _run_engines(
             log_path=str(root.log_path(tid).relative_to(root.path)),
             warnings=warnings,
             egress=result.egress,
+            backend=result.backend or run.backend.name,
+            waived=result.waived,
             engine_report=outcome.report,
             check=check,
             **diff_fields,

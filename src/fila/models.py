@@ -263,6 +263,12 @@ class Policy(BaseModel):
     runtime: str | None = Field(
         default=None, pattern=RUNTIME_PATTERN, description="Docker runtime, e.g. runsc (a name only)"
     )
+    waive: list[Literal["memory", "pids", "cpus"]] = Field(
+        default_factory=list,
+        description="limits the container backend may leave unenforced on its host (rootless Podman on "
+        "cgroup v1 enforces none of them); without this, such a policy is refused before the job starts. "
+        "A waiver is kept in the record and shown by fila review",
+    )
     max_consecutive_failures: int = Field(
         default=5, strict=True, gt=0, le=1000, description="circuit breaker"
     )
@@ -422,6 +428,11 @@ class Record(BaseModel):
     decision: Decision | None = None
     diagnosis: str | None = None
     egress: EgressRecord | None = Field(default=None, description="network allowlist: the gateway's log")
+    backend: str | None = Field(default=None, description="the container backend that ran it: docker, podman")
+    waived: list[str] = Field(
+        default_factory=list,
+        description="limits of the policy the backend left unenforced (the policy's waive)",
+    )
     engine_report: EngineReport | None = Field(
         default=None, description="what the engine CLI reported: model, turns, usage, cost"
     )

@@ -247,6 +247,10 @@ def summary_lines(rv: Review) -> list[str]:
         lines.append(f"image     {inert(rec.image.tag)} {rec.image.id or ''}".rstrip())
     if rec.policy:
         lines.append(f"policy    {inert(rec.policy.name)} sha256:{inert(rec.policy.sha256[:12])}")
+    if rec.backend:
+        lines.append(f"backend   {inert(rec.backend)}")
+    if rec.waived:  # the policy let the backend run without these: a reviewer must see it
+        lines.append(f"WAIVED    {', '.join(inert(w) for w in rec.waived)} limits not enforced on this host")
     if rec.timings:
         lines.append("timings   " + ", ".join(f"{k} {v:.2f}s" for k, v in rec.timings.items()))
     if rec.error:

@@ -398,8 +398,12 @@ def run(
     before_start: Callable[[str], None] | None = None,
     heartbeat: Callable[[], None] | None = None,
     heartbeat_s: float = 5.0,
+    adapt: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+    create: Callable[[docker.DockerClient, dict[str, Any]], Container] | None = None,
 ) -> RunResult:
     """Create, start, wait (with the host's timeout), and always remove the job's container.
+    `adapt` maps create_kwargs' request to another engine speaking the Docker API (Podman), and
+    `create` makes the container from it (what the SDK cannot express).
 
     `before_start(container_id)` runs between create and start, immediately before the start:
     the side-effect boundary the caller records durably, and its last chance to refuse (raise,
@@ -409,6 +413,8 @@ def run(
     client = client or docker_client()
     name = container_name(spec.job_id)
     kwargs = create_kwargs(spec, name)
+    if adapt is not None:
+        kwargs = adapt(kwargs)
     spec.log_path.parent.mkdir(parents=True, exist_ok=True)
     uid, gid = run_as()
     host = (os.getuid(), os.getgid())
@@ -423,8 +429,10 @@ def run(
         if spec.policy.network == "allowlist":
             gateway = _start_gateway(client, spec, uid, gid)
             kwargs = create_kwargs(spec, name, gateway)
+            if adapt is not None:
+                kwargs = adapt(kwargs)
         try:
-            container = client.containers.create(**kwargs)
+            container = create(client, kwargs) if create is not None else client.containers.create(**kwargs)
         except ImageNotFound as e:
             raise ImageMissing(
                 f"image {spec.image} is not present for job {spec.job_id}",

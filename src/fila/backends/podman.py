@@ -1,0 +1,407 @@
+"""The Podman backend: rootless Podman through its API socket, no root daemon, no docker group.
+
+Podman speaks the Docker API, so most calls are DockerBackend's (the Docker SDK against the user's
+Podman socket). What differs is here:
+- The container is created through Podman's own endpoint (`/libpod/containers/create`): the
+  Docker-compatible one ignores ulimits in rootless mode (podman#25881, fixed in 5.5; Debian 12 has
+  4.3) and cannot ask for `userns=keep-id`, which rootless Podman needs so that the engine runs with
+  the user's own uid and can write work/. `libpod_spec` maps create_kwargs' request to it: a pure
+  function that refuses any key it does not know, so a new hardening flag cannot be dropped here
+  in silence.
+- What the host can enforce is measured (`podman info`): rootless containers on cgroup v1 get no
+  memory, cpu or pids limits ("Resource limits are not supported and ignored on cgroups V1 rootless
+  systems"), so a policy is refused before any container starts unless it `waive`s them.
+- `network: allowlist` (a job network and a gateway container) is refused: its internal networks
+  and the gateway's two networks are Docker's design, not yet mapped to rootless networking.
+- The socket is found ($CONTAINER_HOST, $XDG_RUNTIME_DIR/podman/podman.sock, or where `podman info`
+  says), or fila starts `podman system service` for its own use (and says so on stderr).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any
+
+import docker
+import requests
+from docker.errors import APIError, DockerException, ImageNotFound, NotFound
+from docker.models.containers import Container
+
+from ..errors import DockerUnavailable, InfraError, InvalidPolicy
+from ..models import Policy
+from . import docker as dk
+from .base import WAIVABLE, RunResult, RunSpec
+
+SERVICE_IDLE_S = 600  # a service fila started exits after this long without a client
+START_WAIT_S = 20.0
+_ERRORS = (DockerException, requests.RequestException, OSError)
+
+
+def default_socket() -> Path:
+    """Where rootless Podman puts its API socket for this user (podman's own rule)."""
+    if os.getuid() == 0:
+        return Path("/run/podman/podman.sock")
+    run_dir = os.environ.get("XDG_RUNTIME_DIR") or f"/tmp/podman-run-{os.getuid()}"
+    return Path(run_dir) / "podman" / "podman.sock"
+
+
+def socket_from_env() -> Path | None:
+    host = os.environ.get("CONTAINER_HOST", "")
+    if host.startswith("unix://"):
+        return Path(host.removeprefix("unix://"))
+    return None
+
+
+# -- the request -----------------------------------------------------------------------------------
+
+_SIGNALS = {"SIGTERM": 15, "SIGKILL": 9, "SIGINT": 2}
+_LIMIT_KEYS = {"mem_limit": "memory", "memswap_limit": "memory", "nano_cpus": "cpus", "pids_limit": "pids"}
+
+
+def _mount(m: Any) -> dict[str, Any]:
+    if m.get("Type") != "bind":
+        raise ValueError(f"libpod_spec: mount type {m.get('Type')!r} is not mapped")
+    return {
+        "destination": m["Target"],
+        "source": m["Source"],
+        "type": "bind",
+        "options": ["rbind", "ro" if m.get("ReadOnly") else "rw"],
+    }
+
+
+def _tmpfs(target: str, opts: str) -> dict[str, Any]:
+    out = []
+    for o in opts.split(","):
+        # Podman has no uid=/gid= for a tmpfs: "U" makes it the container user's (keep-id: the
+        # user fila runs as, the uid create_kwargs asked for).
+        if o.startswith(("uid=", "gid=")):
+            if "U" not in out:
+                out.append("U")
+            continue
+        out.append(o)
+    return {"destination": target, "type": "tmpfs", "source": "tmpfs", "options": out}
+
+
+def libpod_spec(
+    kwargs: dict[str, Any], *, rootless: bool, waive: frozenset[str] = frozenset()
+) -> dict[str, Any]:
+    """create_kwargs' request as Podman's SpecGenerator. Limits named in `waive` are left out (the
+    policy waived them and the host cannot enforce them); every other key must be mapped."""
+    kw = dict(kwargs)
+    spec: dict[str, Any] = {
+        "image": kw.pop("image"),
+        "name": kw.pop("name"),
+        "entrypoint": list(kw.pop("entrypoint")),
+        "command": list(kw.pop("command")),
+        "env": dict(kw.pop("environment")),
+        "work_dir": kw.pop("working_dir"),
+        "user": kw.pop("user"),
+        "hostname": kw.pop("hostname"),
+        "labels": dict(kw.pop("labels")),
+        "read_only_filesystem": bool(kw.pop("read_only")),
+        "cap_drop": list(kw.pop("cap_drop")),
+        "privileged": bool(kw.pop("privileged")),
+        "init": bool(kw.pop("init")),
+        "oom_score_adj": int(kw.pop("oom_score_adj")),
+        "stop_signal": _SIGNALS[kw.pop("stop_signal")],
+        "terminal": bool(kw.pop("tty")),
+        "stdin": bool(kw.pop("stdin_open")),
+        "r_limits": [{"type": u["Name"], "soft": u["Soft"], "hard": u["Hard"]} for u in kw.pop("ulimits")],
+        "userns": {"nsmode": "keep-id"} if rootless else {"nsmode": "host"},
+    }
+    if kw.pop("ipc_mode") != "private":
+        raise ValueError("libpod_spec: only a private IPC namespace is mapped")
+    spec["ipcns"] = {"nsmode": "private"}
+    sec = kw.pop("security_opt")
+    if sec != ["no-new-privileges:true"]:
+        raise ValueError(f"libpod_spec: security_opt {sec!r} is not mapped")
+    spec["no_new_privileges"] = True
+    mounts = [_mount(m) for m in kw.pop("mounts")]
+    mounts += [_tmpfs(t, o) for t, o in kw.pop("tmpfs").items()]
+    spec["mounts"] = mounts
+    net = kw.pop("network_mode")
+    if net == "none":
+        spec["netns"] = {"nsmode": "none"}
+    elif net == "bridge":
+        spec["netns"] = {"nsmode": "slirp4netns" if rootless else "bridge"}
+    else:
+        raise ValueError(f"libpod_spec: network {net!r} is not mapped")
+    log = kw.pop("log_config")
+    spec["log_configuration"] = {"driver": "k8s-file", "size": int(log["Config"]["max-size"])}
+    limits: dict[str, Any] = {}
+    mem, swap = kw.pop("mem_limit"), kw.pop("memswap_limit")
+    cpus, pids = kw.pop("nano_cpus"), kw.pop("pids_limit")
+    if "memory" not in waive:
+        limits["memory"] = {"limit": mem, "swap": swap}
+    if "cpus" not in waive:
+        limits["cpu"] = {"quota": max(1000, cpus * 100_000 // 1_000_000_000), "period": 100_000}
+    if "pids" not in waive:
+        limits["pids"] = {"limit": pids}
+    if limits:
+        spec["resource_limits"] = limits
+    if "runtime" in kw:
+        spec["oci_runtime"] = kw.pop("runtime")
+    if kw:
+        raise ValueError(f"libpod_spec: create_kwargs keys not mapped to Podman: {sorted(kw)}")
+    return spec
+
+
+# -- the service -----------------------------------------------------------------------------------
+
+
+def _service_conf(path: Path) -> Path:
+    """The containers.conf of a service fila starts: cgroupfs (no systemd user session is needed),
+    events to a file, and runc where crun cannot run (cgroup v1 with a v2 hierarchy mounted beside:
+    crun refuses "cgroups in hybrid mode")."""
+    lines = ["[engine]", 'cgroup_manager = "cgroupfs"', 'events_logger = "file"']
+    if Path("/sys/fs/cgroup/unified").is_dir() and shutil.which("runc", path="/usr/sbin:/usr/bin:/sbin:/bin"):
+        lines.append('runtime = "runc"')
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _podman() -> str:
+    exe = shutil.which("podman")
+    if exe is None:
+        raise DockerUnavailable(
+            "podman is not installed",
+            hint="install it (Debian: apt-get install podman uidmap slirp4netns fuse-overlayfs), "
+            "or choose another backend (FILA_BACKEND=docker)",
+        )
+    return exe
+
+
+class PodmanBackend(dk.DockerBackend):
+    name = "podman"
+
+    def __init__(
+        self,
+        socket: Path | None = None,
+        *,
+        autostart: bool = True,
+        say: Callable[[str], None] | None = None,
+        timeout: float = 60,
+    ) -> None:
+        super().__init__(None, timeout=timeout)
+        self.socket = socket or socket_from_env() or default_socket()
+        self.autostart = autostart
+        self.say = say or (lambda m: print(f"fila: {m}", file=sys.stderr, flush=True))
+        self._start_lock = threading.Lock()
+        self._info: dict[str, Any] | None = None
+
+    # -- connections ----------------------------------------------------------------------------
+
+    def _client(self, timeout: float) -> docker.DockerClient:
+        c = docker.DockerClient(base_url=f"unix://{self.socket}", version="1.41", timeout=timeout)
+        try:
+            c.ping()
+        except BaseException:
+            c.close()
+            raise
+        return c
+
+    def connect(self, timeout: float | None = None) -> docker.DockerClient:
+        t = self._timeout if timeout is None else timeout
+        try:
+            return self._client(t)
+        except _ERRORS as first:
+            if not self.autostart:
+                raise self._down(first) from first
+            with self._start_lock:
+                try:
+                    return self._client(t)
+                except _ERRORS:
+                    pass
+                self._start_service()
+                try:
+                    return self._client(t)
+                except _ERRORS as e:
+                    raise self._down(e) from e
+
+    def _down(self, err: BaseException) -> DockerUnavailable:
+        return DockerUnavailable(
+            f"the Podman API socket {self.socket} does not answer: {err}",
+            hint="start it (`podman system service --time=0 &` or `systemctl --user start podman.socket`), "
+            "or let fila start it (it does unless the socket was given); FILA_BACKEND=docker uses Docker",
+        )
+
+    def _start_service(self) -> None:
+        exe = _podman()
+        self.socket.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with contextlib.suppress(FileNotFoundError):
+            self.socket.unlink()  # a stale socket of a service that is gone
+        env = dict(os.environ)
+        env["CONTAINERS_CONF"] = str(_service_conf(self.socket.parent / "fila-containers.conf"))
+        log = self.socket.parent / "fila-service.log"
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(
+                [exe, "system", "service", f"--time={SERVICE_IDLE_S}", f"unix://{self.socket}"],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                env=env,
+                start_new_session=True,  # outlives this fila: the next command reuses it
+            )
+        deadline = time.monotonic() + START_WAIT_S
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise DockerUnavailable(
+                    f"`podman system service` exited with {proc.returncode}: "
+                    f"{log.read_text(errors='replace')[-500:].strip()}",
+                    hint="run `podman info` as this user to see what Podman needs",
+                    path=log,
+                )
+            if self.socket.exists():
+                with contextlib.suppress(*_ERRORS):
+                    self._client(5).close()
+                    self.say(
+                        f"no Podman API socket answered; started `podman system service` (pid {proc.pid}) "
+                        f"at {self.socket} for fila's use (it exits after {SERVICE_IDLE_S} s idle; log {log})"
+                    )
+                    return
+            time.sleep(0.1)
+        raise DockerUnavailable(f"`podman system service` did not answer within {START_WAIT_S:g} s", path=log)
+
+    def ping(self) -> None:
+        self.connect(timeout=15).close()
+
+    # -- what the host enforces -----------------------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        if self._info is None:
+            with self.client() as c:
+                try:
+                    self._info = dict(c.api._result(c.api._get(c.api._url("/libpod/info")), json=True))
+                except _ERRORS as e:
+                    raise InfraError(f"podman failed while describing its host: {e}") from e
+        return self._info
+
+    @property
+    def rootless(self) -> bool:
+        return bool(self.info().get("host", {}).get("security", {}).get("rootless"))
+
+    def unenforceable(self, policy: Policy) -> list[str]:
+        host = self.info().get("host", {})
+        if not self.rootless:
+            return []
+        have = set(host.get("cgroupControllers") or [])
+        need = {"memory": "memory", "pids": "pids", "cpus": "cpu"}
+        return [w for w in WAIVABLE if need[w] not in have]
+
+    def why_unenforceable(self) -> str:
+        host = self.info().get("host", {})
+        return (
+            f"rootless Podman on cgroup {host.get('cgroupVersion', '?')} with controllers "
+            f"{host.get('cgroupControllers') or 'none'} delegated: Podman ignores these limits there"
+        )
+
+    def check(self, policy: Policy, *, job_id: str | None = None) -> list[str]:
+        if policy.network == "allowlist":
+            raise InvalidPolicy(
+                "the podman backend does not run network allowlist (its job network and gateway are "
+                "Docker's); the job was not started",
+                hint="use network none (or bridge) with Podman, or FILA_BACKEND=docker for allowlist",
+                task_id=job_id,
+            )
+        if policy.runtime and policy.runtime not in self.runtimes():
+            raise InvalidPolicy(
+                f"the policy's runtime {policy.runtime!r} is not one Podman has "
+                f"({', '.join(self.runtimes())})",
+                hint="install it and name it in containers.conf [engine.runtimes], or change the policy",
+                task_id=job_id,
+            )
+        return super().check(policy, job_id=job_id)
+
+    def runtime_for(self, policy: Policy) -> str | None:
+        return policy.runtime
+
+    def overlay_unsupported(self) -> str | None:
+        # Docker's daemon mounts the overlay volume as root; rootless Podman would need the
+        # volume mapped to its own overlay support: not done yet, so jobs copy their targets.
+        return "the podman backend does not mount overlay work/ volumes yet"
+
+    def runtimes(self) -> list[str]:
+        host = self.info().get("host", {})
+        names = set((self.info().get("plugins") or {}).get("runtimes") or [])
+        oci = (host.get("ociRuntime") or {}).get("name")
+        return sorted(names | ({oci} if oci else set()))
+
+    # -- the run --------------------------------------------------------------------------------
+
+    def run(
+        self,
+        spec: RunSpec,
+        *,
+        before_start: Callable[[str], None] | None = None,
+        heartbeat: Callable[[], None] | None = None,
+        heartbeat_s: float = 5.0,
+    ) -> RunResult:
+        waived = self.check(spec.policy, job_id=spec.job_id)
+        rootless = self.rootless
+        waive = frozenset(waived)
+
+        def create(client: docker.DockerClient, kwargs: dict[str, Any]) -> Container:
+            body = libpod_spec(kwargs, rootless=rootless, waive=waive)
+            api = client.api
+            try:
+                res = api._result(api._post_json(api._url("/libpod/containers/create"), data=body), json=True)
+            except NotFound as e:  # Podman: "<image>: image not known"
+                raise ImageNotFound(str(e)) from e
+            return client.containers.get(res["Id"])
+
+        with self.client() as c:
+            result = dk.run(
+                spec,
+                client=c,
+                before_start=before_start,
+                heartbeat=heartbeat,
+                heartbeat_s=heartbeat_s,
+                create=create,
+            )
+        result.backend, result.waived = self.name, waived
+        return result
+
+    def tags(self, image: str) -> list[str]:
+        # Podman names local images with their registry (docker.io/fila/shell:latest, localhost/x).
+        return sorted(
+            {re.sub(r"^(?:docker\.io/(?:library/)?|localhost/)", "", t) for t in super().tags(image)}
+        )
+
+    def refusal(self, err: BaseException) -> str | None:
+        cause = err.__cause__
+        if isinstance(cause, APIError) and cause.status_code == 400:
+            return str(cause.explanation or cause)
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        d = super().describe()
+        host = self.info().get("host", {})
+        return {
+            **d,
+            "name": self.name,
+            "socket": str(self.socket),
+            "rootless": self.rootless,
+            "cgroup": host.get("cgroupVersion"),
+            "controllers": host.get("cgroupControllers") or [],
+        }
+
+    def test_upstream(
+        self, image: str, argv: list[str], aliases: list[str], *, role: str
+    ) -> AbstractContextManager[tuple[str, str]]:
+        raise InfraError(
+            "the podman backend refuses network allowlist, so it has no upstream to test it with"
+        )
+
+
+__all__ = ["PodmanBackend", "default_socket", "libpod_spec"]
