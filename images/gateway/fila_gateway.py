@@ -422,6 +422,32 @@ class DnsRefuser(asyncio.DatagramProtocol):
             )
 
 
+class MalformedRequests(logging.Handler):
+    """mitmproxy answers 400 to a request line it cannot parse (a CONNECT target with userinfo,
+    `host@other:443`) before any hook sees it, and only says so in its own log: that log record
+    becomes a denied line in egress.jsonl."""
+
+    LINE = re.compile(r"Bad HTTP request line: b'(?P<method>[^ ']{1,24}) (?P<target>[^ ']{1,300})")
+
+    def __init__(self, gateway: Gateway) -> None:
+        super().__init__(logging.DEBUG)
+        self.gateway = gateway
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with contextlib.suppress(Exception):
+            text = record.getMessage()
+            if "Bad HTTP request" not in text:
+                return
+            m = self.LINE.search(text)
+            self.gateway.write(
+                door=self.gateway.doors.get(getattr(record, "client", None), "proxy"),
+                method=m["method"] if m else None,
+                host=m["target"] if m else None,
+                reason="malformed request",
+                status=400,
+            )
+
+
 class CloseClient(layer.Layer):
     """A tunnel's next layer that only closes the client's connection (a refused handshake)."""
 
@@ -439,6 +465,8 @@ class Gateway:
         self._log: Any = None
         self._sink: asyncio.Server | None = None
         self._dns: Any = None
+        self.doors: dict[Any, str] = {}  # client address -> door, for MalformedRequests
+        self._malformed = MalformedRequests(self)
 
     # -- lifecycle
 
@@ -450,6 +478,7 @@ class Gateway:
             logger.error(f"fila_gateway: {e}")
             return
         LOG_DIR.mkdir(parents=True, exist_ok=True)
+        logging.getLogger("mitmproxy.proxy.server").addHandler(self._malformed)
         self._log = open(LOG_DIR / "egress.jsonl", "a", buffering=1, encoding="utf-8")  # noqa: SIM115
 
     async def running(self) -> None:
@@ -484,6 +513,7 @@ class Gateway:
             logger.error(f"fila_gateway: listeners {sorted(ports)} lack {PROXY_PORT} or {ROUTE_PORT}")
 
     def done(self) -> None:
+        logging.getLogger("mitmproxy.proxy.server").removeHandler(self._malformed)
         if self._sink is not None:
             self._sink.close()
         if self._dns is not None:
@@ -508,6 +538,7 @@ class Gateway:
     def client_connected(self, client: Any) -> None:
         peer = client.peername[0] if client.peername else ""
         if self.client_allowed(peer):
+            self.doors[client.peername] = "route" if isinstance(client.proxy_mode, ReverseMode) else "proxy"
             return
         client.error = "client not on the job network"
         door = "route" if isinstance(client.proxy_mode, ReverseMode) else "proxy"
@@ -663,6 +694,7 @@ class Gateway:
             )  # fmt: skip
 
     def client_disconnected(self, client: Any) -> None:
+        self.doors.pop(client.peername, None)
         # A tunnel the client closed before sending a byte (no TCP flow was ever made for it).
         t = self.tunnels.pop(client.id, None)
         if t is not None:
