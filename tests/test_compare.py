@@ -227,6 +227,8 @@ def test_a_task_file_group_with_a_check_runs_on_todays_copy_and_the_record_shows
     assert (rows["s1"]["insertions"], rows["s1"]["check_passed"], rows["s1"]["check_exit"]) == (2, False, 1)
     log = (proj / record(proj, "s1")["check"]["log_path"]).read_text()
     assert log == "counting\n"  # the check's own log, not the engine's
+    shown = fila(proj, "show", "s1").stdout
+    assert "group:     files" in shown and "check:     failed (exit 1): echo counting;" in shown
 
 
 # -- pinned images --------------------------------------------------------------------------------

@@ -130,6 +130,8 @@ def test_quota_falls_back_on_a_fresh_work_dir_and_budget_auth_and_engine_error_n
     assert "+from shell" in patch
     assert "hello.txt" not in patch, "the fallback saw the first engine's work/"
     assert rec["diffstat"]["paths"] == ["a.txt"]
+    shown = fila(root, "show", tid).stdout
+    assert "fell back: claude out of quota" in shown and first["log_path"] in shown
 
     # BLOCKED: the job's egress budget (max_requests 1) ends claude's run with the gateway's own
     # 429: a fallback would get no new budget, so the task fails as quota, naming the budget.

@@ -110,8 +110,16 @@ def _err(msg: str) -> None:
 
 
 @app.command()
-def init(root: RootOpt = None, json_: JsonOpt = False) -> None:
+def init(
+    root: RootOpt = None,
+    backend: Annotated[
+        str | None,
+        typer.Option(help="container backend of this root: docker (default) or podman (rootless)"),
+    ] = None,
+    json_: JsonOpt = False,
+) -> None:
     """Create the queue layout (fila/in, out, logs; sandbox/; policies/) in the root."""
+    from .backends import set_root_backend
     from .policy import install_shipped
 
     r = _root(root)
@@ -123,10 +131,12 @@ def init(root: RootOpt = None, json_: JsonOpt = False) -> None:
     if not ignore.exists():
         ignore.write_text("# job directories are large and disposable: fila gc removes them\n*\n")
     copied = install_shipped(r)
+    if backend is not None:
+        set_root_backend(r, backend)
     if json_:
-        _out({"root": str(r.path), "policies_installed": copied})
+        _out({"root": str(r.path), "policies_installed": copied, "backend": backend})
         return
-    typer.echo(f"initialised fila queue in {r.path}")
+    typer.echo(f"initialised fila queue in {r.path}" + (f" (backend {backend})" if backend else ""))
     if copied:
         typer.echo(f"policies installed: {', '.join(copied)} (in {r.policies_dir})")
 
@@ -450,6 +460,15 @@ def show(task_id: str, root: RootOpt = None, json_: JsonOpt = False) -> None:
     lines.append(f"attempt:   {rec.attempt}")
     if rec.exit_code is not None:
         lines.append(f"exit code: {rec.exit_code}")
+    for a in rec.attempts:
+        if a.outcome == "quota":  # an engine that fell back: the rest is in `show --json`
+            log = f" (log {r.path / a.log_path})" if a.log_path else ""
+            lines.append(f"fell back: {a.engine} out of quota{log}")
+    if rec.task and rec.task.group:
+        lines.append(f"group:     {rec.task.group} (`fila compare {rec.task.group}`)")
+    if rec.check:
+        c = rec.check
+        lines.append(f"check:     {'passed' if c.passed else 'failed'} (exit {c.exit_code}): {c.command}")
     if rec.error:
         lines.append(f"error:     {rec.error.kind}: {rec.error.message}")
     if rec.diagnosis:
