@@ -110,16 +110,8 @@ def _err(msg: str) -> None:
 
 
 @app.command()
-def init(
-    root: RootOpt = None,
-    backend: Annotated[
-        str | None,
-        typer.Option(help="container backend of this root: docker (default) or podman (rootless)"),
-    ] = None,
-    json_: JsonOpt = False,
-) -> None:
+def init(root: RootOpt = None, json_: JsonOpt = False) -> None:
     """Create the queue layout (fila/in, out, logs; sandbox/; policies/) in the root."""
-    from .backends import set_root_backend
     from .policy import install_shipped
 
     r = _root(root)
@@ -131,12 +123,10 @@ def init(
     if not ignore.exists():
         ignore.write_text("# job directories are large and disposable: fila gc removes them\n*\n")
     copied = install_shipped(r)
-    if backend is not None:
-        set_root_backend(r, backend)
     if json_:
-        _out({"root": str(r.path), "policies_installed": copied, "backend": backend})
+        _out({"root": str(r.path), "policies_installed": copied})
         return
-    typer.echo(f"initialised fila queue in {r.path}" + (f" (backend {backend})" if backend else ""))
+    typer.echo(f"initialised fila queue in {r.path}")
     if copied:
         typer.echo(f"policies installed: {', '.join(copied)} (in {r.policies_dir})")
 
