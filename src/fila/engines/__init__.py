@@ -15,6 +15,9 @@ _ENGINES = {
     "claude": "fila.engines.claude:ClaudeEngine",
     "codex": "fila.engines.codex:CodexEngine",
     "opencode": "fila.engines.opencode:OpencodeEngine",
+    "gemini": "fila.engines.gemini:GeminiEngine",
+    "qwen": "fila.engines.qwen:QwenEngine",
+    "aider": "fila.engines.aider:AiderEngine",
 }
 
 
