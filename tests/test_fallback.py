@@ -243,3 +243,12 @@ def test_an_unknown_engine_is_refused_naming_the_field(sub_root: Path) -> None:
     bad = fila(sub_root, "submit", "--target", "a.txt", "--engine", "shelll", "--command", "true")
     assert bad.exit_code == 2 and "field 'engine': unknown engine 'shelll'" in bad.output, bad.output
     assert "valid engines:" in bad.output
+
+
+def test_a_prompt_over_the_policys_cap_is_refused_naming_the_field(sub_root: Path) -> None:
+    _refusal_policy(sub_root, "short", max_prompt_bytes=1024)
+    args = ("submit", "--target", "a.txt", "--engine", "claude", "--policy", "short", "--prompt")
+    ok = fila(sub_root, *args, "é" * 512)  # 1024 bytes in UTF-8: at the cap
+    assert ok.exit_code == 0, ok.output
+    bad = fila(sub_root, *args, "é" * 512 + "x")
+    assert bad.exit_code == 2 and "field 'prompt'" in bad.output and "max_prompt_bytes 1024" in bad.output

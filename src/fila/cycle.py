@@ -154,6 +154,14 @@ def check_task(root: Root, task: Task, *, tags_of: Callable[[str], list[str]] | 
     engine = _engine_for("engine", task.engine)
     engine.config(task)
     policy, ref = load_policy(root, task.policy)
+    size = len(task.prompt.encode())
+    if size > policy.max_prompt_bytes:
+        raise InvalidTaskFile(
+            f"the prompt is {size} bytes, above policy {task.policy!r}'s max_prompt_bytes "
+            f"{policy.max_prompt_bytes}",
+            field="prompt",
+            hint="shorten the prompt (put long context in a target file), or use a policy with a larger cap",
+        )
     eff = narrow(policy, task, name=task.policy)
     project = jobdir.project_of(root, task, policy)
     if not project.is_dir():

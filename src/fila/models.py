@@ -249,6 +249,9 @@ class Policy(BaseModel):
     deny: list[str] = Field(
         default_factory=list, description="rules (.gitignore syntax) for paths never copied into a job"
     )
+    max_prompt_bytes: Count = Field(
+        default=256 << 10, description="largest prompt a task may give, in UTF-8 bytes (TASK.md, argv)"
+    )
     max_diff_bytes: Count = 20 << 20
     max_log_bytes: Count = 10 << 20
     max_work_bytes: Count = Field(default=1 << 30, description="total size of work/")
