@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -63,6 +63,7 @@ class Fila:
 
     root: Path
     user: str | None
+    extra_env: dict[str, str] = field(default_factory=dict)  # e.g. FILA_WORKSPACE=copy
 
     @property
     def uid(self) -> int:
@@ -70,6 +71,7 @@ class Fila:
 
     def __call__(self, *args: str) -> subprocess.CompletedProcess[str]:
         env = {"PATH": os.environ["PATH"], "HOME": str(self.root / ".home"), "FILA_ROOT": str(self.root)}
+        env.update(self.extra_env)
         if "DOCKER_HOST" in os.environ:
             env["DOCKER_HOST"] = os.environ["DOCKER_HOST"]
         # Both modes run the same fila (the one under test) the same way: an interpreter on the
