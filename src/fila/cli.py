@@ -110,11 +110,21 @@ def _err(msg: str) -> None:
 
 
 @app.command()
-def init(root: RootOpt = None, json_: JsonOpt = False) -> None:
+def init(
+    root: RootOpt = None,
+    backend: Annotated[
+        str | None,
+        typer.Option(help="container backend of this root: docker (default) or podman (rootless)"),
+    ] = None,
+    json_: JsonOpt = False,
+) -> None:
     """Create the queue layout (fila/in, out, logs; sandbox/; policies/) in the root."""
+    from .backends import check_name, set_root_backend
     from .policy import install_shipped
 
     r = _root(root)
+    if backend is not None:
+        check_name(backend)  # before anything is created
     for d in r.all_dirs():
         d.mkdir(parents=True, exist_ok=True)
     for d in (r.in_dir, r.out_dir, r.logs_dir):
@@ -123,10 +133,12 @@ def init(root: RootOpt = None, json_: JsonOpt = False) -> None:
     if not ignore.exists():
         ignore.write_text("# job directories are large and disposable: fila gc removes them\n*\n")
     copied = install_shipped(r)
+    if backend is not None:
+        set_root_backend(r, backend)
     if json_:
-        _out({"root": str(r.path), "policies_installed": copied})
+        _out({"root": str(r.path), "policies_installed": copied, "backend": backend})
         return
-    typer.echo(f"initialised fila queue in {r.path}")
+    typer.echo(f"initialised fila queue in {r.path}" + (f" (backend {backend})" if backend else ""))
     if copied:
         typer.echo(f"policies installed: {', '.join(copied)} (in {r.policies_dir})")
 

@@ -68,6 +68,30 @@ def root_backend(root: Root) -> str | None:
     return name
 
 
+def check_name(name: str) -> str:
+    """A backend name, normalised; an unknown one lists the valid ones (exit 2)."""
+    norm = name.strip().lower()
+    if norm not in BACKENDS:
+        raise InvalidInput(
+            f"field 'backend': unknown container backend {name!r}",
+            hint=f"valid backends: {', '.join(sorted(BACKENDS))}",
+        )
+    return norm
+
+
+def set_root_backend(root: Root, name: str) -> None:
+    """Name the root's backend in fila/config.json."""
+    from ..fsutil import atomic_write
+
+    path = config_path(root)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        data = {}
+    data["backend"] = check_name(name)
+    atomic_write(path, json.dumps(data, indent=1) + "\n")
+
+
 def backend_name(configured: str | None = None) -> str:
     """The chosen backend's name: FILA_BACKEND when set (this command's choice), else the queue
     root's setting, else docker."""

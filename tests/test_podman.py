@@ -1,0 +1,239 @@
+"""Rootless Podman: the backend contract and the cycle, as an unprivileged user these tests create.
+
+As root, `test_the_contract_and_the_cycle_pass_on_rootless_podman_as_an_ordinary_user` makes a
+throwaway user (no docker group: the Docker socket is closed to it), and runs, as that user,
+tests/test_backend_contract.py and the `as_user` tests of this module with
+FILA_CONTRACT_BACKEND=podman; no Podman socket answers for a new user, so the backend starts
+`podman system service` itself. The pure mapping of the request (libpod_spec) is tested here too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pwd
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+import fila
+from fila.backends import docker as dk
+from fila.backends.base import RunSpec
+from fila.backends.podman import libpod_spec
+from fila.models import Policy
+
+AS_USER = os.environ.get("FILA_CONTRACT_BACKEND") == "podman" and os.getuid() != 0
+as_user = pytest.mark.skipif(not AS_USER, reason="runs as the Podman test user (the root test starts it)")
+
+
+def _policy(**kw: object) -> Policy:
+    return Policy.model_validate(dict(max_timeout_ms=60_000, default_timeout_ms=10_000) | kw)
+
+
+def _kwargs(tmp_path: Path, **kw: object) -> dict[str, object]:
+    job = tmp_path / "job"
+    (job / "input").mkdir(parents=True, exist_ok=True)
+    (job / "work").mkdir(exist_ok=True)
+    spec = RunSpec(
+        job_id="t1",
+        job_dir=job,
+        image="fila/shell:latest",
+        argv=["sh", "-c", "true"],
+        env={"A": "1"},
+        policy=_policy(**kw),
+        limits=None,
+        timeout_ms=1000,
+        log_path=tmp_path / "log",
+        labels={"fila.root": "/q"},
+    )
+    return dk.create_kwargs(spec, "fila-t1-x")
+
+
+def test_libpod_spec_maps_every_hardening_flag_and_keeps_ulimits_and_limits(tmp_path: Path) -> None:
+    body = libpod_spec(_kwargs(tmp_path, nofile=512, fsize="2m", memory="64m", pids=64), rootless=True)
+    assert body["userns"] == {"nsmode": "keep-id"} and body["netns"] == {"nsmode": "none"}
+    assert body["read_only_filesystem"] and body["no_new_privileges"] and body["cap_drop"] == ["ALL"]
+    assert body["init"] and not body["privileged"] and body["ipcns"] == {"nsmode": "private"}
+    assert {"type": "nofile", "soft": 512, "hard": 512} in body["r_limits"]
+    assert {"type": "fsize", "soft": 2 << 20, "hard": 2 << 20} in body["r_limits"]
+    assert body["resource_limits"]["memory"]["limit"] == 64 << 20
+    assert body["resource_limits"]["pids"] == {"limit": 64}
+    binds = {m["destination"]: m["options"] for m in body["mounts"] if m["type"] == "bind"}
+    assert binds == {"/job": ["rbind", "ro"], "/job/input": ["rbind", "ro"], "/job/work": ["rbind", "rw"]}
+    home = next(m for m in body["mounts"] if m["destination"] == "/home/fila")
+    assert "U" in home["options"] and not any(o.startswith("uid=") for o in home["options"])
+    assert body["labels"]["fila"] == "1" and body["labels"]["fila.job"] == "t1"
+
+
+def test_libpod_spec_leaves_out_only_what_is_waived_and_refuses_keys_it_does_not_map(tmp_path: Path) -> None:
+    kw = _kwargs(tmp_path)
+    full = libpod_spec(kw, rootless=True)
+    assert set(full["resource_limits"]) == {"memory", "cpu", "pids"}
+    part = libpod_spec(kw, rootless=True, waive=frozenset({"memory", "pids"}))
+    assert set(part["resource_limits"]) == {"cpu"}
+    assert (
+        libpod_spec(kw, rootless=True, waive=frozenset({"memory", "pids", "cpus"})).get("resource_limits")
+        is None
+    )
+    # A flag create_kwargs gains later must not be dropped on Podman in silence.
+    with pytest.raises(ValueError, match="devices"):
+        libpod_spec({**kw, "devices": ["/dev/fuse"]}, rootless=True)
+    with pytest.raises(ValueError, match="security_opt"):
+        libpod_spec({**kw, "security_opt": ["seccomp=unconfined"]}, rootless=True)
+
+
+# -- as the Podman test user ---------------------------------------------------------------------
+
+
+def _cli(*args: str) -> tuple[int, str]:
+    from fila.cli import app
+
+    res = CliRunner().invoke(app, list(args))
+    return res.exit_code, res.output
+
+
+@as_user
+def test_the_cycle_on_podman_refuses_an_unwaived_policy_and_records_a_waived_one(tmp_path: Path) -> None:
+    q = tmp_path / "q"
+    q.mkdir()
+    (q / "greeting.txt").write_text("hello\n")
+    assert _cli("init", "--root", str(q), "--backend", "podman")[0] == 0
+    code, tid = _cli("submit", "--root", str(q), "--engine", "shell", "--command",
+                     "sed -i s/hello/world/ greeting.txt", "--target", "greeting.txt")  # fmt: skip
+    assert code == 0
+    _cli("run", "--once", "--root", str(q))
+    rec = json.loads((q / "fila" / "out" / f"{tid.strip()}.json").read_text())
+    assert rec["status"] == "failed" and rec["error"]["kind"] == "invalid"
+    assert "cannot enforce" in rec["error"]["message"] and not rec["container_started"]
+
+    pol = q / "policies" / "default.json"
+    data = json.loads(pol.read_text())
+    pol.write_text(json.dumps(data | {"waive": ["memory", "pids", "cpus"]}))
+    code, tid = _cli("submit", "--root", str(q), "--engine", "shell", "--command",
+                     "sed -i s/hello/world/ greeting.txt", "--target", "greeting.txt")  # fmt: skip
+    tid = tid.strip()
+    code, out = _cli("run", "--once", "--root", str(q))
+    assert code == 0, out
+    rec = json.loads((q / "fila" / "out" / f"{tid}.json").read_text())
+    assert rec["status"] == "needs_review" and rec["backend"] == "podman"
+    assert rec["waived"] == ["memory", "pids", "cpus"]
+    code, out = _cli("review", tid, "--root", str(q))
+    assert "backend   podman" in out and "WAIVED    memory, pids, cpus" in out, out
+    assert _cli("apply", tid, "--yes", "--root", str(q))[0] == 0
+    assert (q / "greeting.txt").read_text() == "world\n"
+
+
+@as_user
+def test_recovery_on_podman_sweeps_a_container_no_worker_holds(tmp_path: Path) -> None:
+    from fila import recovery
+    from fila.backends.podman import PodmanBackend
+    from fila.layout import Root
+
+    q = Root.at(tmp_path / "q")
+    assert _cli("init", "--root", str(q.path), "--backend", "podman")[0] == 0
+    backend = PodmanBackend()
+    job = tmp_path / "job"
+    (job / "input").mkdir(parents=True)
+    (job / "work").mkdir()
+    spec = RunSpec(
+        job_id="20260101-000000-abcdef",
+        job_dir=job,
+        image="fila/shell:latest",
+        argv=["sh", "-c", "sleep 50"],
+        env={"PATH": "/bin:/usr/bin"},
+        policy=_policy(waive=["memory", "pids", "cpus"]),
+        limits=None,
+        timeout_ms=55_000,
+        log_path=tmp_path / "log",
+        labels={"fila.root": str(q.path), "fila.worker": "gone-worker"},  # a worker killed mid-run
+    )
+    started = threading.Event()
+
+    def run() -> None:
+        with contextlib.suppress(Exception):  # its container is removed under it by recovery
+            backend.run(spec, before_start=lambda _c: started.set())
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    assert started.wait(30)
+    time.sleep(1)
+    assert [b.labels["fila.job"] for b in backend.find(root=str(q.path))] == [spec.job_id]
+    rep = recovery.recover(q, ttl=1e9)
+    assert rep.backend == "podman" and len(rep.containers_removed) == 1
+    assert backend.find(root=str(q.path)) == []
+    t.join(60)
+
+
+# -- the driver (root) ---------------------------------------------------------------------------
+
+
+def _python_for_others() -> str | None:
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    for cand in (Path(sys.executable), Path(f"/usr/bin/python{version}")):
+        path = cand.resolve()
+        if path.exists() and all(os.stat(p).st_mode & 0o001 for p in (path, *path.parents)):
+            return str(cand)
+    return None
+
+
+@contextlib.contextmanager
+def podman_user() -> Iterator[str]:
+    """A throwaway user with subordinate ids (useradd gives them) and no docker group."""
+    name = f"filapm{secrets.token_hex(3)}"
+    subprocess.run(["useradd", "--create-home", "--shell", "/bin/sh", "--user-group", name],
+                   check=True, capture_output=True)  # fmt: skip
+    pw = pwd.getpwnam(name)
+    try:
+        yield name
+    finally:
+        # Only the processes of the user made here: its Podman service, conmon, containers.
+        pids = subprocess.run(["pgrep", "-u", str(pw.pw_uid)], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), 9)
+        subprocess.run(["userdel", name], capture_output=True)
+        shutil.rmtree(pw.pw_dir, ignore_errors=True)
+        shutil.rmtree(f"/tmp/podman-run-{pw.pw_uid}", ignore_errors=True)
+        shutil.rmtree(f"/tmp/pytest-of-{name}", ignore_errors=True)
+
+
+@pytest.mark.docker
+@pytest.mark.skipif(os.getuid() != 0, reason="creating an ordinary user for the test needs root")
+@pytest.mark.skipif(shutil.which("podman") is None, reason="scripts/podman-up installs podman")
+def test_the_contract_and_the_cycle_pass_on_rootless_podman_as_an_ordinary_user() -> None:
+    python = _python_for_others()
+    if python is None:
+        pytest.skip(f"no Python {sys.version_info[:2]} an ordinary user may run")
+    here = Path(__file__).resolve().parent
+    site = next(p for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix))
+    with podman_user() as user:
+        env = {
+            "PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
+            "HOME": pwd.getpwnam(user).pw_dir,
+            "FILA_CONTRACT_BACKEND": "podman",
+            "PYTHONPATH": f"{Path(fila.__file__).parent.parent}:{site}",
+            "PYTHONDONTWRITEBYTECODE": "1",
+        }
+        with tempfile.TemporaryDirectory(prefix="fila-podman-") as tmp:
+            os.chmod(tmp, 0o777)
+            argv = ["runuser", "-u", user, "--", "env", "-i", *(f"{k}={v}" for k, v in env.items()),
+                    python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", f"--basetemp={tmp}/t",
+                    "--rootdir", str(here.parent), str(here / "test_backend_contract.py"),
+                    str(here / "test_podman.py"), "-k", "not ordinary_user"]  # fmt: skip
+            res = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=tmp)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-6000:]
+    m = re.search(r"(\d+) passed", out)
+    # 7 contract tests, 2 cycle tests on Podman, 2 pure ones: all of them ran as the user.
+    assert m is not None and int(m.group(1)) == 11 and "skipped" not in out, out[-3000:]
