@@ -457,6 +457,8 @@ class CloseClient(layer.Layer):
 
 
 class Gateway:
+    """The addon: one per mitmdump process, so one per job (its counters are the job's budget)."""
+
     def __init__(self) -> None:
         self.config: dict[str, Any] | None = None
         self.requests = 0
