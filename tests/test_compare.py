@@ -23,6 +23,7 @@ from typing import Any
 import docker
 import pytest
 
+from fila.backends.docker import DockerBackend
 from tests.helpers import fila, make_root, record
 from tests.test_engines import E2E_ENGINES, HELLO, USAGE
 from tests.upstreams.fixtures import Upstreams, upstreams  # noqa: F401  (the fixture)
@@ -46,7 +47,7 @@ def group_root(tmp_path: Path, upstreams: Upstreams, docker_client: docker.Docke
     from fila.images import ensure_image
 
     for engine in ("claude", "codex", "opencode", "shell"):
-        ensure_image(engine, client=docker_client, progress=lambda _l: None)
+        ensure_image(engine, DockerBackend(docker_client), progress=lambda _l: None)
     make_root(tmp_path)
     (tmp_path / "a.txt").write_text("hello\n")
     route = {"upstream": "https://model.test", "credential": KEY_VAR, "ca_file": str(upstreams.ca_file)}
@@ -303,3 +304,59 @@ def test_a_member_that_finishes_after_another_was_applied_cannot_be_applied(
     assert (proj / "a.txt").read_text() == "hello\nearly\n"
     # It can still be rejected: the person decides what to do with it.
     assert fila(proj, "reject", "later").exit_code == 0
+
+
+@pytest.mark.docker
+def test_the_check_has_no_network_even_when_the_engine_had_one_and_its_timeout_is_the_tasks(
+    proj: Path, shell_image: Any
+) -> None:
+    pol = json.loads((proj / "policies" / "default.json").read_text())
+    (proj / "policies" / "bridged.json").write_text(json.dumps({**pol, "network": "bridge"}))
+    # ALLOWED: under `bridge` the engine has an interface besides lo (it only lists them: no traffic).
+    net = ("--policy", "bridged", "--id", "net", "--command", "ls /sys/class/net > a.txt")
+    seen = fila(
+        proj, "submit", "--target", "a.txt", "--engine", "shell", *net, "--check", "ls /sys/class/net"
+    )
+    assert seen.exit_code == 0, seen.output
+    # The check that outlives the task's timeout is stopped and fails; the task stays reviewable.
+    slow = fila(proj, "submit", "--target", "a.txt", "--engine", "shell", "--id", "slow", "--timeout", "1500",
+                "--command", "echo x >> a.txt", "--check", "sleep 30")  # fmt: skip
+    assert slow.exit_code == 0, slow.output
+    done = _run_once(proj)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rec = record(proj, "net")
+    patch = (proj / rec["patch_path"]).read_text().splitlines()
+    engine_saw = {line[1:] for line in patch if line.startswith("+") and not line.startswith("+++")}
+    assert "lo" in engine_saw and engine_saw - {"lo"}, engine_saw
+    # BLOCKED: the check, on the same task, sees lo alone (network none).
+    assert rec["check"]["passed"] is True
+    assert (proj / rec["check"]["log_path"]).read_text().split() == ["lo"]
+    rec = record(proj, "slow")
+    assert rec["status"] == "needs_review" and rec["diffstat"]["insertions"] == 1
+    assert (rec["check"]["timed_out"], rec["check"]["passed"]) == (True, False)
+    assert rec["check"]["duration_s"] < 25
+
+
+def test_a_row_shows_the_engines_a_fallback_tried_and_where_its_tokens_were_counted() -> None:
+    from fila.compare import Comparison, _row, render_lines
+    from fila.models import Attempt, EngineReport, Record, RouteSummary, Task
+
+    task = Task(engine="claude", prompt="p", targets=["a.txt"], group="g", fallback=["shell"])
+    fell = Record(
+        id="g.claude",
+        status="needs_review",
+        task=task,
+        engine="shell",
+        attempts=[Attempt(number=1, engine="claude", outcome="quota"), Attempt(number=1, engine="shell")],
+        egress={"routes": {"anthropic": RouteSummary(requests=3, input_tokens=10, output_tokens=2)}},
+        engine_report=EngineReport(input_tokens=99, cost_usd=0.5),
+    )
+    row = _row(fell)
+    assert row.tried == ["claude(quota)", "shell"]
+    assert (row.requests, row.input_tokens, row.output_tokens, row.tokens_from) == (3, 10, 2, "gateway")
+    assert row.cost_usd == 0.5  # the CLI's report: the gateway sees tokens, never prices
+    # Without the gateway (network none), the CLI's own count, said so.
+    alone = _row(fell.model_copy(update={"egress": None}))
+    assert (alone.input_tokens, alone.tokens_from, alone.requests) == (99, "cli", None)
+    table = render_lines(Comparison("g", "p", ["a.txt"], [row, alone]))
+    assert "claude(quota) -> shell" in table[2] and "10/2" in table[2] and "99/-" in table[3]
