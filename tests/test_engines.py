@@ -459,3 +459,24 @@ def test_a_429_is_quota_and_a_401_is_auth_with_the_clis_own_message(
     # The CLI's first request met the scripted error (qwen and aider retry past the script's end,
     # where the server answers 500: the gateway's log still names the quota).
     assert upstreams.requests("model.test")[0]["status"] == status
+
+
+@pytest.mark.docker
+@pytest.mark.engines
+def test_a_flag_the_cli_no_longer_lists_fails_the_smoke_test(
+    docker_client: docker.DockerClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fila.engines.base import Smoke
+    from fila.engines.claude import ClaudeEngine
+    from fila.errors import ImageMissing
+    from fila.images import ensure_image, smoke_test
+
+    backend = DockerBackend(docker_client)
+    ref = ensure_image("claude", backend, progress=lambda _l: None)
+    smoke_test(backend, "claude", ref, progress=lambda _l: None)  # the real flags: passes
+    assert docker_client.images.get("fila/claude:2.1.332").id == ref.id  # tagged with its version
+    renamed = (*ClaudeEngine.smoke, Smoke(("claude", "--help"), ("--output-format", "--no-such-flag")))
+    monkeypatch.setattr(ClaudeEngine, "smoke", renamed)
+    with pytest.raises(ImageMissing) as e:
+        smoke_test(backend, "claude", ref, progress=lambda _l: None)
+    assert "lists no --no-such-flag" in str(e.value) and "src/fila/engines/claude.py" in str(e.value.hint)
