@@ -23,6 +23,7 @@ import uuid
 from pathlib import Path
 
 from bench.common import Ctx, Row, alternate, median, paired_ratio
+from fila.backends.docker import DockerBackend
 
 KEY_VAR = "FILA_BENCH_EGRESS_KEY"
 
@@ -57,8 +58,8 @@ def egress_startup(ctx: Ctx) -> list[Row]:
     from fila.models import Policy
 
     client = sandbox.docker_client()
-    ensure_image("shell", client=client, progress=lambda _m: None)
-    if find_image(client, egress.GATEWAY_IMAGE) is None:
+    ensure_image("shell", DockerBackend(client), progress=lambda _m: None)
+    if find_image(DockerBackend(client), egress.GATEWAY_IMAGE) is None:
         raise SystemExit(f"{egress.GATEWAY_IMAGE} is not built: `fila images build gateway`")
     reps = ctx.reps_or(15, 3)
     net = f"fila-bench-egress-{uuid.uuid4().hex[:8]}"

@@ -33,6 +33,7 @@ from bench.common import REPO, Ctx, Row, median, paired_ratio
 sys.path.insert(0, str(REPO))  # tests.upstreams: the same servers the tests use
 from tests.upstreams.fixtures import CA_IN_CONTAINER, HARDENED, IMAGE, start_upstreams
 
+from fila.backends.docker import DockerBackend
 from fila.images import GATEWAY_IMAGE, build
 
 SYSTEM_CA = Path("/etc/ssl/certs/ca-certificates.crt")
@@ -137,7 +138,7 @@ def _gateway(client: docker.DockerClient, ups: Any, job_net: str, tmp: Path, ses
 def measure(reps: int, warmup: int = 3, ca_file: Path | None = None, log: Any = print) -> dict[str, Any]:
     """Samples per case and side: {"model": {"gateway": [...], "direct": [...]}, "static": ...}."""
     client = docker.from_env()
-    build("gateway", client=client, ca_file=ca_file, progress=lambda _: None)
+    build("gateway", DockerBackend(client), ca_file=ca_file, progress=lambda _: None)
     session = uuid.uuid4().hex[:8]
     with tempfile.TemporaryDirectory(prefix="fila-bench-gw-") as t:
         tmp = Path(t)

@@ -8,6 +8,7 @@ from typing import Any
 import docker
 import pytest
 
+from fila.backends.docker import DockerBackend
 from fila.backends.docker import docker_client as connect
 from fila.errors import DockerUnavailable
 from fila.images import ensure_image
@@ -27,7 +28,7 @@ def docker_client() -> docker.DockerClient:
 
 @pytest.fixture(scope="session")
 def shell_image(docker_client: docker.DockerClient) -> ImageRef:
-    return ensure_image("shell", client=docker_client)
+    return ensure_image("shell", DockerBackend(docker_client))
 
 
 @pytest.fixture

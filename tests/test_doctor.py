@@ -9,6 +9,7 @@ import docker
 import pytest
 
 from fila import egress
+from fila.backends.docker import DockerBackend
 from fila.models import ImageRef
 from tests.helpers import fila, make_root
 
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.docker
 def root(tmp_path: Path, shell_image: ImageRef, docker_client: docker.DockerClient) -> Path:
     from fila.images import find_image
 
-    if find_image(docker_client, egress.GATEWAY_IMAGE) is None:
+    if find_image(DockerBackend(docker_client), egress.GATEWAY_IMAGE) is None:
         pytest.fail(f"{egress.GATEWAY_IMAGE} is not built: `fila images build gateway`")
     make_root(tmp_path)
     return tmp_path

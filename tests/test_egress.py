@@ -24,6 +24,7 @@ import pytest
 
 from fila import egress
 from fila.backends import docker_egress
+from fila.backends.docker import DockerBackend
 from fila.models import ImageRef
 from tests.helpers import fila, make_root, record
 from tests.upstreams.fixtures import Upstreams, upstreams  # noqa: F401  (the fixture)
@@ -42,10 +43,10 @@ MESSAGES = (
 def images(docker_client: docker.DockerClient) -> ImageRef:
     from fila.images import ensure_image, find_image
 
-    ref = find_image(docker_client, egress.GATEWAY_IMAGE)
+    ref = find_image(DockerBackend(docker_client), egress.GATEWAY_IMAGE)
     if ref is None:
         pytest.fail(f"{egress.GATEWAY_IMAGE} is not built: `fila images build gateway`")
-    return ensure_image("testnet", client=docker_client, progress=lambda _l: None)
+    return ensure_image("testnet", DockerBackend(docker_client), progress=lambda _l: None)
 
 
 @pytest.fixture

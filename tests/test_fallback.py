@@ -20,6 +20,7 @@ from typing import Any
 import docker
 import pytest
 
+from fila.backends.docker import DockerBackend
 from fila.cycle import fallback_chain
 from fila.models import Policy, Task
 from tests.helpers import fila, make_root, record
@@ -79,7 +80,7 @@ def fb_root(tmp_path: Path, upstreams: Upstreams, docker_client: docker.DockerCl
     from fila.images import ensure_image
 
     for engine in ("claude", "shell"):
-        ensure_image(engine, client=docker_client, progress=lambda _l: None)
+        ensure_image(engine, DockerBackend(docker_client), progress=lambda _l: None)
     make_root(tmp_path)
     (tmp_path / "a.txt").write_text("hello\n")
     _policy(tmp_path, upstreams, "chain", fallback=["shell"])  # the policy's default chain

@@ -25,6 +25,7 @@ import docker
 import pytest
 from docker.errors import APIError, NotFound
 
+from fila.backends.docker import DockerBackend
 from fila.images import GATEWAY_IMAGE, build
 
 from .upstreams.fixtures import CA_IN_CONTAINER, HARDENED, IMAGE, Upstreams, check_no_route_out
@@ -229,7 +230,7 @@ def gateway_image(docker_client: docker.DockerClient) -> str:
     # the build's extra CA (harmless where there is no such proxy). Reused when current.
     build(
         "gateway",
-        client=docker_client,
+        DockerBackend(docker_client),
         ca_file=SYSTEM_CA if SYSTEM_CA.exists() else None,
         progress=lambda _: None,
     )

@@ -20,6 +20,7 @@ import docker
 import pytest
 
 from fila import images
+from fila.backends.docker import DockerBackend
 from fila.errors import ImageMissing
 
 from .helpers import fila, make_root, record
@@ -93,9 +94,9 @@ TOOL = {"name": "Write", "arguments": {"file_path": "/job/work/a.txt", "content"
 def test_debian_base_is_reused_while_its_definition_holds(
     docker_client: docker.DockerClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    images.ensure_image("testnet", client=docker_client, progress=lambda s: None)
+    images.ensure_image("testnet", DockerBackend(docker_client), progress=lambda s: None)
     lines: list[str] = []
-    ref = images.debian_base(docker_client, progress=lines.append)
+    ref = images.debian_base(DockerBackend(docker_client), progress=lines.append)
     labels = docker_client.images.get(ref.id).labels
     assert labels[images.LABEL_DEFINITION] == images._definition_hash()
     assert lines == [f"local base {images.DEBIAN_TAG}: reusing {ref.id[:19]}"]
@@ -107,15 +108,16 @@ def test_debian_base_is_reused_while_its_definition_holds(
     monkeypatch.setattr(images, "_debootstrap", no_debootstrap)
     monkeypatch.setitem(images.DEBIAN, "packages", ["curl"])
     with pytest.raises(ImageMissing, match="debootstrap would run"):
-        images.debian_base(docker_client, progress=lambda s: None)
-    assert images.find_image(docker_client, images.DEBIAN_TAG) == ref, "the old base stays until replaced"
+        images.debian_base(DockerBackend(docker_client), progress=lambda s: None)
+    backend = DockerBackend(docker_client)
+    assert images.find_image(backend, images.DEBIAN_TAG) == ref, "the old base stays until replaced"
 
 
 def test_debian_base_rebuilds_for_a_ca_it_does_not_hold(
     docker_client: docker.DockerClient, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    images.ensure_image("testnet", client=docker_client, progress=lambda s: None)
-    ref = images.debian_base(docker_client, progress=lambda s: None)
+    images.ensure_image("testnet", DockerBackend(docker_client), progress=lambda s: None)
+    ref = images.debian_base(DockerBackend(docker_client), progress=lambda s: None)
     held = docker_client.images.get(ref.id).labels.get(images.LABEL_CA, "")
     monkeypatch.setattr(
         images, "_debootstrap", lambda root, progress: (_ for _ in ()).throw(ImageMissing("rebuild"))
@@ -123,23 +125,23 @@ def test_debian_base_rebuilds_for_a_ca_it_does_not_hold(
     ca = tmp_path / "other-ca.pem"
     ca.write_text("-----BEGIN CERTIFICATE-----\nZmlsYS1vdGhlci1jYQ==\n-----END CERTIFICATE-----\n")
     with pytest.raises(ImageMissing, match="rebuild"):
-        images.debian_base(docker_client, ca_file=ca, progress=lambda s: None)
+        images.debian_base(DockerBackend(docker_client), ca_file=ca, progress=lambda s: None)
     # No CA asked for: whatever CA the base holds is fine (no flip-flopping between builds).
-    assert images.debian_base(docker_client, progress=lambda s: None) == ref
+    assert images.debian_base(DockerBackend(docker_client), progress=lambda s: None) == ref
     assert docker_client.images.get(ref.id).labels.get(images.LABEL_CA, "") == held
 
 
 def test_testnet_image_builds_on_the_debian_base_and_is_reused(
     docker_client: docker.DockerClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    ref = images.ensure_image("testnet", client=docker_client, progress=lambda s: None)
+    ref = images.ensure_image("testnet", DockerBackend(docker_client), progress=lambda s: None)
     img = docker_client.images.get(ref.id)
     # Built FROM the imported Debian base of the current definition (its label is inherited).
     assert img.labels[images.LABEL_BASE] == images.DEBIAN_TAG
     assert img.labels[images.LABEL_DEFINITION] == images._definition_hash()
     assert any("Imported from" in (h.get("Comment") or "") for h in img.history())
     lines: list[str] = []
-    assert images.build("testnet", client=docker_client, progress=lines.append) == ref
+    assert images.build("testnet", DockerBackend(docker_client), progress=lines.append) == ref
     assert len(lines) == 1 and "up to date" in lines[0]
     # A changed base definition makes the image stale: ensure_image would rebuild it.
     monkeypatch.setitem(images.DEBIAN, "packages", ["curl"])
@@ -149,7 +151,7 @@ def test_testnet_image_builds_on_the_debian_base_and_is_reused(
 def test_testnet_runs_as_a_shell_engine_image_under_fila_sandbox(
     tmp_path: Path, docker_client: docker.DockerClient
 ) -> None:
-    images.ensure_image("testnet", client=docker_client, progress=lambda s: None)
+    images.ensure_image("testnet", DockerBackend(docker_client), progress=lambda s: None)
     make_root(tmp_path)
     (tmp_path / "out.txt").write_text("")
     cmd = (
@@ -578,7 +580,7 @@ def test_ca_certificates_verify_with_openssl(tmp_path: Path) -> None:
 def test_a_dead_session_is_swept_and_a_live_one_kept(docker_client: docker.DockerClient) -> None:
     from .upstreams import fixtures
 
-    images.ensure_image("testnet", client=docker_client, progress=lambda s: None)
+    images.ensure_image("testnet", DockerBackend(docker_client), progress=lambda s: None)
     gone = subprocess.Popen(["true"])
     gone.wait()  # a pid that no longer runs
     made = {}

@@ -21,17 +21,16 @@ import re
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
-
-import docker
-import requests
-from docker.errors import DockerException, ImageNotFound
+from typing import TYPE_CHECKING
 
 from .assets import shipped_dir
 from .errors import ImageMissing, InfraError, InvalidInput, UnknownEngine
 from .models import ImageRef
+
+if TYPE_CHECKING:  # the backend is the caller's: images.py never picks or imports one
+    from .backends.base import Backend, ImageInfo
 
 Progress = Callable[[str], None]
 
@@ -41,7 +40,6 @@ LABEL_CA = "fila.ca-sha256"
 OFFLINE_BUSYBOX_TAG = "fila/base-busybox:local"
 CA_DIR = "extra-ca"
 CA_NAME = "fila-extra-ca.crt"
-BUILD_READ_TIMEOUT_S = 900  # between two progress lines; a hung build must not hang fila forever
 
 DEBIAN_TAG = "fila/base-debian:local"
 LABEL_DEFINITION = "fila.definition-sha256"
@@ -126,29 +124,11 @@ def context_hash(path: Path) -> str:
     return h.hexdigest()
 
 
-def _infra(action: str, err: BaseException, **kw: Any) -> InfraError:
-    return InfraError(
-        f"Docker failed while {action}: {err}",
-        hint="check that the Docker daemon is running (docker info)",
-        **kw,
-    )
+def find_image(backend: Backend, tag: str) -> ImageRef | None:
+    return backend.image(tag)
 
 
-def _get(client: docker.DockerClient, tag: str) -> Any | None:
-    try:
-        return client.images.get(tag)
-    except ImageNotFound:
-        return None
-    except (DockerException, requests.RequestException) as e:
-        raise _infra(f"looking up image {tag}", e) from e
-
-
-def find_image(client: docker.DockerClient, tag: str) -> ImageRef | None:
-    img = _get(client, tag)
-    return ImageRef(tag=tag, id=img.id) if img is not None else None
-
-
-def _up_to_date(img: Any, ctx_hash: str, base: str | None, ca_hash: str | None) -> bool:
+def _up_to_date(img: ImageInfo, ctx_hash: str, base: str | None, ca_hash: str | None) -> bool:
     labels = img.labels or {}
     if LABEL_CONTEXT not in labels:
         return True  # built by a person with plain `docker build`: theirs to replace, not ours
@@ -167,7 +147,7 @@ def _default_base(dockerfile: Path) -> str | None:
 
 
 def _stream_build(
-    client: docker.DockerClient,
+    backend: Backend,
     context: Path,
     tag: str,
     *,
@@ -176,54 +156,30 @@ def _stream_build(
     nocache: bool,
     progress: Progress,
 ) -> ImageRef:
-    try:
-        chunks: Iterable[dict[str, Any]] = client.api.build(
-            path=str(context),
-            tag=tag,
-            buildargs=buildargs,
-            labels=labels,
-            rm=True,
-            forcerm=True,
-            pull=False,
-            nocache=nocache,
-            decode=True,
-            timeout=BUILD_READ_TIMEOUT_S,
-        )
-        for chunk in chunks:
-            if "error" in chunk:
-                raise ImageMissing(
-                    f"building {tag} failed: {str(chunk['error']).strip()}",
-                    hint="read the build output above; fix the Dockerfile or pass --base IMAGE",
-                )
-            text = chunk.get("stream") or chunk.get("status") or ""
-            for line in str(text).splitlines():
-                if line.strip():
-                    progress(line.rstrip())
-    except (DockerException, requests.RequestException) as e:
-        raise _infra(f"building {tag}", e) from e
-    ref = find_image(client, tag)
+    backend.build_context(
+        context, tag, buildargs=buildargs, labels=labels, nocache=nocache, progress=progress
+    )
+    ref = backend.image(tag)
     if ref is None:
         raise ImageMissing(f"build of {tag} reported success but the image is missing")
     return ref
 
 
-def _public_base_usable(client: docker.DockerClient, base: str, progress: Progress) -> bool:
-    if _get(client, base) is not None:
+def _public_base_usable(backend: Backend, base: str, progress: Progress) -> bool:
+    if backend.image_info(base) is not None:
         progress(f"base image {base}: present locally")
         return True
     progress(f"base image {base}: pulling")
-    try:
-        client.images.pull(base)
-        return True
-    except (DockerException, requests.RequestException) as e:
-        reason = str(e).splitlines()[0][-200:]
+    reason = backend.pull(base)
+    if reason is not None:
         progress(f"base image {base}: cannot pull ({reason})")
         return False
+    return True
 
 
-def offline_busybox_base(client: docker.DockerClient, *, progress: Progress = print) -> ImageRef:
+def offline_busybox_base(backend: Backend, *, progress: Progress = print) -> ImageRef:
     """`fila/base-busybox:local`: busybox from Debian's apt mirrors, no registry involved."""
-    ref = find_image(client, OFFLINE_BUSYBOX_TAG)
+    ref = backend.image(OFFLINE_BUSYBOX_TAG)
     if ref is not None:
         progress(f"offline base {OFFLINE_BUSYBOX_TAG}: reusing {ref.id}")
         return ref
@@ -263,7 +219,7 @@ def offline_busybox_base(client: docker.DockerClient, *, progress: Progress = pr
         (ctx / "group").write_text(_GROUP)
         labels = {"fila": "1", LABEL_CONTEXT: context_hash(ctx)}
         return _stream_build(
-            client,
+            backend,
             ctx,
             OFFLINE_BUSYBOX_TAG,
             buildargs={},
@@ -356,9 +312,7 @@ def _finish_rootfs(root: Path, ca: bytes | None) -> None:
         f.unlink()
 
 
-def debian_base(
-    client: docker.DockerClient, *, ca_file: Path | None = None, progress: Progress = print
-) -> ImageRef:
+def debian_base(backend: Backend, *, ca_file: Path | None = None, progress: Progress = print) -> ImageRef:
     """`fila/base-debian:local`: Debian minbase from debootstrap, imported without a registry.
 
     Reused while its definition (`DEBIAN`) is unchanged and, when a CA file is given, it holds
@@ -366,9 +320,9 @@ def debian_base(
     definition = _definition_hash()
     ca = _read_ca(ca_file) if ca_file is not None else None
     ca_hash = hashlib.sha256(ca).hexdigest() if ca is not None else None
-    img = _get(client, DEBIAN_TAG)
+    img = backend.image_info(DEBIAN_TAG)
     if img is not None:
-        labels = img.labels or {}
+        labels = img.labels
         if labels.get(LABEL_DEFINITION) == definition and ca_hash in (None, labels.get(LABEL_CA)):
             progress(f"local base {DEBIAN_TAG}: reusing {img.id[:19]}")
             return ImageRef(tag=DEBIAN_TAG, id=img.id)
@@ -398,17 +352,13 @@ def debian_base(
             f"LABEL {LABEL_DEFINITION}={definition}",
             f"LABEL {LABEL_CA}={ca_hash or ''}",
         ]
-        repo, _, tag = DEBIAN_TAG.partition(":")
-        progress(f"local base {DEBIAN_TAG}: docker import")
-        try:
-            client.api.import_image(src=str(archive), repository=repo, tag=tag, changes=changes)
-        except (DockerException, requests.RequestException) as e:
-            raise _infra(f"importing {DEBIAN_TAG}", e) from e
-    ref = find_image(client, DEBIAN_TAG)
+        progress(f"local base {DEBIAN_TAG}: {backend.name} import")
+        backend.import_image(archive, DEBIAN_TAG, changes)
+    ref = backend.image(DEBIAN_TAG)
     if ref is None:
         raise ImageMissing(f"docker import of {DEBIAN_TAG} reported success but the image is missing")
     if img is not None and img.id != ref.id:
-        _remove_if_untagged(client, img.id)
+        _remove_if_untagged(backend, img.id)
     return ref
 
 
@@ -419,12 +369,12 @@ LOCAL_BASES: dict[str, Callable[..., ImageRef]] = {DEBIAN_TAG: debian_base}
 
 
 def _choose_base(
-    client: docker.DockerClient, engine: str, progress: Progress, ca_file: Path | None = None
+    backend: Backend, engine: str, progress: Progress, ca_file: Path | None = None
 ) -> str | None:
     public = _default_base(engine_dir(engine) / "Dockerfile")
     if public in LOCAL_BASES:
-        return LOCAL_BASES[public](client, ca_file=ca_file, progress=progress).tag
-    if public is None or _public_base_usable(client, public, progress):
+        return LOCAL_BASES[public](backend, ca_file=ca_file, progress=progress).tag
+    if public is None or _public_base_usable(backend, public, progress):
         return public
     offline = OFFLINE_BASES.get(engine)
     if offline is None:
@@ -433,7 +383,7 @@ def _choose_base(
             hint=f"load it (docker load) or pass --base IMAGE naming a local image like {public}",
         )
     progress(f"no registry reachable: building {engine} on the local offline base")
-    return offline(client, progress=progress).tag
+    return offline(backend, progress=progress).tag
 
 
 def _read_ca(ca_file: Path) -> bytes:
@@ -452,27 +402,24 @@ def _read_ca(ca_file: Path) -> bytes:
 
 def build(
     engine: str,
+    backend: Backend,
     *,
-    client: docker.DockerClient | None = None,
     base: str | None = None,
     ca_file: Path | None = None,
     force: bool = False,
     progress: Progress = print,
 ) -> ImageRef:
     """Build `fila/<engine>:latest`, or reuse it when its context, base and CA are unchanged."""
-    from .backends.docker import docker_client  # imported on use: backends.docker imports images lazily
-
-    client = client or docker_client()
     src = engine_dir(engine)
     tag = image_tag(engine)
     ctx_hash = context_hash(src)
     ca = _read_ca(ca_file) if ca_file is not None else None
     ca_hash = hashlib.sha256(ca).hexdigest() if ca is not None else None
-    old = _get(client, tag)
+    old = backend.image_info(tag)
     if not force and old is not None and _up_to_date(old, ctx_hash, base, ca_hash):
         progress(f"{tag}: up to date ({old.id[:19]})")
         return ImageRef(tag=tag, id=old.id)
-    chosen = base or _choose_base(client, engine, progress, ca_file)
+    chosen = base or _choose_base(backend, engine, progress, ca_file)
     progress(f"{tag}: building from {src}" + (f" on {chosen}" if chosen else ""))
     with tempfile.TemporaryDirectory(prefix=f"fila-build-{engine}-") as tmp:
         ctx = Path(tmp) / "ctx"
@@ -487,7 +434,7 @@ def build(
             LABEL_CA: ca_hash or "",
         }
         ref = _stream_build(
-            client,
+            backend,
             ctx,
             tag,
             buildargs={"BASE": chosen} if chosen else {},
@@ -496,12 +443,12 @@ def build(
             progress=progress,
         )
     try:
-        smoke_test(client, engine, ref, progress)
+        smoke_test(backend, engine, ref, progress)
     except ImageMissing:
-        _untag_failed(client, tag, old)
+        _untag_failed(backend, tag, old)
         raise
     if old is not None and old.id != ref.id:
-        _remove_if_untagged(client, old.id)
+        _remove_if_untagged(backend, old.id)
     return ref
 
 
@@ -509,38 +456,7 @@ LABEL_ENGINE_VERSION = "fila.engine.version"
 SMOKE_TIMEOUT_S = 120
 
 
-def _run_in_image(client: docker.DockerClient, image: str, argv: tuple[str, ...]) -> tuple[int | None, str]:
-    """`argv` in the image as fila runs an engine: uid 65534, read-only root, tmpfs /tmp and HOME,
-    no network, no capabilities. (exit code, stdout+stderr); None when it did not finish in time."""
-    c = client.containers.create(
-        image,
-        list(argv),
-        user="65534:65534",
-        read_only=True,
-        network_mode="none",
-        cap_drop=["ALL"],
-        security_opt=["no-new-privileges:true"],
-        tmpfs={
-            "/tmp": "rw,nosuid,nodev,size=64m",
-            "/home/fila": "rw,nosuid,nodev,size=64m,uid=65534,gid=65534",
-        },
-        working_dir="/job",
-        environment={"HOME": "/home/fila", "CI": "1", "TERM": "dumb", "NO_COLOR": "1"},
-        labels={"fila": "1", "fila.role": "smoke"},
-    )
-    try:
-        c.start()
-        try:
-            code: int | None = int(c.wait(timeout=SMOKE_TIMEOUT_S)["StatusCode"])
-        except requests.RequestException:
-            code = None
-        return code, c.logs(stdout=True, stderr=True).decode(errors="replace")
-    finally:
-        with contextlib.suppress(DockerException, requests.RequestException):
-            c.remove(force=True)
-
-
-def smoke_test(client: docker.DockerClient, engine: str, ref: ImageRef, progress: Progress = print) -> None:
+def smoke_test(backend: Backend, engine: str, ref: ImageRef, progress: Progress = print) -> None:
     """An engine image's build-time check: its CLI prints the version the image is labelled with,
     and its help still lists every flag the adapter passes (a renamed flag fails the build, not a
     user's job). Then the image is tagged with that version too. Images without an adapter that
@@ -552,68 +468,64 @@ def smoke_test(client: docker.DockerClient, engine: str, ref: ImageRef, progress
     adapter = get_engine(engine)
     if not adapter.version_argv:
         return
-    try:
-        version = (client.images.get(ref.id).labels or {}).get(LABEL_ENGINE_VERSION)
-        if not version:
+    info = backend.image_info(ref.id or ref.tag)
+    version = (info.labels if info is not None else {}).get(LABEL_ENGINE_VERSION)
+    if not version:
+        raise ImageMissing(
+            f"{ref.tag} has no {LABEL_ENGINE_VERSION} label",
+            hint=f"images/{engine}/Dockerfile must say LABEL {LABEL_ENGINE_VERSION}=<the CLI's version>",
+        )
+    code, out = backend.smoke_run(ref.id or ref.tag, adapter.version_argv)
+    if code != 0 or version not in out:
+        raise ImageMissing(
+            f"smoke test of {ref.tag}: `{' '.join(adapter.version_argv)}` "
+            + (f"exited {code}" if code != 0 else f"does not print {version}")
+            + f": {out.strip()[-300:]!r}",
+            hint=f"check the package version pinned in images/{engine}/Dockerfile",
+        )
+    for check in adapter.smoke:
+        code, out = backend.smoke_run(ref.id or ref.tag, check.argv)
+        missing = [flag for flag in check.expect if flag not in out]
+        if code != 0 or missing:
             raise ImageMissing(
-                f"{ref.tag} has no {LABEL_ENGINE_VERSION} label",
-                hint=f"images/{engine}/Dockerfile must say LABEL {LABEL_ENGINE_VERSION}=<the CLI's version>",
+                f"smoke test of {ref.tag}: `{' '.join(check.argv)}` "
+                + (f"exited {code}" if code != 0 else f"lists no {', '.join(missing)}")
+                + f" (the {engine} adapter passes them)",
+                hint=f"the CLI changed its flags: update src/fila/engines/{engine}.py for {version}",
             )
-        code, out = _run_in_image(client, ref.id, adapter.version_argv)
-        if code != 0 or version not in out:
-            raise ImageMissing(
-                f"smoke test of {ref.tag}: `{' '.join(adapter.version_argv)}` "
-                + (f"exited {code}" if code != 0 else f"does not print {version}")
-                + f": {out.strip()[-300:]!r}",
-                hint=f"check the package version pinned in images/{engine}/Dockerfile",
-            )
-        for check in adapter.smoke:
-            code, out = _run_in_image(client, ref.id, check.argv)
-            missing = [flag for flag in check.expect if flag not in out]
-            if code != 0 or missing:
-                raise ImageMissing(
-                    f"smoke test of {ref.tag}: `{' '.join(check.argv)}` "
-                    + (f"exited {code}" if code != 0 else f"lists no {', '.join(missing)}")
-                    + f" (the {engine} adapter passes them)",
-                    hint=f"the CLI changed its flags: update src/fila/engines/{engine}.py for {version}",
-                )
-        repo = ref.tag.rpartition(":")[0]
-        client.api.tag(ref.id, repo, version)
-    except (DockerException, requests.RequestException) as e:
-        raise _infra(f"smoke-testing {ref.tag}", e) from e
+    repo = ref.tag.rpartition(":")[0]
+    backend.tag_image(ref.id or ref.tag, f"{repo}:{version}")
     progress(f"{ref.tag}: smoke test passed ({engine} {version}); tagged {repo}:{version}")
 
 
-def _untag_failed(client: docker.DockerClient, tag: str, old: Any | None) -> None:
+def _untag_failed(backend: Backend, tag: str, old: ImageInfo | None) -> None:
     """A build that failed its smoke test must not stay `latest`: the previous image gets the tag
     back, or the tag goes."""
-    with contextlib.suppress(DockerException, requests.RequestException):
-        if old is not None:
-            repo, _, name = tag.rpartition(":")
-            client.api.tag(old.id, repo, name)
-        else:
-            client.images.remove(tag)
+    if old is not None:
+        # The build's own error matters more; the tag may then still point at the failed image.
+        with contextlib.suppress(InfraError):
+            backend.tag_image(old.id, tag)
+    else:
+        backend.remove_image(tag)
 
 
-def _remove_if_untagged(client: docker.DockerClient, image_id: str) -> None:
+def _remove_if_untagged(backend: Backend, image_id: str) -> None:
     """Drop a replaced image that no tag names any more. Never by id while it has tags: that
     would delete every other tag of the same id (identical builds share an id)."""
-    with contextlib.suppress(DockerException, requests.RequestException):
-        if not client.images.get(image_id).tags:
-            client.images.remove(image_id)  # refused (409) while a container still uses it
+    try:
+        info = backend.image_info(image_id)
+    except InfraError:
+        return
+    if info is not None and not info.tags:
+        backend.remove_image(image_id)  # refused while a container still uses it
 
 
-def ensure_image(
-    engine: str, *, client: docker.DockerClient | None = None, progress: Progress = print
-) -> ImageRef:
+def ensure_image(engine: str, backend: Backend, *, progress: Progress = print) -> ImageRef:
     """The engine's image: reused when present and current (quietly), built when not."""
-    from .backends.docker import docker_client
-
-    client = client or docker_client()
     tag = image_tag(engine)
-    img = _get(client, tag)
+    img = backend.image_info(tag)
     if img is not None:
         if _up_to_date(img, context_hash(engine_dir(engine)), None, None):
             return ImageRef(tag=tag, id=img.id)
         progress(f"{tag}: images/{engine}/ changed since it was built; rebuilding")
-    return build(engine, client=client, progress=progress)
+    return build(engine, backend, progress=progress)

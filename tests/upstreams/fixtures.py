@@ -27,6 +27,7 @@ import docker
 import pytest
 from docker.errors import APIError, NotFound
 
+from fila.backends.docker import DockerBackend
 from fila.images import ensure_image
 
 from .ca import TestCA, make_ca
@@ -354,7 +355,7 @@ def _start_server(
 @contextlib.contextmanager
 def start_upstreams(client: docker.DockerClient, base: Path) -> Iterator[Upstreams]:
     """Everything the fixture does, usable outside pytest (bench/, a shell)."""
-    ensure_image("testnet", client=client, progress=lambda line: None)
+    ensure_image("testnet", DockerBackend(client), progress=lambda line: None)
     _sweep_dead_sessions(client)
     session = uuid.uuid4().hex[:10]
     name = f"fila-test-upstreams-{session}"

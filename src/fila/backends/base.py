@@ -95,6 +95,15 @@ class Box:
         return desc
 
 
+@dataclass(frozen=True)
+class ImageInfo:
+    """A local image as images.py needs it: its id, labels (build inputs) and tags."""
+
+    id: str
+    labels: dict[str, str]
+    tags: list[str]
+
+
 # The limits a policy sets that a backend may be unable to enforce on a host; `waive` names them.
 WAIVABLE = ("memory", "pids", "cpus")
 
@@ -186,6 +195,44 @@ class Backend(ABC):
         progress: Callable[[str], None] = print,
     ) -> ImageRef:
         """Build `fila/<engine>:latest` on this engine (images.py decides what and when)."""
+
+    # -- image primitives (images.py decides what to build and when) --------------------------
+
+    @abstractmethod
+    def image_info(self, tag: str) -> ImageInfo | None:
+        """The image by tag or id with its labels and tags; None when it is not there."""
+
+    @abstractmethod
+    def build_context(
+        self,
+        context: Path,
+        tag: str,
+        *,
+        buildargs: dict[str, str],
+        labels: dict[str, str],
+        nocache: bool,
+        progress: Callable[[str], None],
+    ) -> None:
+        """Build a Dockerfile context as `tag` (no pull); ImageMissing when the build fails."""
+
+    @abstractmethod
+    def import_image(self, archive: Path, tag: str, changes: list[str]) -> None:
+        """A root filesystem tarball as image `tag` (Dockerfile `changes` applied)."""
+
+    @abstractmethod
+    def pull(self, image: str) -> str | None:
+        """Pull from a registry: None when done, else why not."""
+
+    @abstractmethod
+    def tag_image(self, image_id: str, tag: str) -> None: ...
+
+    @abstractmethod
+    def remove_image(self, ref: str) -> None:
+        """Best effort (an image a container still uses stays)."""
+
+    @abstractmethod
+    def smoke_run(self, image: str, argv: tuple[str, ...]) -> tuple[int | None, str]:
+        """argv in the image, hardened and without network: (exit code or None on timeout, output)."""
 
     @abstractmethod
     def runtimes(self) -> list[str]:

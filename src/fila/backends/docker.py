@@ -29,6 +29,7 @@ from .. import jobdir
 from ..engines.base import HOME, JOB_MOUNT
 from ..errors import DockerUnavailable, ImageMissing, InfraError, InvalidPolicy
 from ..models import ImageRef, Limits, Policy, now_iso, parse_size
+from . import docker_images
 from .base import (
     JOB_LABEL,
     LABEL,
@@ -36,6 +37,7 @@ from .base import (
     UNPRIVILEGED,
     Backend,
     Box,
+    ImageInfo,
     RunResult,
     RunSpec,
     container_name,
@@ -664,22 +666,12 @@ class DockerBackend(Backend):
         return result
 
     def image(self, tag: str) -> ImageRef | None:
-        from .. import images
-
-        with self.client() as c:
-            return images.find_image(c, tag)
+        info = self.image_info(tag)
+        return ImageRef(tag=tag, id=info.id) if info is not None else None
 
     def tags(self, image: str) -> list[str]:
-        from .. import images
-
-        with self.client() as c:
-            ref = images.find_image(c, image)
-            if ref is None or not ref.id:
-                return []
-            try:
-                return list(c.images.get(ref.id).tags)
-            except _DOCKER_ERRORS as e:
-                raise InfraError(f"{self.name} failed while looking up image {image}: {e}") from e
+        info = self.image_info(image)
+        return list(info.tags) if info is not None else []
 
     def build(
         self,
@@ -692,14 +684,63 @@ class DockerBackend(Backend):
     ) -> ImageRef:
         from .. import images
 
-        with self.client() as c:
-            return images.build(engine, client=c, base=base, ca_file=ca_file, force=force, progress=progress)
+        return images.build(engine, self, base=base, ca_file=ca_file, force=force, progress=progress)
 
     def ensure_image(self, engine: str, *, progress: Callable[[str], None] = print) -> ImageRef:
         from .. import images
 
+        return images.ensure_image(engine, self, progress=progress)
+
+    # Build networking: none for a build on Podman (rootless networking needs a usable tun);
+    # Docker's default for Docker.
+    build_network: str | None = None
+
+    def image_info(self, tag: str) -> ImageInfo | None:
         with self.client() as c:
-            return images.ensure_image(engine, client=c, progress=progress)
+            return docker_images.image_info(c, tag, engine=self.name)
+
+    def build_context(
+        self,
+        context: Path,
+        tag: str,
+        *,
+        buildargs: dict[str, str],
+        labels: dict[str, str],
+        nocache: bool,
+        progress: Callable[[str], None],
+    ) -> None:
+        with self.client() as c:
+            docker_images.build_context(
+                c,
+                context,
+                tag,
+                buildargs=buildargs,
+                labels=labels,
+                nocache=nocache,
+                progress=progress,
+                engine=self.name,
+                network_mode=self.build_network,
+            )
+
+    def import_image(self, archive: Path, tag: str, changes: list[str]) -> None:
+        with self.client() as c:
+            docker_images.import_image(c, archive, tag, changes, engine=self.name)
+
+    def pull(self, image: str) -> str | None:
+        with self.client() as c:
+            return docker_images.pull(c, image)
+
+    def tag_image(self, image_id: str, tag: str) -> None:
+        with self.client() as c:
+            docker_images.tag_image(c, image_id, tag, engine=self.name)
+
+    def remove_image(self, ref: str) -> None:
+        with self.client() as c:
+            docker_images.remove_image(c, ref)
+
+    def smoke_run(self, image: str, argv: tuple[str, ...]) -> tuple[int | None, str]:
+        with self.client() as c:
+            return docker_images.smoke_run(c, image, argv, engine=self.name)
 
     def find(self, *, job_id: str | None = None, root: str | None = None) -> list[Box]:
         with self.client() as c:
