@@ -4,7 +4,7 @@ shows them side by side with the task's check; `fila apply` of one marks the oth
 A task may pin its image by tag or by image id; the policy's patterns allow or refuse it, and the
 record keeps the image id.
 
-The three-engine test runs the real claude, codex and opencode CLIs in their images through the
+The three-engine test runs the real claude, codex and gemini CLIs in their images through the
 egress gateway against the scripted model server (tests/upstreams/README.md).
 """
 
@@ -46,7 +46,7 @@ def _run_once(root: Path, secret: str = "unused") -> subprocess.CompletedProcess
 def group_root(tmp_path: Path, upstreams: Upstreams, docker_client: docker.DockerClient) -> Path:  # noqa: F811
     from fila.images import ensure_image
 
-    for engine in ("claude", "codex", "opencode", "shell"):
+    for engine in ("claude", "codex", "gemini", "shell"):
         ensure_image(engine, DockerBackend(docker_client), progress=lambda _l: None)
     make_root(tmp_path)
     (tmp_path / "a.txt").write_text("hello\n")
@@ -57,7 +57,7 @@ def group_root(tmp_path: Path, upstreams: Upstreams, docker_client: docker.Docke
         "default_timeout_ms": 240_000,
         "grace_ms": 2000,
         "egress": {
-            "routes": {"anthropic": route, "openai": route},
+            "routes": {"anthropic": route, "openai": route, "gemini": route},
             "allow_private": [upstreams.subnet],
             "egress_network": upstreams.network,
         },
@@ -67,13 +67,13 @@ def group_root(tmp_path: Path, upstreams: Upstreams, docker_client: docker.Docke
 
 
 def _script() -> list[dict[str, Any]]:
-    """claude and codex write hello.txt; opencode writes another file (its check fails)."""
+    """claude and codex write hello.txt; gemini writes another file (its check fails)."""
     steps = []
-    for engine in ("claude", "codex", "opencode"):
+    for engine in ("claude", "codex", "gemini"):
         spec = E2E_ENGINES[engine]
         tool = json.loads(json.dumps(spec.tool))
-        if engine == "opencode":
-            tool["arguments"]["filePath"] = f"/job/work/{ODD_NAME}"
+        if engine == "gemini":
+            tool["arguments"]["file_path"] = f"/job/work/{ODD_NAME}"
         steps += [
             {"protocol": spec.protocol, "when": "no_tool_result", "reply": {"tool": tool}, "usage": USAGE[0]},
             {"protocol": spec.protocol, "when": "tool_result", "reply": {"text": "Done."}, "usage": USAGE[1]},
@@ -95,13 +95,13 @@ def test_three_engines_on_one_input_compare_side_by_side_and_applying_one_supers
     res = fila(
         root,
         *("submit", "--id", "cmp1", "--target", "a.txt", "--policy", "models", "--check", check),
-        *("--engine", "claude", "--engine", "codex", "--engine", "opencode"),
+        *("--engine", "claude", "--engine", "codex", "--engine", "gemini"),
         *("--prompt", "Create hello.txt saying hello."),
         env={KEY_VAR: secret},
     )
     assert res.exit_code == 0, res.output
     ids = res.stdout.split()
-    assert ids == ["cmp1.claude", "cmp1.codex", "cmp1.opencode"]
+    assert ids == ["cmp1.claude", "cmp1.codex", "cmp1.gemini"]
     for tid in ids:
         t = record(root, tid)["task"]
         assert (t["group"], t["targets"], t["prompt"], t["check"]) == (
@@ -117,7 +117,7 @@ def test_three_engines_on_one_input_compare_side_by_side_and_applying_one_supers
         assert "check-was-here" not in (root / rec["patch_path"]).read_text()
         assert rec["check"]["command"] == check and rec["check"]["image"]["id"].startswith("sha256:")
     assert [recs[t]["check"]["passed"] for t in ids] == [True, True, False]
-    assert recs["cmp1.opencode"]["check"]["exit_code"] == 2  # grep: no hello.txt
+    assert recs["cmp1.gemini"]["check"]["exit_code"] == 2  # grep: no hello.txt
 
     # --json: every column from the records.
     out = fila(root, "compare", "cmp1", "--json")
@@ -134,7 +134,7 @@ def test_three_engines_on_one_input_compare_side_by_side_and_applying_one_supers
             "gateway",
         )
         assert r["insertions"] == 1 and r["deletions"] == 0 and r["duration_s"] > 0
-    assert rows["cmp1.claude"]["files"] == ["hello.txt"] and rows["cmp1.opencode"]["files"] == [ODD_NAME]
+    assert rows["cmp1.claude"]["files"] == ["hello.txt"] and rows["cmp1.gemini"]["files"] == [ODD_NAME]
     assert [rows[t]["check_passed"] for t in ids] == [True, True, False]
     assert rows["cmp1.claude"]["cost_usd"] is not None  # claude reports its cost; the gateway cannot
     # The terminal table and the self-contained page.
@@ -148,9 +148,9 @@ def test_three_engines_on_one_input_compare_side_by_side_and_applying_one_supers
     # ALLOWED: applying one member lands it and supersedes the others (recorded: who, when, why).
     app = fila(root, "apply", "cmp1.codex", "--yes", "--by", "ana", "--json")
     assert app.exit_code == 0, app.output
-    assert json.loads(app.stdout)["superseded"] == ["cmp1.claude", "cmp1.opencode"]
+    assert json.loads(app.stdout)["superseded"] == ["cmp1.claude", "cmp1.gemini"]
     assert (root / "hello.txt").read_text() == HELLO and not (root / ODD_NAME).exists()
-    for tid in ("cmp1.claude", "cmp1.opencode"):
+    for tid in ("cmp1.claude", "cmp1.gemini"):
         rec = record(root, tid)
         assert rec["status"] == "rejected"
         d = rec["decision"]
