@@ -414,3 +414,98 @@ def test_the_stat_cache_is_private_to_the_host(root: Root) -> None:
     (cache,) = (snapshot.store(root) / "stat").iterdir()
     assert stat.S_IMODE(cache.stat().st_mode) == 0o600
     assert json.loads(cache.read_text())["key"] == take(root, "t2").key
+
+
+# --- a job on the overlay strategy, on the real Docker daemon ------------------------------------
+
+_ENGINE_CHANGE = (
+    "set -e; sed -i s/hello/world/ greeting.txt; rm src/gone.txt; chmod +x src/a.py; "
+    "rm -r src/sub; mkdir src/sub; echo fresh > src/sub/new.txt; ln -s greeting.txt link; "
+    "mv src/keep.txt src/moved.txt; if echo x > ../input/greeting.txt; then echo WROTE-INPUT; fi"
+)
+
+
+@pytest.fixture
+def docker_proj(tmp_path: Path, shell_image: object) -> Path:
+    make_root(tmp_path)
+    (tmp_path / "greeting.txt").write_text("hello\n")
+    (tmp_path / "src" / "sub").mkdir(parents=True)
+    for name, text in (("a.py", "print(1)\n"), ("gone.txt", "bye\n"), ("keep.txt", "keep\n")):
+        (tmp_path / "src" / name).write_text(text)
+    (tmp_path / "src" / "sub" / "old.txt").write_text("old\n")
+    old = time.time() - 3600  # a project at rest: older than the racy window
+    for p in [tmp_path / "greeting.txt", *(tmp_path / "src").rglob("*")]:
+        os.utime(p, (old, old), follow_symlinks=False)
+    return tmp_path
+
+
+def _run_one(proj: Path, env: dict[str, str] | None = None) -> dict:
+    from .helpers import fila, record, submit_shell
+
+    tid = submit_shell(proj, _ENGINE_CHANGE, "greeting.txt", "src")
+    res = fila(proj, "run", "--once", env=env)
+    assert res.exit_code == 0, res.output
+    return record(proj, tid)
+
+
+@pytest.mark.docker
+def test_an_overlay_job_writes_the_patch_the_copy_writes_and_leaves_the_snapshot_pristine(
+    docker_proj: Path, docker_client: object
+) -> None:
+    copied = _run_one(docker_proj, env={"FILA_WORKSPACE": "copy"})
+    assert copied["workspace"] == {"strategy": "copy", "why": "FILA_WORKSPACE=copy", "snapshot": None,
+                                   "snapshot_how": None, "files_read": None}  # fmt: skip
+    over = _run_one(docker_proj)
+    ws = over["workspace"]
+    assert ws["strategy"] == "overlay" and ws["snapshot_how"] == "built", ws
+    assert over["status"] == copied["status"] == "needs_review"
+    assert (docker_proj / over["patch_path"]).read_bytes() == (
+        docker_proj / copied["patch_path"]
+    ).read_bytes()
+    assert over["diffstat"] == copied["diffstat"] and len(over["diffstat"]["paths"]) == 8
+    root = Root.at(docker_proj)
+    ov = snapshot.job_overlay(root, over["id"])
+    assert ov is not None
+    # input/ stayed pristine and read-only: the engine's write failed, the snapshot is as taken.
+    assert "WROTE-INPUT" not in (docker_proj / over["log_path"]).read_text()
+    assert (ov.lower / "greeting.txt").read_text() == "hello\n"
+    assert (ov.lower / "src" / "sub" / "old.txt").read_text() == "old\n"
+    # The upper layer holds the changes only: the untouched file was never copied up.
+    assert not (ov.upper / "src" / "a.py").exists() or (ov.upper / "src" / "a.py").stat().st_mode & 0o100
+    assert not (ov.upper / "src" / "keep.txt").is_file()  # renamed away: a whiteout, not a file
+    # The job's volume went with its container.
+    vols = docker_client.volumes.list(filters={"label": f"fila.root={docker_proj}"})  # type: ignore[attr-defined]
+    assert vols == []
+    # A second task on the unchanged project reuses the snapshot after a stat pass.
+    again = _run_one(docker_proj)
+    assert again["workspace"]["snapshot"] == ws["snapshot"] and again["workspace"]["snapshot_how"] == "reused"
+    assert again["workspace"]["files_read"] == 0
+
+
+@pytest.mark.docker
+def test_apply_of_an_overlay_job_lands_the_reviewed_change(docker_proj: Path) -> None:
+    from .helpers import fila
+
+    rec = _run_one(docker_proj)
+    assert rec["workspace"]["strategy"] == "overlay"
+    res = fila(docker_proj, "apply", rec["id"], "--yes", "--by", "alice", "--reason", "ok")
+    assert res.exit_code == 0, res.output
+    assert (docker_proj / "greeting.txt").read_text() == "world\n"
+    assert not (docker_proj / "src" / "gone.txt").exists() and not (docker_proj / "src" / "keep.txt").exists()
+    assert (docker_proj / "src" / "moved.txt").read_text() == "keep\n"
+    assert sorted(p.name for p in (docker_proj / "src" / "sub").iterdir()) == ["new.txt"]
+    assert os.readlink(docker_proj / "link") == "greeting.txt"
+    assert (docker_proj / "src" / "a.py").stat().st_mode & 0o100
+
+
+@pytest.mark.docker
+def test_apply_refuses_an_overlay_job_whose_upper_layer_changed_after_review(docker_proj: Path) -> None:
+    from .helpers import fila
+
+    rec = _run_one(docker_proj)
+    ov = snapshot.job_overlay(Root.at(docker_proj), rec["id"])
+    assert ov is not None
+    (ov.upper / "greeting.txt").write_text("tampered\n")
+    res = fila(docker_proj, "apply", rec["id"], "--yes", "--by", "alice", "--reason", "ok")
+    assert res.exit_code != 0 and "work/" in res.output, res.output
+    assert (docker_proj / "greeting.txt").read_text() == "hello\n"

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import decision, jobdir, landing, patch, queue
+from . import decision, jobdir, landing, patch, queue, snapshot
 from .errors import FilaError, InfraError
 from .faults import crash_point
 from .fswalk import escape_name, walk
@@ -288,7 +288,9 @@ class _Plan:
         base, after = self.staging / "base", self.staging / "after"
         base.mkdir()
         bad = []
-        with SafeDir(self.root.job_dir(self.tid) / "input") as inp, SafeDir(base) as bdir:
+        ov = snapshot.job_overlay(self.root, self.tid)  # the overlay strategy: input/ is the snapshot
+        inp_dir = ov.lower if ov is not None else self.root.job_dir(self.tid) / "input"
+        with SafeDir(inp_dir) as inp, SafeDir(base) as bdir:
             for p in self.paths:
                 if p in self.entries and inp.copy_to(p, bdir, max_bytes=self.max) != self.entries[p]:
                     bad.append(p)
@@ -323,7 +325,9 @@ class _Plan:
                          sorted(found ^ expect))  # fmt: skip
         diffs = []
         try:
-            work = SafeDir(self.root.job_dir(self.tid) / "work")
+            ov = snapshot.job_overlay(self.root, self.tid)  # work/ read from its layers, no mount
+            job_work = self.root.job_dir(self.tid) / "work"
+            work: SafeDir | snapshot.MergedView = snapshot.MergedView(ov) if ov else SafeDir(job_work)
         except FilaError as e:
             raise refuse(f"the job's work/ cannot be read: {e}", self.tid) from None
         with work, SafeDir(after) as adir:

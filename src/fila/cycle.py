@@ -43,6 +43,7 @@ from .models import (
     Record,
     Status,
     Task,
+    Workspace,
     now_iso,
 )
 from .policy import Effective, image_allowed, load_json, load_policy, narrow, validate_document
@@ -258,6 +259,11 @@ class Hooks:
         """Last chance to stop before the side-effect boundary; a draining worker stops here."""
         self.check()
 
+    def timings(self) -> dict[str, float]:
+        """Seconds this task cost before `run_one` (the process's start-up, the claim), first in
+        the record's `timings`."""
+        return {}
+
 
 def infra_tries(rec: Record | None) -> int:
     """Attempts that ended before their container started because of the infrastructure or a
@@ -299,9 +305,27 @@ class _Run:
         self.attempt = attempt
         self.hooks = hooks
         self.tid = claim.task_id
-        self.timings: dict[str, float] = {}
+        self.timings: dict[str, float] = dict(hooks.timings())
+        self.mark = time.monotonic()
         self.container_started = False
         self.beats = 0
+
+    def lap(self, phase: str) -> None:
+        """The seconds since the previous lap, added to `phase` (a fallback engine adds to its
+        phases): the phases are contiguous, so they add up to `total`."""
+        now = time.monotonic()
+        self.timings[phase] = round(self.timings.get(phase, 0.0) + now - self.mark, 3)
+        self.mark = now
+
+    def split_run(self, since: float, started: float | None, waited: float) -> None:
+        """The backend's run as create (and the durable container-started checkpoint), start and
+        wait (the container's own lifetime, as the backend measured it), and remove (the exit's
+        inspection, the removal, handing work/ back): they add up to `run`."""
+        whole = self.mark - since
+        create = (started - since) if started is not None else whole
+        wait = max(0.0, min(waited, whole - create)) if started is not None else 0.0
+        for phase, s in (("create", create), ("start_wait", wait), ("remove", whole - create - wait)):
+            self.timings[phase] = round(self.timings.get(phase, 0.0) + s, 3)
 
     def checkpoint(self, **fields: Any) -> None:
         queue.checkpoint(self.root, self.claim, **fields)
@@ -333,9 +357,15 @@ class _Run:
         self.hooks.check()
 
     def finish(self, status: Status, **fields: Any) -> Record | None:
-        return queue.publish(
+        t = time.monotonic()
+        rec = queue.publish(
             self.root, self.claim, status, {**fields, "timings": self.timings}, attempt=self.attempt
         )
+        if rec is not None:
+            # A record cannot hold the time of its own durable write: the copy handed back
+            # (printed by `run --once --json`) does.
+            rec.timings["record"] = round(time.monotonic() - t, 3)
+        return rec
 
     def requeue(self, err: BaseException, *, outcome: str) -> Record | None:
         """Before the container started: back to the queue. `requeued` (an infrastructure error)
@@ -445,6 +475,8 @@ def run_one(
         return None
     crash_point("after_begin")
     run = _Run(root, claim, backend, progress, hooks, rec.attempt)
+    run.mark = t0
+    run.lap("begin")  # the task file read and checked, the running record written
     progress(f"{tid}: claimed (attempt {rec.attempt})")
     try:
         hooks.check()
@@ -486,6 +518,7 @@ def run_one(
                     f"policy's runtime",
                 ),
             )
+        run.lap("validate")  # policy, targets, images, runtime: what can be known before a container
         with _job_lock(root, tid):
             return _run_engines(run, checked, refs, rec.attempt, t0)
     except (InvalidInput, LimitExceeded) as e:
@@ -565,11 +598,10 @@ def _run_engines(
         engine = get_engine(name)
         ref = refs[image]
         started_at = now_iso()
-        t = time.monotonic()
         run.fence()  # under the job lock: a reaped zombie never wipes a later attempt's job dir
         # A fresh copy for every engine: a fallback never sees what the engine before it left.
-        prep = jobdir.prepare(root, tid, task, checked.policy, checked.effective)
-        run.timings["prepare"] = round(time.monotonic() - t, 3)
+        prep, overlay, workspace = _prepare(run, checked)
+        run.lap("prepare")
         crash_point("after_job_dir")
         run.hooks.check()
         run.progress(f"{tid}: prepared {prep.files} files ({prep.bytes} bytes); running {name}")
@@ -590,11 +622,15 @@ def _run_engines(
             labels={"fila.root": str(root.path), "fila.worker": run.claim.worker},
             redact=[*inv.secrets, *secrets, *egress.secret_values(checked.policy)],
             egress_dir=root.meta(tid) / "egress",
+            overlay=overlay,
         )
 
         image_ref = ImageRef(tag=image, id=ref.id)
+        marks: dict[str, float] = {}
 
-        def before_start(container_id: str, engine_name: str = name, image_ref: ImageRef = image_ref) -> None:
+        def before_start(
+            container_id: str, engine_name: str = name, image_ref: ImageRef = image_ref, marks: dict = marks
+        ) -> None:
             run.hooks.before_start()
             # The flag first: if the checkpoint's outcome is unknown, assume it started.
             run.container_started = True
@@ -610,15 +646,17 @@ def _run_engines(
             # The sandbox starts the container as soon as this returns: re-check the fence, so a
             # worker frozen since its checkpoint whose claim was reaped meanwhile stops here.
             run.fence()
+            marks["start"] = time.monotonic()  # the backend starts the container now
 
-        t = time.monotonic()
+        t = run.mark
         result = run.backend.run(
             spec,
             before_start=before_start,
             heartbeat=run.heartbeat,
             heartbeat_s=HEARTBEAT_IN_RUN_S,
         )
-        run.timings["run"] = round(time.monotonic() - t, 3)
+        run.lap("run")
+        run.split_run(t, marks.get("start"), result.duration_s)
         queue.log_event(
             root,
             tid,
@@ -639,7 +677,6 @@ def _run_engines(
             _fall_back(run, checked, i, result, outcome, ImageRef(tag=image, id=result.image_id or ref.id),
                        started_at)  # fmt: skip
             continue
-        t = time.monotonic()
         warnings = [*prep.warnings, *result.warnings]
         if budget:
             warnings.append(budget)
@@ -651,6 +688,7 @@ def _run_engines(
                 policy=checked.policy,
                 scratch=root.meta(tid) / "scratch",
                 skip=jobdir.diff_skip(root, checked.project, checked.policy),
+                layers=overlay.layers() if overlay is not None else None,
             )
             diff_fields = {
                 "diffstat": d.stat,
@@ -660,7 +698,7 @@ def _run_engines(
             warnings += d.warnings
         except (LimitExceeded, FilaError) as e:
             diff_error = str(e)
-        run.timings["diff"] = round(time.monotonic() - t, 3)
+        run.lap("diff")
         crash_point("after_diff")
         if result.log_truncated:
             warnings.append(f"log truncated at max_log_bytes {checked.policy.max_log_bytes}")
@@ -668,13 +706,12 @@ def _run_engines(
             outcome = _Out(ErrorKind.engine_error, f"the engine's output breaks a limit: {diff_error}")
         check = None
         if task.check and outcome.kind == "success":
-            t = time.monotonic()
             # The same sandbox as the engine's (what this loop calls), on a copy of work/.
             check = compare.run_check(
                 run, checked, prep.job_dir, refs, runner=run.backend.run, spec_of=RunSpec
             )
-            run.timings["check"] = round(time.monotonic() - t, 3)
-        run.timings["total"] = round(time.monotonic() - t0, 3)
+            run.lap("check")
+        run.timings["total"] = round(run.mark - t0, 3)  # the laps since the claim, added up
         common = dict(
             engine=name,
             model=task.model,
@@ -689,6 +726,7 @@ def _run_engines(
             waived=result.waived,
             engine_report=outcome.report,
             check=check,
+            workspace=workspace,
             **diff_fields,
         )
         cur = queue.get_record(root, tid)
@@ -713,6 +751,29 @@ def _run_engines(
             **common,
         )
     raise AssertionError("unreachable: the last engine always finishes")
+
+
+def _prepare(run: _Run, checked: Checked) -> tuple[jobdir.Prepared, Any, Workspace]:
+    """input/ and work/ by the strategy this backend and task allow (snapshot.choose): an overlay
+    of a shared snapshot when the backend mounts one, else the copy; the record says which and why."""
+    from . import snapshot
+    from .backends.base import run_as
+
+    root, tid, task = run.root, run.tid, checked.task
+    strategy, why = snapshot.choose(root, run.backend.overlay_unsupported())
+    if strategy == "overlay" and task.check:
+        strategy, why = "copy", "the task's check runs on a copy of work/ made on the host"
+    if strategy == "copy":
+        prep = jobdir.prepare(root, tid, task, checked.policy, checked.effective)
+        return prep, None, Workspace(strategy="copy", why=why)
+    owner = run_as() if os.getuid() == 0 else None  # the engine's uid must write its view of the files
+    prep, overlay, snap = snapshot.prepare_job(
+        root, tid, task, checked.policy, checked.effective, owner=owner
+    )
+    ws = Workspace(
+        strategy="overlay", why=why, snapshot=snap.key, snapshot_how=snap.how, files_read=snap.hashed
+    )
+    return prep, overlay, ws
 
 
 def _fall_back(
@@ -804,11 +865,18 @@ def reject_strays(root: Root, progress: Callable[[str], None] = lambda _m: None)
 
 
 def next_claim(
-    root: Root, worker: str, progress: Callable[[str], None] = lambda _m: None
+    root: Root,
+    worker: str,
+    progress: Callable[[str], None] = lambda _m: None,
+    *,
+    only: set[str] | None = None,
 ) -> queue.Claim | None:
+    """Claim the next task by rename (`only`: among these ids; the others stay queued)."""
     reject_strays(root, progress)
     now = time.time()
     for path in queue.queued_files(root):
+        if only is not None and path.stem not in only:
+            continue
         if claimable(root, path, now):
             c = queue.try_claim(root, path, worker)
             if c:

@@ -71,6 +71,11 @@ def collect(root: Root, older_than_s: float, *, dry_run: bool = False,
                 continue
             queue.log_event(root, rec.id, "job removed", by="gc", bytes=size)
         out.append(Collected(rec.id, rec.status, at, [str(p) for p in paths], size))
+    if not dry_run:
+        # Snapshots go with the last job that links them (overlay strategy: sandbox/snapshots/).
+        from . import snapshot
+
+        snapshot.collect(root)
     return out
 
 

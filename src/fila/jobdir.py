@@ -414,6 +414,22 @@ def reclaim(job_dir: Path, *, owner: tuple[int, int] | None = None) -> list[str]
         ) from None
 
 
+def reclaim_tree(upper: Path, *, owner: tuple[int, int] | None = None) -> list[str]:
+    """`reclaim` for an overlay job's upper layer (what the engine wrote over the snapshot, kept
+    under the job's meta directory): made inert the same way, or removed with an error."""
+    if upper.is_symlink() or not upper.is_dir():
+        return []  # the diff refuses it, and says so
+    try:
+        return _make_inert(upper, owner, whiteouts=True)
+    except (OSError, FilaError) as err:
+        with contextlib.suppress(OSError, subprocess.CalledProcessError):
+            fsutil.remove_tree(upper)
+        raise FilaError(
+            f"work/ could not be made safe after the run ({err}); it was removed, no diff is taken",
+            path=upper,
+        ) from None
+
+
 def _open_up(work: Path) -> None:
     """Give every directory below work/ back u+rwx, through fds and never following a link: an
     engine running as fila's own user (fila not root) can chmod 000 a directory, and find
@@ -452,7 +468,9 @@ def _open_up(work: Path) -> None:
             os.close(fd)
 
 
-def _make_inert(work: Path, owner: tuple[int, int] | None) -> list[str]:
+def _make_inert(work: Path, owner: tuple[int, int] | None, *, whiteouts: bool = False) -> list[str]:
+    """`whiteouts`: `work` is an overlay's upper layer, whose deletions are character devices
+    the daemon made (root's): chmod goes around them, a non-root fila may not touch them."""
     warnings: list[str] = []
     _open_up(work)
     # One pass over work/ finds both what to strip and what to remove, before chown (which clears
@@ -494,7 +512,10 @@ def _make_inert(work: Path, owner: tuple[int, int] | None) -> list[str]:
             "setuid/setgid/sticky bits stripped in work/: "
             + ", ".join(escape_name(os.path.relpath(n, work)) for n in special[:5])
         )
-    if loose:
+    if loose and whiteouts:
+        _tool("find", str(work), "-not", "-type", "l", "-not", "-type", "c", "-perm", "/7022",
+              "-exec", "chmod", "ug-s,-t,go-w", "--", "{}", "+")  # fmt: skip
+    elif loose:
         _tool("chmod", "-R", "ug-s,-t,go-w", "--", str(work))
     for name in gits:
         warnings.append(

@@ -341,6 +341,18 @@ class CheckResult(BaseModel):
     image: ImageRef | None = None
 
 
+class Workspace(BaseModel):
+    """How the job's input/ and work/ were made: `copy` (the targets copied twice into the job
+    directory) or `overlay` (input/ a shared read-only snapshot, work/ an overlay of it with the
+    job's own upper layer), and why; the snapshot's key and whether it was built or reused."""
+
+    strategy: Literal["copy", "overlay"]
+    why: str
+    snapshot: str | None = None
+    snapshot_how: str | None = Field(default=None, description="built, reused (stat pass only) or rehashed")
+    files_read: int | None = Field(default=None, description="project files read to check or build it")
+
+
 class Decision(BaseModel):
     action: Literal["applied", "rejected", "retried", "superseded"]
     by: str
@@ -440,6 +452,7 @@ class Record(BaseModel):
         default=None, description="what the engine CLI reported: model, turns, usage, cost"
     )
     check: CheckResult | None = Field(default=None, description="the task's check command, when it ran")
+    workspace: Workspace | None = Field(default=None, description="how input/ and work/ were made, and why")
 
     @field_validator("task", mode="wrap")
     @classmethod

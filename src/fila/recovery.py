@@ -355,7 +355,7 @@ def _decide(root: Root, claim: queue.Claim, to: Status, rep: Report, **fields: A
 
 def _work_evidence(root: Root, rec: Record) -> tuple[dict[str, Any], str]:
     """What work/ holds, as DIFF.patch evidence when it can be read safely."""
-    from . import diff
+    from . import diff, snapshot
     from .cycle import _job_lock
     from .policy import load_policy
 
@@ -365,7 +365,9 @@ def _work_evidence(root: Root, rec: Record) -> tuple[dict[str, Any], str]:
     try:
         policy = load_policy(root, rec.task.policy if rec.task else "default")[0]
         with _job_lock(root, rec.id):
-            d = diff.compute_diff(job, policy=policy, scratch=root.meta(rec.id) / "scratch")
+            ov = snapshot.job_overlay(root, rec.id)  # the overlay strategy: work/ is its layers
+            d = diff.compute_diff(job, policy=policy, scratch=root.meta(rec.id) / "scratch",
+                                  layers=ov.layers() if ov is not None else None)  # fmt: skip
     except InfraError:
         return {}, "work/ is still in use by a stalled worker and was not read."
     except (FilaError, OSError) as e:

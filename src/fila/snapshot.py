@@ -41,6 +41,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from . import fsutil
 from .errors import FilaError, LimitExceeded, TargetError
@@ -638,3 +639,161 @@ class Layers:
             raise LimitExceeded(f"more than max_files={max_files} entries", path=self.upper)
         if size > max_bytes:
             raise LimitExceeded(f"files total more than max_bytes={max_bytes}", path=self.upper)
+
+
+# --- a job on the overlay strategy -----------------------------------------------------------
+
+# Characters the overlay's mount options cannot carry in a path (lowerdir lists are ':'-separated,
+# options ','-separated, and the kernel reads '\' as an escape).
+_UNMOUNTABLE = (",", ":", "\\", "\n")
+
+
+@dataclass(frozen=True)
+class Overlay:
+    """The layers of one job's work/: the snapshot (lower, read-only, shared), the job's upper
+    layer and the overlay's own scratch directory (its `workdir`), both under the job's meta
+    directory, which no container mounts."""
+
+    lower: Path
+    upper: Path
+    scratch: Path
+    entries: int  # the snapshot's totals, for the diff's limits
+    bytes: int
+
+    def layers(self) -> Layers:
+        return Layers(self.lower, self.upper, entries=self.entries, bytes_=self.bytes)
+
+    def mount_options(self) -> str:
+        return f"lowerdir={self.lower},upperdir={self.upper},workdir={self.scratch},userxattr"
+
+
+def overlay_dir(root: Root, task_id: str) -> Path:
+    return root.meta(task_id) / "overlay"
+
+
+def choose(root: Root, unsupported: str | None) -> tuple[str, str]:
+    """("overlay" | "copy", why). `unsupported` is the backend's reason it cannot mount an overlay
+    volume here (None: it can). FILA_WORKSPACE=copy forces the copy (a benchmark's baseline, or a
+    host whose overlay misbehaves)."""
+    forced = os.environ.get("FILA_WORKSPACE", "")
+    if forced == "copy":
+        return "copy", "FILA_WORKSPACE=copy"
+    if unsupported:
+        return "copy", unsupported
+    where = str(root.path / "sandbox")
+    if any(c in where for c in _UNMOUNTABLE):
+        return (
+            "copy",
+            f"the queue root's path holds one of {' '.join(map(repr, _UNMOUNTABLE))}, which overlay "
+            "mount options cannot carry",
+        )
+    return (
+        "overlay",
+        "work/ is an overlay on a shared snapshot of the targets; only the job's upper layer is read",
+    )
+
+
+def prepare_job(
+    root: Root,
+    task_id: str,
+    task: Any,
+    policy: Policy,
+    effective: Any,
+    *,
+    owner: tuple[int, int] | None,
+    task_md_extra: str = "",
+) -> tuple[Any, Overlay, Snapshot]:
+    """`jobdir.prepare` for the overlay strategy: the job directory holds TASK.md and two empty
+    mount points; input/ is the snapshot's tree and work/ the overlay the backend mounts. The
+    upper layer's root is the engine's (`owner`, when fila runs as root): the overlay's root
+    directory takes its owner and mode from it."""
+    from .jobdir import Prepared, project_of, resolve_targets, task_md
+
+    project = project_of(root, task, policy)
+    targets = resolve_targets(root, project, task.targets, policy)
+    job, ov = root.job_dir(task_id), overlay_dir(root, task_id)
+    for old in (job, ov):
+        if old.exists() or old.is_symlink():  # a requeued task starts from a clean state
+            fsutil.remove_tree(old)
+    (job / "input").mkdir(parents=True)
+    (job / "work").mkdir()
+    snap = take(root, task_id, project, targets, policy, owner=owner)
+    upper, scratch = ov / "upper", ov / "work"
+    upper.mkdir(parents=True)
+    scratch.mkdir()
+    os.chmod(upper, 0o755)
+    if owner is not None:
+        os.chown(upper, *owner)
+    prep = Prepared(
+        job_dir=job, files=snap.files, bytes=snap.bytes, manifest=[], warnings=list(snap.warnings)
+    )
+    fsutil.atomic_write(
+        job / "TASK.md", task_md(task_id, task, targets, policy, effective, prep, task_md_extra)
+    )
+    return prep, Overlay(snap.tree, upper, scratch, snap.entries, snap.bytes), snap
+
+
+def job_overlay(root: Root, task_id: str) -> Overlay | None:
+    """The layers of a job prepared on the overlay strategy (its manifest names a snapshot);
+    None for a copied job."""
+    try:
+        info = json.loads((root.meta(task_id) / "manifest.json").read_bytes()).get("snapshot")
+    except (OSError, ValueError):
+        return None
+    if not isinstance(info, dict) or not isinstance(info.get("key"), str):
+        return None
+    ov = overlay_dir(root, task_id)
+    tree = store(root) / info["key"] / "tree"
+    return Overlay(tree, ov / "upper", ov / "work", int(info["entries"]), int(info["bytes"]))
+
+
+class MergedView:
+    """work/ of an overlay job as the engine left it, read path by path from the layers without a
+    mount (what `fila apply` compares the patched files with): the upper layer's entry when it has
+    one (a whiteout: absent), else the snapshot's, unless an opaque directory or a non-directory
+    of the upper layer hides it. Same answers as safedir.SafeDir.state on the copied work/."""
+
+    def __init__(self, overlay: Overlay) -> None:
+        from .safedir import SafeDir
+
+        self.low = SafeDir(overlay.lower)
+        try:
+            self.up = SafeDir(overlay.upper)
+        except BaseException:
+            self.low.__exit__()
+            raise
+
+    def __enter__(self) -> MergedView:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.low.__exit__()
+        self.up.__exit__()
+
+    def _opaque(self, rel: str) -> bool:
+        with self.up.parent(rel) as (dfd, name):
+            path = f"/proc/self/fd/{dfd}/{name}"
+            for n in _OPAQUE:
+                with contextlib.suppress(OSError):
+                    if os.getxattr(path, n, follow_symlinks=False) == b"y":
+                        return True
+        return False
+
+    def state(self, rel: str, *, max_bytes: int) -> Any:
+        from .safedir import ABSENT
+
+        parts = rel.split("/")
+        lower_visible = True
+        for i in range(len(parts)):
+            pre = "/".join(parts[: i + 1])
+            st = self.up.lstat(pre)
+            if st is None:
+                break  # the upper layer has nothing here, so nothing deeper either
+            if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+                return ABSENT  # a whiteout: deleted, and everything below it
+            if i == len(parts) - 1 or not stat.S_ISDIR(st.st_mode):
+                return self.up.state(rel, max_bytes=max_bytes)
+            low = self.low.lstat(pre) if lower_visible else None
+            if self._opaque(pre) or (low is not None and not stat.S_ISDIR(low.st_mode)):
+                lower_visible = False
+        return self.low.state(rel, max_bytes=max_bytes) if lower_visible else ABSENT

@@ -54,6 +54,9 @@ class RunSpec:
     redact: list[str] = field(default_factory=list)
     # network allowlist: the gateway's config, secrets and log (0700; never under job_dir)
     egress_dir: Path | None = None
+    # the overlay strategy (snapshot.Overlay): input/ is the snapshot's tree (read-only), work/ an
+    # overlay of it with the job's upper layer; None: input/ and work/ are the job's own copies
+    overlay: Any = None
 
 
 @dataclass
@@ -154,6 +157,11 @@ class Backend(ABC):
 
     def why_unenforceable(self) -> str:
         return "not supported"
+
+    def overlay_unsupported(self) -> str | None:
+        """Why this backend cannot give a job's work/ as an overlay of a snapshot on this host
+        (the job then copies its targets, and the record says why); None when it can."""
+        return f"the {self.name} backend does not mount overlay volumes"
 
     @abstractmethod
     def run(

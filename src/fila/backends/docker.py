@@ -23,7 +23,7 @@ import docker
 import requests
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.models.containers import Container
-from docker.types import LogConfig, Mount, Ulimit
+from docker.types import DriverConfig, LogConfig, Mount, Ulimit
 
 from .. import jobdir
 from ..engines.base import HOME, JOB_MOUNT
@@ -125,6 +125,7 @@ def create_kwargs(spec: RunSpec, name: str, gateway: Any = None) -> dict[str, An
         raise ValueError("RunSpec.argv is empty")
     job_dir = spec.job_dir.resolve()
     input_dir, work_dir = job_dir / "input", job_dir / "work"
+    ov = spec.overlay
     if not job_dir.is_dir():
         raise InfraError("the job directory is missing", task_id=spec.job_id, path=job_dir)
     for sub in (input_dir, work_dir):
@@ -148,7 +149,8 @@ def create_kwargs(spec: RunSpec, name: str, gateway: Any = None) -> dict[str, An
         working_dir=JOB_MOUNT,
         user=f"{uid}:{gid}",
         hostname="fila",
-        labels={**spec.labels, LABEL: "1", JOB_LABEL: spec.job_id},
+        labels={**spec.labels, LABEL: "1", JOB_LABEL: spec.job_id}
+        | ({VOLUME_LABEL: work_volume(name)} if ov is not None else {}),
         # Only work/ is writable, whoever the engine runs as: with the host user's uid (fila not
         # run as root) the engine owns the job directory, and only the mount keeps it from
         # rewriting TASK.md or leaving files beside work/ (the host would read them later).
@@ -156,6 +158,14 @@ def create_kwargs(spec: RunSpec, name: str, gateway: Any = None) -> dict[str, An
             Mount(JOB_MOUNT, str(job_dir), type="bind", read_only=True),
             Mount(f"{JOB_MOUNT}/input", str(input_dir), type="bind", read_only=True),
             Mount(f"{JOB_MOUNT}/work", str(work_dir), type="bind", read_only=False),
+        ]
+        if ov is None
+        else [
+            # The overlay strategy: input/ is the shared snapshot, read-only; work/ the job's
+            # overlay volume (its upper layer alone takes writes; the daemon mounts it).
+            Mount(JOB_MOUNT, str(job_dir), type="bind", read_only=True),
+            Mount(f"{JOB_MOUNT}/input", str(ov.lower), type="bind", read_only=True),
+            _work_mount(spec, name),
         ],
         network_mode=p.network if p.network != "allowlist" else "none",
         mem_limit=mem,
@@ -375,6 +385,9 @@ def _over_disk_limits(spec: RunSpec) -> str | None:
     p = spec.policy
     max_bytes, max_files = 2 * p.max_work_bytes + (64 << 20), 2 * p.max_work_files + 16
     used, files = jobdir.usage(spec.job_dir, max_bytes=max_bytes, max_files=max_files)
+    if spec.overlay is not None:  # what the engine writes lands in the upper layer
+        more = jobdir.usage(spec.overlay.upper, max_bytes=max_bytes - used, max_files=max_files - files)
+        used, files = used + more[0], files + more[1]
     if used > max_bytes:
         return f"the job directory grew past {max_bytes} bytes (2 x max_work_bytes) during the run"
     if files > max_files:
@@ -448,6 +461,8 @@ def run(
         result = _execute(client, spec, container, heartbeat, heartbeat_s)
         try:
             _remove(client, name)
+            if spec.overlay is not None:
+                _remove_volume(client, work_volume(name))
         except _DOCKER_ERRORS as e:
             raise _docker_error(spec, f"removing container {name}", e) from e
         if gateway is not None:
@@ -463,10 +478,19 @@ def run(
             except InfraError as e:  # the run itself is complete: say what is left, keep the result
                 left.append(f"{e}; `fila recover` removes it")
         result.warnings = jobdir.reclaim(spec.job_dir, owner=owner) + left
+        if spec.overlay is not None:
+            result.warnings += jobdir.reclaim_tree(spec.overlay.upper, owner=owner)
         return result
     except BaseException as exc:
         # Removed by name: an interrupted create may have made the container without telling us.
         _cleanup_after_failure(client, name, exc)
+        if spec.overlay is not None:
+            with contextlib.suppress(*_DOCKER_ERRORS):
+                fresh = _fresh_client(client)
+                try:
+                    _remove_volume(fresh, work_volume(name))
+                finally:
+                    fresh.close()
         if gateway is not None:
             _stop_gateway_after_failure(client, gateway, exc)
         try:
@@ -532,6 +556,38 @@ def _stop_gateway_after_failure(client: docker.DockerClient, gateway: Any, exc: 
         exc.add_note(f"fila: could not remove the job's gateway or network: {e}; `fila recover` sweeps them")
 
 
+VOLUME_LABEL = "fila.volume"  # on a container whose work/ is an overlay volume: the volume's name
+
+
+def work_volume(container: str) -> str:
+    return f"{container}-work"
+
+
+def _work_mount(spec: RunSpec, name: str) -> Mount:
+    """The job's work/ as a `local` volume of type overlay, made by the daemon with the container
+    (one request: no volume without its container) and mounted by it, so fila needs no mount
+    privilege. `userxattr`: the opaque-directory marks are user.* xattrs the host reads without
+    privilege; redirect_dir and metacopy stay off (their default with it), so a renamed directory
+    is copied and every changed file is whole in the upper layer. no_copy: nothing of the image
+    is copied into it."""
+    return Mount(
+        f"{JOB_MOUNT}/work",
+        work_volume(name),
+        type="volume",
+        read_only=False,
+        no_copy=True,
+        labels={**spec.labels, LABEL: "1", JOB_LABEL: spec.job_id},
+        driver_config=DriverConfig(
+            "local", options={"type": "overlay", "device": "overlay", "o": spec.overlay.mount_options()}
+        ),
+    )
+
+
+def _remove_volume(client: docker.DockerClient, volume: str) -> None:
+    with contextlib.suppress(NotFound):
+        client.api.remove_volume(volume, force=True)
+
+
 def _cleanup_after_failure(client: docker.DockerClient, name: str, exc: BaseException) -> None:
     for _ in range(3):
         try:
@@ -582,6 +638,29 @@ def remove_containers(
     return removed
 
 
+def _overlay_check(backend: DockerBackend) -> str | None:
+    try:
+        if "\toverlay\n" not in Path("/proc/filesystems").read_text():
+            return "this kernel has no overlay filesystem"
+    except OSError:
+        return "this host has no /proc/filesystems (not Linux): no overlay filesystem"
+    try:
+        with backend.client() as c:
+            info = c.info()
+    except (*_DOCKER_ERRORS, DockerUnavailable) as e:
+        return f"the {backend.name} daemon did not say whether it can mount overlay volumes: {e}"
+    if info.get("OSType") not in (None, "linux"):
+        return f"the {backend.name} daemon runs {info.get('OSType')}, not Linux"
+    rootless = any("rootless" in str(o) for o in info.get("SecurityOptions") or [])
+    release = re.match(r"(\d+)\.(\d+)", os.uname().release)
+    if rootless and (release is None or (int(release[1]), int(release[2])) < (5, 11)):
+        return (
+            f"rootless {backend.name} on kernel {os.uname().release} cannot mount overlay "
+            "(it needs 5.11+, or fuse-overlayfs)"
+        )
+    return None
+
+
 class DockerBackend(Backend):
     """Docker (the default). Clients are pooled here, one per concurrent job at most: a new client
     and its ping cost ~8 ms a task, and one job's calls never wait for another's. A client that
@@ -596,6 +675,7 @@ class DockerBackend(Backend):
         self._timeout = timeout
         self._pool: list[docker.DockerClient] = []
         self._lock = threading.Lock()
+        self._overlay_why: list[str | None] | None = None
 
     # -- connections ------------------------------------------------------------------------
 
@@ -642,12 +722,37 @@ class DockerBackend(Backend):
             except _DOCKER_ERRORS as e:
                 raise DockerUnavailable(f"the {self.name} engine does not answer: {e}") from e
             return
-        self.connect(timeout=15).close()
+        with self._lock:
+            c = self._pool.pop() if self._pool else None
+        if c is None:
+            # A new client is checked with a ping (15 s: a hung daemon is reported soon), then
+            # pooled with the usual timeout: the job that follows uses this connection.
+            c = self.connect(timeout=15)
+            c.api.timeout = self._timeout
+        else:
+            try:
+                c.api.get(f"{c.api.base_url}/_ping", timeout=15).raise_for_status()
+            except _DOCKER_ERRORS as e:
+                with contextlib.suppress(Exception):
+                    c.close()  # a client that saw an error is never reused
+                raise DockerUnavailable(f"the {self.name} engine does not answer: {e}") from e
+        with self._lock:
+            if len(self._pool) < self.POOL_MAX:
+                self._pool.append(c)
+                return
+        c.close()
 
     # -- the seam -----------------------------------------------------------------------------
 
     def unenforceable(self, policy: Policy) -> list[str]:
         return []  # the daemon runs as root with cgroups: every limit create_kwargs sets holds
+
+    def overlay_unsupported(self) -> str | None:
+        """Measured once: the kernel must have overlayfs, and a rootless daemon (in a user
+        namespace) needs a kernel that mounts overlay there (5.11+; else fuse-overlayfs)."""
+        if self._overlay_why is None:
+            self._overlay_why = [_overlay_check(self)]
+        return self._overlay_why[0]
 
     def run(
         self,
@@ -760,6 +865,8 @@ class DockerBackend(Backend):
         with self.client() as c:
             try:
                 c.api.remove_container(box.id, force=True, v=True)
+                if box.labels.get(VOLUME_LABEL):  # the overlay strategy's work/ goes with it
+                    _remove_volume(c, box.labels[VOLUME_LABEL])
             except NotFound:
                 return False
             except APIError as e:
