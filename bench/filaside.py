@@ -22,11 +22,27 @@ def submit_noops(root: Path, project: Path, n: int, *, command: str = "true") ->
     from fila.models import Task
 
     r = Root.at(root)
+    allow_project(r, project)
     ids = []
     for i in range(n):
         task = Task(id=f"t{i:04d}", engine="shell", command=command, targets=["."], project=str(project))
         ids.append(submit(r, task).id)
     return ids
+
+
+def allow_project(r: Any, project: Path) -> None:
+    """The root's `default` policy names the bench project in `projects` (issue 11: a task may
+    point only at the queue root or an operator-listed directory)."""
+    import json
+
+    from fila.assets import shipped_dir
+
+    path = r.policies_dir / "default.json"
+    data = json.loads((path if path.exists() else shipped_dir("policies") / "default.json").read_text())
+    if str(project) not in data.get("projects", []):
+        data["projects"] = [*data.get("projects", []), str(project)]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=1) + "\n")
 
 
 def records(root: Path) -> list[Any]:

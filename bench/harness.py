@@ -18,6 +18,8 @@ from bench.common import REPO, Ctx, Row, bench_tmp
 
 
 def _cases() -> dict[str, Callable[[Ctx], list[Row]]]:
+    from bench.ci_single import ci_single
+    from bench.large_project import large_project
     from bench.per_task import per_task
     from bench.queue_rate import queue_case
     from bench.scale import scale
@@ -30,10 +32,12 @@ def _cases() -> dict[str, Callable[[Ctx], list[Row]]]:
         "throughput": throughput,
         "scale": scale,
         "queue": queue_case,
+        "large-project": large_project,
+        "ci-single": ci_single,
     }
 
 
-CASES = ("per-task", "startup", "throughput", "scale", "queue")
+CASES = ("per-task", "startup", "throughput", "scale", "queue", "large-project", "ci-single")
 
 
 def _fmt(v: float | None, unit: str) -> str:
