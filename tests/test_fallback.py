@@ -32,14 +32,9 @@ RATE = "Number of request tokens has exceeded your per-minute rate limit"
 
 
 def _policy(root: Path, ups: Upstreams, name: str, **extra: Any) -> None:
+    route = {"upstream": "https://model.test", "credential": KEY_VAR, "ca_file": str(ups.ca_file)}
     egress: dict[str, Any] = {
-        "routes": {
-            "anthropic": {
-                "upstream": "https://model.test",
-                "credential": KEY_VAR,
-                "ca_file": str(ups.ca_file),
-            }
-        },
+        "routes": {"anthropic": route, "openai": route},
         "allow_private": [ups.subnet],
         "egress_network": ups.network,
         **extra.pop("egress", {}),
@@ -79,7 +74,7 @@ def _log(root: Path, rel: str | None) -> str:
 def fb_root(tmp_path: Path, upstreams: Upstreams, docker_client: docker.DockerClient) -> Path:  # noqa: F811
     from fila.images import ensure_image
 
-    for engine in ("claude", "shell"):
+    for engine in ("claude", "codex", "shell"):
         ensure_image(engine, DockerBackend(docker_client), progress=lambda _l: None)
     make_root(tmp_path)
     (tmp_path / "a.txt").write_text("hello\n")
@@ -253,3 +248,34 @@ def test_a_prompt_over_the_policys_cap_is_refused_naming_the_field(sub_root: Pat
     assert ok.exit_code == 0, ok.output
     bad = fila(sub_root, *args, "é" * 512 + "x")
     assert bad.exit_code == 2 and "field 'prompt'" in bad.output and "max_prompt_bytes 1024" in bad.output
+
+
+@pytest.mark.docker
+@pytest.mark.engines
+def test_the_tasks_own_chain_runs_in_order_until_an_engine_is_not_out_of_quota(
+    fb_root: Path,
+    upstreams: Upstreams,  # noqa: F811
+) -> None:
+    root = fb_root
+    quota = {"error": {"status": 429, "message": RATE, "retry_after": 0}}
+    upstreams.set_script(
+        [*[{"protocol": "anthropic", **quota}] * 12, *[{"protocol": "responses", **quota}] * 12]
+    )
+    upstreams.clear_requests()
+    tid = _submit(root, "--engine", "claude", "--fallback", "codex", "--fallback", "shell",
+                  "--prompt", "Create hello.txt.", "--command", "echo from shell >> a.txt",
+                  "--policy", "chain")  # fmt: skip
+    done = _run_once(root, f"sk-test-{secrets.token_hex(16)}")
+    rec = record(root, tid)
+    assert rec["status"] == "needs_review", (rec["error"], done.stderr[-2000:])
+    assert [(a["engine"], a["outcome"]) for a in rec["attempts"]] == [
+        ("claude", "quota"),
+        ("codex", "quota"),
+        ("shell", "success"),
+    ]
+    kept = [a["log_path"] for a in rec["attempts"][:2]]
+    assert kept == [f"fila/logs/{tid}.1-claude.log", f"fila/logs/{tid}.2-codex.log"]
+    # Both CLIs really met the 429 (the model server logged each one's requests).
+    paths = {r["path"].rsplit("/", 1)[-1] for r in upstreams.requests("model.test")}
+    assert {"messages", "responses"} <= paths, paths
+    assert "+from shell" in (root / rec["patch_path"]).read_text()
