@@ -783,7 +783,8 @@ def _fall_back(
     open attempt to the next engine."""
     root, tid = run.root, run.tid
     name, nxt = checked.chain[i][0], checked.chain[i + 1][0]
-    kept = root.logs_dir / f"{tid}.{i + 1}-{name}.log"
+    # Named by run and engine: a retried task's second run never overwrites the first run's logs.
+    kept = root.logs_dir / f"{tid}.{run.attempt}-{i + 1}-{name}.log"
     with contextlib.suppress(FileNotFoundError):
         os.replace(root.log_path(tid), kept)
     done = Attempt(
