@@ -360,3 +360,19 @@ def test_a_row_shows_the_engines_a_fallback_tried_and_where_its_tokens_were_coun
     assert (alone.input_tokens, alone.tokens_from, alone.requests) == (99, "cli", None)
     table = render_lines(Comparison("g", "p", ["a.txt"], [row, alone]))
     assert "claude(quota) -> shell" in table[2] and "10/2" in table[2] and "99/-" in table[3]
+
+
+def test_a_task_file_with_repeated_engine_makes_the_group_from_the_files_fields(proj: Path) -> None:
+    f = proj / "task.json"
+    f.write_text(json.dumps({"id": "tf", "engine": "shell", "prompt": "Say hi.", "command": "true",
+                             "targets": ["a.txt"], "check": "true"}))  # fmt: skip
+    ok = fila(proj, "submit", str(f), "--engine", "shell", "--engine", "codex")
+    assert ok.exit_code == 0 and ok.stdout.split() == ["tf.shell", "tf.codex"], ok.output
+    tasks = [record(proj, t)["task"] for t in ("tf.shell", "tf.codex")]
+    assert [(t["engine"], t["group"], t["prompt"], t["check"]) for t in tasks] == [
+        ("shell", "tf", "Say hi.", "true"),
+        ("codex", "tf", "Say hi.", "true"),
+    ]
+    # The same file with one --engine is one task, not a group (the file's id as is).
+    one = fila(proj, "submit", str(f), "--engine", "codex")
+    assert one.exit_code == 0 and one.stdout.strip() == "tf" and record(proj, "tf")["task"]["group"] is None
