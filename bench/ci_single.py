@@ -1,0 +1,214 @@
+"""Case ci-single: the CI path, one task from nothing to a reviewed diff, process start-up included.
+
+A pipeline runs one task per job, each command a fresh process. Three sides, alternating in one run
+(floor, two commands, one process, floor, ...), each on a fresh queue root and the same 100-file
+project, the task a `sed` on one file:
+
+- floor: `cp -a` twice, a `docker run --rm` derived from fila's create_kwargs key by key (never
+  weaker, bench/floor.py), `git diff --no-index`;
+- two commands: `fila submit ...` then `fila run --once --json`, two processes;
+- one process: `fila submit ... --run --json` (skipped when this fila has no `--run`).
+
+Also `fila submit` alone and `fila --help` next to `python -c pass`. The breakdown is the median of
+each phase of the records' `timings` (start-up, claim, begin, validate, prepare, create, start_wait,
+remove, diff, record); the two-command form's start-up is its second process's, the submit being
+timed apart (`submit` in the breakdown).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from itertools import count
+from pathlib import Path
+
+from bench.common import Ctx, Row, fila_cmd, median, paired_ratio, run, sync
+from bench.filaside import allow_project, ensure_image, help_text, init_root
+from bench.floor import FloorSpec, copy_in, docker_run, git_diff, new_job
+from bench.projects import make_project
+
+TWO_TARGET = 2.0  # x the floor: `submit` + `run --once`, two processes
+ONE_TARGET = 1.3  # x the floor: `submit --run`, one process
+SUBMIT_TARGET_S = 0.15
+HELP_TARGET_S = 0.1
+SED = "sed -i 's/a/b/' f0000.txt"
+
+
+def _first_file(project: Path) -> str:
+    return sorted(str(p.relative_to(project)) for p in project.rglob("*") if p.is_file())[0]
+
+
+def _floor_task(project: Path, job: Path, args: list[str]) -> dict[str, float]:
+    """floor.floor_task, plus what fila does when it runs as root (the engine never does): work/
+    handed to the container's uid (`chown -R`), so the engine can write it."""
+    t0 = time.perf_counter()
+    copy_in(project, job)
+    if os.getuid() == 0:
+        uid, gid = args[args.index("-u") + 1].split(":")
+        run(["chown", "-R", f"{uid}:{gid}", str(job / "work")])
+    t1 = time.perf_counter()
+    docker_run(args, job.parent / f"{job.name}.log")
+    t2 = time.perf_counter()
+    git_diff(job)
+    t3 = time.perf_counter()
+    return {"copy": t1 - t0, "run": t2 - t1, "diff": t3 - t2, "total": t3 - t0}
+
+
+def ci_single(ctx: Ctx, *, files: int = 100) -> list[Row]:
+    ensure_image()
+    reps = ctx.reps_or(9, 2)
+    project = make_project(ctx.mkdtemp("ci-project") / "p", files, seed=3).path
+    sed = SED.replace("f0000.txt", _first_file(project))
+    floor_root = init_root(ctx.mkdtemp("ci-floor-root"))
+    spec = FloorSpec(floor_root, command=sed)
+    fila = fila_cmd()
+    one_process = "--run" in help_text("submit")
+    ids = count()
+    phases: dict[str, dict[str, list[float]]] = {"two": {}, "one": {}, "floor": {}}
+    failed: list[str] = []
+
+    def fresh_root() -> Path:
+        root = init_root(ctx.mkdtemp("ci-root"))
+        from fila.layout import Root
+
+        allow_project(Root.at(root), project)
+        return root
+
+    def submit_argv(root: Path) -> list[str]:
+        return [
+            *fila,
+            "submit",
+            "--root",
+            str(root),
+            "--engine",
+            "shell",
+            "--command",
+            sed,
+            "--target",
+            ".",
+            "--project",
+            str(project),
+            "--id",
+            f"ci{next(ids)}",
+        ]
+
+    def keep(side: str, out: bytes, extra: dict[str, float]) -> None:
+        lines = [json.loads(line) for line in out.decode().splitlines() if line.strip()]
+        if len(lines) != 1 or lines[0].get("status") != "needs_review":
+            failed.append(f"{side}: {out.decode(errors='replace')[:300]}")
+            return
+        for k, v in {**lines[0].get("timings", {}), **extra}.items():
+            phases[side].setdefault(k, []).append(v)
+
+    def two_commands() -> float:
+        root = fresh_root()
+        sync()
+        t = time.perf_counter()
+        run(submit_argv(root))
+        t1 = time.perf_counter()
+        p = run(
+            [*fila, "run", "--once", "--json", "--quiet", "--root", str(root)],
+            stdout=subprocess.PIPE,
+            ok=(0, 1),
+        )
+        dt = time.perf_counter() - t
+        keep("two", p.stdout, {"submit": t1 - t, "run_once": dt - (t1 - t), "wall": dt})
+        shutil.rmtree(root, ignore_errors=True)
+        return dt
+
+    def one_command() -> float:
+        root = fresh_root()
+        sync()
+        t = time.perf_counter()
+        p = run([*submit_argv(root), "--run", "--json", "--quiet"], stdout=subprocess.PIPE, ok=(0, 1))
+        dt = time.perf_counter() - t
+        keep("one", p.stdout, {"wall": dt})
+        shutil.rmtree(root, ignore_errors=True)
+        return dt
+
+    def floor_side() -> float:
+        jobs = ctx.mkdtemp("ci-floor-jobs")
+        job = new_job(jobs, 0)
+        args = spec.docker_args(job, f"fila-bench-{jobs.name}")
+        sync()
+        steps = _floor_task(project, job, args)
+        for k, v in steps.items():
+            phases["floor"].setdefault(k, []).append(v)
+        shutil.rmtree(jobs, ignore_errors=True)
+        return steps["total"]
+
+    ctx.log(f"ci-single: {reps} x (floor, submit + run --once, submit --run), alternating")
+    fl: list[float] = []
+    two: list[float] = []
+    one: list[float] = []
+    for i in range(reps + 1):  # the first round warms the page cache and the daemon: discarded
+        f, t2 = floor_side(), two_commands()
+        t1 = one_command() if one_process else None
+        if i:
+            fl.append(f)
+            two.append(t2)
+            if t1 is not None:
+                one.append(t1)
+
+    # Start-up: `fila --help` and `fila submit` against the interpreter doing nothing.
+    def wall(argv: list[str]) -> float:
+        t = time.perf_counter()
+        run(argv)
+        return time.perf_counter() - t
+
+    root = fresh_root()
+    hx, sx, px = [], [], []
+    for _ in range(max(5, reps)):
+        px.append(wall([sys.executable, "-c", "pass"]))
+        hx.append(wall([*fila, "--help"]))
+        sx.append(wall(submit_argv(root)))
+    shutil.rmtree(root, ignore_errors=True)
+
+    breakdown = {
+        side: {k: round(statistics.median(v), 4) for k, v in got.items()} for side, got in phases.items()
+    }
+    note_fail = f"FAILED {len(failed)}: {failed[0]}" if failed else ""
+
+    def row(name: str, xs: list[float], target: float) -> Row:
+        r = paired_ratio(xs, fl[: len(xs)])
+        return Row(
+            name,
+            median(xs),
+            median(fl[: len(xs)]),
+            "s",
+            target=f"<= {target}",
+            ok=r <= target and not failed,
+            ratio=r,
+            note=note_fail,
+            samples={"fila": xs, "floor": fl},
+            extra=breakdown,
+        )
+
+    rows = [row("ci-single: submit + run --once (2 processes)", two, TWO_TARGET)]
+    if one_process:
+        rows.append(row("ci-single: submit --run (1 process)", one, ONE_TARGET))
+    else:
+        rows.append(Row("ci-single: submit --run (1 process)", None, median(fl), "s", note="no --run here"))
+    for name, xs, target in (
+        ("ci-single: fila submit", sx, SUBMIT_TARGET_S),
+        ("ci-single: fila --help", hx, HELP_TARGET_S),
+    ):
+        rows.append(
+            Row(
+                name,
+                median(xs),
+                median(px),
+                "s",
+                target=f"< {target} s",
+                ok=median(xs) < target,
+                ratio=paired_ratio(xs, px),
+                samples={"fila": xs, "python -c pass": px},
+                note="baseline: python -c pass",
+            )
+        )
+    return rows
