@@ -181,7 +181,7 @@ def test_unreachable_docker_keeps_the_task_queued_and_exits_3(proj: Path) -> Non
     assert (proj / "fila" / "in" / f"{tid}.json").exists()
 
 
-def test_a_missing_image_keeps_the_task_queued_with_a_build_hint(proj: Path) -> None:
+def test_a_pinned_image_that_is_not_built_fails_its_task_with_a_build_hint(proj: Path) -> None:
     task = {
         "id": "noimg",
         "engine": "shell",
@@ -192,11 +192,14 @@ def test_a_missing_image_keeps_the_task_queued_with_a_build_hint(proj: Path) -> 
     (proj / "t.json").write_text(json.dumps(task))
     assert fila(proj, "submit", str(proj / "t.json")).exit_code == 0
     res = fila(proj, "run", "--once")
-    assert res.exit_code == 3
-    assert "fila images build" in res.stderr
+    # A pinned image no retry can make appear is the task's own failure (audit 11): recorded,
+    # not requeued, and the run is not stopped (exit 2: a task was invalid, Docker is fine).
+    assert res.exit_code == 2, res.output
     rec = record(proj, "noimg")
-    assert rec["status"] == "queued" and rec["error"]["kind"] == "infra"
-    assert (proj / "fila" / "in" / "noimg.json").exists()
+    assert rec["status"] == "failed" and rec["error"]["kind"] == "invalid", rec
+    assert "fila/not-built-anywhere:latest" in rec["error"]["message"]
+    assert "fila images build shell" in rec["error"]["message"]
+    assert not (proj / "fila" / "in" / "noimg.json").exists()
 
 
 def test_work_stays_owned_by_the_host_user(proj: Path) -> None:

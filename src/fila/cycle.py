@@ -492,11 +492,10 @@ def run_one(
                 # nobody builds): no retry makes it appear, so it is the task's own failure, and
                 # the queue goes on. The engines' own images stay a wait-and-retry (ImageMissing):
                 # `fila images build` may be making one right now.
+                hint = f"build it, or leave `image` out to run {name}'s own (`fila images build {name}`)"
+                # The hint is in the message too: the record keeps only the message.
                 raise InvalidTaskFile(
-                    f"image {image!r} is not present in {backend.name}",
-                    field="image",
-                    hint=f"build it, or leave `image` out to run the engine's own ({name}: "
-                    f"`fila images build {name}`)",
+                    f"image {image!r} is not present in {backend.name}; {hint}", field="image", hint=hint
                 )
             if ref is None:
                 raise ImageMissing(
