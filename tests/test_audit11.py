@@ -557,3 +557,46 @@ def test_a_bug_before_the_container_fails_its_task_once_while_a_stop_hands_it_ba
     assert rec.status == Status.failed and not root.queued_path("buggy").exists()
     assert rec.error is not None and rec.error.kind == "infra"
     assert rec.error.message == "fila bug: ZeroDivisionError: division by zero"
+
+
+@pytest.mark.docker
+def test_an_engine_image_missing_at_claim_waits_for_its_task_only_and_the_run_goes_on(
+    tmp_path: Path, shell_image: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fila.backends.docker import DockerBackend
+
+    from .helpers import fila, record
+
+    make_root(tmp_path)
+    (tmp_path / "greeting.txt").write_text("hello\n")
+    for tid in ("first", "second"):
+        res = fila(
+            tmp_path,
+            "submit",
+            "--id",
+            tid,
+            "--engine",
+            "shell",
+            "--command",
+            "true",
+            "--target",
+            "greeting.txt",
+        )
+        assert res.exit_code == 0, res.output
+    real = DockerBackend.image
+    missing = {"left": 1}
+
+    def being_built(self: DockerBackend, tag: str) -> Any:
+        """The engine's image is not there at the first claim (`fila images build` is making it)."""
+        if missing["left"]:
+            missing["left"] -= 1
+            return None
+        return real(self, tag)
+
+    monkeypatch.setattr(DockerBackend, "image", being_built)
+    res = fila(tmp_path, "run", "--once")
+    assert res.exit_code == 0, res.output
+    recs = {tid: record(tmp_path, tid) for tid in ("first", "second")}
+    assert all(r["status"] == "needs_review" for r in recs.values()), recs
+    waited = [r for r in recs.values() if any(a.get("outcome") == "requeued" for a in r["attempts"])]
+    assert len(waited) == 1 and "fila images build shell" in res.output, res.output

@@ -335,11 +335,13 @@ class Worker:
         tid = job.claim.task_id
         if isinstance(e, InfraError):
             self.progress(f"{tid}: {e}" + (f"\n  hint: {e.hint}" if e.hint else ""))
+            if self.once and isinstance(e, ImageMissing):
+                # An engine's image not built yet is that task's wait (requeued with backoff, and
+                # failed after MAX_INFRA_ATTEMPTS): the run goes on, the other tasks still run.
+                return
             if self.once:
                 self.infra_error = self.infra_error or e
-                # An engine's image not built yet is that task's wait (requeued with backoff,
-                # failed after MAX_INFRA_ATTEMPTS): the tasks of other engines still run.
-                self.stop_claiming = self.stop_claiming or not isinstance(e, ImageMissing)
+                self.stop_claiming = True
             elif not self._docker_answers():
                 self._docker_down()
             return
