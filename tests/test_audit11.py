@@ -600,3 +600,28 @@ def test_an_engine_image_missing_at_claim_waits_for_its_task_only_and_the_run_go
     assert all(r["status"] == "needs_review" for r in recs.values()), recs
     waited = [r for r in recs.values() if any(a.get("outcome") == "requeued" for a in r["attempts"])]
     assert len(waited) == 1 and "fila images build shell" in res.output, res.output
+
+
+@pytest.mark.docker
+def test_a_directory_deeper_than_path_max_fails_its_task_and_the_next_runs(
+    tmp_path: Path, shell_image: object
+) -> None:
+    import json
+
+    from .helpers import fila, record
+
+    root = make_root(tmp_path)
+    (tmp_path / "greeting.txt").write_text("hello\n")
+    for name, levels in (("near", 15), ("past", 18)):
+        (tmp_path / name).mkdir()
+        _deep_target(tmp_path / name, levels)
+    for tid, target in (("near", "near"), ("past", "past"), ("after", "greeting.txt")):
+        task = {"engine": "shell", "command": "true", "targets": [target]}
+        (root.in_dir / f"{tid}.json").write_text(json.dumps(task))
+    res = fila(tmp_path, "run", "--once")
+    assert "fila bug" not in res.output and "Traceback" not in res.output, res.output
+    # The allowed counterpart: deep, but every path fits: copied and run.
+    assert record(tmp_path, "near")["status"] == "needs_review"
+    past = record(tmp_path, "past")
+    assert past["status"] == "failed" and past["error"]["kind"] == "invalid" and past["attempt"] == 1, past
+    assert record(tmp_path, "after")["status"] == "needs_review"
