@@ -177,6 +177,15 @@ def submit(
         str | None,
         typer.Option(help="command run on a copy of work/ after the engine (network none); recorded"),
     ] = None,
+    run_now: Annotated[
+        bool,
+        typer.Option(
+            "--run",
+            help="then run it in this process as `run --once` would (only this task or group): "
+            "prints its record (--json: the full record), exit codes as `run --once`",
+        ),
+    ] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="with --run: no progress on stderr")] = False,
     root: RootOpt = None,
     json_: JsonOpt = False,
 ) -> None:
@@ -184,7 +193,8 @@ def submit(
 
     Either give a task file, or describe the task with options; options given with a file
     override its fields. The task is checked now (engine, policy, limits, targets), so a bad
-    task is refused here rather than failing later.
+    task is refused here rather than failing later. With --run (CI, one process): the task is
+    queued as above, then claimed and run like `fila run --once` would, other queued tasks left.
     """
     from .cycle import parse_task_bytes, parse_task_file
     from .cycle import submit as do_submit
@@ -226,6 +236,8 @@ def submit(
 
         per_engine = dict(m.split("=", 1) for m in model or [] if "=" in m)
         recs = submit_group(_root(root), Task.model_validate(data), engine, models=per_engine)
+        if run_now:
+            _process(root, once=True, only={r.id for r in recs}, json_=json_, quiet=quiet)
         if json_:
             _out({"group": recs[0].task.group if recs[0].task else None,
                   "tasks": [{"id": r.id, "engine": r.task.engine if r.task else None, "status": r.status}
@@ -235,6 +247,8 @@ def submit(
                 typer.echo(r.id)
         return
     rec = do_submit(_root(root), Task.model_validate(data))
+    if run_now:
+        _process(root, once=True, only={rec.id}, json_=json_, quiet=quiet)
     if json_:
         _out({"id": rec.id, "status": rec.status})
     else:
@@ -293,6 +307,21 @@ def worker(
     yet started go back to the queue, running ones get --grace seconds. Ctrl-C: running
     containers are removed and their tasks recorded (needs_human). Exit codes as `run --once`.
     """
+    _process(root, once=once, json_=json_, quiet=quiet, concurrency=concurrency, poll=poll, grace=grace)
+
+
+def _process(
+    root: Path | None,
+    *,
+    once: bool,
+    json_: bool,
+    quiet: bool,
+    only: set[str] | None = None,
+    concurrency: int = 1,
+    poll: float = 1.0,
+    grace: float = 60.0,
+) -> None:
+    """Run a worker (`only`: just these tasks) and exit with its code (never returns)."""
     from .worker import Worker
 
     def on_record(rec: Record) -> None:
@@ -306,6 +335,7 @@ def worker(
         grace_s=grace,
         on_record=on_record,
         progress=(lambda _m: None) if quiet else _err,
+        only=only,
     )
     code = w.run()
     if once and not w.records and not quiet and code == 0:

@@ -52,11 +52,25 @@ RECOVER_EVERY_S = 30.0
 DOCKER_BACKOFF_CAP_S = 30.0
 
 
+def process_age() -> float | None:
+    """Seconds since this process was started (interpreter start-up and imports included), from
+    /proc at 10 ms resolution; None where there is no /proc."""
+    try:
+        with open("/proc/self/stat", "rb") as f:
+            stat = f.read()
+        # Field 22 (starttime, clock ticks since boot) counted after the ")" that ends the name.
+        ticks = int(stat[stat.rindex(b")") + 2 :].split()[19])
+        return max(0.0, time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
 class _Job(cycle.Hooks):
     """One claimed task running in its own thread; the worker steers it through these hooks."""
 
-    def __init__(self, worker: Worker, claim: queue.Claim) -> None:
+    def __init__(self, worker: Worker, claim: queue.Claim, before: dict[str, float] | None = None) -> None:
         self.worker, self.claim = worker, claim
+        self.before = before or {}
         self.cancel = threading.Event()
         self.lost = threading.Event()  # set by the heartbeat thread when the claim file is gone
         self.result: Record | None = None
@@ -70,6 +84,9 @@ class _Job(cycle.Hooks):
             raise queue.LeaseLost(f"{self.claim.name}: the claim is gone (reaped)")
         if self.cancel.is_set():
             raise cycle.Interrupted(self.worker.stop_reason)
+
+    def timings(self) -> dict[str, float]:
+        return self.before
 
     def before_start(self) -> None:
         self.check()
@@ -149,6 +166,7 @@ class Worker:
         poll_s: float = 1.0,
         grace_s: float = DEFAULT_GRACE_S,
         recover_every_s: float = RECOVER_EVERY_S,
+        only: set[str] | None = None,
     ) -> None:
         from .backends import get_backend, root_backend
 
@@ -158,6 +176,11 @@ class Worker:
         self.backend = backend or get_backend(root_backend(root))
         self.on_record, self.progress, self.poll_s = on_record, progress, poll_s
         self.grace_s, self.recover_every_s = grace_s, recover_every_s
+        # These task ids only (`fila submit --run`): other queued tasks are left to other workers.
+        self.only = only
+        # `once` (CI): the first task's timings get the process's start-up (a long-running
+        # worker's start is not a task's cost).
+        self.first_claim = once
         self.records: list[Record] = []
         self.active: dict[str, _Job] = {}
         self.wake = threading.Event()
@@ -207,8 +230,11 @@ class Worker:
                 signal.SIGTERM: signal.signal(signal.SIGTERM, self._on_sigterm),
                 signal.SIGINT: signal.signal(signal.SIGINT, self._on_sigint),
             }
-        watcher = _Watcher([self.root.in_dir, self.root.state_dir], self.wake)
-        watcher.start()
+        # `once` never waits for a new file (only for its own jobs, a backoff or recovery): no
+        # inotify watch or thread.
+        watcher = None if self.once else _Watcher([self.root.in_dir, self.root.state_dir], self.wake)
+        if watcher is not None:
+            watcher.start()
         helpers = [
             threading.Thread(target=self._heartbeats, name="fila-heartbeat", daemon=True),
             threading.Thread(target=self._recovery, name="fila-recovery", daemon=True),
@@ -216,9 +242,10 @@ class Worker:
         self.recovering.set()
         for t in helpers:
             t.start()
-        self.progress(
-            f"fila worker {self.id}: watching {self.root.in_dir}" + ("" if watcher.ino else " (polling)")
-        )
+        if watcher is not None:
+            self.progress(
+                f"fila worker {self.id}: watching {self.root.in_dir}" + ("" if watcher.ino else " (polling)")
+            )
         try:
             self._loop()
         except BaseException:
@@ -234,7 +261,8 @@ class Worker:
             self.stopped.set()
             self.wake.set()
             self.recover_now.set()
-            watcher.close()
+            if watcher is not None:
+                watcher.close()
             for t in helpers:
                 t.join(timeout=30)
             for sig, h in handlers.items():
@@ -281,6 +309,14 @@ class Worker:
                 self._wait(min(self.poll_s, max(0.05, self.docker_retry_at - time.monotonic())))
                 continue
             started = self._fill()
+            if self.once and not self.active and not started and self.only:
+                if self._only_pending():
+                    self._wait(self.poll_s)
+                elif self.recovering.is_set():
+                    self._wait(0.1)
+                else:
+                    return
+                continue
             if self.once and not self.active and not started:
                 wake_at = cycle.earliest_backoff(self.root)
                 if wake_at is not None:
@@ -298,13 +334,32 @@ class Worker:
         self.wake.wait(timeout)
         self.wake.clear()
 
+    def _only_pending(self) -> bool:
+        """`only`: True while one of its tasks is queued (a backoff) or run by another worker
+        (it won the claim); a task another worker finished is reported as this run's."""
+        pending = False
+        for tid in sorted(self.only or ()):
+            rec = queue.read_record(self.root, tid)
+            if rec is None or rec.status in (Status.queued, Status.running):
+                pending = pending or rec is not None or (self.root.in_dir / f"{tid}.json").exists()
+            elif all(r.id != tid for r in self.records):
+                self.records.append(rec)
+                self.on_record(rec)
+        return pending
+
     def _fill(self) -> int:
         started = 0
         while len(self.active) < self.concurrency:
-            claim = cycle.next_claim(self.root, self.id, self.progress)
+            age = process_age() if self.first_claim else None
+            t = time.monotonic()
+            claim = cycle.next_claim(self.root, self.id, self.progress, only=self.only)
             if claim is None:
                 break
-            job = _Job(self, claim)
+            before = {"claim": round(time.monotonic() - t, 3)}
+            if age is not None:  # the process's start-up up to its first claim: imports, client, lock
+                before = {"startup": round(age, 3), **before}
+            self.first_claim = False
+            job = _Job(self, claim, before)
             self.active[claim.name] = job
             job.thread.start()
             started += 1
@@ -398,7 +453,8 @@ class Worker:
 
         while True:
             try:
-                rep = recover(self.root, wait=False)
+                # The worker's backend: its pooled, already checked connection.
+                rep = recover(self.root, backend=self.backend, wait=False)
                 for a in rep.actions:
                     self.progress(f"fila recover: {a.task_id or '-'}: {a.action}: {a.detail}")
                 if rep.actions:
@@ -407,8 +463,8 @@ class Worker:
                 self.progress(f"fila recover: failed: {e}")
             finally:
                 self.recovering.clear()
-            if self.once:
-                return
+            if self.once and not self.only:
+                return  # `only` may wait for another worker's claim: recovery settles a dead one
             self.recover_now.wait(self.recover_every_s)
             self.recover_now.clear()
             if self.stopped.is_set():
