@@ -154,18 +154,20 @@ def test_ulimits_hold_inside_the_container(backend: Backend, shell: ImageRef, tm
 def test_limits_are_enforced_or_the_policy_is_refused_before_any_container_unless_waived(
     backend: Backend, shell: ImageRef, tmp_path: Path
 ) -> None:
-    p = policy(memory="64m", pids=64)
+    p = policy(memory="64m", pids=64, cpus=0.5)
     missing = backend.unenforceable(p)
     if not missing:
-        # Enforced: the container's own cgroup says so (measured, not assumed).
+        # Enforced: the container's own cgroup says so (measured, not assumed; v1, else v2).
         script = (
             "cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null || cat /sys/fs/cgroup/memory.max; "
-            "cat /sys/fs/cgroup/pids/pids.max 2>/dev/null || cat /sys/fs/cgroup/pids.max"
+            "cat /sys/fs/cgroup/pids/pids.max 2>/dev/null || cat /sys/fs/cgroup/pids.max; "
+            "cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us /sys/fs/cgroup/cpu/cpu.cfs_period_us 2>/dev/null "
+            "|| cat /sys/fs/cgroup/cpu.max"
         )
         s = spec(tmp_path, script, p)
         res = backend.run(s)
         assert res.waived == []
-        assert log(s).split() == [str(64 << 20), "64"], log(s)
+        assert log(s).split() == [str(64 << 20), "64", "50000", "100000"], log(s)
         return
     refused = spec(tmp_path, "echo ran > /job/work/ran", p)
     with pytest.raises(InvalidPolicy) as e:
@@ -175,7 +177,7 @@ def test_limits_are_enforced_or_the_policy_is_refused_before_any_container_unles
     assert "waive" in (e.value.hint or "")
     assert not (refused.job_dir / "work" / "ran").exists() and backend.find(job_id=refused.job_id) == []
     # The waiver runs the same job, and says what it left unenforced.
-    ok = spec(tmp_path, "echo ran > /job/work/ran", policy(memory="64m", pids=64, waive=missing))
+    ok = spec(tmp_path, "echo ran > /job/work/ran", policy(memory="64m", pids=64, cpus=0.5, waive=missing))
     res = backend.run(ok)
     assert res.exit_code == 0 and res.waived == missing
     assert (ok.job_dir / "work" / "ran").read_text() == "ran\n"

@@ -235,5 +235,5 @@ def test_the_contract_and_the_cycle_pass_on_rootless_podman_as_an_ordinary_user(
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-6000:]
     m = re.search(r"(\d+) passed", out)
-    # 7 contract tests, 2 cycle tests on Podman, 2 pure ones: all of them ran as the user.
-    assert m is not None and int(m.group(1)) == 11 and "skipped" not in out, out[-3000:]
+    # 7 contract tests and 2 seam tests, 2 cycle tests on Podman, 2 pure ones: all ran as the user.
+    assert m is not None and int(m.group(1)) == 13 and "skipped" not in out, out[-3000:]

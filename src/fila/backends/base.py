@@ -117,6 +117,7 @@ class Backend(ABC):
     answer, InfraError for what it failed to do, ImageMissing for an absent image."""
 
     name: str = ""
+    allowlist: bool = True  # runs `network: allowlist` (a job network and a gateway)
 
     @abstractmethod
     def ping(self) -> None:
