@@ -1,6 +1,6 @@
 """Every error fila raises on purpose, in one tree.
 
-The CLI catches `FilaError` in one place (`fila.cli.main`), prints `str(err)` (what failed, where,
+The CLI catches `FilaError` in one place (`fila.cli._Group.invoke`), prints `str(err)` (what failed, where,
 which limit) followed by `err.hint` (what to do next), and exits with `err.exit_code`. Anything
 else that escapes is a bug and is shown with its traceback.
 

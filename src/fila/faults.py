@@ -11,7 +11,8 @@ behaves differently when it is set, and with the variable unset each point costs
 write and every side effect it attempts afterwards is fenced off. A test that stops a process must
 SIGKILL it in a `finally`.
 
-The points, in the order a task meets them (cycle.py, queue.py):
+The points, in the order a task meets them (cycle.py, queue.py; the last two are apply's, in
+apply.py and landing.py, and are not in POINTS, the cycle's list that test_durability walks):
     after_claim            the task file was renamed into fila/run/, the record still says queued
     after_begin            the record says running (attempt + 1); no job directory yet
     after_job_dir          sandbox/jobs/<id>/ is prepared; no container yet
@@ -25,6 +26,8 @@ The points, in the order a task meets them (cycle.py, queue.py):
     during_record_write    the new record is in a temp file, not yet renamed over the old one
     after_record           the final record is written; the .done tombstone is still there
     during_hand_back       the task file is back in fila/in/, the record still says running
+    apply_after_write      apply wrote one more file into the project (each file); not recorded yet
+    apply_before_record    apply is complete on disk; the `applied` record is not written yet
 """
 
 from __future__ import annotations

@@ -413,7 +413,8 @@ class EngineReport(BaseModel):
 
 
 class Record(BaseModel):
-    """The review record, `fila/out/<id>.json`. Written atomically by `queue.set_status` only."""
+    """The review record, `fila/out/<id>.json`. Written atomically by `queue.transition_locked` only
+    (under the record lock; `queue.set_status` is its usual caller)."""
 
     model_config = ConfigDict(title="fila review record")
 

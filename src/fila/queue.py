@@ -248,7 +248,9 @@ def set_status(
     outcome: str | None = None,
     **changes: Any,
 ) -> Record:
-    """The one function that changes a task's status (and the only writer of its record).
+    """The usual way to change a task's status: takes the record lock and calls
+    `transition_locked`, the only function that writes a record (recovery and the queue's own
+    moves call it directly, under the same lock).
 
     Under the record lock: runs `guard(current)` (which raises to refuse: fencing), checks the
     transition against ALLOWED and `expect` (the states the caller believes the task is in),
