@@ -9,6 +9,7 @@ so a second run that fila failed to record would still be seen.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import signal
@@ -184,8 +185,9 @@ def test_sigkill_during_a_hand_back_loses_nothing(
     proj: Root,
     docker_client: docker.DockerClient,
 ) -> None:
-    # An image the policy allows but nobody built: an infra error before the container starts,
-    # so the worker hands the task back, and dies half-way through.
+    # The job directory held by another process (a stalled worker): an infra error before the
+    # container starts, so the worker hands the task back, and dies half-way through. (A pinned
+    # image nobody built no longer does: that is the task's own failure since audit 11.)
     fila(
         proj,
         "submit",
@@ -201,10 +203,13 @@ def test_sigkill_during_a_hand_back_loses_nothing(
     )
     rec_path = proj.record_path("t1")
     data: dict[str, Any] = json.loads(rec_path.read_text())
-    task = json.loads(proj.queued_path("t1").read_text())
-    task["image"] = "fila/not-built-anywhere:1"
-    proj.queued_path("t1").write_text(json.dumps(task))
-    crashed = fila(proj, "run", "--once", crash="during_hand_back")
+    proj.meta("t1").mkdir(parents=True, exist_ok=True)
+    lock = os.open(proj.meta("t1") / "job.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        crashed = fila(proj, "run", "--once", crash="during_hand_back")
+    finally:
+        os.close(lock)
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     assert queue.get_record(proj, "t1").status == S.running and proj.queued_path("t1").exists()
     fila(proj, "recover", "--json", check=True)
