@@ -232,10 +232,11 @@ def submit(
                            hint="one engine takes one --model MODEL")  # fmt: skip
     validate_document("task", data, path=task_file if task_file not in (None, "-") else "options")
     if engine and len(engine) > 1:
-        from .compare import submit_group
+        from .compare import group_tasks
+        from .cycle import submit_group
 
         per_engine = dict(m.split("=", 1) for m in model or [] if "=" in m)
-        recs = submit_group(_root(root), Task.model_validate(data), engine, models=per_engine)
+        recs = submit_group(_root(root), group_tasks(Task.model_validate(data), engine, models=per_engine))
         if run_now:
             _process(root, once=True, only={r.id for r in recs}, json_=json_, quiet=quiet)
         if json_:

@@ -1,10 +1,11 @@
 """Groups of tasks that ran the same input on different engines, and how they compare.
 
 `fila submit --engine claude --engine codex ...` queues one task per engine with the same `group`
-(cli.py); `compare` puts the members side by side (status, files touched, +/- lines, duration,
-requests, tokens, cost, the check); `supersede_others` marks every other member when a person
-applies one. A superseded member is `rejected` with a decision `superseded` (who, when, which
-member won): the state machine keeps its table, and a superseded task can never be applied.
+(`group_tasks`, queued by cycle.submit_group); `compare` puts the members side by side (status,
+files touched, +/- lines, duration, requests, tokens, cost, the check); `supersede_others` marks
+every other member when a person applies one. A superseded member is `rejected` with a decision
+`superseded` (who, when, which member won): the state machine keeps its table, and a superseded
+task can never be applied.
 
 The task's optional `check` runs here too (`run_check`): after the engine succeeded, in a second
 container of the shell image with network none, on a copy of the job's work/ (so what the check
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import fsutil, queue
-from .errors import DuplicateId, InfraError, InvalidTaskFile, InvalidTransition, NotFound
+from .errors import InfraError, InvalidTaskFile, InvalidTransition, NotFound
 from .layout import Root
 from .models import CheckResult, Decision, ImageRef, Record, Status, Task, now_iso
 
@@ -116,15 +117,10 @@ def members(root: Root, group: str) -> list[Record]:
     return sorted(found, key=lambda r: r.id)
 
 
-def submit_group(
-    root: Root, task: Task, engines: list[str], *, models: dict[str, str] | None = None
-) -> list[Record]:
-    """One task per engine on the same prompt, targets and policy, in one group. The group id is
-    the task's `group`, else its `id`, else a new id; members are `<group>.<engine>`; `models`
-    gives an engine its own model (a model name is one vendor's). Every member is checked (engine
-    options, image, policy) and every id is free before any is queued."""
-    from .cycle import check_task, submit
-
+def group_tasks(task: Task, engines: list[str], *, models: dict[str, str] | None = None) -> list[Task]:
+    """One task per engine on the same prompt, targets and policy, in one group (queued by
+    `cycle.submit_group`). The group id is the task's `group`, else its `id`, else a new id; members
+    are `<group>.<engine>`; `models` gives an engine its own model (a model name is one vendor's)."""
     if len(set(engines)) != len(engines):
         dup = next(e for e in engines if engines.count(e) > 1)
         raise InvalidTaskFile(f"engine {dup!r} is named twice for one group", field="engine")
@@ -141,21 +137,12 @@ def submit_group(
             raise InvalidTaskFile(
                 f"--model {name}=... names an engine not in the group ({', '.join(engines)})", field="model"
             )
-    tasks = [
+    return [
         task.model_copy(
             update={"engine": e, "group": group, "id": f"{group}.{e}", "model": models.get(e, task.model)}
         )
         for e in engines
     ]
-    root.require()
-    for t in tasks:
-        assert t.id is not None
-        where = queue.id_in_use(root, t.id)
-        if where:
-            raise DuplicateId(f"task id {t.id!r} exists already ({where})", task_id=t.id,
-                              hint="choose another group id (--id)")  # fmt: skip
-        check_task(root, Task.model_validate(t.model_dump()))
-    return [submit(root, t) for t in tasks]
 
 
 @contextlib.contextmanager

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from . import egress, jobdir, queue, untrusted
 from .engines import Engine, get_engine
 from .errors import (
+    DuplicateId,
     FilaError,
     ImageMissing,
     InfraError,
@@ -236,6 +237,20 @@ def submit(root: Root, task: Task) -> Record:
     task = parse_task_bytes(queue.task_json(task).encode(), source="the submitted task")
     check_task(root, task, tags_of=docker_tags)
     return queue.enqueue(root, task.id or queue.new_task_id(), task)
+
+
+def submit_group(root: Root, tasks: list[Task]) -> list[Record]:
+    """Queue a compare group's members (compare.group_tasks): every member is checked (engine
+    options, image, policy) and every id is free before any is queued."""
+    root.require()
+    for t in tasks:
+        assert t.id is not None
+        where = queue.id_in_use(root, t.id)
+        if where:
+            raise DuplicateId(f"task id {t.id!r} exists already ({where})", task_id=t.id,
+                              hint="choose another group id (--id)")  # fmt: skip
+        check_task(root, Task.model_validate(t.model_dump()))
+    return [submit(root, t) for t in tasks]
 
 
 # -- running one task ------------------------------------------------------------------------
