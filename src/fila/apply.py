@@ -34,22 +34,22 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import decision, jobdir, landing, patch, queue, snapshot
-from .errors import FilaError, InfraError
+from .errors import FilaError
 from .faults import crash_point
 from .fswalk import escape_name, walk
+from .hardgit import Git, tail
 from .landing import refuse
 from .layout import Root
 from .models import Policy, Record
 from .safedir import ABSENT, SafeDir, State
 
+# On top of hardgit's (hooks, fsmonitor, attributes): how apply writes files.
 _GIT_CONFIG = (
-    "-c", "core.hooksPath=/dev/null", "-c", "core.fsmonitor=", "-c", "core.attributesFile=/dev/null",
     "-c", "core.autocrlf=false", "-c", "core.safecrlf=false", "-c", "core.symlinks=true",
     "-c", "core.filemode=true", "-c", "core.ignorecase=false", "-c", "core.protectNTFS=true",
     "-c", "core.protectHFS=true", "-c", "apply.whitespace=nowarn",
@@ -300,7 +300,7 @@ class _Plan:
         if not self.pt.files:
             return
         (self.staging / "DIFF.patch").write_bytes(self.data)
-        git = _Git(self.staging)
+        git = Git(self.staging, purpose="applying patches", config=_GIT_CONFIG, attributes=_ATTRIBUTES)
         listed = git.run(["apply", "--numstat", "-z", "../DIFF.patch"], work_tree=after)
         names = _numstat_paths(listed.stdout)
         if names is None or set(names) != set(self.paths):
@@ -308,7 +308,7 @@ class _Plan:
         res = git.run(["apply", "--whitespace=nowarn", "../DIFF.patch"], work_tree=after, check=False)
         if res.returncode != 0:
             raise refuse("the patch does not apply to the files the task started from: "
-                         + _tail(res.stderr), self.tid)  # fmt: skip
+                         + tail(res.stderr), self.tid)  # fmt: skip
 
     # 5. what was reviewed is what lands
     def verify_against_work(self) -> None:
@@ -363,7 +363,11 @@ class _Plan:
     # 6. --3way
     def merge(self) -> None:
         conflicts = []
-        git = _Git(self.staging) if self.moved else None
+        git = (
+            Git(self.staging, purpose="applying patches", config=_GIT_CONFIG, attributes=_ATTRIBUTES)
+            if self.moved
+            else None
+        )
         with SafeDir(self.staging / "after") as adir:
             for p in self.moved:
                 base, ours, theirs = self.entries.get(p, ABSENT), self.before[p], self.after[p]
@@ -455,40 +459,6 @@ def _resume(root: Root, rec: Record, marker: dict[str, Any], staging: Path, who:
 
 
 # git, with nothing of the host's or the project's configuration ------------------------------
-
-
-class _Git:
-    def __init__(self, staging: Path) -> None:
-        exe = shutil.which("git")
-        if exe is None:
-            raise InfraError("git is not installed", hint="install git; fila applies patches with it")
-        self.exe = exe
-        repo = staging / "repo.git"
-        self.env = {
-            "PATH": os.environ.get("PATH", os.defpath), "HOME": str(staging),
-            "XDG_CONFIG_HOME": str(staging), "GIT_DIR": str(repo), "GIT_CONFIG_NOSYSTEM": "1",
-            "GIT_CONFIG_GLOBAL": os.devnull, "GIT_ATTR_NOSYSTEM": "1", "GIT_TERMINAL_PROMPT": "0",
-            "GIT_NO_REPLACE_OBJECTS": "1", "GIT_OPTIONAL_LOCKS": "0", "LC_ALL": "C",
-        }  # fmt: skip
-        if not repo.exists():
-            self.run(["init", "--bare", "--quiet", "--template=", str(repo)])
-            (repo / "info").mkdir(exist_ok=True)
-            (repo / "info" / "attributes").write_text(_ATTRIBUTES)
-
-    def run(self, args: list[str], *, work_tree: Path | None = None,
-            check: bool = True) -> subprocess.CompletedProcess[bytes]:  # fmt: skip
-        env = dict(self.env)
-        if work_tree is not None:
-            env["GIT_WORK_TREE"] = str(work_tree)
-        res = subprocess.run([self.exe, *_GIT_CONFIG, *args], env=env, capture_output=True,
-                             cwd=work_tree or self.env["HOME"], timeout=600, check=False)  # fmt: skip
-        if check and res.returncode != 0:
-            raise InfraError(f"git {args[0]} failed (exit {res.returncode}): {_tail(res.stderr)}")
-        return res
-
-
-def _tail(err: bytes) -> str:
-    return escape_name(err.decode("utf-8", "replace").strip()[-1500:]).replace("\\n", "; ")
 
 
 def _numstat_paths(raw: bytes) -> list[str] | None:

@@ -21,19 +21,19 @@ import shutil
 import stat
 import subprocess
 import tempfile
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
 from fila import fswalk
-from fila.errors import FilaError, InfraError, LimitExceeded
+from fila.errors import FilaError, LimitExceeded
 from fila.fswalk import Entry, Tree, escape_name
+from fila.hardgit import Git
 from fila.models import DiffStat, Policy
 from fila.policy import denied_by
 from fila.snapshot import Layers
 
-EMPTY_TREE = "4b825dc642cb6eb9a060e54bf8d69288fbee4904"  # git's well-known empty tree
 _CHUNK = 1 << 20
 _MAX_WARNINGS = 100
 _SPECIAL_NAMES = {b".gitattributes", b".gitmodules"}  # change what git does in the project
@@ -42,12 +42,9 @@ _IGNORABLE = {chr(c) for lo, hi in ((0x200C, 0x2010), (0x202A, 0x202F), (0x206A,
               for c in range(lo, hi)} | {"\ufeff"}  # fmt: skip
 # Pinned whatever the defaults: nothing that runs a program or changes the output, then what keeps
 # the throwaway repository fast and small.
+# On top of hardgit's (hooks, fsmonitor, attributes): the diff's own settings.
 _GIT_CONFIG = (
-    "-c", "core.hooksPath=/dev/null",
-    "-c", "core.fsmonitor=",
     "-c", "diff.external=",
-    "-c", "core.attributesFile=/dev/null",
-    "-c", f"attr.tree={EMPTY_TREE}",  # git >= 2.42 reads a bare repository's HEAD:.gitattributes
     "-c", "core.quotePath=true",
     "-c", "core.bigFileThreshold=512m",  # above it git treats a file as binary: keep it fixed
     "-c", "pack.compression=0",  # a throwaway pack: spend no CPU on compressing it
@@ -162,88 +159,19 @@ class _Notes:
         return self.items + ([f"... and {self.more} more warnings"] if self.more else [])
 
 
-class _Git:
-    """git in a throwaway bare repository, with an environment built from nothing."""
-
-    def __init__(self, tmp: Path) -> None:
-        self.dir = tmp / "repo.git"
-        self.log = tmp / "git-stderr.log"
-        path = os.environ.get("PATH", os.defpath)
-        exe = shutil.which("git", path=path)
-        if exe is None:
-            raise InfraError("git is not installed", hint="install git; fila uses it for diffs")
-        self.exe = exe
-        self.env = {
-            "PATH": path,
-            "HOME": str(tmp),
-            "XDG_CONFIG_HOME": str(tmp),
-            "GIT_DIR": str(self.dir),
-            "GIT_CONFIG_NOSYSTEM": "1",
-            "GIT_CONFIG_GLOBAL": os.devnull,
-            "GIT_ATTR_NOSYSTEM": "1",
-            "GIT_ATTR_SOURCE": EMPTY_TREE,  # git >= 2.40: attributes from an empty tree only
-            "GIT_NO_REPLACE_OBJECTS": "1",
-            "GIT_OPTIONAL_LOCKS": "0",
-            "GIT_TERMINAL_PROMPT": "0",
-            "LC_ALL": "C",
-        }
-        self.run(["init", "--bare", "--quiet", "--template=", str(self.dir)])
-
-    def popen(
-        self, args: list[str], *, stdin: int = subprocess.DEVNULL, stdout: int = subprocess.PIPE
-    ) -> subprocess.Popen[bytes]:
-        with open(self.log, "ab") as err:  # a file, not a pipe: nobody has to drain it
-            return subprocess.Popen(
-                [self.exe, *_GIT_CONFIG, *args],
-                env=self.env,
-                cwd=self.dir.parent,
-                stdin=stdin,
-                stdout=stdout,
-                stderr=err,
-            )
-
-    def run(self, args: list[str]) -> bytes:
-        return self.collect(self.popen(args), f"git {args[0]}")
-
-    def collect(self, proc: subprocess.Popen[bytes], what: str) -> bytes:
-        out, _ = proc.communicate()
-        self.check(proc, what)
-        return out
-
-    def stream(self, args: list[str]) -> Generator[bytes, None, None]:
-        """git's stdout in chunks; the exit status is checked at the end, and git is killed if
-        the reader stops early (a patch over the limit)."""
-        proc = self.popen(args)
-        assert proc.stdout is not None
-        try:
-            while chunk := proc.stdout.read(1 << 16):
-                yield chunk
-            self.check(proc, f"git {args[0]}")
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-            proc.stdout.close()
-
-    def check(self, proc: subprocess.Popen[bytes], what: str) -> None:
-        if proc.wait() != 0:
-            tail = self.log.read_bytes()[-2000:].decode("utf-8", "replace").strip()
-            raise InfraError(f"{what} failed (exit {proc.returncode}): {tail}")
-
-
 class _Importers:
     """The repository and one fast-import per side, started at the first difference: an
     unchanged work/ (a no-op task) runs no git process at all."""
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
-        self._git: _Git | None = None
+        self._git: Git | None = None
         self.pair: tuple[_Importer, _Importer] | None = None
 
     @property
-    def git(self) -> _Git:
+    def git(self) -> Git:
         if self._git is None:
-            self._git = _Git(self.tmp)
+            self._git = Git(self.tmp, purpose="diffs", config=_GIT_CONFIG)
         return self._git
 
     def __getitem__(self, side: int) -> _Importer:
@@ -482,7 +410,7 @@ def _check_link(rel: str, target: bytes, notes: _Notes) -> None:
 class _Importer:
     """A `git fast-import` process fed one side's blobs as they are found, then its commit."""
 
-    def __init__(self, git: _Git, ref: bytes) -> None:
+    def __init__(self, git: Git, ref: bytes) -> None:
         self.git, self.ref = git, ref
         # --depth=0: no delta search between consecutive blobs, which only costs CPU here.
         # --big-file-threshold: a blob over 1 MiB is streamed to the pack, not held in memory.
