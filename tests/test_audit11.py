@@ -625,3 +625,48 @@ def test_a_directory_deeper_than_path_max_fails_its_task_and_the_next_runs(
     past = record(tmp_path, "past")
     assert past["status"] == "failed" and past["error"]["kind"] == "invalid" and past["attempt"] == 1, past
     assert record(tmp_path, "after")["status"] == "needs_review"
+
+
+@pytest.mark.docker
+@pytest.mark.skipif(not _has_renameat2(), reason="needs renameat2 (glibc >= 2.28)")
+def test_no_run_reads_outside_the_project_while_a_directory_is_swapped_whatever_the_workspace(
+    tmp_path: Path, shell_image: object
+) -> None:
+    """End to end, on fila's default workspace (a copy or an overlay of a snapshot): what the
+    engine reads, what its log shows and what fila keeps never hold a file from outside."""
+    import json
+
+    from .helpers import fila, record
+
+    root = make_root(tmp_path / "proj")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    d = root.path / "d"
+    (d / "x").mkdir(parents=True)
+    for i in range(6):
+        (d / "x" / f"f{i}").write_text("decoy\n")
+        (outside / f"f{i}").write_text("SECRET\n")
+    os.symlink(outside, d / "y")
+    stop, ready = tmp_path / "stop", tmp_path / "ready"
+    racer = subprocess.Popen(
+        [sys.executable, "-c", _RACER, str(d / "x"), str(d / "y"), str(stop), str(ready)]
+    )
+    try:
+        while not ready.exists():
+            pass
+        for i in range(8):
+            task = {"engine": "shell", "command": "cat x/* y/* 2>/dev/null; true", "targets": ["d"]}
+            (root.in_dir / f"r{i}.json").write_text(
+                json.dumps({**task, "command": "cd d && " + task["command"]})
+            )
+            fila(root.path, "run", "--once")
+    finally:
+        stop.touch()
+        racer.wait(timeout=30)
+    statuses = [record(root.path, f"r{i}")["status"] for i in range(8)]
+    assert "needs_review" in statuses, statuses  # the allowed counterpart: the project is copied and run
+    for dirpath, _dirs, files in os.walk(root.path):
+        for name in files:
+            p = Path(dirpath, name)
+            if not p.is_symlink():
+                assert b"SECRET" not in p.read_bytes(), f"{p} holds a file from outside the project"
