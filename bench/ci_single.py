@@ -69,7 +69,11 @@ def ci_single(ctx: Ctx, *, files: int = 100) -> list[Row]:
     fila = fila_cmd()
     one_process = "--run" in help_text("submit")
     ids = count()
-    phases: dict[str, dict[str, list[float]]] = {"two": {}, "one": {}, "floor": {}}
+    # FILA_BENCH_BEFORE=DIR (a checkout's src/ of an earlier commit): its two-command form and
+    # start-up run as one more side of the same alternation, for a before/after under one load.
+    before = os.environ.get("FILA_BENCH_BEFORE")
+    before_env = {**os.environ, "PYTHONPATH": before} if before else None
+    phases: dict[str, dict[str, list[float]]] = {"two": {}, "one": {}, "before": {}, "floor": {}}
     failed: list[str] = []
 
     def fresh_root() -> Path:
@@ -105,19 +109,20 @@ def ci_single(ctx: Ctx, *, files: int = 100) -> list[Row]:
         for k, v in {**lines[0].get("timings", {}), **extra}.items():
             phases[side].setdefault(k, []).append(v)
 
-    def two_commands() -> float:
+    def two_commands(side: str = "two", env: dict[str, str] | None = None) -> float:
         root = fresh_root()
         sync()
         t = time.perf_counter()
-        run(submit_argv(root))
+        run(submit_argv(root), env=env)
         t1 = time.perf_counter()
         p = run(
             [*fila, "run", "--once", "--json", "--quiet", "--root", str(root)],
             stdout=subprocess.PIPE,
             ok=(0, 1),
+            env=env,
         )
         dt = time.perf_counter() - t
-        keep("two", p.stdout, {"submit": t1 - t, "run_once": dt - (t1 - t), "wall": dt})
+        keep(side, p.stdout, {"submit": t1 - t, "run_once": dt - (t1 - t), "wall": dt})
         shutil.rmtree(root, ignore_errors=True)
         return dt
 
@@ -146,27 +151,34 @@ def ci_single(ctx: Ctx, *, files: int = 100) -> list[Row]:
     fl: list[float] = []
     two: list[float] = []
     one: list[float] = []
+    bef: list[float] = []
     for i in range(reps + 1):  # the first round warms the page cache and the daemon: discarded
         f, t2 = floor_side(), two_commands()
         t1 = one_command() if one_process else None
+        tb = two_commands("before", before_env) if before_env else None
         if i:
             fl.append(f)
             two.append(t2)
             if t1 is not None:
                 one.append(t1)
+            if tb is not None:
+                bef.append(tb)
 
     # Start-up: `fila --help` and `fila submit` against the interpreter doing nothing.
-    def wall(argv: list[str]) -> float:
+    def wall(argv: list[str], env: dict[str, str] | None = None) -> float:
         t = time.perf_counter()
-        run(argv)
+        run(argv, env=env)
         return time.perf_counter() - t
 
     root = fresh_root()
-    hx, sx, px = [], [], []
+    hx, sx, px, hb, sb = [], [], [], [], []
     for _ in range(max(5, reps)):
         px.append(wall([sys.executable, "-c", "pass"]))
         hx.append(wall([*fila, "--help"]))
         sx.append(wall(submit_argv(root)))
+        if before_env:
+            hb.append(wall([*fila, "--help"], before_env))
+            sb.append(wall(submit_argv(root), before_env))
     shutil.rmtree(root, ignore_errors=True)
 
     breakdown = {
@@ -190,14 +202,22 @@ def ci_single(ctx: Ctx, *, files: int = 100) -> list[Row]:
         )
 
     rows = [row("ci-single: submit + run --once (2 processes)", two, TWO_TARGET)]
+    if bef:
+        rows.insert(0, row("ci-single: BEFORE submit + run --once", bef, TWO_TARGET))
     if one_process:
         rows.append(row("ci-single: submit --run (1 process)", one, ONE_TARGET))
     else:
         rows.append(Row("ci-single: submit --run (1 process)", None, median(fl), "s", note="no --run here"))
-    for name, xs, target in (
+    startup_rows = [
         ("ci-single: fila submit", sx, SUBMIT_TARGET_S),
         ("ci-single: fila --help", hx, HELP_TARGET_S),
-    ):
+    ]
+    if before_env:
+        startup_rows += [
+            ("ci-single: BEFORE fila submit", sb, SUBMIT_TARGET_S),
+            ("ci-single: BEFORE fila --help", hb, HELP_TARGET_S),
+        ]
+    for name, xs, target in startup_rows:
         rows.append(
             Row(
                 name,
