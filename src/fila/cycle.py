@@ -193,6 +193,13 @@ def check_task(root: Root, task: Task, *, tags_of: Callable[[str], list[str]] | 
                 field=field,
             )
         chain.append((name, fb.image_tag()))
+    stray = sorted(set(task.options or {}) - {n for n, _i in chain})
+    if stray:  # an option for an engine that never runs would be ignored in silence
+        raise InvalidTaskFile(
+            f"options.{stray[0]}: {stray[0]!r} is not an engine this task runs "
+            f"({', '.join(n for n, _i in chain)})",
+            field=f"options.{stray[0]}",
+        )
     if policy.network == "allowlist":
         routes = policy.egress.routes if policy.egress else {}
         for field, name in fallback_chain(task, policy):

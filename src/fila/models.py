@@ -124,7 +124,15 @@ class Task(BaseModel):
     )
     targets: list[str] = Field(min_length=1, description="paths relative to the project; directories allowed")
     policy: str = Field(default="default", pattern=ID_PATTERN, description="policy name")
-    command: str | None = Field(default=None, description="shell engine: run with sh -c in work/")
+    command: str | None = Field(
+        default=None,
+        description="shell engine: run with sh -c in work/ (the older form of options.shell.command)",
+    )
+    options: dict[Annotated[str, Field(pattern=ID_PATTERN)], dict[str, Any]] | None = Field(
+        default=None,
+        description='each engine\'s own options, under its name: {"shell": {"command": "make fmt"}}; only '
+        "engines the task runs (its engine and fallback) may have an entry",
+    )
     fallback: list[str] | None = Field(
         default=None,
         description="engines tried in turn when one reports quota, each on a fresh work/; "

@@ -73,13 +73,25 @@ class Engine(ABC):
     smoke: ClassVar[tuple[Smoke, ...]] = ()
 
     def config(self, task: Task) -> BaseModel:
-        """The engine's options from the task; errors name the task field."""
+        """The engine's options from the task: `options.<engine>`, over the task's top-level fields
+        of the same names (`command` in older task files, `prompt`, `model`). Errors name the field."""
         data = {k: getattr(task, k) for k in self.Config.model_fields if hasattr(task, k)}
+        own = (task.options or {}).get(self.name) or {}
+        for k, v in own.items():
+            if data.get(k) is not None and v != data[k]:
+                raise InvalidTaskFile(
+                    f"{k!r} is given twice, differently: at the top level and in options.{self.name}",
+                    field=f"options.{self.name}.{k}",
+                    hint=f"keep one (options.{self.name}.{k} is the current form)",
+                )
+        data = {**data, **own}
         try:
             return self.Config.model_validate(data)
         except ValidationError as e:
             err = e.errors()[0]
             field_name = ".".join(str(p) for p in err["loc"])
+            if err["loc"] and err["loc"][0] in own:
+                field_name = f"options.{self.name}.{field_name}"
             raise InvalidTaskFile(f"{err['msg']} (engine {self.name})", field=field_name) from None
 
     def image_tag(self) -> str:
