@@ -331,6 +331,16 @@ def test_a_budget_ends_the_run_with_429_and_the_record_says_which(
         ),
         ({}, "egress"),
         ({"allow": [], "routes": {}}, "egress"),
+        # A method limit on a CONNECT-only port: the gateway sees no method inside a tunnel.
+        ({"allow": [{"host": "registry.npmjs.org", "methods": ["GET"]}]}, "egress.allow.0.methods"),
+        (
+            {"routes": {"anthropic": {"credential": KEY_VAR, "paths": ["POST /v1/../files"]}}},
+            "egress.routes.anthropic.paths.0",
+        ),
+        (
+            {"routes": {"anthropic": {"credential": KEY_VAR, "paths": ["POST /v1/%2e%2e/files"]}}},
+            "egress.routes.anthropic.paths.0",
+        ),
     ],
 )
 def test_a_bad_egress_policy_is_refused_naming_the_field(
@@ -514,6 +524,38 @@ def test_the_gateway_log_is_read_capped_and_never_through_a_link(tmp_path: Path)
     link = tmp_path / "link.jsonl"
     link.symlink_to(log)
     assert egress.read_log(link).requests == [] and egress.read_log(link).dropped == 1
+
+
+def test_a_route_call_left_in_flight_is_counted_and_the_summary_gives_the_totals(tmp_path: Path) -> None:
+    # The gateway writes a route call's line when it is sent and again (same id) when it ends.
+    sent = {"id": "a", "door": "route", "route": "anthropic", "allowed": True, "status": None,
+            "reason": "in flight"}  # fmt: skip
+    done = {**sent, "status": 200, "reason": None, "usage": {"input_tokens": 7, "output_tokens": 3}}
+    log = tmp_path / "egress.jsonl"
+    log.write_text(json.dumps(sent) + "\n" + json.dumps(done) + "\n")
+    rec = egress.read_log(log)
+    assert (rec.in_flight, len(rec.requests), rec.allowed) == (0, 1, 1)
+    assert rec.routes["anthropic"].input_tokens == 7
+    assert not any("in flight" in x for x in egress.lines(rec))
+    # A gateway killed during the second call: its line stays in flight, and the record says so.
+    log.write_text("\n".join(json.dumps(x) for x in (sent, done, {**sent, "id": "b"})) + "\n")
+    rec = egress.read_log(log)
+    assert rec.in_flight == 1 and len(rec.requests) == 2
+    assert any("1 route calls were in flight" in x and "unmetered" in x for x in egress.lines(rec))
+    # summary.json (the gateway's totals, also past its log cap) wins over what the log kept.
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps({
+        "allowed": 900, "denied": 5000, "budget_exhausted": None, "suppressed": {"proxy denied: x": 4990},
+        "routes": {"anthropic": {"requests": 3, "statuses": {"200": 3}, "input_tokens": 10_007,
+                                 "output_tokens": 3}},
+        "in_flight": 0,
+    }))  # fmt: skip
+    rec = egress.read_log(log, summary=summary)
+    assert (rec.allowed, rec.denied, rec.routes["anthropic"].input_tokens) == (900, 5000, 10_007)
+    assert rec.dropped == 4990 and rec.in_flight == 1
+    link = tmp_path / "summary-link.json"
+    link.symlink_to(summary)
+    assert egress.read_log(log, summary=link).routes["anthropic"].input_tokens == 7  # not followed
 
 
 # -- a gateway that dies or is not ready in time ---------------------------------------------------

@@ -131,6 +131,15 @@ def validate(policy: Policy, *, path: Path | str | None = None) -> None:
             raise _bad(field, f"{entry.host!r} is an IP address; list host names only", path)
         if private_name(entry.host):
             raise _bad(field, f"{entry.host!r} is a private or metadata name", path)
+        if entry.methods is not None and entry.port == 443:
+            # Port 443 is reached through a CONNECT tunnel, where the gateway sees no method: the
+            # gateway refuses CONNECT for a method-limited entry, so this entry would open nothing.
+            raise _bad(
+                f"egress.allow.{i}.methods",
+                "methods limit plain HTTP only; port 443 is reached by CONNECT (TLS): no method is seen",
+                path,
+                "remove methods (the whole host:443 is open), or list a plain-HTTP port (80)",
+            )
     for i, cidr in enumerate(eg.allow_private):
         try:
             ipaddress.ip_network(cidr, strict=False)
@@ -164,6 +173,9 @@ def _validate_route(name: str, route: Route, path: Path | str | None) -> None:
             raise _bad(f"{base}.ca_file", f"{route.ca_file} is not a regular file", path)
     if route.format is not None and "{key}" not in route.format:
         raise _bad(f"{base}.format", "must contain {key}", path)
+    for i, rule in enumerate(route.paths or []):
+        if any(seg in (".", "..") for seg in rule.split(" ", 1)[1].split("/")):
+            raise _bad(f"{base}.paths.{i}", f"{rule!r} has a dot segment", path)
 
 
 def _check_secret_file(field: str, p: Path, path: Path | str | None) -> None:
@@ -192,6 +204,7 @@ class Resolved:
     format: str
     key: str
     ca_file: str | None
+    paths: list[str] | None = None  # None: the gateway's default for the known route
 
 
 def resolve_routes(policy: Policy) -> list[Resolved]:
@@ -217,6 +230,7 @@ def resolve_routes(policy: Policy) -> list[Resolved]:
                 r.format or known.format,
                 key,
                 r.ca_file,
+                r.paths,
             )
         )
     return out
@@ -306,7 +320,13 @@ def _prepare_dir(
         "allow": [e.model_dump() for e in eg.allow],
         "allow_private": list(eg.allow_private),
         "routes": {
-            r.name: {"upstream": r.upstream, "header": r.header, "format": r.format, "secret": r.name}
+            r.name: {
+                "upstream": r.upstream,
+                "header": r.header,
+                "format": r.format,
+                "secret": r.name,
+                "paths": r.paths,
+            }
             for r in routes
         },
         "budget": {"max_requests": eg.max_requests, "max_tokens": eg.max_tokens},
@@ -330,26 +350,41 @@ def remove_dir(state: Path) -> None:
 # -- the record ----------------------------------------------------------------------------------
 
 
-def read_log(path: Path, *, cap: int = MAX_LOG_BYTES, keep: int = MAX_RECORD_REQUESTS) -> EgressRecord:
-    """egress.jsonl as the record's `egress` section. The file was written by the gateway: it is
-    opened without following a link, must be a regular file, and is read up to `cap` bytes."""
-    rec = EgressRecord()
+def _read_gateway_file(path: Path, cap: int) -> bytes | None:
+    """A file the gateway wrote: opened without following a link, a regular file, at most cap + 1
+    bytes. b"" when absent, None when unusable."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
-        if e.errno == errno.ENOENT:
-            return rec
-        rec.dropped = 1
-        return rec
+        return b"" if e.errno == errno.ENOENT else None
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-            rec.dropped = 1
-            return rec
-        data = f.read(cap + 1)
+            return None
+        return f.read(cap + 1)
+
+
+def read_log(
+    path: Path,
+    *,
+    cap: int = MAX_LOG_BYTES,
+    keep: int = MAX_RECORD_REQUESTS,
+    summary: Path | None = None,
+) -> EgressRecord:
+    """egress.jsonl as the record's `egress` section, read up to `cap` bytes. A route call has two
+    lines with the same id (in flight, then final): the final one replaces the first; one left in
+    flight means the gateway stopped during the call. `summary` (the gateway's summary.json) gives
+    the totals when present, so they do not depend on how much of the log was kept."""
+    rec = EgressRecord()
+    data = _read_gateway_file(path, cap)
+    if data is None:
+        rec.dropped = 1
+        return rec
     lines = data.split(b"\n")
     if len(data) > cap:
         lines = lines[:-1]
         rec.dropped += 1
+    items: list[EgressRequest] = []
+    pending: dict[str, int] = {}  # id -> index in items of its in-flight line
     for raw in lines:
         if not raw.strip():
             continue
@@ -358,12 +393,44 @@ def read_log(path: Path, *, cap: int = MAX_LOG_BYTES, keep: int = MAX_RECORD_REQ
         except (ValueError, TypeError):
             rec.dropped += 1
             continue
+        if item.id is not None and item.id in pending:
+            items[pending.pop(item.id)] = item
+        else:
+            if item.id is not None and item.status is None and item.reason == "in flight":
+                pending[item.id] = len(items)
+            items.append(item)
+    rec.in_flight = len(pending)
+    for item in items:
         _count(rec, item)
         if len(rec.requests) < keep:
             rec.requests.append(item)
         else:
             rec.dropped += 1
+    if summary is not None:
+        _apply_summary(rec, summary)
     return rec
+
+
+def _apply_summary(rec: EgressRecord, path: Path) -> None:
+    """The gateway's own totals (counted as it decided, also past its log cap) replace those
+    counted from the log; what the log left out is counted as dropped."""
+    data = _read_gateway_file(path, 1 << 20)
+    if not data:
+        return
+    try:
+        doc = json.loads(data)
+        routes = {str(k): RouteSummary.model_validate(v) for k, v in (doc.get("routes") or {}).items()}
+        allowed, denied = int(doc["allowed"]), int(doc["denied"])
+        suppressed = sum(int(v) for v in (doc.get("suppressed") or {}).values())
+        in_flight = int(doc.get("in_flight") or 0)
+    except (ValueError, TypeError, KeyError, AttributeError):
+        rec.dropped += 1
+        return
+    rec.routes, rec.allowed, rec.denied = routes, allowed, denied
+    rec.dropped += suppressed
+    rec.in_flight = max(rec.in_flight, in_flight)
+    if isinstance(b := doc.get("budget_exhausted"), str) and rec.budget_exhausted is None:
+        rec.budget_exhausted = b
 
 
 def _count(rec: EgressRecord, item: EgressRequest) -> None:
@@ -377,6 +444,8 @@ def _count(rec: EgressRecord, item: EgressRequest) -> None:
         s = rec.routes.setdefault(item.route, RouteSummary())
         s.requests += 1
         key = str(item.status) if item.status is not None else "denied"
+        if item.status is None and item.reason == "in flight":
+            key = "in flight"  # the gateway stopped during the call
         s.statuses[key] = s.statuses.get(key, 0) + 1
         if item.usage:
             s.input_tokens += int(item.usage.get("input_tokens", 0) or 0)
@@ -384,7 +453,8 @@ def _count(rec: EgressRecord, item: EgressRequest) -> None:
 
 
 def collect(gw: Gateway) -> EgressRecord:
-    return read_log(gw.dir / "log" / "egress.jsonl")
+    log = gw.dir / "log"
+    return read_log(log / "egress.jsonl", summary=log / "summary.json")
 
 
 def budget_message(rec: EgressRecord | None) -> str | None:
@@ -408,6 +478,11 @@ def lines(rec: EgressRecord | None) -> list[str]:
     ]
     if rec.budget_exhausted:
         out.append(f"budget    {inert(rec.budget_exhausted)} exhausted: it ended the run")
+    if rec.in_flight:
+        out.append(
+            f"unfinished {rec.in_flight} route calls were in flight when the gateway stopped: they may be "
+            "unmetered (the upstream may have billed them)"
+        )
     for name, s in sorted(rec.routes.items()):
         st = ", ".join(f"{k}: {v}" for k, v in sorted(s.statuses.items()))
         out.append(

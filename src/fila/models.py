@@ -180,6 +180,7 @@ class Tmpfs(BaseModel):
 HOST_PATTERN = r"^(\*\.)?[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}))*\.?$"
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 HTTP_METHOD_PATTERN = r"^[A-Z]{1,16}$"
+ROUTE_PATH_PATTERN = r"^[A-Z]{1,16} /[A-Za-z0-9._:/*-]{0,500}$"
 
 
 class AllowEntry(BaseModel):
@@ -191,7 +192,9 @@ class AllowEntry(BaseModel):
     )
     port: int = Field(default=443, ge=1, le=65535)
     methods: list[Annotated[str, Field(pattern=HTTP_METHOD_PATTERN)]] | None = Field(
-        default=None, description="plain-HTTP methods allowed (e.g. GET, HEAD); null: any"
+        default=None,
+        description="plain-HTTP methods allowed (e.g. GET, HEAD); null: any. An entry with methods is "
+        "reached by plain HTTP only (no CONNECT: a tunnel shows no method), so not on port 443",
     )
 
 
@@ -211,6 +214,12 @@ class Route(BaseModel):
     header: str | None = Field(default=None, pattern=r"^[A-Za-z0-9-]{1,64}$")
     format: str | None = Field(default=None, description="header value, with {key}")
     ca_file: str | None = Field(default=None, description="CA bundle the gateway trusts for upstream")
+    paths: list[Annotated[str, Field(pattern=ROUTE_PATH_PATTERN)]] | None = Field(
+        default=None,
+        min_length=1,
+        description='"METHOD /upstream/path" rules the route allows (* is one path segment); '
+        "default: the known route's model calls",
+    )
 
 
 class Egress(BaseModel):
@@ -372,6 +381,9 @@ class EgressRequest(BaseModel):
     """One decision of the gateway, as it logged it (egress.jsonl)."""
 
     t: str | None = None
+    id: str | None = Field(
+        default=None, description="a route call's id: its in-flight line, then its final one"
+    )
     door: str | None = None
     method: str | None = None
     host: str | None = None
@@ -403,6 +415,10 @@ class EgressRecord(BaseModel):
     allowed: int = 0
     denied: int = 0
     budget_exhausted: str | None = Field(default=None, description="max_requests or max_tokens")
+    in_flight: int = Field(
+        default=0,
+        description="route calls unfinished when the log ended (the gateway died: may be unmetered)",
+    )
 
 
 class EngineReport(BaseModel):
