@@ -41,6 +41,7 @@ REAL_OPENAI_KEY = "sk-openai-REAL-" + uuid.uuid4().hex
 PLACEHOLDER = "fila-placeholder"
 FIELDS = {
     "t",
+    "id",
     "door",
     "method",
     "host",
@@ -75,10 +76,23 @@ class Gw:
     def routes(self) -> str:
         return f"http://{self.ip}:8080"
 
-    def log(self) -> list[dict[str, Any]]:
+    def raw_log(self) -> list[dict[str, Any]]:
         path = self.log_dir / "egress.jsonl"
         lines = path.read_text().splitlines() if path.exists() else []
         return [json.loads(line) for line in lines if line.strip()]
+
+    def log(self) -> list[dict[str, Any]]:
+        """The log as fila reads it: a route call's final line replaces its in-flight one."""
+        out: list[dict[str, Any]] = []
+        at: dict[str, int] = {}
+        for e in self.raw_log():
+            if e.get("id") is not None and e["id"] in at:
+                out[at.pop(e["id"])] = e
+            else:
+                if e.get("id") is not None:
+                    at[e["id"]] = len(out)
+                out.append(e)
+        return out
 
     def last(self, **match: Any) -> dict[str, Any]:
         """The newest log line whose fields equal `match` (the log is written as the response
@@ -131,6 +145,7 @@ def start_gateway(
     budget: dict[str, Any] | None = None,
     clients: list[str] | None = None,
     upstream_ca: str | None = "/etc/fila-gateway/upstream-ca.pem",
+    environment: dict[str, str] | None = None,
 ) -> Gw:
     """A hardened gateway on the job network and the upstream network, as the contract says."""
     name = f"fila-test-gw-{env.session}-{uuid.uuid4().hex[:6]}"
@@ -168,6 +183,7 @@ def start_gateway(
         # The DNS door binds 53 as uid 65534 (fila starts the gateway the same way).
         sysctls={"net.ipv4.ip_unprivileged_port_start": "53"},
         labels={**_labels(env.session), "fila.role": "gateway"},
+        environment=environment or {},
         volumes={
             str(d / "config.json"): {"bind": "/etc/fila-gateway/config.json", "mode": "ro"},
             str(d / "secrets"): {"bind": "/run/fila-gateway/secrets", "mode": "ro"},
@@ -402,29 +418,19 @@ def test_the_tunnel_is_raw_so_host_headers_and_nested_connects_cannot_reach_an_u
     assert code == 0 and out.strip() == "hello from allowed.test", err
     assert env.ups.requests("allowed.test")[-1]["headers"]["host"] == "denied.test"
 
-    # Inside a plain tunnel to allowed.test:80, an absolute-URL request and a CONNECT for
-    # denied.test: both are bytes to allowed.test, which answers them itself.
-    out = raw_connect(
-        env,
-        gw,
-        "allowed.test:80",
-        then="GET http://denied.test/ HTTP/1.1\r\nHost: denied.test\r\nConnection: close\r\n\r\n",
-    )
-    assert " 200" in out.splitlines()[0] and "hello from allowed.test" in out, out
-    out = raw_connect(
-        env, gw, "allowed.test:80", then="CONNECT denied.test:443 HTTP/1.1\r\nHost: denied.test:443\r\n\r\n"
-    )
-    inner = out.split("INNER", 1)[1]
-    assert " 200" in out.splitlines()[0] and "Unsupported method ('CONNECT')" in inner, (
-        out
-    )  # allowed.test's own answer
-    # Relayed through TLS: the HTTPS server gets plaintext CONNECT bytes and answers no tunnel.
-    out = raw_connect(env, gw, "allowed.test:443", then="CONNECT denied.test:443 HTTP/1.1\r\n\r\n")
-    assert " 200" in out.splitlines()[0], out
-    assert (
-        "Connection established" not in out.split("INNER", 1)[-1]
-        and "HTTP/1.1 200" not in out.split("INNER", 1)[-1]
-    )
+    # A tunnel carries TLS only: plain bytes inside it (an absolute-URL request, a nested
+    # CONNECT, a Host naming denied.test) are closed before they reach allowed.test, and logged.
+    before = len(env.ups.requests("allowed.test"))
+    for inner in (
+        "GET http://denied.test/ HTTP/1.1\r\nHost: denied.test\r\nConnection: close\r\n\r\n",
+        "CONNECT denied.test:443 HTTP/1.1\r\nHost: denied.test:443\r\n\r\n",
+    ):
+        for target in ("allowed.test:80", "allowed.test:443"):
+            out = raw_connect(env, gw, target, then=inner)
+            assert " 200" in out.splitlines()[0] and out.split("INNER", 1)[1].strip() == "", out
+            line = gw.last(method="CONNECT", allowed=False, port=int(target.split(":")[1]))
+            assert line["reason"] == "tunnel closed: not a TLS handshake", line
+    assert len(env.ups.requests("allowed.test")) == before
     # CONNECT to the gateway itself (a relay through its own port) is an IP literal.
     out = raw_connect(env, gw, f"{gw.ip}:3128")
     assert " 403" in out.splitlines()[0]
@@ -728,6 +734,7 @@ def test_upstream_errors_pass_through_and_an_unknown_route_is_refused(env: Env) 
     for want in ("200", "429", "401", "500"):
         status, out = _post(env, f"{gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)
         assert status == want, out
+    gw.last(route="anthropic", status=500)  # each call's final line is written as its response ends
     lines = [e for e in gw.log() if e["route"] == "anthropic"]
     assert [(e["status"], e["allowed"]) for e in lines] == [
         (200, True),
@@ -743,6 +750,7 @@ def test_upstream_errors_pass_through_and_an_unknown_route_is_refused(env: Env) 
         "header": "x-api-key",
         "format": "{key}",
         "secret": "anthropic",
+        "paths": ["POST /v1/messages"],  # not a known route: its paths are given
     }
     gw_down = env.gateway(routes={**_routes(env), "down": down})
     status, out = _post(env, f"{gw_down.routes}/down/v1/messages", ANTHROPIC_BODY)
@@ -923,3 +931,277 @@ def test_a_bad_config_or_missing_secret_stops_the_gateway_before_it_listens(env:
     )
     assert c.wait(timeout=60)["StatusCode"] != 0
     assert "allow[0].host" in c.logs().decode(errors="replace") and "is not a DNS name" in c.logs().decode()
+
+
+# ---------------------------------------------------------------- audit 8 findings
+
+# A relay inside the engine (audit 8, finding 1): CONNECT through the gateway, then pass the
+# client's TLS on with its first bytes altered ("v4": record version 03 04; "empty": an empty
+# handshake record first; "none": untouched).
+RELAY = r"""
+import socket, sys
+gw, mode, target = sys.argv[1], sys.argv[2], sys.argv[3]
+ls = socket.socket(); ls.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+ls.bind(("127.0.0.1", 9000)); ls.listen(1)
+c, _ = ls.accept()
+u = socket.create_connection((gw, 3128))
+u.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+h = b""
+while b"\r\n\r\n" not in h:
+    h += u.recv(1)
+first = c.recv(65536)
+if mode == "v4":
+    first = first[:2] + b"\x04" + first[3:]
+elif mode == "empty":
+    first = b"\x16\x03\x01\x00\x00" + first
+u.sendall(first)
+import threading
+def pipe(a, b):
+    try:
+        while (d := a.recv(65536)):
+            b.sendall(d)
+    except OSError:
+        pass
+    for s in (a, b):
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+threading.Thread(target=pipe, args=(u, c), daemon=True).start()
+pipe(c, u)
+"""
+
+
+def test_a_tunnel_whose_first_bytes_are_not_a_clean_client_hello_is_closed(env: Env) -> None:
+    gw = env.gateway(
+        allow=[{"host": "allowed.test", "port": 443, "methods": None}], allow_private=_private(env)
+    )
+
+    def through(mode: str, sni: str) -> str:
+        relay = f"timeout 15 python3 -c {shlex.quote(RELAY)} {gw.ip} {mode} allowed.test:443"
+        curl = f"curl -sS -k --max-time 10 --resolve {sni}:9000:127.0.0.1 https://{sni}:9000/"
+        return env.sh(f"{relay} & sleep 0.5; {curl}; echo rc=$?; wait")[1]
+
+    # Allowed: the relay passes a clean handshake for the CONNECT host on.
+    assert "hello from allowed.test" in through("none", "allowed.test")
+    # The same relay with the record version or an empty record first, carrying a handshake for
+    # another name (domain fronting past the server-name check): closed, logged, never served.
+    for mode, why in (("v4", "unknown TLS record version"), ("empty", "bad TLS record length")):
+        before = len(env.ups.requests("allowed.test"))
+        out = through(mode, "denied.test")
+        assert "hello from" not in out and "rc=0" not in out, out
+        line = gw.last(method="CONNECT", allowed=False, reason=f"tunnel closed: {why}")
+        assert line["host"] == "allowed.test" and line["port"] == 443
+        assert len(env.ups.requests("allowed.test")) == before
+
+
+def test_a_method_limited_entry_is_plain_http_only_and_connect_to_it_is_refused(env: Env) -> None:
+    gw = env.gateway(
+        allow=[
+            {"host": "allowed.test", "port": 80, "methods": ["GET"]},
+            {"host": "allowed.test", "port": 443, "methods": ["GET", "HEAD"]},
+        ],
+        allow_private=_private(env),
+    )
+    env.ups.clear_requests("allowed.test")
+    code, out, err = env.sh(f"{CURL} -x {gw.proxy} http://allowed.test/")
+    assert code == 0 and out.strip() == "hello from allowed.test", err
+    # CONNECT to a method-limited entry would hide the method (and the Host header) in a tunnel.
+    out = raw_connect(env, gw, "allowed.test:80", then="POST / HTTP/1.1\r\nHost: denied.test\r\n\r\n")
+    assert " 405" in out.splitlines()[0] and "INNER" not in out, out
+    code, out, err = env.sh(f"{CURL} -x {gw.proxy} -X DELETE https://allowed.test/x")
+    assert code != 0 and "405" in err, err
+    line = gw.last(method="CONNECT", port=443)
+    assert line["allowed"] is False and line["reason"] == "method-limited entry: plain HTTP only, no CONNECT"
+    assert [r["method"] for r in env.ups.requests("allowed.test")] == ["GET"]
+
+
+def test_usage_is_read_only_from_model_calls_and_never_negative(env: Env) -> None:
+    # A route whose paths also open a Files-API-like store: a body the engine uploads comes back
+    # from the model API's host, but it is no usage report.
+    routes = _routes(env)
+    routes["openai"]["paths"] = [
+        "POST /v1/chat/completions",
+        "POST /v1/files",
+        "GET /v1/files/*/content",
+    ]
+    gw = env.gateway(routes=routes, budget={"max_requests": None, "max_tokens": 1000})
+    step = {"protocol": "openai", "reply": {"text": "ok"}, "usage": {"input_tokens": 300, "output_tokens": 0}}
+    env.ups.set_script([step] * 6)
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    assert _post(env, f"{gw.routes}/openai/chat/completions", chat)[0] == "200"
+    forged = {"usage": {"input_tokens": -1_000_000_000, "prompt_tokens": -5}}
+    status, out = _post(env, f"{gw.routes}/openai/files", forged)
+    assert status == "200", out
+    fid = json.loads(out.split("\r\n\r\n", 1)[1])["id"]
+    code, out, err = env.sh(f"{CURL} -i {gw.routes}/openai/files/{fid}/content")
+    assert code == 0 and " 200" in out.splitlines()[0] and "-1000000000" in out, err
+    got = gw.last(path=f"/files/{fid}/content")
+    assert got["status"] == 200 and got["usage"] is None
+    # 300 tokens a call against 1000: the fourth call is past the budget (the forgery gave nothing back).
+    assert [_post(env, f"{gw.routes}/openai/chat/completions", chat)[0] for _ in range(4)] == [
+        "200",
+        "200",
+        "200",
+        "429",
+    ]
+
+
+def test_a_route_refuses_protocol_upgrades(env: Env) -> None:
+    gw = env.gateway(routes=_routes(env))
+    env.ups.clear_requests("model.test")
+    code, out, err = env.sh(f"{CURL} -i {gw.routes}/anthropic/v1/models")
+    assert code == 0 and "no API at GET /v1/models" in out, err  # reached the upstream
+    ws = "-H 'Connection: Upgrade' -H 'Upgrade: websocket' -H 'Sec-WebSocket-Version: 13'"
+    ws += " -H 'Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ=='"
+    code, out, err = env.sh(f"{CURL} -i {ws} {gw.routes}/anthropic/v1/models")
+    assert code == 0 and " 403" in out.splitlines()[0] and "protocol upgrade on a route" in out, out
+    assert len(env.ups.requests("model.test")) == 1
+    assert gw.last(reason="protocol upgrade on a route")["allowed"] is False
+
+
+def test_a_token_budget_admits_one_model_call_at_a_time_and_unknown_usage_spends_it(env: Env) -> None:
+    gw = env.gateway(routes=_routes(env), budget={"max_requests": None, "max_tokens": 100})
+    big = {"protocol": "anthropic", "hang": 1, "reply": {"text": "x"},
+           "usage": {"input_tokens": 1000, "output_tokens": 1000}}  # fmt: skip
+    env.ups.set_script([big] * 6)
+    env.ups.clear_requests("model.test")
+    body = shlex.quote(json.dumps(ANTHROPIC_BODY))
+    one = (
+        f"{CURL} -o /dev/null -w '%{{http_code}}\\n' -H 'content-type: application/json' --data-binary {body}"
+    )
+    code, out, err = env.sh(
+        " & ".join([f"{one} {gw.routes}/anthropic/v1/messages"] * 5) + "; wait", timeout=60
+    )
+    assert code == 0, err
+    # Five parallel calls of 2,000 tokens under a budget of 100: one passes, four wait their turn
+    # and are refused (not all five sent while the first one's usage was unknown).
+    assert sorted(out.split()) == ["200", "429", "429", "429", "429"], out
+    assert len(env.ups.requests("model.test")) == 1
+
+    # An OpenAI chat stream sends usage only when asked: the gateway asks.
+    gw = env.gateway(routes=_routes(env), budget={"max_requests": None, "max_tokens": 1000})
+    chat = {"protocol": "openai", "stream_usage": "when_asked", "reply": {"text": "c"},
+            "usage": {"input_tokens": 20, "output_tokens": 4}}  # fmt: skip
+    env.ups.set_script([chat, {"protocol": "anthropic", "malformed": "json"}, chat])
+    stream = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    assert _post(env, f"{gw.routes}/openai/chat/completions", stream)[0] == "200"
+    assert env.ups.requests("model.test")[-1]["body"].count('"include_usage": true') == 1
+    assert gw.last(route="openai", status=200)["usage"] == {"input_tokens": 20, "output_tokens": 4}
+    # A model call that answers without usage the gateway can read: unknown cost, it spends the
+    # budget (the record says the budget ended the run), and the next call is refused.
+    status, _ = _post(env, f"{gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)
+    assert status == "200"
+    line = gw.last(route="anthropic", status=200)
+    assert line["budget"] == "max_tokens" and line["reason"].startswith("no readable usage"), line
+    assert _post(env, f"{gw.routes}/openai/chat/completions", stream)[0] == "429"
+
+
+def test_a_route_reaches_only_the_model_calls_of_its_api(env: Env) -> None:
+    routes = _routes(env)
+    routes["gemini"] = {**routes["anthropic"], "header": "x-goog-api-key"}
+    gw = env.gateway(routes=routes)
+    env.ups.set_script([{"protocol": "anthropic", "reply": {"text": "ok"}}])
+    env.ups.clear_requests("model.test")
+    assert _post(env, f"{gw.routes}/anthropic/v1/messages?beta=true", ANTHROPIC_BODY)[0] == "200"
+    url = f"{gw.routes}/gemini/v1beta/models/gemini-2.5-pro:countTokens"
+    code, out, err = env.sh(f"{CURL} -i {url} -d '{{}}'")
+    assert code == 0 and " 403" not in out.splitlines()[0], (out, err)  # reached the upstream
+    reached = len(env.ups.requests("model.test"))
+    assert reached == 2
+    for method, path, status in (
+        ("DELETE", "/anthropic/v1/files/file-1", "403"),
+        ("GET", "/anthropic/v1/messages/batches", "403"),
+        ("POST", "/openai/fine_tuning/jobs", "403"),
+        ("GET", "/openai/files/file-1/content", "403"),
+        ("POST", "/gemini/v1beta/models/g:generateContent/../../files", "400"),
+        ("POST", "/anthropic/v1/messages/..;/files", "400"),
+        ("POST", "/anthropic/v1/messages%2F..%2Ffiles", "400"),
+        ("POST", "/anthropic/v1/%252e%252e/files", "400"),
+        ("POST", "/anthropic/v1\\messages", "400"),
+    ):
+        code, out, _ = env.sh(f"{CURL} -i --path-as-is -X {method} -d '{{}}' '{gw.routes}{path}'")
+        assert code == 0 and f" {status}" in out.splitlines()[0], (method, path, out)
+    assert len(env.ups.requests("model.test")) == reached  # none of them left the gateway
+
+
+def test_a_huge_request_head_is_refused_and_in_flight_calls_keep_their_usage(env: Env) -> None:
+    gw = env.gateway(routes=_routes(env))
+    env.ups.set_script(
+        [{"protocol": "anthropic", "hang": 4, "reply": {"text": "slow"},
+          "usage": {"input_tokens": 5000, "output_tokens": 5000}}]
+    )  # fmt: skip
+    bomb = (
+        "import socket,sys\n"
+        f"s=socket.create_connection(({gw.ip!r},8080),timeout=30)\n"
+        "s.sendall(b'GET /anthropic/v1/models HTTP/1.1\\r\\nHost: x\\r\\nX-A: ')\n"
+        "sent=0\n"
+        "try:\n"
+        "    for i in range(200):\n"
+        "        s.sendall(b'a'*(1<<20)); sent+=1\n"
+        "except OSError as e: pass\n"
+        "print('sent MiB', sent)\n"
+        "try: print('GOT', s.recv(200))\n"
+        "except OSError as e: print('GOT', e)\n"
+    )
+    body = shlex.quote(json.dumps(ANTHROPIC_BODY))
+    call = (
+        f"{CURL} -H 'content-type: application/json' --data-binary {body} {gw.routes}/anthropic/v1/messages"
+    )
+    _, out, err = env.sh(
+        f"{call} > /tmp/call.out & sleep 1.5; python3 -c {shlex.quote(bomb)}; wait; cat /tmp/call.out",
+        timeout=60,
+    )
+    assert "slow" in out, (out, err)  # the model call in flight finished and was answered
+    sent = int(out.split("sent MiB ", 1)[1].split()[0])
+    assert sent < 200 and "431" in out, out  # the gateway stopped reading well before 200 MiB
+    gw.container.reload()
+    assert gw.container.status == "running"
+    lines = [e for e in gw.raw_log() if e["door"] == "route"]
+    # The call's line was written as it was sent (in flight), then again with its usage.
+    assert [(e["reason"], e["usage"]) for e in lines if e["id"] == lines[0]["id"]] == [
+        ("in flight", None),
+        (None, {"input_tokens": 5000, "output_tokens": 5000}),
+    ]
+
+
+def test_the_log_is_capped_and_the_summary_keeps_the_usage(env: Env) -> None:
+    gw = env.gateway(
+        allow=[{"host": "allowed.test", "port": 80, "methods": None}],
+        allow_private=_private(env),
+        routes=_routes(env),
+        environment={"FILA_GATEWAY_LOG_CAP": str(64 * 1024)},
+    )
+    env.ups.set_script(
+        [
+            {
+                "protocol": "anthropic",
+                "reply": {"text": "t"},
+                "usage": {"input_tokens": 9000, "output_tokens": 1000},
+            }
+        ]
+        * 2
+    )
+    assert _post(env, f"{gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)[0] == "200"
+    flood = (
+        "import socket\n"
+        "req=('GET http://denied.test/'+'p'*20000+' HTTP/1.1\\r\\nHost: denied.test\\r\\n\\r\\n').encode()\n"
+        "for i in range(400):\n"
+        f"    s=socket.create_connection(({gw.ip!r},3128)); s.sendall(req); b=b''\n"
+        "    while b'\\r\\n\\r\\n' not in b: b+=s.recv(65536)\n"
+        "    s.close()\n"
+    )
+    code, _, err = env.sh(f"python3 -c {shlex.quote(flood)}", timeout=120)
+    assert code == 0, err
+    assert _post(env, f"{gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)[0] == "200"
+    time.sleep(0.6)
+    log = gw.log_dir / "egress.jsonl"
+    assert log.stat().st_size <= 64 * 1024 + 16 * 1024  # the cap (route lines get a last margin)
+    assert all(len(e["path"] or "") <= 260 and len(e["host"] or "") <= 260 for e in gw.log())
+    from fila import egress
+
+    rec = egress.read_log(log, summary=gw.log_dir / "summary.json")
+    assert rec.routes["anthropic"].input_tokens == 18000 and rec.routes["anthropic"].output_tokens == 2000
+    assert rec.denied == 400 and rec.allowed == 2 and rec.dropped > 0
+    summary = json.loads((gw.log_dir / "summary.json").read_text())
+    assert summary["suppressed"] and summary["tokens"] == 20000

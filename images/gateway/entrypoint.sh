@@ -10,6 +10,8 @@
 # - allow_hosts lists only that target, so mitmproxy's own layer choice for anything else (a
 #   CONNECT tunnel) is a raw relay, never TLS interception; the addon picks a raw relay itself.
 # - mitmproxy's CA (made in the tmpfs confdir) is thus never shown to a client.
+# - body_size_limit: a request body past 32 MiB is refused (413) rather than held in memory (route
+#   bodies are read whole to be rewritten; responses are streamed and not limited).
 # Extra arguments are passed on to mitmdump (e.g. --set termlog_verbosity=debug).
 set -eu
 proxy_port="${FILA_GATEWAY_PROXY_PORT:-3128}"
@@ -25,5 +27,6 @@ exec mitmdump \
     --set flow_detail=0 \
     --set termlog_verbosity=warn \
     --set http3=false \
+    --set body_size_limit=32m \
     -s "$(dirname "$0")/fila_gateway.py" \
     "$@"

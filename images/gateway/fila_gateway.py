@@ -37,6 +37,7 @@ import logging
 import os
 import re
 import socket
+import time
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from pathlib import Path
@@ -48,7 +49,8 @@ from mitmproxy.net.dns import response_codes
 from mitmproxy.net.dns import types as dns_types
 from mitmproxy.net.http import url
 from mitmproxy.proxy import commands, events, layer, layers
-from mitmproxy.proxy.layers.tls import parse_client_hello, starts_like_tls_record
+from mitmproxy.proxy.layers.http import _http1
+from mitmproxy.proxy.layers.tls import parse_client_hello
 from mitmproxy.proxy.mode_specs import RegularMode, ReverseMode
 
 CONFIG_PATH = Path(os.environ.get("FILA_GATEWAY_CONFIG", "/etc/fila-gateway/config.json"))
@@ -63,6 +65,36 @@ SYSTEM_CA = "/etc/ssl/certs/ca-certificates.crt"
 MAX_HEADER_BYTES = 32 * 1024  # mitmproxy reads headers without a limit; refuse what no API needs
 MAX_BODY_SCAN = 8 * 1024 * 1024  # a non-streamed JSON body kept for reading its usage
 MAX_SSE_LINE = 1024 * 1024
+MAX_HEAD_READ = 64 * 1024  # a request head still without its blank line past this: 431, connection closed
+MAX_HELLO = 64 * 1024  # a TLS ClientHello still incomplete past this: the tunnel is closed
+# egress.jsonl stops growing here (fila reads 8 MiB); summary.json keeps the totals. (Settable for tests.)
+LOG_CAP = int(os.environ.get("FILA_GATEWAY_LOG_CAP", str(4 * 1024 * 1024)))
+LOG_FIELD = 256  # host and path in a log line are cut to this many characters
+TLS_VERSIONS = (b"\x03\x01", b"\x03\x02", b"\x03\x03")  # record versions a ClientHello is sent with
+
+# What each known route may ask its upstream (METHOD and upstream path; `*` is one path segment of
+# [A-Za-z0-9._-]): the model calls the engines make, not the upstream's whole API (files, batches,
+# fine-tuning: unmetered cost, other work's data). A route's `paths` in the config replaces these.
+DEFAULT_PATHS = {
+    "anthropic": [
+        "POST /v1/messages",
+        "POST /v1/messages/count_tokens",
+        "GET /v1/models",
+        "GET /v1/models/*",
+    ],
+    "openai": ["POST /v1/chat/completions", "POST /v1/responses", "GET /v1/models", "GET /v1/models/*"],
+    "gemini": [
+        "POST /v1beta/models/*:generateContent",
+        "POST /v1beta/models/*:streamGenerateContent",
+        "POST /v1beta/models/*:countTokens",
+        "GET /v1beta/models",
+        "GET /v1beta/models/*",
+    ],
+}
+_PATH_RULE = re.compile(r"^([A-Z]{1,16}) (/[A-Za-z0-9._:/*-]*)$")
+# The model calls whose responses carry usage: only these are metered, serialised under a token
+# budget, and read for usage (any other body is not a usage report, whatever it says).
+METERED = re.compile(r"(/messages|/chat/completions|/responses|:generateContent|:streamGenerateContent)$")
 
 # Headers that carry a credential on some model API: whatever the engine sends is dropped.
 CREDENTIAL_HEADERS = ("authorization", "x-api-key", "x-goog-api-key", "api-key", "proxy-authorization")
@@ -122,6 +154,18 @@ def _route(name: str, raw: Any) -> dict[str, Any]:
         raise ConfigError(f"routes.{name}.header must be a header name")
     if not isinstance(fmt, str) or "{key}" not in fmt:
         raise ConfigError(f"routes.{name}.format must contain {{key}}")
+    paths = raw.get("paths")
+    if paths is None:
+        paths = DEFAULT_PATHS.get(name)
+    if not isinstance(paths, list) or not paths:
+        raise ConfigError(f'routes.{name}.paths must list "METHOD /path" rules (no default for {name!r})')
+    rules = []
+    for rule in paths:
+        m = _PATH_RULE.match(rule) if isinstance(rule, str) else None
+        if m is None or any(seg in (".", "..") for seg in m[2].split("/")):
+            raise ConfigError(f'routes.{name}.paths: {rule!r} is not "METHOD /path" (* is one segment)')
+        body = "[A-Za-z0-9._-]+".join(re.escape(x) for x in m[2].split("*"))
+        rules.append((m[1], re.compile(f"^{body}$")))
     if not isinstance(secret, str) or not re.fullmatch(r"[A-Za-z0-9._-]+", secret) or secret.startswith("."):
         raise ConfigError(f"routes.{name}.secret must name a file in {SECRETS_DIR}")
     path = SECRETS_DIR / secret
@@ -138,6 +182,7 @@ def _route(name: str, raw: Any) -> dict[str, Any]:
         "base_path": parts.path.rstrip("/"),
         "header": header.lower(),
         "value": fmt.replace("{key}", key),
+        "paths": rules,
     }
 
 
@@ -228,6 +273,7 @@ def address_problem(addr: str, allow_private: Iterable[ipaddress._BaseNetwork]) 
         ("loopback", ip.is_loopback),
         ("link-local", ip.is_link_local),  # cloud metadata lives here
         ("multicast", ip.is_multicast),
+        ("site-local", isinstance(ip, ipaddress.IPv6Address) and ip.is_site_local),  # fec0::/10
     ):
         if bad:
             return f"{kind} address {ip}"
@@ -271,7 +317,8 @@ def normalize_usage(raw: dict[str, Any]) -> dict[str, int] | None:
     writes count as input (they are billed as input)."""
 
     def n(*keys: str) -> int:
-        return sum(v for k in keys if isinstance(v := raw.get(k), int) and not isinstance(v, bool))
+        # A negative or non-integer count is no usage report (it would credit the budget back).
+        return sum(v for k in keys if isinstance(v := raw.get(k), int) and not isinstance(v, bool) and v >= 0)
 
     if not raw:
         return None
@@ -290,12 +337,15 @@ class Meter:
     """Watches one response go by: counts bytes and collects usage, streamed or not."""
 
     def __init__(self, content_type: str, *, usage: bool = True) -> None:
-        self.sse = usage and content_type.lower().startswith("text/event-stream")
+        ctype = content_type.lower().split(";", 1)[0].strip()
+        self.sse = usage and ctype == "text/event-stream"
         self.bytes = 0
         self.raw_usage: dict[str, Any] = {}
         self._pending = b""
         # Only a route's JSON reply is kept (bounded) to read its usage; proxied bodies are counted.
-        self._body: bytearray | None = bytearray() if usage and not self.sse else None
+        # Usage is read only from a JSON or SSE reply of a model call (the caller's `usage`).
+        self._body: bytearray | None = bytearray() if usage and ctype == "application/json" else None
+        self.overflow = False
 
     def __call__(self, chunk: bytes) -> bytes:
         # Called by mitmproxy for every chunk of a streamed response, and once with b"" at its end.
@@ -313,6 +363,7 @@ class Meter:
         elif self._body is not None:
             if len(self._body) + len(chunk) > MAX_BODY_SCAN:
                 self._body = None
+                self.overflow = True
             else:
                 self._body += chunk
         return chunk
@@ -342,6 +393,10 @@ class Meter:
 
 def _now() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def m_ok(flow: http.HTTPFlow) -> bool:
+    return bool(flow.metadata.get("fila_metered"))
 
 
 def _json_response(status: int, reason: str, **extra: Any) -> http.Response:
@@ -448,6 +503,48 @@ class MalformedRequests(logging.Handler):
             )
 
 
+_read_request_head = _http1.Http1Server.read_headers
+
+
+def _bounded_read_headers(self: Any, event: events.Event) -> layer.CommandGenerator[None]:
+    """mitmproxy's HTTP/1 server reads a request head without a limit ("FIXME: protect against
+    header size DoS"): one huge header would fill the gateway's memory and kill it with every
+    in-flight request's usage. Past MAX_HEAD_READ bytes without the blank line: 431 and close."""
+    if isinstance(event, events.DataReceived) and len(self.buf) > MAX_HEAD_READ:
+        head = bytes(self.buf._data[: MAX_HEAD_READ + 4])
+        if b"\r\n\r\n" not in head and b"\n\n" not in head:
+            yield commands.SendData(self.conn, _http1.make_error_response(431, "request headers too large"))
+            yield commands.CloseConnection(self.conn)
+            self.buf._data.clear()
+            self.state = self.done
+            return
+    yield from _read_request_head(self, event)
+
+
+_http1.Http1Server.read_headers = _bounded_read_headers  # type: ignore[method-assign]
+
+
+def hello_problem(data: bytes) -> str | None:
+    """Why the first client bytes of a tunnel are not (the start of) a TLS ClientHello: every
+    record a handshake message, a known record version, not empty, the message a ClientHello.
+    None: a ClientHello so far (complete or not)."""
+    i = 0
+    while len(data) - i >= 5:
+        if data[i] != 0x16:
+            return "not a TLS handshake"
+        if data[i + 1 : i + 3] not in TLS_VERSIONS:
+            return "unknown TLS record version"
+        n = int.from_bytes(data[i + 3 : i + 5], "big")
+        if n == 0 or n > 1 << 14:
+            return "bad TLS record length"
+        if i == 0 and len(data) > 5 and data[5] != 1:
+            return "not a ClientHello"
+        i += 5 + n
+    if data and data[0] != 0x16:
+        return "not a TLS handshake"
+    return None
+
+
 class CloseClient(layer.Layer):
     """A tunnel's next layer that only closes the client's connection (a refused handshake)."""
 
@@ -468,6 +565,14 @@ class Gateway:
         self._sink: asyncio.Server | None = None
         self._dns: Any = None
         self.doors: dict[Any, str] = {}  # client address -> door, for MalformedRequests
+        self._slot: asyncio.Lock | None = None  # one metered call at a time under max_tokens
+        self.in_flight = 0
+        self._log_bytes = 0
+        # Totals that never depend on the log fitting its cap (summary.json, rewritten atomically).
+        self.totals: dict[str, Any] = {
+            "allowed": 0, "denied": 0, "routes": {}, "budget_exhausted": None, "suppressed": {},
+        }  # fmt: skip
+        self._summary_at = 0.0
         self._malformed = MalformedRequests(self)
 
     # -- lifecycle
@@ -482,6 +587,7 @@ class Gateway:
         LOG_DIR.mkdir(parents=True, exist_ok=True)
         logging.getLogger("mitmproxy.proxy.server").addHandler(self._malformed)
         self._log = open(LOG_DIR / "egress.jsonl", "a", buffering=1, encoding="utf-8")  # noqa: SIM115
+        self._log_bytes = self._log.tell()
 
     async def running(self) -> None:
         if self.config is None:
@@ -520,6 +626,7 @@ class Gateway:
             self._sink.close()
         if self._dns is not None:
             self._dns.close()
+        self._summarize(force=True)
         if self._log is not None:
             self._log.close()
 
@@ -551,6 +658,7 @@ class Gateway:
     def write(self, **fields: Any) -> None:
         line = {
             "t": _now(),
+            "id": None,
             "door": "proxy",
             "method": None,
             "host": None,
@@ -566,18 +674,72 @@ class Gateway:
             "budget": None,
         }
         line.update(fields)
-        if self._log is not None:
-            self._log.write(json.dumps(line) + "\n")
+        for k in ("host", "path", "reason", "route", "method"):
+            if isinstance(line[k], str) and len(line[k]) > LOG_FIELD:
+                line[k] = line[k][:LOG_FIELD] + "..."
+        final = line["reason"] != "in flight"
+        if final:
+            self.totals["allowed" if line["allowed"] else "denied"] += 1
+            if line["budget"] and self.totals["budget_exhausted"] is None:
+                self.totals["budget_exhausted"] = line["budget"]
+        if self._log is None:
+            return
+        text = json.dumps(line) + "\n"
+        # Past the cap only route calls are still written (their usage is the record's), up to a
+        # last margin; everything else is counted per kind in summary.json.
+        room = LOG_CAP if line["door"] != "route" or not line["allowed"] else LOG_CAP + LOG_CAP // 4
+        if self._log_bytes + len(text) > room:
+            kind = f"{line['door']} {'allowed' if line['allowed'] else 'denied'}: {line['reason']}"
+            sup = self.totals["suppressed"]
+            if kind in sup or len(sup) < 100:
+                sup[kind] = sup.get(kind, 0) + 1
+            else:
+                sup["other"] = sup.get("other", 0) + 1
+            self._summarize()
+            return
+        self._log.write(text)
+        self._log_bytes += len(text)
+
+    def _summarize(self, *, force: bool = False) -> None:
+        """summary.json: the totals (per route usage included), rewritten atomically, so that the
+        record's totals never depend on how much of the log was kept. Denials rewrite it at most
+        every half second (a flood must not turn into a write storm); route calls every time."""
+        now = time.monotonic()
+        if self._log is None or (not force and now - self._summary_at < 0.5):
+            return
+        self._summary_at = now
+        doc = {**self.totals, "requests": self.requests, "tokens": self.tokens, "in_flight": self.in_flight}
+        with contextlib.suppress(OSError):
+            tmp = LOG_DIR / ".summary.tmp"
+            tmp.write_text(json.dumps(doc))
+            tmp.replace(LOG_DIR / "summary.json")
 
     def record(self, flow: http.HTTPFlow, *, allowed: bool, reason: str | None, status: int | None) -> None:
-        """The one line for an HTTP flow (each flow is logged once)."""
+        """The one final line for an HTTP flow (each flow is logged once)."""
         if flow.metadata.get("fila_logged"):
             return
         flow.metadata["fila_logged"] = True
         m = flow.metadata
         meter: Meter | None = m.get("fila_meter")
         usage = meter.usage() if meter else None
+        budget_key = m.get("fila_budget")
+        limit = self.config["budget"]["max_tokens"] if self.config else None
+        if m.get("fila_metered") and allowed and status is not None and 200 <= status < 300 and not usage:
+            # A model call that answered without a usage report the gateway can read (a stream
+            # without its usage event, a body past MAX_BODY_SCAN): unknown cost. Under a token
+            # budget it spends the rest of the budget rather than counting as free.
+            reason = "no readable usage in the response"
+            if limit is not None:
+                self.tokens = max(self.tokens, limit)
+                budget_key = "max_tokens"
+                reason += ": counted as the whole token budget"
+        elif usage:
+            self.tokens += usage["input_tokens"] + usage["output_tokens"]
+        was_in_flight = m.pop("fila_in_flight", False)
+        if was_in_flight:
+            self.in_flight -= 1
         self.write(
+            id=flow.id if was_in_flight else None,
             door=m.get("fila_door", "proxy"),
             method=flow.request.method,
             host=m.get("fila_host", flow.request.pretty_host),
@@ -590,10 +752,23 @@ class Gateway:
             bytes_in=meter.bytes if meter else len(flow.response.raw_content or b"") if flow.response else 0,
             bytes_out=len(flow.request.raw_content or b""),
             usage=usage,
-            budget=m.get("fila_budget"),
+            budget=budget_key,
         )
-        if usage:
-            self.tokens += usage["input_tokens"] + usage["output_tokens"]
+        if route := m.get("fila_route") if m.get("fila_door") == "route" else None:
+            r = self.totals["routes"].setdefault(
+                route[:LOG_FIELD], {"requests": 0, "statuses": {}, "input_tokens": 0, "output_tokens": 0}
+            )
+            r["requests"] += 1
+            key = str(status) if status is not None else "denied"
+            r["statuses"][key] = r["statuses"].get(key, 0) + 1
+            if usage:
+                r["input_tokens"] += usage["input_tokens"]
+                r["output_tokens"] += usage["output_tokens"]
+            self._summarize(force=True)
+        else:
+            self._summarize()
+        if m.pop("fila_slot", False) and self._slot is not None:
+            self._slot.release()
 
     def refuse(self, flow: http.HTTPFlow, status: int, reason: str, **extra: Any) -> None:
         flow.response = _json_response(status, reason, **extra)
@@ -628,6 +803,11 @@ class Gateway:
             return self.refuse(flow, 503, "gateway has no config")
         if not isinstance(flow.client_conn.proxy_mode, RegularMode):
             return self.refuse(flow, 405, "CONNECT only on the proxy port")
+        entries = matching_entries(self.config["allow"], host, port)
+        if entries and all(e["methods"] is not None for e in entries):
+            # Inside a tunnel the gateway sees no method (and no Host header): a method-limited
+            # entry is reachable by plain HTTP only.
+            return self.refuse(flow, 405, "method-limited entry: plain HTTP only, no CONNECT")
         reason, addr = await self._check_destination(host, port)
         if reason:
             return self.refuse(flow, 403, reason)
@@ -648,26 +828,43 @@ class Gateway:
         ):
             return
         data = nextlayer.data_client()
-        if data and starts_like_tls_record(data):
+        if not data:
+            if nextlayer.data_server():
+                nextlayer.layer = layers.TCPLayer(c)  # a server-speaks-first protocol (ssh)
+            else:
+                nextlayer.layer = None  # mitmproxy's own choice (a raw relay) must wait for ours
+            return  # asked again when the client sends
+        # Fail closed: a tunnel carries a TLS handshake whose server name is the CONNECT host, and
+        # nothing the gateway cannot read (an odd record version, an empty record first, plain HTTP
+        # with another Host: the upstream would serve what the allowlist never named).
+        problem = hello_problem(data)
+        hello = None
+        if problem is None:
             try:
                 hello = parse_client_hello(data)
-            except ValueError:
-                hello = None
-                data = b""  # not a ClientHello after all: the upstream decides what it is
-            if hello is None and data:
-                return  # the ClientHello is incomplete: asked again when more arrives
-            sni = (hello.sni or "").lower().rstrip(".") if hello else ""
-            host = self.tunnels[c.client.id]["host"]
-            if sni and sni != host:
-                # The TLS server name is what a shared front end (a CDN) routes by: a tunnel to a
-                # listed name must not carry a handshake for another one (domain fronting).
-                t = self.tunnels.pop(c.client.id)
-                self.write(
-                    door="proxy", method="CONNECT", host=t["host"], port=t["port"], allowed=False,
-                    reason=f"tls server name {sni} is not the CONNECT host", status=None,
-                )  # fmt: skip
-                nextlayer.layer = CloseClient(c)
-                return
+            except ValueError as e:
+                problem = f"unreadable ClientHello ({e})"
+            if hello is None and problem is None:
+                if len(data) <= MAX_HELLO:
+                    nextlayer.layer = None
+                    return  # the ClientHello is incomplete: asked again when more arrives
+                problem = "ClientHello too large"
+        sni = (hello.sni or "").lower().rstrip(".") if hello else ""
+        host = self.tunnels[c.client.id]["host"]
+        if problem is None and sni and sni != host:
+            # The TLS server name is what a shared front end (a CDN) routes by: a tunnel to a
+            # listed name must not carry a handshake for another one (domain fronting).
+            problem = f"tls server name {sni[:LOG_FIELD]} is not the CONNECT host"
+        if problem is not None:
+            t = self.tunnels.pop(c.client.id)
+            if not problem.startswith("tls server name"):
+                problem = f"tunnel closed: {problem}"
+            self.write(
+                door="proxy", method="CONNECT", host=t["host"], port=t["port"], allowed=False,
+                reason=problem, status=None,
+            )  # fmt: skip
+            nextlayer.layer = CloseClient(c)
+            return
         nextlayer.layer = layers.TCPLayer(c)
 
     def tcp_message(self, flow: tcp.TCPFlow) -> None:
@@ -723,7 +920,7 @@ class Gateway:
             flow.metadata["fila_door"] = self._door(flow)
             return self.refuse(flow, 431, f"headers larger than {MAX_HEADER_BYTES} bytes")
         if isinstance(flow.client_conn.proxy_mode, ReverseMode) or self._to_own_routes(flow):
-            return self._route_request(flow)
+            return await self._route_request(flow)
         await self._proxy_request(flow)
 
     def _to_own_routes(self, flow: http.HTTPFlow) -> bool:
@@ -766,7 +963,7 @@ class Gateway:
 
     # -- door "route"
 
-    def _route_request(self, flow: http.HTTPFlow) -> None:
+    async def _route_request(self, flow: http.HTTPFlow) -> None:
         assert self.config is not None
         req = flow.request
         path = req.path.split("?", 1)[0]
@@ -778,11 +975,28 @@ class Gateway:
         if route is None:
             flow.metadata["fila_host"] = None
             flow.metadata["fila_port"] = None
-            return self.refuse(flow, 404, "unknown route", route=name)
-        if ".." in rest.split("/") or "%2e" in rest.lower():
-            return self.refuse(flow, 400, "dot segment in path")
+            return self.refuse(flow, 404, "unknown route", route=name[:LOG_FIELD])
         flow.metadata.update(fila_host=route["host"], fila_port=route["port"])
+        if any(seg in (".", "..") for seg in rest.split("/")) or any(c in rest for c in "%\\;"):
+            # Encoded slashes and dots, backslashes and `;` parameters: each server normalises
+            # them its own way, so a path that matched a rule here could be another one there.
+            return self.refuse(flow, 400, "path with dot segments, %-escapes, \\ or ;")
+        if req.headers.get("upgrade"):
+            # A websocket (or h2c) upgrade would carry model traffic the meter never sees.
+            return self.refuse(flow, 403, "protocol upgrade on a route")
+        upath = route["base_path"] + rest
+        if not any(req.method == m and rx.match(upath) for m, rx in route["paths"]):
+            return self.refuse(flow, 403, "path not allowed on this route")
+        metered = bool(METERED.search(upath))
+        flow.metadata["fila_metered"] = metered
         budget = self.config["budget"]
+        if metered and budget["max_tokens"] is not None:
+            # One metered call at a time under a token budget: the next is checked against the
+            # usage of the one before it, not sent while that one's tokens are still unknown.
+            if self._slot is None:
+                self._slot = asyncio.Lock()
+            await self._slot.acquire()
+            flow.metadata["fila_slot"] = True
         for key, used in (("max_requests", self.requests), ("max_tokens", self.tokens)):
             limit = budget[key]
             if limit is not None and used >= limit:
@@ -798,17 +1012,41 @@ class Gateway:
         req.scheme = route["scheme"]
         req.host = route["host"]
         req.port = route["port"]
-        req.path = route["base_path"] + rest + (f"?{query}" if query else "")
+        req.path = upath + (f"?{query}" if query else "")
         req.host_header = route["host"] if route["port"] in (80, 443) else f"{route['host']}:{route['port']}"
         req.headers[route["header"]] = route["value"]
         # Usage is read from plain bodies; a compressed one would hide it.
         req.headers["accept-encoding"] = "identity"
+        flow.metadata["fila_chat"] = req.method == "POST" and upath.endswith("/chat/completions")
+        # Logged now (then again when it ends, same id): a gateway killed mid-call leaves a trace.
+        self.in_flight += 1
+        flow.metadata["fila_in_flight"] = True
+        self.write(
+            id=flow.id, door="route", method=req.method, host=route["host"], port=route["port"],
+            route=name, path=rest[:LOG_FIELD], allowed=True, reason="in flight", status=None,
+        )  # fmt: skip
+        self._summarize(force=True)
+
+    @fail_closed(_deny_http)
+    def request(self, flow: http.HTTPFlow) -> None:
+        if flow.metadata.get("fila_logged") or not flow.metadata.get("fila_chat"):
+            return
+        # OpenAI sends a chat stream's usage only when asked (stream_options.include_usage): ask,
+        # so that every streamed chat call is metered.
+        try:
+            body = json.loads(flow.request.get_content() or b"null")
+        except ValueError:
+            return self.refuse(flow, 400, "chat completions body is not JSON")
+        if isinstance(body, dict) and body.get("stream") is True:
+            opts = body.get("stream_options")
+            body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
+            flow.request.set_content(json.dumps(body).encode())
 
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         if flow.metadata.get("fila_logged") or flow.response is None:
             return
         route = flow.metadata.get("fila_door") == "route"
-        meter = Meter(flow.response.headers.get("content-type", ""), usage=route)
+        meter = Meter(flow.response.headers.get("content-type", ""), usage=route and m_ok(flow))
         flow.metadata["fila_meter"] = meter
         flow.response.stream = meter  # streamed on as it arrives; the meter only watches
 

@@ -291,7 +291,8 @@ def openai_chunks(step: dict[str, Any], model: str) -> list[dict[str, Any]]:
             out.append(chunk([{"index": 0, "delta": {"content": piece}, "finish_reason": None}]))
         finish = "stop"
     out.append(chunk([{"index": 0, "delta": {}, "finish_reason": finish}]))
-    out.append(chunk([], usage=_openai_usage(step)))  # the final usage chunk (stream_options)
+    if not step.get("_no_usage"):
+        out.append(chunk([], usage=_openai_usage(step)))  # the final usage chunk (stream_options)
     return out
 
 
@@ -453,6 +454,8 @@ class Handler(BaseHTTPRequestHandler):
     log_dir = Path("/log")
     script = Script(None)
     log_lock = threading.Lock()
+    files: dict[str, tuple[bytes, str]] = {}  # noqa: RUF012  (the Files-API store, server-wide)
+    files_lock = threading.Lock()
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # the JSON request log is the record; stderr stays quiet
@@ -562,7 +565,32 @@ class Handler(BaseHTTPRequestHandler):
                 return
         self._json(200, self.script.state())
 
+    def _files(self, path: str, body: bytes) -> bool:
+        """A Files-API-like store (OpenAI/Anthropic /v1/files): POST /v1/files keeps the body,
+        GET /v1/files/<id>/content gives it back as it came, with the content type it was sent
+        with: a body the client wrote, served by the model API's host."""
+        if self.command == "POST" and path.endswith("/v1/files"):
+            fid = f"file-{uuid.uuid4().hex[:12]}"
+            with self.files_lock:
+                self.files[fid] = (body, self.headers.get("content-type") or "application/octet-stream")
+            self._log(body, status=200, protocol="files", step=None)
+            self._json(200, {"id": fid, "object": "file", "bytes": len(body)})
+            return True
+        parts = path.split("/")
+        if self.command == "GET" and len(parts) >= 4 and parts[-1] == "content" and parts[-3] == "files":
+            with self.files_lock:
+                got = self.files.get(parts[-2])
+            self._log(body, status=200 if got else 404, protocol="files", step=None)
+            if got is None:
+                self._json(404, {"error": f"no file {parts[-2]}"})
+            else:
+                self._send(200, got[0], got[1])
+            return True
+        return False
+
     def _model(self, path: str, body: bytes) -> None:
+        if self._files(path, body):
+            return
         protocol, stream = protocol_of(self.command, path)
         if protocol is None:
             self._log(body, status=404, protocol=None, step=None)
@@ -586,6 +614,11 @@ class Handler(BaseHTTPRequestHandler):
             self._json(500, error_body(protocol, 500, msg))
             return
         index, step = taken
+        opts = doc.get("stream_options")
+        if step.get("stream_usage") == "when_asked" and not (
+            isinstance(opts, dict) and opts.get("include_usage")
+        ):
+            step = {**step, "_no_usage": True}  # like OpenAI: a chat stream's usage only when asked
         err = step.get("error")
         status = int(err.get("status", 500)) if isinstance(err, dict) else 200
         self._log(body, status=status, protocol=protocol, stream=stream, step=index)
