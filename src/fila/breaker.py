@@ -14,9 +14,7 @@ and rearms are appended to `fila/state/breaker.events.jsonl`.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Literal
@@ -24,6 +22,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from . import fsutil
+from .fsutil import file_lock
 from .layout import Root
 from .models import ErrorKind, Policy, Record, Status, now_iso
 
@@ -54,12 +53,8 @@ def events_path(root: Root) -> Path:
 @contextlib.contextmanager
 def _locked(root: Root) -> Iterator[None]:
     root.state_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(root.state_dir / ".breaker.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    with file_lock(root.state_dir / ".breaker.lock"):
         yield
-    finally:
-        os.close(fd)
 
 
 def read(root: Root) -> BreakerState:

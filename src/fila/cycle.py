@@ -7,7 +7,6 @@ record is written, nothing happens until a person decides (`fila apply` / `fila 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import random
 import re
@@ -32,6 +31,7 @@ from .errors import (
     UnknownEngine,
 )
 from .faults import crash_point
+from .fsutil import file_lock
 from .layout import Root
 from .models import (
     Attempt,
@@ -453,17 +453,12 @@ def _job_lock(root: Root, tid: str) -> Iterator[None]:
     not have its job directory rebuilt under it by the next attempt."""
     meta = root.meta(tid)
     meta.mkdir(parents=True, exist_ok=True)
-    fd = os.open(meta / "job.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+    with file_lock(meta / "job.lock", wait=False) as held:
+        if not held:
             raise InfraError(
                 "the job directory is still in use by another process (a stalled worker)", task_id=tid
-            ) from None
+            )
         yield
-    finally:
-        os.close(fd)
 
 
 def run_one(

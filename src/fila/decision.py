@@ -8,7 +8,6 @@ whole decisions on one host, so two people applying at once cannot both write th
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import getpass
 import os
 import unicodedata
@@ -16,6 +15,7 @@ from collections.abc import Iterator
 
 from . import queue
 from .errors import InvalidInput, InvalidTransition
+from .fsutil import file_lock
 from .layout import Root
 from .models import Decision, Record, Status, now_iso
 
@@ -55,12 +55,8 @@ def lock(root: Root, task_id: str) -> Iterator[None]:
     """Held for a whole decision (check, write the project, record)."""
     meta = root.meta(task_id)
     meta.mkdir(parents=True, exist_ok=True)
-    fd = os.open(meta / "decide.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    with file_lock(meta / "decide.lock"):
         yield
-    finally:
-        os.close(fd)
 
 
 def check_undecided(rec: Record, action: str) -> None:

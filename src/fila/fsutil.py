@@ -5,10 +5,33 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import os
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
+
+
+@contextlib.contextmanager
+def file_lock(path: Path, *, wait: bool = True, create: bool = True) -> Iterator[bool]:
+    """fila's one file lock: an exclusive flock on `path` for the block. Yields True when held;
+    with `wait=False`, False at once when another open file holds it (the block still runs, and
+    the caller decides). flock is per open file, so it also serialises threads of one process;
+    the kernel drops it when the process dies, however it dies. O_CLOEXEC: a child (git) never
+    inherits it; O_NOFOLLOW: a link planted at the lock's name is refused, not followed.
+    `create=False`: FileNotFoundError when there is no lock file (a probe)."""
+    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT if create else 0)
+    fd = os.open(path, flags, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(fd)
 
 
 def fsync_dir(path: Path) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Literal
 
 from .errors import InvalidInput
+from .fsutil import file_lock
 from .layout import Root
 from .models import now_iso
 
@@ -113,16 +114,10 @@ def worker_liveness(root: Root, worker: str) -> Liveness:
     if host_of(worker) != this_host():
         return "unknown"
     try:
-        fd = os.open(lock_path(root, worker), os.O_RDWR | os.O_CLOEXEC)
+        with file_lock(lock_path(root, worker), wait=False, create=False) as held:
+            return "gone" if held else "alive"  # our probe lock, if we got it, drops here
     except FileNotFoundError:
         return "gone"
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return "alive"
-    finally:
-        os.close(fd)  # drops our probe lock if we got it
-    return "gone"
 
 
 def forget_dead_workers(root: Root) -> list[str]:
@@ -134,18 +129,13 @@ def forget_dead_workers(root: Root) -> list[str]:
         return gone
     for p in d.glob("*.lock"):
         try:
-            fd = os.open(p, os.O_RDWR | os.O_CLOEXEC)
+            with file_lock(p, wait=False, create=False) as held:
+                if held:  # unlinked while we hold it
+                    with contextlib.suppress(FileNotFoundError):
+                        p.unlink()
+                    gone.append(p.stem)
         except FileNotFoundError:
             continue
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            with contextlib.suppress(FileNotFoundError):
-                p.unlink()
-            gone.append(p.stem)
-        except BlockingIOError:
-            pass
-        finally:
-            os.close(fd)
     return gone
 
 

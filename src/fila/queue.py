@@ -26,7 +26,6 @@ the file first, then writes the record. Both happen under the record lock.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import secrets
@@ -116,12 +115,8 @@ def read_events(root: Root, task_id: str) -> list[dict[str, Any]]:
 def locked(root: Root, task_id: str) -> Iterator[None]:
     """The record lock: serialises every read-check-write of one task's record and the file
     moves that go with it, between processes and threads (flock is per open file)."""
-    fd = os.open(root.out_dir / f".{check_id(task_id)}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+    with fsutil.file_lock(root.out_dir / f".{check_id(task_id)}.lock"):
         yield
-    finally:
-        os.close(fd)
 
 
 def field_problem(rec: Record) -> str | None:

@@ -30,7 +30,6 @@ One recovery at a time per root (a flock); it is safe while workers run.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import os
 import stat
@@ -142,16 +141,8 @@ class _Engine:
 @contextlib.contextmanager
 def _recovery_lock(root: Root, wait: bool) -> Iterator[bool]:
     root.state_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(root.state_dir / ".recovery.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            yield False
-            return
-        yield True
-    finally:
-        os.close(fd)
+    with fsutil.file_lock(root.state_dir / ".recovery.lock", wait=wait) as held:
+        yield held
 
 
 def recover(
