@@ -1205,3 +1205,31 @@ def test_the_log_is_capped_and_the_summary_keeps_the_usage(env: Env) -> None:
     assert rec.denied == 400 and rec.allowed == 2 and rec.dropped > 0
     summary = json.loads((gw.log_dir / "summary.json").read_text())
     assert summary["suppressed"] and summary["tokens"] == 20000
+
+
+def test_a_route_body_past_the_limit_is_refused_and_frees_the_budget_slot(env: Env) -> None:
+    gw = env.gateway(routes=_routes(env), budget={"max_requests": None, "max_tokens": 100_000})
+    env.ups.set_script([{"protocol": "anthropic", "reply": {"text": f"r{i}"}} for i in range(2)])
+    env.ups.clear_requests("model.test")
+    assert _post(env, f"{gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)[0] == "200"
+    # 40 MiB in chunks (no Content-Length to refuse it up front): mitmproxy's body_size_limit.
+    big = (
+        "import socket\n"
+        f"s=socket.create_connection(({gw.ip!r},8080),timeout=20)\n"
+        "s.sendall(b'POST /anthropic/v1/messages HTTP/1.1\\r\\nHost: x\\r\\n"
+        "Content-Type: application/json\\r\\nTransfer-Encoding: chunked\\r\\n\\r\\n')\n"
+        "chunk=b'a'*(1<<20)\n"
+        "try:\n"
+        "    for i in range(40):\n"
+        "        s.sendall(b'%x\\r\\n' % len(chunk) + chunk + b'\\r\\n')\n"
+        "    s.sendall(b'0\\r\\n\\r\\n')\n"
+        "except OSError as e: print('send', e)\n"
+        "try: print('GOT', s.recv(100))\n"
+        "except OSError as e: print('GOT', e)\n"
+    )
+    code, out, err = env.sh(f"python3 -c {shlex.quote(big)}", timeout=60)
+    assert code == 0 and "GOT b'HTTP/1.1 413" in out, (out, err)
+    # The refused call gave the one-at-a-time slot back: the next call is served.
+    status, out = _post(env, f"{gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)
+    assert status == "200" and "r1" in out, out
+    assert len(env.ups.requests("model.test")) == 2
