@@ -9,7 +9,7 @@ import fcntl
 import os
 import subprocess
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
@@ -56,17 +56,22 @@ def _temp_with(path: Path, data: bytes) -> Path:
     return Path(tmp)
 
 
-def atomic_write(path: Path, data: bytes | str, *, mode: int = 0o644) -> None:
+def atomic_write(
+    path: Path, data: bytes | str, *, mode: int = 0o644, before_rename: Callable[[], None] | None = None
+) -> None:
     """Replace `path` so a reader sees the old or the new content, never a mix, also after a crash.
 
     os.replace swaps the directory entry itself, so a symlink planted at `path` is replaced, never
-    written through.
+    written through. `before_rename` runs with the new content durable in its temp file (a crash
+    point of the tests).
     """
     if isinstance(data, str):
         data = data.encode()
     tmp = _temp_with(path, data)
     try:
         os.chmod(tmp, mode)
+        if before_rename is not None:
+            before_rename()
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

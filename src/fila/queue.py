@@ -30,7 +30,6 @@ import json
 import os
 import secrets
 import stat
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -150,21 +149,10 @@ def _close_attempt(attempts: list[Attempt], outcome: str, error: ErrorInfo | Non
 def _write_record(path: Path, data: str, to: Status) -> None:
     """fsutil.atomic_write, with a crash point between the temp file and the rename of an
     outcome (the record write that ends a run)."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode())
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
-        if to not in (S.queued, S.running):
-            crash_point("during_record_write")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    fsutil.fsync_dir(path.parent)
+    outcome = to not in (S.queued, S.running)
+    fsutil.atomic_write(
+        path, data, before_rename=(lambda: crash_point("during_record_write")) if outcome else None
+    )
 
 
 def transition_locked(
