@@ -622,7 +622,7 @@ def test_the_gateway_files_are_private_and_outside_the_job_directory(tmp_path: P
         uid, gid = run_as()
         state = tmp_path / "sandbox" / "meta" / "job" / "egress"
         state.parent.mkdir(parents=True)
-        egress._prepare_dir(state, policy, "job", uid, gid)
+        egress._prepare_dir(state, policy, "job", uid, gid, clients=["172.29.9.0/24"])
     finally:
         del os.environ[KEY_VAR]
     secret = state / "secrets" / "openai"
@@ -633,8 +633,29 @@ def test_the_gateway_files_are_private_and_outside_the_job_directory(tmp_path: P
     config = json.loads((state / "config.json").read_text())
     assert key not in (state / "config.json").read_text()
     want = {"upstream": "https://api.openai.com", "header": "authorization", "format": "Bearer {key}"}
-    assert config["routes"]["openai"] == want | {"secret": "openai"}
+    # paths null: the gateway's default for the known route (its model calls only).
+    assert config["routes"]["openai"] == want | {"secret": "openai", "paths": None}
+    assert config["clients"] == ["172.29.9.0/24"]
     assert config["budget"] == {"max_requests": None, "max_tokens": 100}
+
+
+def test_a_route_paths_override_reaches_the_gateway_config(tmp_path: Path) -> None:
+    from fila.backends.docker import run_as
+    from fila.models import Policy
+
+    os.environ[KEY_VAR] = "k"
+    try:
+        paths = ["POST /v1/chat/completions", "GET /v1/files/*"]
+        doc = {"network": "allowlist", "max_timeout_ms": 1000, "default_timeout_ms": 1000,
+               "egress": {"routes": {"openai": {"credential": KEY_VAR, "paths": paths}}}}  # fmt: skip
+        policy = Policy.model_validate(doc)
+        egress.validate(policy)
+        uid, gid = run_as()
+        egress._prepare_dir(tmp_path / "egress", policy, "job", uid, gid, clients=["172.29.9.0/24"])
+    finally:
+        del os.environ[KEY_VAR]
+    config = json.loads((tmp_path / "egress" / "config.json").read_text())
+    assert config["routes"]["openai"]["paths"] == paths
 
 
 def test_a_real_key_in_the_engine_environment_is_replaced_by_the_placeholder(
