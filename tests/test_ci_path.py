@@ -161,3 +161,12 @@ def test_submit_run_racing_a_worker_for_its_task_runs_it_once_and_reports_it(
     # the winner's record.
     assert ("raced" in w_out) == (final.worker == worker_id), (w_out, final.worker, worker_id)
     assert rec["worker"] == final.worker
+
+
+def test_submit_run_without_docker_keeps_the_task_queued_for_a_later_run(proj: Root, tmp_path: Path) -> None:
+    res = submit(proj, "later", "true", "--run", env_extra={"DOCKER_HOST": f"unix://{tmp_path}/no-such.sock"})
+    assert res.returncode == 3, res.stdout + res.stderr
+    assert queue.get_record(proj, "later").status == S.queued and proj.queued_path("later").exists()
+    res = fila(proj, "run", "--once")
+    assert res.returncode == 0, res.stderr
+    assert queue.get_record(proj, "later").status == S.needs_review
