@@ -430,6 +430,31 @@ def test_the_real_cli_edits_through_the_gateway_with_a_key_it_never_holds(
 
 @pytest.mark.docker
 @pytest.mark.engines
+def test_the_policys_deny_rules_reach_the_real_cli_in_a_fila_run(
+    engine_root: Path,
+    upstreams: Upstreams,  # noqa: F811
+    docker_client: docker.DockerClient,
+) -> None:
+    # The counterpart is the end-to-end test above: the same script writes hello.txt. Here the
+    # policy denies hello.txt, and claude's own permission rule (written by the adapter from the
+    # policy) refuses the write inside the CLI: the model asked, the tool answered with a denial.
+    _image(docker_client, "claude")
+    doc = json.loads((engine_root / "policies" / "claude.json").read_text())
+    (engine_root / "policies" / "claude.json").write_text(json.dumps({**doc, "deny": ["hello.txt"]}))
+    script = _script(E2E_ENGINES["claude"])
+    upstreams.set_script(script)
+    upstreams.clear_requests()
+    rec = _run_engine_task(engine_root, "claude", f"sk-test-{secrets.token_hex(16)}")
+    assert rec["status"] == "needs_review", (rec["error"], rec["_log"][-2000:], rec["_stderr"][-2000:])
+    assert [r["step"] for r in upstreams.requests("model.test")] == [0, 1]  # it tried, was told no
+    patch = (engine_root / rec["patch_path"]).read_text() if rec.get("patch_path") else ""
+    assert "hello.txt" not in patch, patch
+    # Not only left out of the diff (a denied path never is in it): the CLI itself refused it.
+    assert '"permission_denials":[{"tool_name":"Write"' in rec["_log"], rec["_log"][-2000:]
+
+
+@pytest.mark.docker
+@pytest.mark.engines
 @pytest.mark.parametrize("engine", list(E2E_ENGINES))
 @pytest.mark.parametrize(("status", "kind"), [(429, "quota"), (401, "auth")])
 def test_a_429_is_quota_and_a_401_is_auth_with_the_clis_own_message(

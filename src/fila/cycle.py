@@ -293,7 +293,7 @@ def infra_tries(rec: Record | None) -> int:
     return sum(1 for a in rec.attempts if a.outcome in ("requeued", "lost")) if rec else 0
 
 
-def _tail(path: Path, n: int = 16_384) -> str:
+def _tail(path: Path, n: int = 262_144) -> str:
     try:
         with open(path, "rb") as f:
             f.seek(0, 2)
@@ -621,7 +621,7 @@ def _run_engines(
         crash_point("after_job_dir")
         run.hooks.check()
         run.progress(f"{tid}: prepared {prep.files} files ({prep.bytes} bytes); running {name}")
-        inv = engine.invocation(task)
+        inv = engine.invocation_for(task, checked.policy)  # the policy's deny rules, as the CLI's own
         creds, secrets = engine.credentials()
         if checked.policy.network == "allowlist":
             creds = {}  # the gateway holds the real keys; the engine gets the placeholder (still redacted)
