@@ -59,7 +59,7 @@ def _one_size(ctx: Ctx, size: int, reps: int) -> list[Row]:
     def fila_side() -> float:
         n[0] += 1
         root = init_root(base / f"root{n[0]}")
-        allow_project(_root(root), proj.path)
+        _allow(root, proj.path)
         sync()
         p = subprocess.run(
             [
@@ -159,16 +159,23 @@ def _one_size(ctx: Ctx, size: int, reps: int) -> list[Row]:
     ]
 
 
-def _root(path: Path) -> object:
+def _allow(root: Path, project: Path) -> None:
+    """The root's default policy names the project and holds 50,000 files: max_work_files counts
+    directories too, and the default (50,000) is just short of that."""
     from fila.layout import Root
 
-    return Root.at(path)
+    r = Root.at(root)
+    allow_project(r, project)
+    path = r.policies_dir / "default.json"
+    data = json.loads(path.read_text())
+    data["max_work_files"] = 200_000
+    path.write_text(json.dumps(data, indent=1) + "\n")
 
 
 # --- the fila process ----------------------------------------------------------------------------
 
 
-def _engine_change(overlay: object, files: list[str]) -> None:
+def _engine_change(overlay: object, files_json: str) -> None:
     """`mutate` through a real overlay of the job (untimed): the upper layer is what the kernel
     leaves, whiteout and all. Real root mounts in a private mount namespace; anyone else in a
     user namespace (the `userxattr` option is what lets both read the marks later)."""
@@ -176,12 +183,12 @@ def _engine_change(overlay: object, files: list[str]) -> None:
     merged.mkdir(exist_ok=True)
     code = (
         "import json, sys; from pathlib import Path; from bench.projects import mutate; "
-        "mutate(Path(sys.argv[1]), json.loads(sys.argv[2]))"
+        "mutate(Path(sys.argv[1]), json.loads(Path(sys.argv[2]).read_text()))"
     )
     ns = ["unshare", "-m"] if os.getuid() == 0 else ["unshare", "-Urm"]
     script = f'mount -t overlay overlay -o "$1" "$2" && {sys.executable} -c "$3" "$2" "$4" && umount "$2"'
     p = subprocess.run(
-        [*ns, "sh", "-c", script, "sh", overlay.mount_options(), str(merged), code, json.dumps(files)],  # type: ignore[attr-defined]
+        [*ns, "sh", "-c", script, "sh", overlay.mount_options(), str(merged), code, files_json],  # type: ignore[attr-defined]
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -192,7 +199,7 @@ def _engine_change(overlay: object, files: list[str]) -> None:
     merged.rmdir()
 
 
-def _task(root_dir: str, project: str, tid: str, files: list[str]) -> dict:
+def _task(root_dir: str, project: str, tid: str, files_json: str) -> dict:
     from fila import cycle, diff, jobdir, snapshot
     from fila.backends.base import run_as
     from fila.layout import Root
@@ -208,7 +215,7 @@ def _task(root_dir: str, project: str, tid: str, files: list[str]) -> dict:
         root, tid, task, checked.policy, checked.effective, owner=owner
     )
     prepare_s = time.perf_counter() - t
-    _engine_change(overlay, files)
+    _engine_change(overlay, files_json)
     sync()
     t = time.perf_counter()
     d = diff.compute_diff(
@@ -234,14 +241,13 @@ def _task(root_dir: str, project: str, tid: str, files: list[str]) -> dict:
 def child(root_dir: str, project: str, files_json: str) -> dict:
     from bench.common import peak_rss_kb
 
-    files = json.loads(Path(files_json).read_text())
-    first = _task(root_dir, project, "first", files)
-    later = _task(root_dir, project, "later", files)
+    first = _task(root_dir, project, "first", files_json)
+    later = _task(root_dir, project, "later", files_json)
     # The group: a fresh root (no snapshot yet), GROUP tasks on the same state.
     groot = Path(root_dir + "-group")
     init_root(groot)
-    allow_project(_root(groot), Path(project))
-    members = [_task(str(groot), project, f"g{i}", files) for i in range(GROUP)]
+    _allow(groot, Path(project))
+    members = [_task(str(groot), project, f"g{i}", files_json) for i in range(GROUP)]
     shutil.rmtree(groot, ignore_errors=True)
     return {
         "first": first,

@@ -5,7 +5,7 @@ namespace with `userxattr`, as the Docker daemon mounts the job's `local` overla
 from __future__ import annotations
 
 import inspect
-import json
+import marshal
 import os
 import shutil
 import stat
@@ -413,7 +413,7 @@ def test_the_stat_cache_is_private_to_the_host(root: Root) -> None:
     take(root, "t1")
     (cache,) = (snapshot.store(root) / "stat").iterdir()
     assert stat.S_IMODE(cache.stat().st_mode) == 0o600
-    assert json.loads(cache.read_text())["key"] == take(root, "t2").key
+    assert marshal.loads(cache.read_bytes())["key"] == take(root, "t2").key
 
 
 # --- a job on the overlay strategy, on the real Docker daemon ------------------------------------
@@ -509,3 +509,45 @@ def test_apply_refuses_an_overlay_job_whose_upper_layer_changed_after_review(doc
     res = fila(docker_proj, "apply", rec["id"], "--yes", "--by", "alice", "--reason", "ok")
     assert res.exit_code != 0 and "work/" in res.output, res.output
     assert (docker_proj / "greeting.txt").read_text() == "hello\n"
+
+
+def _age(*paths: Path) -> None:
+    old = time.time() - 3600
+    for top in paths:
+        for p in [top, *(top.rglob("*") if top.is_dir() else [])]:
+            os.utime(p, (old, old), follow_symlinks=False)
+
+
+def test_a_later_task_is_one_stat_pass_that_lists_and_reads_nothing(
+    root: Root, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _age(root.path / "greeting.txt", root.path / "src")
+    first = take(root, "t1")
+
+    def walked(*_a: object, **_k: object) -> None:
+        raise AssertionError("the project was listed again")
+
+    with monkeypatch.context() as m:
+        m.setattr(snapshot, "_walk", walked)
+        again = take(root, "t2")  # allowed: nothing changed, so no listing, no rule, no read
+        assert again.key == first.key and again.how == "reused" and again.warnings == first.warnings
+        a = root.path / "src" / "a.py"
+        old = a.stat()
+        a.write_text("print('HELLO')\n")  # same size, and the times put back: the ctime moves
+        os.utime(a, ns=(old.st_atime_ns, old.st_mtime_ns))
+        with pytest.raises(AssertionError, match="listed again"):
+            take(root, "t3")  # blocked: the stat pass saw the change and wants the full scan
+    changed = take(root, "t3")
+    assert changed.key != first.key and (changed.tree / "src" / "a.py").read_text() == "print('HELLO')\n"
+
+
+def test_a_new_file_is_found_even_when_its_directory_times_are_put_back(root: Root) -> None:
+    _age(root.path / "greeting.txt", root.path / "src")
+    first = take(root, "t1")
+    d = root.path / "src" / "empty"
+    before = d.stat()
+    (d / "new.txt").write_text("new\n")
+    _age(d / "new.txt")
+    os.utime(d, ns=(before.st_atime_ns, before.st_mtime_ns))  # the mtime back; the ctime cannot go
+    second = take(root, "t2")
+    assert second.key != first.key and (second.tree / "src" / "empty" / "new.txt").read_text() == "new\n"

@@ -34,6 +34,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import marshal
 import os
 import stat
 import tempfile
@@ -106,12 +107,19 @@ def _locked(root: Root) -> Iterator[None]:
 
 
 def _walk(
-    root: Root, project: Path, targets: list[str], policy: Policy, warnings: list[str]
+    root: Root,
+    project: Path,
+    targets: list[str],
+    policy: Policy,
+    warnings: list[str],
+    tree: dict | None = None,
 ) -> Iterator[tuple[_Source, int, bytes, os.stat_result]]:
     """What prepare copies, in its order and by its rules, each with the fd of its directory and
     its name there (valid until the next item): every open below the project goes through
     directory fds with O_NOFOLLOW, as in prepare, so a directory swapped for a symlink meanwhile
-    is never followed. Counts files and bytes against the policy as prepare does."""
+    is never followed. Counts files and bytes against the policy as prepare does. `tree` gets
+    what the next stat pass checks (`_unchanged`): each target's stat data and, per directory,
+    the names the rules kept with theirs."""
     from .jobdir import _DIR_FLAGS as DIRF
     from .jobdir import _excluded_prefixes, _exclusion
 
@@ -153,6 +161,8 @@ def _walk(
             try:
                 name = os.fsencode("." if rel == "." else base_name)
                 st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                if tree is not None:
+                    tree["tops"][rel] = _sig(st)
                 if not stat.S_ISDIR(st.st_mode):
                     if (src := item(rel, st)) is not None:
                         yield src, dir_fd, name, st
@@ -169,7 +179,15 @@ def _walk(
                     if not same_file(os.fstat(tfd), st):
                         raise TargetError(f"target {rel!r} was replaced while it was being read")
                     limits = {"max_files": policy.max_work_files, "max_bytes": policy.max_work_bytes}
+                    top = b"" if rel == "." else os.fsencode(rel)
+                    listed: dict[bytes, list] = tree["dirs"] if tree is not None else {}
+                    listed.setdefault(top, [])
                     for f in walk_fd(tfd, label=str(project / rel), skip=skip, **limits):
+                        if tree is not None:
+                            full = os.fsencode(base + f.entry.rel)
+                            listed.setdefault(full.rpartition(b"/")[0] if b"/" in full else top, []).append(
+                                [f.name, f.entry.kind == "dir", *_sig(f.st)]
+                            )
                         if (src := item(base + f.entry.rel, f.st)) is not None:
                             yield src, f.dir_fd, f.name, f.st
                 finally:
@@ -180,8 +198,79 @@ def _walk(
         os.close(pfd)
 
 
-def _scope(project: Path, targets: list[str], owner: tuple[int, int] | None) -> str:
-    raw = json.dumps({"project": str(project), "targets": targets, "owner": owner})
+def _sig(st: os.stat_result) -> list[int]:
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev, st.st_mode]
+
+
+def _unchanged(project: Path, targets: list[str], cache: dict) -> bool:
+    """The stat pass of a later task: True when every target, every directory the last scan
+    listed and every entry it kept have the stat data they had then (size, times, inode, mode),
+    none of it younger than the racy window. A directory whose own stat data is unchanged lists
+    the same names (an entry made, removed or renamed moves its mtime), so the rules need not run
+    again and nothing is listed or read: one stat per entry, through directory fds opened
+    without following a link. Any doubt is False, and the full scan decides."""
+    from .jobdir import _DIR_FLAGS as DIRF
+
+    tree, horizon = cache.get("tree"), cache.get("horizon")
+    if (
+        not isinstance(tree, dict)
+        or not isinstance(horizon, int)
+        or sorted(tree.get("tops", {})) != sorted(targets)
+    ):
+        return False
+    dirs: dict[bytes, list] = tree["dirs"]
+    todo: list[tuple[bytes, int]] = []
+    pfd = open_dir(project)
+    try:
+        for rel in targets:
+            want = tree["tops"][rel]
+            parent, _, base_name = rel.rpartition("/")
+            dfd = open_beneath(pfd, "" if rel == "." else parent)
+            try:
+                name = "." if rel == "." else base_name
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                if _sig(st) != want or want[1] >= horizon:
+                    return False
+                if stat.S_ISDIR(st.st_mode):
+                    fd = os.open(name, DIRF, dir_fd=dfd)
+                    todo.append((b"" if rel == "." else os.fsencode(rel), fd))
+                    if not same_file(os.fstat(fd), st):
+                        return False
+            finally:
+                os.close(dfd)
+            while todo:
+                key, fd = todo[-1]
+                for e in dirs.get(key, ()):
+                    s = os.stat(e[0], dir_fd=fd, follow_symlinks=False)
+                    if (
+                        s.st_mtime_ns >= horizon
+                        or s.st_size != e[2]
+                        or s.st_mtime_ns != e[3]
+                        or s.st_ctime_ns != e[4]
+                        or s.st_ino != e[5]
+                        or s.st_dev != e[6]
+                        or s.st_mode != e[7]
+                    ):
+                        return False
+                    if e[1]:
+                        cfd = os.open(e[0], DIRF, dir_fd=fd)
+                        todo.insert(len(todo) - 1, (key + b"/" + e[0] if key else e[0], cfd))
+                        if not same_file(os.fstat(cfd), s):
+                            return False
+                todo.pop()
+                os.close(fd)
+    except (OSError, FilaError, KeyError, IndexError, TypeError):
+        return False
+    finally:
+        for _key, fd in todo:
+            os.close(fd)
+        os.close(pfd)
+    return True
+
+
+def _scope(project: Path, targets: list[str], owner: tuple[int, int] | None, rules: list[str]) -> str:
+    """One stat cache per project, targets, owner and deny rules (its listings are the rules')."""
+    raw = json.dumps({"project": str(project), "targets": targets, "owner": owner, "rules": rules})
     return hashlib.sha256(raw.encode()).hexdigest()[:32]
 
 
@@ -195,9 +284,12 @@ def _key(project: Path, targets: list[str], owner: tuple[int, int] | None, entri
 
 
 def _load_cache(path: Path) -> dict:
+    """The last scan of one scope. marshal, not JSON: a later task's whole prepare is this load
+    and a stat pass, and it reads 50,000 entries in a few ms; fila alone writes the file, 0600 in a
+    directory no container mounts (marshal is not for data someone else could have written)."""
     try:
-        data = json.loads(path.read_bytes())
-    except (OSError, ValueError):
+        data = marshal.loads(path.read_bytes())
+    except (OSError, ValueError, EOFError, TypeError):
         return {}
     return data if isinstance(data, dict) and isinstance(data.get("entries"), dict) else {}
 
@@ -221,17 +313,24 @@ def take(
     becomes a link to the snapshot's manifest (apply's moved-base check reads it; gc counts the
     links). `targets` are resolve_targets' output."""
     started = time.time_ns()
-    cache_path = store(root) / "stat" / f"{_scope(project, targets, owner)}.json"
+    cache_path = store(root) / "stat" / f"{_scope(project, targets, owner, policy.deny)}.cache"
     cache = _load_cache(cache_path)
     prev = cache.get("key") if isinstance(cache.get("key"), str) else None
     checked: dict[str, list] = {}  # rel -> sig + sha, as found by this stat pass
     hashed = 0
+    tree: dict = {"tops": {}, "dirs": {}}
     if prev is not None and (store(root) / prev / "manifest.json").exists():
+        if _unchanged(project, targets, cache):  # the usual later task: nothing else to do
+            snap = _attach(
+                root, task_id, prev, how="reused", hashed=0, warnings=list(cache.get("warnings", []))
+            )
+            if snap is not None:
+                return snap
         known: dict[str, list] = cache["entries"]
         warnings: list[str] = []
         sources: list[_Source] = []
         stale = False
-        for src, dfd, name, st in _walk(root, project, targets, policy, warnings):
+        for src, dfd, name, st in _walk(root, project, targets, policy, warnings, tree):
             sources.append(src)
             if src.kind == "dir":
                 continue
@@ -251,6 +350,7 @@ def take(
         if not stale and _listing(sources) == cache.get("listing"):
             snap = _attach(root, task_id, prev, how="reused", hashed=0, warnings=warnings)
             if snap is not None:
+                _save_cache(cache_path, sources, checked, prev, started, tree, warnings)
                 return snap
         key = _key(project, targets, owner, [[s.rel, s.kind, s.sig[0], checked[s.rel][6], s.mode]
                                              if s.kind != "dir" else [s.rel, "dir", 0, "", 0o755]
@@ -258,16 +358,17 @@ def take(
         snap = _attach(root, task_id, key, how="rehashed" if hashed else "reused", hashed=hashed,
                        warnings=warnings)  # fmt: skip
         if snap is not None:
-            _save_cache(cache_path, sources, checked, key, started)
+            _save_cache(cache_path, sources, checked, key, started, tree, warnings)
             return snap
     else:
         prev = None
     warnings = []
-    key, sources, checked, read = _build(root, project, targets, policy, warnings, checked, prev, owner)
+    tree = {"tops": {}, "dirs": {}}
+    key, sources, checked, read = _build(root, project, targets, policy, warnings, checked, prev, owner, tree)
     snap = _attach(root, task_id, key, how="built", hashed=hashed + read, warnings=warnings)
     if snap is None:  # collected between its publication and the link: gc cannot win twice in a row
         raise FilaError(f"snapshot {key} vanished while it was being linked", path=store(root))
-    _save_cache(cache_path, sources, checked, key, started)
+    _save_cache(cache_path, sources, checked, key, started, tree, warnings)
     return snap
 
 
@@ -288,6 +389,7 @@ def _build(
     checked: dict[str, list],
     prev: str | None,
     owner: tuple[int, int] | None,
+    scanned: dict,
 ) -> tuple[str, list[_Source], dict[str, list], int]:
     """Copy the targets into a new snapshot and publish it; (key, sources, their stat data and
     hashes, files read). A file whose stat data is the one `checked` holds and whose hash the
@@ -310,7 +412,7 @@ def _build(
         dirs: set[str] = set()
         size_total = read = 0
         try:
-            for src, dfd, name, st in _walk(root, project, targets, policy, warnings):
+            for src, dfd, name, st in _walk(root, project, targets, policy, warnings, scanned):
                 sources.append(src)
                 rel = src.rel
                 parent, _, base = rel.rpartition("/")
@@ -363,7 +465,10 @@ def _build(
             "snapshot": {"key": key, "owner": owner, "files": nfiles, "bytes": size_total,
                          "entries": nfiles + len(dirs)},
         }  # fmt: skip
-        fsutil.atomic_write(new / "manifest.json", json.dumps(manifest, indent=1), mode=0o444)
+        # Compact: json's C encoder does not indent, and this is 50,000 entries on a large project.
+        fsutil.atomic_write(new / "manifest.json", json.dumps(manifest, separators=(",", ":")), mode=0o444)
+        # The totals alone, for a later task (the manifest is read only by apply and recovery).
+        fsutil.atomic_write(new / "info.json", json.dumps(manifest["snapshot"]), mode=0o444)
         _syncfs(new)  # the files' data on disk before the name that vouches for them exists
         with _locked(root):
             try:
@@ -411,7 +516,15 @@ def _manifest_entries(path: Path) -> dict[str, list]:
             for e in data.get("entries", []) if e.get("kind") == "file"}  # fmt: skip
 
 
-def _save_cache(path: Path, sources: list[_Source], found: dict[str, list], key: str, started: int) -> None:
+def _save_cache(
+    path: Path,
+    sources: list[_Source],
+    found: dict[str, list],
+    key: str,
+    started: int,
+    tree: dict,
+    warnings: list[str],
+) -> None:
     horizon = started - _RACY_NS
     entries = {
         s.rel: found[s.rel]
@@ -419,8 +532,9 @@ def _save_cache(path: Path, sources: list[_Source], found: dict[str, list], key:
         if s.rel in found and s.sig[1] < horizon  # mtime, as git does
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = {"key": key, "listing": _listing(sources), "entries": entries}
-    fsutil.atomic_write(path, json.dumps(data, separators=(",", ":")), mode=0o600)
+    data = {"key": key, "listing": _listing(sources), "entries": entries, "tree": tree,
+            "horizon": horizon, "warnings": warnings}  # fmt: skip
+    fsutil.atomic_write(path, marshal.dumps(data), mode=0o600)
 
 
 def _attach(
@@ -433,7 +547,7 @@ def _attach(
     meta.mkdir(parents=True, exist_ok=True)
     with _locked(root):
         try:
-            info = json.loads((path / "manifest.json").read_bytes())["snapshot"]
+            info = json.loads((path / "info.json").read_bytes())
         except (OSError, ValueError, KeyError):
             return None
         link = meta / "manifest.json"
