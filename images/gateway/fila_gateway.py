@@ -2,27 +2,32 @@
 
 mitmproxy does all the HTTP and TLS work. This addon decides, per request, whether it may pass:
 
-- door "proxy" (forward proxy, regular mode on 3128): CONNECT only to a listed host:port, tunnelled
-  raw (never intercepted: the engine trusts no gateway CA); plain-HTTP absolute-URL requests with
-  the same checks plus the entry's method list. The name is resolved here, every address must be
+- door "proxy" (forward proxy, regular mode on 3128): CONNECT only to a listed host:port without a
+  method list, tunnelled raw (never intercepted: the engine trusts no gateway CA) once its first
+  bytes are a clean TLS ClientHello for that host; plain-HTTP absolute-URL requests with the same
+  checks plus the entry's method list. The name is resolved here, every address must be
   global (or inside `allow_private`), and the connection is pinned to the checked address so that a
   second lookup (DNS rebinding) cannot change where it goes.
 - door "route" (reverse mode on 8080): `/<route>/<rest>` goes to the route's upstream with the
-  engine's credential headers dropped and the real one (from the secrets directory) added; usage is
-  read from the responses (streams stay streamed) and the job's budget is enforced before forwarding.
+  engine's credential headers dropped and the real one (from the secrets directory) added, for the
+  route's `paths` only (no upgrades, no escapes); usage is read from model-call responses (streams
+  stay streamed) and the job's budget is enforced before forwarding (one model call at a time under
+  max_tokens; a model call without readable usage spends the budget).
 
-Every decision is one JSON line in egress.jsonl. The addon fails closed: a config it cannot load
-stops mitmdump at start-up, and an exception inside a hook refuses the request it was deciding.
+Every decision is one JSON line in egress.jsonl (a route call's twice: in flight, then final, same
+`id`), up to LOG_CAP; summary.json holds the totals, rewritten atomically. The addon fails closed:
+a config it cannot load stops mitmdump at start-up, and an exception inside a hook refuses the
+request it was deciding.
 
 The container (images/gateway, run as any non-root uid, read-only root, tmpfs /tmp):
 - /etc/fila-gateway/config.json (ro): {"job", "allow": [{"host": "name" | "*.suffix", "port",
   "methods": null | [..]}], "allow_private": [CIDR], "routes": {name: {"upstream": URL, "header",
-  "format": "...{key}...", "secret": file name}}, "budget": {"max_requests", "max_tokens"},
-  "upstream_ca": path | null, "clients": [CIDR] | null (optional: who may connect; fila gives the
-  job network)};
+  "format": "...{key}...", "secret": file name, "paths": null | ["METHOD /path"]}},
+  "budget": {"max_requests", "max_tokens"}, "upstream_ca": path | null, "clients": [CIDR] | null
+  (optional: who may connect; fila gives the job network)};
 - /run/fila-gateway/secrets/<secret> (ro): one credential per file, read once at start;
-- /var/log/fila-gateway/ (rw): egress.jsonl (one line per decision, fields in `Gateway.write`) and
-  `ready`, written once both listeners are bound;
+- /var/log/fila-gateway/ (rw): egress.jsonl (one line per decision, fields in `Gateway.write`),
+  summary.json (`Gateway._summarize`) and `ready`, written once both listeners are bound;
 - ports 3128 (proxy) and 8080 (routes); entrypoint.sh starts mitmdump.
 """
 
@@ -817,8 +822,8 @@ class Gateway:
         self.tunnels[flow.client_conn.id] = {"host": host, "port": port, "in": 0, "out": 0}
 
     def next_layer(self, nextlayer: layer.NextLayer) -> None:
-        # After a CONNECT on the proxy port: relay raw bytes. No TLS interception, and no HTTP
-        # parsing inside the tunnel (a nested CONNECT or request goes to the checked upstream).
+        # After a CONNECT on the proxy port: once the first client bytes are a clean ClientHello for
+        # the CONNECT host, relay raw bytes (no TLS interception). Anything else closes the tunnel.
         # (entrypoint.sh also sets allow_hosts so that mitmproxy's own choice is a raw relay too.)
         c = nextlayer.context
         if not (
