@@ -369,12 +369,14 @@ class _Run:
             raise queue.LeaseLost(f"{self.claim.name}: the record is no longer this claim's")
 
     def heartbeat(self) -> None:
-        """Called by the sandbox every second while the container runs: the lease, then a stop."""
+        """Called by the backend every second while the container runs: is the claim still ours,
+        and was a stop asked for. It writes nothing: the worker's heartbeat thread is the one
+        writer of the lease (Worker._heartbeats)."""
         self.beats += 1
         crash_point("after_container_start")
         if self.beats >= 2:
             crash_point("during_run")
-        if not queue.heartbeat(self.claim):
+        if not queue.holds(self.claim):
             raise queue.LeaseLost(self.claim.name)
         self.hooks.check()
 

@@ -437,13 +437,12 @@ class Worker:
     # -- helpers ------------------------------------------------------------------------------
 
     def _heartbeats(self) -> None:
-        """Refresh the lease of every claim this process holds, whatever phase its job is in
-        (copying a large project happens before the sandbox's own heartbeat starts)."""
+        """The one heartbeat writer: refreshes the lease of every claim this process holds,
+        whatever phase its job is in (copying a large project, the container's run, the diff).
+        The cycle's in-run callback only checks that the claim is still held."""
         while not self.stopped.wait(lease.HEARTBEAT_S):
             for job in list(self.active.values()):
-                try:
-                    os.utime(job.claim.path, follow_symlinks=False)
-                except FileNotFoundError:
+                if not queue.heartbeat(job.claim):
                     # Reaped (or won/handed back by the job itself, after which it checks
                     # nothing): the job's next check raises LeaseLost.
                     job.lost.set()
