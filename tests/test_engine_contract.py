@@ -1,0 +1,169 @@
+"""The adapter contract, end to end with each real CLI in its image: a model that hangs past the
+task timeout, a broken stream, and an answer larger than the log cap.
+
+success, quota and auth are in tests/test_engines.py (every engine), quota -> fallback in
+tests/test_fallback.py. Each CLI run costs 5-30 s on a 2-core machine, so the timeout case runs for
+all six engines and the malformed and huge-output cases for claude and codex (the two protocols
+with the most structured output: Anthropic messages and OpenAI Responses).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import docker
+import pytest
+
+from tests.helpers import fila, record
+from tests.test_engines import (
+    E2E_ENGINES,
+    HELLO,
+    KEY_VAR,
+    USAGE,
+    _image,
+    _script,
+    engine_root,  # noqa: F401  (the fixture)
+)
+from tests.upstreams.fixtures import Upstreams, upstreams  # noqa: F401  (the fixture)
+
+pytestmark = [pytest.mark.docker, pytest.mark.engines]
+
+TIMEOUT_MS = 20_000  # long enough for the slowest CLI (aider) to reach the model on a busy machine
+GRACE_MS = 2_000  # the engine policies' grace (tests/test_engines.py _engine_policy)
+HANG_S = 120  # far beyond the timeout: only fila's stop can end the run in time
+LOG_CAP = 256 << 10
+HUGE = 2 << 20  # the model's final answer: 2 MiB of text, eight times the log cap
+
+
+def _with_policy(root: Path, engine: str, **fields: Any) -> None:
+    path = root / "policies" / f"{engine}.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+def _run(root: Path, engine: str, *extra: str) -> dict[str, Any]:
+    """Submit an engine task (tests/test_engines.py's, with `extra` options) and run it with
+    `fila run --once` in a child process, as a user would; the record, its log and fila's stderr."""
+    spec = E2E_ENGINES[engine]
+    secret = f"sk-test-{secrets.token_hex(16)}"
+    res = fila(
+        root,
+        *("submit", "--engine", engine, "--model", spec.model, "--target", "a.txt", "--policy", engine),
+        *("--prompt", "Create hello.txt saying hello.", *extra),
+        env={KEY_VAR: secret},
+    )
+    assert res.exit_code == 0, res.output
+    tid = res.stdout.strip()
+    done = subprocess.run(
+        [str(Path(sys.executable).with_name("fila")), "run", "--once", "--root", str(root)],
+        env={**os.environ, KEY_VAR: secret},
+        capture_output=True,
+        text=True,
+        timeout=420,
+    )
+    rec = record(root, tid)
+    rec["_stderr"] = done.stderr
+    rec["_log"] = (root / rec["log_path"]).read_text(errors="replace") if rec.get("log_path") else ""
+    return rec
+
+
+def _containers_of(root: Path) -> list[str]:
+    """Names of every container (job or gateway) fila labelled with this queue root, running or not."""
+    out = subprocess.run(
+        [
+            "docker",
+            "ps",
+            "-a",
+            "--filter",
+            "label=fila.root",
+            "--format",
+            '{{.Names}} {{.Label "fila.root"}}',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    return [
+        line.split(" ", 1)[0] for line in out.splitlines() if line.split(" ", 1)[-1].startswith(str(root))
+    ]
+
+
+@pytest.mark.parametrize("engine", list(E2E_ENGINES))
+def test_a_model_that_hangs_is_stopped_at_the_task_timeout_and_its_container_removed(
+    engine: str,
+    engine_root: Path,  # noqa: F811
+    upstreams: Upstreams,  # noqa: F811
+    docker_client: docker.DockerClient,
+) -> None:
+    spec = E2E_ENGINES[engine]
+    _image(docker_client, engine)
+    # The first request hangs; a CLI that gives up and retries meets the same.
+    upstreams.set_script([{"protocol": spec.protocol, "hang": HANG_S, "reply": {"text": "late"}}] * 4)
+    upstreams.clear_requests()
+    rec = _run(engine_root, engine, "--timeout", str(TIMEOUT_MS))
+    assert rec["status"] == "failed", (rec["status"], rec["_log"][-2000:])
+    assert rec["error"]["kind"] == "timeout", (rec["error"], rec["_log"][-2000:])
+    assert f"timed out after {TIMEOUT_MS / 1000:g} s" in rec["error"]["message"]
+    # It was the model's hang that held the CLI (the request arrived and got no answer)...
+    assert [r["step"] for r in upstreams.requests("model.test")][:1] == [0], upstreams.requests("model.test")
+    # ...and fila, not the hang's end, stopped it: the container phase (gateway start and removal
+    # included) ends well before HANG_S, near timeout + grace.
+    assert rec["timings"]["run"] < (TIMEOUT_MS + GRACE_MS) / 1000 + 20, rec["timings"]
+    assert _containers_of(engine_root) == []
+
+
+@pytest.mark.parametrize("engine", ["claude", "codex"])
+def test_a_stream_cut_mid_way_is_not_a_success(
+    engine: str,
+    engine_root: Path,  # noqa: F811
+    upstreams: Upstreams,  # noqa: F811
+    docker_client: docker.DockerClient,
+) -> None:
+    spec = E2E_ENGINES[engine]
+    _image(docker_client, engine)
+    # The allowed counterpart is test_the_real_cli_edits_through_the_gateway_with_a_key_it_never_holds:
+    # the same CLI, the same route, a whole stream -> needs_review. Here every answer breaks (the
+    # CLI's retries included), then the script runs out (HTTP 500).
+    upstreams.set_script([{"protocol": spec.protocol, "malformed": "truncated"}] * 8)
+    upstreams.clear_requests()
+    rec = _run(engine_root, engine, "--timeout", "150000")
+    got = upstreams.requests("model.test")
+    assert got and got[0]["step"] == 0, got  # the first answer the CLI met was the broken one
+    assert rec["status"] == "failed", (rec["status"], rec["_log"][-2000:])
+    assert rec["error"]["kind"] == "engine_error", (rec["error"], rec["_log"][-2000:])
+    assert rec["error"]["message"].strip(), rec["error"]
+
+
+@pytest.mark.parametrize("engine", ["claude", "codex"])
+def test_an_answer_larger_than_the_log_cap_is_capped_and_still_a_success(
+    engine: str,
+    engine_root: Path,  # noqa: F811
+    upstreams: Upstreams,  # noqa: F811
+    docker_client: docker.DockerClient,
+) -> None:
+    spec = E2E_ENGINES[engine]
+    _image(docker_client, engine)
+    _with_policy(engine_root, engine, max_log_bytes=LOG_CAP)
+    script = _script(spec)
+    big = "Wrote hello.txt. " + "x" * HUGE
+    script[-1] = {**script[-1], "reply": {"text": big}, "usage": USAGE[1]}
+    upstreams.set_script(script)
+    upstreams.clear_requests()
+    rec = _run(engine_root, engine)
+    assert [r["step"] for r in upstreams.requests("model.test")] == [0, 1]
+    # The CLI printed the whole answer (more than the cap); fila kept the cap and said so.
+    log = (engine_root / rec["log_path"]).read_bytes()
+    marker = f"\n[fila: log truncated at {LOG_CAP} bytes]\n".encode()
+    assert log.endswith(marker), log[-200:]
+    assert len(log) == LOG_CAP + len(marker)
+    assert f"log truncated at max_log_bytes {LOG_CAP}" in " ".join(rec.get("warnings") or []), rec
+    # Classified by what happened, not by the size: the edit is there, the task is for review.
+    assert rec["status"] == "needs_review", (rec["error"], rec["_log"][-2000:])
+    patch = (engine_root / rec["patch_path"]).read_text()
+    assert "+++ b/hello.txt" in patch and f"+{HELLO.strip()}" in patch, patch
