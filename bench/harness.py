@@ -19,6 +19,7 @@ from bench.common import REPO, Ctx, Row, bench_tmp
 
 def _cases() -> dict[str, Callable[[Ctx], list[Row]]]:
     from bench.ci_single import ci_single
+    from bench.engine_startup import engine_startup
     from bench.large_project import large_project
     from bench.per_task import per_task
     from bench.queue_rate import queue_case
@@ -34,10 +35,20 @@ def _cases() -> dict[str, Callable[[Ctx], list[Row]]]:
         "queue": queue_case,
         "large-project": large_project,
         "ci-single": ci_single,
+        "engine-startup": engine_startup,
     }
 
 
-CASES = ("per-task", "startup", "throughput", "scale", "queue", "large-project", "ci-single")
+CASES = (
+    "per-task",
+    "startup",
+    "throughput",
+    "scale",
+    "queue",
+    "large-project",
+    "ci-single",
+    "engine-startup",
+)
 
 
 def _fmt(v: float | None, unit: str) -> str:
