@@ -15,10 +15,8 @@ next, and exits with its code. Exit codes (also in `fila --help` and the README)
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -125,14 +123,7 @@ def init(
     r = _root(root)
     if backend is not None:
         check_name(backend)  # before anything is created
-    for d in r.all_dirs():
-        d.mkdir(parents=True, exist_ok=True)
-    for d in (r.in_dir, r.out_dir, r.logs_dir):
-        (d / ".gitkeep").touch()
-    ignore = r.path / "sandbox" / ".gitignore"
-    if not ignore.exists():
-        ignore.write_text("# job directories are large and disposable: fila gc removes them\n*\n")
-    copied = install_shipped(r)
+    copied = install_shipped(r.create())
     if backend is not None:
         set_root_backend(r, backend)
     if json_:
@@ -432,15 +423,9 @@ def ls_cmd(
     json_: JsonOpt = False,
 ) -> None:
     """List tasks with their status, newest last."""
-    from .queue import all_records, queued_files
+    from .queue import listing
 
-    r = _root(root).require()
-    recs = all_records(r)
-    known = {rec.id for rec in recs}
-    dropped = [p.stem for p in queued_files(r) if p.stem not in known]
-    if status:
-        recs = [x for x in recs if x.status == status]
-    recs.sort(key=lambda x: x.submitted_at)
+    recs, dropped = listing(_root(root).require(), status)
     if json_:
         _out(
             [
@@ -454,18 +439,13 @@ def ls_cmd(
                 }
                 for x in recs
             ]
-            + [
-                {"id": d, "status": "queued", "engine": None}
-                for d in dropped
-                if status in (None, Status.queued)
-            ]
+            + [{"id": d, "status": "queued", "engine": None} for d in dropped]
         )
         return
     for x in recs:
         typer.echo(_summary_line(x))
-    if status in (None, Status.queued):
-        for d in dropped:
-            typer.echo(f"{_safe(d)}  queued  (dropped in fila/in, not yet claimed)")
+    for d in dropped:
+        typer.echo(f"{_safe(d)}  queued  (dropped in fila/in, not yet claimed)")
 
 
 @app.command()
@@ -552,31 +532,17 @@ def logs(
     On a terminal, control characters from the engine are shown escaped; piped, the bytes are
     written as they are. --follow is progress for long work: it ends when the task is decided.
     """
-    from .queue import get_record
+    from .queue import log_chunks
 
-    r = _root(root).require()
-    get_record(r, task_id)  # NotFound (exit 5) for an unknown id
-    path = r.events_path(task_id) if events else r.log_path(task_id)
     tty = sys.stdout.isatty()
-    offset = 0
-    while True:
-        with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
-            f.seek(0, 2)
-            if f.tell() < offset:  # a new attempt rewrote the log
-                offset = 0
-            f.seek(offset)
-            data = f.read()
-            offset += len(data)
-            if tty:
-                from .fswalk import inert
+    for data in log_chunks(_root(root).require(), task_id, events=events, follow=follow):
+        if tty:
+            from .fswalk import inert
 
-                typer.echo("\n".join(inert(x) for x in data.split(b"\n")), nl=False)
-            else:
-                sys.stdout.buffer.write(data)
-                sys.stdout.flush()
-        if not follow or get_record(r, task_id).status not in (Status.queued, Status.running):
-            return
-        time.sleep(0.5)
+            typer.echo("\n".join(inert(x) for x in data.split(b"\n")), nl=False)
+        else:
+            sys.stdout.buffer.write(data)
+            sys.stdout.flush()
 
 
 @app.command()

@@ -78,6 +78,18 @@ class Root:
             self.policies_dir,
         ]
 
+    def create(self) -> Root:
+        """The queue layout (`fila init`): every directory, a .gitkeep where a project's git should
+        keep the empty directory, and sandbox/ ignored by git. Safe to run again."""
+        for d in self.all_dirs():
+            d.mkdir(parents=True, exist_ok=True)
+        for d in (self.in_dir, self.out_dir, self.logs_dir):
+            (d / ".gitkeep").touch()
+        ignore = self.path / "sandbox" / ".gitignore"
+        if not ignore.exists():
+            ignore.write_text("# job directories are large and disposable: fila gc removes them\n*\n")
+        return self
+
     def job_dir(self, task_id: str) -> Path:
         return self.jobs_dir / check_id(task_id)
 

@@ -102,6 +102,41 @@ def log_event(root: Root, task_id: str, event: str, **data: Any) -> None:
     fsutil.append_line(root.events_path(task_id), line)
 
 
+def listing(root: Root, status: Status | None = None) -> tuple[list[Record], list[str]]:
+    """`fila ls`: the records (of one status, or all), oldest submitted first, and the ids of
+    task files dropped in fila/in that have no record yet (they count as queued)."""
+    recs = all_records(root)
+    known = {rec.id for rec in recs}
+    dropped = [p.stem for p in queued_files(root) if p.stem not in known]
+    if status is not None:
+        recs = [x for x in recs if x.status == status]
+    recs.sort(key=lambda x: x.submitted_at)
+    return recs, dropped if status in (None, S.queued) else []
+
+
+def log_chunks(
+    root: Root, task_id: str, *, events: bool = False, follow: bool = False, poll_s: float = 0.5
+) -> Iterator[bytes]:
+    """A task's engine log (or with `events` its event log) as it grows: what is there, then,
+    with `follow`, what is added while the task is queued or running. NotFound for an unknown id."""
+    get_record(root, task_id)
+    path = root.events_path(task_id) if events else root.log_path(task_id)
+    offset = 0
+    while True:
+        with contextlib.suppress(FileNotFoundError), open(path, "rb") as f:
+            f.seek(0, 2)
+            if f.tell() < offset:  # a new attempt rewrote the log
+                offset = 0
+            f.seek(offset)
+            data = f.read()
+            offset += len(data)
+            if data:
+                yield data
+        if not follow or get_record(root, task_id).status not in (S.queued, S.running):
+            return
+        time.sleep(poll_s)
+
+
 def read_events(root: Root, task_id: str) -> list[dict[str, Any]]:
     try:
         lines = root.events_path(task_id).read_text().splitlines()
