@@ -636,6 +636,9 @@ def test_the_gateway_files_are_private_and_outside_the_job_directory(tmp_path: P
     # paths null: the gateway's default for the known route (its model calls only).
     assert config["routes"]["openai"] == want | {"secret": "openai", "paths": None}
     assert config["clients"] == ["172.29.9.0/24"]
+    # The host's own addresses go to the gateway, which never connects to them.
+    assert "127.0.0.1" in config["host_addresses"] and config["host_addresses"] == egress.host_addresses()
+    assert any(not a.startswith("127.") and ":" not in a for a in config["host_addresses"])
     assert config["budget"] == {"max_requests": None, "max_tokens": 100}
 
 

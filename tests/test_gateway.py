@@ -146,6 +146,7 @@ def start_gateway(
     clients: list[str] | None = None,
     upstream_ca: str | None = "/etc/fila-gateway/upstream-ca.pem",
     environment: dict[str, str] | None = None,
+    host_addresses: list[str] | None = None,
 ) -> Gw:
     """A hardened gateway on the job network and the upstream network, as the contract says."""
     name = f"fila-test-gw-{env.session}-{uuid.uuid4().hex[:6]}"
@@ -166,6 +167,7 @@ def start_gateway(
         "budget": budget or {"max_requests": None, "max_tokens": None},
         "upstream_ca": upstream_ca,
         "clients": clients or [env.job_subnet],
+        "host_addresses": host_addresses or [],
     }
     (d / "config.json").write_text(json.dumps(config))
     (d / "config.json").chmod(0o644)
@@ -1233,3 +1235,20 @@ def test_a_route_body_past_the_limit_is_refused_and_frees_the_budget_slot(env: E
     status, out = _post(env, f"{gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)
     assert status == "200" and "r1" in out, out
     assert len(env.ups.requests("model.test")) == 2
+
+
+def test_an_address_of_the_gateways_host_is_refused_unless_allow_private_names_it(env: Env) -> None:
+    ip = env.ups.ip("allowed.test")  # stands in for the host: a listed name resolving to it
+    allow = [{"host": "allowed.test", "port": 443, "methods": None}]
+    gw = env.gateway(allow=allow, allow_private=_private(env))
+    code, out, err = env.sh(f"{CURL} -x {gw.proxy} https://allowed.test/")
+    assert code == 0 and out.strip() == "hello from allowed.test", err
+    # The same name when its address is one of the host's: refused, also inside allow_private.
+    gw = env.gateway(allow=allow, allow_private=_private(env), host_addresses=[ip])
+    code, out, err = env.sh(f"{CURL} -x {gw.proxy} https://allowed.test/")
+    assert code != 0 and "403" in err, err
+    assert gw.last(method="CONNECT")["reason"] == f"address of the gateway's host {ip}"
+    # Named on its own in allow_private (a mirror on the host, on purpose): allowed.
+    gw = env.gateway(allow=allow, allow_private=[f"{ip}/32"], host_addresses=[ip])
+    code, out, err = env.sh(f"{CURL} -x {gw.proxy} https://allowed.test/")
+    assert code == 0 and out.strip() == "hello from allowed.test", err

@@ -24,7 +24,8 @@ The container (images/gateway, run as any non-root uid, read-only root, tmpfs /t
   "methods": null | [..]}], "allow_private": [CIDR], "routes": {name: {"upstream": URL, "header",
   "format": "...{key}...", "secret": file name, "paths": null | ["METHOD /path"]}},
   "budget": {"max_requests", "max_tokens"}, "upstream_ca": path | null, "clients": [CIDR] | null
-  (optional: who may connect; fila gives the job network)};
+  (optional: who may connect; fila gives the job network), "host_addresses": [IP] (optional: the
+  host's own addresses, never connected to)};
 - /run/fila-gateway/secrets/<secret> (ro): one credential per file, read once at start;
 - /var/log/fila-gateway/ (rw): egress.jsonl (one line per decision, fields in `Gateway.write`),
   summary.json (`Gateway._summarize`) and `ready`, written once both listeners are bound;
@@ -220,6 +221,10 @@ def load_config(path: Path = CONFIG_PATH) -> dict[str, Any]:
         clients = None if raw.get("clients") is None else [ipaddress.ip_network(c) for c in raw["clients"]]
     except (TypeError, ValueError) as e:
         raise ConfigError(f"clients: {e}") from e
+    try:
+        host_addrs = {ipaddress.ip_address(a) for a in raw.get("host_addresses") or []}
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"host_addresses: {e}") from e
     ca = raw.get("upstream_ca")
     if ca is not None and not (isinstance(ca, str) and Path(ca).is_file()):
         raise ConfigError(f"upstream_ca {ca!r} is not a readable file in the gateway")
@@ -227,6 +232,7 @@ def load_config(path: Path = CONFIG_PATH) -> dict[str, Any]:
         "job": str(raw.get("job") or ""),
         "allow": [_allow_entry(e, i) for i, e in enumerate(allow)],
         "allow_private": private,
+        "host_addrs": host_addrs,
         "routes": {n: _route(n, r) for n, r in routes.items()},
         "budget": {"max_requests": budget.get("max_requests"), "max_tokens": budget.get("max_tokens")},
         "upstream_ca": ca,
@@ -267,12 +273,21 @@ def matching_entries(allow: Iterable[dict[str, Any]], host: str, port: int) -> l
     return out
 
 
-def address_problem(addr: str, allow_private: Iterable[ipaddress._BaseNetwork]) -> str | None:
+def address_problem(
+    addr: str, allow_private: Iterable[ipaddress._BaseNetwork], host_addrs: Iterable[Any] = ()
+) -> str | None:
     """Why a resolved address may not be connected to, or None when it is a public one (or a
-    private one the config opens with allow_private)."""
+    private one the config opens with allow_private). `host_addrs`: the addresses of the machine
+    the gateway runs on (fila gives them): refused even when public (a wildcard entry resolving to
+    the host would reach its services), unless allow_private names that very address (a /32)."""
     ip = ipaddress.ip_address(addr.split("%", 1)[0])
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
+    nets = list(allow_private)
+    if ip in host_addrs and not any(
+        n.version == ip.version and n.prefixlen == n.max_prefixlen and ip in n for n in nets
+    ):
+        return f"address of the gateway's host {ip}"
     for kind, bad in (
         ("unspecified", ip.is_unspecified),
         ("loopback", ip.is_loopback),
@@ -284,7 +299,7 @@ def address_problem(addr: str, allow_private: Iterable[ipaddress._BaseNetwork]) 
             return f"{kind} address {ip}"
     if ip.is_global and not ip.is_private and not ip.is_reserved:
         return None
-    if any(ip.version == net.version and ip in net for net in allow_private):
+    if any(ip.version == net.version and ip in net for net in nets):
         return None
     return f"private address {ip}"
 
@@ -795,7 +810,7 @@ class Gateway:
         if not addrs:
             return "does not resolve", None
         for a in addrs:
-            if problem := address_problem(a, self.config["allow_private"]):
+            if problem := address_problem(a, self.config["allow_private"], self.config["host_addrs"]):
                 return problem, None
         return None, addrs[0]
 

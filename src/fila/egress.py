@@ -332,10 +332,30 @@ def _prepare_dir(
         "budget": {"max_requests": eg.max_requests, "max_tokens": eg.max_tokens},
         "upstream_ca": UPSTREAM_CA_PATH if cas else None,
         "clients": clients,
+        "host_addresses": host_addresses(),
     }
     (state / "config.json").write_text(json.dumps(config, indent=2))
     os.chmod(state / "config.json", 0o644)
     return routes
+
+
+def host_addresses() -> list[str]:
+    """This machine's own addresses (IPv4 local routes of /proc/net/fib_trie, IPv6 of
+    /proc/net/if_inet6): the gateway never connects to them, public or not (a listed wildcard name
+    resolving to the host would otherwise reach its services through the egress bridge)."""
+    out: set[str] = set()
+    with contextlib.suppress(OSError):
+        prev = ""
+        for line in Path("/proc/net/fib_trie").read_text().splitlines():
+            if "/32 host LOCAL" in line and prev:
+                out.add(prev)
+            parts = line.split()
+            prev = parts[1] if len(parts) == 2 and parts[0] in ("|--", "+--") else ""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/net/if_inet6").read_text().splitlines():
+            raw = line.split()[0]
+            out.add(str(ipaddress.IPv6Address(int(raw, 16))))
+    return sorted(out)
 
 
 def remove_dir(state: Path) -> None:
