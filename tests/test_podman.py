@@ -104,11 +104,16 @@ def _cli(*args: str) -> tuple[int, str]:
 
 
 @as_user
-def test_the_cycle_on_podman_refuses_an_unwaived_policy_and_records_a_waived_one(tmp_path: Path) -> None:
+def test_the_cycle_on_podman_refuses_an_unwaived_policy_and_records_a_waived_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     q = tmp_path / "q"
     q.mkdir()
     (q / "greeting.txt").write_text("hello\n")
     assert _cli("init", "--root", str(q), "--backend", "podman")[0] == 0
+    monkeypatch.chdir(q)  # `fila images build` takes the backend of the root it is run in
+    code, out = _cli("images", "build", "shell")
+    assert code == 0 and "fila/shell:latest" in out, out
     code, tid = _cli("submit", "--root", str(q), "--engine", "shell", "--command",
                      "sed -i s/hello/world/ greeting.txt", "--target", "greeting.txt")  # fmt: skip
     assert code == 0
@@ -132,6 +137,8 @@ def test_the_cycle_on_podman_refuses_an_unwaived_policy_and_records_a_waived_one
     assert "backend   podman" in out and "WAIVED    memory, pids, cpus" in out, out
     assert _cli("apply", tid, "--yes", "--root", str(q))[0] == 0
     assert (q / "greeting.txt").read_text() == "world\n"
+    code, out = _cli("recover", "--root", str(q))
+    assert code == 0 and "(podman: " in out, out
 
 
 @as_user
