@@ -593,13 +593,15 @@ def test_a_gateway_that_dies_or_is_late_is_an_infra_error_and_leaves_nothing(
     docker_egress.stop(docker_client, gw)
     assert leftovers(docker_client, tmp_path, "gw-ok") == [] and not (tmp_path / "gw-ok").exists()
     # Not ready in time: an infra error naming the limit.
+    late, dead = f"gw-late-{secrets.token_hex(3)}", f"gw-dead-{secrets.token_hex(3)}"  # this run's only
     with pytest.raises(InfraError, match=r"not ready within 0\.01 s"):
-        start("gw-late", ready_timeout_s=0.01)
+        start(late, ready_timeout_s=0.01)
     # A gateway image whose process exits at once: an infra error with its exit code and log.
     monkeypatch.setattr(egress, "GATEWAY_IMAGE", "fila/testnet:latest")
+    monkeypatch.setattr(docker_egress, "GATEWAY_IMAGE", "fila/testnet:latest")  # imported by name there
     with pytest.raises(InfraError, match=r"the gateway exited \(code \d+\) before it was ready"):
-        start("gw-dead")
-    for tid in ("gw-late", "gw-dead"):
+        start(dead)
+    for tid in (late, dead):
         assert docker_client.containers.list(all=True, filters={"label": f"fila.job={tid}"}) == []
         assert docker_client.networks.list(filters={"label": f"fila.job={tid}"}) == []
         assert not (tmp_path / tid).exists()
