@@ -196,7 +196,9 @@ def test_engine_reaches_the_listed_host_and_the_model_route_never_an_unlisted_ho
     assert engine["HostConfig"]["NetworkMode"].startswith("fila-net-"), engine["HostConfig"]
     assert list(engine["NetworkSettings"]["Networks"]) == [engine["HostConfig"]["NetworkMode"]]
     assert "ANTHROPIC_API_KEY=fila-placeholder" in engine["Config"]["Env"]
-    env_txt = (proj / "sandbox" / "jobs" / tid / "work" / "env.txt").read_text()
+    # The engine's work/: the job's own copy, or the upper layer of its overlay on a snapshot.
+    works = [proj / "sandbox" / "jobs" / tid / "work", proj / "sandbox" / "meta" / tid / "overlay" / "upper"]
+    env_txt = next(w / "env.txt" for w in works if (w / "env.txt").is_file()).read_text()
     assert "ANTHROPIC_BASE_URL=http://" in env_txt and "HTTPS_PROXY=http://" in env_txt
     html = fila(proj, "review", tid, "--html")
     assert html.exit_code == 0, html.output
@@ -205,7 +207,10 @@ def test_engine_reaches_the_listed_host_and_the_model_route_never_an_unlisted_ho
         "engine inspect": json.dumps(engine),
         "engine env": env_txt,
         "job dir": "".join(
-            p.read_text(errors="replace") for p in (proj / "sandbox" / "jobs" / tid).rglob("*") if p.is_file()
+            p.read_text(errors="replace")
+            for d in (proj / "sandbox" / "jobs" / tid, proj / "sandbox" / "meta" / tid)
+            for p in d.rglob("*")
+            if p.is_file()
         ),
         "log": log,
         "record": (proj / "fila" / "out" / f"{tid}.json").read_text(),
@@ -216,7 +221,9 @@ def test_engine_reaches_the_listed_host_and_the_model_route_never_an_unlisted_ho
     assert "<h2>Egress</h2>" in everything["REVIEW.html"] and "denied.test" in everything["REVIEW.html"]
     # The gateway held it in a file, not in its environment either.
     assert secret not in json.dumps(watch.seen["gateway"])
-    assert watch.seen["gateway"]["HostConfig"]["Sysctls"] == {"net.ipv4.ip_forward": "0"}  # not a router
+    # Not a router; and the DNS door binds 53 as the gateway's non-root user.
+    sysctls = {"net.ipv4.ip_forward": "0", "net.ipv4.ip_unprivileged_port_start": "53"}
+    assert watch.seen["gateway"]["HostConfig"]["Sysctls"] == sysctls
     # The job network: internal, no IPv4 on the bridge, labelled.
     (net,) = watch.networks.values()
     assert net["Internal"] is True and net["EnableIPv6"] is False
