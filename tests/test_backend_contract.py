@@ -136,6 +136,16 @@ def test_the_host_timeout_stops_the_container_and_removes_it(
     assert "started" in log(s)
     assert backend.find(job_id=s.job_id) == []
 
+    # A silent engine too: Podman answers a log stream only at the first output, and neither the
+    # timeout nor the heartbeat may wait for it.
+    beats: list[float] = []
+    silent = spec(tmp_path, "sleep 60", waiving(backend), timeout_ms=2500)
+    t = time.monotonic()
+    res = backend.run(silent, heartbeat=lambda: beats.append(time.monotonic() - t), heartbeat_s=0.5)
+    assert res.timed_out and time.monotonic() - t < 30
+    assert len(beats) >= 2 and beats[0] < 2.0, beats
+    assert backend.find(job_id=silent.job_id) == []
+
 
 def test_ulimits_hold_inside_the_container(backend: Backend, shell: ImageRef, tmp_path: Path) -> None:
     p = waiving(backend, nofile=512, fsize="2m")

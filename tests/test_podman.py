@@ -182,6 +182,38 @@ def test_recovery_on_podman_sweeps_a_container_no_worker_holds(tmp_path: Path) -
     t.join(60)
 
 
+@as_user
+def test_a_worker_killed_while_its_podman_container_runs_is_recovered_and_the_container_removed(
+    tmp_path: Path,
+) -> None:
+    from fila.backends.podman import PodmanBackend
+
+    backend = PodmanBackend()
+    backend.build("shell", progress=lambda _m: None)  # reused when the contract built it
+    q = tmp_path / "q"
+    q.mkdir()
+    (q / "greeting.txt").write_text("hello\n")
+    assert _cli("init", "--root", str(q), "--backend", "podman")[0] == 0
+    pol = q / "policies" / "default.json"
+    pol.write_text(json.dumps(json.loads(pol.read_text()) | {"waive": ["memory", "pids", "cpus"]}))
+    code, tid = _cli("submit", "--root", str(q), "--engine", "shell", "--command",
+                     "echo world > greeting.txt; sleep 30", "--target", "greeting.txt")  # fmt: skip
+    tid = tid.strip()
+    env = {**os.environ, "FILA_ROOT": str(q), "FILA_CRASH_AT": "during_run"}
+    res = subprocess.run([sys.executable, "-c", "from fila.cli import main; main()", "run", "--once"],
+                         env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert res.returncode == -9, res.stdout + res.stderr  # SIGKILLed with its container running
+    left = backend.find(job_id=tid)
+    assert [b.status for b in left] == ["running"]  # the counterpart: the crash left it behind
+    code, out = _cli("recover", "--root", str(q))
+    assert code == 0, out
+    assert backend.find(job_id=tid) == []
+    rec = json.loads((q / "fila" / "out" / f"{tid}.json").read_text())
+    assert rec["status"] == "needs_human" and rec["container_started"], rec  # never run twice
+    assert _cli("run", "--once", "--root", str(q))[0] == 0  # nothing is claimed again
+    assert json.loads((q / "fila" / "out" / f"{tid}.json").read_text())["status"] == "needs_human"
+
+
 # -- the driver (root) ---------------------------------------------------------------------------
 
 
@@ -242,5 +274,5 @@ def test_the_contract_and_the_cycle_pass_on_rootless_podman_as_an_ordinary_user(
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-6000:]
     m = re.search(r"(\d+) passed", out)
-    # 7 contract tests and 2 seam tests, 2 cycle tests on Podman, 2 pure ones: all ran as the user.
-    assert m is not None and int(m.group(1)) == 13 and "skipped" not in out, out[-3000:]
+    # 7 contract tests and 2 seam tests, 3 cycle tests on Podman, 2 pure ones: all ran as the user.
+    assert m is not None and int(m.group(1)) == 14 and "skipped" not in out, out[-3000:]

@@ -228,11 +228,18 @@ class _Redactor:
 
 
 class _LogPump(threading.Thread):
-    """Copies the container's output to the log file as it comes (progress for long work)."""
+    """Copies the container's output to the log file as it comes (progress for long work).
 
-    def __init__(self, stream: Iterable[bytes], path: Path, cap: int, redact: list[str]) -> None:
+    `open_stream` is called in this thread: Podman answers a follow request only once the
+    container prints something, and a silent engine must not hold up the host's timeout and the
+    heartbeat, which run in the caller's thread meanwhile."""
+
+    def __init__(
+        self, open_stream: Callable[[], Iterable[bytes]], path: Path, cap: int, redact: list[str]
+    ) -> None:
         super().__init__(name=f"fila-log-{path.name}", daemon=True)
-        self.stream, self.path, self.cap = stream, path, cap
+        self.open_stream, self.path, self.cap = open_stream, path, cap
+        self.stream: Iterable[bytes] = ()
         self.redactor = _Redactor(redact)
         self.written = 0
         self.truncated = False
@@ -249,6 +256,7 @@ class _LogPump(threading.Thread):
     def run(self) -> None:
         try:
             with open(self.path, "wb") as f:
+                self.stream = self.open_stream()
                 for chunk in self.stream:
                     self._write(f, self.redactor.feed(chunk))
                     if self.truncated:
@@ -314,8 +322,12 @@ def _execute(
         started_at, t0 = now_iso(), time.monotonic()
         container.start()
         step = "streaming the container's output"
-        stream = client.api.logs(cid, stdout=True, stderr=True, stream=True, follow=True)
-        pump = _LogPump(stream, spec.log_path, spec.policy.max_log_bytes, spec.redact)
+        pump = _LogPump(
+            lambda: client.api.logs(cid, stdout=True, stderr=True, stream=True, follow=True),
+            spec.log_path,
+            spec.policy.max_log_bytes,
+            spec.redact,
+        )
         pump.start()
         waiter = _Waiter(client, cid)
         waiter.start()
