@@ -376,6 +376,30 @@ def test_the_snapshot_belongs_to_the_engine_uid_when_fila_runs_as_root(root: Roo
     assert (mine.tree / "src" / "a.py").stat().st_uid == 0
 
 
+def test_no_host_process_of_the_engine_uid_reaches_the_snapshots_it_owns() -> None:
+    if os.getuid() != 0:
+        pytest.skip("chown to another uid needs root")
+    top = Path(tempfile.mkdtemp())
+    try:
+        os.chmod(top, 0o755)  # reachable by anyone down to sandbox/, as a project directory is
+        r = make_root(top).require()
+        (top / "a.txt").write_text("secret source\n")
+        pol, _ = load_policy(r, "default")
+        snap = snapshot.take(r, "t1", top, ["a.txt"], pol, owner=(65534, 65534))
+        target = snap.tree / "a.txt"
+        assert target.stat().st_uid == 65534
+
+        def as_nobody(*argv: str) -> subprocess.CompletedProcess:
+            return subprocess.run(argv, capture_output=True, user=65534, group=65534, check=False)
+
+        assert as_nobody("ls", str(top / "sandbox")).returncode == 0  # allowed: up to the store
+        res = as_nobody("cat", str(target))  # blocked: the store is 0700, the file's owner or not
+        assert res.returncode != 0 and b"Permission denied" in res.stderr
+        assert stat.S_IMODE(snapshot.store(r).stat().st_mode) == 0o700
+    finally:
+        shutil.rmtree(top, ignore_errors=True)
+
+
 def test_gc_removes_a_snapshot_only_once_no_job_links_it(root: Root) -> None:
     first = take(root, "t1")
     take(root, "t2")

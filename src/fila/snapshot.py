@@ -94,10 +94,20 @@ def store(root: Root) -> Path:
     return root.path / "sandbox" / "snapshots"
 
 
-@contextlib.contextmanager
-def _locked(root: Root) -> Iterator[None]:
+def _made_store(root: Root) -> Path:
+    """The store, 0700: its files belong to the engine's uid when fila runs as root (so it can
+    write its overlay view of them), and no process of that uid on the host may reach them. The
+    Docker daemon mounts a tree by path as root; a container sees only the tree it was given."""
     d = store(root)
     d.mkdir(parents=True, exist_ok=True)
+    if stat.S_IMODE(d.stat().st_mode) != 0o700:
+        os.chmod(d, 0o700)
+    return d
+
+
+@contextlib.contextmanager
+def _locked(root: Root) -> Iterator[None]:
+    d = _made_store(root)
     fd = os.open(d / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -396,8 +406,7 @@ def _build(
     previous snapshot `prev` has at the same path is hard-linked from it, not read."""
     from .jobdir import _copy_file, _Dest
 
-    d = store(root)
-    d.mkdir(parents=True, exist_ok=True)
+    d = _made_store(root)
     new = Path(tempfile.mkdtemp(prefix=".new-", dir=d))
     published = False
     prev_tree = d / prev / "tree" if prev else None
