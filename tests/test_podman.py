@@ -121,6 +121,7 @@ def test_the_cycle_on_podman_refuses_an_unwaived_policy_and_records_a_waived_one
     rec = json.loads((q / "fila" / "out" / f"{tid.strip()}.json").read_text())
     assert rec["status"] == "failed" and rec["error"]["kind"] == "invalid"
     assert "cannot enforce" in rec["error"]["message"] and not rec["container_started"]
+    assert rec["backend"] == "podman" and rec["waived"] == []
 
     pol = q / "policies" / "default.json"
     data = json.loads(pol.read_text())

@@ -382,6 +382,8 @@ class _Run:
 
     def finish(self, status: Status, **fields: Any) -> Record | None:
         t = time.monotonic()
+        # Every outcome names the backend, also a task refused before any container.
+        fields.setdefault("backend", self.backend.name)
         rec = queue.publish(
             self.root, self.claim, status, {**fields, "timings": self.timings}, attempt=self.attempt
         )
