@@ -14,6 +14,7 @@ import os
 import secrets
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -72,28 +73,6 @@ def _run(root: Path, engine: str, *extra: str) -> dict[str, Any]:
     return rec
 
 
-def _containers_of(root: Path) -> list[str]:
-    """Names of every container (job or gateway) fila labelled with this queue root, running or not."""
-    out = subprocess.run(
-        [
-            "docker",
-            "ps",
-            "-a",
-            "--filter",
-            "label=fila.root",
-            "--format",
-            '{{.Names}} {{.Label "fila.root"}}',
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
-    return [
-        line.split(" ", 1)[0] for line in out.splitlines() if line.split(" ", 1)[-1].startswith(str(root))
-    ]
-
-
 @pytest.mark.parametrize("engine", list(E2E_ENGINES))
 def test_a_model_that_hangs_is_stopped_at_the_task_timeout_and_its_container_removed(
     engine: str,
@@ -106,7 +85,9 @@ def test_a_model_that_hangs_is_stopped_at_the_task_timeout_and_its_container_rem
     # The first request hangs; a CLI that gives up and retries meets the same.
     upstreams.set_script([{"protocol": spec.protocol, "hang": HANG_S, "reply": {"text": "late"}}] * 4)
     upstreams.clear_requests()
+    t0 = time.time()
     rec = _run(engine_root, engine, "--timeout", str(TIMEOUT_MS))
+    t1 = time.time()
     assert rec["status"] == "failed", (rec["status"], rec["_log"][-2000:])
     assert rec["error"]["kind"] == "timeout", (rec["error"], rec["_log"][-2000:])
     assert f"timed out after {TIMEOUT_MS / 1000:g} s" in rec["error"]["message"]
@@ -115,7 +96,21 @@ def test_a_model_that_hangs_is_stopped_at_the_task_timeout_and_its_container_rem
     # ...and fila, not the hang's end, stopped it: the container phase (gateway start and removal
     # included) ends well before HANG_S, near timeout + grace.
     assert rec["timings"]["run"] < (TIMEOUT_MS + GRACE_MS) / 1000 + 20, rec["timings"]
-    assert _containers_of(engine_root) == []
+    # The job's containers (the engine's, labelled with this root, and its gateway) did start...
+    events = list(
+        docker_client.events(
+            since=int(t0) - 1,
+            until=int(t1) + 1,
+            filters={"type": "container", "event": "start", "label": "fila=1"},
+            decode=True,
+        )
+    )
+    attrs = [e["Actor"]["Attributes"] for e in events]
+    (job,) = {a["fila.job"] for a in attrs if a.get("fila.root") == str(engine_root)}
+    started = sorted(a.get("fila.role", "engine") for a in attrs if a.get("fila.job") == job)
+    assert started == ["engine", "gateway"], attrs
+    # ...and none of them is left, running or stopped.
+    assert docker_client.containers.list(all=True, filters={"label": f"fila.job={job}"}) == []
 
 
 @pytest.mark.parametrize("engine", ["claude", "codex"])
