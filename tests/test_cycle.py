@@ -10,12 +10,40 @@ from pathlib import Path
 import docker
 import pytest
 
+from fila import snapshot
+from fila.layout import Root
 from fila.models import ImageRef
 
 from .helpers import fila, make_root, record
 from .helpers import submit_shell as submit
 
 pytestmark = pytest.mark.docker
+
+# The two workspace strategies a Docker job may run on: the copy (forced) and the default, which on
+# this daemon is the overlay on a shared snapshot. A property the two implement differently is
+# proven on both.
+STRATEGIES = [
+    pytest.param(({"FILA_WORKSPACE": "copy"}, "copy"), id="copy"),
+    pytest.param(({}, "overlay"), id="overlay"),
+]
+
+
+def _input_of(proj: Path, rec: dict) -> Path:
+    """The job's input/ as the host keeps it: the job copy, or the snapshot its overlay's lower is."""
+    if rec["workspace"]["strategy"] == "overlay":
+        ov = snapshot.job_overlay(Root.at(proj), rec["id"])
+        assert ov is not None
+        return ov.lower
+    return proj / "sandbox" / "jobs" / rec["id"] / "input"
+
+
+def _work_of(proj: Path, rec: dict) -> Path:
+    """What the engine wrote in work/ as the host reads it: the job copy, or its overlay's upper layer."""
+    if rec["workspace"]["strategy"] == "overlay":
+        ov = snapshot.job_overlay(Root.at(proj), rec["id"])
+        assert ov is not None
+        return ov.upper
+    return proj / "sandbox" / "jobs" / rec["id"] / "work"
 
 
 @pytest.fixture
@@ -76,12 +104,15 @@ def test_task_file_with_directory_target_and_json_output(proj: Path) -> None:
     assert ".env" not in patch
 
 
-def test_input_cannot_be_written_from_the_container(proj: Path) -> None:
+@pytest.mark.parametrize("workspace", STRATEGIES)
+def test_input_cannot_be_written_from_the_container(proj: Path, workspace: tuple[dict, str]) -> None:
+    env, strategy = workspace
     tid = submit(proj, "echo pwned > ../input/greeting.txt")
-    assert fila(proj, "run", "--once").exit_code == 1
+    assert fila(proj, "run", "--once", env=env).exit_code == 1
     rec = record(proj, tid)
+    assert rec["workspace"]["strategy"] == strategy, rec["workspace"]
     assert rec["status"] == "failed" and rec["error"]["kind"] == "engine_error"
-    assert (proj / "sandbox" / "jobs" / tid / "input" / "greeting.txt").read_text() == "hello\n"
+    assert (_input_of(proj, rec) / "greeting.txt").read_text() == "hello\n"
     assert "Read-only file system" in (proj / rec["log_path"]).read_text()
 
 
@@ -93,7 +124,7 @@ def test_network_is_unreachable_under_the_default_policy(proj: Path) -> None:
         "greeting.txt",
     )
     assert fila(proj, "run", "--once").exit_code == 0
-    job = proj / "sandbox" / "jobs" / tid / "work"
+    job = _work_of(proj, record(proj, tid))
     interfaces = [ln.split(":")[0].strip() for ln in (job / "net.txt").read_text().splitlines()[2:]]
     assert interfaces == ["lo"]
     assert "rc=0" not in (job / "out.txt").read_text()
@@ -132,22 +163,28 @@ def test_an_engine_replacing_work_with_a_symlink_fails_without_reading_it(proj: 
         assert "root:" not in (proj / rec["patch_path"]).read_text()
 
 
-def test_what_the_engine_leaves_is_made_inert_before_the_host_reads_it(proj: Path) -> None:
+@pytest.mark.parametrize("workspace", STRATEGIES)
+def test_what_the_engine_leaves_is_made_inert_before_the_host_reads_it(
+    proj: Path, workspace: tuple[dict, str]
+) -> None:
+    env, strategy = workspace
     tid = submit(
         proj,
         "cp /bin/busybox tool && chmod 6755 tool && mkdir -p sub/.git "
         "&& echo '[core] fsmonitor = touch /pwned' > sub/.git/config "
         "&& chmod 0777 . ; (echo x > ../planted) 2>/dev/null; true",
     )
-    assert fila(proj, "run", "--once").exit_code == 0
+    assert fila(proj, "run", "--once", env=env).exit_code == 0
     rec = record(proj, tid)
-    work = proj / "sandbox" / "jobs" / tid / "work"
+    assert rec["workspace"]["strategy"] == strategy, rec["workspace"]
+    work = _work_of(proj, rec)
     st = os.stat(work / "tool")
     assert not st.st_mode & 0o7000, "setuid/setgid stripped on the host"
     assert (st.st_uid, st.st_gid) == (os.getuid(), os.getgid())
     assert not os.stat(work).st_mode & 0o022, "no group/other write left"
     assert not (work / "sub" / ".git").exists()
     assert not (proj / "sandbox" / "jobs" / tid / "planted").exists()
+    assert not (work.parent / "planted").exists()
     assert any("setuid" in w for w in rec["warnings"])
     assert any(".git" in w for w in rec["warnings"])
     assert os.stat(proj / "sandbox" / "jobs").st_mode & 0o077 == 0
@@ -202,10 +239,14 @@ def test_a_pinned_image_that_is_not_built_fails_its_task_with_a_build_hint(proj:
     assert not (proj / "fila" / "in" / "noimg.json").exists()
 
 
-def test_work_stays_owned_by_the_host_user(proj: Path) -> None:
+@pytest.mark.parametrize("workspace", STRATEGIES)
+def test_work_stays_owned_by_the_host_user(proj: Path, workspace: tuple[dict, str]) -> None:
+    env, strategy = workspace
     tid = submit(proj, "echo x > created.txt")
-    assert fila(proj, "run", "--once").exit_code == 0
-    st = os.stat(proj / "sandbox" / "jobs" / tid / "work" / "created.txt")
+    assert fila(proj, "run", "--once", env=env).exit_code == 0
+    rec = record(proj, tid)
+    assert rec["workspace"]["strategy"] == strategy, rec["workspace"]
+    st = os.stat(_work_of(proj, rec) / "created.txt")
     assert (st.st_uid, st.st_gid) == (os.getuid(), os.getgid())
 
 
