@@ -16,6 +16,7 @@ import pytest
 
 from fila import apply as apply_mod
 from fila import landing, patch
+from fila import snapshot as fsnap
 from fila.errors import ApplyRefused, InvalidTransition
 from fila.layout import Root
 from fila.models import ImageRef
@@ -24,9 +25,11 @@ from fila.safedir import SafeDir
 from .helpers import fila, make_root, record, submit_shell
 
 
-def run_task(root: Path, command: str, *targets: str, status: str = "needs_review") -> str:
+def run_task(
+    root: Path, command: str, *targets: str, status: str = "needs_review", env: dict[str, str] | None = None
+) -> str:
     tid = submit_shell(root, command, *targets)
-    fila(root, "run", "--once")
+    fila(root, "run", "--once", env=env)
     assert record(root, tid)["status"] == status, record(root, tid)
     return tid
 
@@ -60,6 +63,31 @@ def snapshot(base: Path, skip: tuple[str, ...] = ("fila", "sandbox")) -> dict[st
 
 def files_of(snap: dict[str, tuple], prefixes: tuple[str, ...] = ("",)) -> dict[str, tuple]:
     return {k: v for k, v in snap.items() if v[0] != "dir" and k.startswith(prefixes)}
+
+
+# The two workspace strategies a Docker job may run on: the copy (forced) and the default, the
+# overlay on a shared snapshot. apply reads work/ differently on each, so what lands is proven on both.
+STRATEGIES = [
+    pytest.param(({"FILA_WORKSPACE": "copy"}, "copy"), id="copy"),
+    pytest.param(({}, "overlay"), id="overlay"),
+]
+
+
+def assert_targets_hold_exactly_work(root: Path, tid: str, prefixes: tuple[str, ...]) -> None:
+    """The project's targets hold exactly what the engine left in work/: the job copy compared entry
+    by entry (modes, bytes, link targets), or an overlay job's merged view (the upper layer over the
+    snapshot, read by snapshot.MergedView) compared by kind, git mode and sha256 of every file's
+    bytes or link's target, each path of either layer checked."""
+    got = files_of(snapshot(root), prefixes)
+    ov = fsnap.job_overlay(Root.at(root), tid)
+    if ov is None:
+        assert got == files_of(snapshot(root / "sandbox" / "jobs" / tid / "work"))
+        return
+    rels = set(snapshot(ov.lower)) | set(snapshot(ov.upper))
+    with fsnap.MergedView(ov) as merged, SafeDir(root) as here:
+        work = {r: s for r in rels if (s := merged.state(r, max_bytes=1 << 30)).kind not in ("absent", "dir")}
+        assert sorted(work) == sorted(got)
+        assert {r: here.state(r, max_bytes=1 << 30) for r in got} == work
 
 
 def forge_patch(root: Path, tid: str, text: bytes) -> None:
@@ -124,14 +152,16 @@ def make_round_trip_project(root: Path) -> None:
 
 
 @docker
-def test_apply_lands_exactly_work_byte_for_byte_with_modes(proj: Path) -> None:
+@pytest.mark.parametrize("workspace", STRATEGIES)
+def test_apply_lands_exactly_work_byte_for_byte_with_modes(proj: Path, workspace: tuple[dict, str]) -> None:
+    env, strategy = workspace
     make_round_trip_project(proj)
     untouched = files_of(snapshot(proj), ("policies/",))
-    tid = run_task(proj, ROUND_TRIP, "greeting.txt", "src")
-    work = proj / "sandbox" / "jobs" / tid / "work"
+    tid = run_task(proj, ROUND_TRIP, "greeting.txt", "src", env=env)
+    assert record(proj, tid)["workspace"]["strategy"] == strategy
     res = fila(proj, "apply", tid, "--yes", "--by", "alice", "--reason", "looks right")
     assert res.exit_code == 0, res.output
-    assert files_of(snapshot(proj), ("greeting.txt", "src/")) == files_of(snapshot(work))
+    assert_targets_hold_exactly_work(proj, tid, ("greeting.txt", "src/"))
     got = snapshot(proj)
     assert got["src/run.sh"][1] == 0o755 and got["src/tool.sh"][1] == 0o644
     assert got["src/a.txt"][1] == 0o755 and got["src/bin.dat"][2] == b"\0\1\2binary\377"
@@ -146,6 +176,8 @@ def test_apply_lands_exactly_work_byte_for_byte_with_modes(proj: Path) -> None:
     meta = proj / "sandbox" / "meta" / tid
     assert not (meta / "applying.json").exists() and not (meta / "apply").exists()
     assert (proj / "sandbox" / "jobs" / tid / "work").is_dir()  # kept until gc
+    ov = fsnap.job_overlay(Root.at(proj), tid)
+    assert (ov is None) == (strategy == "copy") and (ov is None or ov.upper.is_dir())  # the upper too
     assert os.fsdecode(b"src/bad\377name") in got
 
 
@@ -418,10 +450,14 @@ def test_a_failed_write_rolls_back_every_file(proj: Path, monkeypatch: pytest.Mo
 
 
 @docker
-def test_an_apply_killed_midway_is_finished_by_the_next_apply(proj: Path) -> None:
+@pytest.mark.parametrize("workspace", STRATEGIES)
+def test_an_apply_killed_midway_is_finished_by_the_next_apply(
+    proj: Path, workspace: tuple[dict, str]
+) -> None:
+    env, strategy = workspace
     make_round_trip_project(proj)
-    tid = run_task(proj, ROUND_TRIP, "greeting.txt", "src")
-    work = proj / "sandbox" / "jobs" / tid / "work"
+    tid = run_task(proj, ROUND_TRIP, "greeting.txt", "src", env=env)
+    assert record(proj, tid)["workspace"]["strategy"] == strategy
     before = snapshot(proj)
     cmd = [sys.executable, "-c", "from fila.cli import main; main()", "apply", tid, "--yes",
            "--root", str(proj)]  # fmt: skip
@@ -436,7 +472,7 @@ def test_an_apply_killed_midway_is_finished_by_the_next_apply(proj: Path) -> Non
     res3 = fila(proj, "apply", tid, "--yes")
     assert res3.exit_code == 0, res3.output
     assert "interrupted" in res3.stdout
-    assert files_of(snapshot(proj), ("greeting.txt", "src/")) == files_of(snapshot(work))
+    assert_targets_hold_exactly_work(proj, tid, ("greeting.txt", "src/"))
     assert record(proj, tid)["status"] == "applied"
     assert "apply resumed" in [e["event"] for e in events(proj, tid)]
 
