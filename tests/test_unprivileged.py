@@ -13,6 +13,7 @@ import os
 import pwd
 import secrets
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -23,6 +24,8 @@ from pathlib import Path
 import pytest
 
 import fila
+from fila import snapshot
+from fila.layout import Root
 from fila.models import ImageRef
 
 pytestmark = [
@@ -31,6 +34,25 @@ pytestmark = [
 ]
 
 SOCKET = "/var/run/docker.sock"
+
+# The two workspace strategies: the copy (forced) and the default. The daemon mounts the overlay
+# volume, so the default is the overlay whoever runs fila (an ordinary user needs no mount
+# privilege); each mode proves its properties on both.
+STRATEGIES = [
+    pytest.param(({"FILA_WORKSPACE": "copy"}, "copy"), id="copy"),
+    pytest.param(({}, "overlay"), id="overlay"),
+]
+
+
+def _layers(f: Fila, rec: dict) -> tuple[Path, Path]:
+    """(input/, work/) of a finished job as the host keeps them: the job copy, or the snapshot and
+    the upper layer of its overlay (the job directory's input/ and work/ are then mount points)."""
+    job = f.root / "sandbox" / "jobs" / rec["id"]
+    if rec["workspace"]["strategy"] != "overlay":
+        return job / "input", job / "work"
+    ov = snapshot.job_overlay(Root.at(f.root), rec["id"])
+    assert ov is not None
+    return ov.lower, ov.upper
 
 
 def _usable_by_anyone(path: Path) -> bool:
@@ -138,21 +160,28 @@ def run_as(request: pytest.FixtureRequest, shell_image: ImageRef) -> Iterator[Fi
         shutil.rmtree(base, ignore_errors=True)
 
 
-def test_only_work_is_writable_to_the_engine_whoever_runs_fila(run_as: Fila) -> None:
+@pytest.mark.parametrize("workspace", STRATEGIES)
+def test_only_work_is_writable_to_the_engine_whoever_runs_fila(
+    run_as: Fila, workspace: tuple[dict[str, str], str]
+) -> None:
     f = run_as
+    f.extra_env, strategy = workspace
     res = f("submit", "--engine", "shell", "--command", ATTEMPTS, "--target", "greeting.txt")
     assert res.returncode == 0, res.stderr
     tid = res.stdout.strip()
     res = f("run", "--once")
     assert res.returncode == 0, res.stdout + res.stderr
     job = f.root / "sandbox" / "jobs" / tid
+    rec = json.loads((f.root / "fila" / "out" / f"{tid}.json").read_text())
+    assert rec["workspace"]["strategy"] == strategy, rec["workspace"]
+    input_dir, work = _layers(f, rec)
     task_md = (job / "TASK.md").read_text()
     log = (f.root / "fila" / "logs" / f"{tid}.log").read_text()
 
     # The engine ran with the uid of the mode: nobody under root, the user's own otherwise.
     assert f"uid={65534 if f.user is None else f.uid}\n" in log
     # The allowed counterpart first: the write in work/ landed...
-    assert "work=0" in log and (job / "work" / "greeting.txt").read_text() == "world\n"
+    assert "work=0" in log and (work / "greeting.txt").read_text() == "world\n"
     # ...and every other write failed inside the container, said so, and left nothing.
     for attempt in ("task", "input", "beside", "mkdir"):
         assert f"{attempt}=0" not in log and f"{attempt}=" in log, attempt
@@ -162,8 +191,10 @@ def test_only_work_is_writable_to_the_engine_whoever_runs_fila(run_as: Fila) -> 
         assert (job / "TASK.md").stat().st_uid == f.uid
         assert log.count("Read-only file system") >= 4, log
     assert task_md.startswith("# Task") and not task_md.startswith("pwned")
-    assert (job / "input" / "greeting.txt").read_text() == "hello\n"
+    assert (input_dir / "greeting.txt").read_text() == "hello\n"
     assert sorted(e.name for e in job.iterdir()) == ["DIFF.patch", "TASK.md", "input", "work"]
+    if strategy == "overlay":  # the engine's writes are in the upper layer, and only the one it made
+        assert sorted(p.relative_to(work).as_posix() for p in work.rglob("*")) == ["greeting.txt"]
 
     show = f("show", tid, "--json")
     assert show.returncode == 0, show.stderr
@@ -182,8 +213,12 @@ def test_only_work_is_writable_to_the_engine_whoever_runs_fila(run_as: Fila) -> 
     assert landed.stat().st_uid == f.uid  # the project stays its owner's
 
 
-def test_a_directory_target_round_trips_the_same_whoever_runs_fila(run_as: Fila) -> None:
+@pytest.mark.parametrize("workspace", STRATEGIES)
+def test_a_directory_target_round_trips_the_same_whoever_runs_fila(
+    run_as: Fila, workspace: tuple[dict[str, str], str]
+) -> None:
     f = run_as
+    f.extra_env, strategy = workspace
     src = f.root / "src"
     src.mkdir()
     (src / "a.txt").write_text("one\n")
@@ -203,6 +238,7 @@ def test_a_directory_target_round_trips_the_same_whoever_runs_fila(run_as: Fila)
     assert res.returncode == 0, res.stdout + res.stderr
     rec = json.loads((f.root / "fila" / "out" / f"{tid}.json").read_text())
     assert rec["status"] == "needs_review"
+    assert rec["workspace"]["strategy"] == strategy, rec["workspace"]
     assert sorted(rec["diffstat"]["paths"]) == [
         "src/a.txt",
         "src/link",
@@ -212,8 +248,16 @@ def test_a_directory_target_round_trips_the_same_whoever_runs_fila(run_as: Fila)
     ]
     # The engine's setuid bit is stripped on the way back, and said so, in both modes.
     assert any("setuid" in w for w in rec["warnings"]), rec["warnings"]
-    work = f.root / "sandbox" / "jobs" / tid / "work"
-    assert {p.lstat().st_uid for p in work.rglob("*")} == {f.uid}  # work/ is the host user's again
+    _, work = _layers(f, rec)
+    entries = list(work.rglob("*"))
+    whiteouts = [p for p in entries if stat.S_ISCHR(p.lstat().st_mode) and p.lstat().st_rdev == 0]
+    # work/ is the host user's again. A deletion in an overlay's upper layer is a whiteout (a 0/0
+    # device, no file) that the kernel makes with the mounting daemon's root credentials: fila run
+    # by an ordinary user cannot chown it, but that user's gc removes it with the rest (below).
+    assert {p.lstat().st_uid for p in entries if p not in whiteouts} == {f.uid}
+    assert [p.relative_to(work).as_posix() for p in whiteouts] == (
+        ["src/old.txt"] if strategy == "overlay" else []
+    )
 
     res = f("apply", tid, "--yes")
     assert res.returncode == 0, res.stderr
@@ -221,3 +265,7 @@ def test_a_directory_target_round_trips_the_same_whoever_runs_fila(run_as: Fila)
     assert (src / "run.sh").stat().st_mode & 0o7777 == 0o755
     assert os.readlink(src / "link") == "a.txt" and (src / "sub" / "d.txt").read_text() == "deep\n"
     assert {p.lstat().st_uid for p in src.rglob("*")} == {f.uid}
+    # Whoever ran fila removes all the job left, the engine's work/ included, once decided.
+    res = f("gc", "--older-than", "0s")
+    assert res.returncode == 0, res.stderr
+    assert not work.exists() and not (f.root / "sandbox" / "jobs" / tid).exists()
