@@ -44,9 +44,16 @@ def test_review_shows_summary_and_diff_without_color_or_pager_off_a_terminal(pro
     assert res.exit_code == 0, res.output
     out = res.stdout
     for expected in (f"task      {tid}  (needs_review)", "engine    shell", "image     fila/shell",
-                     "policy    default sha256:", "timings   prepare", "diff      1 file, +1 -1",
+                     "policy    default sha256:", "timings   ", "diff      1 file, +1 -1",
                      "(verified)", "modified  greeting.txt", "-hello", "+world"):  # fmt: skip
         assert expected in out, expected
+    # The phases in the order docs/ci.md documents them (the record's order): start-up and claim
+    # come before prepare now, so the line no longer starts with it.
+    line = next(ln for ln in out.splitlines() if ln.startswith("timings   "))
+    keys = [part.split()[0] for part in line.removeprefix("timings   ").split(", ")]
+    documented = ["startup", "claim", "begin", "validate", "prepare", "run", "create", "start_wait",
+                  "remove", "diff", "check", "total"]  # fmt: skip
+    assert {"prepare", "run", "diff", "total"} <= set(keys) and keys == [k for k in documented if k in keys]
     assert "\x1b" not in out  # no color when stdout is not a terminal
 
 
