@@ -565,6 +565,23 @@ def test_a_route_call_left_in_flight_is_counted_and_the_summary_gives_the_totals
     assert egress.read_log(log, summary=link).routes["anthropic"].input_tokens == 7  # not followed
 
 
+def test_a_denial_logged_after_the_last_summary_write_is_still_counted(tmp_path: Path) -> None:
+    # The gateway rewrites summary.json at most every half second for a denial, and fila reads it
+    # while the gateway runs: the log already has the denial the summary does not have yet.
+    log = tmp_path / "egress.jsonl"
+    lines = [{"door": "proxy", "host": "allowed.test", "allowed": True, "status": 200},
+             {"door": "proxy", "host": "denied.test", "allowed": False, "status": 403}]  # fmt: skip
+    log.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps({"allowed": 1, "denied": 0, "routes": {}, "suppressed": {}}))
+    rec = egress.read_log(log, summary=summary)
+    assert (rec.allowed, rec.denied) == (1, 1)
+    # A summary ahead of the log (lines past its cap) still gives the totals.
+    summary.write_text(json.dumps({"allowed": 1, "denied": 7, "routes": {}, "suppressed": {"x": 6}}))
+    ahead = egress.read_log(log, summary=summary)
+    assert (ahead.denied, ahead.dropped) == (7, 6)
+
+
 # -- a gateway that dies or is not ready in time ---------------------------------------------------
 
 

@@ -446,7 +446,13 @@ def _apply_summary(rec: EgressRecord, path: Path) -> None:
     except (ValueError, TypeError, KeyError, AttributeError):
         rec.dropped += 1
         return
-    rec.routes, rec.allowed, rec.denied = routes, allowed, denied
+    # The gateway rewrites summary.json at most every half second for non-route lines, and fila
+    # reads it while the gateway still runs: a denial logged just now may not be in it yet. Both
+    # counts are lower bounds of the truth (the log's without its in-flight lines, which the
+    # summary counts only once final), so the larger one is kept.
+    rec.routes = routes
+    rec.allowed = max(allowed, rec.allowed - rec.in_flight)
+    rec.denied = max(denied, rec.denied)
     rec.dropped += suppressed
     rec.in_flight = max(rec.in_flight, in_flight)
     if isinstance(b := doc.get("budget_exhausted"), str) and rec.budget_exhausted is None:
