@@ -20,8 +20,10 @@ from typing import Any
 import docker
 import pytest
 
+from fila import snapshot as fila_snapshot
 from fila.backends.docker import DockerBackend
 from fila.engines import get_engine
+from fila.layout import Root
 from fila.models import EgressRecord, EgressRequest, Policy, Task
 from tests.helpers import fila, make_root, record
 from tests.upstreams.fixtures import Upstreams, upstreams  # noqa: F401  (the fixture)
@@ -404,11 +406,15 @@ def test_the_real_cli_edits_through_the_gateway_with_a_key_it_never_holds(
     assert [r["step"] for r in got] == list(range(len(script))), steps
     assert all(r["headers"].get(spec.key_header) == spec.key_format.format(key=secret) for r in got)
     # ...which the engine never held: not in its log, its files, the record.
+    # The job directory, and on the overlay strategy the upper layer where work/'s files are.
+    ov = fila_snapshot.job_overlay(Root.at(engine_root), rec["id"])
     job_files = "".join(
         p.read_text(errors="replace")
-        for p in (engine_root / "sandbox" / "jobs" / rec["id"]).rglob("*")
+        for top in (engine_root / "sandbox" / "jobs" / rec["id"], *((ov.upper,) if ov else ()))
+        for p in top.rglob("*")
         if p.is_file()
     )
+    assert "hello from the model" in job_files  # the engine's own edit was among what was scanned
     record_text = (engine_root / "fila" / "out" / f"{rec['id']}.json").read_text()
     assert [
         where
