@@ -2,9 +2,9 @@
 task timeout, a broken stream, and an answer larger than the log cap.
 
 success, quota and auth are in tests/test_engines.py (every engine), quota -> fallback in
-tests/test_fallback.py. Each CLI run costs 5-30 s on a 2-core machine, so the timeout case runs for
-all six engines and the malformed and huge-output cases for claude and codex (the two protocols
-with the most structured output: Anthropic messages and OpenAI Responses).
+tests/test_fallback.py. The timeout and malformed cases run for all six engines, the huge-output
+case for four (see its note). Each CLI run costs 5-30 s on a 2-core machine (opencode's retries
+on a broken stream about a minute).
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from tests.test_engines import (
     E2E_ENGINES,
     HELLO,
     KEY_VAR,
-    USAGE,
     _image,
     _script,
     engine_root,  # noqa: F401  (the fixture)
@@ -113,7 +112,7 @@ def test_a_model_that_hangs_is_stopped_at_the_task_timeout_and_its_container_rem
     assert docker_client.containers.list(all=True, filters={"label": f"fila.job={job}"}) == []
 
 
-@pytest.mark.parametrize("engine", ["claude", "codex"])
+@pytest.mark.parametrize("engine", list(E2E_ENGINES))
 def test_a_stream_cut_mid_way_is_not_a_success(
     engine: str,
     engine_root: Path,  # noqa: F811
@@ -135,7 +134,10 @@ def test_a_stream_cut_mid_way_is_not_a_success(
     assert rec["error"]["message"].strip(), rec["error"]
 
 
-@pytest.mark.parametrize("engine", ["claude", "codex"])
+# Not gemini: after the 2 MiB answer its CLI sends a third request, which the two-step success
+# script has no step for (why is not traced), and retries the server's 500 until the task timeout.
+# Not aider: it spends minutes at 100% CPU on a 2 MiB answer, past the 240 s task timeout.
+@pytest.mark.parametrize("engine", [e for e in E2E_ENGINES if e not in ("gemini", "aider")])
 def test_an_answer_larger_than_the_log_cap_is_capped_and_still_a_success(
     engine: str,
     engine_root: Path,  # noqa: F811
@@ -146,12 +148,13 @@ def test_an_answer_larger_than_the_log_cap_is_capped_and_still_a_success(
     _image(docker_client, engine)
     _with_policy(engine_root, engine, max_log_bytes=LOG_CAP)
     script = _script(spec)
-    big = "Wrote hello.txt. " + "x" * HUGE
-    script[-1] = {**script[-1], "reply": {"text": big}, "usage": USAGE[1]}
+    # The last answer as in the success script (aider's is its edit), then 2 MiB more text.
+    big = script[-1]["reply"]["text"] + "\n" + "x" * HUGE
+    script[-1] = {**script[-1], "reply": {"text": big}}
     upstreams.set_script(script)
     upstreams.clear_requests()
     rec = _run(engine_root, engine)
-    assert [r["step"] for r in upstreams.requests("model.test")] == [0, 1]
+    assert [r["step"] for r in upstreams.requests("model.test")] == list(range(len(script)))
     # The CLI printed the whole answer (more than the cap); fila kept the cap and said so.
     log = (engine_root / rec["log_path"]).read_bytes()
     marker = f"\n[fila: log truncated at {LOG_CAP} bytes]\n".encode()
