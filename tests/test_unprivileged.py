@@ -7,6 +7,7 @@ input/ or leaving files beside work/. Both modes must behave the same: only work
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
@@ -71,6 +72,39 @@ def _python_for_others() -> str | None:
     return None
 
 
+_RUNTIME: list[str] = []
+
+
+def _code_for_others() -> str:
+    """PYTHONPATH for an ordinary user: fila's source and the venv's packages where anyone can
+    read them. The checkout may sit below a directory only root may enter (CI clones into a
+    0700 temporary directory): then both are copied, once per test process, to a 0755 one."""
+    if _RUNTIME:
+        return _RUNTIME[0]
+    pkg = Path(fila.__file__).parent
+    site = next(Path(p) for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix))
+
+    def readable(p: Path) -> bool:  # o+r on it, o+x on every directory above it
+        p = p.resolve()
+        return bool(os.stat(p).st_mode & 0o004) and all(os.stat(d).st_mode & 0o001 for d in p.parents)
+
+    if readable(pkg / "__init__.py") and readable(site):
+        _RUNTIME.append(f"{pkg.parent}:{site}")
+        return _RUNTIME[0]
+    base = Path(tempfile.mkdtemp(prefix="fila-runtime-"))
+    os.chmod(base, 0o755)
+    atexit.register(shutil.rmtree, base, ignore_errors=True)
+    shutil.copytree(pkg, base / "src" / "fila", symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(site, base / "site", symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+    for d, _dirs, files in os.walk(base):
+        os.chmod(d, 0o755)
+        for f in files:
+            if not os.path.islink(os.path.join(d, f)):
+                os.chmod(os.path.join(d, f), 0o644 | (os.stat(os.path.join(d, f)).st_mode & 0o111))
+    _RUNTIME.append(f"{base / 'src'}:{base / 'site'}")
+    return _RUNTIME[0]
+
+
 # Every write outside work/ must fail inside the container; the one in work/ must land.
 ATTEMPTS = (
     'echo "uid=$(id -u)"; echo pwned > ../TASK.md; echo "task=$?"; echo pwned > ../input/greeting.txt; '
@@ -102,8 +136,11 @@ class Fila:
         python = sys.executable if self.user is None else _python_for_others()
         if python is None:
             pytest.skip(f"no Python {sys.version_info[:2]} an ordinary user may run")
-        site = next(p for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix))
-        env["PYTHONPATH"] = f"{Path(fila.__file__).parent.parent}:{site}"
+        if self.user is None:
+            site = next(p for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix))
+            env["PYTHONPATH"] = f"{Path(fila.__file__).parent.parent}:{site}"
+        else:
+            env["PYTHONPATH"] = _code_for_others()
         argv = [python, "-c", "from fila.cli import main; main()", *args]
         if self.user:
             # runuser sets the user's uid, gid and groups (docker, for the socket) from /etc/group.
