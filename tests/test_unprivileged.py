@@ -95,6 +95,8 @@ def _code_for_others() -> str:
     os.chmod(base, 0o755)
     atexit.register(shutil.rmtree, base, ignore_errors=True)
     shutil.copytree(pkg, base / "src" / "fila", symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+    for shipped in ("policies", "images"):  # what fila ships beside its code (assets.shipped_dir)
+        shutil.copytree(pkg.parents[1] / shipped, base / shipped, symlinks=True)
     shutil.copytree(site, base / "site", symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
     for d, _dirs, files in os.walk(base):
         os.chmod(d, 0o755)
