@@ -27,7 +27,6 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import fila
 from fila.backends import docker as dk
 from fila.backends.base import RunSpec
 from fila.backends.podman import libpod_spec
@@ -255,14 +254,15 @@ def test_the_contract_and_the_cycle_pass_on_rootless_podman_as_an_ordinary_user(
     python = _python_for_others()
     if python is None:
         pytest.skip(f"no Python {sys.version_info[:2]} an ordinary user may run")
-    here = Path(__file__).resolve().parent
-    site = next(p for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix))
+    from .test_unprivileged import _code_for_others, tests_for_others
+
+    here = tests_for_others()  # the checkout may be below a 0700 directory (CI): then a readable copy
     with podman_user() as user:
         env = {
             "PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
             "HOME": pwd.getpwnam(user).pw_dir,
             "FILA_CONTRACT_BACKEND": "podman",
-            "PYTHONPATH": f"{Path(fila.__file__).parent.parent}:{site}",
+            "PYTHONPATH": _code_for_others(),
             "PYTHONDONTWRITEBYTECODE": "1",
         }
         with tempfile.TemporaryDirectory(prefix="fila-podman-") as tmp:

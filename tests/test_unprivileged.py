@@ -95,8 +95,16 @@ def _code_for_others() -> str:
     os.chmod(base, 0o755)
     atexit.register(shutil.rmtree, base, ignore_errors=True)
     shutil.copytree(pkg, base / "src" / "fila", symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
-    for shipped in ("policies", "images"):  # what fila ships beside its code (assets.shipped_dir)
-        shutil.copytree(pkg.parents[1] / shipped, base / shipped, symlinks=True)
+    # What fila ships beside its code (assets.shipped_dir), and the tests with their configuration
+    # (test_podman runs pytest as the user).
+    for shipped in ("policies", "images", "tests"):
+        shutil.copytree(
+            pkg.parents[1] / shipped,
+            base / shipped,
+            symlinks=True,
+            ignore=shutil.ignore_patterns("__pycache__"),
+        )
+    shutil.copyfile(pkg.parents[1] / "pyproject.toml", base / "pyproject.toml")
     shutil.copytree(site, base / "site", symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
     for d, _dirs, files in os.walk(base):
         os.chmod(d, 0o755)
@@ -105,6 +113,12 @@ def _code_for_others() -> str:
                 os.chmod(os.path.join(d, f), 0o644 | (os.stat(os.path.join(d, f)).st_mode & 0o111))
     _RUNTIME.append(f"{base / 'src'}:{base / 'site'}")
     return _RUNTIME[0]
+
+
+def tests_for_others() -> Path:
+    """The tests directory an ordinary user can read: this one, or the copy _code_for_others made."""
+    first = Path(_code_for_others().split(":")[0])
+    return first.parent / "tests"
 
 
 # Every write outside work/ must fail inside the container; the one in work/ must land.
