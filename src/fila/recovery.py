@@ -328,6 +328,14 @@ def _how_long(rec: Record, last_beat: float | None) -> str:
     return text + "."
 
 
+def _settle(root: Root, tid: str, cur: Record, to: Status, **changes: Any) -> None:
+    """The one transition recovery makes out of `running` (under the caller's record lock): to
+    needs_human, failed or queued, closing the attempt as lost."""
+    queue.transition_locked(
+        root, tid, cur, to, expect={S.running}, event="recovered", outcome="lost", changes=changes
+    )
+
+
 def _decide(root: Root, claim: queue.Claim, to: Status, rep: Report, **fields: Any) -> None:
     """Write the final state of a reaped claim, then drop the tombstone (the record holds the
     task, so `fila retry` can write the file again)."""
@@ -335,9 +343,7 @@ def _decide(root: Root, claim: queue.Claim, to: Status, rep: Report, **fields: A
     with queue.locked(root, tid):
         cur = queue.read_record(root, tid)
         if tomb.exists() and cur is not None and cur.status == S.running and cur.worker == claim.worker:
-            queue.transition_locked(
-                root, tid, cur, to, expect={S.running}, event="recovered", outcome="lost", changes=fields
-            )
+            _settle(root, tid, cur, to, **fields)
             rep.add(root, tid, str(to), fields.get("diagnosis") or fields["error"].message)
         with contextlib.suppress(FileNotFoundError):
             tomb.unlink()
@@ -415,19 +421,14 @@ def _finish_done(root: Root, claim: queue.Claim, why: str, rep: Report) -> None:
                     and cur.status == S.running
                     and cur.worker == claim.worker
                 ):
-                    queue.transition_locked(
+                    _settle(
                         root,
                         tid,
                         cur,
                         S.needs_human,
-                        expect={S.running},
-                        event="recovered",
-                        outcome="lost",
-                        changes=dict(
-                            error=ErrorInfo(kind=ErrorKind.interrupted, message="the result was lost"),
-                            diagnosis=f"Worker {claim.worker} finished but its pending result "
-                            f"is missing ({why}). `fila retry {tid}` or `fila reject`.",
-                        ),
+                        error=ErrorInfo(kind=ErrorKind.interrupted, message="the result was lost"),
+                        diagnosis=f"Worker {claim.worker} finished but its pending result "
+                        f"is missing ({why}). `fila retry {tid}` or `fila reject`.",
                     )
                     rep.add(root, tid, "needs_human", "the worker's pending result is missing")
     else:
@@ -473,25 +474,20 @@ def _settle_task(root: Root, tid: str, dk: _Engine, rep: Report) -> None:
             if has_file or not cur.container_started:
                 if not has_file:
                     fsutil.create_exclusive(in_file, queue.task_json(cur.task))  # type: ignore[arg-type]
-                queue.transition_locked(
+                _settle(
                     root,
                     tid,
                     cur,
                     S.queued,
-                    expect={S.running},
-                    event="recovered",
-                    outcome="lost",
-                    changes=dict(
-                        error=ErrorInfo(
-                            kind=ErrorKind.infra,
-                            message=(
-                                "a hand back was interrupted"
-                                if has_file
-                                else "the task was running without any claim"
-                            ),
+                    error=ErrorInfo(
+                        kind=ErrorKind.infra,
+                        message=(
+                            "a hand back was interrupted"
+                            if has_file
+                            else "the task was running without any claim"
                         ),
-                        not_before=None,
                     ),
+                    not_before=None,
                 )
                 rep.add(
                     root,
@@ -511,19 +507,14 @@ def _settle_task(root: Root, tid: str, dk: _Engine, rep: Report) -> None:
                     f"{seen}; decided once Docker confirms its container is gone",
                 )
                 return
-            queue.transition_locked(
+            _settle(
                 root,
                 tid,
                 cur,
                 S.needs_human,
-                expect={S.running},
-                event="recovered",
-                outcome="lost",
-                changes=dict(
-                    error=ErrorInfo(kind=ErrorKind.interrupted, message="no claim was found"),
-                    diagnosis=f"the record said running, its container had started, and no "
-                    f"worker held the task. `fila retry {tid}` or `fila reject {tid}`.",
-                ),
+                error=ErrorInfo(kind=ErrorKind.interrupted, message="no claim was found"),
+                diagnosis=f"the record said running, its container had started, and no "
+                f"worker held the task. `fila retry {tid}` or `fila reject {tid}`.",
             )
             rep.add(root, tid, "needs_human", "running with a started container and no claim")
             return
