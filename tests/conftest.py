@@ -10,7 +10,7 @@ import pytest
 
 from fila.backends.docker import DockerBackend
 from fila.backends.docker import docker_client as connect
-from fila.errors import DockerUnavailable
+from fila.errors import EngineUnavailable
 from fila.images import ensure_image
 from fila.models import ImageRef
 
@@ -22,7 +22,7 @@ def docker_client() -> docker.DockerClient:
     # Fail, not skip: a machine without Docker must not pass the sandbox tests silently.
     try:
         return connect()
-    except DockerUnavailable as e:
+    except EngineUnavailable as e:
         pytest.fail(f"{e}\nhint: {e.hint}")
 
 

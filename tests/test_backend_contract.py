@@ -22,7 +22,7 @@ import pytest
 
 from fila.backends import Backend, RunSpec, get_backend
 from fila.backends.base import JOB_LABEL, ROOT_LABEL
-from fila.errors import DockerUnavailable, InfraError, InvalidPolicy
+from fila.errors import EngineUnavailable, InfraError, InvalidPolicy
 from fila.models import ImageRef, Policy
 
 pytestmark = pytest.mark.docker
@@ -248,11 +248,11 @@ def test_an_engine_that_does_not_answer_is_a_clear_error_before_any_container(
 
         monkeypatch.setenv("DOCKER_HOST", f"unix://{dead}")
         down = DockerBackend()
-    with pytest.raises(DockerUnavailable) as e:
+    with pytest.raises(EngineUnavailable) as e:
         down.ping()
     assert e.value.hint and (backend.name != "podman" or str(dead) in str(e.value))
     s = spec(tmp_path, "echo ran > /job/work/ran", policy(waive=["memory", "pids", "cpus"]))
-    with pytest.raises(DockerUnavailable):
+    with pytest.raises(EngineUnavailable):
         down.run(s)
     assert not (s.job_dir / "work" / "ran").exists()
 

@@ -18,7 +18,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fila.backends import docker as sandbox
-from fila.errors import DockerUnavailable, ImageMissing, InfraError
+from fila.errors import EngineUnavailable, ImageMissing, InfraError
 from fila.models import ImageRef, Limits, Policy
 
 pytestmark = pytest.mark.docker
@@ -388,7 +388,7 @@ def test_missing_image_maps_to_image_missing(tmp_path, docker_client):
 
 def test_unreachable_daemon_maps_to_docker_unavailable(tmp_path, monkeypatch):
     monkeypatch.setenv("DOCKER_HOST", f"unix://{tmp_path}/no-docker.sock")
-    with pytest.raises(DockerUnavailable) as info:
+    with pytest.raises(EngineUnavailable) as info:
         sandbox.docker_client(timeout=5)
     assert info.value.hint
 
@@ -396,7 +396,7 @@ def test_unreachable_daemon_maps_to_docker_unavailable(tmp_path, monkeypatch):
 def test_docker_failure_during_run_names_job_and_log(tmp_path, shell_image):
     dead = docker.DockerClient(base_url=f"unix://{tmp_path}/gone.sock", version="1.41")
     spec = make_spec(tmp_path, shell_image, "true")
-    with pytest.raises(DockerUnavailable) as info:
+    with pytest.raises(EngineUnavailable) as info:
         sandbox.run(spec, client=dead)
     assert spec.job_id in str(info.value) and str(spec.log_path) in str(info.value)
 

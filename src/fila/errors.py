@@ -13,7 +13,7 @@ else that escapes is a bug and is shown with its traceback.
     │   ├── InvalidId              task id outside [A-Za-z0-9._-]{1,128}
     │   └── TargetError            a target that is missing, outside the project or denied
     ├── InfraError                 exit 3   Docker or the host failed; the task is kept queued
-    │   ├── DockerUnavailable      the daemon does not answer
+    │   ├── EngineUnavailable      the container engine (Docker, Podman) does not answer
     │   └── ImageMissing           the engine's image is not built (hint: fila images build)
     ├── Refused                    exit 4   the request conflicts with the queue's state
     │   ├── DuplicateId            an id that exists anywhere in the queue
@@ -102,7 +102,7 @@ class InfraError(FilaError):
     exit_code = 3
 
 
-class DockerUnavailable(InfraError):
+class EngineUnavailable(InfraError):
     pass
 
 

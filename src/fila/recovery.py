@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import fsutil, lease, queue
-from .errors import DockerUnavailable, FilaError, InfraError
+from .errors import EngineUnavailable, FilaError, InfraError
 from .layout import Root
 
 if TYPE_CHECKING:
@@ -107,7 +107,7 @@ class _Engine:
         if not self.used:
             try:
                 self.backend.ping()
-            except DockerUnavailable as e:
+            except EngineUnavailable as e:
                 self.error = f"unavailable: {e.message}"
                 return None
             self.used = True

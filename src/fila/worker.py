@@ -36,7 +36,7 @@ from .errors import (
     EXIT_INVALID,
     EXIT_OK,
     EXIT_SOME_FAILED,
-    DockerUnavailable,
+    EngineUnavailable,
     FilaError,
     ImageMissing,
     InfraError,
@@ -98,7 +98,7 @@ class _Job(cycle.Hooks):
         try:
             try:
                 w.backend.ping()
-            except DockerUnavailable as e:
+            except EngineUnavailable as e:
                 queue.hand_back(w.root, self.claim, log={"reason": e.message})  # never begun
                 self.error = e
                 return
@@ -411,7 +411,7 @@ class Worker:
         try:
             self.backend.ping()
             return True
-        except DockerUnavailable:
+        except EngineUnavailable:
             return False
 
     def _docker_down(self) -> None:

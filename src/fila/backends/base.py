@@ -121,7 +121,7 @@ class Backend(ABC):
 
     @abstractmethod
     def ping(self) -> None:
-        """Raise DockerUnavailable (the engine does not answer) with what to do next."""
+        """Raise EngineUnavailable (the engine does not answer) with what to do next."""
 
     @abstractmethod
     def image(self, tag: str) -> ImageRef | None:

@@ -27,7 +27,7 @@ from docker.types import DriverConfig, LogConfig, Mount, Ulimit
 
 from .. import jobdir
 from ..engines.base import HOME, JOB_MOUNT
-from ..errors import DockerUnavailable, ImageMissing, InfraError, InvalidPolicy
+from ..errors import EngineUnavailable, ImageMissing, InfraError, InvalidPolicy
 from ..models import ImageRef, Limits, Policy, now_iso, parse_size
 from . import docker_images
 from .base import (
@@ -57,7 +57,7 @@ def docker_client(timeout: float = 60) -> docker.DockerClient:
         return client
     except _DOCKER_ERRORS as e:
         denied = "Permission denied" in str(e)
-        raise DockerUnavailable(
+        raise EngineUnavailable(
             f"the Docker daemon does not answer: {e}",
             hint="add your user to the docker group (or use rootless Docker)"
             if denied
@@ -294,7 +294,7 @@ class _Waiter(threading.Thread):
 
 def _docker_error(spec: RunSpec, action: str, err: BaseException) -> InfraError:
     """str() of the result names the job and its log: FilaError appends task_id and path."""
-    cls = DockerUnavailable if isinstance(err, requests.ConnectionError) else InfraError
+    cls = EngineUnavailable if isinstance(err, requests.ConnectionError) else InfraError
     hint = "check `docker info`; the task can be retried once Docker is healthy"
     if spec.policy.runtime and "runtime" in str(err).lower():
         hint = f"install the {spec.policy.runtime!r} runtime in Docker, or change the policy's runtime"
@@ -659,7 +659,7 @@ def _overlay_check(backend: DockerBackend) -> str | None:
     try:
         with backend.client() as c:
             info = c.info()
-    except (*_DOCKER_ERRORS, DockerUnavailable) as e:
+    except (*_DOCKER_ERRORS, EngineUnavailable) as e:
         return f"the {backend.name} daemon did not say whether it can mount overlay volumes: {e}"
     if info.get("OSType") not in (None, "linux"):
         return f"the {backend.name} daemon runs {info.get('OSType')}, not Linux"
@@ -692,7 +692,7 @@ class DockerBackend(Backend):
     # -- connections ------------------------------------------------------------------------
 
     def connect(self, timeout: float | None = None) -> docker.DockerClient:
-        """A new client, checked with a ping (DockerUnavailable when it does not answer)."""
+        """A new client, checked with a ping (EngineUnavailable when it does not answer)."""
         return docker_client(self._timeout if timeout is None else timeout)
 
     @contextlib.contextmanager
@@ -732,7 +732,7 @@ class DockerBackend(Backend):
             try:
                 self._given.ping()
             except _DOCKER_ERRORS as e:
-                raise DockerUnavailable(f"the {self.name} engine does not answer: {e}") from e
+                raise EngineUnavailable(f"the {self.name} engine does not answer: {e}") from e
             return
         with self._lock:
             c = self._pool.pop() if self._pool else None
@@ -747,7 +747,7 @@ class DockerBackend(Backend):
             except _DOCKER_ERRORS as e:
                 with contextlib.suppress(Exception):
                     c.close()  # a client that saw an error is never reused
-                raise DockerUnavailable(f"the {self.name} engine does not answer: {e}") from e
+                raise EngineUnavailable(f"the {self.name} engine does not answer: {e}") from e
         with self._lock:
             if len(self._pool) < self.POOL_MAX:
                 self._pool.append(c)
@@ -967,5 +967,5 @@ class DockerBackend(Backend):
             try:
                 v = c.version()
             except _DOCKER_ERRORS as e:
-                raise DockerUnavailable(f"the {self.name} engine does not answer: {e}") from e
+                raise EngineUnavailable(f"the {self.name} engine does not answer: {e}") from e
         return {"name": self.name, "version": v.get("Version", "?"), "api": v.get("ApiVersion", "?")}

@@ -37,7 +37,7 @@ import requests
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.models.containers import Container
 
-from ..errors import DockerUnavailable, InfraError, InvalidPolicy
+from ..errors import EngineUnavailable, InfraError, InvalidPolicy
 from ..models import Policy
 from . import docker as dk
 from .base import WAIVABLE, RunResult, RunSpec
@@ -174,7 +174,7 @@ def _service_conf(path: Path) -> Path:
 def _podman() -> str:
     exe = shutil.which("podman")
     if exe is None:
-        raise DockerUnavailable(
+        raise EngineUnavailable(
             "podman is not installed",
             hint="install it (Debian: apt-get install podman uidmap slirp4netns fuse-overlayfs), "
             "or choose another backend (FILA_BACKEND=docker)",
@@ -230,8 +230,8 @@ class PodmanBackend(dk.DockerBackend):
                 except _ERRORS as e:
                     raise self._down(e) from e
 
-    def _down(self, err: BaseException) -> DockerUnavailable:
-        return DockerUnavailable(
+    def _down(self, err: BaseException) -> EngineUnavailable:
+        return EngineUnavailable(
             f"the Podman API socket {self.socket} does not answer: {err}",
             hint="start it (`podman system service --time=0 &` or `systemctl --user start podman.socket`), "
             "or let fila start it (it does unless the socket was given); FILA_BACKEND=docker uses Docker",
@@ -257,7 +257,7 @@ class PodmanBackend(dk.DockerBackend):
         deadline = time.monotonic() + START_WAIT_S
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise DockerUnavailable(
+                raise EngineUnavailable(
                     f"`podman system service` exited with {proc.returncode}: "
                     f"{log.read_text(errors='replace')[-500:].strip()}",
                     hint="run `podman info` as this user to see what Podman needs",
@@ -272,7 +272,7 @@ class PodmanBackend(dk.DockerBackend):
                     )
                     return
             time.sleep(0.1)
-        raise DockerUnavailable(f"`podman system service` did not answer within {START_WAIT_S:g} s", path=log)
+        raise EngineUnavailable(f"`podman system service` did not answer within {START_WAIT_S:g} s", path=log)
 
     def ping(self) -> None:
         self.connect(timeout=15).close()
