@@ -16,6 +16,7 @@ import pwd
 import re
 import secrets
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -29,7 +30,7 @@ from typer.testing import CliRunner
 
 from fila.backends import docker as dk
 from fila.backends.base import RunSpec
-from fila.backends.podman import libpod_spec
+from fila.backends.podman import libpod_spec, overlay_why
 from fila.models import Policy
 
 AS_USER = os.environ.get("FILA_CONTRACT_BACKEND") == "podman" and os.getuid() != 0
@@ -90,6 +91,65 @@ def test_libpod_spec_leaves_out_only_what_is_waived_and_refuses_keys_it_does_not
         libpod_spec({**kw, "devices": ["/dev/fuse"]}, rootless=True)
     with pytest.raises(ValueError, match="security_opt"):
         libpod_spec({**kw, "security_opt": ["seccomp=unconfined"]}, rootless=True)
+
+
+def _overlay_kwargs(tmp_path: Path) -> dict[str, object]:
+    from fila.snapshot import Overlay
+
+    job = tmp_path / "job"
+    (job / "input").mkdir(parents=True, exist_ok=True)
+    (job / "work").mkdir(exist_ok=True)
+    ov = Overlay(tmp_path / "snap" / "tree", tmp_path / "ov" / "upper", tmp_path / "ov" / "work", 1, 1)
+    spec = RunSpec(job_id="t1", job_dir=job, image="fila/shell:latest", argv=["true"], env={},
+                   policy=_policy(), limits=None, timeout_ms=1000, log_path=tmp_path / "log",
+                   labels={"fila.root": "/q"}, overlay=ov)  # fmt: skip
+    return dk.create_kwargs(spec, "fila-t1-x")
+
+
+def test_libpod_spec_gives_the_overlay_work_volume_as_a_podman_overlay_with_the_jobs_layers(
+    tmp_path: Path,
+) -> None:
+    kw = _overlay_kwargs(tmp_path)
+    body = libpod_spec(kw, rootless=True)
+    assert body["overlay_volumes"] == [{
+        "destination": "/job/work",
+        "source": str(tmp_path / "snap" / "tree"),
+        "options": [f"upperdir={tmp_path / 'ov' / 'upper'}", f"workdir={tmp_path / 'ov' / 'work'}"],
+    }]  # fmt: skip
+    binds = {m["destination"]: (m["source"], m["options"]) for m in body["mounts"] if m["type"] == "bind"}
+    assert binds["/job/input"] == (str(tmp_path / "snap" / "tree"), ["rbind", "ro"])  # the snapshot: ro
+    assert "/job/work" not in binds
+    # An overlay option fila never asks for (metacopy, redirect_dir: the upper layer would no longer
+    # hold whole files) is refused, not passed on or dropped.
+    (work,) = [m for m in kw["mounts"] if m["Type"] == "volume"]  # type: ignore[attr-defined]
+    opts = work["VolumeOptions"]["DriverConfig"]["Options"]
+    for extra in ("metacopy=on", "redirect_dir=on"):
+        bad = {
+            **work,
+            "VolumeOptions": {
+                "DriverConfig": {"Name": "local", "Options": {**opts, "o": opts["o"] + f",{extra}"}}
+            },
+        }
+        with pytest.raises(ValueError, match=extra.split("=")[0]):
+            libpod_spec({**kw, "mounts": [*kw["mounts"][:2], bad]}, rootless=True)  # type: ignore[index]
+
+
+# What `podman info` said on this host (Podman 4.3.1, rootless, vfs storage, no mount program).
+_INFO = {"version": {"Version": "4.3.1"}, "host": {"security": {"rootless": True}},
+         "store": {"graphDriverName": "vfs", "graphOptions": {}}}  # fmt: skip
+_FS = "nodev\tproc\nnodev\toverlay\n"
+
+
+def test_overlay_why_allows_the_measured_host_and_names_each_host_it_cannot_read() -> None:
+    assert overlay_why(_INFO, "6.18.44", _FS) is None  # allowed: what was measured here
+    fuse = {
+        **_INFO,
+        "store": {"graphOptions": {"overlay.mount_program": {"Executable": "/usr/bin/fuse-overlayfs"}}},
+    }
+    assert "fuse-overlayfs" in str(overlay_why(fuse, "6.18.44", _FS))
+    assert "5.11" in str(overlay_why(_INFO, "5.10.0", _FS))
+    assert "older than 4.3" in str(overlay_why({**_INFO, "version": {"Version": "4.2.0"}}, "6.18", _FS))
+    assert "no overlay" in str(overlay_why(_INFO, "6.18", "nodev\tproc\n"))
 
 
 # -- as the Podman test user ---------------------------------------------------------------------
@@ -205,13 +265,116 @@ def test_a_worker_killed_while_its_podman_container_runs_is_recovered_and_the_co
     assert res.returncode == -9, res.stdout + res.stderr  # SIGKILLed with its container running
     left = backend.find(job_id=tid)
     assert [b.status for b in left] == ["running"]  # the counterpart: the crash left it behind
+    # Its work/ is an overlay: the kernel's scratch directory is the container root's (a
+    # subordinate uid), which the user cannot remove; recovery removes it with the container.
+    scratch = q / "sandbox" / "meta" / tid / "overlay" / "work"
+    assert (scratch / "work").exists() and (scratch / "work").stat().st_uid != os.getuid()
     code, out = _cli("recover", "--root", str(q))
     assert code == 0, out
     assert backend.find(job_id=tid) == []
+    assert not (scratch / "work").exists()
     rec = json.loads((q / "fila" / "out" / f"{tid}.json").read_text())
     assert rec["status"] == "needs_human" and rec["container_started"], rec  # never run twice
     assert _cli("run", "--once", "--root", str(q))[0] == 0  # nothing is claimed again
     assert json.loads((q / "fila" / "out" / f"{tid}.json").read_text())["status"] == "needs_human"
+
+
+_ENGINE_CHANGE = (
+    "set -e; sed -i s/hello/world/ greeting.txt; rm src/gone.txt; chmod +x src/a.py; "
+    "rm -r src/sub; mkdir src/sub; echo fresh > src/sub/new.txt; ln -s greeting.txt link; "
+    "mv src/keep.txt src/moved.txt; if echo x > ../input/greeting.txt; then echo WROTE-INPUT; fi"
+)
+
+
+def _tree_state(top: Path) -> dict[str, tuple]:
+    """Every entry's kind, mode, owner, ctime and content (or link target): a write shows."""
+    out = {}
+    for p in [top, *sorted(top.rglob("*"))]:
+        st_ = p.lstat()
+        data = os.readlink(p) if p.is_symlink() else (p.read_bytes() if p.is_file() else b"")
+        out[str(p.relative_to(top))] = (st_.st_mode, st_.st_uid, st_.st_ctime_ns, data)
+    return out
+
+
+@as_user
+def test_an_overlay_job_on_rootless_podman_writes_the_patch_the_copy_writes_and_leaves_the_snapshot_pristine(
+    tmp_path: Path,
+) -> None:
+    from fila import snapshot
+    from fila.layout import Root
+
+    q = tmp_path / "q"
+    (q / "src" / "sub").mkdir(parents=True)
+    (q / "greeting.txt").write_text("hello\n")
+    for name, text in (("a.py", "print(1)\n"), ("gone.txt", "bye\n"), ("keep.txt", "keep\n")):
+        (q / "src" / name).write_text(text)
+    (q / "src" / "sub" / "old.txt").write_text("old\n")
+    old = time.time() - 3600  # a project at rest: older than the racy window
+    for p in [q / "greeting.txt", *(q / "src").rglob("*")]:
+        os.utime(p, (old, old), follow_symlinks=False)
+    assert _cli("init", "--root", str(q), "--backend", "podman")[0] == 0
+    pol = q / "policies" / "default.json"
+    pol.write_text(json.dumps(json.loads(pol.read_text()) | {"waive": ["memory", "pids", "cpus"]}))
+    from fila.backends.podman import PodmanBackend
+
+    PodmanBackend().build("shell", progress=lambda _m: None)
+
+    def run_one(env: dict[str, str]) -> dict:
+        code, tid = _cli("submit", "--root", str(q), "--engine", "shell", "--command", _ENGINE_CHANGE,
+                         "--target", "greeting.txt", "--target", "src")  # fmt: skip
+        assert code == 0, tid
+        res = CliRunner().invoke(__import__("fila.cli", fromlist=["app"]).app,
+                                 ["run", "--once", "--root", str(q)], env=env)  # fmt: skip
+        assert res.exit_code == 0, res.output
+        return json.loads((q / "fila" / "out" / f"{tid.strip()}.json").read_text())
+
+    copied = run_one({"FILA_WORKSPACE": "copy"})  # the counterpart: the full copy, on Podman too
+    assert copied["workspace"]["strategy"] == "copy" and copied["backend"] == "podman"
+    over = run_one({"FILA_WORKSPACE": ""})
+    ws = over["workspace"]
+    assert ws["strategy"] == "overlay" and ws["snapshot_how"] == "built", ws
+    assert over["status"] == copied["status"] == "needs_review", over
+    patch = (q / over["patch_path"]).read_bytes()
+    assert patch == (q / copied["patch_path"]).read_bytes()  # byte for byte
+    assert over["diffstat"] == copied["diffstat"] and len(over["diffstat"]["paths"]) == 8
+    for part in (
+        b"old mode 100644\nnew mode 100755",
+        b"deleted file mode",
+        b"+greeting.txt",
+        b"src/moved.txt",
+    ):
+        assert part in patch
+    ov = snapshot.job_overlay(Root.at(q), over["id"])
+    assert ov is not None
+    lower_before = _tree_state(ov.lower)
+    # The formats this mount wrote, which snapshot.Layers reads: a deletion is a character device
+    # 0/0 (the container root's, a subordinate uid), a directory deleted and made again carries
+    # user.overlay.opaque; the untouched file was never copied up.
+    white = (ov.upper / "src" / "gone.txt").lstat()
+    assert stat.S_ISCHR(white.st_mode) and white.st_rdev == 0 and white.st_uid != os.getuid()
+    assert stat.S_ISCHR((ov.upper / "src" / "keep.txt").lstat().st_mode)  # renamed away
+    assert os.getxattr(ov.upper / "src" / "sub", "user.overlay.opaque") == b"y"
+    assert sorted(p.name for p in (ov.upper / "src" / "sub").iterdir()) == ["new.txt"]  # no .wh. files
+    # The engine owns what it wrote (keep-id: the user's own uid), and its write to input/ failed.
+    assert (ov.upper / "greeting.txt").stat().st_uid == os.getuid()
+    assert "WROTE-INPUT" not in (q / over["log_path"]).read_text()
+    assert (ov.lower / "greeting.txt").read_text() == "hello\n"
+    assert (ov.lower / "src" / "sub" / "old.txt").read_text() == "old\n"
+    assert list(ov.scratch.iterdir()) == []  # the kernel's scratch, a subordinate uid's: emptied
+    # A later task on the unchanged project reuses the snapshot, which no run has changed.
+    again = run_one({"FILA_WORKSPACE": ""})
+    assert again["workspace"]["snapshot"] == ws["snapshot"] and again["workspace"]["snapshot_how"] == "reused"
+    assert (q / again["patch_path"]).read_bytes() == patch
+    assert _tree_state(ov.lower) == lower_before
+    # apply lands the reviewed change; gc (as the user) then removes the job, whiteouts and all.
+    code, out = _cli("apply", over["id"], "--yes", "--root", str(q))
+    assert code == 0, out
+    assert (q / "greeting.txt").read_text() == "world\n" and (q / "src" / "moved.txt").read_text() == "keep\n"
+    assert sorted(p.name for p in (q / "src" / "sub").iterdir()) == ["new.txt"]
+    assert os.readlink(q / "link") == "greeting.txt" and (q / "src" / "a.py").stat().st_mode & 0o100
+    code, out = _cli("gc", "--older-than", "0s", "--root", str(q))
+    assert code == 0, out
+    assert not snapshot.overlay_dir(Root.at(q), over["id"]).exists()
 
 
 # -- the driver (root) ---------------------------------------------------------------------------
@@ -275,5 +438,5 @@ def test_the_contract_and_the_cycle_pass_on_rootless_podman_as_an_ordinary_user(
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-6000:]
     m = re.search(r"(\d+) passed", out)
-    # 7 contract tests and 2 seam tests, 3 cycle tests on Podman, 2 pure ones: all ran as the user.
-    assert m is not None and int(m.group(1)) == 14 and "skipped" not in out, out[-3000:]
+    # 7 contract tests and 2 seam tests, 4 cycle tests on Podman, 4 pure ones: all ran as the user.
+    assert m is not None and int(m.group(1)) == 17 and "skipped" not in out, out[-3000:]

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -40,7 +40,7 @@ from docker.models.containers import Container
 from ..errors import EngineUnavailable, InfraError, InvalidPolicy
 from ..models import Policy
 from . import docker as dk
-from .base import WAIVABLE, RunResult, RunSpec
+from .base import JOB_LABEL, ROOT_LABEL, WAIVABLE, Box, RunResult, RunSpec
 
 SERVICE_IDLE_S = 600  # a service fila started exits after this long without a client
 START_WAIT_S = 20.0
@@ -66,6 +66,42 @@ def socket_from_env() -> Path | None:
 
 _SIGNALS = {"SIGTERM": 15, "SIGKILL": 9, "SIGINT": 2}
 _LIMIT_KEYS = {"mem_limit": "memory", "memswap_limit": "memory", "nano_cpus": "cpus", "pids_limit": "pids"}
+
+
+# The overlay options create_kwargs' work/ volume carries, and what Podman's own overlay volume
+# (`-v LOWER:DST:O,upperdir=U,workdir=W`) makes of them: Podman adds `userxattr` itself when it
+# mounts rootless (seen in the container's mountinfo: `redirect_dir=nofollow,uuid=on,userxattr`).
+_OVERLAY_OPTS = ("lowerdir", "upperdir", "workdir")
+
+
+def _overlay_volume(m: Any) -> dict[str, Any]:
+    """The overlay strategy's work/ (a Docker `local` volume of type overlay) as libpod's
+    `overlay_volumes` entry: the snapshot is its lower layer, the job's upper and scratch
+    directories are given, so the host reads the upper layer after the container is gone."""
+    vo = m.get("VolumeOptions") or {}
+    dc = vo.get("DriverConfig") or {}
+    opts = dict(dc.get("Options") or {})
+    kind = (dc.get("Name"), opts.pop("type", None), opts.pop("device", None))
+    if kind != ("local", "overlay", "overlay"):
+        raise ValueError(f"libpod_spec: volume {m.get('Source')!r} is not an overlay of the local driver")
+    given = str(opts.pop("o", ""))
+    if opts:
+        raise ValueError(f"libpod_spec: overlay volume options {sorted(opts)} are not mapped")
+    fields: dict[str, str] = {}
+    for o in given.split(","):
+        k, _, v = o.partition("=")
+        if k == "userxattr" and not v:
+            continue
+        if k not in _OVERLAY_OPTS or not v or k in fields:
+            raise ValueError(f"libpod_spec: overlay mount option {o!r} is not mapped")
+        fields[k] = v
+    if sorted(fields) != sorted(_OVERLAY_OPTS) or m.get("ReadOnly"):
+        raise ValueError("libpod_spec: an overlay work/ needs lowerdir, upperdir and workdir, read-write")
+    return {
+        "destination": m["Target"],
+        "source": fields["lowerdir"],
+        "options": [f"upperdir={fields['upperdir']}", f"workdir={fields['workdir']}"],
+    }
 
 
 def _mount(m: Any) -> dict[str, Any]:
@@ -126,9 +162,13 @@ def libpod_spec(
     if sec != ["no-new-privileges:true"]:
         raise ValueError(f"libpod_spec: security_opt {sec!r} is not mapped")
     spec["no_new_privileges"] = True
-    mounts = [_mount(m) for m in kw.pop("mounts")]
+    all_mounts = kw.pop("mounts")
+    mounts = [_mount(m) for m in all_mounts if m.get("Type") != "volume"]
     mounts += [_tmpfs(t, o) for t, o in kw.pop("tmpfs").items()]
     spec["mounts"] = mounts
+    overlays = [_overlay_volume(m) for m in all_mounts if m.get("Type") == "volume"]
+    if overlays:
+        spec["overlay_volumes"] = overlays
     net = kw.pop("network_mode")
     if net == "none":
         spec["netns"] = {"nsmode": "none"}
@@ -154,6 +194,46 @@ def libpod_spec(
     if kw:
         raise ValueError(f"libpod_spec: create_kwargs keys not mapped to Podman: {sorted(kw)}")
     return spec
+
+
+# -- the overlay strategy -------------------------------------------------------------------------
+
+# Measured on Podman 4.3 (Debian 12), kernel 6.18, rootless without a mount program: the upper
+# layer takes deletions as character devices 0/0 and opaque directories as user.overlay.opaque,
+# as snapshot.Layers reads them; an older Podman was not measured.
+MIN_OVERLAY_VERSION = (4, 3)
+
+
+def overlay_why(info: dict[str, Any], release: str, filesystems: str) -> str | None:
+    """Why this Podman cannot give a job's work/ as an overlay of its snapshot (None: it can),
+    from `podman info`, the kernel release and /proc/filesystems. Rootless, Podman mounts an
+    overlay volume with the kernel's overlay in the user namespace (5.11+), or with the storage's
+    mount program (fuse-overlayfs) when one is configured: fila has not seen what that one writes
+    for a deletion here, so its upper layer is not read, and the job copies its targets."""
+    if "\toverlay\n" not in filesystems:
+        return "this kernel has no overlay filesystem"
+    raw = str((info.get("version") or {}).get("Version") or "")
+    found = re.match(r"(\d+)\.(\d+)", raw)
+    if found is None or (int(found[1]), int(found[2])) < MIN_OVERLAY_VERSION:
+        want = ".".join(map(str, MIN_OVERLAY_VERSION))
+        return f"podman {raw or '?'} is older than {want}, the version whose overlay volumes were measured"
+    if not ((info.get("host") or {}).get("security") or {}).get("rootless"):
+        return None
+    kernel = re.match(r"(\d+)\.(\d+)", release)
+    if kernel is None or (int(kernel[1]), int(kernel[2])) < (5, 11):
+        return (
+            f"rootless podman on kernel {release} mounts overlay volumes with fuse-overlayfs (the "
+            "kernel's overlay in a user namespace needs 5.11+), whose upper layer fila does not read"
+        )
+    graph = (info.get("store") or {}).get("graphOptions") or {}
+    program = next((v for k, v in graph.items() if k.endswith("mount_program")), None)
+    if program:
+        exe = program.get("Executable") if isinstance(program, dict) else program
+        return (
+            f"podman's storage names a mount program ({exe}), which would mount the overlay: fila "
+            "reads only the kernel overlay's upper layer (whiteouts as devices 0/0)"
+        )
+    return None
 
 
 # -- the service -----------------------------------------------------------------------------------
@@ -200,6 +280,7 @@ class PodmanBackend(dk.DockerBackend):
         self.say = say or (lambda m: print(f"fila: {m}", file=sys.stderr, flush=True))
         self._start_lock = threading.Lock()
         self._info: dict[str, Any] | None = None
+        self._overlay_why: list[str | None] | None = None
 
     # -- connections ----------------------------------------------------------------------------
 
@@ -328,9 +409,51 @@ class PodmanBackend(dk.DockerBackend):
         return policy.runtime
 
     def overlay_unsupported(self) -> str | None:
-        # Docker's daemon mounts the overlay volume as root; rootless Podman would need the
-        # volume mapped to its own overlay support: not done yet, so jobs copy their targets.
-        return "the podman backend does not mount overlay work/ volumes yet"
+        """Measured once, from `podman info` and the kernel (overlay_why)."""
+        if self._overlay_why is None:
+            try:
+                filesystems = Path("/proc/filesystems").read_text()
+            except OSError:
+                filesystems = ""
+            try:
+                info = self.info()
+            except (InfraError, EngineUnavailable) as e:
+                self._overlay_why = [f"podman did not say whether it can mount overlay volumes: {e}"]
+            else:
+                self._overlay_why = [overlay_why(info, os.uname().release, filesystems)]
+        return self._overlay_why[0]
+
+    @contextlib.contextmanager
+    def _scratch_cleared(self, spec: RunSpec, rootless: bool) -> Iterator[None]:
+        """After the run (the container and its mount gone), whatever way it ended."""
+        try:
+            yield
+        finally:
+            if spec.overlay is not None and rootless:
+                self._clear_scratch(spec.overlay.scratch)
+
+    def _clear_scratch(self, scratch: Path) -> None:
+        """Remove what the kernel left in the overlay's scratch directory (`workdir`): rootless,
+        the mount is made by the container's root, a subordinate uid, so `work/` there is that
+        uid's, mode 000, and holds the whiteout the upper layer's deletions are hard links of:
+        the user could not remove it, nor gc or a requeue the job. `podman unshare` runs rm as
+        root of the user's own namespace (the user and their subordinate ids), nothing more."""
+        leftovers = [str(scratch / n) for n in ("work", "index") if (scratch / n).exists()]
+        if not leftovers:
+            return
+        res = subprocess.run(
+            [_podman(), "unshare", "rm", "-rf", "--one-file-system", "--", *leftovers],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        if res.returncode != 0 or any(Path(p).exists() for p in leftovers):
+            raise InfraError(
+                f"the overlay's scratch directory could not be emptied: {res.stderr.strip()[-300:]}",
+                path=scratch,
+                hint=f"`podman unshare rm -rf {scratch}/work` as this user removes it",
+            )
 
     def runtimes(self) -> list[str]:
         host = self.info().get("host", {})
@@ -361,7 +484,7 @@ class PodmanBackend(dk.DockerBackend):
                 raise ImageNotFound(str(e)) from e
             return client.containers.get(res["Id"])
 
-        with self.client() as c:
+        with self._scratch_cleared(spec, rootless), self.client() as c:
             result = dk.run(
                 spec,
                 client=c,
@@ -372,6 +495,19 @@ class PodmanBackend(dk.DockerBackend):
             )
         result.backend, result.waived = self.name, waived
         return result
+
+    def remove(self, box: Box) -> bool:
+        """Also the overlay scratch directory of the job's container (a crashed worker left it,
+        and recovery removes the container): in the job's meta directory, found by its labels."""
+        gone = super().remove(box)
+        root, job = box.labels.get(ROOT_LABEL), box.labels.get(JOB_LABEL)
+        if box.labels.get(dk.VOLUME_LABEL) and root and job and self.rootless:
+            from ..layout import Root
+            from ..snapshot import overlay_dir
+
+            with contextlib.suppress(ValueError):  # a label that is no job id names nothing of ours
+                self._clear_scratch(overlay_dir(Root(Path(root)), job) / "work")
+        return gone
 
     def tags(self, image: str) -> list[str]:
         # Podman names local images with their registry (docker.io/fila/shell:latest, localhost/x).
