@@ -432,22 +432,37 @@ class PodmanBackend(dk.DockerBackend):
             if spec.overlay is not None and rootless:
                 self._clear_scratch(spec.overlay.scratch)
 
+    def _pause_pid(self) -> int | None:
+        """The pid of rootless Podman's pause process, which holds the user's namespace (Podman
+        keeps it beside the API socket's directory: <run dir>/libpod/tmp/pause.pid); None when
+        there is none of this user's."""
+        try:
+            pid = int((self.socket.parent.parent / "libpod" / "tmp" / "pause.pid").read_text().strip())
+            if os.stat(f"/proc/{pid}").st_uid != os.getuid():
+                return None
+        except (OSError, ValueError):
+            return None
+        return pid
+
     def _clear_scratch(self, scratch: Path) -> None:
         """Remove what the kernel left in the overlay's scratch directory (`workdir`): rootless,
         the mount is made by the container's root, a subordinate uid, so `work/` there is that
         uid's, mode 000, and holds the whiteout the upper layer's deletions are hard links of:
-        the user could not remove it, nor gc or a requeue the job. `podman unshare` runs rm as
-        root of the user's own namespace (the user and their subordinate ids), nothing more."""
+        the user could not remove it, nor gc or a requeue the job. rm runs as root of the user's
+        own namespace (the user and their subordinate ids, as `podman unshare`), nothing more."""
         leftovers = [str(scratch / n) for n in ("work", "index") if (scratch / n).exists()]
         if not leftovers:
             return
-        res = subprocess.run(
-            [_podman(), "unshare", "rm", "-rf", "--one-file-system", "--", *leftovers],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-        )
+        rm = ["rm", "-rf", "--one-file-system", "--", *leftovers]
+        res = None
+        pause = self._pause_pid()
+        if pause is not None and shutil.which("nsenter"):
+            # The same namespace `podman unshare` enters, joined directly: 2 ms, not Podman's 70.
+            res = subprocess.run(["nsenter", "-U", "-t", str(pause), "--", *rm],
+                                 capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+        if res is None or res.returncode != 0 or any(Path(p).exists() for p in leftovers):
+            res = subprocess.run([_podman(), "unshare", *rm], capture_output=True, text=True, timeout=60,
+                                 check=False)  # fmt: skip
         if res.returncode != 0 or any(Path(p).exists() for p in leftovers):
             raise InfraError(
                 f"the overlay's scratch directory could not be emptied: {res.stderr.strip()[-300:]}",
