@@ -1,13 +1,31 @@
 """Case 1: per-task overhead. Ten no-op shell tasks on a 100-file project processed by one
-`fila run --once`, per task, against the floor for one task (bench/floor.py)."""
+`fila run --once`, per task, against the floor for one task (bench/floor.py).
+
+`--backend podman` measures the same through rootless Podman: as root, the bench makes a
+throwaway ordinary user (subordinate ids from useradd, no docker group), and as that user runs
+both sides: `FILA_BACKEND=podman fila run --once` (the policy waives memory, pids and cpus, which
+rootless Podman cannot enforce on cgroup v1) against a floor of `cp -a` twice, `podman run --rm`
+with the hardening of Docker's floor translated flag for flag (less the waived limits, plus
+`--userns keep-id`, as fila's request has) and `git diff`. Each side is timed by the user's own
+process, so `runuser` costs neither. The user, its processes and its files are removed after."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+import pwd
+import secrets
 import shutil
 import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
-from bench.common import Ctx, Row, alternate, fila_cmd, median, paired_ratio, run, sync
+from bench.common import REPO, Ctx, Row, alternate, fila_cmd, median, paired_ratio, run, sync
 from bench.filaside import Failures, ensure_image, init_root, submit_noops
 from bench.floor import FloorSpec, floor_task, new_job
 from bench.projects import make_project
@@ -15,7 +33,11 @@ from bench.projects import make_project
 TARGET = 1.25
 
 
-def per_task(ctx: Ctx, *, tasks: int = 10, files: int = 100) -> list[Row]:
+def per_task(ctx: Ctx, *, tasks: int = 10, files: int = 100, backend: str = "docker") -> list[Row]:
+    if backend == "podman":
+        return per_task_podman(ctx, tasks=tasks, files=files)
+    if backend != "docker":
+        raise ValueError(f"per-task: unknown backend {backend!r} (docker or podman)")
     ensure_image()
     reps = ctx.reps_or(7, 2)
     project = make_project(ctx.mkdtemp("project") / "p", files - 1, seed=1).path
@@ -57,7 +79,21 @@ def per_task(ctx: Ctx, *, tasks: int = 10, files: int = 100) -> list[Row]:
 
     ctx.log(f"per-task: {reps} x ({tasks} fila tasks, {tasks} floor tasks), alternating")
     xs, ys = alternate(fila_side, floor_side, reps)
-    f, b = median(xs), median(ys)
+    return [
+        _row(
+            f"per-task overhead ({tasks} no-op tasks, {files} files)", xs, ys, phases, floor_phases, failures
+        )
+    ]
+
+
+def _row(
+    case: str,
+    xs: list[float],
+    ys: list[float],
+    phases: dict[str, list[float]],
+    floor_phases: dict[str, list[float]],
+    failures: Failures,
+) -> Row:
     ratio = paired_ratio(xs, ys)
     breakdown = {
         "fila": {k: round(statistics.median(v), 4) for k, v in phases.items()},
@@ -71,17 +107,252 @@ def per_task(ctx: Ctx, *, tasks: int = 10, files: int = 100) -> list[Row]:
     )
     if failures.count:
         note = f"{failures.note()}; {note}"
-    return [
-        Row(
-            f"per-task overhead ({tasks} no-op tasks, {files} files)",
-            f,
-            b,
-            "s/task",
-            target=f"<= {TARGET}",
-            ok=ratio <= TARGET and not failures.count,
-            ratio=ratio,
-            note=note,
-            samples={"fila": xs, "floor": ys},
-            extra=breakdown,
+    return Row(
+        case,
+        median(xs),
+        median(ys),
+        "s/task",
+        target=f"<= {TARGET}",
+        ok=ratio <= TARGET and not failures.count,
+        ratio=ratio,
+        note=note,
+        samples={"fila": xs, "floor": ys},
+        extra=breakdown,
+    )
+
+
+# --- rootless Podman, as an ordinary user ---------------------------------------------------------
+
+# Rootless Podman on cgroup v1 cannot enforce these: fila refuses the policy unless it waives them,
+# and leaves them out of the container once waived; the floor leaves them out too.
+WAIVED = ["memory", "pids", "cpus"]
+_WAIVED_FLAGS = ("--memory", "--memory-swap", "--cpus", "--pids-limit")
+
+
+def podman_run_args(docker_argv: list[str]) -> list[str]:
+    """Docker's floor command (bench/floor.py, translated from fila's create_kwargs) as the same
+    `podman run`: the waived limits out, `--userns keep-id` in (the engine runs as the user's own
+    uid, as fila asks Podman for), a tmpfs owned by the container's user (`U`: Podman has no
+    uid=/gid= there, and fila maps them the same way), and Podman's k8s-file log with the size
+    cap (no rotation count, as fila's request)."""
+    if docker_argv[:3] != ["docker", "run", "--rm"]:
+        raise ValueError(f"bench: not a floor command: {docker_argv[:3]}")
+    out = ["podman", "run", "--rm", "--userns", "keep-id"]
+    it = iter(docker_argv[3:])
+    for arg in it:
+        if arg in _WAIVED_FLAGS:
+            next(it)
+        elif arg == "--tmpfs":
+            target, _, opts = next(it).partition(":")
+            kept = [o for o in opts.split(",") if not o.startswith(("uid=", "gid="))]
+            out += [
+                "--tmpfs",
+                f"{target}:{','.join([*kept, 'U'] if len(kept) < len(opts.split(',')) else kept)}",
+            ]
+        elif arg == "--log-driver":
+            if next(it) != "json-file":
+                raise ValueError("bench: the floor's log driver changed; update podman_run_args")
+            out += ["--log-driver", "k8s-file"]
+        elif arg == "--log-opt":
+            opt = next(it)
+            if not opt.startswith("max-file="):
+                out += ["--log-opt", opt]
+        else:
+            out.append(arg)
+    return out
+
+
+@dataclass
+class _User:
+    name: str
+    uid: int
+    home: Path
+    env: dict[str, str]  # what each command as the user runs with (env -i)
+
+    def argv(self, *cmd: str) -> list[str]:
+        return [
+            "runuser",
+            "-u",
+            self.name,
+            "--",
+            "env",
+            "-i",
+            *(f"{k}={v}" for k, v in self.env.items()),
+            *cmd,
+        ]
+
+    def py(self, *args: str, **kw: object) -> subprocess.CompletedProcess[str]:
+        """bench.per_task's user side (`as_user`), in the user's Python, in the user's home."""
+        code = "import sys; from bench.per_task import as_user; as_user(sys.argv[1:])"
+        argv = self.argv(self.env["FILA_BENCH_PYTHON"], "-c", code, *args)
+        p = subprocess.run(argv, capture_output=True, text=True, cwd=self.home, check=False, **kw)  # type: ignore[call-overload]
+        if p.returncode != 0:
+            raise RuntimeError(f"bench as {self.name}: {' '.join(args)[:200]} exited {p.returncode}: "
+                               f"{(p.stdout + p.stderr)[-2000:]}")  # fmt: skip
+        return p
+
+
+def _readable(p: Path) -> bool:
+    """o+r on it, o+x on every directory above it (what an ordinary user needs to import it)."""
+    p = p.resolve()
+    return bool(os.stat(p).st_mode & 0o004) and all(os.stat(d).st_mode & 0o001 for d in p.parents)
+
+
+def _python_for_others(tmp: Path) -> tuple[str, str]:
+    """(a Python of this version an ordinary user may run, PYTHONPATH with fila, its packages and
+    bench/): this checkout's when readable by others, else a 0755 copy under `tmp`."""
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    cands = (Path(sys.executable), Path(f"/usr/bin/python{version}"))
+    python = next((str(c) for c in cands if c.exists() and _readable(c)), None)
+    if python is None:
+        raise SystemExit(f"bench: --backend podman needs a Python {version} an ordinary user may run")
+    import fila
+
+    src = Path(fila.__file__).parent.parent
+    site = next(Path(p) for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix))
+    if (
+        _readable(src / "fila" / "__init__.py")
+        and _readable(site)
+        and _readable(REPO / "bench" / "__init__.py")
+    ):
+        return python, f"{src}:{site}:{REPO}"
+    base = tmp / "runtime"
+    for name, frm in (("src/fila", src / "fila"), ("site", site), ("repo/bench", REPO / "bench"),
+                      ("src/policies", REPO / "policies"), ("src/images", REPO / "images")):  # fmt: skip
+        if frm.exists():
+            shutil.copytree(frm, base / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run(["chmod", "-R", "a+rX", str(base)], check=True)
+    return python, f"{base / 'src'}:{base / 'site'}:{base / 'repo'}"
+
+
+@contextlib.contextmanager
+def podman_user(ctx: Ctx) -> Iterator[_User]:
+    """A throwaway ordinary user for the run (as the Podman tests make one), and everything it
+    left removed afterwards: its processes (its Podman service, conmon), its home (Podman's
+    storage) and runtime directory."""
+    if os.getuid() != 0:
+        raise SystemExit("bench: --backend podman runs as root (it makes an ordinary user to run Podman as)")
+    if shutil.which("podman") is None:
+        raise SystemExit("bench: --backend podman needs podman (scripts/podman-up installs it)")
+    os.chmod(ctx.tmp, 0o711)  # the user reaches its own directory below the bench's
+    python, path = _python_for_others(ctx.tmp)
+    name = f"filabench{secrets.token_hex(3)}"
+    subprocess.run(["useradd", "--create-home", "--shell", "/bin/sh", "--user-group", name],
+                   check=True, capture_output=True)  # fmt: skip
+    pw = pwd.getpwnam(name)
+    try:
+        env = {
+            "PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
+            "HOME": pw.pw_dir,
+            "PYTHONPATH": path,
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "FILA_BACKEND": "podman",
+            "FILA_BENCH_PYTHON": python,
+        }
+        yield _User(name, pw.pw_uid, Path(pw.pw_dir), env)
+    finally:
+        pids = subprocess.run(["pgrep", "-u", str(pw.pw_uid)], capture_output=True, text=True).stdout.split()
+        for pid in pids:  # only the processes of the user made here
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), 9)
+        subprocess.run(["userdel", name], capture_output=True, check=False)
+        shutil.rmtree(pw.pw_dir, ignore_errors=True)
+        shutil.rmtree(f"/tmp/podman-run-{pw.pw_uid}", ignore_errors=True)
+
+
+def per_task_podman(ctx: Ctx, *, tasks: int = 10, files: int = 100) -> list[Row]:
+    reps = ctx.reps_or(7, 2)
+    with podman_user(ctx) as user:
+        mine = ctx.mkdtemp("podman")
+        os.chown(mine, user.uid, user.uid)
+        project = make_project(mine / "project", files - 1, seed=1).path
+        subprocess.run(["chown", "-R", f"{user.uid}:{user.uid}", str(project)], check=True)
+        ctx.log(f"per-task (podman): building fila/shell as {user.name} (rootless Podman)")
+        user.py("image", str(mine / "image-root"), timeout=1800)
+        phases: dict[str, list[float]] = {}
+        floor_phases: dict[str, list[float]] = {}
+        failures = Failures()
+        n = 0
+
+        def fila_side() -> float:
+            nonlocal n
+            n += 1
+            root = mine / f"root{n}"
+            user.py("prepare", str(root), str(project), str(tasks))
+            sync()
+            dt = float(user.py("fila", str(root)).stdout.split()[-1]) / tasks
+            for rec in failures.check(root, tasks):
+                for k, v in rec.timings.items():
+                    phases.setdefault(k, []).append(v)
+            phases.setdefault("wall", []).append(dt)
+            shutil.rmtree(root, ignore_errors=True)
+            return dt
+
+        def floor_side() -> float:
+            nonlocal n
+            n += 1
+            jobs = mine / f"floor{n}"
+            out = json.loads(user.py("floor", str(jobs), str(project), str(mine / "image-root"),
+                                     str(tasks)).stdout.splitlines()[-1])  # fmt: skip
+            for steps in out:
+                for k, v in steps.items():
+                    floor_phases.setdefault(k, []).append(v)
+            shutil.rmtree(jobs, ignore_errors=True)
+            return sum(s["total"] for s in out) / tasks
+
+        ctx.log(
+            f"per-task (podman): {reps} x ({tasks} fila and {tasks} floor tasks) as {user.name}, alternating"
         )
-    ]
+        xs, ys = alternate(fila_side, floor_side, reps)
+    case = f"per-task overhead, rootless Podman ({tasks} no-op tasks, {files} files)"
+    return [_row(case, xs, ys, phases, floor_phases, failures)]
+
+
+def _fila_as_user(*args: str) -> subprocess.CompletedProcess[bytes]:
+    return run([sys.executable, "-c", "from fila.cli import main; main()", *args])
+
+
+def as_user(argv: list[str]) -> None:
+    """The user's side of per_task_podman (run by `_User.py`, as the ordinary user):
+    `image ROOT`: a queue root on Podman and `fila images build shell` in it;
+    `prepare ROOT PROJECT N`: a queue root on Podman whose policy waives the limits rootless
+    Podman cannot enforce and lists PROJECT, with N no-op tasks queued (not timed);
+    `fila ROOT`: `fila run --once` on it, timed; prints the seconds;
+    `floor JOBS PROJECT ROOT N`: N floor tasks with `podman run`; prints their steps as JSON."""
+    from bench.filaside import allow_project, submit_noops
+    from fila.layout import Root
+
+    cmd, *rest = argv
+    if cmd == "image":
+        _fila_as_user("init", "--root", rest[0], "--backend", "podman")
+        os.chdir(rest[0])  # `fila images build` takes the backend of the root it runs in
+        _fila_as_user("images", "build", "shell")
+    elif cmd == "prepare":
+        root, project, n = Path(rest[0]), Path(rest[1]), int(rest[2])
+        _fila_as_user("init", "--root", str(root), "--backend", "podman")
+        r = Root.at(root)
+        allow_project(r, project)
+        pol = r.policies_dir / "default.json"
+        pol.write_text(json.dumps(json.loads(pol.read_text()) | {"waive": WAIVED}, indent=1) + "\n")
+        submit_noops(root, project, n)
+    elif cmd == "fila":
+        t = time.perf_counter()
+        run([sys.executable, "-c", "from fila.cli import main; main()", "run", "--once", "--quiet",
+             "--root", rest[0]], ok=(0, 1, 6))  # fmt: skip
+        print(time.perf_counter() - t)
+    elif cmd == "floor":
+        from fila.backends.podman import _service_conf
+
+        jobs, project, root, n = Path(rest[0]), Path(rest[1]), Path(rest[2]), int(rest[3])
+        # The engine configuration fila's own Podman service runs with (cgroupfs, runc on a
+        # hybrid cgroup host): the floor's podman runs the same runtime the same way.
+        os.environ["CONTAINERS_CONF"] = str(_service_conf(jobs.parent / f"{jobs.name}.conf"))
+        spec = FloorSpec(root)
+        prepared = []
+        for i in range(n):
+            job = new_job(jobs, i)
+            prepared.append((job, podman_run_args(spec.docker_args(job, f"fila-bench-{jobs.name}-{i}"))))
+        sync()
+        print(json.dumps([floor_task(project, job, args) for job, args in prepared]))
+    else:
+        raise SystemExit(f"bench.per_task.as_user: unknown command {cmd!r}")
