@@ -82,6 +82,10 @@ def containers_left(client: docker.DockerClient, root: Root) -> list[str]:
     return [c.name for c in client.containers.list(all=True, filters={"label": [f"fila.root={root.path}"]})]
 
 
+def volumes_left(client: docker.DockerClient, root: Root) -> list[str]:
+    return [v.name for v in client.volumes.list(filters={"label": f"fila.root={root.path}"})]
+
+
 def assert_one_state_each(root: Root, ids: list[str]) -> dict[str, Status]:
     """Exactly one place per task; no claim or tombstone left after recovery."""
     out = {}
@@ -106,6 +110,9 @@ EXPECTED = {
     "after_container_start": S.needs_human,
     "during_run": S.needs_human,
     "after_exit": S.needs_human,
+    # The container exited and its removal, in the background while the host diffs work/, has not
+    # happened: recovery finds it by its labels, removes it (and its work volume), needs_human.
+    "during_removal": S.needs_human,
     "after_diff": S.needs_human,
     "after_result": S.needs_human,
     "after_win": S.needs_review,
@@ -150,9 +157,12 @@ def test_sigkill_at_each_point_then_recovery_keeps_every_invariant(
     )
     crashed = fila(proj, "run", "--once", crash=point)
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    if point == "during_removal":  # the exited container and its work volume are still there
+        assert containers_left(docker_client, proj) and volumes_left(docker_client, proj)
     rep = json.loads(fila(proj, "recover", "--json", check=True).stdout)
     assert rep["docker"] == "ok"
     assert containers_left(docker_client, proj) == [], "recovery removes what the crash left"
+    assert volumes_left(docker_client, proj) == [], "and the work volume of an overlay job"
     assert assert_one_state_each(proj, ["t1"]) == {"t1": EXPECTED[point]}
     rec = queue.get_record(proj, "t1")
     ran_before = started_containers.count()

@@ -51,6 +51,7 @@ from .policy import Effective, image_allowed, load_json, load_policy, narrow, va
 
 if TYPE_CHECKING:
     from .backends import Backend
+    from .backends.base import Removal
 
 MAX_INFRA_ATTEMPTS = 5
 BACKOFF_BASE_S = 1.0
@@ -331,6 +332,8 @@ class _Run:
         self.mark = time.monotonic()
         self.container_started = False
         self.beats = 0
+        self.removals: list[Removal] = []  # containers exited and still being removed
+        self.removal_warnings: list[str] = []
 
     def lap(self, phase: str) -> None:
         """The seconds since the previous lap, added to `phase` (a fallback engine adds to its
@@ -348,6 +351,29 @@ class _Run:
         wait = max(0.0, min(waited, whole - create)) if started is not None else 0.0
         for phase, s in (("create", create), ("start_wait", wait), ("remove", whole - create - wait)):
             self.timings[phase] = round(self.timings.get(phase, 0.0) + s, 3)
+
+    def await_removal(self) -> None:
+        """Wait for the removals of the containers that exited (the backend returns before its
+        container is gone, so the diff runs meanwhile). Before anything about the job is
+        published: a claim outlives its container, which recovery's sweep relies on. The wait
+        left after the diff counts as the container's `remove` (and `run`); a failed removal
+        raises what the backend's run raises for it (InfraError)."""
+        while self.removals:
+            self.removals.pop(0).wait()
+            now = time.monotonic()
+            for phase in ("run", "remove"):
+                self.timings[phase] = round(self.timings.get(phase, 0.0) + now - self.mark, 3)
+            self.mark = now
+
+    def settle_removals(self) -> None:
+        """await_removal on a path that failed already (a bug, a lost lease), whatever way the
+        job ended and before its directory is free again: a removal that failed too becomes a
+        warning of the record it publishes (recovery removes what is left by its labels)."""
+        while self.removals:
+            try:
+                self.removals.pop(0).wait()
+            except Exception as e:
+                self.removal_warnings.append(f"{e}; `fila recover` removes what is left")
 
     def checkpoint(self, **fields: Any) -> None:
         queue.checkpoint(self.root, self.claim, **fields)
@@ -381,6 +407,9 @@ class _Run:
         self.hooks.check()
 
     def finish(self, status: Status, **fields: Any) -> Record | None:
+        self.settle_removals()  # none left on the usual path: awaited after the diff
+        if self.removal_warnings:
+            fields["warnings"] = [*fields.get("warnings", []), *self.removal_warnings]
         t = time.monotonic()
         # Every outcome names the backend, also a task refused before any container.
         fields.setdefault("backend", self.backend.name)
@@ -540,7 +569,10 @@ def run_one(
             )
         run.lap("validate")  # policy, targets, images, runtime: what can be known before a container
         with _job_lock(root, tid):
-            return _run_engines(run, checked, refs, rec.attempt, t0)
+            try:
+                return _run_engines(run, checked, refs, rec.attempt, t0)
+            finally:
+                run.settle_removals()  # an error after the run: the container goes before the lock
     except (InvalidInput, LimitExceeded) as e:
         return run.finish(Status.failed, error=ErrorInfo(kind=ErrorKind.invalid, message=str(e)))
     except queue.LeaseLost:
@@ -609,7 +641,7 @@ def run_one(
 def _run_engines(
     run: _Run, checked: Checked, refs: dict[str, ImageRef], attempt: int, t0: float
 ) -> Record | None:
-    from . import compare, diff
+    from . import diff
     from .backends import RunSpec
 
     root, tid, task = run.root, run.tid, checked.task
@@ -643,6 +675,7 @@ def _run_engines(
             redact=[*inv.secrets, *secrets, *egress.secret_values(checked.policy)],
             egress_dir=root.meta(tid) / "egress",
             overlay=overlay,
+            defer_removal=True,  # the container is removed while the diff runs: awaited below
         )
 
         image_ref = ImageRef(tag=image, id=ref.id)
@@ -675,6 +708,8 @@ def _run_engines(
             heartbeat=run.heartbeat,
             heartbeat_s=HEARTBEAT_IN_RUN_S,
         )
+        if result.removal is not None:
+            run.removals.append(result.removal)
         run.lap("run")
         run.split_run(t, marks.get("start"), result.duration_s)
         queue.log_event(
@@ -694,6 +729,7 @@ def _run_engines(
         # Only the engine's own quota falls back: the job's egress budget is spent for every engine
         # (a new one would get no new budget), and auth or an engine error would fail again.
         if outcome.kind == ErrorKind.quota and i + 1 < len(engines) and not budget:
+            run.await_removal()  # before the next engine's job directory is made
             _fall_back(run, checked, i, result, outcome, ImageRef(tag=image, id=result.image_id or ref.id),
                        started_at)  # fmt: skip
             continue
@@ -726,11 +762,14 @@ def _run_engines(
             outcome = _Out(ErrorKind.engine_error, f"the engine's output breaks a limit: {diff_error}")
         check = None
         if task.check and outcome.kind == "success":
+            from . import compare
+
             # The same sandbox as the engine's (what this loop calls), on a copy of work/.
             check = compare.run_check(
                 run, checked, prep.job_dir, refs, runner=run.backend.run, spec_of=RunSpec
             )
             run.lap("check")
+        run.await_removal()
         run.timings["total"] = round(run.mark - t0, 3)  # the laps since the claim, added up
         common = dict(
             engine=name,

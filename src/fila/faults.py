@@ -19,7 +19,8 @@ apply.py and landing.py, and are not in POINTS, the cycle's list that test_durab
     after_checkpoint       container_started is durable, the container is created, not started
     after_container_start  the container runs (first heartbeat)
     during_run             the container has run for a while (a later heartbeat)
-    after_exit             the container exited and was removed; no diff yet
+    after_exit             the container exited; its removal runs in the background; no diff yet
+    during_removal         (in that background removal) the container exited and is not removed
     after_diff             DIFF.patch is written; the outcome is not published
     after_result           the pending result is in sandbox/meta/<id>/result.json
     after_win              the claim was renamed to .done: the worker won the race
@@ -44,6 +45,7 @@ POINTS = (
     "after_container_start",
     "during_run",
     "after_exit",
+    "during_removal",
     "after_diff",
     "after_result",
     "after_win",

@@ -377,7 +377,22 @@ def hand_over(job_dir: Path, uid: int, gid: int) -> None:
     root and the engine must not). Only work/: the job directory itself stays the host's. What
     keeps the engine from writing beside work/ in either mode is the read-only mount of the job
     directory (sandbox.create_kwargs); ownership is the second wall when fila runs as root."""
-    _tool("chown", "-R", "-h", f"{uid}:{gid}", "--", str(job_dir / "work"))
+    work = job_dir / "work"
+    if _empty_dir(work):  # an overlay job's work/ (a mount point): no chown process for one inode
+        os.lchown(work, uid, gid)
+        return
+    _tool("chown", "-R", "-h", f"{uid}:{gid}", "--", str(work))
+
+
+def _empty_dir(path: Path) -> bool:
+    """A directory (never a link to one) with nothing in it."""
+    try:
+        if not stat.S_ISDIR(os.lstat(path).st_mode):
+            return False
+        with os.scandir(path) as it:
+            return next(it, None) is None
+    except OSError:
+        return False  # the tools report it
 
 
 def reclaim(job_dir: Path, *, owner: tuple[int, int] | None = None) -> list[str]:
@@ -473,6 +488,18 @@ def _make_inert(work: Path, owner: tuple[int, int] | None, *, whiteouts: bool = 
     the daemon made (root's): chmod goes around them, a non-root fila may not touch them."""
     warnings: list[str] = []
     _open_up(work)
+    if _empty_dir(work):
+        # Nothing below it (an overlay job's work/ on the host, a mount point the engine never
+        # sees): what find, chown and chmod do to the directory alone, without three processes.
+        st = os.lstat(work)
+        if owner is not None and (st.st_uid, st.st_gid) != owner:
+            os.lchown(work, *owner)
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o7022:
+            os.chmod(work, mode & ~0o7022)
+        if mode & 0o7000:
+            warnings.append("setuid/setgid/sticky bits stripped in work/: .")
+        return warnings
     # One pass over work/ finds both what to strip and what to remove, before chown (which clears
     # setuid bits by itself and would hide them); chmod runs only when something needs it.
     found = _tool(

@@ -462,6 +462,7 @@ class Worker:
                 self.progress(f"fila recover: failed: {e}")
             finally:
                 self.recovering.clear()
+                self.wake.set()  # a `once` loop waiting for this pass to end exits now, not at its next poll
             if self.once and not self.only:
                 return  # `only` may wait for another worker's claim: recovery settles a dead one
             self.recover_now.wait(self.recover_every_s)

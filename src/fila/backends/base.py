@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import secrets
+import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager
@@ -57,6 +59,39 @@ class RunSpec:
     # the overlay strategy (snapshot.Overlay): input/ is the snapshot's tree (read-only), work/ an
     # overlay of it with the job's upper layer; None: input/ and work/ are the job's own copies
     overlay: Any = None
+    # the caller awaits RunResult.removal before it publishes anything (see Backend.run)
+    defer_removal: bool = False
+
+
+class Removal:
+    """A container's removal running in the background once the container has exited
+    (`RunSpec.defer_removal`): the host reads work/ meanwhile, since the diff needs
+    the container stopped, not gone. `wait()` returns once the container (and its work volume) is
+    gone, and raises the error a removal inside `run` raises (an InfraError) when it failed. A
+    process that dies first leaves the container to recovery, which finds it by its labels, as
+    after a crash inside `run`."""
+
+    def __init__(self, name: str, remove: Callable[[], None]) -> None:
+        self.name = name
+        self.error: BaseException | None = None
+        self.seconds = 0.0  # how long the removal took, wherever it was awaited
+        self._done = threading.Event()
+        threading.Thread(target=self._remove, args=(remove,), name=f"fila-remove-{name}", daemon=True).start()
+
+    def _remove(self, remove: Callable[[], None]) -> None:
+        t = time.monotonic()
+        try:
+            remove()
+        except BaseException as e:  # raised by wait(), in the thread that awaits it
+            self.error = e
+        finally:
+            self.seconds = round(time.monotonic() - t, 3)
+            self._done.set()
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self.error is not None:
+            raise self.error
 
 
 @dataclass
@@ -77,6 +112,8 @@ class RunResult:
     egress: Any = None  # models.EgressRecord: what the job's gateway logged (network allowlist)
     backend: str = ""  # the backend that ran it (named in the record)
     waived: list[str] = field(default_factory=list)  # limits the policy let this backend leave unenforced
+    # defer_removal: the container's removal, still running; awaited before anything is published
+    removal: Removal | None = None
 
 
 @dataclass(frozen=True)
@@ -177,7 +214,10 @@ class Backend(ABC):
 
         `before_start(container_id)` runs between create and start: the side-effect boundary the
         caller records durably, and its last chance to refuse (raise; the container is then
-        removed unstarted). `heartbeat()` runs every `heartbeat_s` while the container runs."""
+        removed unstarted). `heartbeat()` runs every `heartbeat_s` while the container runs.
+        `spec.defer_removal`: a backend that can returns once the container has exited and work/
+        is handed back, its removal running on in `RunResult.removal`, which the caller must
+        await before it publishes anything; one that cannot removes it first (removal None)."""
 
     @abstractmethod
     def find(self, *, job_id: str | None = None, root: str | None = None) -> list[Box]:

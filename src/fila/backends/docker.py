@@ -28,6 +28,7 @@ from docker.types import DriverConfig, LogConfig, Mount, Ulimit
 from .. import jobdir
 from ..engines.base import HOME, JOB_MOUNT
 from ..errors import EngineUnavailable, ImageMissing, InfraError, InvalidPolicy
+from ..faults import crash_point
 from ..models import ImageRef, Limits, Policy, now_iso, parse_size
 from . import docker_images
 from .base import (
@@ -38,6 +39,7 @@ from .base import (
     Backend,
     Box,
     ImageInfo,
+    Removal,
     RunResult,
     RunSpec,
     container_name,
@@ -49,13 +51,21 @@ _DOCKER_ERRORS = (DockerException, requests.RequestException)
 _KILL_WAIT_S = 30.0  # after SIGKILL the daemon reports the exit promptly; longer means it is stuck
 
 
-def docker_client(timeout: float = 60) -> docker.DockerClient:
-    """A client for the local daemon (DOCKER_HOST honoured), checked with a ping."""
+def docker_client(
+    timeout: float = 60, *, version: str | None = None, check: bool = True
+) -> docker.DockerClient:
+    """A client for the local daemon (DOCKER_HOST honoured), checked: without `version`, by its
+    first request (GET /version, the API version it then speaks: a ping would only repeat that
+    the daemon answers); with one, by a ping unless not `check` (then it asks nothing)."""
+    client = None
     try:
-        client = docker.from_env(timeout=timeout)
-        client.ping()
+        client = docker.from_env(timeout=timeout, version=version)
+        if version is not None and check:
+            client.ping()
         return client
     except _DOCKER_ERRORS as e:
+        if client is not None:
+            client.close()
         denied = "Permission denied" in str(e)
         raise EngineUnavailable(
             f"the Docker daemon does not answer: {e}",
@@ -407,6 +417,42 @@ def _over_disk_limits(spec: RunSpec) -> str | None:
     return None
 
 
+def _remove_exited(client: docker.DockerClient, spec: RunSpec, name: str, *, fresh: bool = True) -> None:
+    """Remove the job's exited container and its work volume; a failure is reported as today's
+    run reports it (InfraError "removing container ... failed"), after one more try on a new
+    connection. `fresh`: on a connection of its own (a background removal: `client` goes back to
+    its pool and serves the next request meanwhile)."""
+    try:
+        own = _fresh_client(client) if fresh else client
+    except _DOCKER_ERRORS as e:
+        raise _docker_error(spec, f"removing container {name}", e) from e
+    try:
+        crash_point("during_removal")
+        _remove(own, name)
+        if spec.overlay is not None:
+            _remove_volume(own, work_volume(name))
+    except _DOCKER_ERRORS as e:
+        err = _docker_error(spec, f"removing container {name}", e)
+        if fresh:  # in the background: the last try a failed run makes, made here
+            _cleanup_after_failure(own, name, err)
+            if spec.overlay is not None:
+                _remove_volume_after_failure(own, name)
+        raise err from e
+    finally:
+        if fresh:
+            own.close()
+
+
+def _remove_volume_after_failure(client: docker.DockerClient, name: str) -> None:
+    """The overlay strategy's work volume, on a new connection (`client` may be mid-request)."""
+    with contextlib.suppress(*_DOCKER_ERRORS):
+        fresh = _fresh_client(client)
+        try:
+            _remove_volume(fresh, work_volume(name))
+        finally:
+            fresh.close()
+
+
 def _remove(client: docker.DockerClient, name: str) -> None:
     try:
         client.api.remove_container(name, force=True, v=True)
@@ -427,6 +473,7 @@ def run(
     heartbeat_s: float = 5.0,
     adapt: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     create: Callable[[docker.DockerClient, dict[str, Any]], Container] | None = None,
+    defer_removal: bool = False,
 ) -> RunResult:
     """Create, start, wait (with the host's timeout), and always remove the job's container.
     `adapt` maps create_kwargs' request to another engine speaking the Docker API (Podman), and
@@ -436,6 +483,9 @@ def run(
     the side-effect boundary the caller records durably, and its last chance to refuse (raise,
     e.g. LeaseLost when its claim was reaped; the container is then removed unstarted).
     `heartbeat()` runs every `heartbeat_s` while the container runs.
+    `defer_removal`: once the container has exited, its removal runs in the background on a
+    connection of its own (`RunResult.removal`, for the caller to await), while work/ is handed
+    back and the caller diffs it: reading work/ needs the container stopped, not gone.
     """
     client = client or docker_client()
     name = container_name(spec.job_id)
@@ -449,6 +499,7 @@ def run(
     if owner is not None:
         jobdir.hand_over(spec.job_dir, uid, gid)
     gateway = None
+    removal: Removal | None = None
     left: list[str] = []
     try:
         if spec.policy.runtime:
@@ -471,12 +522,11 @@ def run(
         if before_start is not None:
             before_start(container.id)
         result = _execute(client, spec, container, heartbeat, heartbeat_s)
-        try:
-            _remove(client, name)
-            if spec.overlay is not None:
-                _remove_volume(client, work_volume(name))
-        except _DOCKER_ERRORS as e:
-            raise _docker_error(spec, f"removing container {name}", e) from e
+        # With a gateway, its network can go only once the job's container is gone: removed now.
+        if defer_removal and gateway is None:
+            removal = result.removal = Removal(name, lambda: _remove_exited(client, spec, name))
+        else:
+            _remove_exited(client, spec, name, fresh=False)
         if gateway is not None:
             from . import docker_egress as egress
 
@@ -494,15 +544,17 @@ def run(
             result.warnings += jobdir.reclaim_tree(spec.overlay.upper, owner=owner)
         return result
     except BaseException as exc:
-        # Removed by name: an interrupted create may have made the container without telling us.
-        _cleanup_after_failure(client, name, exc)
-        if spec.overlay is not None:
-            with contextlib.suppress(*_DOCKER_ERRORS):
-                fresh = _fresh_client(client)
-                try:
-                    _remove_volume(fresh, work_volume(name))
-                finally:
-                    fresh.close()
+        if removal is not None:  # the container has exited and is being removed: see it through
+            try:
+                removal.wait()
+            except Exception as e:
+                exc.add_note(f"fila: {e}")
+            removal = None
+        else:
+            # Removed by name: an interrupted create may have made the container without telling us.
+            _cleanup_after_failure(client, name, exc)
+            if spec.overlay is not None:
+                _remove_volume_after_failure(client, name)
         if gateway is not None:
             _stop_gateway_after_failure(client, gateway, exc)
         try:
@@ -677,10 +729,15 @@ class DockerBackend(Backend):
     """Docker (the default). Clients are pooled here, one per concurrent job at most: a new client
     and its ping cost ~8 ms a task, and one job's calls never wait for another's. A client that
     saw an error is closed, never reused. `client` (tests, `fila run` with a given client) is used
-    for every call and never closed."""
+    for every call and never closed.
+
+    The daemon is asked its API version once (the first client's GET /version); later clients
+    reuse it. A ping is skipped while the daemon answered within FRESH_S (a request that worked,
+    or a ping): it would only say so again. Any error forgets that, so the next ping asks."""
 
     name = "docker"
     POOL_MAX = 16
+    FRESH_S = 2.0
 
     def __init__(self, client: docker.DockerClient | None = None, *, timeout: float = 60) -> None:
         self._given = client
@@ -688,12 +745,29 @@ class DockerBackend(Backend):
         self._pool: list[docker.DockerClient] = []
         self._lock = threading.Lock()
         self._overlay_why: list[str | None] | None = None
+        self._version: str | None = None
+        self._answered_at = -self.FRESH_S - 1.0  # never
 
     # -- connections ------------------------------------------------------------------------
 
+    def _answered(self, ok: bool = True) -> None:
+        self._answered_at = time.monotonic() if ok else -self.FRESH_S - 1.0  # an error: ask again
+
+    def _fresh(self) -> bool:
+        return time.monotonic() - self._answered_at < self.FRESH_S
+
     def connect(self, timeout: float | None = None) -> docker.DockerClient:
-        """A new client, checked with a ping (EngineUnavailable when it does not answer)."""
-        return docker_client(self._timeout if timeout is None else timeout)
+        """A new client, checked (EngineUnavailable when the daemon does not answer): the first by
+        asking the daemon's API version, a later one by a ping unless the daemon just answered."""
+        t = self._timeout if timeout is None else timeout
+        try:
+            c = docker_client(t, version=self._version, check=not self._fresh())
+        except EngineUnavailable:
+            self._answered(False)
+            raise
+        self._version = self._version or c.api.api_version
+        self._answered()
+        return c
 
     @contextlib.contextmanager
     def client(self) -> Iterator[docker.DockerClient]:
@@ -710,6 +784,7 @@ class DockerBackend(Backend):
             yield c
             healthy = True
         finally:
+            self._answered(healthy)
             keep = False
             if healthy:
                 with self._lock:
@@ -734,20 +809,24 @@ class DockerBackend(Backend):
             except _DOCKER_ERRORS as e:
                 raise EngineUnavailable(f"the {self.name} engine does not answer: {e}") from e
             return
+        if self._fresh():
+            return  # it answered a moment ago (one ping a process, not one per job and recovery)
         with self._lock:
             c = self._pool.pop() if self._pool else None
         if c is None:
-            # A new client is checked with a ping (15 s: a hung daemon is reported soon), then
-            # pooled with the usual timeout: the job that follows uses this connection.
+            # A new client is checked (15 s: a hung daemon is reported soon), then pooled with
+            # the usual timeout: the job that follows uses this connection.
             c = self.connect(timeout=15)
             c.api.timeout = self._timeout
         else:
             try:
                 c.api.get(f"{c.api.base_url}/_ping", timeout=15).raise_for_status()
             except _DOCKER_ERRORS as e:
+                self._answered(False)
                 with contextlib.suppress(Exception):
                     c.close()  # a client that saw an error is never reused
                 raise EngineUnavailable(f"the {self.name} engine does not answer: {e}") from e
+            self._answered()
         with self._lock:
             if len(self._pool) < self.POOL_MAX:
                 self._pool.append(c)
@@ -777,7 +856,12 @@ class DockerBackend(Backend):
         waived = self.check(spec.policy, job_id=spec.job_id)
         with self.client() as c:
             result = run(
-                spec, client=c, before_start=before_start, heartbeat=heartbeat, heartbeat_s=heartbeat_s
+                spec,
+                client=c,
+                before_start=before_start,
+                heartbeat=heartbeat,
+                heartbeat_s=heartbeat_s,
+                defer_removal=spec.defer_removal,
             )
         result.backend, result.waived = self.name, waived
         return result

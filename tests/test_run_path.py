@@ -1,0 +1,191 @@
+"""The run path of one task, from the claim to the published record, on the real Docker daemon:
+the container's removal runs behind the diff and is awaited before the record is published, and a
+failed removal is the same `needs_human` as before; one process asks the daemon its version once
+and pings it at most once."""
+
+from __future__ import annotations
+
+import os
+import stat
+import threading
+import time
+from pathlib import Path
+
+import docker
+import pytest
+
+from fila import cycle, diff, queue
+from fila.backends import docker as dk
+from fila.backends.docker import DockerBackend
+from fila.layout import Root
+from fila.models import ImageRef, Status
+
+from .helpers import make_root, shell_task
+
+S = Status
+pytestmark = pytest.mark.docker
+
+
+@pytest.fixture
+def proj(tmp_path: Path, shell_image: ImageRef) -> Root:
+    root = make_root(tmp_path)
+    (tmp_path / "greeting.txt").write_text("hello\n")
+    return root
+
+
+def left(client: docker.DockerClient, root: Root) -> tuple[list[str], list[str]]:
+    """fila's containers and work volumes of this root, in any state."""
+    flt = {"label": f"fila.root={root.path}"}
+    return (
+        [c.name for c in client.containers.list(all=True, filters=flt)],
+        [v.name for v in client.volumes.list(filters=flt)],
+    )
+
+
+def claim_of(root: Root, tid: str, command: str):
+    cycle.submit(root, shell_task(command, id=tid))
+    claim = cycle.next_claim(root, "w1", only={tid})
+    assert claim is not None
+    return claim
+
+
+def test_the_diff_runs_while_the_container_is_removed_and_the_record_waits_for_the_removal(
+    proj: Root, docker_client: docker.DockerClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    order: list[str] = []
+    seen_at_publish: list[tuple[list[str], list[str]]] = []
+    real_remove, real_diff, real_publish = dk._remove_exited, diff.compute_diff, queue.publish
+
+    def slow_remove(*a, **kw):
+        order.append("removal starts")
+        time.sleep(1.0)  # a slow daemon: the diff must not wait for it
+        real_remove(*a, **kw)
+        order.append("removed")
+
+    def watched_diff(*a, **kw):
+        order.append(f"diff ({threading.current_thread().name})")
+        return real_diff(*a, **kw)
+
+    def watched_publish(*a, **kw):
+        order.append("publish")
+        seen_at_publish.append(left(docker_client, proj))
+        return real_publish(*a, **kw)
+
+    monkeypatch.setattr(dk, "_remove_exited", slow_remove)
+    monkeypatch.setattr(diff, "compute_diff", watched_diff)
+    monkeypatch.setattr(queue, "publish", watched_publish)
+    backend = DockerBackend()
+    try:
+        rec = cycle.run_one(proj, claim_of(proj, "t1", "sed -i s/hello/world/ greeting.txt"), backend=backend)
+    finally:
+        backend.close()
+    assert rec is not None and rec.status == S.needs_review, rec
+    assert rec.diffstat is not None and rec.diffstat.paths == ["greeting.txt"]
+    # The diff began while the container was still being removed, in the job's own thread; the
+    # record was published only after the removal ended, when nothing of the job was left.
+    assert order[0] == "removal starts" and order[1].startswith("diff (") and "fila-remove" not in order[1]
+    assert order[2:] == ["removed", "publish"], order
+    assert seen_at_publish == [([], [])]
+    t = rec.timings
+    assert abs(t["create"] + t["start_wait"] + t["remove"] - t["run"]) <= 0.004, t
+    assert abs(sum(t[k] for k in ("begin", "validate", "prepare", "run", "diff")) - t["total"]) <= 0.006, t
+
+
+def test_a_removal_that_fails_behind_the_diff_is_the_needs_human_it_always_was(
+    proj: Root, docker_client: docker.DockerClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Allowed first: the same task with a removal that works is ready for review.
+    backend = DockerBackend()
+    try:
+        ok = cycle.run_one(proj, claim_of(proj, "t1", "echo world >> greeting.txt"), backend=backend)
+        assert ok is not None and ok.status == S.needs_review
+
+        real_remove = dk._remove_exited
+
+        def failing_remove(client, spec, name, **kw):
+            real_remove(client, spec, name, **kw)  # gone for real (nothing leaks from the test)
+            err = docker.errors.APIError("the daemon failed to remove it (injected)")
+            raise dk._docker_error(spec, f"removing container {name}", err) from err
+
+        monkeypatch.setattr(dk, "_remove_exited", failing_remove)
+        rec = cycle.run_one(proj, claim_of(proj, "t2", "echo world >> greeting.txt"), backend=backend)
+    finally:
+        backend.close()
+    assert rec is not None and rec.status == S.needs_human, rec
+    assert rec.error is not None and rec.error.kind == "infra"
+    assert "removing container fila-t2-" in rec.error.message and "(injected)" in rec.error.message
+    assert rec.diagnosis and "Docker failed while the container ran" in rec.diagnosis
+    assert rec.patch_path is None, "no diff is offered for review from a job whose container may be left"
+    assert left(docker_client, proj) == ([], [])
+    assert not queue.claim_files(proj, "t2")
+
+
+def test_one_process_asks_the_daemon_its_version_once_and_pings_it_at_most_once(
+    proj: Root, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`run --once` of two tasks: the start-up check, each job's check and recovery's would each
+    have been a ping (and every new client a GET /version); the daemon answering every request
+    in between says the same."""
+    asked: list[str] = []
+    real_send = __import__("requests").Session.send
+
+    def counting_send(self, request, **kw):
+        path = request.path_url.split("?")[0]
+        if path.endswith(("/_ping", "/version")):
+            asked.append(path.rsplit("/", 1)[1])
+        return real_send(self, request, **kw)
+
+    monkeypatch.setattr("requests.Session.send", counting_send)
+    from fila.worker import Worker
+
+    for tid in ("t1", "t2"):
+        cycle.submit(proj, shell_task("echo world >> greeting.txt", id=tid))
+    recs: list = []
+    w = Worker(proj, once=True, on_record=recs.append)
+    assert w.run() == 0
+    assert sorted(r.id for r in recs) == ["t1", "t2"] and {r.status for r in recs} == {S.needs_review}
+    assert asked.count("version") == 1, asked
+    assert asked.count("_ping") <= 1, asked
+
+    # Once the daemon fails a request, the next check asks it again.
+    b = DockerBackend()
+    try:
+        b.ping()
+        n = len(asked)
+        b.ping()
+        assert len(asked) == n, "it answered a moment ago"
+        with pytest.raises(docker.errors.NotFound), b.client() as c:
+            c.containers.get("fila-no-such-container-" + "0" * 8)
+        b.ping()
+        assert asked[n:] == ["_ping"], asked[n:]
+    finally:
+        b.close()
+
+
+def test_an_empty_work_dir_is_made_inert_in_process_exactly_as_the_tools_make_a_full_one(
+    tmp_path: Path,
+) -> None:
+    """An overlay job's work/ on the host is an empty mount point: reclaim sets its owner and
+    strips its mode bits itself, the same result `find`, `chown` and `chmod` give a work/ with
+    files in it (the path every copied job takes)."""
+    from fila import jobdir
+
+    owner = (os.getuid(), os.getgid())
+    results = {}
+    for kind in ("full", "empty"):
+        job = tmp_path / kind
+        (job / "work").mkdir(parents=True)
+        if kind == "full":
+            (job / "work" / "f.txt").write_text("x\n")
+        if os.getuid() == 0:
+            os.chown(job / "work", 65534, 65534)
+        os.chmod(job / "work", 0o7777)
+        warnings = jobdir.reclaim(job, owner=owner)
+        st = os.lstat(job / "work")
+        results[kind] = (
+            stat.S_IMODE(st.st_mode),
+            (st.st_uid, st.st_gid),
+            [w.split(":")[0] for w in warnings],
+        )
+    assert results["full"] == (0o755, owner, ["setuid/setgid/sticky bits stripped in work/"]), results
+    assert results["empty"] == results["full"]
