@@ -425,6 +425,10 @@ def test_on_podman_the_engine_reaches_the_listed_host_and_route_never_an_unliste
     assert eg["routes"]["anthropic"]["requests"] == 1
     assert (eg["routes"]["anthropic"]["input_tokens"], eg["routes"]["anthropic"]["output_tokens"]) == (7, 3)
     assert "route     anthropic: 1 requests" in show and "DENIED" in show, show
+    # The engine's own lookup went to the gateway's DNS door only: refused and recorded.
+    dns = [r for r in eg["requests"] if r["door"] == "dns"]
+    assert dns and not [r for r in dns if r["allowed"]], eg["requests"]
+    assert any("allowed.test" in (r["host"] or "") for r in dns), dns
     # Nothing of the job is left: no gateway, no network, no secrets directory.
     assert _leftovers(proj, tid) == []
 
@@ -451,6 +455,28 @@ def test_on_podman_a_killed_worker_leaves_its_gateway_and_network_and_recover_re
     assert _leftovers(proj, tid) == [], out
     rec = json.loads((proj / "fila" / "out" / f"{tid}.json").read_text())
     assert rec["status"] == "needs_human" and rec["container_started"], rec  # never run twice
+
+
+@as_user
+def test_on_podman_an_egress_network_that_does_not_exist_is_refused_naming_the_field(
+    proj: Path, podman_upstreams: PodmanUpstreams
+) -> None:
+    env = {KEY_VAR: f"sk-test-{secrets.token_hex(8)}"}
+    cmd = 'echo "allowed: $(curl -sS --max-time 10 --cacert ca.crt https://allowed.test/ 2>&1)"'
+    # The counterpart: the same job on the test's own network reaches the listed host.
+    _policy(proj, podman_upstreams)
+    ok = _submit(proj, cmd, env)
+    assert _cli("run", "--once", "--root", str(proj), env=env)[0] == 0
+    rec = json.loads((proj / "fila" / "out" / f"{ok}.json").read_text())
+    assert "allowed: hello from allowed.test" in (proj / rec["log_path"]).read_text(), rec
+    missing = f"fila-test-missing-{secrets.token_hex(4)}"
+    _policy(proj, podman_upstreams, egress_network=missing)
+    tid = _submit(proj, cmd, env)
+    _cli("run", "--once", "--root", str(proj), env=env)
+    rec = json.loads((proj / "fila" / "out" / f"{tid}.json").read_text())
+    assert rec["status"] == "failed" and rec["error"]["kind"] == "invalid", rec["error"]
+    assert "'egress.egress_network'" in rec["error"]["message"] and missing in rec["error"]["message"]
+    assert not rec["container_started"] and _leftovers(proj, tid) == []
 
 
 # -- the driver (root) -----------------------------------------------------------------------------
@@ -504,4 +530,4 @@ def test_allowlist_passes_on_rootless_podman_as_an_ordinary_user(docker_client: 
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-6000:]
     m = re.search(r"(\d+) passed", out)
-    assert m is not None and int(m.group(1)) == 4 and "skipped" not in out, out[-3000:]
+    assert m is not None and int(m.group(1)) == 5 and "skipped" not in out, out[-3000:]
