@@ -181,3 +181,23 @@ def test_console_submit_imports_no_container_client(tmp_path: Path) -> None:
     # Without them the checks all still run: a target outside the project is refused.
     code, _out, err, _mods = _console([*args, "../outside"])
     assert code == 2 and "outside" in err
+
+
+def test_stored_schemas_are_the_models_and_used_only_while_current(tmp_path: Path, monkeypatch: Any) -> None:
+    from fila import models
+
+    stored = json.loads(models._STORED.read_text())
+    assert stored["key"] == models._schema_key(), (
+        "fila/models.py or states.py changed since fila/_schemas.json was written: regenerate it with "
+        "`.venv/bin/python -m fila.entry --write`"
+    )
+    for kind in ("task", "policy", "record"):
+        assert stored["schemas"][kind] == models.schema_for(kind) == models.published_schema(kind)
+    # A stored schema from other sources (an edited model) is not used: the models' own is.
+    stale = tmp_path / "_schemas.json"
+    wrong = {"type": "object", "properties": {"engine": {"const": "nothing-valid"}}}
+    stale.write_text(json.dumps({"key": "0" * 64, "schemas": {"task": wrong}}))
+    monkeypatch.setattr(models, "_STORED", stale)
+    assert models.published_schema("task") == models.schema_for("task")
+    stale.write_text(json.dumps({"key": models._schema_key(), "schemas": {"task": wrong}}))
+    assert models.published_schema("task") == wrong  # the current key is what selects the file

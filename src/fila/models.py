@@ -7,8 +7,10 @@ name the field), and `schemas/*.json` in the repository are generated copies a t
 
 from __future__ import annotations
 
+import json
 import re
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -502,3 +504,39 @@ class Record(BaseModel):
 def schema_for(name: str) -> dict[str, Any]:
     models: dict[str, type[BaseModel]] = {"task": Task, "policy": Policy, "record": Record}
     return models[name].model_json_schema()
+
+
+# The schemas generated once and stored beside the code (`_schemas.json`, written by
+# `python -m fila.entry --write`): generating them costs 10-20 ms a format in every process that
+# validates a task or a policy (every submit, every worker's first claim). They are used only while
+# the sources they came from are these (models.py, states.py and pydantic's version), so an edited
+# model is validated against its own schema, generated, until the file is written again.
+_STORED = Path(__file__).with_name("_schemas.json")
+
+
+def _schema_key() -> str:
+    import hashlib
+
+    import pydantic
+
+    h = hashlib.sha256(pydantic.VERSION.encode())
+    for source in ("models.py", "states.py"):
+        h.update(Path(__file__).with_name(source).read_bytes())
+    return h.hexdigest()
+
+
+def published_schema(name: str) -> dict[str, Any]:
+    """`schema_for(name)`, read from `_schemas.json` when that was generated from these sources."""
+    try:
+        stored = json.loads(_STORED.read_bytes())
+        if stored["key"] == _schema_key():
+            return dict(stored["schemas"][name])
+    except (OSError, ValueError, KeyError, TypeError):  # missing, unreadable, another layout
+        pass
+    return schema_for(name)
+
+
+def write_stored_schemas() -> Path:
+    schemas = {name: schema_for(name) for name in ("task", "policy", "record")}
+    _STORED.write_text(json.dumps({"key": _schema_key(), "schemas": schemas}, indent=1) + "\n")
+    return _STORED

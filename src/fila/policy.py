@@ -16,16 +16,16 @@ from . import untrusted
 from .assets import shipped_dir
 from .errors import InvalidPolicy, InvalidTaskFile, UnknownPolicy
 from .layout import Root
-from .models import Limits, Policy, PolicyRef, Task, parse_size, schema_for, valid_id
+from .models import Limits, Policy, PolicyRef, Task, parse_size, published_schema, valid_id
 
 
 @functools.cache
 def _validator(kind: str) -> Any:
-    """The JSON Schema validator of a format, built once: generating the schema from the models
-    costs milliseconds, and every task and policy a worker reads is validated."""
+    """The JSON Schema validator of a format, built once: every task and policy a worker reads is
+    validated. The schema is the models' (`published_schema`: stored, not generated per process)."""
     import jsonschema  # lazy: start-up time of every other command
 
-    return jsonschema.Draft202012Validator(schema_for(kind))
+    return jsonschema.Draft202012Validator(published_schema(kind))
 
 
 def validate_document(kind: str, data: Any, *, path: Path | str | None = None) -> None:
