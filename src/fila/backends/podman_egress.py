@@ -19,7 +19,9 @@ rootless namespace (Docker's job network has none: inhibit_ipv4); nothing of fil
 DNS is off on the job network, and that namespace holds no host address (slirp4netns keeps the
 host's loopback closed), which the tests probe. The gateway's memory and pids limits follow the
 job's: rootless Podman on cgroup v1 ignores them, so they are set only where the policy did not
-waive them (the same waiver the job needed to run at all).
+waive them (the same waiver the job needed to run at all). Podman's bridge has no `enable_icc`:
+the gateways on fila-egress can reach each other, and each serves only its own job network's
+subnet (the gateway's `clients`), so no job uses another's routes or keys.
 """
 
 from __future__ import annotations
