@@ -432,12 +432,20 @@ class PodmanBackend(dk.DockerBackend):
 
     @contextlib.contextmanager
     def _scratch_cleared(self, spec: RunSpec, rootless: bool) -> Iterator[None]:
-        """After the run (the container and its mount gone), whatever way it ended."""
+        """After the run (the container and its mount gone), whatever way it ended; when the run
+        failed, its error stays the one raised, and a scratch left behind is noted on it."""
+        if spec.overlay is None or not rootless:
+            yield
+            return
         try:
             yield
-        finally:
-            if spec.overlay is not None and rootless:
+        except BaseException as exc:
+            try:
                 self._clear_scratch(spec.overlay.scratch)
+            except Exception as e:
+                exc.add_note(f"fila: {e}")
+            raise
+        self._clear_scratch(spec.overlay.scratch)
 
     def _pause_pid(self) -> int | None:
         """The pid of rootless Podman's pause process, which holds the user's namespace (Podman
