@@ -150,6 +150,8 @@ def test_overlay_why_allows_the_measured_host_and_names_each_host_it_cannot_read
     assert "5.11" in str(overlay_why(_INFO, "5.10.0", _FS))
     assert "older than 4.3" in str(overlay_why({**_INFO, "version": {"Version": "4.2.0"}}, "6.18", _FS))
     assert "no overlay" in str(overlay_why(_INFO, "6.18", "nodev\tproc\n"))
+    rootful = {**_INFO, "host": {"security": {"rootless": False}}}
+    assert "only rootless" in str(overlay_why(rootful, "6.18.44", _FS))
 
 
 # -- as the Podman test user ---------------------------------------------------------------------

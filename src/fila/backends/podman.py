@@ -225,7 +225,9 @@ def overlay_why(info: dict[str, Any], release: str, filesystems: str) -> str | N
         want = ".".join(map(str, MIN_OVERLAY_VERSION))
         return f"podman {raw or '?'} is older than {want}, the version whose overlay volumes were measured"
     if not ((info.get("host") or {}).get("security") or {}).get("rootless"):
-        return None
+        # Root's Podman marks opaque directories with trusted.* xattrs and runs the engine without
+        # keep-id: a different upper layer and ownership, not measured here.
+        return "podman runs as root here: only rootless Podman's overlay volumes were measured"
     kernel = re.match(r"(\d+)\.(\d+)", release)
     if kernel is None or (int(kernel[1]), int(kernel[2])) < (5, 11):
         return (
