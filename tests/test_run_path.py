@@ -120,18 +120,19 @@ def test_a_removal_that_fails_behind_the_diff_is_the_needs_human_it_always_was(
     assert not queue.claim_files(proj, "t2")
 
 
-def test_one_process_asks_the_daemon_its_version_once_and_pings_it_at_most_once(
+def test_one_process_asks_the_daemon_its_version_and_info_once_and_pings_it_at_most_once(
     proj: Root, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`run --once` of two tasks: the start-up check, each job's check and recovery's would each
     have been a ping (and every new client a GET /version); the daemon answering every request
-    in between says the same."""
+    in between says the same. The overlay check's GET /info, asked in the background at the
+    first claim, is asked once."""
     asked: list[str] = []
     real_send = __import__("requests").Session.send
 
     def counting_send(self, request, **kw):
         path = request.path_url.split("?")[0]
-        if path.endswith(("/_ping", "/version")):
+        if path.endswith(("/_ping", "/version", "/info")):
             asked.append(path.rsplit("/", 1)[1])
         return real_send(self, request, **kw)
 
@@ -144,8 +145,9 @@ def test_one_process_asks_the_daemon_its_version_once_and_pings_it_at_most_once(
     w = Worker(proj, once=True, on_record=recs.append)
     assert w.run() == 0
     assert sorted(r.id for r in recs) == ["t1", "t2"] and {r.status for r in recs} == {S.needs_review}
-    assert asked.count("version") == 1, asked
+    assert asked.count("version") == 1 and asked.count("info") == 1, asked
     assert asked.count("_ping") <= 1, asked
+    assert {r.workspace.strategy for r in recs if r.workspace} == {"overlay"}, "the check was used"
 
     # Once the daemon fails a request, the next check asks it again.
     b = DockerBackend()

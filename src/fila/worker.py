@@ -358,12 +358,20 @@ class Worker:
             before = {"claim": round(time.monotonic() - t, 3)}
             if age is not None:  # the process's start-up up to its first claim: imports, client, lock
                 before = {"startup": round(age, 3), **before}
+            if self.first_claim:
+                # What the job asks the engine only at its prepare step (Docker: GET /info, 10-30
+                # ms), asked now in the background while the job reads and checks its task.
+                threading.Thread(target=self._ask_overlay, name="fila-overlay-probe", daemon=True).start()
             self.first_claim = False
             job = _Job(self, claim, before)
             self.active[claim.name] = job
             job.thread.start()
             started += 1
         return started
+
+    def _ask_overlay(self) -> None:
+        with contextlib.suppress(Exception):  # the job asks again, and reports what fails
+            self.backend.overlay_unsupported()
 
     def _collect(self) -> None:
         for name, job in list(self.active.items()):
