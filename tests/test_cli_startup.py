@@ -201,3 +201,130 @@ def test_stored_schemas_are_the_models_and_used_only_while_current(tmp_path: Pat
     assert models.published_schema("task") == models.schema_for("task")
     stale.write_text(json.dumps({"key": models._schema_key(), "schemas": {"task": wrong}}))
     assert models.published_schema("task") == wrong  # the current key is what selects the file
+
+
+# -- validation without jsonschema: what the models accept strictly, the schema accepts ---------
+
+_POOL: list[Any] = [
+    0, 1, -1, 443, 443.0, 1.5, True, False, None, "", "443", "1g", "1g\n", "0", "a\n", "x\x1cy",
+    "https://a\x1cb", "https://a.b/", "/abs\n", "/abs", "rel", "a\u202eb", [], ["a"], [1], [None], {},
+    {"a": 1}, "GET /v1/*", "*.example.com", "sha256:" + "a" * 64, 1 << 41, 1e300, "shell", "1000",
+]  # fmt: skip
+
+
+def _base_documents() -> list[tuple[str, dict[str, Any]]]:
+    from fila.assets import shipped_dir
+
+    task = {
+        "id": "t-1", "prompt": "p", "engine": "shell", "model": "m", "timeout": 5000, "targets": ["a", "b/c"],
+        "policy": "default", "command": "true", "options": {"shell": {"command": "true"}},
+        "fallback": ["shell"], "project": "/p", "image": "fila/shell:latest", "group": "g",
+        "limits": {"memory": "512m", "cpus": 0.5, "pids": 64}, "check": "true",
+    }  # fmt: skip
+    egress = {
+        "allow": [{"host": "*.example.com", "port": 80, "methods": ["GET"]}, {"host": "a.b"}],
+        "routes": {"anthropic": {"upstream": "https://api.example.com/", "credential": "KEY",
+                                 "header": "x-api-key", "format": "{key}", "paths": ["POST /v1/*"]}},
+        "allow_private": ["10.0.0.0/8"], "max_requests": 10, "max_tokens": 1000, "egress_network": "n",
+    }  # fmt: skip
+    policy = {
+        "max_timeout_ms": 9000, "default_timeout_ms": 5000, "network": "allowlist", "egress": egress,
+        "projects": ["/p"], "tmpfs": {"tmp": "64m", "home": "64m"}, "waive": ["pids"],
+    }  # fmt: skip
+    docs = [("task", task), ("policy", policy)]
+    docs += [("policy", json.loads(p.read_text())) for p in sorted(shipped_dir("policies").glob("*.json"))]
+    return docs
+
+
+def _paths(doc: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [prefix] if prefix else []
+    if isinstance(doc, dict):
+        for k, v in doc.items():
+            out += _paths(v, (*prefix, k))
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            out += _paths(v, (*prefix, i))
+    return out
+
+
+def _get(doc: Any, path: tuple[Any, ...]) -> Any:
+    for key in path:
+        doc = doc[key]
+    return doc
+
+
+def _set(doc: Any, path: tuple[Any, ...], value: Any) -> Any:
+    import copy
+
+    doc = copy.deepcopy(doc)
+    node = doc
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return doc
+
+
+def _schema_accepts(kind: str, doc: Any) -> bool:
+    from fila.policy import _validator
+
+    return not list(_validator(kind).iter_errors(doc))
+
+
+def test_strictly_valid_documents_are_schema_valid_on_hostile_variants() -> None:
+    """Every field of a full task and of every shipped policy, replaced by hostile values (numbers as
+    strings, bools, floats, trailing newlines, control and bidi characters, wrong shapes) or given an
+    unknown key: whatever the model accepts strictly (validate_document's shortcut), the schema
+    accepts. Both kinds of outcome occur, so the check is not empty."""
+    from fila.policy import _strictly_valid
+
+    accepted = refused = 0
+    for kind, base in _base_documents():
+        assert _strictly_valid(kind, base) and _schema_accepts(kind, base), kind
+        variants = [_set(base, path, value) for path in _paths(base) for value in _POOL]
+        dicts = [(), *(path for path in _paths(base) if isinstance(_get(base, path), dict))]
+        variants += [_set(base, (*path, "unknown"), 1) for path in dicts]
+        for doc in variants:
+            if _strictly_valid(kind, doc):
+                accepted += 1
+                assert _schema_accepts(kind, doc), (kind, doc)
+            else:
+                refused += 1
+    assert accepted > 100 and refused > 1000, (accepted, refused)
+
+
+@pytest.mark.parametrize(
+    ("kind", "field", "value"),
+    [
+        ("policy", ("egress", "allow", 0, "port"), "443"),  # lax pydantic reads it as 443
+        ("policy", ("egress", "allow", 0, "port"), True),
+        ("policy", ("egress", "routes", "anthropic", "upstream"), "https://a\x1cb/"),  # \s differs
+        ("task", ("id",), "t-1\n"),  # Python's $ matches before a final newline
+        ("task", ("limits", "memory"), "1g\n"),
+        ("task", ("timeout",), "5000"),
+    ],
+)
+def test_documents_only_the_schema_or_lax_models_accept_take_the_full_path(
+    kind: str, field: tuple[Any, ...], value: Any
+) -> None:
+    from fila.errors import InvalidInput
+    from fila.policy import _strictly_valid, validate_document
+
+    base = next(doc for k, doc in _base_documents() if k == kind)  # the full one of its kind
+    validate_document(kind, base)  # the unchanged document passes
+    assert _strictly_valid(kind, base)
+    doc = _set(base, field, value)
+    assert not _strictly_valid(kind, doc)
+    with pytest.raises(InvalidInput):
+        validate_document(kind, doc)
+
+
+def test_console_submit_of_a_valid_task_imports_no_jsonschema(tmp_path: Path) -> None:
+    make_root(tmp_path)
+    (tmp_path / "greeting.txt").write_text("hello\n")
+    args = ["submit", "--root", str(tmp_path), "--engine", "shell", "--command", "true", "--target"]
+    code, _out, err, mods = _console([*args, "greeting.txt"])
+    assert code == 0, err
+    assert "jsonschema" not in mods
+    # A bad value is refused through the schema, naming the field, as before.
+    code, _out, err, mods = _console([*args, "greeting.txt", "--timeout", "5"])
+    assert code == 2 and "timeout" in err and "jsonschema" in mods

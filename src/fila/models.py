@@ -205,7 +205,11 @@ class Route(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     upstream: str | None = Field(
-        default=None, pattern=r"^https?://[^/?#@\s]+/?$", description="default: the known route's"
+        # \x1c-\x1f spelled out: Python's \s has them, the models' regex engine's does not, and the
+        # schema and the models must refuse the same names (policy.validate_document).
+        default=None,
+        pattern=r"^https?://[^/?#@\s\x1c-\x1f]+/?$",
+        description="default: the known route's",
     )
     credential: str | None = Field(
         default=None, pattern=ENV_NAME_PATTERN, description="name of the host environment variable"
