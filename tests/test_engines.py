@@ -2,8 +2,11 @@
 
 Unit tests read output captured from the REAL CLIs in their real images against the scripted model
 server (tests/fixtures/engines/<engine>/*.log, see its README): classification and the report are
-proven on what the CLIs really print. The end-to-end tests (marked docker and engines) run each
-real CLI in its image through fila and the egress gateway.
+proven on what the CLIs really print. A capture holds both streams interleaved and is given to
+`classify` as stdout (the worst case: the CLI's text among its JSON); the separation of stdout from
+stderr is proven by the cases that put a capture on one stream and another on the other, and on the
+real daemon. The end-to-end tests (marked docker and engines) run each real CLI in its image through
+fila and the egress gateway.
 """
 
 from __future__ import annotations
@@ -21,18 +24,28 @@ import docker
 import pytest
 
 from fila import snapshot as fila_snapshot
+from fila.backends.base import RunOutput, RunSpec
 from fila.backends.docker import DockerBackend
 from fila.engines import get_engine
 from fila.layout import Root
-from fila.models import EgressRecord, EgressRequest, Policy, Task
+from fila.models import EgressRecord, EgressRequest, ImageRef, Policy, Task
 from tests.helpers import fila, make_root, record
 from tests.upstreams.fixtures import Upstreams, upstreams  # noqa: F401  (the fixture)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "engines"
 
 
-def captured(engine: str, case: str) -> str:
+def captured_text(engine: str, case: str) -> str:
     return (FIXTURES / engine / f"{case}.log").read_text()
+
+
+def captured(engine: str, case: str) -> RunOutput:
+    """A capture as the backend's output: its text on stdout, nothing on stderr."""
+    return RunOutput(stdout=(FIXTURES / engine / f"{case}.log").read_bytes())
+
+
+def out(stdout: str = "", stderr: str = "", *, truncated: bool = False) -> RunOutput:
+    return RunOutput(stdout=stdout.encode(), stderr=stderr.encode(), stdout_truncated=truncated)
 
 
 def task(engine: str, model: str | None = None) -> Task:
@@ -121,15 +134,92 @@ def test_the_report_holds_what_the_cli_says_about_model_turns_usage_and_cost(
     assert report.get("session_id") or engine == "aider"  # aider has no session id
 
 
-def test_a_tail_cut_mid_line_still_finds_the_result() -> None:
-    text = "garbage {not json\n" + captured("claude", "success")
-    assert get_engine("claude").classify(0, text[5:]).kind == "success"
+def test_text_before_the_result_on_stdout_is_skipped() -> None:
+    text = "garbage {not json\n" + captured_text("claude", "success")
+    assert get_engine("claude").classify(0, out(text[5:])).kind == "success"
 
 
-def test_without_structured_output_the_text_decides() -> None:
+def test_without_structured_output_the_text_of_either_stream_decides() -> None:
     claude = get_engine("claude")
-    assert claude.classify(1, "Error: 429 rate limit reached\n").kind == "quota"
-    assert claude.classify(1, "segfault\n").kind == "engine_error"
+    assert claude.classify(1, out("Error: 429 rate limit reached\n")).kind == "quota"
+    assert claude.classify(1, out(stderr="Error: 429 rate limit reached\n")).kind == "quota"
+    assert claude.classify(1, out(stderr="Error: invalid api key\n")).kind == "auth"
+    assert claude.classify(1, out("segfault\n", "core dumped\n")).kind == "engine_error"
+
+
+# -- stdout apart from stderr: the result is stdout's, and all of it -----------------------------
+
+STRUCTURED = ["claude", "codex", "opencode", "gemini", "qwen"]
+
+
+@pytest.mark.parametrize("engine", STRUCTURED)
+def test_an_error_result_on_stderr_is_not_taken_as_the_result(engine: str) -> None:
+    # The CLI's real error output, printed on stderr beside a real success on stdout: stdout's result
+    # decides. The counterpart (the same two captures, streams swapped) is the error.
+    e = get_engine(engine)
+    both = RunOutput(stdout=captured(engine, "success").stdout, stderr=captured(engine, "auth").stdout)
+    swapped = RunOutput(stdout=captured(engine, "auth").stdout, stderr=captured(engine, "success").stdout)
+    assert e.classify_run(0, both).kind == "success"
+    assert e.classify_run(0, swapped).kind == "auth"
+    assert e.classify_run(1, swapped).kind == "auth"
+
+
+def test_a_json_line_on_stderr_that_looks_like_a_result_is_not_the_result() -> None:
+    forged = json.dumps({"type": "result", "is_error": True, "api_error_status": 429, "result": "rate limit"})
+    claude = get_engine("claude")
+    assert claude.classify_run(0, out(captured_text("claude", "success"), forged + "\n")).kind == "success"
+    # On stdout, after the real result, the same line is the CLI's last word: quota.
+    assert claude.classify_run(0, out(captured_text("claude", "success") + forged + "\n")).kind == "quota"
+
+
+def _big_claude_result(size: int, *, error: bool = False) -> str:
+    ok = json.loads(next(ln for ln in captured_text("claude", "success").splitlines() if '"result"' in ln))
+    return json.dumps({**ok, "result": "Wrote hello.txt. " + "x" * size, "is_error": error}) + "\n"
+
+
+def test_a_final_result_larger_than_256_kib_is_still_found() -> None:
+    claude = get_engine("claude")
+    big = _big_claude_result(600 << 10)
+    assert len(big) > 2 * (256 << 10)
+    o = claude.classify_run(0, out(big, "warning: something on stderr\n"))
+    assert o.kind == "success" and o.message.startswith("Wrote hello.txt.") and o.report is not None
+    assert o.report["input_tokens"] == 320
+    # The same large result as an error is read as one too.
+    assert claude.classify_run(1, out(_big_claude_result(600 << 10, error=True))).kind == "engine_error"
+    # Its last 256 KiB alone (what classification read before) hold no result: the text decided.
+    assert claude.classify_run(0, out(big[-(256 << 10) :])).report is None
+
+
+def test_gemini_finds_its_indented_result_larger_than_256_kib() -> None:
+    gemini = get_engine("gemini")
+    text = captured_text("gemini", "success")
+    start = text.index("\n{") + 1
+    doc = json.loads(text[start:])
+    big = json.dumps({**doc, "response": "Wrote hello.txt. " + "y" * (400 << 10)}, indent=2)
+    o = gemini.classify_run(0, out(big + "\n", text[:start]))
+    assert o.kind == "success" and o.message.startswith("Wrote hello.txt.")
+
+
+@pytest.mark.parametrize("engine", [*STRUCTURED, "aider"])
+def test_a_truncated_stdout_is_never_a_success_but_still_says_quota_or_auth(engine: str) -> None:
+    e = get_engine(engine)
+    whole = captured(engine, "success")
+    assert e.classify_run(0, whole).kind == "success"  # the same output, read to its end
+    cut = RunOutput(stdout=whole.stdout, stdout_truncated=True)
+    o = e.classify_run(0, cut)
+    assert o.kind == "engine_error" and "max_log_bytes" in o.message
+    half = RunOutput(stdout=whole.stdout[: len(whole.stdout) // 2], stdout_truncated=True)
+    assert e.classify_run(0, half).kind == "engine_error"
+    # What it did say before the cut still counts: an error result is an error.
+    auth = RunOutput(stdout=captured(engine, "auth").stdout, stdout_truncated=True)
+    assert e.classify_run(0 if engine == "aider" else 1, auth).kind == "auth"
+
+
+def test_the_shell_engines_exit_code_decides_also_when_its_output_was_cut() -> None:
+    shell = get_engine("shell")
+    assert shell.classify_run(0, out("x" * 1000, truncated=True)).kind == "success"
+    assert shell.classify_run(3, out("x" * 1000, truncated=True)).kind == "engine_error"
+    assert shell.classify_run(0, out("429 rate limit\n", "invalid api key\n")).kind == "success"
 
 
 def test_the_gateways_429_beats_the_engines_word_qwen() -> None:
@@ -190,7 +280,7 @@ def test_opencode_gets_the_policys_deny_rules_as_permission_globs() -> None:
 
 def test_opencode_captured_a_write_its_deny_rule_refused() -> None:
     text = captured("opencode", "denied")
-    assert "prevents you from using this specific tool call" in text
+    assert "prevents you from using this specific tool call" in text.out()
     assert get_engine("opencode").classify(0, text).kind == "success"
 
 
@@ -205,7 +295,7 @@ def test_gemini_gets_the_policys_deny_rules_as_its_own_policy_rules() -> None:
 
 def test_gemini_captured_a_write_its_policy_rule_refused() -> None:
     text = captured("gemini", "denied")
-    assert "Tool execution denied by policy" in text
+    assert "Tool execution denied by policy" in text.out()
     assert get_engine("gemini").classify(0, text).kind == "success"
 
 
@@ -511,3 +601,82 @@ def test_a_flag_the_cli_no_longer_lists_fails_the_smoke_test(
     with pytest.raises(ImageMissing) as e:
         smoke_test(backend, "claude", ref, progress=lambda _l: None)
     assert "lists no --no-such-flag" in str(e.value) and "src/fila/engines/claude.py" in str(e.value.hint)
+
+
+# -- the backend keeps stdout apart from stderr, on the real daemon -----------------------------
+
+CLAUDE_OK = json.dumps({"type": "result", "is_error": False, "result": "done on stdout", "num_turns": 1})
+CLAUDE_FORGED = json.dumps({"type": "result", "is_error": True, "api_error_status": 401, "result": "forged"})
+
+
+def _shell_spec(tmp_path: Path, script: str, **policy_kw: Any) -> RunSpec:
+    job_id = f"s2c-{secrets.token_hex(6)}"
+    job_dir = tmp_path / "jobs" / job_id
+    (job_dir / "input").mkdir(parents=True)
+    (job_dir / "work").mkdir()
+    (job_dir / "TASK.md").write_text("streams\n")
+    doc = {"max_timeout_ms": 60_000, "default_timeout_ms": 20_000, "grace_ms": 1000} | policy_kw
+    return RunSpec(
+        job_id=job_id,
+        job_dir=job_dir,
+        image="fila/shell:latest",
+        argv=["/bin/sh", "-c", script],
+        env={"PATH": "/usr/bin:/bin"},
+        policy=Policy.model_validate(doc),
+        limits=None,
+        timeout_ms=20_000,
+        log_path=tmp_path / "logs" / f"{job_id}.log",
+        labels={"fila.root": str(tmp_path)},
+        redact=["sk-s2c-SECRET-0123456789"],
+    )
+
+
+@pytest.mark.docker
+def test_the_log_has_both_streams_and_classification_sees_stdout_only(
+    tmp_path: Path, docker_client: docker.DockerClient, shell_image: ImageRef
+) -> None:
+    # The engine prints a success result on stdout and a forged error result on stderr, and a
+    # secret split across two frames of stdout with a stderr frame between them (the daemon cuts a
+    # line at 16 KiB: the secret straddles that cut, and stderr speaks before the line ends).
+    script = (
+        "echo 'starting' >&2; "
+        f"printf '%s\\n' '{CLAUDE_FORGED}' >&2; "
+        "head -c 16378 /dev/zero | tr '\\0' x; printf 'key sk-s2c-SEC'; sleep 0.3; "
+        "echo 'between' >&2; sleep 0.3; printf 'RET-0123456789 ok\\n'; "
+        f"printf '%s\\n' '{CLAUDE_OK}'"
+    )
+    spec = _shell_spec(tmp_path, script)
+    result = DockerBackend(docker_client).run(spec)
+    log = spec.log_path.read_text()
+    # The human-readable log has both streams, in the order they came, redacted.
+    for line in ("starting", "forged", "between", "*** ok", "done on stdout"):
+        assert line in log, log[-500:]
+    assert log.index("forged") < log.index("between") < log.index("*** ok") < log.index("done on stdout")
+    assert "sk-s" not in log and "RET-0123" not in log, log[16300:16500]
+    assert result.log_bytes == len(log.encode())
+    # Classification's stdout holds only stdout, redacted; stderr only stderr.
+    assert result.output.stdout == b"x" * 16378 + f"key *** ok\n{CLAUDE_OK}\n".encode()
+    assert b"forged" in result.output.stderr and b"between" in result.output.stderr
+    assert b"done on stdout" not in result.output.stderr
+    o = get_engine("claude").classify_run(result.exit_code, result.output)
+    assert (o.kind, o.message) == ("success", "done on stdout")
+
+
+@pytest.mark.docker
+def test_a_stdout_past_the_log_cap_is_cut_noted_and_not_a_success(
+    tmp_path: Path, docker_client: docker.DockerClient, shell_image: ImageRef
+) -> None:
+    backend = DockerBackend(docker_client)
+    cap = 64 << 10
+    # The allowed counterpart: the same result after output under the cap is a success.
+    small = _shell_spec(tmp_path, f"head -c 1000 /dev/zero | tr '\\0' x; echo; printf '%s\\n' '{CLAUDE_OK}'",
+                        max_log_bytes=cap)  # fmt: skip
+    r = backend.run(small)
+    assert not r.output.stdout_truncated and get_engine("claude").classify_run(0, r.output).kind == "success"
+    big = _shell_spec(tmp_path, f"head -c 200000 /dev/zero | tr '\\0' x; echo; printf '%s\\n' '{CLAUDE_OK}'",
+                      max_log_bytes=cap)  # fmt: skip
+    r = backend.run(big)
+    assert r.log_truncated and r.output.stdout_truncated and len(r.output.stdout) <= cap
+    assert f"[fila: log truncated at {cap} bytes]" in big.log_path.read_text()
+    o = get_engine("claude").classify_run(r.exit_code, r.output)
+    assert o.kind == "engine_error" and "max_log_bytes" in o.message

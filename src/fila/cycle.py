@@ -294,16 +294,6 @@ def infra_tries(rec: Record | None) -> int:
     return sum(1 for a in rec.attempts if a.outcome in ("requeued", "lost")) if rec else 0
 
 
-def _tail(path: Path, n: int = 262_144) -> str:
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, 2)
-            f.seek(max(0, f.tell() - n))
-            return f.read().decode(errors="replace")
-    except FileNotFoundError:
-        return ""
-
-
 def backoff_s(attempt: int) -> float:
     """Exponential backoff with full jitter, capped."""
     return random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** max(0, attempt - 1)))
@@ -889,8 +879,9 @@ def _classify(engine: Engine, result: Any, log_path: Path, checked: Checked) -> 
     if result.oom_killed:
         mem = checked.effective.limits.memory or checked.policy.memory
         return _Out(ErrorKind.engine_error, f"killed: out of memory (limit {mem})")
-    # The CLI's structured output first, then its text, then the gateway's statuses (engines.md).
-    o = engine.classify_run(result.exit_code, _tail(log_path), result.egress)
+    # The CLI's structured output (its stdout, apart from stderr) first, then its text, then the
+    # gateway's statuses (engines.md); the log file is for people and keeps both streams.
+    o = engine.classify_run(result.exit_code, result.output, result.egress)
     report = EngineReport.model_validate(o.report) if o.report else None
     if o.kind == "success":
         return _Out("success", "", report)

@@ -94,6 +94,31 @@ class Removal:
             raise self.error
 
 
+# How much of stderr classification keeps: the end, where a CLI's last words are.
+STDERR_TAIL = 256 << 10
+
+
+@dataclass(frozen=True)
+class RunOutput:
+    """The container's output as classification reads it (docs/engines.md, "Classifying a run"),
+    redacted like the log: stdout whole (a CLI's structured result, however large), up to the
+    policy's max_log_bytes, and the last STDERR_TAIL bytes of stderr (its warnings and errors)."""
+
+    stdout: bytes = b""
+    stderr: bytes = b""
+    # stdout may miss its end: the log reached max_log_bytes and fila stopped reading the output.
+    stdout_truncated: bool = False
+    # stderr's start was dropped: only its tail is kept.
+    stderr_truncated: bool = False
+
+    def text(self) -> str:
+        """stderr's tail, then stdout: what the text rules (quota, auth) read."""
+        return (self.stderr + b"\n" + self.stdout).decode(errors="replace")
+
+    def out(self) -> str:
+        return self.stdout.decode(errors="replace")
+
+
 @dataclass
 class RunResult:
     exit_code: int | None
@@ -112,6 +137,8 @@ class RunResult:
     egress: Any = None  # models.EgressRecord: what the job's gateway logged (network allowlist)
     backend: str = ""  # the backend that ran it (named in the record)
     waived: list[str] = field(default_factory=list)  # limits the policy let this backend leave unenforced
+    # stdout apart from stderr, for classification (the log file has both, interleaved)
+    output: RunOutput = field(default_factory=RunOutput)
     # defer_removal: the container's removal, still running; awaited before anything is published
     removal: Removal | None = None
 

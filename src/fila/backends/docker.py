@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -21,9 +22,11 @@ from typing import Any
 
 import docker
 import requests
+from docker.constants import STREAM_HEADER_SIZE_BYTES
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.models.containers import Container
 from docker.types import DriverConfig, LogConfig, Mount, Ulimit
+from docker.utils.socket import STDERR, STDOUT
 
 from .. import jobdir
 from ..engines.base import HOME, JOB_MOUNT
@@ -35,11 +38,13 @@ from .base import (
     JOB_LABEL,
     LABEL,
     ROOT_LABEL,
+    STDERR_TAIL,
     UNPRIVILEGED,
     Backend,
     Box,
     ImageInfo,
     Removal,
+    RunOutput,
     RunResult,
     RunSpec,
     container_name,
@@ -212,67 +217,128 @@ def create_kwargs(spec: RunSpec, name: str, gateway: Any = None) -> dict[str, An
 
 
 class _Redactor:
-    """Replaces secrets in a byte stream, also when one is split across two chunks."""
+    """Replaces secrets in a byte stream, also when one is split across two chunks. It holds back
+    only a chunk's end that could begin a secret, so the log's two streams stay in order."""
 
     def __init__(self, values: list[str]) -> None:
-        needles = sorted({v.encode() for v in values if v}, key=len, reverse=True)
-        self._rx = re.compile(b"|".join(re.escape(n) for n in needles)) if needles else None
-        self._keep = max((len(n) for n in needles), default=1) - 1
+        self._needles = sorted({v.encode() for v in values if v}, key=len, reverse=True)
+        self._rx = re.compile(b"|".join(re.escape(n) for n in self._needles)) if self._needles else None
+        self._keep = max((len(n) for n in self._needles), default=1) - 1
         self._buf = b""
 
     def feed(self, chunk: bytes) -> bytes:
         if self._rx is None:
             return chunk
         self._buf += chunk
-        cut = max(0, len(self._buf) - self._keep)
+        buf = self._buf
+        cut = len(buf) - self._held(buf)
         # A match that starts before the cut ends inside the buffer: emit it whole, redacted.
-        for m in self._rx.finditer(self._buf):
+        for m in self._rx.finditer(buf):
             if m.start() < cut < m.end():
                 cut = m.end()
-        out, self._buf = self._buf[:cut], self._buf[cut:]
+        out, self._buf = buf[:cut], buf[cut:]
         return self._rx.sub(b"***", out)
+
+    def _held(self, buf: bytes) -> int:
+        """The length of the buffer's longest end that could begin a secret."""
+        for k in range(min(self._keep, len(buf)), 0, -1):
+            if any(n.startswith(buf[-k:]) for n in self._needles):
+                return k
+        return 0
 
     def flush(self) -> bytes:
         out, self._buf = self._buf, b""
         return self._rx.sub(b"***", out) if self._rx is not None else out
 
 
+def _log_frames(client: docker.DockerClient, cid: str) -> Iterator[tuple[int, bytes]]:
+    """The container's output as (stream, bytes) frames, stdout (1) apart from stderr (2), as
+    they come. The SDK's logs() drops the frame header's stream byte (its demux is for attach and
+    exec only), so this is its own stream helper with the stream kept: the request, the socket
+    without a read timeout, then the 8-byte header (stream, size) of each frame."""
+    api = client.api
+    params = {"stdout": 1, "stderr": 1, "follow": 1, "timestamps": 0, "tail": "all"}
+    res = api._get(api._url("/containers/{0}/logs", cid), params=params, stream=True)
+    try:
+        api._raise_for_status(res)
+        api._disable_socket_timeout(api._get_raw_response_socket(res))
+        while True:
+            header = res.raw.read(STREAM_HEADER_SIZE_BYTES)
+            if len(header) < STREAM_HEADER_SIZE_BYTES:
+                return
+            stream, length = struct.unpack(">BxxxL", header)
+            data = res.raw.read(length) if length else b""
+            if length and not data:
+                return
+            yield stream, data
+    finally:
+        res.close()
+
+
 class _LogPump(threading.Thread):
-    """Copies the container's output to the log file as it comes (progress for long work).
+    """Copies the container's output to the log file as it comes (progress for long work), both
+    streams interleaved as they came, and keeps them apart for classification (RunOutput):
+    stdout up to the log's cap, stderr's last STDERR_TAIL bytes. Each stream has its own
+    redactor, so a secret split across two frames of one stream is still caught.
 
     `open_stream` is called in this thread: Podman answers a follow request only once the
     container prints something, and a silent engine must not hold up the host's timeout and the
     heartbeat, which run in the caller's thread meanwhile."""
 
     def __init__(
-        self, open_stream: Callable[[], Iterable[bytes]], path: Path, cap: int, redact: list[str]
+        self,
+        open_stream: Callable[[], Iterable[tuple[int, bytes]]],
+        path: Path,
+        cap: int,
+        redact: list[str],
     ) -> None:
         super().__init__(name=f"fila-log-{path.name}", daemon=True)
         self.open_stream, self.path, self.cap = open_stream, path, cap
-        self.stream: Iterable[bytes] = ()
-        self.redactor = _Redactor(redact)
+        self.stream: Iterable[tuple[int, bytes]] = ()
+        self.redactors = {STDOUT: _Redactor(redact), STDERR: _Redactor(redact)}
+        self.stdout = bytearray()
+        self.stderr = bytearray()
+        self.stderr_dropped = False
         self.written = 0
         self.truncated = False
         self.error: BaseException | None = None
 
-    def _write(self, f: Any, data: bytes) -> None:
+    def _write(self, f: Any, stream: int, data: bytes) -> None:
         room = self.cap - self.written
         if len(data) > room:
             data, self.truncated = data[:room], True
         f.write(data)
         f.flush()
         self.written += len(data)
+        if stream == STDOUT:
+            self.stdout += data  # within the log's cap, so never more than it
+        else:
+            self.stderr += data
+            if len(self.stderr) > STDERR_TAIL:
+                del self.stderr[: len(self.stderr) - STDERR_TAIL]
+                self.stderr_dropped = True
+
+    def output(self) -> RunOutput:
+        return RunOutput(
+            stdout=bytes(self.stdout),
+            stderr=bytes(self.stderr),
+            stdout_truncated=self.truncated,
+            stderr_truncated=self.stderr_dropped,
+        )
 
     def run(self) -> None:
         try:
             with open(self.path, "wb") as f:
                 self.stream = self.open_stream()
-                for chunk in self.stream:
-                    self._write(f, self.redactor.feed(chunk))
+                for stream, chunk in self.stream:
+                    if stream not in self.redactors:
+                        continue  # stdin's stream id: the engine has no stdin
+                    self._write(f, stream, self.redactors[stream].feed(chunk))
                     if self.truncated:
                         break  # stop reading: a log bomb must not cost us the rest of it
                 else:
-                    self._write(f, self.redactor.flush())
+                    for stream, redactor in self.redactors.items():
+                        self._write(f, stream, redactor.flush())
                 if self.truncated:
                     f.write(f"\n[fila: log truncated at {self.cap} bytes]\n".encode())
         except BaseException as e:  # reported by run(); a thread cannot raise to its caller
@@ -333,7 +399,7 @@ def _execute(
         container.start()
         step = "streaming the container's output"
         pump = _LogPump(
-            lambda: client.api.logs(cid, stdout=True, stderr=True, stream=True, follow=True),
+            lambda: _log_frames(client, cid),
             spec.log_path,
             spec.policy.max_log_bytes,
             spec.redact,
@@ -397,6 +463,7 @@ def _execute(
         image_id=container.attrs.get("Image", ""),
         log_bytes=pump.written,
         log_truncated=pump.truncated,
+        output=pump.output(),
         limit_exceeded=limit_exceeded,
     )
 

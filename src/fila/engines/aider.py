@@ -8,7 +8,8 @@ of its own: it edits only the files it is given (those in work/, where fila neve
 files) and new files its answer names (`--yes-always`).
 
 Aider prints text only, and after an API failure it retries for about a minute and then exits 0:
-the classification reads its text (the last `litellm.*Error` with no edit applied after it).
+the classification reads its text on stdout (the last `litellm.*Error` with no edit applied after
+it; aider prints its errors there too, in order).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..models import Task
-from .base import HOME, JOB_MOUNT, Engine, Invocation, Outcome, Smoke, error_outcome
+from .base import HOME, JOB_MOUNT, Engine, Invocation, Outcome, RunOutput, Smoke, error_outcome
 
 DEFAULT_MODEL = "gpt-4.1"
 FLAGS = (
@@ -96,16 +97,17 @@ class AiderEngine(Engine):
         }
         return Invocation(argv=["/bin/sh", "-c", script, "fila-aider", *args], env=env)
 
-    def classify(self, exit_code: int | None, log_tail: str) -> Outcome:
-        report = _report(log_tail)
-        errors = list(ERROR_RE.finditer(log_tail))
-        done = list(DONE_RE.finditer(log_tail))
+    def classify(self, exit_code: int | None, output: RunOutput) -> Outcome:
+        text = output.out()  # aider prints its messages and its errors to stdout, in order
+        report = _report(text)
+        errors = list(ERROR_RE.finditer(text))
+        done = list(DONE_RE.finditer(text))
         if errors and (not done or done[-1].start() < errors[-1].start()):
             name, text = errors[-1].group(1), errors[-1].group(2)
             status = {"RateLimitError": 429, "AuthenticationError": 401, "PermissionDeniedError": 403}
             return error_outcome(status.get(name), f"{name}: {text}", report)
         if exit_code != 0:
-            return super().classify(exit_code, log_tail)
+            return super().classify(exit_code, output)
         if not done:
             return Outcome("engine_error", "aider exited 0 without an answer from the model", report)
         return Outcome("success", "", report)

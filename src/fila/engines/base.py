@@ -1,8 +1,10 @@
 """The adapter interface: how one engine CLI runs without a person at the keyboard.
 
 An adapter translates a task into argv and environment for the engine's image, and classifies
-the run afterwards (engines.md, "Classifying a run"): the exit code alone is not a reliable
-signal, so the log text is read too. The sandbox, not the adapter, enforces time and limits.
+the run afterwards (engines.md, "Classifying a run") from the backend's RunOutput: the CLI's
+structured result is parsed from its stdout, whole; the text rules (quota, auth) read stderr's tail
+and stdout. The exit code alone is not a reliable signal. The sandbox, not the adapter, enforces
+time and limits.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ValidationError
 
+from ..backends.base import RunOutput
 from ..errors import InvalidTaskFile
 from ..models import EgressRecord, Policy, Task
 
@@ -71,6 +74,8 @@ class Engine(ABC):
     # Build-time checks of the engine's image; `version_argv` must print the image's version label.
     version_argv: ClassVar[tuple[str, ...]] = ()
     smoke: ClassVar[tuple[Smoke, ...]] = ()
+    # Whether classification reads the output (a CLI's result); the shell engine's exit code decides.
+    reads_output: ClassVar[bool] = True
 
     def config(self, task: Task) -> BaseModel:
         """The engine's options from the task: `options.<engine>`, over the task's top-level fields
@@ -119,22 +124,33 @@ class Engine(ABC):
         found = {k: os.environ[k] for k in self.credential_vars if os.environ.get(k)}
         return found, list(found.values())
 
-    def classify(self, exit_code: int | None, log_tail: str) -> Outcome:
-        """engines.md order, after fila's own timeout: quota, auth, non-zero exit, success."""
-        if QUOTA_RE.search(log_tail):
-            return Outcome("quota", _last_line_matching(log_tail, QUOTA_RE))
-        if AUTH_RE.search(log_tail):
-            return Outcome("auth", _last_line_matching(log_tail, AUTH_RE))
+    def classify(self, exit_code: int | None, output: RunOutput) -> Outcome:
+        """engines.md order, after fila's own timeout: quota, auth, non-zero exit, success. The
+        text rules read stderr's tail and stdout (a CLI prints its errors to either)."""
+        text = output.text()
+        if QUOTA_RE.search(text):
+            return Outcome("quota", _last_line_matching(text, QUOTA_RE))
+        if AUTH_RE.search(text):
+            return Outcome("auth", _last_line_matching(text, AUTH_RE))
         if exit_code != 0:
             return Outcome("engine_error", f"{self.name} exited with code {exit_code}")
         return Outcome("success")
 
     def classify_run(
-        self, exit_code: int | None, log_tail: str, egress: EgressRecord | None = None
+        self, exit_code: int | None, output: RunOutput, egress: EgressRecord | None = None
     ) -> Outcome:
-        """`classify`, then the gateway's word (engines.md: it beats the engine's): a run that did not
-        succeed while a model route answered 429 is `quota`, 401/403 `auth`."""
-        o = self.classify(exit_code, log_tail)
+        """`classify`, then two rules over it. A stdout cut at the log's cap (max_log_bytes) is
+        never a success for an engine whose output is read: its result may be in the part fila did
+        not read. The gateway's word beats the engine's (engines.md): a run that did not succeed
+        while a model route answered 429 is `quota`, 401/403 `auth`."""
+        o = self.classify(exit_code, output)
+        if o.kind == "success" and output.stdout_truncated and self.reads_output:
+            o = Outcome(
+                "engine_error",
+                f"{self.name}'s output passed the log's cap (the policy's max_log_bytes) and was cut: "
+                "its result was not read to the end, so the run is not taken as a success",
+                o.report,
+            )
         if o.kind == "success" or not self.routes or egress is None:
             return o
         statuses = {r.status for r in egress.requests if r.route is not None and r.status is not None}
@@ -157,8 +173,8 @@ def error_outcome(status: int | None, message: str, report: dict[str, Any] | Non
 
 
 def json_lines(text: str) -> list[dict[str, Any]]:
-    """The JSON objects of a log, one a line; other lines (the CLI's own text, a cut first line of a
-    tail) are skipped."""
+    """The JSON objects of a CLI's stdout, one a line; other lines (text a CLI prints among its
+    events) are skipped."""
     out = []
     for line in text.splitlines():
         line = line.strip()

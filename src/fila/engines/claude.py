@@ -4,7 +4,8 @@ Its model API is reached through the gateway's `anthropic` route (ANTHROPIC_BASE
 placeholder key come from the sandbox's gateway environment), its state lives on the tmpfs HOME,
 edits are auto-approved and nothing else is asked (`acceptEdits`; a headless run denies the rest),
 and the policy's deny rules become Claude's own `permissions.deny` (Read and Edit), besides the files
-fila never copies. Classification reads the result object first (`is_error`, `api_error_status`).
+fila never copies. Classification reads the result object on stdout first (`is_error`,
+`api_error_status`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..models import Policy, Task
-from .base import HOME, JOB_MOUNT, Engine, Invocation, Outcome, Smoke, error_outcome, json_lines
+from .base import HOME, JOB_MOUNT, Engine, Invocation, Outcome, RunOutput, Smoke, error_outcome, json_lines
 
 FLAGS = ("-p", "--output-format", "--permission-mode", "--model", "--settings")
 # Few retries: a rate limit is fila's signal to fall back to another engine, not to wait minutes
@@ -72,10 +73,11 @@ class ClaudeEngine(Engine):
         }
         return Invocation(argv=["/bin/sh", "-c", script, "fila-claude", *args], env=env)
 
-    def classify(self, exit_code: int | None, log_tail: str) -> Outcome:
-        result = next((o for o in reversed(json_lines(log_tail)) if o.get("type") == "result"), None)
+    def classify(self, exit_code: int | None, output: RunOutput) -> Outcome:
+        # Its one result object, from stdout whole (however long its final message is).
+        result = next((o for o in reversed(json_lines(output.out())) if o.get("type") == "result"), None)
         if result is None:
-            return super().classify(exit_code, log_tail)
+            return super().classify(exit_code, output)
         report = _report(result)
         message = str(result.get("result") or "")
         status = result.get("api_error_status")

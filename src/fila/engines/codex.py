@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..models import Task
-from .base import HOME, JOB_MOUNT, Engine, Invocation, Outcome, Smoke, error_outcome, json_lines
+from .base import HOME, JOB_MOUNT, Engine, Invocation, Outcome, RunOutput, Smoke, error_outcome, json_lines
 
 PROVIDER = "fila"
 DEFAULT_MODEL = "gpt-5.5"  # a name codex knows: an unknown one gets no apply_patch tool
@@ -75,10 +75,10 @@ class CodexEngine(Engine):
         env = self.base_env() | {"CODEX_HOME": f"{HOME}/.codex"}
         return Invocation(argv=["/bin/sh", "-c", script, "fila-codex", *args], env=env)
 
-    def classify(self, exit_code: int | None, log_tail: str) -> Outcome:
-        events = json_lines(log_tail)
+    def classify(self, exit_code: int | None, output: RunOutput) -> Outcome:
+        events = json_lines(output.out())  # its --json events, stdout only
         if not any(str(e.get("type", "")).startswith(("turn.", "thread.")) for e in events):
-            return super().classify(exit_code, log_tail)
+            return super().classify(exit_code, output)
         report = _report(events)
         failed = next((e for e in reversed(events) if e.get("type") == "turn.failed"), None)
         errors = [e for e in events if e.get("type") == "error"]

@@ -6,7 +6,7 @@ usage statistics and no telemetry are written to its settings on the tmpfs HOME 
 (without the auth type a headless run exits 41). The workspace is trusted for the run
 (an untrusted folder silently downgrades yolo). The policy's deny rules become Gemini's own policy
 rules (`--policy`): the file tools are denied on matching paths. Classification reads the JSON
-result (`error`) and the exit code first, then the text.
+result on stdout (`error`) and the exit code first, then the text (its warnings are on stderr).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..models import Policy, Task
-from .base import HOME, JOB_MOUNT, Engine, Invocation, Outcome, Smoke, error_outcome
+from .base import HOME, JOB_MOUNT, Engine, Invocation, Outcome, RunOutput, Smoke, error_outcome
 
 DEFAULT_MODEL = "gemini-2.5-pro"
 FLAGS = ("--prompt", "--output-format", "--approval-mode", "--model", "--policy", "yolo", "json")
@@ -94,12 +94,12 @@ class GeminiEngine(Engine):
             env["FILA_GEMINI_POLICY"] = rules
         return Invocation(argv=["/bin/sh", "-c", script, "fila-gemini", *args], env=env)
 
-    def classify(self, exit_code: int | None, log_tail: str) -> Outcome:
-        result = last_json_object(log_tail)
+    def classify(self, exit_code: int | None, output: RunOutput) -> Outcome:
+        result = last_json_object(output.out())  # its JSON result, stdout only
         if result is None or not ({"session_id", "response", "error", "stats"} & result.keys()):
             if exit_code in AUTH_EXITS:
                 return Outcome("auth", f"gemini exited with code {exit_code} (authentication)")
-            return super().classify(exit_code, log_tail)
+            return super().classify(exit_code, output)
         report = _report(result)
         error = result.get("error")
         if error:
@@ -116,8 +116,8 @@ class GeminiEngine(Engine):
 
 
 def last_json_object(text: str) -> dict[str, Any] | None:
-    """The last top-level JSON object in the text (gemini prints it indented over many lines,
-    after its own warnings)."""
+    """The last top-level JSON object in the text (gemini prints it indented over many lines;
+    text before it is skipped)."""
     decoder = json.JSONDecoder()
     starts = [m.start() for m in re.finditer(r"(?m)^\{", text)]
     for start in reversed(starts):

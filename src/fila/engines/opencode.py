@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..models import Policy, Task
-from .base import HOME, JOB_MOUNT, Engine, Invocation, Outcome, Smoke, error_outcome, json_lines
+from .base import HOME, JOB_MOUNT, Engine, Invocation, Outcome, RunOutput, Smoke, error_outcome, json_lines
 
 PROVIDER = "fila"
 DEFAULT_MODEL = "default"
@@ -92,10 +92,11 @@ class OpencodeEngine(Engine):
         }
         return Invocation(argv=["/bin/sh", "-c", script, "fila-opencode", *args], env=env)
 
-    def classify(self, exit_code: int | None, log_tail: str) -> Outcome:
-        events = [e for e in json_lines(log_tail) if "sessionID" in e or e.get("type") == "error"]
+    def classify(self, exit_code: int | None, output: RunOutput) -> Outcome:
+        # Its --format json events, stdout only.
+        events = [e for e in json_lines(output.out()) if "sessionID" in e or e.get("type") == "error"]
         if not events:
-            return super().classify(exit_code, log_tail)
+            return super().classify(exit_code, output)
         report = _report(events)
         error = next((e for e in reversed(events) if e.get("type") == "error"), None)
         if error is not None:

@@ -5,7 +5,7 @@ OPENAI_API_KEY come from the sandbox's gateway environment). State lives in QWEN
 HOME, usage statistics and telemetry are off. Every tool is auto-approved (yolo: nothing is asked;
 fila's container is the sandbox), except what the policy denies: its deny rules become Qwen's own
 `permissions.deny` (Read and Edit rules, the same syntax as Claude Code's) in QWEN_HOME/settings.json.
-Classification reads the final `result` event (`is_error`) first, then the text.
+Classification reads the final `result` event on stdout (`is_error`) first, then the text.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..models import Policy, Task
-from .base import HOME, JOB_MOUNT, Engine, Invocation, Outcome, Smoke, error_outcome, json_lines
+from .base import HOME, JOB_MOUNT, Engine, Invocation, Outcome, RunOutput, Smoke, error_outcome, json_lines
 from .claude import deny_rules
 
 DEFAULT_MODEL = "qwen3-coder-plus"
@@ -61,11 +61,11 @@ class QwenEngine(Engine):
         }
         return Invocation(argv=["/bin/sh", "-c", script, "fila-qwen", *args], env=env)
 
-    def classify(self, exit_code: int | None, log_tail: str) -> Outcome:
-        events = json_lines(log_tail)
+    def classify(self, exit_code: int | None, output: RunOutput) -> Outcome:
+        events = json_lines(output.out())  # its stream-json events, stdout only
         result = next((o for o in reversed(events) if o.get("type") == "result"), None)
         if result is None:
-            return super().classify(exit_code, log_tail)
+            return super().classify(exit_code, output)
         report = _report(result, events)
         message = str(result.get("result") or result.get("error") or "")
         if result.get("is_error"):

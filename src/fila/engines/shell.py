@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import BaseModel, ConfigDict, Field
 
 from ..models import Task
-from .base import JOB_MOUNT, Engine, Invocation, Outcome
+from .base import JOB_MOUNT, Engine, Invocation, Outcome, RunOutput
 
 
 class ShellConfig(BaseModel):
@@ -16,6 +16,7 @@ class ShellConfig(BaseModel):
 class ShellEngine(Engine):
     name = "shell"
     Config = ShellConfig
+    reads_output = False  # the command's exit code decides, also when its output was cut
 
     def invocation(self, task: Task) -> Invocation:
         cfg = self.config(task)
@@ -27,7 +28,7 @@ class ShellEngine(Engine):
             env=self.base_env(),
         )
 
-    def classify(self, exit_code: int | None, log_tail: str) -> Outcome:
+    def classify(self, exit_code: int | None, output: RunOutput) -> Outcome:
         # A shell command's output is the user's own text: "429" in it is not a quota signal.
         if exit_code != 0:
             return Outcome("engine_error", f"command exited with code {exit_code}")
