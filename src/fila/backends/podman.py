@@ -245,6 +245,35 @@ def overlay_why(info: dict[str, Any], release: str, filesystems: str) -> str | N
     return None
 
 
+# -- the client ----------------------------------------------------------------------------------
+
+# How often Podman checks a container's state while a wait request is open (libpod's `interval`).
+WAIT_INTERVAL = "10ms"
+
+
+class PodmanAPI(docker.APIClient):
+    """The Docker SDK's API client, with a container's wait on Podman's own endpoint. Podman 4.3's
+    Docker-compatible wait looks at the container every 250 ms and answered a no-op container's
+    exit 0.34 s later than its libpod wait at 10 ms (start to exit, medians of 11 each, alternated,
+    0.63 s against 0.28 s): once per job, as long again as the `podman run` CLI takes in all."""
+
+    def wait(
+        self, container: Any, timeout: float | None = None, condition: str | None = None
+    ) -> dict[str, Any]:
+        if condition not in (None, "not-running"):  # next-exit, removed: Docker's own meaning
+            return dict(super().wait(container, timeout=timeout, condition=condition))
+        cid = container.get("Id") if isinstance(container, dict) else container
+        # Stopped (its process gone) or exited (also cleaned up): Docker's not-running.
+        res = self._post(self._url("/libpod/containers/{0}/wait", cid), timeout=timeout,
+                         params={"condition": ["stopped", "exited"], "interval": WAIT_INTERVAL})  # fmt: skip
+        return {"StatusCode": int(self._result(res, True)), "Error": None}
+
+
+class PodmanClient(docker.DockerClient):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.api = PodmanAPI(*args, **kwargs)
+
+
 # -- the service -----------------------------------------------------------------------------------
 
 
@@ -294,7 +323,7 @@ class PodmanBackend(dk.DockerBackend):
     # -- connections ----------------------------------------------------------------------------
 
     def _client(self, timeout: float) -> docker.DockerClient:
-        c = docker.DockerClient(base_url=f"unix://{self.socket}", version="1.41", timeout=timeout)
+        c = PodmanClient(base_url=f"unix://{self.socket}", version="1.41", timeout=timeout)
         try:
             c.ping()
         except BaseException:
