@@ -201,18 +201,31 @@ def test_gemini_finds_its_indented_result_larger_than_256_kib() -> None:
 
 
 @pytest.mark.parametrize("engine", [*STRUCTURED, "aider"])
-def test_a_truncated_stdout_is_never_a_success_but_still_says_quota_or_auth(engine: str) -> None:
+def test_a_truncated_stdout_is_read_as_far_as_it_was_kept(engine: str) -> None:
+    # docs/engines.md: what was kept before the cut decides as usual; with the result past the
+    # cut, the text rules and the exit code decide.
     e = get_engine(engine)
-    whole = captured(engine, "success")
-    assert e.classify_run(0, whole).kind == "success"  # the same output, read to its end
-    cut = RunOutput(stdout=whole.stdout, stdout_truncated=True)
-    o = e.classify_run(0, cut)
-    assert o.kind == "engine_error" and "max_log_bytes" in o.message
-    half = RunOutput(stdout=whole.stdout[: len(whole.stdout) // 2], stdout_truncated=True)
-    assert e.classify_run(0, half).kind == "engine_error"
-    # What it did say before the cut still counts: an error result is an error.
+    whole = captured(engine, "success").stdout
+    kept = RunOutput(stdout=whole, stdout_truncated=True)
+    assert e.classify_run(0, kept).kind == "success"
     auth = RunOutput(stdout=captured(engine, "auth").stdout, stdout_truncated=True)
-    assert e.classify_run(0 if engine == "aider" else 1, auth).kind == "auth"
+    assert e.classify_run(0, auth).kind == "auth"
+    head = whole[: len(whole) // 2]
+    # aider's own rule: no answer seen (its `Tokens:` line was past the cut) is an error.
+    expected = "engine_error" if engine == "aider" else "success"
+    assert e.classify_run(0, RunOutput(stdout=head, stdout_truncated=True)).kind == expected
+    assert e.classify_run(7, RunOutput(stdout=head, stdout_truncated=True)).kind == "engine_error"
+
+
+def test_a_result_past_the_cut_leaves_the_text_and_the_exit_code_to_decide() -> None:
+    claude = get_engine("claude")
+    big = _big_claude_result(600 << 10, error=True).encode()
+    assert claude.classify_run(1, RunOutput(stdout=big)).report is not None  # read whole: its result
+    cut = RunOutput(stdout=big[: 256 << 10], stdout_truncated=True)
+    o = claude.classify_run(1, cut)
+    assert (o.kind, o.report, o.message) == ("engine_error", None, "claude exited with code 1")
+    quota = RunOutput(stdout=cut.stdout, stderr=b"Error: 429 rate limit reached\n", stdout_truncated=True)
+    assert claude.classify_run(1, quota).kind == "quota"
 
 
 def test_the_shell_engines_exit_code_decides_also_when_its_output_was_cut() -> None:
@@ -663,20 +676,25 @@ def test_the_log_has_both_streams_and_classification_sees_stdout_only(
 
 
 @pytest.mark.docker
-def test_a_stdout_past_the_log_cap_is_cut_noted_and_not_a_success(
+def test_a_stdout_past_the_log_cap_is_cut_noted_and_classified_from_what_was_kept(
     tmp_path: Path, docker_client: docker.DockerClient, shell_image: ImageRef
 ) -> None:
-    backend = DockerBackend(docker_client)
-    cap = 64 << 10
-    # The allowed counterpart: the same result after output under the cap is a success.
-    small = _shell_spec(tmp_path, f"head -c 1000 /dev/zero | tr '\\0' x; echo; printf '%s\\n' '{CLAUDE_OK}'",
-                        max_log_bytes=cap)  # fmt: skip
-    r = backend.run(small)
-    assert not r.output.stdout_truncated and get_engine("claude").classify_run(0, r.output).kind == "success"
-    big = _shell_spec(tmp_path, f"head -c 200000 /dev/zero | tr '\\0' x; echo; printf '%s\\n' '{CLAUDE_OK}'",
-                      max_log_bytes=cap)  # fmt: skip
-    r = backend.run(big)
+    backend, claude, cap = DockerBackend(docker_client), get_engine("claude"), 64 << 10
+
+    def run(size: int, code: int) -> tuple[RunSpec, Any]:
+        script = f"head -c {size} /dev/zero | tr '\\0' x; echo; printf '%s\\n' '{CLAUDE_OK}'; exit {code}"
+        spec = _shell_spec(tmp_path, script, max_log_bytes=cap)
+        return spec, backend.run(spec)
+
+    # The allowed counterpart: the result after output under the cap is read, with its message.
+    _, r = run(1000, 0)
+    assert not r.output.stdout_truncated
+    assert claude.classify_run(r.exit_code, r.output).message == "done on stdout"
+    # Past the cap: the log and stdout stop at the cap, the log says so, the result was not seen.
+    spec, r = run(200_000, 0)
     assert r.log_truncated and r.output.stdout_truncated and len(r.output.stdout) <= cap
-    assert f"[fila: log truncated at {cap} bytes]" in big.log_path.read_text()
-    o = get_engine("claude").classify_run(r.exit_code, r.output)
-    assert o.kind == "engine_error" and "max_log_bytes" in o.message
+    assert f"[fila: log truncated at {cap} bytes]" in spec.log_path.read_text()
+    o = claude.classify_run(r.exit_code, r.output)
+    assert (o.kind, o.message) == ("success", "")  # the exit code's word: the text holds no error
+    _, r = run(200_000, 3)
+    assert claude.classify_run(r.exit_code, r.output).kind == "engine_error"

@@ -74,8 +74,6 @@ class Engine(ABC):
     # Build-time checks of the engine's image; `version_argv` must print the image's version label.
     version_argv: ClassVar[tuple[str, ...]] = ()
     smoke: ClassVar[tuple[Smoke, ...]] = ()
-    # Whether classification reads the output (a CLI's result); the shell engine's exit code decides.
-    reads_output: ClassVar[bool] = True
 
     def config(self, task: Task) -> BaseModel:
         """The engine's options from the task: `options.<engine>`, over the task's top-level fields
@@ -139,18 +137,14 @@ class Engine(ABC):
     def classify_run(
         self, exit_code: int | None, output: RunOutput, egress: EgressRecord | None = None
     ) -> Outcome:
-        """`classify`, then two rules over it. A stdout cut at the log's cap (max_log_bytes) is
-        never a success for an engine whose output is read: its result may be in the part fila did
-        not read. The gateway's word beats the engine's (engines.md): a run that did not succeed
-        while a model route answered 429 is `quota`, 401/403 `auth`."""
+        """`classify`, then the gateway's word (engines.md: it beats the engine's): a run that did not
+        succeed while a model route answered 429 is `quota`, 401/403 `auth`.
+
+        A stdout cut at the log's cap (max_log_bytes; `output.stdout_truncated`) is read as far as
+        it was kept: a result or error event seen before the cut decides as usual; when the result
+        was past the cut, the adapter finds none and the text rules and the exit code decide, as for
+        a CLI without structured output (the record warns that the log was cut)."""
         o = self.classify(exit_code, output)
-        if o.kind == "success" and output.stdout_truncated and self.reads_output:
-            o = Outcome(
-                "engine_error",
-                f"{self.name}'s output passed the log's cap (the policy's max_log_bytes) and was cut: "
-                "its result was not read to the end, so the run is not taken as a success",
-                o.report,
-            )
         if o.kind == "success" or not self.routes or egress is None:
             return o
         statuses = {r.status for r in egress.requests if r.route is not None and r.status is not None}

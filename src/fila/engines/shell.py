@@ -16,7 +16,6 @@ class ShellConfig(BaseModel):
 class ShellEngine(Engine):
     name = "shell"
     Config = ShellConfig
-    reads_output = False  # the command's exit code decides, also when its output was cut
 
     def invocation(self, task: Task) -> Invocation:
         cfg = self.config(task)
