@@ -2,7 +2,10 @@
 
 These pydantic models are the one source of truth for each format: `fila schema task|policy|record`
 prints the JSON Schema generated from them, files are validated against that schema (so errors
-name the field), and `schemas/*.json` in the repository are generated copies a test keeps in sync.
+name the field; a file these models accept in strict mode is one the schema accepts, and skips it:
+policy.validate_document), and `schemas/*.json` in the repository and `_schemas.json` beside this
+module (read instead of generating the schema in every process) are generated copies tests keep in
+sync.
 """
 
 from __future__ import annotations
