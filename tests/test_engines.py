@@ -200,6 +200,16 @@ def test_gemini_finds_its_indented_result_larger_than_256_kib() -> None:
     assert o.kind == "success" and o.message.startswith("Wrote hello.txt.")
 
 
+def test_gemini_survives_a_stdout_of_objects_that_never_close() -> None:
+    # stdout is read whole: a hostile engine printing thousands of nested, unclosed objects after
+    # its result must not crash or stall classification (it only loses its own result).
+    gemini = get_engine("gemini")
+    hostile = captured_text("gemini", "success") + '{"a":\n' * 50_000
+    assert gemini.classify_run(0, out(hostile)).kind == "success"
+    assert gemini.classify_run(1, out(hostile)).kind == "engine_error"
+    assert gemini.classify_run(1, out(hostile, "Error: invalid api key\n")).kind == "auth"
+
+
 @pytest.mark.parametrize("engine", [*STRUCTURED, "aider"])
 def test_a_truncated_stdout_is_read_as_far_as_it_was_kept(engine: str) -> None:
     # docs/engines.md: what was kept before the cut decides as usual; with the result past the

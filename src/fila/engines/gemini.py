@@ -32,6 +32,7 @@ FILE_TOOLS = ("read_file", "write_file", "replace", "read_many_files")
 # Exit codes the CLI documents or was seen using: 41 auth, 42 bad input, 53 turn limit; 147 was
 # seen for an HTTP 403.
 AUTH_EXITS = {41, 147}
+MAX_TRIES = 16  # candidate starts of gemini's JSON result, from the end of stdout
 
 
 class GeminiConfig(BaseModel):
@@ -120,10 +121,13 @@ def last_json_object(text: str) -> dict[str, Any] | None:
     text before it is skipped)."""
     decoder = json.JSONDecoder()
     starts = [m.start() for m in re.finditer(r"(?m)^\{", text)]
-    for start in reversed(starts):
+    # The last few candidates only: stdout is read whole (up to max_log_bytes), and a hostile engine
+    # could print many lines that open objects never closed (each try scans to the end, or nests
+    # past the recursion limit).
+    for start in reversed(starts[-MAX_TRIES:]):
         try:
             obj, _ = decoder.raw_decode(text, start)
-        except ValueError:
+        except (ValueError, RecursionError):
             continue
         if isinstance(obj, dict):
             return obj
