@@ -128,11 +128,22 @@ def test_stored_help_is_what_typer_prints_for_the_current_cli() -> None:
     assert _help.TEXT == entry.render_help() == _run(_eager(), ["--help"])[1]
 
 
-def _console(args: list[str], env: dict[str, str] | None = None, argv0: str | None = None) -> Any:
-    """The console script in a fresh process, with the modules it imported on stderr's last line."""
+def _console(
+    args: list[str], env: dict[str, str] | None = None, argv0: str | None = None, prelude: str = ""
+) -> Any:
+    """The console script in a fresh process, with the modules it imported on stderr's last line
+    (an atexit callback prints them: it runs whichever way the process ends). `os._exit` says on
+    stderr that it ended the process (`FAST <code>`)."""
     code = (
-        "import sys, atexit, json\n"
+        "import sys, atexit, json, os\n"
         "atexit.register(lambda: sys.stderr.write('\\nMODULES ' + json.dumps(sorted(sys.modules))))\n"
+        "_real_exit = os._exit\n"
+        "def _spy(c):\n"
+        "    sys.stderr.write('FAST %d\\n' % c)\n"
+        "    sys.stderr.flush()\n"
+        "    _real_exit(c)\n"
+        "os._exit = _spy\n"
+        f"{prelude}\n"
         f"sys.argv = [{argv0 or str(FILA)!r}, *{args!r}]\n"
         "from fila.entry import main\n"
         "main()\n"
@@ -141,7 +152,10 @@ def _console(args: list[str], env: dict[str, str] | None = None, argv0: str | No
     p = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, env={**base, **(env or {})}
     )
-    err, _, mods = p.stderr.rpartition("\nMODULES ")
+    mods, _, fast = p.stderr.rpartition("\nMODULES ")[2].partition("FAST")
+    err = p.stderr.rpartition("\nMODULES ")[0]
+    if fast:  # os._exit ended it, after the atexit callbacks: say so in `err`
+        err += "\nFAST" + fast
     return p.returncode, p.stdout, err, set(json.loads(mods))
 
 
@@ -166,6 +180,7 @@ def test_console_passes_everything_else_to_the_cli(tmp_path: Path) -> None:
     assert code == 0 and out == _run(_eager(), ["submit", "--help"])[1]
     code, out, err, _mods = _console([])
     eager = _run(_eager(), [])
+    err = err.partition("\nFAST")[0]
     assert (code, out, err.rstrip("\n")) == (eager[0], eager[1], eager[2].rstrip("\n"))
 
 
@@ -328,3 +343,68 @@ def test_console_submit_of_a_valid_task_imports_no_jsonschema(tmp_path: Path) ->
     # A bad value is refused through the schema, naming the field, as before.
     code, _out, err, mods = _console([*args, "greeting.txt", "--timeout", "5"])
     assert code == 2 and "timeout" in err and "jsonschema" in mods
+
+
+# -- the exit: no interpreter teardown after a command, nothing it would do lost ------------------
+
+
+def test_commands_end_without_the_teardown_and_keep_exit_codes_and_output(tmp_path: Path) -> None:
+    from fila.models import schema_for
+
+    make_root(tmp_path)
+    (tmp_path / "greeting.txt").write_text("hello\n")
+    args = ["submit", "--root", str(tmp_path), "--engine", "shell", "--command", "true", "--id", "t1"]
+    code, out, err, _mods = _console([*args, "--target", "greeting.txt"])
+    assert (code, out) == (0, "t1\n") and "FAST 0" in err, err
+    assert json.loads((tmp_path / "fila" / "out" / "t1.json").read_text())["status"] == "queued"
+    code, _out, err, _mods = _console([*args, "--target", "greeting.txt"])  # the same id again
+    assert code == 4 and "exists already" in err and "FAST 4" in err, err
+    code, _out, err, _mods = _console([*args, "--target", "../outside"])
+    assert code == 2 and "outside" in err and "FAST 2" in err, err
+    # 29 KB on a pipe: every byte is written before the process ends.
+    code, out, err, _mods = _console(["schema", "record"])
+    assert code == 0 and json.loads(out) == schema_for("record") and "FAST 0" in err
+
+
+def test_atexit_callbacks_run_and_a_live_thread_keeps_pythons_exit(tmp_path: Path) -> None:
+    done, called = tmp_path / "thread-done", tmp_path / "atexit-called"
+    # An atexit callback (weakref finalizers are ones too) runs before the fast exit.
+    prelude = f"atexit.register(lambda: open({str(called)!r}, 'w').close())"
+    code, _out, err, _mods = _console(["schema", "task"], prelude=prelude)
+    assert code == 0 and "FAST 0" in err and called.exists()
+    # A non-daemon thread still working: Python's own exit, which waits for it.
+    prelude = (
+        "import threading, time\n"
+        f"threading.Thread(target=lambda: (time.sleep(0.5), open({str(done)!r}, 'w').close())).start()"
+    )
+    code, _out, err, _mods = _console(["schema", "task"], prelude=prelude)
+    assert code == 0 and "FAST" not in err and done.exists()
+
+
+@pytest.mark.docker
+def test_the_ci_path_through_the_console_ends_fast_with_every_record_and_no_container(
+    tmp_path: Path, docker_client: Any, shell_image: Any
+) -> None:
+    """`submit` + `run --once` and `submit --run`, each a console-script process ending by the fast
+    exit: the records are durable and complete, the output whole, no container or volume left."""
+    from .test_durability import containers_left, volumes_left
+
+    root = make_root(tmp_path)
+    (tmp_path / "greeting.txt").write_text("hello\n")
+    sub = ["submit", "--root", str(tmp_path), "--engine", "shell", "--target", "greeting.txt"]
+    cmd = ["--command", "sed -i s/hello/world/ greeting.txt"]
+    code, out, err, _mods = _console([*sub, *cmd, "--id", "two"])
+    assert (code, out) == (0, "two\n") and "FAST 0" in err, err
+    code, out, err, _mods = _console(["run", "--once", "--json", "--root", str(tmp_path)])
+    assert code == 0 and "FAST 0" in err, err
+    code, out2, err, _mods = _console([*sub, *cmd, "--id", "one", "--run", "--json"])
+    assert code == 0 and "FAST 0" in err, err
+    for tid, line in (("two", out), ("one", out2)):
+        printed = json.loads(line)
+        on_disk = json.loads(root.record_path(tid).read_text())
+        assert printed["status"] == on_disk["status"] == "needs_review", (tid, err)
+        assert "+world" in (tmp_path / on_disk["patch_path"]).read_text()
+    # A task that fails keeps its exit code through the fast exit.
+    code, _out, err, _mods = _console([*sub, "--command", "exit 3", "--id", "bad", "--run"])
+    assert code == 1 and "FAST 1" in err, err
+    assert containers_left(docker_client, root) == [] and volumes_left(docker_client, root) == []
