@@ -306,7 +306,7 @@ class Inspector(threading.Thread):
                 flt = json.dumps({"label": [f"fila.root={self.q}", "fila.role=job-net"]})
                 for n in _libpod(c, "GET", "/libpod/networks/json", filters=flt) or []:
                     self.networks.setdefault(n["name"], n)
-                if self.networks and not self.netns_addrs:
+                if self.networks and " inet " not in self.netns_addrs:  # again until it answers
                     ns = ["podman", "unshare", "--rootless-netns", "ip", "-4", "-o", "addr"]
                     self.netns_addrs = subprocess.run(ns, capture_output=True, text=True).stdout
                 time.sleep(0.1)
