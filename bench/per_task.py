@@ -251,13 +251,23 @@ def podman_user(ctx: Ctx) -> Iterator[_User]:
         }
         yield _User(name, pw.pw_uid, Path(pw.pw_dir), env)
     finally:
-        pids = subprocess.run(["pgrep", "-u", str(pw.pw_uid)], capture_output=True, text=True).stdout.split()
-        for pid in pids:  # only the processes of the user made here
-            with contextlib.suppress(ProcessLookupError, ValueError):
-                os.kill(int(pid), 9)
-        subprocess.run(["userdel", name], capture_output=True, check=False)
+        _end_user(name, pw.pw_uid)
         shutil.rmtree(pw.pw_dir, ignore_errors=True)
         shutil.rmtree(f"/tmp/podman-run-{pw.pw_uid}", ignore_errors=True)
+
+
+def _end_user(name: str, uid: int) -> None:
+    """Kill the processes of the user made here (only theirs) and remove the user: userdel refuses
+    while one is left, and a SIGKILL is not instant, so until it succeeds (10 s at most)."""
+    for _ in range(50):
+        pids = subprocess.run(["pgrep", "-u", str(uid)], capture_output=True, text=True).stdout.split()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), 9)
+        if subprocess.run(["userdel", name], capture_output=True, check=False).returncode in (0, 6):
+            return  # 6: no such user
+        time.sleep(0.2)
+    print(f"bench: could not remove the user {name}: `userdel {name}` as root", file=sys.stderr)
 
 
 def per_task_podman(ctx: Ctx, *, tasks: int = 10, files: int = 100) -> list[Row]:

@@ -402,11 +402,16 @@ def podman_user() -> Iterator[str]:
         yield name
     finally:
         # Only the processes of the user made here: its Podman service, conmon, containers.
-        pids = subprocess.run(["pgrep", "-u", str(pw.pw_uid)], capture_output=True, text=True).stdout.split()
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, ValueError):
-                os.kill(int(pid), 9)
-        subprocess.run(["userdel", name], capture_output=True)
+        for _ in range(50):  # userdel refuses a user with a process left: kill -9 is not instant
+            pids = subprocess.run(
+                ["pgrep", "-u", str(pw.pw_uid)], capture_output=True, text=True
+            ).stdout.split()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError, ValueError):
+                    os.kill(int(pid), 9)
+            if subprocess.run(["userdel", name], capture_output=True).returncode in (0, 6):  # 6: gone
+                break
+            time.sleep(0.2)
         shutil.rmtree(pw.pw_dir, ignore_errors=True)
         shutil.rmtree(f"/tmp/podman-run-{pw.pw_uid}", ignore_errors=True)
         shutil.rmtree(f"/tmp/pytest-of-{name}", ignore_errors=True)
