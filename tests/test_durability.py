@@ -23,7 +23,7 @@ from typing import Any
 import docker
 import pytest
 
-from fila import queue
+from fila import fsutil, queue
 from fila.faults import POINTS
 from fila.layout import Root
 from fila.models import ImageRef, Status
@@ -267,17 +267,21 @@ def test_sigkill_of_a_busy_worker_with_two_jobs_settles_both(
 
 def frozen_worker(root: Root, point: str) -> subprocess.Popen[bytes]:
     """`fila run --once` that SIGSTOPs itself at `point` (FILA_CRASH_AT=<point>:stop). The
-    caller must SIGKILL it in a `finally` (`kill_worker`)."""
+    caller must SIGKILL it in a `finally` (`kill_worker`). The stop freezes the whole process, so
+    the test holds the root's recovery lock until then: the worker's own recovery pass (a thread
+    of its own, racing the job) skips, and is never the frozen holder every later recovery would
+    wait on."""
     env = {**os.environ, "FILA_ROOT": str(root.path), "FILA_CRASH_AT": f"{point}:stop"}
-    p = subprocess.Popen(
-        [*CLI, "run", "--once"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    deadline = time.time() + 60
-    while _proc_state(p.pid) != "T":
-        if p.poll() is not None or time.time() > deadline:
-            kill_worker(p)
-            pytest.fail(f"the worker did not stop at {point} (exit {p.returncode})")
-        time.sleep(0.05)
+    with fsutil.file_lock(root.state_dir / ".recovery.lock"):
+        p = subprocess.Popen(
+            [*CLI, "run", "--once"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        deadline = time.time() + 60
+        while _proc_state(p.pid) != "T":
+            if p.poll() is not None or time.time() > deadline:
+                kill_worker(p)
+                pytest.fail(f"the worker did not stop at {point} (exit {p.returncode})")
+            time.sleep(0.05)
     return p
 
 

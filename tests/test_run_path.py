@@ -191,3 +191,30 @@ def test_an_empty_work_dir_is_made_inert_in_process_exactly_as_the_tools_make_a_
         )
     assert results["full"] == (0o755, owner, ["setuid/setgid/sticky bits stripped in work/"]), results
     assert results["empty"] == results["full"]
+
+
+def test_recovery_removes_a_work_volume_no_container_uses_and_never_one_in_use(
+    proj: Root, docker_client: docker.DockerClient, shell_image: ImageRef
+) -> None:
+    """A process killed between its container's removal and its work volume's (now that the
+    removal runs behind the diff, the window is the diff's length) leaves the volume alone."""
+    from docker.types import Mount
+
+    from fila import recovery
+
+    labels = {"fila": "1", "fila.root": str(proj.path), "fila.job": "t1"}
+    docker_client.volumes.create(f"fila-t1-{os.urandom(4).hex()}-work", labels=labels)
+    used = docker_client.volumes.create(
+        f"fila-t2-{os.urandom(4).hex()}-work", labels={**labels, "fila.job": "t2"}
+    )
+    holder = docker_client.containers.create(
+        shell_image.tag, ["true"], mounts=[Mount("/w", used.name, type="volume")], network_mode="none"
+    )
+    try:
+        rep = recovery.recover(proj)
+        assert left(docker_client, proj)[1] == [used.name], "the unused one went, the used one stayed"
+        assert [a.task_id for a in rep.actions if a.action == "volume removed"] == ["t1"]
+    finally:
+        holder.remove(force=True)
+    recovery.recover(proj)
+    assert left(docker_client, proj) == ([], [])

@@ -788,6 +788,14 @@ def _sweep_containers(root: Root, dk: _Engine, rep: Report) -> None:
                 container=box.name,
             )
     _sweep_egress(root, backend, rep)
+    try:  # after the containers: a work volume goes only once no container uses it
+        swept = backend.sweep_volumes(str(root.path))
+    except InfraError as e:
+        rep.add(root, None, "error", f"could not sweep fila's volumes: {e}")
+        return
+    for name, tid in swept:
+        job = tid if tid is not None and queue.valid_id(tid) else None
+        rep.add(root, job, "volume removed", f"{name}: no container used it (its removal was cut short)")
 
 
 def _sweep_egress(root: Root, backend: Backend, rep: Report) -> None:

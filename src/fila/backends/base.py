@@ -260,6 +260,11 @@ class Backend(ABC):
     ) -> list[str]:
         """Remove job networks, gateways and gateway directories of jobs no live worker holds."""
 
+    def sweep_volumes(self, root: str) -> list[tuple[str, str | None]]:
+        """Remove fila's volumes of this queue root that no container uses (a process killed
+        between a container's removal and its work volume's leaves one): (name, job id) each."""
+        return []
+
     @abstractmethod
     def build(
         self,
