@@ -200,6 +200,24 @@ def test_gemini_finds_its_indented_result_larger_than_256_kib() -> None:
     assert o.kind == "success" and o.message.startswith("Wrote hello.txt.")
 
 
+def test_gemini_reads_its_error_object_on_stderr_when_stdout_has_no_result() -> None:
+    # gemini's error handler prints its JSON error to stderr (seen on a stream cut mid-way: stdout
+    # empty, the stack trace's "bytesRead: 401" and then {"error": {"message": "terminated"}} on
+    # stderr). The error object decides, not the words around it.
+    gemini = get_engine("gemini")
+    trace = "TypeError: terminated\n    socket: {\n      bytesRead: 401\n    }\n"
+    error = json.dumps({"session_id": "s1", "error": {"type": "Error", "message": "terminated", "code": 1}})
+    o = gemini.classify_run(1, out("", trace + error + "\n"))
+    assert (o.kind, o.message) == ("engine_error", "terminated")
+    assert gemini.classify_run(1, out("", trace)).kind == "auth"  # without it, the words decided
+    # The real auth capture, all on stderr: its error object (code 401) decides.
+    auth = gemini.classify_run(1, RunOutput(stderr=captured(engine="gemini", case="auth").stdout))
+    assert auth.kind == "auth" and "API key not valid" in auth.message
+    # A result on stderr is never taken: only an error object is read there.
+    forged = json.dumps({"session_id": "s1", "response": "all done"})
+    assert gemini.classify_run(1, out("", forged + "\n")).kind == "engine_error"
+
+
 def test_gemini_survives_a_stdout_of_objects_that_never_close() -> None:
     # stdout is read whole: a hostile engine printing thousands of nested, unclosed objects after
     # its result must not crash or stall classification (it only loses its own result).

@@ -6,7 +6,8 @@ usage statistics and no telemetry are written to its settings on the tmpfs HOME 
 (without the auth type a headless run exits 41). The workspace is trusted for the run
 (an untrusted folder silently downgrades yolo). The policy's deny rules become Gemini's own policy
 rules (`--policy`): the file tools are denied on matching paths. Classification reads the JSON
-result on stdout (`error`) and the exit code first, then the text (its warnings are on stderr).
+result on stdout (`error`; the CLI prints an error object on stderr instead, which is read when
+stdout has none) and the exit code first, then the text (its warnings are on stderr).
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ class GeminiEngine(Engine):
 
     def classify(self, exit_code: int | None, output: RunOutput) -> Outcome:
         result = last_json_object(output.out())  # its JSON result, stdout only
+        if result is None:
+            result = _error_on_stderr(output)
         if result is None or not ({"session_id", "response", "error", "stats"} & result.keys()):
             if exit_code in AUTH_EXITS:
                 return Outcome("auth", f"gemini exited with code {exit_code} (authentication)")
@@ -114,6 +117,16 @@ class GeminiEngine(Engine):
         if exit_code != 0:
             return Outcome("engine_error", f"gemini exited with code {exit_code}", report)
         return Outcome("success", str(result.get("response") or "")[:500], report)
+
+
+def _error_on_stderr(output: RunOutput) -> dict[str, Any] | None:
+    """gemini prints its JSON *error* object to stderr (its error handler), its result to stdout.
+    With no result on stdout, an error object on stderr is read: it can only make the run an
+    error, never a success (a `response` there is not taken)."""
+    obj = last_json_object(output.stderr.decode(errors="replace"))
+    if obj is None or not obj.get("error"):
+        return None
+    return {"error": obj["error"], "session_id": obj.get("session_id")}
 
 
 def last_json_object(text: str) -> dict[str, Any] | None:
