@@ -726,3 +726,52 @@ def test_a_stdout_past_the_log_cap_is_cut_noted_and_classified_from_what_was_kep
     assert (o.kind, o.message) == ("success", "")  # the exit code's word: the text holds no error
     _, r = run(200_000, 3)
     assert claude.classify_run(r.exit_code, r.output).kind == "engine_error"
+
+
+@pytest.mark.docker
+def test_the_tail_read_after_the_stream_ends_duplicates_nothing_on_the_real_daemon(
+    tmp_path: Path, docker_client: docker.DockerClient, shell_image: ImageRef
+) -> None:
+    # The pump reads the log's last entries again once the followed stream ends (see the next
+    # test); on the real daemon that must add nothing already seen, run after run.
+    backend = DockerBackend(docker_client)
+    for _ in range(5):
+        spec = _shell_spec(tmp_path, "echo warn >&2; echo same; echo same; printf '{\\n  \"a\": 1\\n}'")
+        r = backend.run(spec)
+        assert r.output.stdout == b'same\nsame\n{\n  "a": 1\n}' and r.output.stderr == b"warn\n"
+        lines = sorted(spec.log_path.read_bytes().splitlines())
+        assert lines == sorted([b"same", b"same", b"{", b'  "a": 1', b"}", b"warn"])
+
+
+Frames = list[tuple[int, bytes]]
+
+
+def _pump(tmp_path: Path, followed: Frames, tail: Frames) -> tuple[RunOutput, bytes]:
+    from fila.backends.docker import _LogPump
+
+    log = tmp_path / f"{secrets.token_hex(4)}.log"
+    pump = _LogPump(lambda: iter(followed), log, 1 << 20, ["sk-pump-secret"], open_tail=lambda: iter(tail))
+    pump.run()
+    assert pump.error is None
+    return pump.output(), log.read_bytes()
+
+
+def test_what_the_followed_stream_missed_at_its_end_is_added_from_the_logs_tail(tmp_path: Path) -> None:
+    # Docker 20.10 was seen to end a follow request before a container's last output without a
+    # newline reached it (gemini's closing "}": its result did not parse, the run had no report).
+    lines: Frames = [(1, b"{\n"), (2, b"warn\n"), (1, b'  "a": 1\n'), (1, b"}")]
+    o, log = _pump(tmp_path, lines[:-1], lines[-3:])
+    assert o.stdout == b'{\n  "a": 1\n}' and o.stderr == b"warn\n" and log.endswith(b"}")
+    # Nothing missed: nothing added (the allowed counterpart), also with repeated lines.
+    o, log = _pump(tmp_path, lines, lines[-3:])
+    assert o.stdout == b'{\n  "a": 1\n}' and log == b'{\nwarn\n  "a": 1\n}'
+    same: Frames = [(1, b"same\n")] * 4
+    assert _pump(tmp_path, same, same[-2:])[0].stdout == b"same\n" * 4
+    assert _pump(tmp_path, same[:-1], [*same[-2:], (1, b"end")])[0].stdout == b"same\n" * 3 + b"end"
+    # The followed stream saw nothing: the whole tail is the output.
+    assert _pump(tmp_path, [], lines)[0].stdout == b'{\n  "a": 1\n}'
+    # A tail that does not line up with what was seen adds nothing rather than a duplicate.
+    assert _pump(tmp_path, lines, [(1, b"other\n")])[0].stdout == b'{\n  "a": 1\n}'
+    # What is added is redacted like the rest.
+    o, log = _pump(tmp_path, [(1, b"a\n")], [(1, b"a\n"), (1, b"key sk-pump-secret")])
+    assert o.stdout == b"a\nkey ***" and b"sk-pump" not in log

@@ -54,6 +54,8 @@ from .base import (
 __all__ = ["UNPRIVILEGED", "DockerBackend", "RunResult", "RunSpec", "create_kwargs", "docker_client"]
 _DOCKER_ERRORS = (DockerException, requests.RequestException)
 _KILL_WAIT_S = 30.0  # after SIGKILL the daemon reports the exit promptly; longer means it is stuck
+TAIL_ENTRIES = 16  # log entries read again after the followed stream ends (see _LogPump)
+SEEN_KEEP = 1 << 20  # each stream's last raw bytes the pump keeps to align that tail
 
 
 def docker_client(
@@ -251,13 +253,15 @@ class _Redactor:
         return self._rx.sub(b"***", out) if self._rx is not None else out
 
 
-def _log_frames(client: docker.DockerClient, cid: str) -> Iterator[tuple[int, bytes]]:
+def _log_frames(
+    client: docker.DockerClient, cid: str, *, follow: bool = True, tail: int | str = "all"
+) -> Iterator[tuple[int, bytes]]:
     """The container's output as (stream, bytes) frames, stdout (1) apart from stderr (2), as
     they come. The SDK's logs() drops the frame header's stream byte (its demux is for attach and
     exec only), so this is its own stream helper with the stream kept: the request, the socket
     without a read timeout, then the 8-byte header (stream, size) of each frame."""
     api = client.api
-    params = {"stdout": 1, "stderr": 1, "follow": 1, "timestamps": 0, "tail": "all"}
+    params = {"stdout": 1, "stderr": 1, "follow": int(follow), "timestamps": 0, "tail": tail}
     res = api._get(api._url("/containers/{0}/logs", cid), params=params, stream=True)
     try:
         api._raise_for_status(res)
@@ -283,7 +287,11 @@ class _LogPump(threading.Thread):
 
     `open_stream` is called in this thread: Podman answers a follow request only once the
     container prints something, and a silent engine must not hold up the host's timeout and the
-    heartbeat, which run in the caller's thread meanwhile."""
+    heartbeat, which run in the caller's thread meanwhile.
+
+    `open_tail` reads the last TAIL_ENTRIES entries once the followed stream has ended: Docker 20.10
+    was seen to end a follow request before the container's last output reached it (a final line
+    without a newline, e.g. gemini's closing `}`); what the tail has beyond what was seen is added."""
 
     def __init__(
         self,
@@ -291,9 +299,11 @@ class _LogPump(threading.Thread):
         path: Path,
         cap: int,
         redact: list[str],
+        open_tail: Callable[[], Iterable[tuple[int, bytes]]] | None = None,
     ) -> None:
         super().__init__(name=f"fila-log-{path.name}", daemon=True)
-        self.open_stream, self.path, self.cap = open_stream, path, cap
+        self.open_stream, self.path, self.cap, self.open_tail = open_stream, path, cap, open_tail
+        self.seen = {STDOUT: bytearray(), STDERR: bytearray()}  # each stream's raw end, to align the tail
         self.stream: Iterable[tuple[int, bytes]] = ()
         self.redactors = {STDOUT: _Redactor(redact), STDERR: _Redactor(redact)}
         self.stdout = bytearray()
@@ -318,6 +328,31 @@ class _LogPump(threading.Thread):
                 del self.stderr[: len(self.stderr) - STDERR_TAIL]
                 self.stderr_dropped = True
 
+    def _copy(self, f: Any, stream: int, chunk: bytes) -> None:
+        seen = self.seen[stream]
+        seen += chunk
+        if len(seen) > SEEN_KEEP:
+            del seen[: len(seen) - SEEN_KEEP]
+        if not self.truncated:
+            self._write(f, stream, self.redactors[stream].feed(chunk))
+
+    def _missed(self) -> list[tuple[int, bytes]]:
+        """The entries of the log's tail after the longest run of them that ends what was seen."""
+        if self.open_tail is None:
+            return []
+        entries: dict[int, list[bytes]] = {STDOUT: [], STDERR: []}
+        for stream, chunk in self.open_tail():
+            if stream in entries:
+                entries[stream].append(chunk)
+        missed = []
+        for stream, got in entries.items():
+            seen = bytes(self.seen[stream])
+            for j in range(len(got), 0 if seen else -1, -1):
+                if seen.endswith(b"".join(got[:j])):
+                    missed += [(stream, chunk) for chunk in got[j:]]
+                    break
+        return missed
+
     def output(self) -> RunOutput:
         return RunOutput(
             stdout=bytes(self.stdout),
@@ -333,10 +368,12 @@ class _LogPump(threading.Thread):
                 for stream, chunk in self.stream:
                     if stream not in self.redactors:
                         continue  # stdin's stream id: the engine has no stdin
-                    self._write(f, stream, self.redactors[stream].feed(chunk))
+                    self._copy(f, stream, chunk)
                     if self.truncated:
                         break  # stop reading: a log bomb must not cost us the rest of it
                 else:
+                    for stream, chunk in self._missed():
+                        self._copy(f, stream, chunk)
                     for stream, redactor in self.redactors.items():
                         self._write(f, stream, redactor.flush())
                 if self.truncated:
@@ -403,6 +440,7 @@ def _execute(
             spec.log_path,
             spec.policy.max_log_bytes,
             spec.redact,
+            open_tail=lambda: _log_frames(client, cid, follow=False, tail=TAIL_ENTRIES),
         )
         pump.start()
         waiter = _Waiter(client, cid)
