@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import docker
@@ -29,6 +30,24 @@ def docker_client() -> docker.DockerClient:
 @pytest.fixture(scope="session")
 def shell_image(docker_client: docker.DockerClient) -> ImageRef:
     return ensure_image("shell", DockerBackend(docker_client))
+
+
+@pytest.fixture(scope="session")
+def gateway_image(docker_client: docker.DockerClient) -> str:
+    """The egress gateway's image, built when missing or stale (reused by content hash), so the
+    tests that need it work on a fresh machine whatever order they run in. pip reaches PyPI through
+    this host's TLS-intercepting proxy: the system bundle goes in as the build's extra CA (harmless
+    where there is no such proxy)."""
+    from fila.images import GATEWAY_IMAGE, build
+
+    system_ca = Path("/etc/ssl/certs/ca-certificates.crt")
+    build(
+        "gateway",
+        DockerBackend(docker_client),
+        ca_file=system_ca if system_ca.exists() else None,
+        progress=lambda _: None,
+    )
+    return GATEWAY_IMAGE
 
 
 @pytest.fixture

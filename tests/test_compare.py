@@ -43,7 +43,12 @@ def _run_once(root: Path, secret: str = "unused") -> subprocess.CompletedProcess
 
 
 @pytest.fixture
-def group_root(tmp_path: Path, upstreams: Upstreams, docker_client: docker.DockerClient) -> Path:  # noqa: F811
+def group_root(
+    tmp_path: Path,
+    upstreams: Upstreams,  # noqa: F811
+    docker_client: docker.DockerClient,
+    gateway_image: str,
+) -> Path:
     from fila.images import ensure_image
 
     for engine in ("claude", "codex", "gemini", "shell"):

@@ -8,8 +8,6 @@ from pathlib import Path
 import docker
 import pytest
 
-from fila import egress
-from fila.backends.docker import DockerBackend
 from fila.models import ImageRef
 from tests.helpers import fila, make_root
 
@@ -17,11 +15,7 @@ pytestmark = pytest.mark.docker
 
 
 @pytest.fixture
-def root(tmp_path: Path, shell_image: ImageRef, docker_client: docker.DockerClient) -> Path:
-    from fila.images import find_image
-
-    if find_image(DockerBackend(docker_client), egress.GATEWAY_IMAGE) is None:
-        pytest.fail(f"{egress.GATEWAY_IMAGE} is not built: `fila images build gateway`")
+def root(tmp_path: Path, shell_image: ImageRef, gateway_image: str) -> Path:
     make_root(tmp_path)
     return tmp_path
 

@@ -40,12 +40,9 @@ MESSAGES = (
 
 
 @pytest.fixture(scope="module")
-def images(docker_client: docker.DockerClient) -> ImageRef:
-    from fila.images import ensure_image, find_image
+def images(docker_client: docker.DockerClient, gateway_image: str) -> ImageRef:
+    from fila.images import ensure_image
 
-    ref = find_image(DockerBackend(docker_client), egress.GATEWAY_IMAGE)
-    if ref is None:
-        pytest.fail(f"{egress.GATEWAY_IMAGE} is not built: `fila images build gateway`")
     return ensure_image("testnet", DockerBackend(docker_client), progress=lambda _l: None)
 
 

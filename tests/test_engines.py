@@ -496,7 +496,12 @@ def _run_engine_task(root: Path, engine: str, secret: str) -> dict[str, Any]:
 
 
 @pytest.fixture
-def engine_root(tmp_path: Path, upstreams: Upstreams, docker_client: docker.DockerClient) -> Path:  # noqa: F811
+def engine_root(
+    tmp_path: Path,
+    upstreams: Upstreams,  # noqa: F811
+    docker_client: docker.DockerClient,
+    gateway_image: str,
+) -> Path:
     make_root(tmp_path)
     (tmp_path / "a.txt").write_text("hello\n")
     for engine, spec in E2E_ENGINES.items():

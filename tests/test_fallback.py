@@ -71,7 +71,12 @@ def _log(root: Path, rel: str | None) -> str:
 
 
 @pytest.fixture
-def fb_root(tmp_path: Path, upstreams: Upstreams, docker_client: docker.DockerClient) -> Path:  # noqa: F811
+def fb_root(
+    tmp_path: Path,
+    upstreams: Upstreams,  # noqa: F811
+    docker_client: docker.DockerClient,
+    gateway_image: str,
+) -> Path:
     from fila.images import ensure_image
 
     for engine in ("claude", "codex", "shell"):

@@ -25,8 +25,7 @@ import docker
 import pytest
 from docker.errors import APIError, NotFound
 
-from fila.backends.docker import DockerBackend
-from fila.images import GATEWAY_IMAGE, build
+from fila.images import GATEWAY_IMAGE
 
 from .upstreams.fixtures import CA_IN_CONTAINER, HARDENED, IMAGE, Upstreams, check_no_route_out
 
@@ -240,19 +239,6 @@ def _client(env_docker: docker.DockerClient, net: str, session: str, ups: Upstre
         volumes={str(ups.ca_file): {"bind": CA_IN_CONTAINER, "mode": "ro"}},
         **opts,
     )
-
-
-@pytest.fixture(scope="module")
-def gateway_image(docker_client: docker.DockerClient) -> str:
-    # pip reaches PyPI through this host's TLS-intercepting proxy: the system bundle goes in as
-    # the build's extra CA (harmless where there is no such proxy). Reused when current.
-    build(
-        "gateway",
-        DockerBackend(docker_client),
-        ca_file=SYSTEM_CA if SYSTEM_CA.exists() else None,
-        progress=lambda _: None,
-    )
-    return GATEWAY_IMAGE
 
 
 @pytest.fixture(scope="module")

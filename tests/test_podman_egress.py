@@ -485,13 +485,15 @@ def test_on_podman_an_egress_network_that_does_not_exist_is_refused_naming_the_f
 @pytest.mark.docker
 @pytest.mark.skipif(os.getuid() != 0, reason="creating an ordinary user for the test needs root")
 @pytest.mark.skipif(shutil.which("podman") is None, reason="scripts/podman-up installs podman")
-def test_allowlist_passes_on_rootless_podman_as_an_ordinary_user(docker_client: Any) -> None:
+def test_allowlist_passes_on_rootless_podman_as_an_ordinary_user(
+    docker_client: Any, gateway_image: str
+) -> None:
     import pwd
     import re
 
     from fila import egress
     from fila.backends.docker import DockerBackend
-    from fila.images import ensure_image, find_image
+    from fila.images import ensure_image
 
     from .test_podman import _python_for_others, podman_user
     from .test_unprivileged import _code_for_others, tests_for_others
@@ -499,8 +501,6 @@ def test_allowlist_passes_on_rootless_podman_as_an_ordinary_user(docker_client: 
     python = _python_for_others()
     if python is None:
         pytest.skip(f"no Python {sys.version_info[:2]} an ordinary user may run")
-    if find_image(DockerBackend(docker_client), egress.GATEWAY_IMAGE) is None:
-        pytest.fail(f"{egress.GATEWAY_IMAGE} is not built: `fila images build gateway`")
     ensure_image("testnet", DockerBackend(docker_client), progress=lambda _l: None)
     here = tests_for_others()
     with podman_user() as user:
