@@ -341,9 +341,12 @@ class _LogPump(threading.Thread):
         if self.open_tail is None:
             return []
         entries: dict[int, list[bytes]] = {STDOUT: [], STDERR: []}
-        for stream, chunk in self.open_tail():
-            if stream in entries:
-                entries[stream].append(chunk)
+        try:
+            for stream, chunk in self.open_tail():
+                if stream in entries:
+                    entries[stream].append(chunk)
+        except _DOCKER_ERRORS:
+            return []  # best effort: the followed stream already gave the run's output
         missed = []
         for stream, got in entries.items():
             seen = bytes(self.seen[stream])
