@@ -214,8 +214,51 @@ def test_stored_schemas_are_the_models_and_used_only_while_current(tmp_path: Pat
     stale.write_text(json.dumps({"key": "0" * 64, "schemas": {"task": wrong}}))
     monkeypatch.setattr(models, "_STORED", stale)
     assert models.published_schema("task") == models.schema_for("task")
+    # A copy with the current key is read only when it is owned like models.py and writable by no
+    # one else: the key is computed from public sources, so it proves nothing about who wrote it.
     stale.write_text(json.dumps({"key": models._schema_key(), "schemas": {"task": wrong}}))
-    assert models.published_schema("task") == wrong  # the current key is what selects the file
+    _assert_used_only_when_owned_like(stale, Path(models.__file__),
+                                      used=lambda: models.published_schema("task") == wrong)  # fmt: skip
+    assert models.published_schema("task") == models.schema_for("task")  # a planted copy: not used
+
+
+def _assert_used_only_when_owned_like(planted: Path, module: Path, used: Any) -> None:
+    """`used()` says whether the file at `planted` was read: it is while the file is owned like
+    `module` and not group/other-writable (the counterpart), never otherwise; a symlink to such
+    a file is not followed. Leaves the file planted and untrusted (another uid's, or 0666)."""
+    os.chmod(planted, 0o644)
+    if os.getuid() == 0:
+        os.chown(planted, os.stat(module).st_uid, -1)
+    assert used()  # the allowed counterpart: a copy owned like the module is what is read
+    for mode in (0o664, 0o646, 0o666):
+        os.chmod(planted, mode)
+        assert not used(), oct(mode)
+    os.chmod(planted, 0o644)
+    assert used()
+    link = planted.with_name("link-" + planted.name)
+    real = planted.rename(planted.with_name("real-" + planted.name))
+    link.symlink_to(real)
+    link.rename(planted)
+    assert not used()  # the link is not followed, though what it names would be used
+    planted.unlink()
+    real.rename(planted)
+    assert used()
+    if os.getuid() == 0:  # another uid's file needs root to make
+        os.chown(planted, 65534, -1)
+        assert not used()
+    else:
+        os.chmod(planted, 0o666)
+
+
+def test_stored_help_is_used_only_when_owned_like_entry_py(tmp_path: Path, monkeypatch: Any) -> None:
+    planted = tmp_path / "_help.py"
+    planted.write_text(f'CLI_SHA256 = "{entry.cli_sha256()}"\nTEXT = "PLANTED HELP"\n')
+    monkeypatch.setattr(entry, "_HELP", str(planted))
+    monkeypatch.setattr(sys, "argv", [str(FILA), "--help"])
+    monkeypatch.setenv("COLUMNS", "100")
+    _assert_used_only_when_owned_like(planted, Path(entry.__file__),
+                                      used=lambda: entry.cached_help() == "PLANTED HELP")  # fmt: skip
+    assert entry.cached_help() is None
 
 
 # -- validation without jsonschema: what the models accept strictly, the schema accepts ---------

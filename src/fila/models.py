@@ -517,7 +517,9 @@ def schema_for(name: str) -> dict[str, Any]:
 # `python -m fila.entry --write`): generating them costs 10-20 ms a format in every process that
 # validates a task or a policy (every submit, every worker's first claim). They are used only while
 # the sources they came from are these (models.py, states.py and pydantic's version), so an edited
-# model is validated against its own schema, generated, until the file is written again.
+# model is validated against its own schema, generated, until the file is written again; and only
+# while the file is owned like models.py and not group/other-writable (entry.stored_bytes): its key
+# is computed from public sources, so anyone who could write it could choose what is accepted.
 _STORED = Path(__file__).with_name("_schemas.json")
 
 
@@ -533,17 +535,24 @@ def _schema_key() -> str:
 
 
 def published_schema(name: str) -> dict[str, Any]:
-    """`schema_for(name)`, read from `_schemas.json` when that was generated from these sources."""
+    """`schema_for(name)`, read from `_schemas.json` when that was generated from these sources
+    and is owned like this module."""
+    from .entry import stored_bytes
+
+    raw = stored_bytes(str(_STORED), __file__)  # None: missing, unreadable or not to be trusted
     try:
-        stored = json.loads(_STORED.read_bytes())
-        if stored["key"] == _schema_key():
+        stored = json.loads(raw) if raw is not None else None
+        if stored is not None and stored["key"] == _schema_key():
             return dict(stored["schemas"][name])
-    except (OSError, ValueError, KeyError, TypeError):  # missing, unreadable, another layout
+    except (OSError, ValueError, KeyError, TypeError):  # another layout
         pass
     return schema_for(name)
 
 
 def write_stored_schemas() -> Path:
     schemas = {name: schema_for(name) for name in ("task", "policy", "record")}
-    _STORED.write_text(json.dumps({"key": _schema_key(), "schemas": schemas}, indent=1) + "\n")
+    from .fsutil import atomic_write
+
+    # 0644 whatever the umask: a group-writable copy would be ignored (published_schema).
+    atomic_write(_STORED, json.dumps({"key": _schema_key(), "schemas": schemas}, indent=1) + "\n", mode=0o644)
     return _STORED
