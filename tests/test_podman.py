@@ -363,6 +363,9 @@ def test_an_overlay_job_on_rootless_podman_writes_the_patch_the_copy_writes_and_
     assert (ov.lower / "greeting.txt").read_text() == "hello\n"
     assert (ov.lower / "src" / "sub" / "old.txt").read_text() == "old\n"
     assert list(ov.scratch.iterdir()) == []  # the kernel's scratch, a subordinate uid's: emptied
+    # in the namespace of the user's pause process, whose pid is read only from a runtime directory
+    # of the user's alone (podman.check_runtime's rule): Podman's own layout passes it.
+    assert PodmanBackend()._pause_pid() is not None
     # A later task on the unchanged project reuses the snapshot, which no run has changed.
     again = run_one({"FILA_WORKSPACE": ""})
     assert again["workspace"]["snapshot"] == ws["snapshot"] and again["workspace"]["snapshot_how"] == "reused"

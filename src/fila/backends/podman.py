@@ -15,14 +15,19 @@ Podman socket). What differs is here:
   (podman_egress: an internal network with DNS off, the gateway on it and on the egress network).
 - The socket is found ($CONTAINER_HOST, $XDG_RUNTIME_DIR/podman/podman.sock, or where `podman info`
   says), or fila starts `podman system service` for its own use (and says so on stderr).
+- The runtime directory is the user's alone, as Podman itself demands: fila uses no directory
+  there (nor the socket, pause.pid, its config or log) that another uid owns or may write into;
+  /tmp/podman-run-$UID could be made first by anyone (check_runtime).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import pwd
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import threading
@@ -37,8 +42,10 @@ import requests
 from docker.errors import APIError, DockerException, ImageNotFound, NotFound
 from docker.models.containers import Container
 
-from ..errors import EngineUnavailable, InfraError, InvalidPolicy
+from ..errors import EngineUnavailable, InfraError, InvalidInput, InvalidPolicy
+from ..fsutil import atomic_write
 from ..models import Policy
+from ..untrusted import read_capped
 from . import docker as dk
 from .base import JOB_LABEL, ROOT_LABEL, WAIVABLE, Box, RunResult, RunSpec
 
@@ -60,6 +67,115 @@ def socket_from_env() -> Path | None:
     if host.startswith("unix://"):
         return Path(host.removeprefix("unix://"))
     return None
+
+
+# -- the runtime directory: this user's alone ---------------------------------------------------
+
+
+def _owner(uid: int) -> str:
+    try:
+        return f"uid {uid} ({pwd.getpwuid(uid).pw_name})"
+    except KeyError:
+        return f"uid {uid}"
+
+
+def not_own(st: os.stat_result, *, kind: str) -> str | None:
+    """Why an entry (lstat'ed) is not this user's alone, or None: `kind` "dir" is a directory
+    (not a symlink) of this uid that group and others may not write into (Podman's own rule for
+    its runtime directory); "socket" and "file" are a socket or regular file of this uid."""
+    want = {"dir": stat.S_ISDIR, "socket": stat.S_ISSOCK, "file": stat.S_ISREG}[kind]
+    uid = os.getuid()
+    if not want(st.st_mode):
+        what = "a symlink" if stat.S_ISLNK(st.st_mode) else f"not a {'directory' if kind == 'dir' else kind}"
+        return f"is {what} (owner {_owner(st.st_uid)})"
+    if st.st_uid != uid:
+        mode = stat.S_IMODE(st.st_mode)
+        return f"is owned by {_owner(st.st_uid)}, mode {mode:04o}, not by this user (uid {uid})"
+    if kind == "dir" and st.st_mode & 0o022:
+        return f"is writable by group or others (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def runtime_dirs(socket: Path) -> list[Path]:
+    """The directories of `socket` that must be this user's: the socket's own, and the runtime
+    directory above it where the socket is Podman's default one (pause.pid is kept there too)."""
+    if socket == default_socket():
+        return [socket.parent.parent, socket.parent]
+    return [socket.parent]
+
+
+def check_runtime(socket: Path, *, create: bool = False) -> None:
+    """Refuse (EngineUnavailable, naming the entry, its owner and mode) a runtime directory or a
+    socket of Podman's that is not this user's alone: whoever owns it, or may write into it, could
+    answer as Podman (and read every job's spec), or swap the files fila writes there for links.
+    With `create`, a missing directory is made (0700) and then checked like any other; an existing
+    one is never taken over. A missing socket is fine (fila may start the service)."""
+    for d in runtime_dirs(socket):
+        if create:
+            try:
+                os.mkdir(d, 0o700)
+            except FileExistsError:
+                pass
+            except OSError as e:
+                raise EngineUnavailable(
+                    f"cannot create Podman's runtime directory: {e.strerror}",
+                    path=d,
+                    hint="set XDG_RUNTIME_DIR to a directory of your own (mode 0700), or start Podman's "
+                    "socket yourself and name it in CONTAINER_HOST",
+                ) from None
+        try:
+            st = os.lstat(d)
+        except FileNotFoundError:
+            return  # nothing there yet: nothing to connect to, nothing read
+        why = not_own(st, kind="dir")
+        if why:
+            raise EngineUnavailable(
+                f"Podman's runtime directory {why}; fila does not use it (another user could answer as "
+                "Podman there, or swap what fila writes for links)",
+                path=d,
+                hint="remove it (as its owner or root) if it is not yours and run again, or set "
+                "XDG_RUNTIME_DIR to a directory of your own (mode 0700); `chmod go-w` it if it is yours",
+            )
+    try:
+        st = os.lstat(socket)
+    except FileNotFoundError:
+        return
+    why = not_own(st, kind="socket")
+    if why:
+        raise EngineUnavailable(
+            f"the Podman API socket {why}; fila does not connect to it",
+            path=socket,
+            hint="remove it (as its owner or root) and run again: fila starts its own service; or name "
+            "your own socket in CONTAINER_HOST",
+        )
+
+
+def job_scratch(labels: dict[str, str]) -> Path | None:
+    """The overlay scratch directory a container's labels name (`<root>/sandbox/meta/<job>/overlay/
+    work`), checked against fila's own job layout before anything in it is removed: the root an
+    absolute path without a symlink in it, the job a job id, and every directory from the root
+    down to the scratch a real directory of this user's. None when it is not there. A label is
+    whatever the engine answers: one that does not pass raises ValueError naming why."""
+    from ..layout import Root
+    from ..snapshot import overlay_dir
+    from ..states import valid_id
+
+    root, job = labels.get(ROOT_LABEL, ""), labels.get(JOB_LABEL, "")
+    if not os.path.isabs(root) or os.path.realpath(root) != root:
+        raise ValueError(f"its root label {root!r} is not an absolute path free of symlinks")
+    if not valid_id(job):
+        raise ValueError(f"its job label {job!r} is not a job id")
+    scratch = overlay_dir(Root(Path(root)), job) / "work"
+    here = Path(root)
+    for part in ("", *scratch.relative_to(root).parts):
+        here = here / part if part else here
+        try:
+            st = os.lstat(here)
+        except FileNotFoundError:
+            return None
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+            raise ValueError(f"{here} {not_own(st, kind='dir')}")
+    return scratch
 
 
 # -- the request -----------------------------------------------------------------------------------
@@ -284,8 +400,8 @@ def _service_conf(path: Path) -> Path:
     lines = ["[engine]", 'cgroup_manager = "cgroupfs"', 'events_logger = "file"']
     if Path("/sys/fs/cgroup/unified").is_dir() and shutil.which("runc", path="/usr/sbin:/usr/bin:/sbin:/bin"):
         lines.append('runtime = "runc"')
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    path.write_text("\n".join(lines) + "\n")
+    # Replaced by rename, never written through: a link planted at its name is not followed.
+    atomic_write(path, "\n".join(lines) + "\n", mode=0o600)
     return path
 
 
@@ -333,6 +449,7 @@ class PodmanBackend(dk.DockerBackend):
 
     def connect(self, timeout: float | None = None) -> docker.DockerClient:
         t = self._timeout if timeout is None else timeout
+        check_runtime(self.socket)  # before anything is sent: the socket may be another user's
         try:
             return self._client(t)
         except _ERRORS as first:
@@ -358,13 +475,21 @@ class PodmanBackend(dk.DockerBackend):
 
     def _start_service(self) -> None:
         exe = _podman()
-        self.socket.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        check_runtime(self.socket, create=True)  # this user's alone from here on: links only of its own
         with contextlib.suppress(FileNotFoundError):
             self.socket.unlink()  # a stale socket of a service that is gone
         env = dict(os.environ)
         env["CONTAINERS_CONF"] = str(_service_conf(self.socket.parent / "fila-containers.conf"))
         log = self.socket.parent / "fila-service.log"
-        with open(log, "ab") as out:
+        try:
+            fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as e:  # ELOOP: a symlink at its name
+            raise EngineUnavailable(
+                f"cannot open the Podman service's log: {e.strerror} (a link there is not followed)",
+                path=log,
+                hint="remove it and run again",
+            ) from None
+        with open(fd, "ab") as out:
             proc = subprocess.Popen(
                 [exe, "system", "service", f"--time={SERVICE_IDLE_S}", f"unix://{self.socket}"],
                 stdin=subprocess.DEVNULL,
@@ -482,11 +607,21 @@ class PodmanBackend(dk.DockerBackend):
         """The pid of rootless Podman's pause process, which holds the user's namespace (Podman
         keeps it beside the API socket's directory: <run dir>/libpod/tmp/pause.pid); None when
         there is none of this user's."""
+        run_dir = self.socket.parent.parent
         try:
-            pid = int((self.socket.parent.parent / "libpod" / "tmp" / "pause.pid").read_text().strip())
+            # Every directory on the way, and the file, this user's alone (check_runtime's rule):
+            # the pid is the namespace whose root then runs `rm -rf`.
+            for d in (run_dir, run_dir / "libpod", run_dir / "libpod" / "tmp"):
+                if not_own(os.lstat(d), kind="dir"):
+                    return None
+            path = run_dir / "libpod" / "tmp" / "pause.pid"
+            raw = read_capped(path, cap=64, kind="pause.pid", error=InvalidInput)  # no link followed
+            if not_own(os.lstat(path), kind="file"):
+                return None
+            pid = int(raw.decode().strip())
             if os.stat(f"/proc/{pid}").st_uid != os.getuid():
                 return None
-        except (OSError, ValueError):
+        except (OSError, ValueError, InvalidInput):
             return None
         return pid
 
@@ -573,15 +708,17 @@ class PodmanBackend(dk.DockerBackend):
 
     def remove(self, box: Box) -> bool:
         """Also the overlay scratch directory of the job's container (a crashed worker left it,
-        and recovery removes the container): in the job's meta directory, found by its labels."""
+        and recovery removes the container): in the job's meta directory, named by its labels and
+        checked against fila's job layout (job_scratch)."""
         gone = super().remove(box)
-        root, job = box.labels.get(ROOT_LABEL), box.labels.get(JOB_LABEL)
-        if box.labels.get(dk.VOLUME_LABEL) and root and job and self.rootless:
-            from ..layout import Root
-            from ..snapshot import overlay_dir
-
-            with contextlib.suppress(ValueError):  # a label that is no job id names nothing of ours
-                self._clear_scratch(overlay_dir(Root(Path(root)), job) / "work")
+        if box.labels.get(dk.VOLUME_LABEL) and self.rootless:
+            try:
+                scratch = job_scratch(box.labels)
+            except ValueError as e:
+                self.say(f"the overlay scratch of container {box.name} was not removed: {e}")
+                return gone
+            if scratch is not None:
+                self._clear_scratch(scratch)
         return gone
 
     def tags(self, image: str) -> list[str]:
@@ -628,4 +765,4 @@ class PodmanBackend(dk.DockerBackend):
         )
 
 
-__all__ = ["PodmanBackend", "default_socket", "libpod_spec"]
+__all__ = ["PodmanBackend", "check_runtime", "default_socket", "job_scratch", "libpod_spec"]
