@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import socket
 import struct
 import threading
 import time
@@ -28,7 +29,7 @@ from docker.models.containers import Container
 from docker.types import DriverConfig, LogConfig, Mount, Ulimit
 from docker.utils.socket import STDERR, STDOUT
 
-from .. import jobdir
+from .. import fsutil, jobdir
 from ..engines.base import HOME, JOB_MOUNT
 from ..errors import EngineUnavailable, ImageMissing, InfraError, InvalidPolicy
 from ..faults import crash_point
@@ -55,6 +56,8 @@ __all__ = ["UNPRIVILEGED", "DockerBackend", "RunResult", "RunSpec", "create_kwar
 _DOCKER_ERRORS = (DockerException, requests.RequestException)
 _KILL_WAIT_S = 30.0  # after SIGKILL the daemon reports the exit promptly; longer means it is stuck
 TAIL_ENTRIES = 16  # log entries read again after the followed stream ends (see _LogPump)
+PUMP_WAIT_S = 10.0  # after the exit, how long the output stream may take to end before it is cut
+PUMP_CUT_WAIT_S = 2.0  # after the stream's socket is shut, how long the pump may take to stop
 SEEN_KEEP = 1 << 20  # each stream's last raw bytes the pump keeps to align that tail
 
 
@@ -254,18 +257,27 @@ class _Redactor:
 
 
 def _log_frames(
-    client: docker.DockerClient, cid: str, *, follow: bool = True, tail: int | str = "all"
+    client: docker.DockerClient,
+    cid: str,
+    *,
+    follow: bool = True,
+    tail: int | str = "all",
+    opened: Callable[[Any], None] | None = None,
 ) -> Iterator[tuple[int, bytes]]:
     """The container's output as (stream, bytes) frames, stdout (1) apart from stderr (2), as
     they come. The SDK's logs() drops the frame header's stream byte (its demux is for attach and
     exec only), so this is its own stream helper with the stream kept: the request, the socket
-    without a read timeout, then the 8-byte header (stream, size) of each frame."""
+    without a read timeout, then the 8-byte header (stream, size) of each frame. `opened` gets
+    the socket, so another thread can shut it and end a read that would otherwise never return."""
     api = client.api
     params = {"stdout": 1, "stderr": 1, "follow": int(follow), "timestamps": 0, "tail": tail}
     res = api._get(api._url("/containers/{0}/logs", cid), params=params, stream=True)
     try:
         api._raise_for_status(res)
-        api._disable_socket_timeout(api._get_raw_response_socket(res))
+        sock = api._get_raw_response_socket(res)
+        api._disable_socket_timeout(sock)
+        if opened is not None:
+            opened(sock)
         while True:
             header = res.raw.read(STREAM_HEADER_SIZE_BYTES)
             if len(header) < STREAM_HEADER_SIZE_BYTES:
@@ -291,7 +303,11 @@ class _LogPump(threading.Thread):
 
     `open_tail` reads the last TAIL_ENTRIES entries once the followed stream has ended: Docker 20.10
     was seen to end a follow request before the container's last output reached it (a final line
-    without a newline, e.g. gemini's closing `}`); what the tail has beyond what was seen is added."""
+    without a newline, e.g. gemini's closing `}`); what the tail has beyond what was seen is added.
+
+    `cut_off` ends a stream that did not end with the container (a busy daemon): from then on
+    nothing more is copied, and stdout counts as truncated (classification must not read a part
+    as the whole). The log file is fsynced before the pump ends: the record points at it."""
 
     def __init__(
         self,
@@ -311,9 +327,26 @@ class _LogPump(threading.Thread):
         self.stderr_dropped = False
         self.written = 0
         self.truncated = False
+        self.cut = False  # the stream was cut off after the exit: what was copied is a part
+        self.lock = threading.Lock()  # no write lands after cut_off returns
+        self.sockets: list[Any] = []  # the open streams' sockets (`_log_frames`'s `opened`)
         self.error: BaseException | None = None
 
+    def cut_off(self) -> None:
+        """Stop copying (called from another thread), then shut the stream's socket so a read
+        blocked on it returns."""
+        with self.lock:
+            self.cut = True
+        for sock in list(self.sockets):
+            with contextlib.suppress(OSError, AttributeError):
+                getattr(sock, "_sock", sock).shutdown(socket.SHUT_RDWR)
+
     def _write(self, f: Any, stream: int, data: bytes) -> None:
+        with self.lock:
+            if not self.cut:
+                self._write_locked(f, stream, data)
+
+    def _write_locked(self, f: Any, stream: int, data: bytes) -> None:
         room = self.cap - self.written
         if len(data) > room:
             data, self.truncated = data[:room], True
@@ -338,7 +371,7 @@ class _LogPump(threading.Thread):
 
     def _missed(self) -> list[tuple[int, bytes]]:
         """The entries of the log's tail after the longest run of them that ends what was seen."""
-        if self.open_tail is None:
+        if self.open_tail is None or self.cut:
             return []
         entries: dict[int, list[bytes]] = {STDOUT: [], STDERR: []}
         try:
@@ -360,27 +393,31 @@ class _LogPump(threading.Thread):
         return RunOutput(
             stdout=bytes(self.stdout),
             stderr=bytes(self.stderr),
-            stdout_truncated=self.truncated,
-            stderr_truncated=self.stderr_dropped,
+            stdout_truncated=self.truncated or self.cut,
+            stderr_truncated=self.stderr_dropped or self.cut,
         )
 
     def run(self) -> None:
         try:
             with open(self.path, "wb") as f:
+                fsutil.fsync_dir(self.path.parent)  # the record will point at this file
                 self.stream = self.open_stream()
                 for stream, chunk in self.stream:
                     if stream not in self.redactors:
                         continue  # stdin's stream id: the engine has no stdin
                     self._copy(f, stream, chunk)
-                    if self.truncated:
+                    if self.truncated or self.cut:
                         break  # stop reading: a log bomb must not cost us the rest of it
                 else:
                     for stream, chunk in self._missed():
                         self._copy(f, stream, chunk)
                     for stream, redactor in self.redactors.items():
                         self._write(f, stream, redactor.flush())
-                if self.truncated:
-                    f.write(f"\n[fila: log truncated at {self.cap} bytes]\n".encode())
+                with self.lock:
+                    if self.truncated and not self.cut:
+                        f.write(f"\n[fila: log truncated at {self.cap} bytes]\n".encode())
+                    f.flush()
+                    os.fsync(f.fileno())
         except BaseException as e:  # reported by run(); a thread cannot raise to its caller
             self.error = e
         finally:
@@ -434,16 +471,19 @@ def _execute(
 ) -> RunResult:
     cid = container.id
     step = "starting the container"
+    warnings: list[str] = []
     try:
         started_at, t0 = now_iso(), time.monotonic()
         container.start()
         step = "streaming the container's output"
         pump = _LogPump(
-            lambda: _log_frames(client, cid),
+            lambda: _log_frames(client, cid, opened=pump.sockets.append),
             spec.log_path,
             spec.policy.max_log_bytes,
             spec.redact,
-            open_tail=lambda: _log_frames(client, cid, follow=False, tail=TAIL_ENTRIES),
+            open_tail=lambda: _log_frames(
+                client, cid, follow=False, tail=TAIL_ENTRIES, opened=pump.sockets.append
+            ),
         )
         pump.start()
         waiter = _Waiter(client, cid)
@@ -486,7 +526,9 @@ def _execute(
             raise waiter.error
         step = "reading the container's state"
         state = client.api.inspect_container(cid)["State"]
-        pump.join(timeout=10)  # the output stream ends with the container
+        pump.join(timeout=PUMP_WAIT_S)  # the output stream ends with the container
+        if pump.is_alive():
+            warnings.append(_cut_pump(pump, spec))
         if pump.error is not None:
             step = "copying the container's output to its log"
             raise pump.error
@@ -503,10 +545,28 @@ def _execute(
         container_name=container.name,
         image_id=container.attrs.get("Image", ""),
         log_bytes=pump.written,
-        log_truncated=pump.truncated,
+        log_truncated=pump.truncated or pump.cut,
         output=pump.output(),
         limit_exceeded=limit_exceeded,
+        warnings=warnings,
     )
+
+
+def _cut_pump(pump: _LogPump, spec: RunSpec) -> str:
+    """A stream that has not ended PUMP_WAIT_S after the exit (a busy daemon) is cut off rather
+    than waited for without end or abandoned in silence (the fast exit would kill it mid-write):
+    the log says where it ends, is fsynced, and the record gets the warning returned."""
+    pump.cut_off()
+    pump.join(timeout=PUMP_CUT_WAIT_S)
+    what = (
+        f"log incomplete: the container's output stream did not end within {PUMP_WAIT_S:g} s of its "
+        f"exit and was cut off; stdout and {spec.log_path} may miss the end of its output"
+    )
+    with open(spec.log_path, "ab") as f:  # the pump writes nothing more (cut_off)
+        f.write(f"\n[fila: {what}]\n".encode())
+        f.flush()
+        os.fsync(f.fileno())
+    return what
 
 
 def _over_disk_limits(spec: RunSpec) -> str | None:
@@ -544,21 +604,23 @@ def _remove_exited(client: docker.DockerClient, spec: RunSpec, name: str, *, fre
         if fresh:  # in the background: the last try a failed run makes, made here
             _cleanup_after_failure(own, name, err)
             if spec.overlay is not None:
-                _remove_volume_after_failure(own, name)
+                _remove_volume_after_failure(own, name, err)
         raise err from e
     finally:
         if fresh:
             own.close()
 
 
-def _remove_volume_after_failure(client: docker.DockerClient, name: str) -> None:
+def _remove_volume_after_failure(client: docker.DockerClient, name: str, exc: BaseException) -> None:
     """The overlay strategy's work volume, on a new connection (`client` may be mid-request)."""
-    with contextlib.suppress(*_DOCKER_ERRORS):
+    try:
         fresh = _fresh_client(client)
         try:
             _remove_volume(fresh, work_volume(name))
         finally:
             fresh.close()
+    except _DOCKER_ERRORS as e:
+        note_left(exc, f"could not remove volume {work_volume(name)}: {e}; `fila recover` removes it")
 
 
 def _remove(client: docker.DockerClient, name: str) -> None:
@@ -647,7 +709,7 @@ def run(
                 egress.stop(client, gw)
             except InfraError as e:  # the run itself is complete: say what is left, keep the result
                 left.append(f"{e}; `fila recover` removes it")
-        result.warnings = jobdir.reclaim(spec.job_dir, owner=owner) + left
+        result.warnings += jobdir.reclaim(spec.job_dir, owner=owner) + left
         if spec.overlay is not None:
             result.warnings += jobdir.reclaim_tree(spec.overlay.upper, owner=owner)
         return result
@@ -656,20 +718,40 @@ def run(
             try:
                 removal.wait()
             except Exception as e:
-                exc.add_note(f"fila: {e}")
+                note_left(exc, str(e))
             removal = None
         else:
             # Removed by name: an interrupted create may have made the container without telling us.
             _cleanup_after_failure(client, name, exc)
             if spec.overlay is not None:
-                _remove_volume_after_failure(client, name)
+                _remove_volume_after_failure(client, name, exc)
         if gateway is not None:
             _stop_gateway_after_failure(client, gateway, exc)
         try:
             jobdir.reclaim(spec.job_dir, owner=owner)
         except Exception as e:  # the original error matters more; say what is left
-            exc.add_note(f"fila: could not reclaim {spec.job_dir}: {e}")
+            note_left(exc, f"could not reclaim {spec.job_dir}: {e}", running=False)
         raise
+
+
+LEFT_ATTR = "fila_left"  # on an exception a failed run raises: what it could not remove
+
+
+def note_left(exc: BaseException, what: str, *, running: bool = True) -> None:
+    """Say on the error a failed run raises what it could not clean up (`left_behind` reads it):
+    the caller must not publish the job as over while its container may still run. A note
+    too, for a traceback; never the only carrier (nothing reads notes)."""
+    left = getattr(exc, LEFT_ATTR, None)
+    if left is None:
+        left = []
+        setattr(exc, LEFT_ATTR, left)
+    left.append((what, running))
+    exc.add_note(f"fila: {what}")
+
+
+def left_behind(exc: BaseException) -> list[tuple[str, bool]]:
+    """(what, may still run) for each thing a failed run could not clean up (note_left)."""
+    return list(getattr(exc, LEFT_ATTR, None) or [])
 
 
 def docker_runtime(policy: Policy) -> str:
@@ -725,7 +807,7 @@ def _stop_gateway_after_failure(client: docker.DockerClient, gateway: Any, exc: 
         finally:
             fresh.close()
     except Exception as e:
-        exc.add_note(f"fila: could not remove the job's gateway or network: {e}; `fila recover` sweeps them")
+        note_left(exc, f"could not remove the job's gateway or network: {e}; `fila recover` sweeps them")
 
 
 VOLUME_LABEL = "fila.volume"  # on a container whose work/ is an overlay volume: the volume's name
@@ -772,9 +854,9 @@ def _cleanup_after_failure(client: docker.DockerClient, name: str, exc: BaseExce
         except KeyboardInterrupt:
             continue  # a second Ctrl-C must not leave a hostile engine running
         except Exception as e:
-            exc.add_note(f"fila: could not remove container {name}: {e}; `docker rm -f {name}`")
+            note_left(exc, f"could not remove container {name}: {e}; `fila recover` removes it")
             return
-    exc.add_note(f"fila: container {name} may be left; remove it with `docker rm -f {name}`")
+    note_left(exc, f"container {name} may be left; `fila recover` removes it")
 
 
 def _label_filters(job_id: str | None, root: str | None) -> dict[str, list[str]]:
