@@ -15,7 +15,6 @@ Nothing is parsed here: any other argv, `--help` after a command included, goes 
 from __future__ import annotations
 
 import os
-import stat
 import sys
 
 # os.path, not pathlib: pathlib's import is a quarter of this script's own cost.
@@ -31,30 +30,6 @@ def cli_sha256() -> str:
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def stored_bytes(path: str, module: str) -> bytes | None:
-    """The bytes of a generated file kept beside `module` (the module that reads it), or None when
-    it is not to be trusted: not a regular file (a symlink is not followed), owned by another uid
-    than `module`, or writable by group or others. Whoever could write such a file would choose what
-    fila prints or validates against (its key is computed from public sources), so it is ignored,
-    as a stale one is. The checks are on the open descriptor: the file read is the file checked."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_mode & 0o022 or st.st_uid != os.stat(module).st_uid:
-            return None
-        chunks = []
-        while chunk := os.read(fd, 1 << 20):
-            chunks.append(chunk)
-        return b"".join(chunks)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-
-
 def cached_help() -> str | None:
     """The text `fila --help` prints, when the stored one is current, fits this terminal and is
     owned like this module (stored_bytes)."""
@@ -62,6 +37,8 @@ def cached_help() -> str | None:
 
     if os.path.basename(sys.argv[0]) != "fila" or shutil.get_terminal_size().columns < MIN_COLUMNS:
         return None
+    from .stored import stored_bytes
+
     raw = stored_bytes(_HELP, __file__)
     if raw is None:  # not generated, or not to be trusted
         return None

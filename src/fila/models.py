@@ -518,7 +518,7 @@ def schema_for(name: str) -> dict[str, Any]:
 # validates a task or a policy (every submit, every worker's first claim). They are used only while
 # the sources they came from are these (models.py, states.py and pydantic's version), so an edited
 # model is validated against its own schema, generated, until the file is written again; and only
-# while the file is owned like models.py and not group/other-writable (entry.stored_bytes): its key
+# while the file is owned like models.py and not group/other-writable (stored.stored_bytes): its key
 # is computed from public sources, so anyone who could write it could choose what is accepted.
 _STORED = Path(__file__).with_name("_schemas.json")
 
@@ -537,7 +537,7 @@ def _schema_key() -> str:
 def published_schema(name: str) -> dict[str, Any]:
     """`schema_for(name)`, read from `_schemas.json` when that was generated from these sources
     and is owned like this module."""
-    from .entry import stored_bytes
+    from .stored import stored_bytes
 
     raw = stored_bytes(str(_STORED), __file__)  # None: missing, unreadable or not to be trusted
     try:
