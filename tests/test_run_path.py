@@ -218,3 +218,106 @@ def test_recovery_removes_a_work_volume_no_container_uses_and_never_one_in_use(
         holder.remove(force=True)
     recovery.recover(proj)
     assert left(docker_client, proj) == ([], [])
+
+
+def _break_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The daemon's wait connection breaks 1 s into the run (a restarting container engine)."""
+
+    def broken_wait(self: dk._Waiter) -> None:
+        time.sleep(1.0)
+        self.error = docker.errors.APIError("the connection to the daemon was lost (injected)")
+        self.done.set()
+
+    monkeypatch.setattr(dk._Waiter, "run", broken_wait)
+
+
+def test_a_failed_run_whose_container_cannot_be_removed_stays_fenced_until_recovery_sees_it_gone(
+    proj: Root, docker_client: docker.DockerClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fila.errors import InfraError, InvalidTransition
+    from fila.recovery import recover
+
+    _break_the_wait(monkeypatch)
+    said: list[str] = []
+    backend = DockerBackend()
+    try:
+        # Allowed first: the run fails and its container is removed: needs_human, claim released.
+        ok = cycle.run_one(proj, claim_of(proj, "t1", "sleep 25"), backend=backend, progress=said.append)
+        assert ok is not None and ok.status == S.needs_human, ok
+        assert left(docker_client, proj) == ([], []) and not queue.claim_files(proj, "t1")
+
+        def refused(client: docker.DockerClient, name: str) -> None:
+            raise docker.errors.APIError("the daemon refused to remove the container (injected)")
+
+        monkeypatch.setattr(dk, "_remove", refused)
+        with pytest.raises(InfraError) as err:
+            cycle.run_one(proj, claim_of(proj, "t2", "sleep 25"), backend=backend, progress=said.append)
+        # What the CLI prints on stderr (the worker prints the error and its hint).
+        assert "could not remove container fila-t2-" in str(err.value), err.value
+        assert "(injected)" in str(err.value) and "fila recover" in (err.value.hint or "")
+        rec = queue.get_record(proj, "t2")
+        assert rec.status == S.running, "never published as over while its engine may run"
+        assert rec.error is not None and "could not remove container fila-t2-" in rec.error.message
+        assert any("may still be running" in w for w in rec.warnings), rec.warnings
+        assert [p.name.rsplit(".", 1)[1] for p in queue.claim_files(proj, "t2")] == ["reaped"]
+        names, _ = left(docker_client, proj)
+        assert len(names) == 1 and names[0].startswith("fila-t2-")
+        with pytest.raises(InvalidTransition):
+            queue.retry(proj, "t2", by="test")  # no second engine beside the first
+
+        # Recovery while the daemon still refuses: undecided, nothing published.
+        def refused_box(self: DockerBackend, box: object) -> bool:
+            raise InfraError("the daemon refused to remove the container (injected)")
+
+        monkeypatch.setattr(DockerBackend, "remove", refused_box)
+        rep = recover(proj, backend=backend)
+        assert [a.action for a in rep.actions if a.task_id == "t2"] == ["undecided"], rep.actions
+        assert queue.get_record(proj, "t2").status == S.running
+        monkeypatch.undo()
+        rep = recover(proj, backend=backend)
+        assert queue.get_record(proj, "t2").status == S.needs_human, rep.actions
+        assert left(docker_client, proj) == ([], []) and not queue.claim_files(proj, "t2")
+        assert any("may still be running" in w for w in queue.get_record(proj, "t2").warnings)
+    finally:
+        backend.close()
+        for c in docker_client.containers.list(all=True, filters={"label": f"fila.root={proj.path}"}):
+            c.remove(force=True)
+
+
+def test_a_retry_never_starts_while_a_container_of_an_earlier_attempt_is_there(
+    proj: Root, docker_client: docker.DockerClient, shell_image: ImageRef, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fila.errors import InfraError
+
+    monkeypatch.setattr(cycle, "backoff_s", lambda _n: 0.0)  # the requeued task is claimable at once
+
+    backend = DockerBackend()
+    try:
+        first = cycle.run_one(proj, claim_of(proj, "t1", "exit 7"), backend=backend)
+        assert first is not None and first.status == S.failed and first.exit_code == 7
+        queue.retry(proj, "t1", by="test")
+        # An earlier attempt's engine, still there (its removal failed and no recovery ran yet).
+        stale = docker_client.containers.run(
+            shell_image.tag,
+            ["sleep", "60"],
+            detach=True,
+            network_mode="none",
+            labels={"fila": "1", "fila.job": "t1", "fila.root": str(proj.path), "fila.worker": "gone-1-x"},
+        )
+        claim = cycle.next_claim(proj, "w1", only={"t1"})
+        assert claim is not None
+        with pytest.raises(InfraError, match="of an earlier attempt is still there"):
+            cycle.run_one(proj, claim, backend=backend)
+        assert left(docker_client, proj)[0] == [stale.name], "no second container was made"
+        rec = queue.get_record(proj, "t1")
+        assert rec.status == S.queued and rec.attempts[-1].outcome == "requeued"
+        # Allowed: once it is gone, the retry runs.
+        stale.remove(force=True)
+        claim = cycle.next_claim(proj, "w1", only={"t1"})
+        assert claim is not None
+        rec2 = cycle.run_one(proj, claim, backend=backend)
+        assert rec2 is not None and rec2.attempt == 3 and rec2.exit_code == 7, "the engine ran"
+    finally:
+        backend.close()
+        for c in docker_client.containers.list(all=True, filters={"label": f"fila.root={proj.path}"}):
+            c.remove(force=True)

@@ -324,6 +324,7 @@ class _Run:
         self.beats = 0
         self.removals: list[Removal] = []  # containers exited and still being removed
         self.removal_warnings: list[str] = []
+        self.removal_failed = False  # a container this job started may not be gone
 
     def lap(self, phase: str) -> None:
         """The seconds since the previous lap, added to `phase` (a fallback engine adds to its
@@ -363,7 +364,53 @@ class _Run:
             try:
                 self.removals.pop(0).wait()
             except Exception as e:
+                self.removal_failed = True
                 self.removal_warnings.append(f"{e}; `fila recover` removes what is left")
+
+    def left_running(self, err: BaseException) -> list[str]:
+        """After a failure once the container started: what of the job may still be there (its
+        container, gateway or volume), from what the backend could not remove and from asking it
+        (a container listed, or no answer). Empty only when the backend confirmed all gone."""
+        from .backends.docker import left_behind
+
+        left = [what for what, running in left_behind(err) if running]
+        if self.removal_failed:
+            left += self.removal_warnings
+        try:
+            boxes = self.backend.find(job_id=self.tid, root=str(self.root.path))
+        except Exception as e:  # no answer: nothing is confirmed gone
+            left.append(f"{self.backend.name} could not list the job's containers: {e}")
+        else:
+            left += [f"container {b.describe()} is still there" for b in boxes]
+        return left
+
+    def fence_off(self, msg: str, left: list[str]) -> InfraError:
+        """A failed run whose container (or gateway, volume) may still be there is not published
+        as over: the record stays running, says so (warnings, error, an event), and the claim
+        becomes the `.reaped` tombstone recovery keeps while it is undecided, so no `fila retry`
+        and no second engine can start until recovery confirms the container is gone and
+        decides (needs_human). Returns the error for the caller to raise (stderr, exit 3)."""
+        what = "; ".join(left)
+        fields: dict[str, Any] = {
+            "warnings": [f"the job may still be running: {what}"],
+            "error": ErrorInfo(kind=ErrorKind.infra, message=f"{msg}; and then: {what}"),
+        }
+        with contextlib.suppress(FilaError, OSError):  # lost meanwhile: recovery has it already
+            self.checkpoint(event="cleanup failed", **fields)
+        fenced = queue.win(self.claim, "reaped")
+        queue.log_event(self.root, self.tid, "cleanup failed", reason=what, claim=self.claim.name)
+        how = (
+            f"the task stays running ({self.claim.tombstone('reaped').name} kept) until `fila recover` "
+            "confirms its container is gone and decides it (needs_human)"
+            if fenced
+            else "its claim was taken meanwhile: recovery decides it"
+        )
+        return InfraError(
+            f"{msg}; and the job's container may still be there: {what}; {how}",
+            task_id=self.tid,
+            hint="run `fila recover` once the container engine answers: it removes the container "
+            "and then decides the task",
+        )
 
     def checkpoint(self, **fields: Any) -> None:
         queue.checkpoint(self.root, self.claim, **fields)
@@ -570,6 +617,10 @@ def run_one(
     except Interrupted as e:
         if not run.container_started:
             return run.requeue(e, outcome="handed back")
+        left = run.left_running(e)
+        if left:
+            progress(f"{tid}: {run.fence_off(f'interrupted: {e}', left)}")
+            return None
         return run.finish(
             Status.needs_human,
             error=ErrorInfo(kind=ErrorKind.interrupted, message=f"interrupted: {e}"),
@@ -588,6 +639,9 @@ def run_one(
         if not run.container_started:
             run.requeue(e, outcome="requeued")
             raise
+        left = run.left_running(e)
+        if left:
+            raise run.fence_off(str(e), left) from e
         return run.finish(
             Status.needs_human,
             error=ErrorInfo(kind=ErrorKind.infra, message=str(e)),
@@ -601,7 +655,12 @@ def run_one(
         # would claim it again at once, forever. OSError counts as infra (the disk may be full).
         kind = ErrorKind.infra if isinstance(e, OSError) else ErrorKind.invalid
         msg = f"{type(e).__name__}: {e}" if isinstance(e, OSError) else str(e)
+        if isinstance(e, FilaError) and e.hint:  # the record keeps only the message
+            msg += f"; {e.hint}"
         if run.container_started:
+            left = run.left_running(e)
+            if left:
+                raise run.fence_off(f"after the run: {msg}", left) from e
             return run.finish(
                 Status.failed,
                 error=ErrorInfo(kind=ErrorKind.engine_error, message=f"after the run: {msg}"),
@@ -611,7 +670,10 @@ def run_one(
         return run.finish(Status.failed, error=ErrorInfo(kind=kind, message=msg))
     except BaseException as e:  # bugs, KeyboardInterrupt: never leave a running record behind
         msg = f"interrupted: {type(e).__name__}: {e}".rstrip(": ")
-        if run.container_started:
+        left = run.left_running(e) if run.container_started else []
+        if left:
+            progress(f"{tid}: {run.fence_off(msg, left)}")
+        elif run.container_started:
             run.finish(
                 Status.needs_human,
                 error=ErrorInfo(kind=ErrorKind.interrupted, message=msg),
@@ -641,6 +703,8 @@ def _run_engines(
         ref = refs[image]
         started_at = now_iso()
         run.fence()  # under the job lock: a reaped zombie never wipes a later attempt's job dir
+        if i == 0 and attempt > 1:
+            _no_earlier_container(run)
         # A fresh copy for every engine: a fallback never sees what the engine before it left.
         prep, overlay, workspace = _prepare(run, checked)
         run.lap("prepare")
@@ -746,7 +810,7 @@ def _run_engines(
             diff_error = str(e)
         run.lap("diff")
         crash_point("after_diff")
-        if result.log_truncated:
+        if result.log_truncated and not any(w.startswith("log incomplete") for w in warnings):
             warnings.append(f"log truncated at max_log_bytes {checked.policy.max_log_bytes}")
         if diff_error and outcome.kind == "success":
             outcome = _Out(ErrorKind.engine_error, f"the engine's output breaks a limit: {diff_error}")
@@ -800,6 +864,25 @@ def _run_engines(
             **common,
         )
     raise AssertionError("unreachable: the last engine always finishes")
+
+
+def _no_earlier_container(run: _Run) -> None:
+    """A later attempt (`fila retry`, a requeue) starts only once no container of the task is
+    left: an earlier attempt's engine that could not be removed must never run beside a new
+    one, nor have its mounted layer wiped by the new job directory. A first attempt has none."""
+    try:
+        boxes = run.backend.find(job_id=run.tid, root=str(run.root.path))
+    except FilaError as e:
+        raise InfraError(
+            f"could not check that no earlier container of the task is left: {e}", task_id=run.tid
+        ) from e
+    if boxes:
+        raise InfraError(
+            f"container {boxes[0].describe()} of an earlier attempt is still there; this attempt "
+            "waits until it is gone",
+            task_id=run.tid,
+            hint="`fila recover` removes it (the task is requeued and runs after)",
+        )
 
 
 def _prepare(run: _Run, checked: Checked) -> tuple[jobdir.Prepared, Any, Workspace]:
