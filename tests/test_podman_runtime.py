@@ -10,8 +10,11 @@ test's directory; it exits 3 s after its last client).
 from __future__ import annotations
 
 import os
+import pwd
 import shutil
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -196,3 +199,66 @@ def test_the_overlay_scratch_a_container_label_names_is_checked_against_the_job_
         podman.job_scratch(labels)
     os.chown(root / "sandbox" / "meta", 0, 0)
     assert podman.job_scratch(labels) == scratch
+
+
+def _as(user: str, python: str, code: str) -> subprocess.CompletedProcess[str]:
+    """`code` run by `user` as the tests' driver runs fila: env -i, no XDG_RUNTIME_DIR, so the
+    runtime directory is /tmp/podman-run-$UID, which any local user could have made first."""
+    from .test_unprivileged import _code_for_others
+
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": pwd.getpwnam(user).pw_dir,
+           "PYTHONPATH": _code_for_others(), "PYTHONDONTWRITEBYTECODE": "1"}  # fmt: skip
+    argv = ["runuser", "-u", user, "--", "env", "-i", *(f"{k}={v}" for k, v in env.items())]
+    return subprocess.run([*argv, python, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
+
+
+_PING = (
+    "from fila.backends.podman import PodmanBackend\n"
+    "from fila.errors import EngineUnavailable\n"
+    "b = PodmanBackend()\n"
+    "try:\n"
+    "    b.ping()\n"
+    "except EngineUnavailable as e:\n"
+    "    print('REFUSED', e, '|', e.hint)\n"
+    "else:\n"
+    "    print('ROOTLESS', b.info()['host']['security']['rootless'], b.socket)\n"
+)
+
+
+@pytest.mark.slow
+def test_another_local_users_podman_run_directory_is_refused_and_the_users_own_is_used() -> None:
+    """Two throwaway users: the attacker makes the victim's /tmp/podman-run-$UID first (0777, with
+    a link where fila writes its config); the victim's fila refuses it, naming it and its owner, and
+    writes nothing through the link. Once it is gone, fila makes its own and real rootless Podman
+    answers there (the counterpart)."""
+    from .test_podman import _python_for_others, podman_user
+
+    python = _python_for_others()
+    if python is None:
+        pytest.skip(f"no Python {sys.version_info[:2]} an ordinary user may run")
+    with podman_user() as victim, podman_user() as attacker:
+        vuid, auid = pwd.getpwnam(victim).pw_uid, pwd.getpwnam(attacker).pw_uid
+        precious = Path(pwd.getpwnam(victim).pw_dir) / "precious.txt"
+        precious.write_text("victim precious data\n")
+        os.chown(precious, vuid, vuid)
+        run = Path(f"/tmp/podman-run-{vuid}")
+        plant = (
+            f"umask 000; mkdir -p {run}/podman && chmod 777 {run} {run}/podman && "
+            f"ln -s {precious} {run}/podman/fila-containers.conf"
+        )
+        subprocess.run(["runuser", "-u", attacker, "--", "sh", "-c", plant], check=True)
+        assert run.lstat().st_uid == auid
+
+        res = _as(victim, python, _PING)
+        assert precious.read_text() == "victim precious data\n"  # not written through the link
+        assert res.stdout.startswith("REFUSED"), res.stdout + res.stderr
+        assert str(run) in res.stdout and f"uid {auid} ({attacker})" in res.stdout and "0777" in res.stdout
+        assert "XDG_RUNTIME_DIR" in res.stdout  # what to do
+        assert not (run / "podman" / "podman.sock").exists()  # no service was started there
+
+        shutil.rmtree(run)  # what the hint says: its owner (or root) removes it
+        res = _as(victim, python, _PING)
+        assert res.stdout.startswith(f"ROOTLESS True {run}/podman/podman.sock"), res.stdout + res.stderr
+        st = run.lstat()
+        assert st.st_uid == vuid and not st.st_mode & 0o022
+        assert precious.read_text() == "victim precious data\n"
