@@ -33,6 +33,8 @@ from .helpers import make_root
 S = Status
 pytestmark = pytest.mark.docker
 CLI = [sys.executable, "-c", "from fila.cli import main; main()"]
+# The console script's own path (what CI runs): the fast exit (os._exit after the command) included.
+ENTRY = [sys.executable, "-c", "from fila.entry import main; main()"]
 
 
 def fila(
@@ -42,12 +44,14 @@ def fila(
     check: bool = False,
     timeout: float = 120,
     env_extra: dict[str, str] | None = None,
+    entry: bool = False,
 ) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "FILA_ROOT": str(root.path), **(env_extra or {})}
     env.pop("FILA_CRASH_AT", None)
     if crash:
         env["FILA_CRASH_AT"] = crash
-    res = subprocess.run([*CLI, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    cli = ENTRY if entry else CLI
+    res = subprocess.run([*cli, *args], env=env, capture_output=True, text=True, timeout=timeout)
     if check:
         assert res.returncode == 0, res.stdout + res.stderr
     return res
@@ -397,4 +401,47 @@ def test_a_zombie_worker_never_wipes_a_later_attempts_finished_job_directory(
     assert events, "the zombie's attempt ends as a discarded result"
     fila(proj, "apply", "t1", "--yes", "--by", "tester", check=True)
     assert (proj.path / "greeting.txt").read_text() == "hello\nworld\n"
+    assert containers_left(docker_client, proj) == []
+
+
+def test_a_job_directory_rm_cannot_remove_fails_that_task_only_and_the_run_goes_on(
+    proj: Root, docker_client: docker.DockerClient, started_containers: Starts
+) -> None:
+    """Through the console script's path (fila.entry, its fast exit): a SIGKILL after the exit,
+    recovery, then a retry whose old job directory cannot be removed (an immutable file here; a
+    rootless overlay's subordinate-uid scratch in the field)."""
+    submit = [
+        "submit",
+        "--engine",
+        "shell",
+        "--command",
+        "echo world >> greeting.txt",
+        "--target",
+        "greeting.txt",
+    ]
+    fila(proj, *submit, "--id", "a1", check=True, entry=True)
+    crashed = fila(proj, "run", "--once", crash="after_exit", entry=True)
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr
+    fila(proj, "recover", check=True, entry=True)
+    assert assert_one_state_each(proj, ["a1"]) == {"a1": S.needs_human}
+    assert containers_left(docker_client, proj) == [], "recovered through the fast exit too"
+    stuck = proj.job_dir("a1") / "stuck"
+    stuck.write_text("x")
+    if subprocess.run(["chattr", "+i", str(stuck)], capture_output=True).returncode != 0:
+        pytest.skip("no immutable files here (chattr +i needs root and a filesystem that has them)")
+    try:
+        fila(proj, "retry", "a1", "--by", "tester", check=True, entry=True)
+        fila(proj, *submit, "--id", "b2", check=True, entry=True)
+        res = fila(proj, "run", "--once", entry=True)
+        # Allowed: the other task runs in the same `run --once`.
+        assert queue.get_record(proj, "b2").status == S.needs_review, res.stderr
+        rec = queue.get_record(proj, "a1")
+        assert rec.status == S.failed and rec.error is not None and rec.error.kind == "infra", rec
+        assert f"could not remove {proj.job_dir('a1')}" in rec.error.message
+        assert "Operation not permitted" in rec.error.message, "rm's own stderr"
+        assert "then `fila retry ID`" in rec.error.message, "and what to do"
+        assert "fila bug" not in res.stderr and "Traceback" not in res.stderr, res.stderr
+        assert res.returncode == 1, res.stderr  # some task failed: not Docker's exit 3, not a crash
+    finally:
+        subprocess.run(["chattr", "-i", str(stuck)], check=False)
     assert containers_left(docker_client, proj) == []

@@ -654,7 +654,7 @@ def run_one(
         # cleanup the engine blocked). Its record says so and the run goes on; handing it back
         # would claim it again at once, forever. OSError counts as infra (the disk may be full).
         kind = ErrorKind.infra if isinstance(e, OSError) else ErrorKind.invalid
-        msg = f"{type(e).__name__}: {e}" if isinstance(e, OSError) else str(e)
+        msg = str(e) if isinstance(e, FilaError) else f"{type(e).__name__}: {e}"
         if isinstance(e, FilaError) and e.hint:  # the record keeps only the message
             msg += f"; {e.hint}"
         if run.container_started:

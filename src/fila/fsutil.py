@@ -12,6 +12,8 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from .errors import FilaError
+
 
 @contextlib.contextmanager
 def file_lock(path: Path, *, wait: bool = True, create: bool = True) -> Iterator[bool]:
@@ -111,9 +113,15 @@ def durable_rename(src: Path, dst: Path) -> None:
 
 def append_line(path: Path, line: str) -> None:
     """Append one line durably; O_APPEND keeps concurrent writers' lines whole. A short write
-    (a full disk) is undone and raised: a torn line would glue itself to the next event."""
+    (a full disk) is undone and raised: a torn line would glue itself to the next event. A file
+    this call creates has its directory entry fsynced too: a record may already point at it."""
     data = line.encode() + b"\n"
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+        created = False
+    except FileNotFoundError:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        created = True
     try:
         start = os.fstat(fd).st_size
         try:
@@ -127,6 +135,8 @@ def append_line(path: Path, line: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+    if created:
+        fsync_dir(path.parent)
 
 
 _RENAME_NOREPLACE = 1
@@ -157,9 +167,16 @@ def rename_noreplace(src: Path, dst: Path) -> None:
         fsync_dir(src.parent)
 
 
+class TreeNotRemoved(FilaError, OSError):
+    """A directory fila must remove (a job's previous copy or overlay scratch) that rm cannot
+    remove: the task's own failure (an OSError, so its record says infra and the run goes on),
+    with rm's stderr and what to do, never a traceback."""
+
+
 def remove_tree(path: Path) -> None:
     """`rm -rf` that survives what an engine can build: trees deeper than Python's recursion
-    limit, directories left mode 000. Never follows a symlink (the real tools' default -P)."""
+    limit, directories left mode 000. Never follows a symlink (the real tools' default -P).
+    What rm cannot remove raises TreeNotRemoved with its stderr."""
     if not (path.exists() or path.is_symlink()):
         return
     if path.is_symlink() or not path.is_dir():
@@ -171,9 +188,18 @@ def remove_tree(path: Path) -> None:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    subprocess.run(
+    res = subprocess.run(
         ["rm", "-rf", "--one-file-system", "--", str(path)],
-        check=True,
+        check=False,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
     )
+    if res.returncode != 0:
+        err = res.stderr.decode(errors="replace").strip()
+        lines = err.splitlines()
+        shown = "; ".join(lines[:3]) + (f"; ... ({len(lines) - 3} more)" if len(lines) > 3 else "")
+        raise TreeNotRemoved(
+            f"could not remove {path}: rm exited {res.returncode}: {shown or 'no message'}",
+            hint="remove it by hand (an immutable file: `chattr -i`; a rootless overlay's scratch: "
+            "`podman unshare rm -rf DIR`), then `fila retry ID`",
+        )
