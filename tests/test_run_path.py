@@ -321,3 +321,82 @@ def test_a_retry_never_starts_while_a_container_of_an_earlier_attempt_is_there(
         backend.close()
         for c in docker_client.containers.list(all=True, filters={"label": f"fila.root={proj.path}"}):
             c.remove(force=True)
+
+
+def test_an_output_stream_that_outlives_the_container_is_cut_off_and_said_so_not_abandoned(
+    proj: Root, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    command = "echo first-line; sleep 0.3; echo LAST-LINE-OF-OUTPUT; echo world > greeting.txt"
+    seen: list[bool] = []
+    real_classify = cycle._classify
+
+    def watched(engine, result, log_path, checked):  # what classification is told of stdout
+        seen.append(result.output.stdout_truncated)
+        return real_classify(engine, result, log_path, checked)
+
+    monkeypatch.setattr(cycle, "_classify", watched)
+    monkeypatch.setattr(dk, "PUMP_WAIT_S", 1.0, raising=False)  # 10 s in use
+    backend = DockerBackend()
+    try:
+        # Allowed first: a stream that ends with the container: whole log, whole stdout, no warning.
+        ok = cycle.run_one(proj, claim_of(proj, "t1", command), backend=backend)
+        assert ok is not None and ok.status == S.needs_review
+        assert b"LAST-LINE-OF-OUTPUT" in proj.log_path("t1").read_bytes()
+        assert seen == [False] and not [w for w in ok.warnings if "log" in w]
+
+        real_frames = dk._log_frames
+
+        def slow(client, cid, **kw):  # a busy daemon: what follows the first frame comes late
+            for n, item in enumerate(real_frames(client, cid, **kw)):
+                if n and kw.get("follow", True):
+                    time.sleep(12)
+                yield item
+
+        monkeypatch.setattr(dk, "_log_frames", slow)
+        rec = cycle.run_one(proj, claim_of(proj, "t2", command), backend=backend)
+    finally:
+        backend.close()
+    assert rec is not None
+    assert [w for w in rec.warnings if w.startswith("log incomplete")], rec.warnings
+    assert seen == [False, True], "classification is told stdout is a part"
+    log = proj.log_path("t2").read_bytes()
+    assert b"first-line" in log and b"LAST-LINE-OF-OUTPUT" not in log
+    assert log.rstrip().endswith(b"may miss the end of its output]")
+
+
+def test_the_log_and_the_events_file_are_on_disk_before_the_record_that_points_at_them(
+    proj: Root, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    synced: list[str] = []
+    real_fsync, real_publish = os.fsync, queue.publish
+
+    def watched_fsync(fd: int) -> None:
+        real_fsync(fd)
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+
+    def watched_publish(*a, **kw):
+        synced.append("publish")
+        return real_publish(*a, **kw)
+
+    monkeypatch.setattr(os, "fsync", watched_fsync)
+    monkeypatch.setattr(queue, "publish", watched_publish)
+    logs = str(proj.logs_dir)
+    events = str(proj.logs_dir / "t1.events.jsonl")
+    backend = DockerBackend()
+    try:
+        claim = claim_of(proj, "t1", "echo world >> greeting.txt")
+        # The submit created the events file: its line and then its directory entry are synced.
+        assert events in synced and logs in synced[synced.index(events) :], synced
+        # Allowed counterpart: an append to a file that exists already syncs the file only.
+        synced.clear()
+        queue.log_event(proj, "t1", "test")
+        assert synced == [events], synced
+        synced.clear()
+        rec = cycle.run_one(proj, claim, backend=backend)
+    finally:
+        backend.close()
+    assert rec is not None and rec.status == S.needs_review
+    log = str(proj.log_path("t1"))
+    before = synced[: synced.index("publish")]
+    assert log in before, f"the log is fsynced before the record: {synced}"
+    assert logs in before, "and the logs directory after the log was made"
