@@ -424,6 +424,22 @@ def test_atexit_callbacks_run_and_a_live_thread_keeps_pythons_exit(tmp_path: Pat
     assert code == 0 and "FAST" not in err and done.exists()
 
 
+def test_output_left_in_stdouts_buffer_is_written_before_the_fast_exit(tmp_path: Path) -> None:
+    """click flushes after each echo, so its output proves nothing of the exit's own flush: an
+    atexit callback (it runs before the exit's flush) writes through sys.stdout without a flush,
+    after the command's output, more than stdout's buffer holds."""
+    tail = "".join(f"{i:07d}\n" for i in range(2500))  # 20000 bytes, each line numbered
+    # Line by line: one write larger than the buffer would go straight to the pipe.
+    prelude = f"atexit.register(lambda: [sys.stdout.write(line) for line in {tail!r}.splitlines(True)])"
+    buffered = {"PYTHONUNBUFFERED": ""}  # stdout buffered as on any pipe (an empty value is unset)
+    # Allowed first: the command's own output arrives, and the fast exit ended the process.
+    code, out, err, _mods = _console(["schema", "task"], env=buffered, prelude=prelude)
+    assert code == 0 and "FAST 0" in err, err
+    head, _, rest = out.partition("0000000\n")
+    assert json.loads(head) == json.loads(_console(["schema", "task"])[1])
+    assert "0000000\n" + rest == tail, f"{len(rest) + 8} of {len(tail)} bytes arrived"
+
+
 @pytest.mark.docker
 def test_the_ci_path_through_the_console_ends_fast_with_every_record_and_no_container(
     tmp_path: Path, docker_client: Any, shell_image: Any
