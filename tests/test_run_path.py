@@ -364,6 +364,40 @@ def test_an_output_stream_that_outlives_the_container_is_cut_off_and_said_so_not
     assert log.rstrip().endswith(b"may miss the end of its output]")
 
 
+def test_a_stream_blocked_on_its_socket_is_ended_by_the_cut_and_its_thread_stops(
+    proj: Root, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket
+
+    monkeypatch.setattr(dk, "PUMP_WAIT_S", 1.0, raising=False)
+    real_frames = dk._log_frames
+
+    def stuck(client, cid, **kw):  # the first frame, then a read that never returns by itself
+        frames = real_frames(client, cid, **kw)
+        if not kw.get("follow", True):
+            yield from frames
+            return
+        yield next(frames)
+        frames.close()
+        mine, other = socket.socketpair()
+        kw["opened"](mine)
+        assert mine.recv(1) == b""  # blocks until the cut shuts the socket
+        other.close()
+
+    backend = DockerBackend()
+    try:
+        # Allowed first: the stream that ends by itself leaves no thread behind either.
+        ok = cycle.run_one(proj, claim_of(proj, "b1", "echo a; sleep 0.3; echo b"), backend=backend)
+        assert ok is not None and not [w for w in ok.warnings if w.startswith("log incomplete")]
+        assert not [t for t in threading.enumerate() if t.name == "fila-log-b1.log"]
+        monkeypatch.setattr(dk, "_log_frames", stuck)
+        rec = cycle.run_one(proj, claim_of(proj, "b2", "echo a; sleep 0.3; echo b"), backend=backend)
+    finally:
+        backend.close()
+    assert rec is not None and [w for w in rec.warnings if w.startswith("log incomplete")]
+    assert not [t for t in threading.enumerate() if t.name == "fila-log-b2.log"], "the cut ended it"
+
+
 def test_the_log_and_the_events_file_are_on_disk_before_the_record_that_points_at_them(
     proj: Root, monkeypatch: pytest.MonkeyPatch
 ) -> None:

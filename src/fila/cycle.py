@@ -398,7 +398,7 @@ class _Run:
         with contextlib.suppress(FilaError, OSError):  # lost meanwhile: recovery has it already
             self.checkpoint(event="cleanup failed", **fields)
         fenced = queue.win(self.claim, "reaped")
-        queue.log_event(self.root, self.tid, "cleanup failed", reason=what, claim=self.claim.name)
+        queue.log_event(self.root, self.tid, "fenced", reason=what, claim=self.claim.name, kept=fenced)
         how = (
             f"the task stays running ({self.claim.tombstone('reaped').name} kept) until `fila recover` "
             "confirms its container is gone and decides it (needs_human)"
@@ -899,6 +899,13 @@ def _prepare(run: _Run, checked: Checked) -> tuple[jobdir.Prepared, Any, Workspa
         prep = jobdir.prepare(root, tid, task, checked.policy, checked.effective)
         return prep, None, Workspace(strategy="copy", why=why)
     owner = run_as() if os.getuid() == 0 else None  # the engine's uid must write its view of the files
+    # A rootless overlay's scratch an earlier attempt left (its worker killed between its
+    # container's removal and the scratch's) is the subordinate uids': only the backend can empty
+    # it. Not done: prepare_job's removal then fails as this task's own error, with the hint.
+    clear = getattr(run.backend, "clear_job_scratch", None)  # Podman's; no other backend needs it
+    if clear is not None:
+        with contextlib.suppress(FilaError, OSError, ValueError):
+            clear(str(root.path), tid)
     prep, overlay, snap = snapshot.prepare_job(
         root, tid, task, checked.policy, checked.effective, owner=owner
     )

@@ -598,10 +598,21 @@ class PodmanBackend(dk.DockerBackend):
         except BaseException as exc:
             try:
                 self._clear_scratch(spec.overlay.scratch)
-            except Exception as e:
-                exc.add_note(f"fila: {e}")
+            except Exception as e:  # carried on the error (not only a note): the record says it
+                dk.note_left(exc, str(e), running=False)
             raise
         self._clear_scratch(spec.overlay.scratch)
+
+    def clear_job_scratch(self, root: str, job_id: str) -> None:
+        """Empty a job's overlay scratch by its meta directory, not through a found container: a
+        worker killed after its container's removal and before `_scratch_cleared` leaves it with
+        no container, and the next attempt's job directory could not be made (the cycle calls
+        this under the job's claim and lock, before it rebuilds the job directory)."""
+        if not self.rootless:
+            return
+        scratch = job_scratch({ROOT_LABEL: root, JOB_LABEL: job_id})
+        if scratch is not None:
+            self._clear_scratch(scratch)
 
     def _pause_pid(self) -> int | None:
         """The pid of rootless Podman's pause process, which holds the user's namespace (Podman
