@@ -434,3 +434,74 @@ def test_the_log_and_the_events_file_are_on_disk_before_the_record_that_points_a
     before = synced[: synced.index("publish")]
     assert log in before, f"the log is fsynced before the record: {synced}"
     assert logs in before, "and the logs directory after the log was made"
+
+
+_LEFT_SCRATCH = r"""
+import json, os, subprocess, sys, tempfile
+from pathlib import Path
+from fila.backends.podman import PodmanBackend
+CLI = [sys.executable, "-c", "from fila.cli import main; main()"]
+def fila(*a):
+    r = subprocess.run([*CLI, *a], capture_output=True, text=True, timeout=300)
+    return r.returncode, r.stdout + r.stderr
+q = Path(tempfile.mkdtemp(prefix="fila-scratch-"))
+(q / "greeting.txt").write_text("hello\n")
+assert fila("init", "--root", str(q), "--backend", "podman")[0] == 0
+pol = q / "policies" / "default.json"
+pol.write_text(json.dumps(json.loads(pol.read_text()) | {"waive": ["memory", "pids", "cpus"]}))
+b = PodmanBackend(); b.build("shell", progress=lambda _m: None); b.close()
+fila("submit", "--root", str(q), "--id", "a1", "--engine", "shell", "--command", "exit 3",
+     "--target", "greeting.txt")
+fila("run", "--once", "--root", str(q))
+first = json.loads((q / "fila/out/a1.json").read_text())
+s = q / "sandbox/meta/a1/overlay/work"
+# What a worker killed between its container's removal and the scratch's leaves: the kernel's
+# work/ of a subordinate uid, mode 000.
+plant = f"mkdir -p {s}/work/x && chown -R 1:1 {s}/work && chmod 000 {s}/work"
+subprocess.run(["podman", "unshare", "sh", "-c", plant], check=True)
+planted = subprocess.run(["rm", "-rf", str(s / "work")], capture_output=True, text=True).returncode
+fila("retry", "a1", "--root", str(q), "--by", "test")
+code, out = fila("run", "--once", "--root", str(q))
+second = json.loads((q / "fila/out/a1.json").read_text())
+left = (s / "work").exists()
+print(json.dumps({"first": first, "planted_rm": planted, "second": second, "left": left, "out": out}))
+"""
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="creating an ordinary user for the test needs root")
+def test_a_rootless_overlay_scratch_a_killed_worker_left_is_cleared_before_the_next_attempt() -> None:
+    import json
+    import pwd
+    import shutil
+    import subprocess
+    import tempfile
+
+    if shutil.which("podman") is None:
+        pytest.skip("scripts/podman-up installs podman")
+    from .test_podman import _python_for_others, podman_user
+    from .test_unprivileged import _code_for_others
+
+    python = _python_for_others()
+    if python is None:
+        pytest.skip("no Python an ordinary user may run")
+    with podman_user() as user, tempfile.TemporaryDirectory(prefix="fila-scratch-") as tmp:
+        os.chmod(tmp, 0o755)
+        script = Path(tmp) / "left_scratch.py"
+        script.write_text(_LEFT_SCRATCH)
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": pwd.getpwnam(user).pw_dir,
+               "PYTHONPATH": _code_for_others(), "PYTHONDONTWRITEBYTECODE": "1"}  # fmt: skip
+        argv = ["runuser", "-u", user, "--", "env", "-i", *(f"{k}={v}" for k, v in env.items())]
+        argv += [python, str(script)]
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=tmp)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        got = json.loads(res.stdout.strip().splitlines()[-1])
+        tmpdirs = [p for p in Path("/tmp").glob("fila-scratch-*") if p.owner() == user]
+        for p in tmpdirs:
+            shutil.rmtree(p, ignore_errors=True)
+    # Allowed first: attempt 1 ran on the overlay strategy; the planted scratch defeats the user's rm.
+    assert got["first"]["exit_code"] == 3 and got["first"]["workspace"]["strategy"] == "overlay", got
+    assert got["planted_rm"] != 0
+    # The next attempt empties it by the job's meta directory, and its engine runs.
+    second = got["second"]
+    assert second["attempt"] == 2 and second["exit_code"] == 3, (second.get("error"), got["out"])
+    assert not got["left"]
