@@ -21,7 +21,8 @@ else that escapes is a bug and is shown with its traceback.
     │   ├── ApplyRefused           apply would not land exactly what was reviewed
     │   └── BreakerTripped         the worker's circuit breaker is open (exit 6)
     ├── NotFound                   exit 5   no task, job or record with that id
-    └── LimitExceeded              exit 1   what an engine left breaks a policy limit (size, count)
+    ├── LimitExceeded              exit 1   what an engine left breaks a policy limit (size, count)
+    └── TreeNotRemoved             exit 1   a job directory rm cannot remove (also an OSError)
 
 Messages say what failed and where; `hint` says what to do next. Keep both short and concrete.
 """
@@ -136,6 +137,12 @@ class NotFound(FilaError):
 
 class LimitExceeded(FilaError):
     pass
+
+
+class TreeNotRemoved(FilaError, OSError):
+    """A directory fila must remove (a job's previous copy or overlay scratch) that rm cannot
+    remove: the task's own failure (an OSError, so its record says infra and the run goes on),
+    with rm's stderr and what to do, never a traceback."""
 
 
 # Exit codes of `fila run --once` and `fila worker --once`, documented in --help and the README.

@@ -12,7 +12,7 @@ import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .errors import FilaError
+from .errors import TreeNotRemoved
 
 
 @contextlib.contextmanager
@@ -165,12 +165,6 @@ def rename_noreplace(src: Path, dst: Path) -> None:
     fsync_dir(dst.parent)
     if src.parent != dst.parent:
         fsync_dir(src.parent)
-
-
-class TreeNotRemoved(FilaError, OSError):
-    """A directory fila must remove (a job's previous copy or overlay scratch) that rm cannot
-    remove: the task's own failure (an OSError, so its record says infra and the run goes on),
-    with rm's stderr and what to do, never a traceback."""
 
 
 def remove_tree(path: Path) -> None:
