@@ -82,12 +82,29 @@ def new_task_id() -> str:
 # -- records and events ---------------------------------------------------------------------
 
 
+class RecordMismatch(Refused, ValueError):
+    """A record whose `id` is not the task its file name says (another task's record copied or
+    restored over it). A ValueError too, like a record that does not parse: every reader that
+    passes over an unreadable record passes over this one, and nothing acts on it."""
+
+
 def read_record(root: Root, task_id: str) -> Record | None:
+    path = root.record_path(task_id)
     try:
-        data = root.record_path(task_id).read_bytes()
+        data = path.read_bytes()
     except FileNotFoundError:
         return None
-    return Record.model_validate_json(data)
+    rec = Record.model_validate_json(data)
+    if rec.id != task_id:
+        raise RecordMismatch(
+            f"the record of task {task_id} names task {rec.id!r}: another task's record was "
+            "copied or restored over it",
+            task_id=task_id,
+            path=path,
+            hint=f"put task {task_id}'s own record back (or move this file aside); "
+            "`fila recover` reports it until then and acts on neither task",
+        )
+    return rec
 
 
 def get_record(root: Root, task_id: str) -> Record:

@@ -169,14 +169,15 @@ def recover(
                 _settle_claim(root, claim, suffix, ttl, alive, dk, rep)
             except (FilaError, OSError, ValueError) as e:  # one task must not stop the others
                 rep.add(root, claim.task_id, "error", f"could not settle {claim.name}: {e}")
-        settled = _Settled.load(root)
+        settled = _Settled.load(root, rep)
         records = _record_ids(root)
         queued = {p.stem for p in queue.queued_files(root) if queue.valid_id(p.stem)}
         claimed = {c.task_id for c, _suffix in queue.claims(root)}
+        now = time.time()
         for tid in sorted(records | queued):
-            if settled.unchanged(tid, queued=tid in queued, claimed=tid in claimed):
-                continue
             try:
+                if settled.unchanged(tid, queued=tid in queued, claimed=tid in claimed, now=now):
+                    continue
                 _settle_task(root, tid, dk, rep, settled, listed=tid in records)
             except (FilaError, OSError, ValueError) as e:
                 rep.add(root, tid, "error", f"could not settle: {e}")
@@ -463,21 +464,27 @@ def _record_ids(root: Root) -> set[str]:
 
 class _Settled:
     """What the last passes found needing nothing, so that a pass over a long history reads only
-    what changed since (a stat pass and a read of each record's bytes, not a parse, a lock and a
-    log read per task): per task id, the record's status and the sha256 of its bytes, and its
-    event log's inode and size, noted under the record lock when `_settle_task` found the record
-    and its files agreeing. Any write to the record changes its bytes; every status change
-    appends to the log (its size grows), so an unchanged entry means no crash since then has
-    left anything in between to reconcile. The files around it (fila/in/, fila/run/) are looked
-    at in every pass. The file is a cache: unreadable or lost, the next pass reads everything."""
+    what changed since (a stat pass and a read of each record's bytes, not a lock and a log read
+    per task): per task id, the sha256 of the record's bytes, and its event log's inode, size,
+    mtime_ns and ctime_ns, noted under the record lock when `_settle_task` found the record and
+    its files agreeing. Any write to the record changes its bytes; any write to the log, an
+    append or an edit in place of the same size, sets its ctime, which no user can set back
+    (mtime alone can be); so an unchanged entry means nothing since then has left anything in
+    between to reconcile. The files around it (fila/in/,
+    fila/run/) are looked at in every pass, against the status in the record's own bytes (which
+    the digest binds), never a status the cache states.
 
-    VERSION = 1
+    The file is only a hint, which whoever can write fila/state/ could forge: it is read with
+    O_NOFOLLOW and ignored unless it is a regular file of fila's uid that no one else may write;
+    an entry of any other shape is a miss; unreadable or lost, the next pass reads everything."""
 
-    def __init__(self, root: Root, entries: dict[str, list[Any]]) -> None:
+    VERSION = 2
+    _HEX = "0123456789abcdef"
+    _STATUSES = frozenset(str(s) for s in S)
+
+    def __init__(self, root: Root, entries: dict[str, list[Any]], *, changed: bool = False) -> None:
         self.entries = entries
-        self.changed = False
-        # layout's record_path and events_path, as strings: a pass over a long history makes
-        # thousands of them.
+        self.changed = changed  # True: what is on disk is not ours and is replaced
         self.out, self.logs = str(root.out_dir), str(root.logs_dir)
 
     @staticmethod
@@ -485,54 +492,101 @@ class _Settled:
         return root.state_dir / "recovery.settled.json"
 
     @classmethod
-    def load(cls, root: Root) -> _Settled:
+    def load(cls, root: Root, rep: Report) -> _Settled:
+        path = cls.path(root)
         try:
-            data = json.loads(cls.path(root).read_bytes())
-            if (
-                isinstance(data, dict)
-                and data.get("v") == cls.VERSION
-                and isinstance(data.get("entries"), dict)
-            ):
-                return cls(root, data["entries"])
-        except (OSError, ValueError):
-            pass
-        return cls(root, {})
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return cls(root, {})
+        except OSError as e:  # ELOOP: a symlink planted at its name
+            return cls._ignored(root, rep, f"it cannot be opened without following a link ({e.strerror})")
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                return cls._ignored(root, rep, "it is not a regular file")
+            if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+                return cls._ignored(
+                    root,
+                    rep,
+                    f"it is owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):o}: only "
+                    f"uid {os.geteuid()}'s, writable by no one else, is trusted",
+                )
+            with open(fd, "rb", closefd=False) as f:
+                data = json.loads(f.read())
+        except (OSError, ValueError, RecursionError):
+            return cls(root, {}, changed=True)
+        finally:
+            os.close(fd)
+        if not (
+            isinstance(data, dict) and data.get("v") == cls.VERSION and isinstance(data.get("entries"), dict)
+        ):
+            return cls(root, {}, changed=True)
+        entries = {k: v for k, v in data["entries"].items() if queue.valid_id(k) and cls._well_formed(v)}
+        return cls(root, entries, changed=len(entries) != len(data["entries"]))
 
-    def _seen(self, tid: str) -> list[Any] | None:
-        """[sha256 of the record's bytes, [inode, size] of its event log], or None."""
+    @classmethod
+    def _ignored(cls, root: Root, rep: Report, why: str) -> _Settled:
+        rep.add(root, None, "cache ignored", f"{cls.path(root)}: {why}; this pass reads every record")
+        return cls(root, {}, changed=True)
+
+    @classmethod
+    def _well_formed(cls, e: Any) -> bool:
+        """[64 hex digits, null | [inode, size, mtime_ns, ctime_ns]]."""
+        if not (isinstance(e, list) and len(e) == 2):
+            return False
+        digest, log = e
+        if not (isinstance(digest, str) and len(digest) == 64 and not digest.strip(cls._HEX)):
+            return False
+        return log is None or (
+            isinstance(log, list) and len(log) == 4 and all(type(n) is int and n >= 0 for n in log)
+        )
+
+    def _seen(self, tid: str) -> tuple[list[Any], bytes] | None:
+        """([sha256 of the record, the log's [inode, size, mtime_ns, ctime_ns] or None], the
+        record's bytes), or None when the record cannot be read."""
         try:
             with open(f"{self.out}/{tid}.json", "rb") as f:
-                digest = hashlib.sha256(f.read()).hexdigest()
+                data = f.read()
+            log: list[int] | None = None
+            with contextlib.suppress(FileNotFoundError):
+                st = os.lstat(f"{self.logs}/{tid}.events.jsonl")
+                log = [st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
         except OSError:
             return None
-        try:
-            st = os.lstat(f"{self.logs}/{tid}.events.jsonl")
-            log: list[int] | None = [st.st_ino, st.st_size]
-        except FileNotFoundError:
-            log = None
-        return [digest, log]
+        return [hashlib.sha256(data).hexdigest(), log], data
 
-    def unchanged(self, tid: str, *, queued: bool, claimed: bool) -> bool:
+    def unchanged(self, tid: str, *, queued: bool, claimed: bool, now: float) -> bool:
         """True when the record and its log are as a pass left them agreeing, and the files
-        around it still agree with its status: a final record has no file in fila/in/ (a second
-        copy), a queued one has its file (or a claim), a running one its claim and no file."""
+        around it still agree with the status its own bytes state: a final record has no file in
+        fila/in/ (a second copy), a queued one has its file (or a claim) and no backoff beyond
+        the cap, a running one its claim and no file. Anything else, or any doubt, is a miss."""
+        from .cycle import BACKOFF_CAP_S
+
         hit = self.entries.get(tid)
         if hit is None:
             return False
-        status = hit[0]
+        seen = self._seen(tid)
+        if seen is None or seen[0] != hit:
+            return False
+        try:
+            rec = json.loads(seen[1])
+        except (ValueError, RecursionError):
+            return False
+        if not isinstance(rec, dict) or rec.get("id") != tid:
+            return False
+        status, not_before = rec.get("status"), rec.get("not_before")
         if status == S.queued:
-            around = queued or claimed
-        elif status == S.running:
-            around = claimed and not queued
-        else:
-            around = not queued
-        return around and self._seen(tid) == hit[1:]
+            late = isinstance(not_before, (int, float)) and not_before > now + BACKOFF_CAP_S
+            return (queued or claimed) and not late
+        if status == S.running:
+            return claimed and not queued
+        return status in self._STATUSES and not queued
 
-    def note(self, tid: str, status: Status) -> None:
+    def note(self, tid: str) -> None:
         """Under the record lock, after `_settle_task` found nothing to do for it."""
         seen = self._seen(tid)
         if seen is not None:
-            self.entries[tid] = [str(status), *seen]
+            self.entries[tid] = seen[0]
             self.changed = True
 
     def forget(self, tid: str) -> None:
@@ -546,12 +600,10 @@ class _Settled:
         if not (self.changed or gone):
             return
         data = json.dumps({"v": self.VERSION, "entries": self.entries}, separators=(",", ":"))
-        # Not fsynced: a cache lost in a crash costs one full pass, never a wrong skip (an entry
-        # names the bytes it vouches for).
-        tmp = self.path(root).with_name(f".recovery.settled.{os.getpid()}.tmp")
+        # fsutil's write: a temp file of an unpredictable name made with O_EXCL (a link planted
+        # in fila/state/ is never written through), mode 0644, renamed over whatever is there.
         with contextlib.suppress(OSError):
-            tmp.write_text(data)
-            os.replace(tmp, self.path(root))
+            fsutil.atomic_write(self.path(root), data, mode=0o644)
 
 
 def _settle_task(
@@ -569,6 +621,11 @@ def _settle_task(
         has_file = os.path.lexists(in_file)  # a dangling symlink dropped there is a file too
         try:
             cur = queue.read_record(root, tid)
+        except queue.RecordMismatch as e:
+            # Acting on it would settle another task's record under this id (and take this
+            # task's own file in fila/in/ for a second copy): a person decides.
+            rep.add(root, tid, "record mismatch", f"{e}; nothing was done to either task")
+            return
         except ValueError:
             if listed and not has_file:
                 return  # nothing to settle from a record that does not parse
@@ -577,6 +634,7 @@ def _settle_task(
         if cur is None:
             return
         _reconcile_events(root, cur, rep)
+        cur = _clamp_backoff(root, cur, rep)
         quiet = (
             (cur.status == S.queued and (has_file or has_claim))
             or (cur.status == S.running and has_claim and not has_file)
@@ -584,7 +642,7 @@ def _settle_task(
         )
         if quiet:
             if settled is not None:
-                settled.note(tid, cur.status)
+                settled.note(tid)
             return
         if cur.status == S.queued:
             if not has_file and not has_claim:
@@ -660,6 +718,31 @@ def _settle_task(
                 root, in_file, f"task {tid} is running: this file is a second copy", name=f"{tid}.json"
             )
             rep.add(root, tid, "duplicate kept aside", f"a second file for a running task; kept as {kept}")
+
+
+def _clamp_backoff(root: Root, cur: Record, rep: Report) -> Record:
+    """A backoff lasts at most BACKOFF_CAP_S, so a `not_before` further ahead than that comes
+    from a clock that went back after it was written (or a hand edit): left as it is, no
+    worker would claim the task, and `run --once` would wait, until the clock caught up.
+    Clamped to now + the cap (under the record lock the caller holds)."""
+    from .cycle import BACKOFF_CAP_S
+
+    now = time.time()
+    if cur.status != S.queued or cur.not_before is None or cur.not_before <= now + BACKOFF_CAP_S:
+        return cur
+    was, to = cur.not_before, now + BACKOFF_CAP_S
+    new = cur.model_copy(update={"not_before": to, "updated_at": now_iso()})
+    fsutil.atomic_write(root.record_path(cur.id), new.to_json())
+    rep.add(
+        root,
+        cur.id,
+        "backoff clamped",
+        f"its backoff ended {was - now:.0f} s from now, beyond the {BACKOFF_CAP_S:g} s a backoff "
+        f"lasts (a clock that went back, or an edit): it now ends in {BACKOFF_CAP_S:g} s",
+        not_before=was,
+        clamped_to=to,
+    )
+    return new
 
 
 def _last_status_event(root: Root, tid: str) -> tuple[bool, str | None]:
