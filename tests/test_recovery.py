@@ -203,15 +203,63 @@ def test_a_claimed_file_never_begun_goes_back_as_it_was(root: Root) -> None:
 
 
 def test_old_temp_files_are_removed_and_fresh_ones_kept(root: Root) -> None:
-    old_tmp = root.out_dir / ".t1.json.abc123.tmp"
-    fresh = root.in_dir / ".t2.json.def456.tmp"
-    old_tmp.write_text("{")
-    fresh.write_text("{")
+    # Outside fila/out/ no lock says the writer is gone: only the age does.
+    fresh = [root.in_dir / ".t2.json.def456.tmp", root.state_dir / ".recovery.settled.json.fresh1.tmp"]
+    old = [root.in_dir / ".t3.json.aaa111.tmp", root.state_dir / ".recovery.settled.json.old111.tmp"]
+    in_out = root.out_dir / ".t1.json.abc123.tmp"  # a record's: removed under its lock, whatever its age
+    for p in [*fresh, *old, in_out]:
+        p.write_text("{")
     t = time.time() - 3600
-    os.utime(old_tmp, (t, t))
+    for p in old:
+        os.utime(p, (t, t))
     recover(root)
-    assert not old_tmp.exists() and fresh.exists()
-    assert "temp file removed" in actions(root, "t1")
+    assert all(p.exists() for p in fresh), "a fresh temp file may be a live write"
+    assert not any(p.exists() for p in old) and not in_out.exists()
+    assert "temp file removed" in actions(root, "t1") and "temp file removed" in actions(root, "t3")
+
+
+def test_a_record_naming_another_task_is_reported_and_neither_task_is_touched(root: Root) -> None:
+    queue.enqueue(root, "x1", shell_task())
+    root.queued_path("x1").unlink()
+    queue.set_status(root, "x1", S.failed, error=ErrorInfo(kind=ErrorKind.invalid, message="x"))
+    queue.enqueue(root, "x2", shell_task())
+    recover(root)
+    assert actions(root, "x2") == [] and root.queued_path("x2").exists(), "its own record: nothing to do"
+    assert cycle.claimable(root, root.queued_path("x2"), time.time())
+    x1_record = root.record_path("x1").read_bytes()
+    root.record_path("x2").write_bytes(x1_record)  # a bad restore, a copy by hand
+    res = CliRunner().invoke(app, ["recover", "--root", str(root.path), "--no-docker", "--json"])
+    assert res.exit_code == 0, res.output
+    found = [a for a in json.loads(res.output)["actions"] if a["task_id"] == "x2"]
+    assert [a["action"] for a in found] == ["record mismatch"] and "'x1'" in found[0]["detail"]
+    recover(root)
+    assert actions(root, "x2") == ["record mismatch", "record mismatch"], "reported until a person fixes it"
+    assert root.queued_path("x2").exists() and not list(root.rejected_dir.glob("x2*")), "its file stays"
+    assert not cycle.claimable(root, root.queued_path("x2"), time.time()), "and is never claimed"
+    assert root.record_path("x1").read_bytes() == x1_record and actions(root, "x1") == []
+    with pytest.raises(queue.RecordMismatch):
+        queue.retry(root, "x2", by="ana")
+
+
+def test_a_backoff_beyond_the_cap_is_clamped_and_one_within_it_is_kept(
+    root: Root, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    queue.enqueue(root, "q1", shell_task())
+    now = time.time()
+    rec = queue.get_record(root, "q1")
+    fsutil.atomic_write(root.record_path("q1"), rec.model_copy(update={"not_before": now + 30}).to_json())
+    recover(root)
+    recover(root)  # the second pass: from the cache
+    assert actions(root, "q1") == [] and queue.get_record(root, "q1").not_before == now + 30
+    # The clock steps back an hour: the same record (the cache vouches for its bytes) now holds a
+    # backoff an hour and 30 s long, which no backoff is.
+    monkeypatch.setattr(time, "time", lambda: now - 3600)
+    recover(root)
+    assert actions(root, "q1") == ["backoff clamped"]
+    assert queue.get_record(root, "q1").not_before == now - 3600 + cycle.BACKOFF_CAP_S
+    recover(root)
+    assert actions(root, "q1") == ["backoff clamped"], "clamped once"
+    assert root.queued_path("q1").exists()
 
 
 def test_retry_is_a_recorded_decision_and_refused_while_recovery_is_pending(root: Root) -> None:
