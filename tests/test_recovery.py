@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from fila import cycle, fsutil, lease, queue, recovery
 from fila.backends.docker import DockerBackend
 from fila.cli import app
-from fila.errors import InvalidTransition
+from fila.errors import InvalidTransition, RecordMismatch
 from fila.layout import Root
 from fila.models import ErrorInfo, ErrorKind, Status
 
@@ -237,7 +237,7 @@ def test_a_record_naming_another_task_is_reported_and_neither_task_is_touched(ro
     assert root.queued_path("x2").exists() and not list(root.rejected_dir.glob("x2*")), "its file stays"
     assert not cycle.claimable(root, root.queued_path("x2"), time.time()), "and is never claimed"
     assert root.record_path("x1").read_bytes() == x1_record and actions(root, "x1") == []
-    with pytest.raises(queue.RecordMismatch):
+    with pytest.raises(RecordMismatch):
         queue.retry(root, "x2", by="ana")
 
 

@@ -277,7 +277,12 @@ def test_a_failed_run_whose_container_cannot_be_removed_stays_fenced_until_recov
         rep = recover(proj, backend=backend)
         assert queue.get_record(proj, "t2").status == S.needs_human, rep.actions
         assert left(docker_client, proj) == ([], []) and not queue.claim_files(proj, "t2")
-        assert any("may still be running" in w for w in queue.get_record(proj, "t2").warnings)
+        decided = queue.get_record(proj, "t2")
+        assert any("may still be running" in w for w in decided.warnings)
+        # The run's own failure is what a person reads, not "the worker was lost".
+        assert decided.error is not None and "(injected)" in decided.error.message, decided.error
+        assert "could not be removed" in (decided.diagnosis or ""), decided.diagnosis
+        assert "worker was lost" not in (decided.diagnosis or ""), decided.diagnosis
     finally:
         backend.close()
         for c in docker_client.containers.list(all=True, filters={"label": f"fila.root={proj.path}"}):

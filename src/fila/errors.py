@@ -19,7 +19,8 @@ else that escapes is a bug and is shown with its traceback.
     │   ├── DuplicateId            an id that exists anywhere in the queue
     │   ├── InvalidTransition      a status change the state machine does not allow
     │   ├── ApplyRefused           apply would not land exactly what was reviewed
-    │   └── BreakerTripped         the worker's circuit breaker is open (exit 6)
+    │   ├── BreakerTripped         the worker's circuit breaker is open (exit 6)
+    │   └── RecordMismatch         a record whose id is not its file's (also a ValueError)
     ├── NotFound                   exit 5   no task, job or record with that id
     ├── LimitExceeded              exit 1   what an engine left breaks a policy limit (size, count)
     └── TreeNotRemoved             exit 1   a job directory rm cannot remove (also an OSError)
@@ -129,6 +130,12 @@ class ApplyRefused(Refused):
 
 class BreakerTripped(Refused):
     exit_code = 6
+
+
+class RecordMismatch(Refused, ValueError):
+    """A record whose `id` is not the task its file name says (another task's record copied or
+    restored over it). A ValueError too, like a record that does not parse: every reader that
+    passes over an unreadable record passes over this one, and nothing acts on it."""
 
 
 class NotFound(FilaError):

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from . import fsutil, untrusted
-from .errors import DuplicateId, InvalidTransition, NotFound, Refused
+from .errors import DuplicateId, InvalidTransition, NotFound, RecordMismatch, Refused
 from .faults import crash_point
 from .layout import Root, check_id
 from .lease import this_host
@@ -80,12 +80,6 @@ def new_task_id() -> str:
 
 
 # -- records and events ---------------------------------------------------------------------
-
-
-class RecordMismatch(Refused, ValueError):
-    """A record whose `id` is not the task its file name says (another task's record copied or
-    restored over it). A ValueError too, like a record that does not parse: every reader that
-    passes over an unreadable record passes over this one, and nothing acts on it."""
 
 
 def read_record(root: Root, task_id: str) -> Record | None:

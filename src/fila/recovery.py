@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from . import fsutil, lease, queue
-from .errors import EngineUnavailable, FilaError, InfraError
+from .errors import EngineUnavailable, FilaError, InfraError, RecordMismatch
 from .layout import Root
 
 if TYPE_CHECKING:
@@ -300,8 +300,14 @@ def _settle_reaped(
         )
         return
     evidence, work = _work_evidence(root, rec)
+    # A running record carries an error only when its run failed and the cycle kept the task
+    # fenced because the container could not be removed (cycle._Run.fence_off: `begin` clears
+    # `error`): that failure, not a lost worker, is what a person must read.
+    lost = f"the worker was lost while the container ran: {why}"
+    failed = rec.error.message if rec.error is not None else None
+    what = f"its run failed and its container could not be removed then: {failed}" if failed else lost
     diagnosis = (
-        f"The worker was lost while the task's container ran: {why}. "
+        f"{what[0].upper()}{what[1:]}. "
         f"{_how_long(rec, last_beat)} {seen[0].upper()}{seen[1:]}. {work} Nothing was "
         f"run again: `fila retry {tid}` runs it from a clean copy, `fila reject {tid}` "
         "drops it."
@@ -313,9 +319,9 @@ def _settle_reaped(
         rep,
         diagnosis=diagnosis,
         **evidence,
-        error=ErrorInfo(
-            kind=ErrorKind.interrupted, message=f"the worker was lost while the container ran: {why}"
-        ),
+        error=ErrorInfo(kind=ErrorKind.infra, message=what)
+        if failed
+        else ErrorInfo(kind=ErrorKind.interrupted, message=lost),
     )
 
 
@@ -621,7 +627,7 @@ def _settle_task(
         has_file = os.path.lexists(in_file)  # a dangling symlink dropped there is a file too
         try:
             cur = queue.read_record(root, tid)
-        except queue.RecordMismatch as e:
+        except RecordMismatch as e:
             # Acting on it would settle another task's record under this id (and take this
             # task's own file in fila/in/ for a second copy): a person decides.
             rep.add(root, tid, "record mismatch", f"{e}; nothing was done to either task")
