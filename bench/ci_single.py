@@ -77,6 +77,14 @@ def ci_single(ctx: Ctx, *, files: int = 100) -> list[Row]:
     # the sources keep changing. Both sides get the same environment.
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     before_env = {**env, "PYTHONPATH": before} if before else None
+    # The earlier tree's own console entry: this venv's `fila` script names today's (fila.entry),
+    # which an older src/ may not have.
+    entry = "fila.entry" if before and (Path(before) / "fila" / "entry.py").exists() else "fila.cli"
+    fila_before = [
+        sys.executable,
+        "-c",
+        f"import sys; sys.argv[0] = 'fila'; from {entry} import main; sys.exit(main())",
+    ]
     phases: dict[str, dict[str, list[float]]] = {"two": {}, "one": {}, "before": {}, "floor": {}}
     failed: list[str] = []
 
@@ -87,9 +95,9 @@ def ci_single(ctx: Ctx, *, files: int = 100) -> list[Row]:
         allow_project(Root.at(root), project)
         return root
 
-    def submit_argv(root: Path) -> list[str]:
+    def submit_argv(root: Path, cmd: list[str] = fila) -> list[str]:
         return [
-            *fila,
+            *cmd,
             "submit",
             "--root",
             str(root),
@@ -117,10 +125,11 @@ def ci_single(ctx: Ctx, *, files: int = 100) -> list[Row]:
         root = fresh_root()
         sync()
         t = time.perf_counter()
-        run(submit_argv(root), env=env)
+        cmd = fila_before if side == "before" else fila
+        run(submit_argv(root, cmd), env=env)
         t1 = time.perf_counter()
         p = run(
-            [*fila, "run", "--once", "--json", "--quiet", "--root", str(root)],
+            [*cmd, "run", "--once", "--json", "--quiet", "--root", str(root)],
             stdout=subprocess.PIPE,
             ok=(0, 1),
             env=env,
@@ -183,8 +192,8 @@ def ci_single(ctx: Ctx, *, files: int = 100) -> list[Row]:
         hx.append(wall([*fila, "--help"]))
         sx.append(wall(submit_argv(root)))
         if before_env:
-            hb.append(wall([*fila, "--help"], before_env))
-            sb.append(wall(submit_argv(root), before_env))
+            hb.append(wall([*fila_before, "--help"], before_env))
+            sb.append(wall(submit_argv(root, fila_before), before_env))
     shutil.rmtree(root, ignore_errors=True)
 
     breakdown = {
