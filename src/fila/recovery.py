@@ -22,7 +22,8 @@ What it settles, each step an event in the task's log (and in fila/state/recover
 - a file in fila/in/ whose record is running without a claim: the hand back is completed;
 - a file in fila/in/ for a task that is already past queued: a duplicate, kept in fila/rejected/;
 - temp files of atomic writes older than the lease TTL;
-- fila's containers of this root whose worker holds no claim file of their task: removed.
+- fila's containers of this root whose worker holds no claim file of their task: removed;
+- a rootless overlay scratch left in sandbox/meta/<id>/ of a task with no claim: emptied (backend).
 
 One recovery at a time per root (a flock); it is safe while workers run.
 """
@@ -184,6 +185,7 @@ def recover(
         settled.save(root, records)
         _sweep_temp_files(root, ttl, rep)
         _sweep_containers(root, dk, rep)
+        _sweep_scratch(root, dk, rep)
         lease.forget_dead_workers(root)
         rep.docker = dk.error or ("ok" if dk.used else "not needed")
         rep.backend = dk.backend.name if dk.used and dk.backend is not None else ""
@@ -885,6 +887,34 @@ def _sweep_containers(root: Root, dk: _Engine, rep: Report) -> None:
     for name, tid in swept:
         job = tid if tid is not None and queue.valid_id(tid) else None
         rep.add(root, job, "volume removed", f"{name}: no container used it (its removal was cut short)")
+
+
+def _sweep_scratch(root: Root, dk: _Engine, rep: Report) -> None:
+    """Rootless overlay scratches of jobs no live worker holds: a worker killed between its
+    container's removal and the scratch's leaves one with no container for the sweep above to
+    find, and nothing else could remove it (gc's rm neither). After the claims are settled, a
+    claim file still there is a live worker's: its scratch is kept (gc.clear_scratch)."""
+    if not dk.enabled:
+        return
+    from .gc import clear_scratch, scratch_left
+
+    try:
+        names = sorted(os.listdir(root.meta_dir))
+    except FileNotFoundError:
+        return
+    for tid in names:
+        if not queue.valid_id(tid) or not scratch_left(root, tid):
+            continue
+        backend = dk.get()  # only when one is left: a recovery pass connects to nothing otherwise
+        if backend is None:
+            return
+        try:
+            cleared = clear_scratch(root, tid, backend)
+        except (FilaError, OSError) as e:
+            rep.add(root, tid, "error", f"could not clear the overlay scratch: {e}")
+            continue
+        if cleared:
+            rep.add(root, tid, "scratch cleared", "the overlay scratch of a job no live worker holds")
 
 
 def _sweep_egress(root: Root, backend: Backend, rep: Report) -> None:

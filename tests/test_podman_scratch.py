@@ -1,0 +1,112 @@
+"""A rootless Podman overlay scratch left with no container (its worker killed between the
+container's removal and the scratch's) is emptied by recovery and by `fila gc` through the backend,
+and a live job's scratch never is. Real rootless Podman, as an ordinary user the test creates."""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.docker,
+    pytest.mark.skipif(os.getuid() != 0, reason="creating an ordinary user for the test needs root"),
+    pytest.mark.skipif(shutil.which("podman") is None, reason="scripts/podman-up installs podman"),
+]
+
+# Run as the test's user: one failed run on the overlay strategy (a1), a second task (a2) claimed by
+# a worker that is alive (its lease lock held by this process), and in both meta directories the
+# kernel's work/ of a subordinate uid, mode 000, that a worker killed after its container's removal
+# leaves. Then one recovery pass, and gc of a1 once rejected with its scratch planted again.
+_SCRIPT = r"""
+import json, subprocess, sys, tempfile
+from pathlib import Path
+from fila import cycle, decision, gc, lease, queue, recovery
+from fila.backends.podman import PodmanBackend
+from fila.layout import Root
+CLI = [sys.executable, "-c", "from fila.cli import main; main()"]
+def fila(*a):
+    r = subprocess.run([*CLI, *a], capture_output=True, text=True, timeout=300)
+    return r.returncode, r.stdout + r.stderr
+q = Path(tempfile.mkdtemp(prefix="fila-scratch-"))
+(q / "greeting.txt").write_text("hello\n")
+assert fila("init", "--root", str(q), "--backend", "podman")[0] == 0
+pol = q / "policies" / "default.json"
+pol.write_text(json.dumps(json.loads(pol.read_text()) | {"waive": ["memory", "pids", "cpus"]}))
+b = PodmanBackend(); b.build("shell", progress=lambda _m: None); b.close()
+def submit(tid):
+    fila("submit", "--root", str(q), "--id", tid, "--engine", "shell", "--command", "exit 3",
+         "--target", "greeting.txt")
+submit("a1")
+fila("run", "--once", "--root", str(q))
+first = json.loads((q / "fila/out/a1.json").read_text())
+submit("a2")
+root = Root(q)
+worker = queue.new_worker_id()
+held = lease.WorkerLock(root, worker).acquire()
+claim = cycle.next_claim(root, worker, only={"a2"})
+def plant(tid):
+    s = q / "sandbox/meta" / tid / "overlay/work"
+    cmd = f"mkdir -p {s}/work/x && chown -R 1:1 {s}/work && chmod 000 {s}/work"
+    subprocess.run(["podman", "unshare", "sh", "-c", cmd], check=True)
+    return s / "work"
+a1, a2 = plant("a1"), plant("a2")
+planted_rm = subprocess.run(["rm", "-rf", str(a1)], capture_output=True, text=True).returncode
+rep = recovery.recover(root)
+actions = [[a.task_id, a.action, a.detail] for a in rep.actions]
+after_recovery = {"a1": a1.exists(), "a2": a2.exists(), "a2_claimed": bool(queue.claim_files(root, "a2"))}
+plant("a1")
+decision.reject(root, "a1", by="test", reason="scratch test")
+got = gc.collect(root, 0)
+after_gc = {"collected": [c.id for c in got], "a1_meta": (q / "sandbox/meta/a1").exists(),
+            "a2": a2.exists(), "events": (q / "fila/logs/a1.events.jsonl").read_text()
+            if (q / "fila/logs/a1.events.jsonl").exists() else ""}
+held.release()
+print(json.dumps({"first": first, "claim": claim is not None, "planted_rm": planted_rm,
+                  "actions": actions, "after_recovery": after_recovery, "after_gc": after_gc}))
+"""
+
+
+def test_recovery_and_gc_clear_a_left_rootless_scratch_and_keep_a_live_jobs() -> None:
+    from .test_podman import _python_for_others, podman_user
+    from .test_unprivileged import _code_for_others
+
+    python = _python_for_others()
+    if python is None:
+        pytest.skip("no Python an ordinary user may run")
+    with podman_user() as user, tempfile.TemporaryDirectory(prefix="fila-scratch-") as tmp:
+        os.chmod(tmp, 0o755)
+        script = Path(tmp) / "sweep_scratch.py"
+        script.write_text(_SCRIPT)
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": pwd.getpwnam(user).pw_dir,
+               "PYTHONPATH": _code_for_others(), "PYTHONDONTWRITEBYTECODE": "1"}  # fmt: skip
+        argv = ["runuser", "-u", user, "--", "env", "-i", *(f"{k}={v}" for k, v in env.items())]
+        argv += [python, str(script)]
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=tmp)
+        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+        got = json.loads(res.stdout.strip().splitlines()[-1])
+        for p in Path("/tmp").glob("fila-scratch-*"):
+            if p.owner() == user:
+                shutil.rmtree(p, ignore_errors=True)
+    # The setup is what it claims: a1 ran on the overlay, its planted scratch defeats the user's rm,
+    # and a2 is claimed by a live worker.
+    assert got["first"]["exit_code"] == 3 and got["first"]["workspace"]["strategy"] == "overlay", got
+    assert got["planted_rm"] != 0 and got["claim"], got
+    # Allowed first: the live job's scratch is kept, and its claim with it.
+    after = got["after_recovery"]
+    assert after["a2"] and after["a2_claimed"], got
+    assert not any(tid == "a2" and act == "scratch cleared" for tid, act, _d in got["actions"]), got
+    # The left one, whose task holds no claim, is emptied by recovery, which says so.
+    assert not after["a1"], got
+    assert ["a1", "scratch cleared"] in [a[:2] for a in got["actions"]], got
+    # gc of the rejected task empties its planted scratch through the backend, then removes its
+    # job directories; the live job's scratch is still there.
+    gcd = got["after_gc"]
+    assert gcd["collected"] == ["a1"] and not gcd["a1_meta"], got
+    assert '"scratch cleared"' in gcd["events"] and gcd["a2"], got
