@@ -4,42 +4,19 @@ and a live job's scratch never is. Real rootless Podman, as an ordinary user the
 
 from __future__ import annotations
 
-import json
-import os
-import pwd
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
-
 import pytest
 
-pytestmark = [
-    pytest.mark.docker,
-    pytest.mark.skipif(os.getuid() != 0, reason="creating an ordinary user for the test needs root"),
-    pytest.mark.skipif(shutil.which("podman") is None, reason="scripts/podman-up installs podman"),
-]
+from .test_run_path import run_as_podman_user
+
+pytestmark = pytest.mark.docker
 
 # Run as the test's user: one failed run on the overlay strategy (a1), a second task (a2) claimed by
 # a worker that is alive (its lease lock held by this process), and in both meta directories the
 # kernel's work/ of a subordinate uid, mode 000, that a worker killed after its container's removal
 # leaves. Then one recovery pass, and gc of a1 once rejected with its scratch planted again.
 _SCRIPT = r"""
-import json, subprocess, sys, tempfile
-from pathlib import Path
 from fila import cycle, decision, gc, lease, queue, recovery
-from fila.backends.podman import PodmanBackend
 from fila.layout import Root
-CLI = [sys.executable, "-c", "from fila.cli import main; main()"]
-def fila(*a):
-    r = subprocess.run([*CLI, *a], capture_output=True, text=True, timeout=300)
-    return r.returncode, r.stdout + r.stderr
-q = Path(tempfile.mkdtemp(prefix="fila-scratch-"))
-(q / "greeting.txt").write_text("hello\n")
-assert fila("init", "--root", str(q), "--backend", "podman")[0] == 0
-pol = q / "policies" / "default.json"
-pol.write_text(json.dumps(json.loads(pol.read_text()) | {"waive": ["memory", "pids", "cpus"]}))
-b = PodmanBackend(); b.build("shell", progress=lambda _m: None); b.close()
 def submit(tid):
     fila("submit", "--root", str(q), "--id", tid, "--engine", "shell", "--command", "exit 3",
          "--target", "greeting.txt")
@@ -74,26 +51,7 @@ print(json.dumps({"first": first, "claim": claim is not None, "planted_rm": plan
 
 
 def test_recovery_and_gc_clear_a_left_rootless_scratch_and_keep_a_live_jobs() -> None:
-    from .test_podman import _python_for_others, podman_user
-    from .test_unprivileged import _code_for_others
-
-    python = _python_for_others()
-    if python is None:
-        pytest.skip("no Python an ordinary user may run")
-    with podman_user() as user, tempfile.TemporaryDirectory(prefix="fila-scratch-") as tmp:
-        os.chmod(tmp, 0o755)
-        script = Path(tmp) / "sweep_scratch.py"
-        script.write_text(_SCRIPT)
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": pwd.getpwnam(user).pw_dir,
-               "PYTHONPATH": _code_for_others(), "PYTHONDONTWRITEBYTECODE": "1"}  # fmt: skip
-        argv = ["runuser", "-u", user, "--", "env", "-i", *(f"{k}={v}" for k, v in env.items())]
-        argv += [python, str(script)]
-        res = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=tmp)
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-        got = json.loads(res.stdout.strip().splitlines()[-1])
-        for p in Path("/tmp").glob("fila-scratch-*"):
-            if p.owner() == user:
-                shutil.rmtree(p, ignore_errors=True)
+    got = run_as_podman_user(_SCRIPT)
     # The setup is what it claims: a1 ran on the overlay, its planted scratch defeats the user's rm,
     # and a2 is claimed by a live worker.
     assert got["first"]["exit_code"] == 3 and got["first"]["workspace"]["strategy"] == "overlay", got

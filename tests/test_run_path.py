@@ -441,7 +441,9 @@ def test_the_log_and_the_events_file_are_on_disk_before_the_record_that_points_a
     assert logs in before, "and the logs directory after the log was made"
 
 
-_LEFT_SCRATCH = r"""
+# The start of a script run_as_podman_user runs: a queue root `q` on rootless Podman (its limits
+# waived: cgroup v1 here), the shell image built, and `fila(...)`, the CLI as this user.
+PODMAN_ROOT = r"""
 import json, os, subprocess, sys, tempfile
 from pathlib import Path
 from fila.backends.podman import PodmanBackend
@@ -455,6 +457,47 @@ assert fila("init", "--root", str(q), "--backend", "podman")[0] == 0
 pol = q / "policies" / "default.json"
 pol.write_text(json.dumps(json.loads(pol.read_text()) | {"waive": ["memory", "pids", "cpus"]}))
 b = PodmanBackend(); b.build("shell", progress=lambda _m: None); b.close()
+"""
+
+
+def run_as_podman_user(script: str) -> dict:
+    """Run PODMAN_ROOT + `script` as a throwaway ordinary user with subordinate ids (rootless
+    Podman); the JSON its last line prints. Skips where no such user or Python can be had."""
+    import json
+    import pwd
+    import shutil
+    import subprocess
+    import tempfile
+
+    if os.getuid() != 0:
+        pytest.skip("creating an ordinary user for the test needs root")
+    if shutil.which("podman") is None:
+        pytest.skip("scripts/podman-up installs podman")
+    from .test_podman import _python_for_others, podman_user
+    from .test_unprivileged import _code_for_others
+
+    python = _python_for_others()
+    if python is None:
+        pytest.skip("no Python an ordinary user may run")
+    with podman_user() as user, tempfile.TemporaryDirectory(prefix="fila-scratch-") as tmp:
+        os.chmod(tmp, 0o755)
+        path = Path(tmp) / "as_podman_user.py"
+        path.write_text(PODMAN_ROOT + script)
+        env = {"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": pwd.getpwnam(user).pw_dir,
+               "PYTHONPATH": _code_for_others(), "PYTHONDONTWRITEBYTECODE": "1"}  # fmt: skip
+        argv = ["runuser", "-u", user, "--", "env", "-i", *(f"{k}={v}" for k, v in env.items())]
+        argv += [python, str(path)]
+        try:
+            res = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=tmp)
+            assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+            return json.loads(res.stdout.strip().splitlines()[-1])
+        finally:
+            for p in Path("/tmp").glob("fila-scratch-*"):
+                if p.owner() == user:
+                    shutil.rmtree(p, ignore_errors=True)
+
+
+_LEFT_SCRATCH = r"""
 fila("submit", "--root", str(q), "--id", "a1", "--engine", "shell", "--command", "exit 3",
      "--target", "greeting.txt")
 fila("run", "--once", "--root", str(q))
@@ -473,36 +516,8 @@ print(json.dumps({"first": first, "planted_rm": planted, "second": second, "left
 """
 
 
-@pytest.mark.skipif(os.getuid() != 0, reason="creating an ordinary user for the test needs root")
 def test_a_rootless_overlay_scratch_a_killed_worker_left_is_cleared_before_the_next_attempt() -> None:
-    import json
-    import pwd
-    import shutil
-    import subprocess
-    import tempfile
-
-    if shutil.which("podman") is None:
-        pytest.skip("scripts/podman-up installs podman")
-    from .test_podman import _python_for_others, podman_user
-    from .test_unprivileged import _code_for_others
-
-    python = _python_for_others()
-    if python is None:
-        pytest.skip("no Python an ordinary user may run")
-    with podman_user() as user, tempfile.TemporaryDirectory(prefix="fila-scratch-") as tmp:
-        os.chmod(tmp, 0o755)
-        script = Path(tmp) / "left_scratch.py"
-        script.write_text(_LEFT_SCRATCH)
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": pwd.getpwnam(user).pw_dir,
-               "PYTHONPATH": _code_for_others(), "PYTHONDONTWRITEBYTECODE": "1"}  # fmt: skip
-        argv = ["runuser", "-u", user, "--", "env", "-i", *(f"{k}={v}" for k, v in env.items())]
-        argv += [python, str(script)]
-        res = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=tmp)
-        assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-        got = json.loads(res.stdout.strip().splitlines()[-1])
-        tmpdirs = [p for p in Path("/tmp").glob("fila-scratch-*") if p.owner() == user]
-        for p in tmpdirs:
-            shutil.rmtree(p, ignore_errors=True)
+    got = run_as_podman_user(_LEFT_SCRATCH)
     # Allowed first: attempt 1 ran on the overlay strategy; the planted scratch defeats the user's rm.
     assert got["first"]["exit_code"] == 3 and got["first"]["workspace"]["strategy"] == "overlay", got
     assert got["planted_rm"] != 0
