@@ -38,7 +38,7 @@ from ..egress import (
 from ..errors import InfraError, InvalidPolicy
 from ..models import Policy
 
-__all__ = ["collect", "died", "ensure_egress_network", "start", "stop", "sweep"]
+__all__ = ["collect", "died", "ensure_egress_network", "gateway_files", "start", "stop", "sweep"]
 
 
 def _docker_errors() -> tuple[type[BaseException], ...]:
@@ -151,15 +151,10 @@ def start(
         )
         net.reload()
         subnets = [c["Subnet"] for c in (net.attrs.get("IPAM") or {}).get("Config") or [] if c.get("Subnet")]
-        if not subnets:
-            raise InfraError(f"the job network {gw.network} has no subnet", task_id=job_id)
         step = "writing the gateway's configuration"
-        routes = _prepare_dir(state, policy, job_id, uid, gid, clients=subnets)
-        gw.routes = [r.name for r in routes]
+        ca = gateway_files(gw, policy, uid, gid, subnets)
         step = "creating the gateway container"
-        kwargs = _gateway_kwargs(
-            job_id, gw.container, gw.network, state, labels, uid, gid, any(r.ca_file for r in routes)
-        )
+        kwargs = _gateway_kwargs(job_id, gw.container, gw.network, state, labels, uid, gid, ca)
         try:
             client.containers.create(**kwargs)
         except ImageNotFound as e:
@@ -183,6 +178,17 @@ def start(
         if isinstance(exc, _docker_errors()):
             raise InfraError(f"{step} failed: {exc}", task_id=job_id) from exc
         raise
+
+
+def gateway_files(gw: Gateway, policy: Policy, uid: int, gid: int, subnets: list[str]) -> bool:
+    """Write the gateway's files for the job network's subnets (its only clients) and note its
+    routes on `gw`; True when a route needs an upstream CA mounted. Docker's and Podman's start
+    share it: a job network without a subnet would leave the gateway serving no one."""
+    if not subnets:
+        raise InfraError(f"the job network {gw.network} has no subnet", task_id=gw.job_id)
+    routes = _prepare_dir(gw.dir, policy, gw.job_id, uid, gid, clients=subnets)
+    gw.routes = [r.name for r in routes]
+    return any(r.ca_file for r in routes)
 
 
 def _wait_ready(client: docker.DockerClient, gw: Gateway, timeout_s: float) -> str:

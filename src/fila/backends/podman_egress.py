@@ -54,7 +54,6 @@ from ..egress import (
     UPSTREAM_CA_PATH,
     Gateway,
     _labels,
-    _prepare_dir,
     collect,
     network_name,
     sweep_dirs,
@@ -222,11 +221,8 @@ def start(
             job_network_spec(gw.network, _labels(job_id, ROLE_JOB_NET, labels)),
         )
         subnets = [s["subnet"] for s in net.get("subnets") or [] if s.get("subnet")]
-        if not subnets:
-            raise InfraError(f"the job network {gw.network} has no subnet", task_id=job_id)
         step = "writing the gateway's configuration"
-        routes = _prepare_dir(state, policy, job_id, uid, gid, clients=subnets)
-        gw.routes = [r.name for r in routes]
+        ca = docker_egress.gateway_files(gw, policy, uid, gid, subnets)
         step = "creating the gateway container"
         body = gateway_spec(
             job_id=job_id,
@@ -237,7 +233,7 @@ def start(
             labels=labels,
             uid=uid,
             gid=gid,
-            ca=any(r.ca_file for r in routes),
+            ca=ca,
             rootless=rootless,
             waive=waive,
         )
