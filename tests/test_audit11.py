@@ -663,7 +663,12 @@ def test_no_run_reads_outside_the_project_while_a_directory_is_swapped_whatever_
     finally:
         stop.touch()
         racer.wait(timeout=30)
-    statuses = [record(root.path, f"r{i}")["status"] for i in range(8)]
+    # A run whose copy met the swap mid-walk fails its task; enough of those in a row open the
+    # breaker (exit 6) and the later tasks stay unclaimed, with no record: both are fine here.
+    statuses = [
+        record(root.path, f"r{i}")["status"] if (root.out_dir / f"r{i}.json").exists() else "unclaimed"
+        for i in range(8)
+    ]
     assert "needs_review" in statuses, statuses  # the allowed counterpart: the project is copied and run
     for dirpath, _dirs, files in os.walk(root.path):
         for name in files:

@@ -337,11 +337,21 @@ def test_docker_daemon_stopped_mid_run_and_started_again(
     try:
         wait_for(lambda: queue.get_record(proj, "long").container_started, 60, "the container")
         private_docker.stop()  # the daemon goes away with the container running
-        wait_for(lambda: status_of(proj, "long") == S.needs_human, 60, "the interrupted task")
+
+        def fenced() -> bool:
+            rec = queue.get_record(proj, "long")
+            return rec.status == S.running and rec.error is not None
+
+        # Its container cannot be confirmed gone: the task is not published as over (README,
+        # Durability): it stays running, the failure in its record, its claim kept as `.reaped`.
+        wait_for(fenced, 60, "the interrupted task to be fenced")
+        assert [c.name.rsplit(".", 1)[1] for c in queue.claim_files(proj, "long")] == ["reaped"]
         time.sleep(2)
         assert status_of(proj, "next") == S.queued, "nothing is claimed while Docker is down"
+        assert status_of(proj, "long") == S.running, "never decided while its container may run"
         private_docker.start()
         wait_for(lambda: status_of(proj, "next") == S.needs_review, 90, "the queued task")
+        wait_for(lambda: status_of(proj, "long") == S.needs_human, 90, "recovery to decide the task")
         client = docker.DockerClient(base_url=private_docker.host, timeout=30)
         try:
             wait_for(
@@ -359,7 +369,7 @@ def test_docker_daemon_stopped_mid_run_and_started_again(
     assert_one_state_each(proj, ["long", "next"])
     rec = queue.get_record(proj, "long")
     assert rec.error and rec.error.kind == "infra" and rec.diagnosis
-    assert "Docker" in rec.diagnosis and "fila retry" in rec.diagnosis
+    assert "could not be removed" in rec.diagnosis and "fila retry" in rec.diagnosis
     assert "Docker does not answer" in log and "Docker answers again" in log
 
 
