@@ -501,30 +501,16 @@ class _Settled:
 
     @classmethod
     def load(cls, root: Root, rep: Report) -> _Settled:
-        path = cls.path(root)
+        from .stored import NotTrusted, owned_bytes
+
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            data = json.loads(owned_bytes(str(cls.path(root)), os.geteuid()))
         except FileNotFoundError:
             return cls(root, {})
-        except OSError as e:  # ELOOP: a symlink planted at its name
-            return cls._ignored(root, rep, f"it cannot be opened without following a link ({e.strerror})")
-        try:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                return cls._ignored(root, rep, "it is not a regular file")
-            if st.st_uid != os.geteuid() or st.st_mode & 0o022:
-                return cls._ignored(
-                    root,
-                    rep,
-                    f"it is owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):o}: only "
-                    f"uid {os.geteuid()}'s, writable by no one else, is trusted",
-                )
-            with open(fd, "rb", closefd=False) as f:
-                data = json.loads(f.read())
+        except NotTrusted as e:
+            return cls._ignored(root, rep, str(e))
         except (OSError, ValueError, RecursionError):
             return cls(root, {}, changed=True)
-        finally:
-            os.close(fd)
         if not (
             isinstance(data, dict) and data.get("v") == cls.VERSION and isinstance(data.get("entries"), dict)
         ):
