@@ -700,15 +700,8 @@ def run(
         if gateway is not None:
             from . import docker_egress as egress
 
-            result.egress = egress.collect(gateway)
             gw, gateway = gateway, None
-            dead = egress.died(client, gw)
-            if dead:
-                left.append(dead)
-            try:
-                egress.stop(client, gw)
-            except InfraError as e:  # the run itself is complete: say what is left, keep the result
-                left.append(f"{e}; `fila recover` removes it")
+            result.egress, left = egress.finish(client, gw)
         result.warnings += jobdir.reclaim(spec.job_dir, owner=owner) + left
         if spec.overlay is not None:
             result.warnings += jobdir.reclaim_tree(spec.overlay.upper, owner=owner)

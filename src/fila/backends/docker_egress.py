@@ -243,6 +243,20 @@ def died(client: docker.DockerClient, gw: Gateway) -> str | None:
     )
 
 
+def finish(client: docker.DockerClient, gw: Gateway) -> tuple[Any, list[str]]:
+    """After the engine's container is gone: the gateway's log read into the record's egress
+    section, then the gateway, its network and secrets removed. Returns the section and what the
+    record must warn of (a gateway that died during the run, one left for `fila recover`)."""
+    record, left = collect(gw), []
+    if dead := died(client, gw):
+        left.append(dead)
+    try:
+        stop(client, gw)
+    except InfraError as e:  # the run itself is complete: say what is left, keep the result
+        left.append(f"{e}; `fila recover` removes it")
+    return record, left
+
+
 def stop(client: docker.DockerClient, gw: Gateway) -> None:
     """Remove the gateway, the job network and the gateway's directory (secrets included). The
     log is read first by the caller (`collect`)."""

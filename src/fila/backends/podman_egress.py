@@ -54,7 +54,6 @@ from ..egress import (
     UPSTREAM_CA_PATH,
     Gateway,
     _labels,
-    collect,
     network_name,
     sweep_dirs,
 )
@@ -307,24 +306,12 @@ def run(
             create=on_job_network,
         )
     except BaseException as exc:
-        try:
-            fresh = dk._fresh_client(client)
-            try:
-                docker_egress.stop(fresh, gw)
-            finally:
-                fresh.close()
-        except Exception as e:
-            exc.add_note(
-                f"fila: could not remove the job's gateway or network: {e}; `fila recover` sweeps them"
-            )
+        # Docker's own path for a failed run: what cannot be removed is carried on the error
+        # (note_left), so the cycle keeps the task fenced instead of publishing it as over.
+        dk._stop_gateway_after_failure(client, gw, exc)
         raise
-    result.egress = collect(gw)
-    if dead := docker_egress.died(client, gw):
-        result.warnings.append(dead)
-    try:
-        docker_egress.stop(client, gw)
-    except InfraError as e:  # the run itself is complete: say what is left, keep the result
-        result.warnings.append(f"{e}; `fila recover` removes it")
+    result.egress, left = docker_egress.finish(client, gw)
+    result.warnings += left
     return result
 
 
