@@ -371,7 +371,7 @@ class _Run:
         """After a failure once the container started: what of the job may still be there (its
         container, gateway or volume), from what the backend could not remove and from asking it
         (a container listed, or no answer). Empty only when the backend confirmed all gone."""
-        from .backends.docker import left_behind
+        from .backends.base import left_behind
 
         left = [what for what, running in left_behind(err) if running]
         if self.removal_failed:
@@ -902,10 +902,8 @@ def _prepare(run: _Run, checked: Checked) -> tuple[jobdir.Prepared, Any, Workspa
     # A rootless overlay's scratch an earlier attempt left (its worker killed between its
     # container's removal and the scratch's) is the subordinate uids': only the backend can empty
     # it. Not done: prepare_job's removal then fails as this task's own error, with the hint.
-    clear = getattr(run.backend, "clear_job_scratch", None)  # Podman's; no other backend needs it
-    if clear is not None:
-        with contextlib.suppress(FilaError, OSError, ValueError):
-            clear(str(root.path), tid)
+    with contextlib.suppress(FilaError, OSError, ValueError):
+        run.backend.clear_job_scratch(str(root.path), tid)
     prep, overlay, snap = snapshot.prepare_job(
         root, tid, task, checked.policy, checked.effective, owner=owner
     )

@@ -59,14 +59,10 @@ def clear_scratch(root: Root, tid: str, backend: Backend) -> bool:
     is mounted on it meanwhile) and only while the task holds no claim file (recovery has reaped
     the stale ones; one still there is a live worker's). True when it was emptied; raises the
     backend's InfraError when it could not be."""
-    clear = getattr(backend, "clear_job_scratch", None)  # no other backend leaves one
-    if clear is None:
-        return False
     with fsutil.file_lock(root.meta(tid) / "job.lock", wait=False) as held:
         if not held or queue.claim_files(root, tid):
             return False
-        clear(str(root.path), tid)
-    return True
+        return backend.clear_job_scratch(str(root.path), tid)
 
 
 def collect(root: Root, older_than_s: float, *, dry_run: bool = False, now: datetime | None = None,

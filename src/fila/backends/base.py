@@ -177,7 +177,7 @@ WAIVABLE = ("memory", "pids", "cpus")
 
 class Backend(ABC):
     """A container engine fila runs jobs on. Thread-safe: one instance serves every job slot of
-    a worker. Errors are fila's own (errors.py): BackendUnavailable when the engine does not
+    a worker. Errors are fila's own (errors.py): EngineUnavailable when the engine does not
     answer, InfraError for what it failed to do, ImageMissing for an absent image."""
 
     name: str = ""
@@ -227,6 +227,12 @@ class Backend(ABC):
         """Why this backend cannot give a job's work/ as an overlay of a snapshot on this host
         (the job then copies its targets, and the record says why); None when it can."""
         return f"the {self.name} backend does not mount overlay volumes"
+
+    def clear_job_scratch(self, root: str, job_id: str) -> bool:
+        """Empty a job's overlay scratch (sandbox/meta/<id>/overlay/work) when only this backend can
+        (rootless Podman: the kernel leaves it to a subordinate uid); True when something was
+        emptied. The caller holds the job's lock and knows no live claim uses it. Others: False."""
+        return False
 
     @abstractmethod
     def run(
@@ -341,3 +347,23 @@ class Backend(ABC):
     def describe(self) -> dict[str, Any]:
         """What the doctor shows: name, version, where it listens."""
         return {"name": self.name}
+
+
+LEFT_ATTR = "fila_left"  # on an exception a failed run raises: what it could not remove
+
+
+def note_left(exc: BaseException, what: str, *, running: bool = True) -> None:
+    """Say on the error a failed run raises what it could not clean up (`left_behind` reads it):
+    the caller must not publish the job as over while its container may still run. A note
+    too, for a traceback; never the only carrier (nothing reads notes)."""
+    left = getattr(exc, LEFT_ATTR, None)
+    if left is None:
+        left = []
+        setattr(exc, LEFT_ATTR, left)
+    left.append((what, running))
+    exc.add_note(f"fila: {what}")
+
+
+def left_behind(exc: BaseException) -> list[tuple[str, bool]]:
+    """(what, may still run) for each thing a failed run could not clean up (note_left)."""
+    return list(getattr(exc, LEFT_ATTR, None) or [])

@@ -49,6 +49,7 @@ from .base import (
     RunResult,
     RunSpec,
     container_name,
+    note_left,
     run_as,
 )
 
@@ -725,26 +726,6 @@ def run(
         except Exception as e:  # the original error matters more; say what is left
             note_left(exc, f"could not reclaim {spec.job_dir}: {e}", running=False)
         raise
-
-
-LEFT_ATTR = "fila_left"  # on an exception a failed run raises: what it could not remove
-
-
-def note_left(exc: BaseException, what: str, *, running: bool = True) -> None:
-    """Say on the error a failed run raises what it could not clean up (`left_behind` reads it):
-    the caller must not publish the job as over while its container may still run. A note
-    too, for a traceback; never the only carrier (nothing reads notes)."""
-    left = getattr(exc, LEFT_ATTR, None)
-    if left is None:
-        left = []
-        setattr(exc, LEFT_ATTR, left)
-    left.append((what, running))
-    exc.add_note(f"fila: {what}")
-
-
-def left_behind(exc: BaseException) -> list[tuple[str, bool]]:
-    """(what, may still run) for each thing a failed run could not clean up (note_left)."""
-    return list(getattr(exc, LEFT_ATTR, None) or [])
 
 
 def docker_runtime(policy: Policy) -> str:

@@ -47,7 +47,7 @@ from ..fsutil import atomic_write
 from ..models import Policy
 from ..untrusted import read_capped
 from . import docker as dk
-from .base import JOB_LABEL, ROOT_LABEL, WAIVABLE, Box, RunResult, RunSpec
+from .base import JOB_LABEL, ROOT_LABEL, WAIVABLE, Box, RunResult, RunSpec, note_left
 
 SERVICE_IDLE_S = 600  # a service fila started exits after this long without a client
 START_WAIT_S = 20.0
@@ -599,20 +599,22 @@ class PodmanBackend(dk.DockerBackend):
             try:
                 self._clear_scratch(spec.overlay.scratch)
             except Exception as e:  # carried on the error (not only a note): the record says it
-                dk.note_left(exc, str(e), running=False)
+                note_left(exc, str(e), running=False)
             raise
         self._clear_scratch(spec.overlay.scratch)
 
-    def clear_job_scratch(self, root: str, job_id: str) -> None:
+    def clear_job_scratch(self, root: str, job_id: str) -> bool:
         """Empty a job's overlay scratch by its meta directory, not through a found container: a
         worker killed after its container's removal and before `_scratch_cleared` leaves it with
         no container, and the next attempt's job directory could not be made (the cycle calls
         this under the job's claim and lock, before it rebuilds the job directory)."""
         if not self.rootless:
-            return
+            return False
         scratch = job_scratch({ROOT_LABEL: root, JOB_LABEL: job_id})
-        if scratch is not None:
-            self._clear_scratch(scratch)
+        if scratch is None:
+            return False
+        self._clear_scratch(scratch)
+        return True
 
     def _pause_pid(self) -> int | None:
         """The pid of rootless Podman's pause process, which holds the user's namespace (Podman
