@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import json
 import os
-import pwd
 import re
 import shutil
-import subprocess
 import sys
-import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -91,29 +88,14 @@ def test_the_log_has_both_streams_and_the_output_keeps_them_apart(backend: Backe
 @pytest.mark.skipif(os.getuid() != 0, reason="creating an ordinary user for the test needs root")
 @pytest.mark.skipif(shutil.which("podman") is None, reason="scripts/podman-up installs podman")
 def test_the_streams_stay_apart_on_rootless_podman_as_an_ordinary_user() -> None:
-    from .test_podman import _python_for_others, podman_user
-    from .test_unprivileged import _code_for_others, tests_for_others
+    from .test_podman import _python_for_others, podman_user, pytest_as_user
+    from .test_unprivileged import tests_for_others
 
     python = _python_for_others()
     if python is None:
         pytest.skip(f"no Python {sys.version_info[:2]} an ordinary user may run")
     here = tests_for_others()
     with podman_user() as user:
-        env = {
-            "PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
-            "HOME": pwd.getpwnam(user).pw_dir,
-            "FILA_CONTRACT_BACKEND": "podman",
-            "PYTHONPATH": _code_for_others(),
-            "PYTHONDONTWRITEBYTECODE": "1",
-        }
-        with tempfile.TemporaryDirectory(prefix="fila-streams-") as tmp:
-            os.chmod(tmp, 0o777)
-            argv = ["runuser", "-u", user, "--", "env", "-i", *(f"{k}={v}" for k, v in env.items()),
-                    python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", f"--basetemp={tmp}/t",
-                    "--rootdir", str(here.parent), str(here / "test_output_streams.py"),
-                    "-k", "not ordinary_user"]  # fmt: skip
-            res = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=tmp)
-    out = res.stdout + res.stderr
-    assert res.returncode == 0, out[-4000:]
+        out = pytest_as_user(user, python, here, ["test_output_streams.py"], timeout=600)
     m = re.search(r"(\d+) passed", out)
     assert m is not None and int(m.group(1)) == 1 and "skipped" not in out, out[-3000:]

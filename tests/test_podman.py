@@ -427,26 +427,36 @@ def test_the_contract_and_the_cycle_pass_on_rootless_podman_as_an_ordinary_user(
     python = _python_for_others()
     if python is None:
         pytest.skip(f"no Python {sys.version_info[:2]} an ordinary user may run")
-    from .test_unprivileged import _code_for_others, tests_for_others
+    from .test_unprivileged import tests_for_others
 
     here = tests_for_others()  # the checkout may be below a 0700 directory (CI): then a readable copy
     with podman_user() as user:
-        env = {
-            "PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
-            "HOME": pwd.getpwnam(user).pw_dir,
-            "FILA_CONTRACT_BACKEND": "podman",
-            "PYTHONPATH": _code_for_others(),
-            "PYTHONDONTWRITEBYTECODE": "1",
-        }
-        with tempfile.TemporaryDirectory(prefix="fila-podman-") as tmp:
-            os.chmod(tmp, 0o777)
-            argv = ["runuser", "-u", user, "--", "env", "-i", *(f"{k}={v}" for k, v in env.items()),
-                    python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", f"--basetemp={tmp}/t",
-                    "--rootdir", str(here.parent), str(here / "test_backend_contract.py"),
-                    str(here / "test_podman.py"), "-k", "not ordinary_user"]  # fmt: skip
-            res = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=tmp)
-    out = res.stdout + res.stderr
-    assert res.returncode == 0, out[-6000:]
+        out = pytest_as_user(user, python, here, ["test_backend_contract.py", "test_podman.py"], timeout=900)
     m = re.search(r"(\d+) passed", out)
     # 7 contract tests and 2 seam tests, 4 cycle tests on Podman, 4 pure ones: all ran as the user.
     assert m is not None and int(m.group(1)) == 17 and "skipped" not in out, out[-3000:]
+
+
+def pytest_as_user(user: str, python: str, here: Path, files: list[str], *, timeout: float) -> str:
+    """Run the cases of `files` (tests/ as `here`: the readable copy) not named `ordinary_user`
+    as `user`, on rootless Podman (FILA_CONTRACT_BACKEND=podman), with nothing of root's
+    environment; pytest's output, once it has passed (the caller counts what ran)."""
+    from .test_unprivileged import _code_for_others
+
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
+        "HOME": pwd.getpwnam(user).pw_dir,
+        "FILA_CONTRACT_BACKEND": "podman",
+        "PYTHONPATH": _code_for_others(),
+        "PYTHONDONTWRITEBYTECODE": "1",
+    }
+    with tempfile.TemporaryDirectory(prefix="fila-podman-") as tmp:
+        os.chmod(tmp, 0o777)
+        argv = ["runuser", "-u", user, "--", "env", "-i", *(f"{k}={v}" for k, v in env.items()),
+                python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", f"--basetemp={tmp}/t",
+                "--rootdir", str(here.parent), *(str(here / f) for f in files),
+                "-k", "not ordinary_user"]  # fmt: skip
+        res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=tmp)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-6000:]
+    return out

@@ -21,7 +21,6 @@ import secrets
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -495,8 +494,8 @@ def test_allowlist_passes_on_rootless_podman_as_an_ordinary_user(
     from fila.backends.docker import DockerBackend
     from fila.images import ensure_image
 
-    from .test_podman import _python_for_others, podman_user
-    from .test_unprivileged import _code_for_others, tests_for_others
+    from .test_podman import _python_for_others, podman_user, pytest_as_user
+    from .test_unprivileged import tests_for_others
 
     python = _python_for_others()
     if python is None:
@@ -513,21 +512,6 @@ def test_allowlist_passes_on_rootless_podman_as_an_ordinary_user(
                               stdin=save.stdout, capture_output=True, text=True, cwd=home,
                               timeout=300)  # fmt: skip
         assert save.wait() == 0 and load.returncode == 0, load.stderr
-        env = {
-            "PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
-            "HOME": home,
-            "FILA_CONTRACT_BACKEND": "podman",
-            "PYTHONPATH": _code_for_others(),
-            "PYTHONDONTWRITEBYTECODE": "1",
-        }
-        with tempfile.TemporaryDirectory(prefix="fila-podman-") as tmp:
-            os.chmod(tmp, 0o777)
-            argv = ["runuser", "-u", user, "--", "env", "-i", *(f"{k}={v}" for k, v in env.items()),
-                    python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", f"--basetemp={tmp}/t",
-                    "--rootdir", str(here.parent), str(here / "test_podman_egress.py"),
-                    "-k", "not ordinary_user"]  # fmt: skip
-            res = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=tmp)
-    out = res.stdout + res.stderr
-    assert res.returncode == 0, out[-6000:]
+        out = pytest_as_user(user, python, here, ["test_podman_egress.py"], timeout=900)
     m = re.search(r"(\d+) passed", out)
     assert m is not None and int(m.group(1)) == 5 and "skipped" not in out, out[-3000:]
