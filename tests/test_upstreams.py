@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import ipaddress
 import json
 import os
+import re
 import socket
 import subprocess
 import uuid
@@ -25,7 +27,7 @@ from fila.errors import ImageMissing
 
 from .helpers import fila, make_root, record
 from .upstreams import Upstreams
-from .upstreams.fixtures import LABEL, check_no_route_out
+from .upstreams.fixtures import LABEL, check_no_route_out, create_on_free_subnet
 
 pytestmark = pytest.mark.docker
 
@@ -210,15 +212,16 @@ def test_the_network_probe_passes_here_and_fails_on_a_plain_internal_network(
     assert all(v != "connected" for v in seen["knocks"].values())
     # The counterpart: an --internal network WITHOUT inhibit_ipv4 (the host holds its gateway
     # address, so the host's services are reachable) is caught.
-    net = docker_client.networks.create(
+    net, subnet = create_on_free_subnet(
+        docker_client,
         f"fila-test-plain-{upstreams.session}",
-        internal=True,
-        ipam=docker.types.IPAMConfig(pool_configs=[docker.types.IPAMPool(subnet="172.30.254.0/24")]),
+        options={},
         labels={LABEL: "upstreams", f"{LABEL}.session": upstreams.session},
     )
+    host_side = re.escape(str(ipaddress.ip_network(subnet)[1]))
     try:
-        with pytest.raises(RuntimeError, match=r"172\.30\.254\.1 answers ARP"):
-            check_no_route_out(docker_client, net.name, "172.30.254.0/24", upstreams.session)
+        with pytest.raises(RuntimeError, match=rf"{host_side} answers ARP"):
+            check_no_route_out(docker_client, net.name, subnet, upstreams.session)
     finally:
         net.remove()
 

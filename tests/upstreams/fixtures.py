@@ -235,7 +235,27 @@ def check_no_route_out(
 
 
 def _create_network(client: docker.DockerClient, name: str, session: str) -> tuple[Any, str]:
-    """An internal network on a free /24 of 172.30.0.0/16 (sessions run side by side)."""
+    """The upstreams' sealed network: internal, on a free /24 of SUBNET_POOL."""
+    # No IPv4 address on the host's side of the bridge: nothing on the network reaches the
+    # host's services (an --internal network alone still does).
+    return create_on_free_subnet(
+        client,
+        name,
+        options={"com.docker.network.bridge.inhibit_ipv4": "true"},
+        labels={
+            LABEL: LABEL_VALUE,
+            f"{LABEL}.session": session,
+            f"{LABEL}.pid": str(os.getpid()),
+            f"{LABEL}.host": socket.gethostname(),
+        },
+    )
+
+
+def create_on_free_subnet(
+    client: docker.DockerClient, name: str, *, options: dict[str, str], labels: dict[str, str]
+) -> tuple[Any, str]:
+    """An internal bridge network on a free /24 of 172.30.0.0/16, tried at random: sessions run
+    side by side, and the upstreams' own network holds one of them (a fixed /24 collided with it)."""
     subnets = list(SUBNET_POOL.subnets(new_prefix=24))
     random.shuffle(subnets)
     last: Exception | None = None
@@ -248,22 +268,15 @@ def _create_network(client: docker.DockerClient, name: str, session: str) -> tup
                 internal=True,
                 enable_ipv6=False,
                 ipam=ipam,
-                # No IPv4 address on the host's side of the bridge: nothing on the network
-                # reaches the host's services (an --internal network alone still does).
-                options={"com.docker.network.bridge.inhibit_ipv4": "true"},
-                labels={
-                    LABEL: LABEL_VALUE,
-                    f"{LABEL}.session": session,
-                    f"{LABEL}.pid": str(os.getpid()),
-                    f"{LABEL}.host": socket.gethostname(),
-                },
+                options=options,
+                labels=labels,
             )
             return net, str(sub)
         except APIError as e:
             if "overlap" not in str(e).lower():
                 raise
             last = e
-    raise RuntimeError(f"no free /24 in {SUBNET_POOL} for the upstream network: {last}")
+    raise RuntimeError(f"no free /24 in {SUBNET_POOL} for network {name}: {last}")
 
 
 def _sweep_dead_sessions(client: docker.DockerClient) -> None:
