@@ -13,11 +13,11 @@ Also `fila submit` alone and `fila --help` next to `python -c pass`, and the lea
 the chosen libraries can take: importing them and nothing else (LIBRARIES), typer with the pydantic
 it coerces every option through for `submit`, and the Docker SDK as well for a process that runs a
 task. Those rows say how far the targets are reachable at all: the one-process form cannot be
-faster than the floor plus the run's imports, the two-command form than the floor plus both. The
-breakdown is the median of
-each phase of the records' `timings` (start-up, claim, begin, validate, prepare, create, start_wait,
-remove, diff, record); the two-command form's start-up is its second process's, the submit being
-timed apart (`submit` in the breakdown).
+faster than the floor plus the run's imports, the two-command form than the floor plus both.
+
+The breakdown is the median of each phase of the records' `timings` (start-up, claim, begin,
+validate, prepare, create, start_wait, remove, diff, record); the two-command form's start-up is
+its second process's, the submit being timed apart (`submit` in the breakdown).
 """
 
 from __future__ import annotations

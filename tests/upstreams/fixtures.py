@@ -255,7 +255,9 @@ def create_on_free_subnet(
     client: docker.DockerClient, name: str, *, options: dict[str, str], labels: dict[str, str]
 ) -> tuple[Any, str]:
     """An internal bridge network on a free /24 of 172.30.0.0/16, tried at random: sessions run
-    side by side, and the upstreams' own network holds one of them (a fixed /24 collided with it)."""
+    side by side, and other test networks hold some of them (a fixed /24 once collided: "Pool
+    overlaps"). Docker's own default pools include 172.30.0.0/16: a daemon that has handed out that
+    /16 to an auto-addressed network leaves none free here, and this says so."""
     subnets = list(SUBNET_POOL.subnets(new_prefix=24))
     random.shuffle(subnets)
     last: Exception | None = None
