@@ -258,7 +258,9 @@ def test_large_files_are_compared_and_streamed_in_chunks(tmp_path: Path) -> None
     for root in (job / "input", job / "work"):
         put(root, "same.bin", big)
     put(job / "input", "changed.bin", big)
-    put(job / "work", "changed.bin", big[: 2 << 20] + b"X" + big[(2 << 20) + 1 :])
+    # The changed byte is the original one inverted, so it differs whatever the random data holds.
+    flipped = bytes([big[2 << 20] ^ 0xFF])
+    put(job / "work", "changed.bin", big[: 2 << 20] + flipped + big[(2 << 20) + 1 :])
     put(job / "work", "added.bin", big)
     result = diff(job)
     assert result.stat.paths == ["added.bin", "changed.bin"]

@@ -612,10 +612,15 @@ def test_a_429_is_quota_and_a_401_is_auth_with_the_clis_own_message(
     message = {
         429: "Number of request tokens has exceeded your per-minute rate limit",
         401: "invalid api key",
-    }
+    }[status]
+    if engine == "gemini" and status == 429:
+        # Gemini's wording for a quota that is used up ("limit: 0"): gemini-cli gives up at once.
+        # A per-minute 429 it retries ten times with its own 5-30 s backoff (about four minutes),
+        # past the task timeout on a loaded machine.
+        message = f"{message}: Quota exceeded for metric generate_content_requests, limit: 0"
     step = {
         "protocol": spec.protocol,
-        "error": {"status": status, "message": message[status], "retry_after": 0},
+        "error": {"status": status, "message": message, "retry_after": 0},
     }
     upstreams.set_script([step] * 12)
     upstreams.clear_requests()
