@@ -579,6 +579,49 @@ def test_a_denial_logged_after_the_last_summary_write_is_still_counted(tmp_path:
     assert (ahead.denied, ahead.dropped) == (7, 6)
 
 
+def test_credentials_a_route_upstream_echoed_reach_the_record_and_a_plain_warning(tmp_path: Path) -> None:
+    normal = {"id": "a", "door": "route", "route": "anthropic", "allowed": True, "status": 200,
+              "usage": {"input_tokens": 5, "output_tokens": 1}}  # fmt: skip
+    echoed = {**normal, "id": "b", "scrubbed": {"header": 1, "body:base64": 2}}
+    invented = {"door": "route", "route": "v1", "allowed": False, "status": 404, "reason": "unknown route"}
+    log = tmp_path / "egress.jsonl"
+    # Allowed counterpart: a normal call, nothing echoed, no warning.
+    log.write_text(json.dumps(normal) + "\n")
+    rec = egress.read_log(log)
+    assert rec.routes["anthropic"].scrubbed == {} and egress.scrub_messages(rec) == []
+    assert not any("scrubbed" in x for x in egress.lines(rec))
+    # The log alone: counted per kind on its route; a made-up route name is a denial, not a route.
+    log.write_text("".join(json.dumps(x) + "\n" for x in (normal, echoed, invented)))
+    rec = egress.read_log(log)
+    assert rec.routes["anthropic"].scrubbed == {"header": 1, "body:base64": 2}
+    assert list(rec.routes) == ["anthropic"] and (rec.allowed, rec.denied) == (2, 1)
+    assert rec.requests[1].scrubbed == {"header": 1, "body:base64": 2}
+    # summary.json's per-route totals carry them too (and a route fila never configured is dropped).
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps({
+        "allowed": 2, "denied": 1, "suppressed": {}, "in_flight": 0,
+        "routes": {
+            "anthropic": {"requests": 2, "statuses": {"200": 2}, "input_tokens": 10, "output_tokens": 2,
+                          "scrubbed": {"header": 1, "body:base64": 2, "refused:compressed": 1}},
+            "anthropic@host:80": {"requests": 1, "statuses": {"404": 1}},
+        },
+    }))  # fmt: skip
+    rec = egress.read_log(log, summary=summary, routes=["anthropic", "openai"])
+    assert list(rec.routes) == ["anthropic"]
+    assert rec.routes["anthropic"].scrubbed == {"header": 1, "body:base64": 2, "refused:compressed": 1}
+    assert any(
+        x.startswith("route     anthropic: 2 requests")
+        and "credential scrubbed (body:base64: 2, header: 1, refused:compressed: 1)" in x
+        for x in egress.lines(rec)
+    ), egress.lines(rec)
+    assert egress.scrub_messages(rec) == [
+        "the upstream of route anthropic echoed the injected credential 3 times (body:base64 2, header 1); "
+        "it was replaced before the engine saw it",
+        "the upstream of route anthropic sent 1 compressed answers although the gateway asked for none; "
+        "they were refused (the engine got 502) as they could hide the credential",
+    ]
+
+
 # -- a gateway that dies or is not ready in time ---------------------------------------------------
 
 

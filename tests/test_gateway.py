@@ -8,13 +8,16 @@ same test, so each test can fail.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import ipaddress
 import json
 import os
 import random
+import re
 import shlex
 import time
+import urllib.parse
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -54,6 +57,7 @@ FIELDS = {
     "bytes_out",
     "usage",
     "budget",
+    "scrubbed",
 }
 CURL = f"curl -sS --max-time 15 --cacert {CA_IN_CONTAINER}"
 
@@ -103,6 +107,14 @@ class Gw:
                 assert hits, f"no log line with {match}; log: {self.log()[-5:]}"
                 return hits[-1]
             time.sleep(0.05)
+
+    def final(self) -> dict[str, Any]:
+        """The newest line once it is a final one (a route call's last line is written as its
+        response ends, a moment after the client has it all)."""
+        deadline = time.monotonic() + 5
+        while (line := self.log()[-1])["reason"] == "in flight" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return line
 
 
 @dataclass
@@ -748,8 +760,9 @@ def test_upstream_errors_pass_through_and_an_unknown_route_is_refused(env: Env) 
 
     status, out = _post(env, f"{gw.routes}/nosuchroute/v1/messages", ANTHROPIC_BODY)
     assert status == "404" and "unknown route" in out
-    line = gw.last(route="nosuchroute")
-    assert line["allowed"] is False and line["reason"] == "unknown route" and line["status"] == 404
+    line = gw.last(reason="unknown route")
+    assert line["allowed"] is False and line["status"] == 404 and line["route"] is None
+    assert line["path"] == "/nosuchroute/v1/messages"
     assert len(env.ups.requests("model.test")) >= 4
 
 
@@ -1238,3 +1251,261 @@ def test_an_address_of_the_gateways_host_is_refused_unless_allow_private_names_i
     gw = env.gateway(allow=allow, allow_private=[f"{ip}/32"], host_addresses=[ip])
     code, out, err = env.sh(f"{CURL} -x {gw.proxy} https://allowed.test/")
     assert code == 0 and out.strip() == "hello from allowed.test", err
+
+
+# ---------------------------------------------------------------- what comes back through a route
+
+
+def _key_forms(key: str) -> dict[str, str]:
+    """The forms of `key` an engine could decode: as is, percent-encoded (both cases), JSON
+    escapes (both cases), and its base64 (standard and urlsafe) at each of the three alignments
+    it can have inside a longer text."""
+    forms = {
+        "plain": key,
+        "url": "".join(f"%{ord(c):02X}" for c in key),
+        "url-lower": "".join(f"%{ord(c):02x}" for c in key),
+        "json": "".join(f"\\u{ord(c):04x}" for c in key),
+        "json-upper": "".join(f"\\u{ord(c):04X}" for c in key),
+    }
+    for a in range(3):
+        whole = key[a:][: (len(key) - a) // 3 * 3].encode()
+        forms[f"base64+{a}"] = base64.b64encode(whole).decode()
+        forms[f"base64url+{a}"] = base64.urlsafe_b64encode(whole).decode()
+    return forms
+
+
+def _leaks(out: str, *keys: str) -> list[str]:
+    """Every form of a key in what the engine received, also once URL- and JSON-decoded."""
+    decoded = [
+        out,
+        urllib.parse.unquote(out),
+        re.sub(r"\\u([0-9a-fA-F]{4})", lambda m: chr(int(m[1], 16)), out),
+    ]
+    return [name for key in keys for name, f in _key_forms(key).items() for text in decoded if f in text]
+
+
+def _sse_text(out: str) -> str:
+    """The text an engine assembles from an Anthropic stream's text deltas."""
+    text = ""
+    for line in out.splitlines():
+        if line.startswith("data: {") and '"text_delta"' in line:
+            text += json.loads(line[6:])["delta"]["text"]
+    return text
+
+
+def test_a_route_upstream_echoing_the_credential_never_shows_it_to_the_engine_in_any_form(env: Env) -> None:
+    gw = env.gateway(routes=_routes(env))
+    usage = {"input_tokens": 3, "output_tokens": 2}
+    forms = {  # what the upstream's echo comes as -> what the gateway replaced, per kind
+        "plain": {"status": 1, "header": 1, "body": 1},
+        "chunked": {"body": 1},
+        "sse": {"body": 1, "body:split": 1},
+        "gzip": {"refused:compressed": 1},
+        "base64": {"body:base64": 6},
+        "urlencoded": {"body": 1, "body:url": 2},
+        "json-escaped": {"body:json": 2},
+    }
+    env.ups.set_script(
+        [
+            {
+                "protocol": "anthropic",
+                "reply": {"text": "normal"},
+                "usage": {"input_tokens": 12, "output_tokens": 7},
+            }
+        ]
+        + [{"protocol": "anthropic", "reflect": f, "usage": usage} for f in forms]
+        + [{"protocol": "openai", "reflect": "plain"}]
+    )
+    env.ups.clear_requests("model.test")
+    # Allowed: a normal model call, answered and metered, nothing scrubbed.
+    status, out = _post(env, f"{gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)
+    assert status == "200" and "normal" in out
+    line = gw.last(route="anthropic", status=200)
+    assert line["usage"] == {"input_tokens": 12, "output_tokens": 7} and line["scrubbed"] is None
+
+    for form, kinds in forms.items():
+        body = {**ANTHROPIC_BODY, "stream": True} if form == "sse" else ANTHROPIC_BODY
+        status, out = _post(env, f"{gw.routes}/anthropic/v1/messages", body)
+        assert _leaks(out, REAL_KEY) == [], (form, out)
+        line = gw.final()
+        assert line["route"] == "anthropic" and line["scrubbed"] == kinds, (form, line)
+        if form == "gzip":
+            assert status == "502" and "compressed" in out and line["allowed"] is True, out
+        else:
+            assert status == "200" and "fila-scrubbed" in out, (form, out)
+        if form == "sse":
+            text = _sse_text(out)  # streamed on, metered, the key gone from the joined text
+            assert text.startswith("the key is ") and REAL_KEY[:8] not in text, text
+            assert line["usage"] == usage
+    status, out = _post(env, f"{gw.routes}/openai/chat/completions", {"model": "m", "messages": []})
+    assert status == "200" and _leaks(out, REAL_OPENAI_KEY) == [] and "Bearer fila-scrubbed" in out, out
+    # The upstream did receive the real key every time (what it echoed was the real thing).
+    reqs = env.ups.requests("model.test")
+    assert [r["headers"].get("x-api-key") for r in reqs[:-1]] == [REAL_KEY] * (len(forms) + 1)
+
+    summary = json.loads((gw.log_dir / "summary.json").read_text())
+    totals: dict[str, int] = {}
+    for kinds in forms.values():
+        for k, n in kinds.items():
+            totals[k] = totals.get(k, 0) + n
+    assert summary["routes"]["anthropic"]["scrubbed"] == totals
+    assert summary["routes"]["openai"]["scrubbed"] == {"status": 1, "header": 1, "body": 1}
+    log_text = (gw.log_dir / "egress.jsonl").read_text()
+    assert REAL_KEY not in log_text and REAL_OPENAI_KEY not in log_text
+
+    from fila import egress
+
+    rec = egress.read_log(gw.log_dir / "egress.jsonl", summary=gw.log_dir / "summary.json")
+    assert rec.routes["anthropic"].scrubbed == totals
+    warned = egress.scrub_messages(rec)
+    echoed = sum(n for k, n in totals.items() if not k.startswith("refused"))
+    assert any(
+        f"the upstream of route anthropic echoed the injected credential {echoed} times" in w for w in warned
+    ), warned
+    assert any("route anthropic sent 1 compressed answers" in w for w in warned), warned
+    assert any("route openai echoed the injected credential 3 times" in w for w in warned), warned
+
+
+def test_a_route_name_the_engine_invents_is_a_denied_request_and_never_a_route(env: Env) -> None:
+    gw = env.gateway(routes=_routes(env))
+    env.ups.set_script([{"protocol": "anthropic", "reply": {"text": "ok"}}] * 2)
+    env.ups.clear_requests("model.test")
+    status, out = _post(env, f"{gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)
+    assert status == "200" and "ok" in out
+    invented = [
+        "anthropic\\..\\openai",
+        "v1",
+        "anthropic@host:80",
+        "Anthropic",
+        "anthropic%2f..",
+    ]
+    for name in invented:
+        code, out, _ = env.sh(
+            f"{CURL} -i --path-as-is -d '{{}}' {shlex.quote(f'{gw.routes}/{name}/v1/messages')}"
+        )
+        assert code == 0 and " 404" in out.splitlines()[0] and "unknown route" in out, (name, out)
+        line = gw.log()[-1]
+        assert line["allowed"] is False and line["route"] is None and line["reason"] == "unknown route"
+        assert line["path"].isascii() and line["path"].isprintable(), line  # cut and escaped
+    # Bytes curl would encode, sent raw: a non-ASCII name with a control character.
+    raw = (
+        "import socket\n"
+        f"s=socket.create_connection(({gw.ip!r},8080),timeout=10)\n"
+        "s.sendall(b'POST /opena\\xc3\\xa9i\\x7f/v1/messages HTTP/1.1\\r\\n'\n"
+        "          b'Host: x\\r\\nContent-Length: 0\\r\\n\\r\\n')\n"
+        "print(s.recv(100).split(b'\\r\\n')[0].decode())\n"
+    )
+    code, out, err = env.sh(f"python3 -c {shlex.quote(raw)}")
+    assert code == 0 and " 404" in out, (out, err)
+    invented.append("opena\u00e9i\x7f")
+    line = gw.final()
+    assert line["route"] is None and line["path"] == "/opena\\xe9i\\x7f/v1/messages", line
+    assert (
+        _post(env, f"{gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)[0] == "200"
+    )  # rewrites the summary
+    assert len(env.ups.requests("model.test")) == 2
+    summary = json.loads((gw.log_dir / "summary.json").read_text())
+    assert list(summary["routes"]) == ["anthropic"] and summary["denied"] == len(invented)
+    from fila import egress
+
+    rec = egress.read_log(gw.log_dir / "egress.jsonl")  # from the log alone, too
+    assert list(rec.routes) == ["anthropic"] and rec.denied == len(invented) and rec.allowed == 2
+
+
+def test_requests_the_proxy_refuses_before_the_addon_are_logged_as_denied_not_as_a_502(env: Env) -> None:
+    gw = env.gateway(routes=_routes(env))
+    env.ups.set_script([{"protocol": "anthropic", "reply": {"text": "ok"}}] * 2)
+    env.ups.clear_requests("model.test")
+    assert _post(env, f"{gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)[0] == "200"
+    head = "POST /anthropic/v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    cases = {
+        # request smuggling: both framings
+        "smuggled": (head + "Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", "400"),
+        "bad length": (head + "Content-Length: 5x\r\n\r\n{}", "400"),
+        "huge head": (head + "X-Pad: " + "a" * 70000, "431"),
+    }
+    for name, (raw, want) in cases.items():
+        script = (
+            "import socket\n"
+            f"s=socket.create_connection(({gw.ip!r},8080),timeout=10)\n"
+            f"s.sendall({raw.encode()!r})\n"
+            "print(s.recv(200).split(b'\\r\\n')[0].decode())\n"
+        )
+        code, out, err = env.sh(f"python3 -c {shlex.quote(script)}")
+        assert code == 0 and f" {want}" in out, (name, out, err)
+        time.sleep(0.2)
+        line = gw.raw_log()[-1]
+        assert line["allowed"] is False and line["status"] == int(want), (name, line)
+        why = "request headers larger than" if want == "431" else "refused by the proxy: "
+        assert line["reason"].startswith(why), (name, line)
+    assert not any(e["allowed"] and e["status"] == 502 for e in gw.log())
+    assert len(env.ups.requests("model.test")) == 1  # none of them reached the upstream
+    assert _post(env, f"{gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)[0] == "200"
+    # The refused requests gave back the budget count and the in-flight count.
+    summary = json.loads((gw.log_dir / "summary.json").read_text())
+    assert summary["requests"] == 2 and summary["in_flight"] == 0 and summary["denied"] == 3
+
+
+SERVER_FIRST = r"""
+import socket, ssl, sys
+gw, target, send = sys.argv[1], sys.argv[2], sys.argv[3]
+s = socket.create_connection((gw, 3128), timeout=8)
+s.sendall(f"CONNECT {target} HTTP/1.1\r\nHost: {target}\r\n\r\n".encode())
+head = b""
+while b"\r\n\r\n" not in head:
+    head += s.recv(4096)
+print("STATUS", head.split(b"\r\n")[0].decode())
+early = head.split(b"\r\n\r\n", 1)[1]
+s.settimeout(1.0)
+try:
+    early += s.recv(4096)
+except TimeoutError:
+    pass
+print("BEFORE", early)
+if send.startswith("tls:"):
+    inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = ssl.create_default_context().wrap_bio(inc, out, server_hostname=send[4:])
+    try:
+        tls.do_handshake()
+    except ssl.SSLWantReadError:
+        pass
+    data = out.read()
+else:
+    data = send.encode()
+s.sendall(data)
+s.settimeout(5)
+got = b""
+try:
+    while d := s.recv(4096):
+        got += d
+except OSError:
+    pass
+print("AFTER", got)
+"""
+
+
+def test_a_tunnel_whose_server_speaks_first_is_checked_against_the_clients_first_bytes(env: Env) -> None:
+    gw = env.gateway(
+        allow=[{"host": "allowed.test", "port": 2222, "methods": None}], allow_private=_private(env)
+    )
+
+    def tunnel(send: str) -> str:
+        cmd = f"python3 -c {shlex.quote(SERVER_FIRST)} {gw.ip} allowed.test:2222 {shlex.quote(send)}"
+        code, out, err = env.sh(cmd)
+        assert code == 0 and "STATUS HTTP/1.1 200" in out, (out, err)
+        return out
+
+    # Allowed: the server's banner waits until the client's first bytes, a ClientHello for the
+    # CONNECT host, are checked; then the tunnel carries both ways.
+    out = tunnel("tls:allowed.test")
+    assert "BEFORE b''" in out and "SSH-2.0-fila-test-banner" in out.split("AFTER", 1)[1], out
+    assert "got " in out
+    # Plain bytes, or a ClientHello for another name: closed, and the banner never reaches the client.
+    for send, reason in (
+        ("GET / HTTP/1.1\r\nHost: denied.test\r\n\r\n", "tunnel closed: not a TLS handshake"),
+        ("tls:denied.test", "tls server name denied.test is not the CONNECT host"),
+    ):
+        out = tunnel(send)
+        assert "BEFORE b''" in out and "AFTER b''" in out, out
+        line = gw.last(method="CONNECT", allowed=False, reason=reason)
+        assert line["host"] == "allowed.test" and line["port"] == 2222

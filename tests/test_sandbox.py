@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import base64
 import itertools
+import json
 import os
 import signal
 import subprocess
@@ -11,12 +13,14 @@ import textwrap
 import time
 import uuid
 from pathlib import Path
+from urllib.parse import quote
 
 import docker
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fila import secretscan
 from fila.backends import docker as sandbox
 from fila.errors import EngineUnavailable, ImageMissing, InfraError
 from fila.models import ImageRef, Limits, Policy
@@ -265,9 +269,25 @@ def test_secrets_are_redacted_even_across_chunks(tmp_path, docker_client, shell_
 
 
 def test_redactor_keeps_split_matches_whole() -> None:
-    r = sandbox._Redactor(["abcdef", "abc"])
-    chunks = [b"xxab", b"cd", b"efyy abc", b"ab", b"cdeZ"]
-    assert b"".join(r.feed(c) for c in chunks) + r.flush() == b"xx***yy ******deZ"
+    r = sandbox._redactor(["abcdefgh-long", "abcdefgh"])
+    chunks = [b"xxabcd", b"efgh-lo", b"ngyy abcdefgh", b"ab", b"cdefgh-loZ"]
+    assert b"".join(r.feed(c) for c in chunks) + r.flush() == b"xx***yy ******-loZ"
+
+
+def test_redactor_masks_encoded_copies_and_leaves_short_values_alone() -> None:
+    secret = "sk-TOPSECRET-123/+x"
+    b64 = base64.b64encode(b"user:" + secret.encode()).decode()
+    text = f"raw {secret} b64 {b64} url {quote(secret, safe='')} json {json.dumps(secret)} abc".encode()
+    r = sandbox._redactor([secret, "abc"])
+    out = r.feed(text) + r.flush()
+    assert secret.encode() not in out and b"TOPSECRET" not in out and b"VE9QU0VDUkVU" not in out
+    assert out.endswith(b" abc") and out.count(b"***") == 4, out
+
+
+def _masker(needles: list[str]) -> secretscan.StreamMasker:
+    """The redactor's stream masker on these exact byte strings (no minimum, no encodings), so
+    short needles over a small alphabet overlap and split as often as possible."""
+    return secretscan.Scanner.of_needles({n.encode(): "x" for n in needles}).stream(lambda _l: b"***")
 
 
 @given(
@@ -278,9 +298,9 @@ def test_redactor_keeps_split_matches_whole() -> None:
 def test_redactor_chunking_changes_nothing(text: str, cuts: list[int], secrets: list[str]) -> None:
     data = text.encode()
     bounds = sorted({0, len(data), *(min(c, len(data)) for c in cuts)})
-    r = sandbox._Redactor(secrets)
+    r = _masker(secrets)
     streamed = b"".join(r.feed(data[a:b]) for a, b in itertools.pairwise(bounds)) + r.flush()
-    whole = sandbox._Redactor(secrets)
+    whole = _masker(secrets)
     assert streamed == whole.feed(data) + whole.flush()
     assert not any(s.encode() in streamed for s in secrets)
 

@@ -12,7 +12,15 @@ mitmproxy does all the HTTP and TLS work. This addon decides, per request, wheth
   engine's credential headers dropped and the real one (from the secrets directory) added, for the
   route's `paths` only (no upgrades, no escapes); usage is read from model-call responses (streams
   stay streamed) and the job's budget is enforced before forwarding (one model call at a time under
-  max_tokens; a model call without readable usage spends the budget).
+  max_tokens; a model call without readable usage spends the budget). The answer never carries
+  the credential back: every form of a route's key the upstream echoes (status line, headers,
+  body, trailers; as is, percent-encoded, JSON-escaped, base64; split across chunks or stream
+  events) is replaced by a marker of the same length before the engine reads it (`Needles`,
+  `StreamScrubber`, `SseScrubber`), a compressed answer is refused (the gateway asks for identity),
+  and each replacement is counted per kind in the call's line and the route's totals. A route name
+  that is not configured is a denied request, never a route of the totals.
+- The proxy door adds no credential (a tunnel carries the engine's own TLS, a plain request its
+  own headers): there is nothing of fila's to scrub in what comes back through it.
 
 Every decision is one JSON line in egress.jsonl (a route call's twice: in flight, then final, same
 `id`), up to LOG_CAP; summary.json holds the totals, rewritten atomically. The addon fails closed:
@@ -35,6 +43,7 @@ The container (images/gateway, run as any non-root uid, read-only root, tmpfs /t
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import functools
 import ipaddress
@@ -44,7 +53,7 @@ import os
 import re
 import socket
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -188,6 +197,7 @@ def _route(name: str, raw: Any) -> dict[str, Any]:
         "base_path": parts.path.rstrip("/"),
         "header": header.lower(),
         "value": fmt.replace("{key}", key),
+        "key": key,
         "paths": rules,
     }
 
@@ -408,6 +418,323 @@ class Meter:
         return normalize_usage(self.raw_usage)
 
 
+# ---------------------------------------------------------------- credential scrubbing
+
+
+SCRUB_MARKER = b"fila-scrubbed"
+MAX_SSE_HOLD = 1024 * 1024  # bytes of complete SSE events held back for a key spread over several
+
+
+def _hex_class(n: int) -> str:
+    """`%2d`, `%2D`: a byte's two hex digits, either case."""
+    return "".join(f"[{c.lower()}{c.upper()}]" if c.isalpha() else c for c in f"{n:02x}")
+
+
+class Needles:
+    """Every form of the route credentials a response must not carry to the engine, as one regex:
+    each character of a key literal, percent-encoded (either case) or JSON-escaped (`\\u00xx`,
+    `\\/`), in any mixture; and the key's base64 (standard and urlsafe) at each of the three
+    alignments it can have inside a longer encoded text (the whole groups only: the odd bytes at
+    its ends leak at most two characters). Matches are replaced by a marker of the same length, so
+    a response's Content-Length stays true."""
+
+    def __init__(self, keys: Iterable[str]) -> None:
+        keys = sorted({k for k in keys if k}, key=len, reverse=True)
+        self.b64: set[bytes] = set()
+        alts: list[str] = []
+        longest = 0
+        for key in keys:
+            parts = []
+            for ch in key:
+                n = ord(ch)
+                forms = [re.escape(ch)]
+                if n < 0x80:
+                    forms += [f"%{_hex_class(n)}", f"\\\\u00{_hex_class(n)}"]
+                    if ch in '/"\\':
+                        forms.append(re.escape("\\" + ch))
+                parts.append("(?:" + "|".join(forms) + ")")
+            alts.append("".join(parts))
+            raw = key.encode()
+            longest = max(longest, 6 * len(raw))
+            for a in range(3):
+                whole = raw[a:][: (len(raw) - a) // 3 * 3]
+                if len(whole) >= 6:  # shorter would match ordinary text
+                    for enc in (base64.b64encode(whole), base64.urlsafe_b64encode(whole)):
+                        self.b64.add(enc)
+                        longest = max(longest, len(enc))
+        alts += [re.escape(b.decode()) for b in sorted(self.b64, key=len, reverse=True)]
+        self.empty = not alts
+        pattern = "|".join(alts) or "(?!)"
+        self.rx = re.compile(pattern.encode())
+        self.rx_text = re.compile(pattern)
+        self.longest = longest
+        self.starts = list(keys) + [b.decode() for b in self.b64]
+
+    def starts_in(self, text: str, least: int) -> bool:
+        """Whether `text` ends with the first `least` or more characters of a key or of one of
+        its base64 forms (the rest of it may come next)."""
+        for n in self.starts:
+            for k in range(min(len(text), len(n) - 1), least - 1, -1):
+                if text.endswith(n[:k]):
+                    return True
+        return False
+
+    def kind(self, match: bytes | str) -> str:
+        raw = match.encode() if isinstance(match, str) else match
+        if raw in self.b64:
+            return ":base64"
+        if b"\\" in raw:
+            return ":json"
+        if b"%" in raw:
+            return ":url"
+        return ""
+
+    def scrub(self, data: bytes, where: str, counts: dict[str, int]) -> bytes:
+        """`data` with every match replaced, each counted in `counts` as where[:encoding]."""
+        if self.empty or not data:
+            return data
+
+        def rep(m: re.Match[bytes]) -> bytes:
+            kind = where + self.kind(m[0])
+            counts[kind] = counts.get(kind, 0) + 1
+            return _marker(len(m[0]))
+
+        return self.rx.sub(rep, data)
+
+    def scrub_text(self, text: str, where: str, counts: dict[str, int]) -> str:
+        raw = text.encode("utf-8", "surrogateescape")
+        out = self.scrub(raw, where, counts)
+        return text if out is raw or out == raw else out.decode("utf-8", "surrogateescape")
+
+
+def _marker(n: int) -> bytes:
+    return (SCRUB_MARKER + b"*" * n)[:n] if n >= len(SCRUB_MARKER) else b"*" * n
+
+
+class StreamScrubber:
+    """A response body's bytes on their way to the engine, any content type: matches are replaced
+    as the bytes pass; the last len(longest form) - 1 bytes are held back until the next chunk (a
+    key split across chunks), and flushed at the end."""
+
+    def __init__(self, needles: Needles, counts: dict[str, int]) -> None:
+        self.needles = needles
+        self.counts = counts
+        self.hold = b""
+
+    def __call__(self, chunk: bytes) -> bytes:
+        buf = self.hold + chunk
+        if not chunk:  # the end: nothing more can complete a match
+            self.hold = b""
+            return self.needles.scrub(buf, "body", self.counts)
+        cut = max(0, len(buf) - (self.needles.longest - 1))
+        for m in self.needles.rx.finditer(buf):
+            if m.end() > cut:
+                if m.start() < cut:
+                    cut = m.end()  # a whole match across the cut: out with it, replaced
+                break
+        self.hold = buf[cut:]
+        return self.needles.scrub(buf[:cut], "body", self.counts)
+
+
+_SSE_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+_SSE_START = re.compile(rb"^\s*(data|event|id|retry)?:")
+
+
+class SseScrubber:
+    """A server-sent event stream, passed on event by event (never the whole body). Each complete
+    event is scrubbed as bytes. An engine also joins the same field of successive events (text
+    deltas, tool argument pieces): per field (its JSON path), the text so far is searched too, so a
+    key spread over several events is found, and its characters in events not yet sent are
+    replaced. An event whose field ends with SPLIT_MIN or more characters of the start of a form
+    of a key is held back until the next events show whether the key goes on (at the end of the
+    stream it is sent): what may reach the engine before the rest of a split key is found is fewer
+    than SPLIT_MIN of its first characters. An event still incomplete past MAX_SSE_LINE, or held
+    events past MAX_SSE_HOLD bytes, fall back to the byte filter."""
+
+    SPLIT_MIN = 8
+
+    def __init__(self, needles: Needles, counts: dict[str, int]) -> None:
+        self.needles = needles
+        self.counts = counts
+        self.raw = b""
+        self.held: list[_SseEvent] = []
+        self.sent: dict[tuple[Any, ...], str] = {}  # per field: the end of what was passed on
+        self.bytes_mode: StreamScrubber | None = None
+
+    def __call__(self, chunk: bytes) -> bytes:
+        if self.bytes_mode is not None:
+            return self.bytes_mode(chunk)
+        self.raw += chunk
+        final = not chunk
+        ends = list(_SSE_END.finditer(self.raw))
+        cut = len(self.raw) if final else (ends[-1].end() if ends else 0)
+        block, self.raw = self.raw[:cut], self.raw[cut:]
+        start = 0
+        for m in _SSE_END.finditer(block):
+            self.held.append(_SseEvent(self.needles.scrub(block[start : m.end()], "body", self.counts)))
+            start = m.end()
+        if start < len(block):
+            self.held.append(_SseEvent(self.needles.scrub(block[start:], "body", self.counts)))
+        out = self._emit(final or not self._scan())
+        if self.raw and (len(self.raw) > MAX_SSE_LINE or sum(len(e.raw) for e in self.held) > MAX_SSE_HOLD):
+            out += self._emit(True)
+            self.bytes_mode = StreamScrubber(self.needles, self.counts)
+            out += self.bytes_mode(self.raw)
+            self.raw = b""
+        return out
+
+    def _scan(self) -> bool:
+        """Replace the keys found per field across events; True when the held events must wait."""
+        if self.needles.empty or not self.held:
+            return False
+        fields: dict[tuple[Any, ...], list[tuple[int, _SseEvent, int]]] = {}
+        texts: dict[tuple[Any, ...], list[str]] = {}
+        for ev in self.held:
+            for i, (path, s) in enumerate(ev.strings):
+                parts = texts.setdefault(path, [self.sent.get(path, "")])
+                fields.setdefault(path, []).append((sum(map(len, parts)), ev, i))
+                parts.append(s)
+        wait = False
+        for path, parts in texts.items():
+            text = "".join(parts)
+            for m in self.needles.rx_text.finditer(text):
+                kind = "body:split" + self.needles.kind(m[0])
+                self.counts[kind] = self.counts.get(kind, 0) + 1
+                for off, ev, i in fields[path]:
+                    p, piece = ev.strings[i]
+                    lo, hi = max(m.start(), off), min(m.end(), off + len(piece))
+                    if lo < hi:
+                        ev.strings[i] = (p, piece[: lo - off] + "*" * (hi - lo) + piece[hi - off :])
+                        ev.changed = True
+                text = text[: m.start()] + "*" * len(m[0]) + text[m.end() :]
+            wait = wait or self.needles.starts_in(text[-self.needles.longest :], self.SPLIT_MIN)
+        return wait
+
+    def _emit(self, go: bool) -> bytes:
+        if not go:
+            return b""
+        out = []
+        for ev in self.held:
+            for path, s in ev.strings:
+                self.sent[path] = (self.sent.get(path, "") + s)[-self.needles.longest :]
+            out.append(ev.bytes())
+        self.held = []
+        return b"".join(out)
+
+
+class _SseEvent:
+    """One event's bytes and the string values of its data (JSON), each with its path."""
+
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+        self.changed = False
+        self.obj: Any = None
+        self.json = False
+        self.strings: list[tuple[tuple[Any, ...], str]] = []
+        data = [ln[5:].removeprefix(b" ") for ln in re.split(rb"\r\n|\n|\r", raw) if ln.startswith(b"data:")]
+        if not data:
+            return
+        text = b"\n".join(data).decode("utf-8", "surrogateescape")
+        try:
+            self.obj = json.loads(text)
+            self.json = True
+        except ValueError:
+            self.obj = text
+        _strings_of(self.obj, (), self.strings)
+
+    def bytes(self) -> bytes:
+        """The event with its replaced strings, exactly as long as it came (a declared
+        Content-Length stays true): padded with spaces after the data, or, should the data come
+        out longer, an empty string as the data."""
+        if not self.changed:
+            return self.raw
+        obj = _with_strings(self.obj, iter(s for _, s in self.strings))
+        data = json.dumps(obj, ensure_ascii=False, separators=(",", ":")) if self.json else obj
+        out = self._build(data, 0)
+        if len(out) > len(self.raw):
+            data = '""' if self.json else ""
+            out = self._build(data, 0)
+        return self._build(data, max(0, len(self.raw) - len(out)))
+
+    def _build(self, data: str, pad: int) -> bytes:
+        out, placed = [], False
+        for ln in re.split(rb"\r\n|\n|\r", self.raw):
+            if ln.startswith(b"data:"):
+                if not placed:
+                    out += [b"data: " + x.encode("utf-8", "surrogateescape") for x in data.split("\n")]
+                    out[-1] += b" " * pad
+                    placed = True
+            else:
+                out.append(ln)
+        return b"\n".join(out)
+
+
+def _strings_of(obj: Any, path: tuple[Any, ...], out: list[tuple[tuple[Any, ...], str]]) -> None:
+    """The string values of a JSON document in order, each with its path (list indices kept:
+    OpenAI's choices[0] and choices[1] are separate texts)."""
+    if isinstance(obj, str):
+        out.append((path, obj))
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _strings_of(v, (*path, k), out)
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            _strings_of(v, (*path, i), out)
+
+
+def _with_strings(obj: Any, it: Iterator[str]) -> Any:
+    if isinstance(obj, str):
+        return next(it)
+    if isinstance(obj, dict):
+        return {k: _with_strings(v, it) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_with_strings(v, it) for v in obj]
+    return obj
+
+
+class Refusal:
+    """The body of a route response refused whole (a compressed one): the gateway's own error
+    in its place, whatever the upstream sends (still counted by the meter)."""
+
+    def __init__(self, meter: Meter, reason: str) -> None:
+        self.meter = meter
+        self.reason = reason
+        self.body = json.dumps({"error": {"type": "fila_gateway", "message": reason}}).encode()
+        self.sent = False
+
+    def __call__(self, chunk: bytes) -> bytes:
+        self.meter(chunk)
+        if self.sent:
+            return b""
+        self.sent = True
+        return self.body
+
+
+class BodyScrubber:
+    """The filter of a route response's body: the SSE filter when the response is an event
+    stream (by its content type, or by its first bytes, whatever the type says), else the byte
+    filter."""
+
+    def __init__(self, needles: Needles, counts: dict[str, int], content_type: str) -> None:
+        self.needles = needles
+        self.counts = counts
+        sse = content_type.lower().split(";", 1)[0].strip() == "text/event-stream"
+        self.inner: StreamScrubber | SseScrubber | None = SseScrubber(needles, counts) if sse else None
+        self.start = b""
+
+    def __call__(self, chunk: bytes) -> bytes:
+        if self.inner is None:
+            self.start += chunk
+            if chunk and len(self.start.lstrip()) < 16:
+                return b""  # too few bytes to tell yet
+            looks_sse = bool(_SSE_START.match(self.start))
+            self.inner = (SseScrubber if looks_sse else StreamScrubber)(self.needles, self.counts)
+            data, self.start = self.start, b""
+            out = self.inner(data) if data else b""
+            return out + self.inner(b"") if not chunk else out
+        return self.inner(chunk)
+
+
 # ---------------------------------------------------------------- the addon
 
 
@@ -422,6 +749,36 @@ def m_ok(flow: http.HTTPFlow) -> bool:
 def _json_response(status: int, reason: str, **extra: Any) -> http.Response:
     body = json.dumps({"error": {"type": "fila_gateway", "message": reason, **extra}}).encode()
     return http.Response.make(status, body, {"content-type": "application/json", "connection": "close"})
+
+
+def _pieces(data: bytes) -> list[bytes]:
+    """What a response's stream function returns: an empty bytes would go out as a chunk of its
+    own, and an empty chunk ends a chunked body for the client; nothing to send is no chunk."""
+    return [data] if data else []
+
+
+def _guarded(fn: Callable[[bytes], bytes]) -> Callable[[bytes], list[bytes]]:
+    """A response's stream function that fails closed: once `fn` raises, nothing more of the
+    answer goes to the engine (it gets a cut answer, never an unscrubbed one)."""
+    broken = False
+
+    def run(chunk: bytes) -> list[bytes]:
+        nonlocal broken
+        if not broken:
+            try:
+                return _pieces(fn(chunk))
+            except Exception as e:
+                logger.error(f"fila_gateway: response filter failed, the rest is dropped: {e!r}")
+                broken = True
+        return []
+
+    return run
+
+
+def _escaped(text: str) -> str:
+    """Engine-chosen text for the log, cut to LOG_FIELD: anything but printable ASCII escaped."""
+    text = text[: LOG_FIELD + 1]
+    return "".join(c if c.isascii() and c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
 def _header_bytes(req: http.Request) -> int:
@@ -452,6 +809,13 @@ def _deny_http(self: Gateway, flow: http.HTTPFlow, reason: str) -> None:
     if not flow.metadata.get("fila_logged"):
         flow.response = _json_response(500, reason)
         self.record(flow, allowed=False, reason=reason, status=500)
+
+
+def _deny_response(self: Gateway, flow: http.HTTPFlow, reason: str) -> None:
+    # Too late for an answer of the gateway's own (the upstream's body would be sent in it): the
+    # flow is killed, and the engine's connection closed without a byte of the answer.
+    flow.kill()
+    self.record(flow, allowed=False, reason=reason, status=None)
 
 
 def _deny_tcp(self: Gateway, flow: tcp.TCPFlow, reason: str) -> None:
@@ -535,6 +899,13 @@ def _bounded_read_headers(self: Any, event: events.Event) -> layer.CommandGenera
         if b"\r\n\r\n" not in head and b"\n\n" not in head:
             yield commands.SendData(self.conn, _http1.make_error_response(431, "request headers too large"))
             yield commands.CloseConnection(self.conn)
+            with contextlib.suppress(Exception):  # refused before any hook: logged here
+                gw = addons[0]
+                gw.write(
+                    door=gw.doors.get(self.conn.peername, "proxy"),
+                    reason=f"request headers larger than {MAX_HEAD_READ} bytes",
+                    status=431,
+                )
             self.buf._data.clear()
             self.state = self.done
             return
@@ -563,6 +934,39 @@ def hello_problem(data: bytes) -> str | None:
     if data and data[0] != 0x16:
         return "not a TLS handshake"
     return None
+
+
+class AwaitClient(layer.Layer):
+    """A tunnel's layer until its client's first bytes are checked: every event is kept (the
+    server's first bytes too, never passed on) until `decide(client bytes so far)` gives the layer
+    (a raw relay or a close), which then gets them all in order."""
+
+    def __init__(self, context: Any, decide: Callable[[bytes], layer.Layer | None]) -> None:
+        super().__init__(context)
+        self.decide = decide
+        self.kept: list[events.Event] = []
+        self.child: layer.Layer | None = None
+
+    def _handle_event(self, event: events.Event) -> layer.CommandGenerator[None]:
+        if self.child is not None:
+            yield from self.child.handle_event(event)
+            return
+        self.kept.append(event)
+        if isinstance(event, events.ConnectionClosed) and event.connection == self.context.client:
+            yield commands.CloseConnection(self.context.client)  # gone before it said anything
+            return
+        if not (isinstance(event, events.DataReceived) and event.connection == self.context.client):
+            return
+        data = b"".join(
+            e.data
+            for e in self.kept
+            if isinstance(e, events.DataReceived) and e.connection == self.context.client
+        )
+        self.child = self.decide(data)
+        if self.child is not None:
+            kept, self.kept = self.kept, []
+            for e in kept:
+                yield from self.child.handle_event(e)
 
 
 class CloseClient(layer.Layer):
@@ -594,6 +998,7 @@ class Gateway:
         }  # fmt: skip
         self._summary_at = 0.0
         self._malformed = MalformedRequests(self)
+        self.needles = Needles(())  # the route credentials, in every form a response must not carry
 
     # -- lifecycle
 
@@ -604,6 +1009,7 @@ class Gateway:
             # An error logged at start-up makes mitmdump exit (errorcheck): no gateway without policy.
             logger.error(f"fila_gateway: {e}")
             return
+        self.needles = Needles(r["key"] for r in self.config["routes"].values())
         LOG_DIR.mkdir(parents=True, exist_ok=True)
         logging.getLogger("mitmproxy.proxy.server").addHandler(self._malformed)
         self._log = open(LOG_DIR / "egress.jsonl", "a", buffering=1, encoding="utf-8")  # noqa: SIM115
@@ -692,6 +1098,7 @@ class Gateway:
             "bytes_out": 0,
             "usage": None,
             "budget": None,
+            "scrubbed": None,
         }
         line.update(fields)
         for k in ("host", "path", "reason", "route", "method"):
@@ -758,6 +1165,7 @@ class Gateway:
         was_in_flight = m.pop("fila_in_flight", False)
         if was_in_flight:
             self.in_flight -= 1
+        scrubbed = dict(m.get("fila_scrubbed") or {}) or None
         self.write(
             id=flow.id if was_in_flight else None,
             door=m.get("fila_door", "proxy"),
@@ -773,12 +1181,17 @@ class Gateway:
             bytes_out=len(flow.request.raw_content or b""),
             usage=usage,
             budget=budget_key,
+            scrubbed=scrubbed,
         )
+        # Only a configured route has totals (fila_route is set once the name is found).
         if route := m.get("fila_route") if m.get("fila_door") == "route" else None:
             r = self.totals["routes"].setdefault(
-                route[:LOG_FIELD], {"requests": 0, "statuses": {}, "input_tokens": 0, "output_tokens": 0}
+                route,
+                {"requests": 0, "statuses": {}, "input_tokens": 0, "output_tokens": 0, "scrubbed": {}},
             )
             r["requests"] += 1
+            for kind, n in (scrubbed or {}).items():
+                r["scrubbed"][kind] = r["scrubbed"].get(kind, 0) + n
             key = str(status) if status is not None else "denied"
             r["statuses"][key] = r["statuses"].get(key, 0) + 1
             if usage:
@@ -848,15 +1261,21 @@ class Gateway:
         ):
             return
         data = nextlayer.data_client()
-        if not data:
-            if nextlayer.data_server():
-                nextlayer.layer = layers.TCPLayer(c)  # a server-speaks-first protocol (ssh)
-            else:
-                nextlayer.layer = None  # mitmproxy's own choice (a raw relay) must wait for ours
-            return  # asked again when the client sends
+        chosen = self._tunnel_layer(c, data) if data else None
+        # No decision yet (nothing from the client, or half a ClientHello): a layer of ours waits
+        # for the client's bytes, keeping whatever the server sends first (a server that speaks
+        # first gets nothing to the client before the check). Leaving the choice open would let
+        # mitmproxy's own (a raw relay) take it at the server's first bytes.
+        nextlayer.layer = chosen or AwaitClient(c, functools.partial(self._tunnel_layer, c))
+
+    def _tunnel_layer(self, c: Any, data: bytes) -> layer.Layer | None:
+        """The layer of a tunnel whose client sent `data` first: a raw relay, a close, or None
+        while the ClientHello is incomplete."""
         # Fail closed: a tunnel carries a TLS handshake whose server name is the CONNECT host, and
         # nothing the gateway cannot read (an odd record version, an empty record first, plain HTTP
         # with another Host: the upstream would serve what the allowlist never named).
+        if c.client.id not in self.tunnels:
+            return CloseClient(c)
         problem = hello_problem(data)
         hello = None
         if problem is None:
@@ -866,8 +1285,7 @@ class Gateway:
                 problem = f"unreadable ClientHello ({e})"
             if hello is None and problem is None:
                 if len(data) <= MAX_HELLO:
-                    nextlayer.layer = None
-                    return  # the ClientHello is incomplete: asked again when more arrives
+                    return None  # the ClientHello is incomplete: decided when more arrives
                 problem = "ClientHello too large"
         sni = (hello.sni or "").lower().rstrip(".") if hello else ""
         host = self.tunnels[c.client.id]["host"]
@@ -883,9 +1301,8 @@ class Gateway:
                 door="proxy", method="CONNECT", host=t["host"], port=t["port"], allowed=False,
                 reason=problem, status=None,
             )  # fmt: skip
-            nextlayer.layer = CloseClient(c)
-            return
-        nextlayer.layer = layers.TCPLayer(c)
+            return CloseClient(c)
+        return layers.TCPLayer(c)
 
     def tcp_message(self, flow: tcp.TCPFlow) -> None:
         t = self.tunnels.get(flow.client_conn.id)
@@ -936,6 +1353,13 @@ class Gateway:
             return
         if self.config is None:
             return self.refuse(flow, 503, "gateway has no config")
+        if flow.error is not None:
+            # mitmproxy already refused it (smuggling-prone headers: both Content-Length and
+            # Transfer-Encoding, ...) and answers 400 itself; this hook only lets it be seen.
+            flow.metadata.update(fila_door=self._door(flow), fila_path=_escaped(flow.request.path))
+            return self.record(
+                flow, allowed=False, reason=f"refused by the proxy: {flow.error.msg}"[:LOG_FIELD], status=400
+            )
         if _header_bytes(flow.request) > MAX_HEADER_BYTES:
             flow.metadata["fila_door"] = self._door(flow)
             return self.refuse(flow, 431, f"headers larger than {MAX_HEADER_BYTES} bytes")
@@ -990,13 +1414,14 @@ class Gateway:
         parts = path.split("/", 2)  # "/anthropic/v1/messages" -> "", "anthropic", "v1/messages"
         name = parts[1] if len(parts) > 1 else ""
         rest = "/" + parts[2] if len(parts) > 2 else "/"
-        flow.metadata.update(fila_door="route", fila_route=name or None, fila_path=rest)
+        flow.metadata.update(fila_door="route", fila_route=None, fila_path=rest)
         route = self.config["routes"].get(name)
         if route is None:
-            flow.metadata["fila_host"] = None
-            flow.metadata["fila_port"] = None
-            return self.refuse(flow, 404, "unknown route", route=name[:LOG_FIELD])
-        flow.metadata.update(fila_host=route["host"], fila_port=route["port"])
+            # A name the engine made up (`v1`, `anthropic@host:80`, `a\\..\\b`) is a denied
+            # request, never a route of the totals: it is logged as the path asked for.
+            flow.metadata.update(fila_host=None, fila_port=None, fila_path=_escaped(path))
+            return self.refuse(flow, 404, "unknown route")
+        flow.metadata.update(fila_route=name, fila_host=route["host"], fila_port=route["port"])
         if any(seg in (".", "..") for seg in rest.split("/")) or any(c in rest for c in "%\\;"):
             # Encoded slashes and dots, backslashes and `;` parameters: each server normalises
             # them its own way, so a path that matched a rule here could be another one there.
@@ -1062,23 +1487,78 @@ class Gateway:
             body["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
             flow.request.set_content(json.dumps(body).encode())
 
+    @fail_closed(_deny_response)
     def responseheaders(self, flow: http.HTTPFlow) -> None:
         if flow.metadata.get("fila_logged") or flow.response is None:
             return
+        resp = flow.response
         route = flow.metadata.get("fila_door") == "route"
-        meter = Meter(flow.response.headers.get("content-type", ""), usage=route and m_ok(flow))
+        meter = Meter(resp.headers.get("content-type", ""), usage=route and m_ok(flow))
         flow.metadata["fila_meter"] = meter
-        flow.response.stream = meter  # streamed on as it arrives; the meter only watches
+        if not route:
+            resp.stream = meter  # streamed on as it arrives; the meter only watches
+            return
+        # The upstream holds the credential the gateway added: whatever it echoes (a debugging
+        # endpoint, an error quoting the request) is replaced before the engine sees it.
+        counts: dict[str, int] = flow.metadata.setdefault("fila_scrubbed", {})
+        resp.reason = self.needles.scrub_text(resp.reason, "status", counts)
+        fields = tuple(
+            (self.needles.scrub(k, "header", counts), self.needles.scrub(v, "header", counts))
+            for k, v in resp.headers.fields
+        )
+        if fields != resp.headers.fields:
+            resp.headers.fields = fields
+        coding = ",".join(resp.headers.get_all("content-encoding")).replace(" ", "").lower()
+        transfer = ",".join(resp.headers.get_all("transfer-encoding")).replace(" ", "").lower()
+        if coding not in ("", "identity") or transfer not in ("", "chunked", "identity"):
+            # The gateway asked for identity: a compressed body could carry the key unseen.
+            refusal = Refusal(meter, f"route upstream sent a compressed body ({coding or transfer})")
+            flow.metadata["fila_refusal"] = refusal
+            counts["refused:compressed"] = counts.get("refused:compressed", 0) + 1
+            resp.status_code, resp.reason = 502, "Bad Gateway"
+            resp.headers = http.Headers(
+                content_type="application/json", content_length=str(len(refusal.body))
+            )
+            resp.stream = _guarded(refusal)
+            return
+        body = BodyScrubber(self.needles, counts, resp.headers.get("content-type", ""))
+        resp.stream = _guarded(lambda chunk: body(meter(chunk)))  # the meter reads what the upstream sent
 
     def response(self, flow: http.HTTPFlow) -> None:
         if flow.metadata.get("fila_logged") or flow.response is None:
             return
-        self.record(flow, allowed=True, reason=None, status=flow.response.status_code)
+        resp = flow.response
+        reason = None
+        if flow.metadata.get("fila_door") == "route":
+            counts: dict[str, int] = flow.metadata.setdefault("fila_scrubbed", {})
+            if resp.trailers:
+                resp.trailers.fields = tuple(
+                    (self.needles.scrub(k, "trailer", counts), self.needles.scrub(v, "trailer", counts))
+                    for k, v in resp.trailers.fields
+                )
+            refusal: Refusal | None = flow.metadata.get("fila_refusal")
+            if refusal is not None:
+                reason = refusal.reason
+                if not refusal.sent:  # a body-less answer: the refusal is its body
+                    resp.content = refusal.body
+                    refusal.sent = True
+        self.record(flow, allowed=True, reason=reason, status=resp.status_code)
 
     def error(self, flow: http.HTTPFlow) -> None:
         if flow.metadata.get("fila_logged") or flow.request.method == "CONNECT":
             return  # a tunnel is logged when it ends (tcp_end / tcp_error)
         msg = flow.error.msg if flow.error else "error"
+        if flow.request.timestamp_end is None:
+            # The request never arrived whole (malformed, smuggled, too large, or the client
+            # went away), so it was never sent: mitmproxy answered the engine itself.
+            if flow.metadata.get("fila_in_flight"):
+                self.requests -= 1  # the budget counts what reached the upstream
+            if "disconnected" in msg:
+                self.record(flow, allowed=False, reason=f"incomplete request: {msg}", status=None)
+            else:
+                status = 413 if "body_size_limit" in msg else 400
+                self.record(flow, allowed=False, reason=f"refused by the proxy: {msg}", status=status)
+            return
         # No response from the upstream: mitmproxy answers the engine 502 itself.
         status = flow.response.status_code if flow.response else 502
         self.record(flow, allowed=True, reason=f"upstream: {msg}", status=status)

@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli.py's sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "ad9938872fef10da469dc92d22add51ab829108145a41994c7200c43865d5af5"
+CLI_SHA256 = "3b852827224cc93f6e7b3898a4a589b98fa121f2d09ac44381762684ebfdcebc"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 

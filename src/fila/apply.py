@@ -2,6 +2,9 @@
 
 The recipe (each step refuses with the reason, and nothing is written before the last two):
  1. DIFF.patch is read once and its sha256 checked against the record (`patch.read_reviewed`).
+    A patch in which fila replaced a known credential by its marker (`credentials_in_diff`) is
+    refused unless the person allows it (--allow-credential); then the marker lands, never the
+    credential, and step 5 checks those files against the sha256 the record keeps for them.
  2. It is parsed strictly (`patch.parse`) and every path checked: no absolute path, `..`, `.git`
     component, control character, fila's own directories or policy-denied path; modes 100644,
     100755 or 120000 only; nothing created below a path the patch makes a file or a symlink.
@@ -38,8 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import decision, jobdir, landing, patch, queue, snapshot
-from .errors import FilaError
+from . import decision, jobdir, landing, patch, queue, secretscan, snapshot
+from .errors import CredentialInDiff, FilaError
 from .faults import crash_point
 from .fswalk import escape_name, walk
 from .hardgit import Git, tail
@@ -69,11 +72,13 @@ class Applied:
     moved_untouched: list[str] = field(default_factory=list)  # --3way: changed, not in the patch
     resumed: bool = False
     superseded: list[str] = field(default_factory=list)  # the group's other members (compare.py)
+    credential_markers: list[str] = field(default_factory=list)  # files landed with the marker
     undecided: list[str] = field(default_factory=list)  # members still queued or running
 
 
 def apply(root: Root, task_id: str, *, by: str | None = None, reason: str | None = None,
-          three_way: bool = False, allow_git_metadata: bool = False) -> Applied:  # fmt: skip
+          three_way: bool = False, allow_git_metadata: bool = False,
+          allow_credential: bool = False) -> Applied:  # fmt: skip
     """Apply a task's DIFF.patch to its project and record the decision (see the module doc).
     A member of a compare group is applied only if no other member was, and the others are then
     marked superseded, under the group's lock (two people cannot land two members)."""
@@ -83,11 +88,13 @@ def apply(root: Root, task_id: str, *, by: str | None = None, reason: str | None
     group = rec.task.group if rec.task else None
     if group is None:
         return _apply_one(root, task_id, by=by, reason=reason, three_way=three_way,
-                          allow_git_metadata=allow_git_metadata)  # fmt: skip
+                          allow_git_metadata=allow_git_metadata,
+                          allow_credential=allow_credential)  # fmt: skip
     with compare.group_lock(root, group):
         compare.check_not_decided(root, rec)
         res = _apply_one(root, task_id, by=by, reason=reason, three_way=three_way,
-                         allow_git_metadata=allow_git_metadata)  # fmt: skip
+                         allow_git_metadata=allow_git_metadata,
+                         allow_credential=allow_credential)  # fmt: skip
         # After the winner's own lock is released: each member's lock is then taken alone.
         sup = compare.supersede_others(root, res.record, by=decision.decider(by))
     res.superseded, res.undecided = sup.done, sup.undecided
@@ -95,7 +102,7 @@ def apply(root: Root, task_id: str, *, by: str | None = None, reason: str | None
 
 
 def _apply_one(root: Root, task_id: str, *, by: str | None, reason: str | None,
-               three_way: bool, allow_git_metadata: bool) -> Applied:  # fmt: skip
+               three_way: bool, allow_git_metadata: bool, allow_credential: bool) -> Applied:  # fmt: skip
     who, why = decision.decider(by), decision.check_reason(reason)
     queue.get_record(root.require(), task_id)  # NotFound before any lock file is made
     with decision.lock(root, task_id):
@@ -107,6 +114,7 @@ def _apply_one(root: Root, task_id: str, *, by: str | None, reason: str | None,
         marker = landing.read_marker(root, task_id)
         if marker is not None:
             return _resume(root, rec, marker, staging, who, why)
+        _check_credentials(rec, allow_credential)
         try:
             pt = patch.parse(data)
         except patch.PatchError as e:
@@ -123,7 +131,7 @@ def _apply_one(root: Root, task_id: str, *, by: str | None, reason: str | None,
                 plan.check_git_metadata(allow_git_metadata)
                 plan.check_base(three_way)
                 plan.stage()
-                plan.verify_against_work()
+                plan.verify_against_work(allow_credential)
                 if three_way:
                     plan.merge()
                 ops = plan.ops()
@@ -147,7 +155,26 @@ def _apply_one(root: Root, task_id: str, *, by: str | None, reason: str | None,
                               expect=decision.DECIDABLE["apply"])  # fmt: skip
         landing.clear(root, task_id)
         return Applied(new, project, written, deleted, [escape_name(p) for p in plan.merged],
-                       [escape_name(p) for p in plan.moved_untouched])  # fmt: skip
+                       [escape_name(p) for p in plan.moved_untouched],
+                       credential_markers=plan.markers)  # fmt: skip
+
+
+def _check_credentials(rec: Record, allowed: bool) -> None:
+    """A diff that held a known credential is refused unless the person says so: the credential
+    itself never lands (DIFF.patch holds the marker), but the file the engine wrote was meant to
+    hold it, and what it was doing with a key deserves a look first."""
+    found = rec.credentials_in_diff
+    if found is None or allowed:
+        return
+    where = sorted(found.files) or ["(the patch text: a file name, or a line the project already had)"]
+    raise CredentialInDiff(
+        f"the engine's changes held a known credential ({secretscan.counted(found.counts)}); "
+        f"DIFF.patch has {secretscan.marker('…').decode()} in its place, in:\n  " + "\n  ".join(where),
+        task_id=rec.id,
+        hint=f"nothing was written; see where with `fila review {rec.id}`, revoke the credential if "
+        f"it may have left the machine, then reject the task (fila reject ID --reason ...) or "
+        f"apply it with the marker in place of the credential ({secretscan.ALLOW_FLAG})",
+    )
 
 
 def _manifest(root: Root, task_id: str) -> dict[str, Any]:
@@ -191,6 +218,7 @@ class _Plan:
         self.moved: list[str] = []
         self.moved_untouched: list[str] = []
         self.merged: list[str] = []
+        self.markers: list[str] = []  # escaped: files landing with a credential's marker
 
     # 2. the paths themselves
     def check_paths(self) -> None:
@@ -311,7 +339,11 @@ class _Plan:
                          + tail(res.stderr), self.tid)  # fmt: skip
 
     # 5. what was reviewed is what lands
-    def verify_against_work(self) -> None:
+    def verify_against_work(self, allow_credential: bool = False) -> None:
+        """The staged files equal work/'s, or for a file in which fila replaced a credential by its
+        marker (only with allow_credential), the masked file whose sha256 the record keeps."""
+        creds = self.rec.credentials_in_diff
+        masked = creds.files if creds is not None and allow_credential else {}
         after = self.staging / "after"
         expect = {p for p in self.paths if self.post[p] != "absent"}
         found = set()
@@ -333,7 +365,11 @@ class _Plan:
         with work, SafeDir(after) as adir:
             for p in self.paths:
                 got = adir.state(p, max_bytes=self.max)
-                if got != work.state(p, max_bytes=self.max):
+                want = work.state(p, max_bytes=self.max)
+                if escape_name(p) in masked and want.kind == got.kind:
+                    want = State(want.kind, want.mode, masked[escape_name(p)])
+                    self.markers.append(escape_name(p))
+                if got != want:
                     diffs.append(p)
                 if got.kind == "symlink":
                     reserved = _reserved(self.root, self.proj.root)

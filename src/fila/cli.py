@@ -96,10 +96,12 @@ class _Group(TyperGroup):
             self._listing = False
 
     def invoke(self, ctx: typer.Context) -> Any:
+        # Read before the group runs the command: resolving it empties both lists.
+        protected = ctx._protected_args if hasattr(ctx, "_protected_args") else ctx.protected_args
+        args = [*protected, *ctx.args]
         try:
             return super().invoke(ctx)
         except FilaError as e:
-            args = [*getattr(ctx, "protected_args", []), *ctx.args]
             if "--json" in args:
                 typer.echo(json.dumps(e.to_dict()))
             # A message may quote a task's field, a file name in fila/in or a policy name.
@@ -622,6 +624,11 @@ def diff(task_id: str, root: RootOpt = None) -> None:
     r = _root(root).require()
     rec = get_record(r, task_id)
     data = read_reviewed(r, rec, policy_for(r, rec))
+    if rec.credentials_in_diff is not None:  # on stderr: the patch on stdout stays a patch
+        from .secretscan import diff_warning
+
+        found = rec.credentials_in_diff
+        _err(f"fila: warning: {diff_warning(found.counts, len(found.files))}")
     if sys.stdout.isatty():
         from .fswalk import inert
 
@@ -699,6 +706,14 @@ def apply_cmd(
             "refused without it",
         ),
     ] = False,
+    allow_credential: Annotated[
+        bool,
+        typer.Option(
+            "--allow-credential",
+            help="apply a diff in which fila replaced a known credential by its marker (the marker "
+            "lands, never the credential); refused without it",
+        ),
+    ] = False,
     json_: JsonOpt = False,
 ) -> None:
     """Apply the task's DIFF.patch to the project and record the decision (status applied).
@@ -707,8 +722,10 @@ def apply_cmd(
     since the task copied its files (unless --3way merges cleanly), when the patch does not
     apply as a whole, or when it touches a path fila never writes (outside the project, .git/,
     through a symlink). A directory the patch makes look like a git repository (HEAD, objects/,
-    refs/) is refused unless --allow-git-metadata. What lands equals the job's work/ byte for
-    byte, modes 0644/0755.
+    refs/) is refused unless --allow-git-metadata. A diff that held a credential fila knows (a
+    route's key, an engine's secret; DIFF.patch has a marker in its place) is refused unless
+    --allow-credential. What lands equals the job's work/ byte for byte, modes 0644/0755, but
+    for that marker.
     """
     from .apply import apply
     from .errors import InvalidInput
@@ -731,7 +748,8 @@ def apply_cmd(
         if not typer.confirm(f"apply task {_safe(task_id)} to {where}?", default=False, err=True):
             _err("fila: nothing applied")
             raise typer.Exit(1)
-    res = apply(r, task_id, by=by, reason=reason, three_way=three_way, allow_git_metadata=allow_git_metadata)
+    res = apply(r, task_id, by=by, reason=reason, three_way=three_way, allow_git_metadata=allow_git_metadata,
+                allow_credential=allow_credential)  # fmt: skip
     d = res.record.decision
     if json_:
         _out(
@@ -747,6 +765,7 @@ def apply_cmd(
                 "changed_not_touched": res.moved_untouched,
                 "superseded": res.superseded,
                 "not_superseded": res.undecided,
+                "credential_markers": res.credential_markers,
             }
         )
         return
@@ -766,6 +785,11 @@ def apply_cmd(
     ):
         for name in names:
             typer.echo(f"  {kind:<8} {_safe(name)}")
+    for name in res.credential_markers:  # a warning, on stderr like the others
+        _err(
+            f"fila: warning: {name} landed with fila's marker where the engine had put a known "
+            "credential (--allow-credential)"
+        )
     for tid in res.superseded:
         typer.echo(_safe(f"superseded {tid} (same group)"))
     for tid in res.undecided:

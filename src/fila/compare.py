@@ -46,9 +46,11 @@ def run_check(
     *,
     runner: Callable[..., Any],
     spec_of: Callable[..., Any],
+    redact: list[str] | None = None,
 ) -> CheckResult:
     """Run the task's `check` on a copy of work/ with the sandbox the engine ran in (`runner`,
-    `spec_of`: what the cycle calls), network none, the task's limits and timeout."""
+    `spec_of`: what the cycle calls), network none, the task's limits and timeout. `redact`: the
+    run's credentials, kept out of the check's log as out of the engine's (work/ may hold one)."""
     from .engines import get_engine
 
     root, tid, task = run.root, run.tid, checked.task
@@ -78,6 +80,7 @@ def run_check(
         timeout_ms=checked.effective.timeout_ms,
         log_path=log,
         labels={"fila.root": str(root.path), "fila.worker": run.claim.worker},
+        redact=list(redact or []),
     )
 
     def before_start(container_id: str) -> None:

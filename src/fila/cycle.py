@@ -11,12 +11,13 @@ import os
 import random
 import re
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from . import egress, jobdir, queue, untrusted
+from . import egress, jobdir, queue, secretscan, untrusted
 from .engines import Engine, get_engine
 from .errors import (
     DuplicateId,
@@ -712,7 +713,10 @@ def _run_engines(
         run.hooks.check()
         run.progress(f"{tid}: prepared {prep.files} files ({prep.bytes} bytes); running {name}")
         inv = engine.invocation_for(task, checked.policy)  # the policy's deny rules, as the CLI's own
-        creds, secrets = engine.credentials()
+        creds = engine.credentials()[0]
+        # Every credential the run knows is kept out of the log, the diff and the record.
+        known = secretscan.known(checked.policy, engine_vars=creds, forwarded=inv.secrets)
+        scanner = secretscan.Scanner(known)
         if checked.policy.network == "allowlist":
             creds = {}  # the gateway holds the real keys; the engine gets the placeholder (still redacted)
         spec = RunSpec(
@@ -726,7 +730,7 @@ def _run_engines(
             timeout_ms=checked.effective.timeout_ms,
             log_path=root.log_path(tid),
             labels={"fila.root": str(root.path), "fila.worker": run.claim.worker},
-            redact=[*inv.secrets, *secrets, *egress.secret_values(checked.policy)],
+            redact=[c.value for c in known],
             egress_dir=root.meta(tid) / "egress",
             overlay=overlay,
             defer_removal=True,  # the container is removed while the diff runs: awaited below
@@ -776,7 +780,12 @@ def _run_engines(
             seconds=result.duration_s,
         )
         crash_point("after_exit")
-        outcome = _classify(engine, result, root.log_path(tid), checked)
+        # The engine's words reach the record (error, report, egress log, names): none of them
+        # may carry a credential, whatever path it took to the engine.
+        in_record: Counter[str] = Counter()
+        outcome = scanner.scrub(_classify(engine, result, root.log_path(tid), checked), in_record)
+        result.egress = scanner.scrub(result.egress, in_record)
+        result.warnings = scanner.scrub(result.warnings, in_record)
         budget = egress.budget_message(result.egress)
         if budget and outcome.kind != "success":
             outcome = _Out(ErrorKind.quota, f"{budget}; {outcome.msg}", outcome.report)
@@ -790,6 +799,7 @@ def _run_engines(
         warnings = [*prep.warnings, *result.warnings]
         if budget:
             warnings.append(budget)
+        warnings += egress.scrub_messages(result.egress)  # the engine never saw it; the upstream echoes
         diff_fields: dict[str, Any] = {}
         diff_error: str | None = None
         try:
@@ -799,15 +809,19 @@ def _run_engines(
                 scratch=root.meta(tid) / "scratch",
                 skip=jobdir.diff_skip(root, checked.project, checked.policy),
                 layers=overlay.layers() if overlay is not None else None,
+                credentials=scanner,
             )
             diff_fields = {
-                "diffstat": d.stat,
+                "diffstat": scanner.scrub(d.stat, in_record),
                 "patch_sha256": d.sha256,
                 "patch_path": str(d.patch_path.relative_to(root.path)),
+                "credentials_in_diff": d.credentials,
             }
-            warnings += d.warnings
+            warnings += scanner.scrub(d.warnings, in_record)
+            if d.credentials is not None:
+                warnings.append(secretscan.diff_warning(d.credentials.counts, len(d.credentials.files)))
         except (LimitExceeded, FilaError) as e:
-            diff_error = str(e)
+            diff_error = scanner.scrub(str(e), in_record)
         run.lap("diff")
         crash_point("after_diff")
         if result.log_truncated and not any(w.startswith("log incomplete") for w in warnings):
@@ -820,9 +834,16 @@ def _run_engines(
 
             # The same sandbox as the engine's (what this loop calls), on a copy of work/.
             check = compare.run_check(
-                run, checked, prep.job_dir, refs, runner=run.backend.run, spec_of=RunSpec
+                run, checked, prep.job_dir, refs, runner=run.backend.run, spec_of=RunSpec, redact=spec.redact
             )
+            check = scanner.scrub(check, in_record)
             run.lap("check")
+        if in_record:
+            warnings.append(f"known credential in the engine's output ({secretscan.counted(in_record)}): "
+                            "replaced in the record by its marker")  # fmt: skip
+        if scanner.skipped:
+            warnings.append(f"not looked for in the log, the diff or the record (shorter than "
+                            f"{secretscan.MIN_CHARS} characters): {', '.join(scanner.skipped)}")  # fmt: skip
         run.await_removal()
         run.timings["total"] = round(run.mark - t0, 3)  # the laps since the claim, added up
         common = dict(

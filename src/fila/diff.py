@@ -21,6 +21,7 @@ import shutil
 import stat
 import subprocess
 import tempfile
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,8 +31,9 @@ from fila import fswalk
 from fila.errors import FilaError, LimitExceeded
 from fila.fswalk import Entry, Tree, escape_name
 from fila.hardgit import Git
-from fila.models import DiffStat, Policy
+from fila.models import CredentialsFound, DiffStat, Policy
 from fila.policy import denied_by
+from fila.secretscan import Scanner
 from fila.snapshot import Layers
 
 _CHUNK = 1 << 20
@@ -61,6 +63,7 @@ class DiffResult:
     bytes: int
     stat: DiffStat  # paths are escaped with fswalk.escape_name
     warnings: list[str] = field(default_factory=list)
+    credentials: CredentialsFound | None = None  # known credentials replaced by their marker
 
 
 def compute_diff(
@@ -71,6 +74,7 @@ def compute_diff(
     out_name: str = "DIFF.patch",
     skip: Callable[[str, bool], bool] | None = None,
     layers: Layers | None = None,
+    credentials: Scanner | None = None,
 ) -> DiffResult:
     """Write `job_dir/out_name`, the patch from `job_dir/input` to `job_dir/work`.
 
@@ -91,6 +95,11 @@ def compute_diff(
       policy's deny rules or `skip(rel, is_dir)` (pass jobdir's exclusions, e.g. the queue's
       `fila/` and `sandbox/`, so a patch can never write into them). Empty directories cannot be
       represented (git tracks files).
+    - with `credentials`, no known credential (secretscan: the value or an encoding of it): each
+      is replaced by its marker in work/'s side, file contents and link targets, binary files
+      included (git's binary hunks are compressed, so the patch text alone would hide it), then
+      anywhere else in the patch text (a name, a line input/ already held). `credentials` on
+      the result counts them, with the sha256 of each file as the patch writes it.
     An unchanged work/ gives an empty patch (0 bytes). The patch replaces whatever the engine
     planted at `out_name` (temporary file, fsync, rename: a symlink is never written through).
     Raises FilaError when work/ or input/ is a symlink or not a directory, LimitExceeded past
@@ -104,7 +113,8 @@ def compute_diff(
     tmp = Path(tempfile.mkdtemp(prefix="fila-diff-", dir=scratch))
     patch: Path | None = None
     try:
-        imps = _Importers(tmp)
+        found = _Found(credentials)
+        imps = _Importers(tmp, found)
         sides = (job_dir / "input", job_dir / "work") if layers is None else (layers.lower, layers.upper)
         with Tree(sides[0]) as before, Tree(sides[1]) as after:
             changed = _import_changes(imps, before, after, policy, skip, notes, layers)
@@ -121,7 +131,7 @@ def compute_diff(
                     "--no-textconv", "refs/fila/input", "refs/fila/work"]  # fmt: skip
             try:
                 with contextlib.closing(git.stream(args)) as chunks:
-                    patch, digest, size = _write_temp(job_dir, out_name, chunks,
+                    patch, digest, size = _write_temp(job_dir, out_name, found.wrap(chunks),
                                                       policy.max_diff_bytes)  # fmt: skip
                 stat_ = _numstat(git.collect(numstat, "git diff-tree --numstat"), notes)
             finally:
@@ -139,7 +149,38 @@ def compute_diff(
         if made_scratch:
             with contextlib.suppress(OSError):
                 scratch.rmdir()
-    return DiffResult(dest, digest, size, stat_, notes.out())
+    return DiffResult(dest, digest, size, stat_, notes.out(), found.result())
+
+
+class _Found:
+    """The known credentials met while the patch is built: counted per label, and for each work/
+    file that held one, the sha256 of its masked bytes (what applying the patch writes)."""
+
+    def __init__(self, scanner: Scanner | None) -> None:
+        self.scanner = scanner if scanner else None
+        self.counts: Counter[str] = Counter()
+        self.files: dict[str, str] = {}
+
+    def mask(self, rel: str, data: bytes) -> bytes:
+        if self.scanner is None:
+            return data
+        counts: Counter[str] = Counter()
+        out = self.scanner.mask(data, counts)
+        if counts:
+            self.counts.update(counts)
+            self.files[escape_name(rel)] = hashlib.sha256(out).hexdigest()
+        return out
+
+    def wrap(self, chunks: Iterator[bytes]) -> Iterator[bytes]:
+        """The patch text, with any needle left in it (a name, a line of input/) replaced."""
+        if self.scanner is None:
+            return chunks
+        masker = self.scanner.stream()
+        masker.counts = self.counts
+        return masker.wrap(chunks)
+
+    def result(self) -> CredentialsFound | None:
+        return CredentialsFound(counts=dict(self.counts), files=self.files) if self.counts else None
 
 
 class _Notes:
@@ -163,8 +204,8 @@ class _Importers:
     """The repository and one fast-import per side, started at the first difference: an
     unchanged work/ (a no-op task) runs no git process at all."""
 
-    def __init__(self, tmp: Path) -> None:
-        self.tmp = tmp
+    def __init__(self, tmp: Path, found: _Found) -> None:
+        self.tmp, self.found = tmp, found
         self._git: Git | None = None
         self.pair: tuple[_Importer, _Importer] | None = None
 
@@ -177,7 +218,10 @@ class _Importers:
     def __getitem__(self, side: int) -> _Importer:
         if self.pair is None:
             # One fast-import per side, run in parallel: hashing (SHA-1DC) is what costs most.
-            self.pair = (_Importer(self.git, b"refs/fila/input"), _Importer(self.git, b"refs/fila/work"))
+            self.pair = (
+                _Importer(self.git, b"refs/fila/input"),
+                _Importer(self.git, b"refs/fila/work", self.found),  # what the engine left: scanned
+            )
         return self.pair[side]
 
     def started(self) -> tuple[_Importer, ...]:
@@ -410,8 +454,8 @@ def _check_link(rel: str, target: bytes, notes: _Notes) -> None:
 class _Importer:
     """A `git fast-import` process fed one side's blobs as they are found, then its commit."""
 
-    def __init__(self, git: Git, ref: bytes) -> None:
-        self.git, self.ref = git, ref
+    def __init__(self, git: Git, ref: bytes, found: _Found | None = None) -> None:
+        self.git, self.ref, self.found = git, ref, found
         # --depth=0: no delta search between consecutive blobs, which only costs CPU here.
         # --big-file-threshold: a blob over 1 MiB is streamed to the pack, not held in memory.
         self.proc = git.popen(
@@ -442,6 +486,8 @@ class _Importer:
             raise
 
     def add_data(self, mode: bytes, rel: str, data: bytes) -> None:
+        if self.found is not None:
+            data = self.found.mask(rel, data)
         self._blob(mode, rel, len(data))
         self._write(data + b"\n")
 
@@ -449,6 +495,12 @@ class _Importer:
         """A file's blob: `data` when already read, else streamed from fd in chunks."""
         if data is not None:
             self.add_data(mode, rel, data)
+            return
+        scanner = self.found.scanner if self.found is not None else None
+        if scanner is not None and scanner.find_in_fd(fd, size):
+            # At most max_diff_bytes (a larger changed file is refused before): masked in memory.
+            os.lseek(fd, 0, os.SEEK_SET)
+            self.add_data(mode, rel, fswalk.read_exact(fd, size))
             return
         os.lseek(fd, 0, os.SEEK_SET)
         self._blob(mode, rel, size)

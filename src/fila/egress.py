@@ -22,7 +22,7 @@ import os
 import secrets as _secrets
 import shutil
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -236,15 +236,6 @@ def resolve_routes(policy: Policy) -> list[Resolved]:
     return out
 
 
-def secret_values(policy: Policy) -> list[str]:
-    """The real credentials of the policy's routes: redacted from the engine's log, belt and braces."""
-    if policy.network != "allowlist":
-        return []
-    with contextlib.suppress(InvalidPolicy, OSError, UnicodeDecodeError):
-        return [r.key for r in resolve_routes(policy)]
-    return []
-
-
 # -- the job's network and gateway ---------------------------------------------------------------
 
 
@@ -389,11 +380,14 @@ def read_log(
     cap: int = MAX_LOG_BYTES,
     keep: int = MAX_RECORD_REQUESTS,
     summary: Path | None = None,
+    routes: Collection[str] | None = None,
 ) -> EgressRecord:
     """egress.jsonl as the record's `egress` section, read up to `cap` bytes. A route call has two
     lines with the same id (in flight, then final): the final one replaces the first; one left in
     flight means the gateway stopped during the call. `summary` (the gateway's summary.json) gives
-    the totals when present, so they do not depend on how much of the log was kept."""
+    the totals when present, so they do not depend on how much of the log was kept. `routes`: the
+    configured route names; per-route totals are kept for these only (a name the engine made up is
+    a denied request, never a route)."""
     rec = EgressRecord()
     data = _read_gateway_file(path, cap)
     if data is None:
@@ -428,6 +422,8 @@ def read_log(
             rec.dropped += 1
     if summary is not None:
         _apply_summary(rec, summary)
+    if routes is not None:
+        rec.routes = {k: v for k, v in rec.routes.items() if k in routes}
     return rec
 
 
@@ -466,7 +462,7 @@ def _count(rec: EgressRecord, item: EgressRequest) -> None:
         rec.denied += 1
     if item.budget and rec.budget_exhausted is None:
         rec.budget_exhausted = item.budget
-    if item.route:
+    if item.route and not (not item.allowed and item.reason == "unknown route"):
         s = rec.routes.setdefault(item.route, RouteSummary())
         s.requests += 1
         key = str(item.status) if item.status is not None else "denied"
@@ -476,11 +472,39 @@ def _count(rec: EgressRecord, item: EgressRequest) -> None:
         if item.usage:
             s.input_tokens += int(item.usage.get("input_tokens", 0) or 0)
             s.output_tokens += int(item.usage.get("output_tokens", 0) or 0)
+        for kind, n in (item.scrubbed or {}).items():
+            s.scrubbed[kind] = s.scrubbed.get(kind, 0) + int(n)
 
 
 def collect(gw: Gateway) -> EgressRecord:
     log = gw.dir / "log"
-    return read_log(log / "egress.jsonl", summary=log / "summary.json")
+    return read_log(log / "egress.jsonl", summary=log / "summary.json", routes=gw.routes)
+
+
+def scrub_messages(rec: EgressRecord | None) -> list[str]:
+    """A warning per route whose upstream sent the injected credential back: the engine never saw
+    it (the gateway replaced it, or refused the answer), but that upstream reflects credentials."""
+    from .fswalk import inert
+
+    out = []
+    for name, s in sorted((rec.routes if rec else {}).items()):
+        echoed = sum(n for k, n in s.scrubbed.items() if not k.startswith("refused"))
+        refused = sum(n for k, n in s.scrubbed.items() if k.startswith("refused"))
+        if echoed:
+            kinds = ", ".join(
+                f"{k} {n}" for k, n in sorted(s.scrubbed.items()) if not k.startswith("refused")
+            )
+            out.append(
+                f"the upstream of route {inert(name)} echoed the injected credential {echoed} times "
+                f"({inert(kinds)}); it was replaced before the engine saw it"
+            )
+        if refused:
+            out.append(
+                f"the upstream of route {inert(name)} sent {refused} compressed answers although the "
+                "gateway asked for none; they were refused (the engine got 502) as they could hide the "
+                "credential"
+            )
+    return out
 
 
 def budget_message(rec: EgressRecord | None) -> str | None:
@@ -511,9 +535,11 @@ def lines(rec: EgressRecord | None) -> list[str]:
         )
     for name, s in sorted(rec.routes.items()):
         st = ", ".join(f"{k}: {v}" for k, v in sorted(s.statuses.items()))
+        sc = ", ".join(f"{k}: {v}" for k, v in sorted(s.scrubbed.items()))
         out.append(
             f"route     {inert(name)}: {s.requests} requests ({st}), "
             f"{s.input_tokens} input / {s.output_tokens} output tokens"
+            + (f"; credential scrubbed ({inert(sc)})" if sc else "")
         )
     for r in rec.requests:
         where = f"/{r.route}{r.path or ''}" if r.route else f"{r.host}:{r.port}"

@@ -128,6 +128,11 @@ class ApplyRefused(Refused):
     pass
 
 
+class CredentialInDiff(ApplyRefused):
+    """The diff held a credential fila knows (replaced by a marker); applying needs the person's
+    explicit word (--allow-credential)."""
+
+
 class BreakerTripped(Refused):
     exit_code = 6
 

@@ -339,6 +339,20 @@ class DiffStat(BaseModel):
     paths: list[str] = Field(default_factory=list)
 
 
+class CredentialsFound(BaseModel):
+    """Known credentials (a route's key, an engine's secret) found in what the engine changed and
+    replaced in DIFF.patch by a marker: named and counted, never the value."""
+
+    counts: dict[str, int] = Field(
+        description='occurrences replaced, per credential ("route anthropic", "engine variable X")'
+    )
+    files: dict[str, str] = Field(
+        default_factory=dict,
+        description="escaped path -> sha256 of the file as the patch writes it (the marker in place "
+        "of the credential); apply --allow-credential checks what it stages against it",
+    )
+
+
 class Attempt(BaseModel):
     number: int
     engine: str
@@ -406,6 +420,12 @@ class EgressRequest(BaseModel):
     bytes_out: int | None = None
     usage: dict[str, int] | None = None
     budget: str | None = None
+    scrubbed: dict[str, int] | None = Field(
+        default=None,
+        description="a route call's answer: the injected credential replaced, per kind (where it was: "
+        "status, header, body, trailer; how: :base64, :url, :json; body:split: spread over stream "
+        "events), or refused:compressed (the answer refused whole)",
+    )
 
 
 class RouteSummary(BaseModel):
@@ -413,6 +433,11 @@ class RouteSummary(BaseModel):
     statuses: dict[str, int] = Field(default_factory=dict)
     input_tokens: int = 0
     output_tokens: int = 0
+    scrubbed: dict[str, int] = Field(
+        default_factory=dict,
+        description="the route's upstream echoed the injected credential: replaced (or the answer "
+        "refused) before the engine saw it, counted per kind as in the request lines",
+    )
 
 
 class EgressRecord(BaseModel):
@@ -487,6 +512,11 @@ class Record(BaseModel):
     )
     check: CheckResult | None = Field(default=None, description="the task's check command, when it ran")
     workspace: Workspace | None = Field(default=None, description="how input/ and work/ were made, and why")
+    credentials_in_diff: CredentialsFound | None = Field(
+        default=None,
+        description="known credentials replaced in DIFF.patch by a marker; apply refuses the task "
+        "unless --allow-credential",
+    )
 
     @field_validator("task", mode="wrap")
     @classmethod

@@ -39,6 +39,7 @@ MODEL = "model.test"
 STATIC = ("allowed.test", "other.allowed.test", "denied.test")
 HTTP_PORTS = (80, 8080)
 HTTPS_PORTS = (443, 8443)
+BANNER_PORT = 2222  # static servers: a server that speaks first (modelserver.serve_banner)
 CA_IN_CONTAINER = "/etc/fila-test/ca.crt"
 SERVER_PY = Path(__file__).with_name("modelserver.py")
 SUBNET_POOL = ipaddress.ip_network("172.30.0.0/16")
@@ -328,6 +329,8 @@ def _start_server(
     cmd = ["python3", "/srv/modelserver.py", "--mode", mode, "--name", alias, "--log-dir", "/log"]
     cmd += [a for p in HTTP_PORTS for a in ("--http-port", str(p))]
     cmd += [a for p in HTTPS_PORTS for a in ("--https-port", str(p))]
+    if mode == "static":
+        cmd += ["--banner-port", str(BANNER_PORT)]
     cmd += ["--cert", "/certs/server.crt", "--key", "/certs/server.key"]
     volumes = {
         str(SERVER_PY): {"bind": "/srv/modelserver.py", "mode": "ro"},

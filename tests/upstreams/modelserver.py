@@ -24,9 +24,12 @@ Both append every request (method, path, query, headers, body up to 64 KiB) as o
 from __future__ import annotations
 
 import argparse
+import base64
+import gzip
 import hashlib
 import json
 import os
+import socketserver
 import ssl
 import threading
 import time
@@ -35,7 +38,7 @@ from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, quote, urlsplit
 
 BODY_LOG_LIMIT = 64 * 1024
 BODY_READ_LIMIT = 16 * 1024 * 1024
@@ -633,6 +636,9 @@ class Handler(BaseHTTPRequestHandler):
         if malformed:
             self._malformed(protocol, stream, "truncated" if malformed is True else str(malformed), model)
             return
+        if step.get("reflect"):
+            self._reflect(str(step["reflect"]), step, model)
+            return
         if not stream:
             makers = {"anthropic": anthropic_body, "openai": openai_body, "responses": responses_body}
             self._json(200, makers.get(protocol, gemini_body)(step, model))
@@ -655,6 +661,64 @@ class Handler(BaseHTTPRequestHandler):
             done = [b"data: [DONE]\n\n"]
             return [f"data: {json.dumps(c)}\n\n".encode() for c in openai_chunks(step, model)] + done
         return [f"data: {json.dumps(c)}\n\n".encode() for c in gemini_chunks(step, model)]
+
+    def _reflect(self, form: str, step: dict[str, Any], model: str) -> None:
+        """An upstream that echoes the request's headers (a debugging endpoint, an error quoting the
+        request): `form` says how. Every credential-like header value comes back in it."""
+        self.close_connection = True
+        heads = {k.lower(): v for k, v in self.headers.items()}
+        secrets = [heads[h] for h in ("x-api-key", "authorization", "x-goog-api-key") if h in heads]
+        doc = json.dumps({"type": "error", "echo": {"headers": heads}}).encode()
+        if form == "plain":  # in the status line, in headers and in the body
+            self.send_response(200, f"OK {' '.join(secrets)}")
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(doc)))
+            for k, v in heads.items():
+                self.send_header(f"X-Echo-{k}", v)
+            self.end_headers()
+            self.wfile.write(doc)
+        elif form == "chunked":  # chunks of 7 bytes: every key is split across chunks
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            for i in range(0, len(doc), 7):
+                self._chunk(doc[i : i + 7])
+                time.sleep(0.002)
+            self._end_stream()
+        elif form == "sse":  # an Anthropic stream whose text is the key, split across events
+            text = "the key is " + " ".join(secrets)
+            mid = len(text) // 2 + 7
+            step = {**step, "reply": {"text": ""}}
+            events = anthropic_events(step, model)
+            deltas = [
+                ("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                         "delta": {"type": "text_delta", "text": piece}})
+                for piece in (text[:mid], text[mid:])
+            ]  # fmt: skip
+            events = [e for e in events if e[0] != "content_block_delta"]
+            at = next(i for i, e in enumerate(events) if e[0] == "content_block_stop")
+            events[at:at] = deltas
+            raw = b"".join(f"event: {n}\ndata: {json.dumps(d)}\n\n".encode() for n, d in events)
+            raw += f"data: {json.dumps({'echo': secrets})}\n\n".encode()
+            self._start_stream()
+            for i in range(0, len(raw), 5):  # mid-key chunk boundaries too
+                self._chunk(raw[i : i + 5])
+            self._end_stream()
+        elif form == "gzip":  # compressed although the request asked for identity
+            self._send(200, gzip.compress(doc), Content_Encoding="gzip")
+        else:
+            encoded = {
+                # each at the three offsets base64 can have inside a longer text
+                "base64": lambda v: [base64.b64encode((p + v).encode()).decode() for p in ("", "x", "xy")]
+                + [base64.urlsafe_b64encode((p + v).encode()).decode() for p in ("", "x", "xy")],
+                "urlencoded": lambda v: [quote(v, safe=""), "".join(f"%{ord(c):02x}" for c in v),
+                                         "".join(f"%{ord(c):02X}" for c in v)],
+                "json-escaped": lambda v: ["".join(f"\\u{ord(c):04x}" for c in v),
+                                           "".join(f"\\u{ord(c):04X}" for c in v)],
+            }[form]  # fmt: skip
+            parts = [x for v in secrets for x in encoded(v)]
+            self._send(200, ('{"echo": ["' + '", "'.join(parts) + '"]}').encode())
 
     def _malformed(self, protocol: str, stream: bool, kind: str, model: str) -> None:
         """'json': a complete response whose JSON is broken; 'truncated': the connection is cut
@@ -697,6 +761,30 @@ def serve(port: int, tls: ssl.SSLContext | None) -> Server:
     return srv
 
 
+BANNER = b"SSH-2.0-fila-test-banner\r\n"
+
+
+def serve_banner(port: int) -> socketserver.ThreadingTCPServer:
+    """A server that speaks first (like ssh): BANNER as soon as a client connects, then, for the
+    first bytes the client sends, `got N bytes` and the close."""
+
+    class Banner(socketserver.BaseRequestHandler):
+        def handle(self) -> None:
+            self.request.settimeout(10)
+            try:
+                self.request.sendall(BANNER)
+                data = self.request.recv(65536)
+                self.request.sendall(f"got {len(data)} bytes\n".encode())
+            except OSError:
+                pass
+
+    socketserver.ThreadingTCPServer.allow_reuse_address = True
+    srv = socketserver.ThreadingTCPServer(("0.0.0.0", port), Banner)
+    srv.daemon_threads = True
+    threading.Thread(target=srv.serve_forever, name=f"banner-{port}", daemon=True).start()
+    return srv
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mode", choices=["model", "static"], default="model")
@@ -707,6 +795,7 @@ def main() -> None:
     ap.add_argument("--key", type=Path, help="PEM private key (HTTPS)")
     ap.add_argument("--script", type=Path, help="script file, re-read when it changes")
     ap.add_argument("--log-dir", type=Path, default=Path("/log"))
+    ap.add_argument("--banner-port", type=int, action="append", default=[], help="a server-first port")
     a = ap.parse_args()
     Handler.mode, Handler.name, Handler.log_dir = a.mode, a.name, a.log_dir
     Handler.script = Script(a.script)
@@ -714,7 +803,8 @@ def main() -> None:
     if a.https_port:
         tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         tls.load_cert_chain(a.cert, a.key)
-    servers = [serve(p, None) for p in a.http_port] + [serve(p, tls) for p in a.https_port]
+    servers: list[Any] = [serve(p, None) for p in a.http_port] + [serve(p, tls) for p in a.https_port]
+    servers += [serve_banner(p) for p in a.banner_port]
     (a.log_dir / "ready").write_text(json.dumps({"pid": os.getpid(), "ports": a.http_port + a.https_port}))
     try:
         while True:

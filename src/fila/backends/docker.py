@@ -29,7 +29,7 @@ from docker.models.containers import Container
 from docker.types import DriverConfig, LogConfig, Mount, Ulimit
 from docker.utils.socket import STDERR, STDOUT
 
-from .. import fsutil, jobdir
+from .. import fsutil, jobdir, secretscan
 from ..engines.base import HOME, JOB_MOUNT
 from ..errors import EngineUnavailable, ImageMissing, InfraError, InvalidPolicy
 from ..faults import crash_point
@@ -222,39 +222,9 @@ def create_kwargs(spec: RunSpec, name: str, gateway: Any = None) -> dict[str, An
     return kwargs
 
 
-class _Redactor:
-    """Replaces secrets in a byte stream, also when one is split across two chunks. It holds back
-    only a chunk's end that could begin a secret, so the log's two streams stay in order."""
-
-    def __init__(self, values: list[str]) -> None:
-        self._needles = sorted({v.encode() for v in values if v}, key=len, reverse=True)
-        self._rx = re.compile(b"|".join(re.escape(n) for n in self._needles)) if self._needles else None
-        self._keep = max((len(n) for n in self._needles), default=1) - 1
-        self._buf = b""
-
-    def feed(self, chunk: bytes) -> bytes:
-        if self._rx is None:
-            return chunk
-        self._buf += chunk
-        buf = self._buf
-        cut = len(buf) - self._held(buf)
-        # A match that starts before the cut ends inside the buffer: emit it whole, redacted.
-        for m in self._rx.finditer(buf):
-            if m.start() < cut < m.end():
-                cut = m.end()
-        out, self._buf = buf[:cut], buf[cut:]
-        return self._rx.sub(b"***", out)
-
-    def _held(self, buf: bytes) -> int:
-        """The length of the buffer's longest end that could begin a secret."""
-        for k in range(min(self._keep, len(buf)), 0, -1):
-            if any(n.startswith(buf[-k:]) for n in self._needles):
-                return k
-        return 0
-
-    def flush(self) -> bytes:
-        out, self._buf = self._buf, b""
-        return self._rx.sub(b"***", out) if self._rx is not None else out
+def _redactor(values: list[str]) -> secretscan.StreamMasker:
+    """The log's redactor: each known credential and its usual encodings (secretscan), as ***."""
+    return secretscan.Scanner(secretscan.Credential("", v) for v in values).stream(lambda _label: b"***")
 
 
 def _log_frames(
@@ -322,7 +292,7 @@ class _LogPump(threading.Thread):
         self.open_stream, self.path, self.cap, self.open_tail = open_stream, path, cap, open_tail
         self.seen = {STDOUT: bytearray(), STDERR: bytearray()}  # each stream's raw end, to align the tail
         self.stream: Iterable[tuple[int, bytes]] = ()
-        self.redactors = {STDOUT: _Redactor(redact), STDERR: _Redactor(redact)}
+        self.redactors = {STDOUT: _redactor(redact), STDERR: _redactor(redact)}
         self.stdout = bytearray()
         self.stderr = bytearray()
         self.stderr_dropped = False
