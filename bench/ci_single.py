@@ -102,7 +102,7 @@ def ci_single(ctx: Ctx, *, files: int = 100) -> list[Row]:
 
     def fresh_root() -> Path:
         root = init_root(ctx.mkdtemp("ci-root"))
-        from fila.layout import Root
+        from fila.core.layout import Root
 
         allow_project(Root.at(root), project)
         return root

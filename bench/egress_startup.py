@@ -23,13 +23,13 @@ import uuid
 from pathlib import Path
 
 from bench.common import Ctx, Row, alternate, median, paired_ratio
-from fila.backends.docker import DockerBackend
+from fila.sandbox.docker.backend import DockerBackend
 
 KEY_VAR = "FILA_BENCH_EGRESS_KEY"
 
 
 def _spec(tmp: Path, policy: object, tag: str) -> object:
-    from fila.backends.docker import RunSpec
+    from fila.sandbox.docker.backend import RunSpec
 
     job_id = f"bench-{tag}-{uuid.uuid4().hex[:8]}"
     job_dir = tmp / job_id
@@ -52,10 +52,10 @@ def _spec(tmp: Path, policy: object, tag: str) -> object:
 
 
 def egress_startup(ctx: Ctx) -> list[Row]:
-    from fila.backends import docker as sandbox
-    from fila.backends import docker_egress as egress
-    from fila.images import ensure_image, find_image
-    from fila.models import Policy
+    from fila.core.models import Policy
+    from fila.sandbox.docker import backend as sandbox
+    from fila.sandbox.docker import egress
+    from fila.sandbox.images import ensure_image, find_image
 
     client = sandbox.docker_client()
     ensure_image("shell", DockerBackend(client), progress=lambda _m: None)

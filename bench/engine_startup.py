@@ -76,8 +76,8 @@ class EngineStartup:
         from tests.helpers import make_root
         from tests.test_engines import E2E_ENGINES, KEY_VAR, _engine_policy, _script
 
+        from fila.core.models import Policy, Task
         from fila.engines import get_engine
-        from fila.models import Policy, Task
 
         self.engine, self.ups, self.client = engine, ups, client
         self.spec = E2E_ENGINES[engine]
@@ -123,8 +123,8 @@ class EngineStartup:
             raise RuntimeError(
                 f"fila {self.engine} job did not end in needs_review: {p.stdout[-800:]} {p.stderr[-800:]}"
             )
-        from fila.backends.docker import JOB_LABEL
-        from fila.egress import ROLE_LABEL
+        from fila.egress.config import ROLE_LABEL
+        from fila.sandbox.docker.backend import JOB_LABEL
 
         starts = [
             e["timeNano"] / 1e9
@@ -140,9 +140,9 @@ class EngineStartup:
 
     def bare_cli(self) -> float:
         """B: `docker run` of the image with the adapter's argv and env, straight at the model server."""
-        from fila.backends.base import run_as
-        from fila.egress import KNOWN_ROUTES
+        from fila.egress.config import KNOWN_ROUTES
         from fila.engines.base import HOME, JOB_MOUNT
+        from fila.sandbox.base import run_as
 
         self._reset()
         shutil.rmtree(self.bare, ignore_errors=True)

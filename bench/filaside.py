@@ -17,9 +17,9 @@ def init_root(path: Path) -> Path:
 
 def submit_noops(root: Path, project: Path, n: int, *, command: str = "true") -> list[str]:
     """Queue `n` shell tasks running `command` on the whole project (in-process: not timed)."""
-    from fila.cycle import submit
-    from fila.layout import Root
-    from fila.models import Task
+    from fila.core.layout import Root
+    from fila.core.models import Task
+    from fila.run.job import submit
 
     r = Root.at(root)
     allow_project(r, project)
@@ -46,8 +46,8 @@ def allow_project(r: Any, project: Path) -> None:
 
 
 def records(root: Path) -> list[Any]:
-    from fila.layout import Root
-    from fila.queue import all_records
+    from fila.core.layout import Root
+    from fila.queue.store import all_records
 
     return all_records(Root.at(root))
 

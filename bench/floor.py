@@ -120,11 +120,11 @@ class FloorSpec:
     image: str = IMAGE
 
     def docker_args(self, job_dir: Path, name: str) -> list[str]:
-        from fila.backends.docker import RunSpec, create_kwargs
+        from fila.core.layout import Root
+        from fila.core.models import Task
         from fila.engines import get_engine
-        from fila.layout import Root
-        from fila.models import Task
-        from fila.policy import load_policy, narrow
+        from fila.queue.policy import load_policy, narrow
+        from fila.sandbox.docker.backend import RunSpec, create_kwargs
 
         root = Root.at(self.root)
         task = Task(engine="shell", command=self.command, targets=["."])

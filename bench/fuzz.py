@@ -183,7 +183,7 @@ def scratch_root(path: Path) -> Any:
 
 
 def load_task_file(root: Any, raw: bytes) -> str:
-    from fila.cycle import check_task, parse_task_file
+    from fila.run.job import check_task, parse_task_file
 
     path = root.in_dir / "fuzz.json"
     path.write_bytes(raw)
@@ -193,14 +193,14 @@ def load_task_file(root: Any, raw: bytes) -> str:
 
 
 def load_task_stdin(root: Any, raw: bytes) -> str:
-    from fila.cycle import check_task, parse_task_bytes
+    from fila.run.job import check_task, parse_task_bytes
 
     check_task(root, parse_task_bytes(raw, source="stdin"))
     return "accepted"
 
 
 def load_policy_file(root: Any, raw: bytes) -> str:
-    from fila.policy import load_policy
+    from fila.queue.policy import load_policy
 
     (root.policies_dir / "fuzz.json").write_bytes(raw)
     load_policy(root, "fuzz")
@@ -210,7 +210,7 @@ def load_policy_file(root: Any, raw: bytes) -> str:
 def outcome(fn: Callable[[Any, bytes], str], root: Any, raw: bytes) -> tuple[str, str | None]:
     """(kind, crash report or None): `accepted`, the InvalidInput class that refused it, or
     `CRASH <type>` for anything else."""
-    from fila.errors import InvalidInput
+    from fila.core.errors import InvalidInput
 
     try:
         return fn(root, raw), None

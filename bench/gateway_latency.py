@@ -33,8 +33,8 @@ from bench.common import REPO, Ctx, Row, median, paired_ratio
 sys.path.insert(0, str(REPO))  # tests.upstreams: the same servers the tests use
 from tests.upstreams.fixtures import CA_IN_CONTAINER, HARDENED, IMAGE, start_upstreams
 
-from fila.backends.docker import DockerBackend
-from fila.images import GATEWAY_IMAGE, build
+from fila.sandbox.docker.backend import DockerBackend
+from fila.sandbox.images import GATEWAY_IMAGE, build
 
 SYSTEM_CA = Path("/etc/ssl/certs/ca-certificates.crt")
 LABEL = "fila.bench"

@@ -162,7 +162,7 @@ def _one_size(ctx: Ctx, size: int, reps: int) -> list[Row]:
 def _allow(root: Path, project: Path) -> None:
     """The root's default policy names the project and holds 50,000 files: max_work_files counts
     directories too, and the default (50,000) is just short of that."""
-    from fila.layout import Root
+    from fila.core.layout import Root
 
     r = Root.at(root)
     allow_project(r, project)
@@ -200,10 +200,11 @@ def _engine_change(overlay: object, files_json: str) -> None:
 
 
 def _task(root_dir: str, project: str, tid: str, files_json: str) -> dict:
-    from fila import cycle, diff, jobdir, snapshot
-    from fila.backends.base import run_as
-    from fila.layout import Root
-    from fila.models import Task
+    from fila.core.layout import Root
+    from fila.core.models import Task
+    from fila.run import job as cycle
+    from fila.sandbox.base import run_as
+    from fila.workspace import diff, jobdir, snapshot
 
     root = Root.at(root_dir)
     task = Task(id=tid, engine="shell", command="true", targets=["."], project=project)

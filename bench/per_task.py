@@ -330,7 +330,7 @@ def as_user(argv: list[str]) -> None:
     `fila ROOT`: `fila run --once` on it, timed; prints the seconds;
     `floor JOBS PROJECT ROOT N`: N floor tasks with `podman run`; prints their steps as JSON."""
     from bench.filaside import allow_project, submit_noops
-    from fila.layout import Root
+    from fila.core.layout import Root
 
     cmd, *rest = argv
     if cmd == "image":
@@ -351,7 +351,7 @@ def as_user(argv: list[str]) -> None:
              "--root", rest[0]], ok=(0, 1, 6))  # fmt: skip
         print(time.perf_counter() - t)
     elif cmd == "floor":
-        from fila.backends.podman import _service_conf
+        from fila.sandbox.podman.backend import _service_conf
 
         jobs, project, root, n = Path(rest[0]), Path(rest[1]), Path(rest[2]), int(rest[3])
         # The engine configuration fila's own Podman service runs with (cgroupfs, runc on a

@@ -37,7 +37,7 @@ def count_fsyncs() -> Iterator[list[int]]:
 
 
 def _fila_root(base: Path) -> Path:
-    from fila.layout import Root
+    from fila.core.layout import Root
 
     r = Root.at(base)
     for d in r.all_dirs():
@@ -47,9 +47,10 @@ def _fila_root(base: Path) -> Path:
 
 def fila_queue(base: Path, n: int) -> tuple[float, float, int, int]:
     """Submit `n` tasks, then claim them all. (submit s, claim s, fsyncs/submit, fsyncs/claim)."""
-    from fila import cycle, queue
-    from fila.layout import Root
-    from fila.models import Task
+    from fila.core.layout import Root
+    from fila.core.models import Task
+    from fila.queue import store as queue
+    from fila.run import job as cycle
 
     root = Root.at(_fila_root(base))
     tasks = [Task(engine="shell", command="true", targets=["."], prompt=f"no-op {i}") for i in range(n)]

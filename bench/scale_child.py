@@ -17,9 +17,10 @@ def main(argv: list[str]) -> int:
     root_dir, project, task_id, files_json = argv
     from bench.common import peak_rss_kb
     from bench.projects import mutate
-    from fila import cycle, diff, jobdir
-    from fila.layout import Root
-    from fila.models import Task
+    from fila.core.layout import Root
+    from fila.core.models import Task
+    from fila.run import job as cycle
+    from fila.workspace import diff, jobdir
 
     root = Root.at(root_dir)
     task = Task(id=task_id, engine="shell", command="true", targets=["."], project=project)

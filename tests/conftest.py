@@ -9,11 +9,11 @@ from typing import Any
 import docker
 import pytest
 
-from fila.backends.docker import DockerBackend
-from fila.backends.docker import docker_client as connect
-from fila.errors import EngineUnavailable
-from fila.images import ensure_image
-from fila.models import ImageRef
+from fila.core.errors import EngineUnavailable
+from fila.core.models import ImageRef
+from fila.sandbox.docker.backend import DockerBackend
+from fila.sandbox.docker.backend import docker_client as connect
+from fila.sandbox.images import ensure_image
 
 from .upstreams.fixtures import upstreams  # noqa: F401  (the `upstreams` fixture, for every test)
 
@@ -38,7 +38,7 @@ def gateway_image(docker_client: docker.DockerClient) -> str:
     tests that need it work on a fresh machine whatever order they run in. pip reaches PyPI through
     this host's TLS-intercepting proxy: the system bundle goes in as the build's extra CA (harmless
     where there is no such proxy)."""
-    from fila.images import GATEWAY_IMAGE, build
+    from fila.sandbox.images import GATEWAY_IMAGE, build
 
     system_ca = Path("/etc/ssl/certs/ca-certificates.crt")
     build(

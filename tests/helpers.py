@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fila.layout import Root
-from fila.models import Task
+from fila.core.layout import Root
+from fila.core.models import Task
 
 
 def make_root(path: Path) -> Root:

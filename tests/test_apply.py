@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from fila import apply as apply_mod
-from fila import landing, patch
-from fila import snapshot as fsnap
-from fila.errors import ApplyRefused, InvalidTransition
-from fila.layout import Root
-from fila.models import ImageRef
-from fila.safedir import SafeDir
+from fila.core.errors import ApplyRefused, InvalidTransition
+from fila.core.layout import Root
+from fila.core.models import ImageRef
+from fila.review import apply as apply_mod
+from fila.review import landing, patch
+from fila.workspace import snapshot as fsnap
+from fila.workspace.safedir import SafeDir
 
 from .helpers import fila, make_root, record, submit_shell
 

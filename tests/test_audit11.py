@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from fila import jobdir
-from fila.errors import FilaError
-from fila.policy import load_policy, narrow
+from fila.core.errors import FilaError
+from fila.queue.policy import load_policy, narrow
+from fila.workspace import jobdir
 
 from .helpers import make_root, shell_task
 
@@ -276,7 +276,7 @@ def test_a_deny_rule_with_a_reversed_range_is_refused_by_its_index_everywhere(tm
 def test_a_task_timeout_below_one_second_is_refused_naming_the_field(tmp_path: Path) -> None:
     from pydantic import ValidationError
 
-    from fila.models import Task
+    from fila.core.models import Task
 
     from .helpers import fila
 
@@ -292,8 +292,8 @@ def test_a_task_timeout_below_one_second_is_refused_naming_the_field(tmp_path: P
 
 
 def test_infrastructure_and_engine_failures_still_open_the_breaker(tmp_path: Path) -> None:
-    from fila import breaker
-    from fila.models import ErrorInfo, Record, Status, Task
+    from fila.core.models import ErrorInfo, Record, Status, Task
+    from fila.queue import breaker
 
     root = make_root(tmp_path)
     own = Task(engine="shell", command="false", targets=["x"], timeout=1000)
@@ -329,7 +329,7 @@ def test_infrastructure_and_engine_failures_still_open_the_breaker(tmp_path: Pat
 def test_five_failures_their_author_chose_do_not_stop_the_next_task(
     tmp_path: Path, shell_image: object
 ) -> None:
-    from fila import breaker
+    from fila.queue import breaker
 
     from .helpers import fila, record
 
@@ -352,7 +352,7 @@ def test_five_failures_their_author_chose_do_not_stop_the_next_task(
 
 
 def make_root_at(path: Path) -> Any:
-    from fila.layout import Root
+    from fila.core.layout import Root
 
     return Root.at(path)
 
@@ -470,8 +470,8 @@ _RECLAIM = textwrap.dedent(
     """
     import resource, sys
     from pathlib import Path
-    from fila import jobdir
-    from fila.errors import FilaError
+    from fila.workspace import jobdir
+    from fila.core.errors import FilaError
     resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[2]), int(sys.argv[2])))
     try:
         print("ok", jobdir.reclaim(Path(sys.argv[1])))
@@ -522,9 +522,10 @@ def test_a_work_dir_fila_cannot_finish_cleaning_is_removed_not_left_live(tmp_pat
 def test_a_bug_before_the_container_fails_its_task_once_while_a_stop_hands_it_back(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fila import cycle, queue
-    from fila.backends.docker import DockerBackend
-    from fila.models import Status
+    from fila.core.models import Status
+    from fila.queue import store as queue
+    from fila.run import job as cycle
+    from fila.sandbox.docker.backend import DockerBackend
 
     from .helpers import fila
 
@@ -563,7 +564,7 @@ def test_a_bug_before_the_container_fails_its_task_once_while_a_stop_hands_it_ba
 def test_an_engine_image_missing_at_claim_waits_for_its_task_only_and_the_run_goes_on(
     tmp_path: Path, shell_image: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fila.backends.docker import DockerBackend
+    from fila.sandbox.docker.backend import DockerBackend
 
     from .helpers import fila, record
 

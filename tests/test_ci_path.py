@@ -19,9 +19,10 @@ from typing import Any
 import docker
 import pytest
 
-from fila import breaker, queue
-from fila.layout import Root
-from fila.models import ImageRef, Status
+from fila.core.layout import Root
+from fila.core.models import ImageRef, Status
+from fila.queue import breaker
+from fila.queue import store as queue
 
 from .helpers import make_root
 from .test_durability import CLI, EXPECTED, Starts, assert_one_state_each, containers_left, fila

@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from fila.cli import app
-from fila.layout import Root
+from fila.core.layout import Root
 
 from .helpers import fila, make_root
 
@@ -144,7 +144,7 @@ def test_schema_prints_the_published_schemas() -> None:
 
 
 def test_published_schema_files_match_the_models() -> None:
-    from fila.models import schema_for
+    from fila.core.models import schema_for
 
     here = Path(__file__).resolve().parents[1] / "schemas"
     for kind in ("task", "policy", "record"):
@@ -155,7 +155,7 @@ def test_published_schema_files_match_the_models() -> None:
 
 def test_shipped_policies_validate() -> None:
     from fila.assets import shipped_dir
-    from fila.policy import load_policy
+    from fila.queue.policy import load_policy
 
     for p in shipped_dir("policies").glob("*.json"):
         load_policy(Root.at(p.parent.parent), p.stem)

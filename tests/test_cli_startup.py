@@ -192,14 +192,14 @@ def test_console_submit_imports_no_container_client(tmp_path: Path) -> None:
     code, out, err, mods = _console([*args, "greeting.txt"])
     assert code == 0, err
     assert (tmp_path / "fila" / "in" / f"{out.strip()}.json").is_file()
-    assert not {"docker", "requests", "urllib3", "fila.worker", "fila.recovery"} & mods
+    assert not {"docker", "requests", "urllib3", "fila.run.worker", "fila.recovery.recover"} & mods
     # Without them the checks all still run: a target outside the project is refused.
     code, _out, err, _mods = _console([*args, "../outside"])
     assert code == 2 and "outside" in err
 
 
 def test_stored_schemas_are_the_models_and_used_only_while_current(tmp_path: Path, monkeypatch: Any) -> None:
-    from fila import models
+    from fila.core import models
 
     stored = json.loads(models._STORED.read_text())
     assert stored["key"] == models._schema_key(), (
@@ -323,7 +323,7 @@ def _set(doc: Any, path: tuple[Any, ...], value: Any) -> Any:
 
 
 def _schema_accepts(kind: str, doc: Any) -> bool:
-    from fila.policy import _validator
+    from fila.queue.policy import _validator
 
     return not list(_validator(kind).iter_errors(doc))
 
@@ -333,7 +333,7 @@ def test_strictly_valid_documents_are_schema_valid_on_hostile_variants() -> None
     strings, bools, floats, trailing newlines, control and bidi characters, wrong shapes) or given an
     unknown key: whatever the model accepts strictly (validate_document's shortcut), the schema
     accepts. Both kinds of outcome occur, so the check is not empty."""
-    from fila.policy import _strictly_valid
+    from fila.queue.policy import _strictly_valid
 
     accepted = refused = 0
     for kind, base in _base_documents():
@@ -364,8 +364,8 @@ def test_strictly_valid_documents_are_schema_valid_on_hostile_variants() -> None
 def test_documents_only_the_schema_or_lax_models_accept_take_the_full_path(
     kind: str, field: tuple[Any, ...], value: Any
 ) -> None:
-    from fila.errors import InvalidInput
-    from fila.policy import _strictly_valid, validate_document
+    from fila.core.errors import InvalidInput
+    from fila.queue.policy import _strictly_valid, validate_document
 
     base = next(doc for k, doc in _base_documents() if k == kind)  # the full one of its kind
     validate_document(kind, base)  # the unchanged document passes
@@ -392,7 +392,7 @@ def test_console_submit_of_a_valid_task_imports_no_jsonschema(tmp_path: Path) ->
 
 
 def test_commands_end_without_the_teardown_and_keep_exit_codes_and_output(tmp_path: Path) -> None:
-    from fila.models import schema_for
+    from fila.core.models import schema_for
 
     make_root(tmp_path)
     (tmp_path / "greeting.txt").write_text("hello\n")

@@ -23,7 +23,7 @@ from typing import Any
 import docker
 import pytest
 
-from fila.backends.docker import DockerBackend
+from fila.sandbox.docker.backend import DockerBackend
 from tests.helpers import fila, make_root, record
 from tests.test_engines import E2E_ENGINES, HELLO, USAGE
 from tests.upstreams.fixtures import Upstreams, upstreams  # noqa: F401  (the fixture)
@@ -49,7 +49,7 @@ def group_root(
     docker_client: docker.DockerClient,
     gateway_image: str,
 ) -> Path:
-    from fila.images import ensure_image
+    from fila.sandbox.images import ensure_image
 
     for engine in ("claude", "codex", "gemini", "shell"):
         ensure_image(engine, DockerBackend(docker_client), progress=lambda _l: None)
@@ -343,8 +343,8 @@ def test_the_check_has_no_network_even_when_the_engine_had_one_and_its_timeout_i
 
 
 def test_a_row_shows_the_engines_a_fallback_tried_and_where_its_tokens_were_counted() -> None:
-    from fila.compare import Comparison, _row, render_lines
-    from fila.models import Attempt, EngineReport, Record, RouteSummary, Task
+    from fila.core.models import Attempt, EngineReport, Record, RouteSummary, Task
+    from fila.review.groups import Comparison, _row, render_lines
 
     task = Task(engine="claude", prompt="p", targets=["a.txt"], group="g", fallback=["shell"])
     fell = Record(

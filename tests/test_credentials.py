@@ -20,9 +20,9 @@ from urllib.parse import quote
 
 import pytest
 
-from fila import secretscan
-from fila.diff import compute_diff
-from fila.models import EngineReport, ErrorInfo, ErrorKind, ImageRef, Policy
+from fila.core.models import EngineReport, ErrorInfo, ErrorKind, ImageRef, Policy
+from fila.workspace import secretscan
+from fila.workspace.diff import compute_diff
 
 from .helpers import fila, make_root, record, submit_shell
 

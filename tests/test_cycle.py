@@ -10,9 +10,9 @@ from pathlib import Path
 import docker
 import pytest
 
-from fila import snapshot
-from fila.layout import Root
-from fila.models import ImageRef
+from fila.core.layout import Root
+from fila.core.models import ImageRef
+from fila.workspace import snapshot
 
 from .helpers import fila, make_root, record
 from .helpers import submit_shell as submit

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from fila import jobdir
-from fila.errors import InvalidPolicy
-from fila.policy import denied_by, load_policy, narrow
+from fila.core.errors import InvalidPolicy
+from fila.queue.policy import denied_by, load_policy, narrow
+from fila.workspace import jobdir
 
 from .helpers import make_root, shell_task
 

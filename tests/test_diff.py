@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fila.diff import DiffResult, _means, compute_diff
-from fila.errors import FilaError, LimitExceeded
-from fila.models import Policy
+from fila.core.errors import FilaError, LimitExceeded
+from fila.core.models import Policy
+from fila.workspace.diff import DiffResult, _means, compute_diff
 
 Node = tuple  # ("file", bytes, exec: bool) | ("link", target)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import docker
 import pytest
 
-from fila.models import ImageRef
+from fila.core.models import ImageRef
 from tests.helpers import fila, make_root
 
 pytestmark = pytest.mark.docker

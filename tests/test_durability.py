@@ -23,10 +23,11 @@ from typing import Any
 import docker
 import pytest
 
-from fila import fsutil, queue
-from fila.faults import POINTS
-from fila.layout import Root
-from fila.models import ImageRef, Status
+from fila.core import fsutil
+from fila.core.faults import POINTS
+from fila.core.layout import Root
+from fila.core.models import ImageRef, Status
+from fila.queue import store as queue
 
 from .helpers import make_root
 

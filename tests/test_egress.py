@@ -22,10 +22,10 @@ from typing import Any
 import docker
 import pytest
 
-from fila import egress
-from fila.backends import docker_egress
-from fila.backends.docker import DockerBackend
-from fila.models import ImageRef
+from fila.core.models import ImageRef
+from fila.egress import config as egress
+from fila.sandbox.docker import egress as docker_egress
+from fila.sandbox.docker.backend import DockerBackend
 from tests.helpers import fila, make_root, record
 from tests.upstreams.fixtures import Upstreams, upstreams  # noqa: F401  (the fixture)
 
@@ -41,7 +41,7 @@ MESSAGES = (
 
 @pytest.fixture(scope="module")
 def images(docker_client: docker.DockerClient, gateway_image: str) -> ImageRef:
-    from fila.images import ensure_image
+    from fila.sandbox.images import ensure_image
 
     return ensure_image("testnet", DockerBackend(docker_client), progress=lambda _l: None)
 
@@ -626,7 +626,7 @@ def test_credentials_a_route_upstream_echoed_reach_the_record_and_a_plain_warnin
 
 
 def _gateway_policy(ups: Upstreams) -> Any:
-    from fila.models import Policy
+    from fila.core.models import Policy
 
     return Policy.model_validate(
         {"network": "allowlist", "max_timeout_ms": 60_000, "default_timeout_ms": 60_000,
@@ -640,8 +640,8 @@ def test_a_gateway_that_dies_or_is_late_is_an_infra_error_and_leaves_nothing(
     docker_client: docker.DockerClient,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from fila.backends.docker import run_as
-    from fila.errors import InfraError
+    from fila.core.errors import InfraError
+    from fila.sandbox.docker.backend import run_as
 
     uid, gid = run_as()
     policy = _gateway_policy(upstreams)
@@ -674,8 +674,8 @@ def test_a_gateway_that_dies_or_is_late_is_an_infra_error_and_leaves_nothing(
 def test_the_gateway_files_are_private_and_outside_the_job_directory(tmp_path: Path) -> None:
     import stat
 
-    from fila.backends.docker import run_as
-    from fila.models import Policy
+    from fila.core.models import Policy
+    from fila.sandbox.docker.backend import run_as
 
     key = f"sk-{secrets.token_hex(8)}"
     os.environ[KEY_VAR] = key
@@ -709,8 +709,8 @@ def test_the_gateway_files_are_private_and_outside_the_job_directory(tmp_path: P
 
 
 def test_a_route_paths_override_reaches_the_gateway_config(tmp_path: Path) -> None:
-    from fila.backends.docker import run_as
-    from fila.models import Policy
+    from fila.core.models import Policy
+    from fila.sandbox.docker.backend import run_as
 
     os.environ[KEY_VAR] = "k"
     try:
@@ -734,7 +734,7 @@ def test_a_real_key_in_the_engine_environment_is_replaced_by_the_placeholder(
     images: ImageRef,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from fila.backends import docker as sandbox
+    from fila.sandbox.docker import backend as sandbox
 
     secret = f"sk-{secrets.token_hex(8)}"
     job_dir = tmp_path / "jobs" / "key-job"
@@ -749,7 +749,7 @@ def test_a_real_key_in_the_engine_environment_is_replaced_by_the_placeholder(
             egress_dir=tmp_path / "egress",
         )  # fmt: skip
 
-    from fila.models import Policy
+    from fila.core.models import Policy
 
     # Under network none the adapter's variable reaches the engine as given (the counterpart)...
     none = Policy.model_validate({"network": "none", "max_timeout_ms": 60_000, "default_timeout_ms": 60_000})
@@ -772,7 +772,7 @@ def test_a_gateway_that_dies_during_the_run_is_a_warning_of_the_result(
     docker_client: docker.DockerClient,
     images: ImageRef,
 ) -> None:
-    from fila.backends import docker as sandbox
+    from fila.sandbox.docker import backend as sandbox
 
     def run(tid: str, kill: bool) -> sandbox.RunResult:
         job_dir = tmp_path / tid
@@ -858,8 +858,8 @@ def test_a_runtime_docker_lacks_is_refused_before_the_gateway_or_any_container_s
     docker_client: docker.DockerClient,
     images: ImageRef,
 ) -> None:
-    from fila.backends import docker as sandbox
-    from fila.errors import InfraError
+    from fila.core.errors import InfraError
+    from fila.sandbox.docker import backend as sandbox
 
     def spec(tid: str, runtime: str) -> sandbox.RunSpec:
         job_dir = tmp_path / tid

@@ -23,12 +23,12 @@ from typing import Any
 import docker
 import pytest
 
-from fila import snapshot as fila_snapshot
-from fila.backends.base import RunOutput, RunSpec
-from fila.backends.docker import DockerBackend
+from fila.core.layout import Root
+from fila.core.models import EgressRecord, EgressRequest, ImageRef, Policy, Task
 from fila.engines import get_engine
-from fila.layout import Root
-from fila.models import EgressRecord, EgressRequest, ImageRef, Policy, Task
+from fila.sandbox.base import RunOutput, RunSpec
+from fila.sandbox.docker.backend import DockerBackend
+from fila.workspace import snapshot as fila_snapshot
 from tests.helpers import fila, make_root, record
 from tests.upstreams.fixtures import Upstreams, upstreams  # noqa: F401  (the fixture)
 
@@ -360,7 +360,7 @@ def test_codex_is_pointed_at_the_gateway_route_with_its_own_provider() -> None:
 
 @pytest.mark.parametrize("engine", ["claude", "codex", "opencode", "gemini", "qwen", "aider"])
 def test_a_task_without_a_prompt_is_refused_naming_the_field(engine: str) -> None:
-    from fila.errors import InvalidTaskFile
+    from fila.core.errors import InvalidTaskFile
 
     get_engine(engine).invocation(Task(engine=engine, prompt="x", targets=["a"]))  # the allowed one
     with pytest.raises(InvalidTaskFile) as e:
@@ -510,7 +510,7 @@ def engine_root(
 
 
 def _image(docker_client: docker.DockerClient, engine: str) -> None:
-    from fila.images import ensure_image
+    from fila.sandbox.images import ensure_image
 
     ensure_image(engine, DockerBackend(docker_client), progress=lambda _l: None)
 
@@ -638,10 +638,10 @@ def test_a_429_is_quota_and_a_401_is_auth_with_the_clis_own_message(
 def test_a_flag_the_cli_no_longer_lists_fails_the_smoke_test(
     docker_client: docker.DockerClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from fila.core.errors import ImageMissing
     from fila.engines.base import Smoke
     from fila.engines.claude import ClaudeEngine
-    from fila.errors import ImageMissing
-    from fila.images import ensure_image, smoke_test
+    from fila.sandbox.images import ensure_image, smoke_test
 
     backend = DockerBackend(docker_client)
     ref = ensure_image("claude", backend, progress=lambda _l: None)
@@ -757,7 +757,7 @@ Frames = list[tuple[int, bytes]]
 
 
 def _pump(tmp_path: Path, followed: Frames, tail: Frames) -> tuple[RunOutput, bytes]:
-    from fila.backends.docker import _LogPump
+    from fila.sandbox.docker.backend import _LogPump
 
     log = tmp_path / f"{secrets.token_hex(4)}.log"
     pump = _LogPump(lambda: iter(followed), log, 1 << 20, ["sk-pump-secret"], open_tail=lambda: iter(tail))

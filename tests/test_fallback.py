@@ -20,9 +20,9 @@ from typing import Any
 import docker
 import pytest
 
-from fila.backends.docker import DockerBackend
-from fila.cycle import fallback_chain
-from fila.models import Policy, Task
+from fila.core.models import Policy, Task
+from fila.run.job import fallback_chain
+from fila.sandbox.docker.backend import DockerBackend
 from tests.helpers import fila, make_root, record
 from tests.upstreams.fixtures import Upstreams, upstreams  # noqa: F401  (the fixture)
 
@@ -77,7 +77,7 @@ def fb_root(
     docker_client: docker.DockerClient,
     gateway_image: str,
 ) -> Path:
-    from fila.images import ensure_image
+    from fila.sandbox.images import ensure_image
 
     for engine in ("claude", "codex", "shell"):
         ensure_image(engine, DockerBackend(docker_client), progress=lambda _l: None)

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from fila.errors import FilaError, LimitExceeded
-from fila.fswalk import Tree, escape_name, read_file, walk
+from fila.core.errors import FilaError, LimitExceeded
+from fila.workspace.fswalk import Tree, escape_name, read_file, walk
 
 BIG = 1 << 40
 

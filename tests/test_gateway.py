@@ -28,7 +28,7 @@ import docker
 import pytest
 from docker.errors import APIError, NotFound
 
-from fila.images import GATEWAY_IMAGE
+from fila.sandbox.images import GATEWAY_IMAGE
 
 from .upstreams.fixtures import CA_IN_CONTAINER, HARDENED, IMAGE, Upstreams, check_no_route_out
 
@@ -1199,7 +1199,7 @@ def test_the_log_is_capped_and_the_summary_keeps_the_usage(env: Env) -> None:
     log = gw.log_dir / "egress.jsonl"
     assert log.stat().st_size <= 64 * 1024 + 16 * 1024  # the cap (route lines get a last margin)
     assert all(len(e["path"] or "") <= 260 and len(e["host"] or "") <= 260 for e in gw.log())
-    from fila import egress
+    from fila.egress import config as egress
 
     rec = egress.read_log(log, summary=gw.log_dir / "summary.json")
     assert rec.routes["anthropic"].input_tokens == 18000 and rec.routes["anthropic"].output_tokens == 2000
@@ -1353,7 +1353,7 @@ def test_a_route_upstream_echoing_the_credential_never_shows_it_to_the_engine_in
     log_text = (gw.log_dir / "egress.jsonl").read_text()
     assert REAL_KEY not in log_text and REAL_OPENAI_KEY not in log_text
 
-    from fila import egress
+    from fila.egress import config as egress
 
     rec = egress.read_log(gw.log_dir / "egress.jsonl", summary=gw.log_dir / "summary.json")
     assert rec.routes["anthropic"].scrubbed == totals
@@ -1406,7 +1406,7 @@ def test_a_route_name_the_engine_invents_is_a_denied_request_and_never_a_route(e
     assert len(env.ups.requests("model.test")) == 2
     summary = json.loads((gw.log_dir / "summary.json").read_text())
     assert list(summary["routes"]) == ["anthropic"] and summary["denied"] == len(invented)
-    from fila import egress
+    from fila.egress import config as egress
 
     rec = egress.read_log(gw.log_dir / "egress.jsonl")  # from the log alone, too
     assert list(rec.routes) == ["anthropic"] and rec.denied == len(invented) and rec.allowed == 2

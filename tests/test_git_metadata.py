@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fila.models import ImageRef
+from fila.core.models import ImageRef
 
 from .helpers import fila, make_root, record, submit_shell
 

@@ -31,13 +31,14 @@ from bench.fuzz import (
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fila import queue, untrusted
-from fila.cycle import check_task, parse_task_bytes, parse_task_file
-from fila.errors import InvalidInput, InvalidPolicy, InvalidTaskFile
-from fila.layout import Root
-from fila.models import ImageRef, Status, Task
-from fila.policy import load_policy
-from fila.states import valid_id
+from fila.core import untrusted
+from fila.core.errors import InvalidInput, InvalidPolicy, InvalidTaskFile
+from fila.core.layout import Root
+from fila.core.models import ImageRef, Status, Task
+from fila.core.states import valid_id
+from fila.queue import store as queue
+from fila.queue.policy import load_policy
+from fila.run.job import check_task, parse_task_bytes, parse_task_file
 
 from .helpers import fila as fila_in_process
 from .helpers import make_root

@@ -11,11 +11,11 @@ from pathlib import Path
 import docker
 import pytest
 
-from fila import images
 from fila.assets import shipped_dir
-from fila.backends.docker import DockerBackend
-from fila.errors import InvalidInput, UnknownEngine
-from fila.models import ImageRef
+from fila.core.errors import InvalidInput, UnknownEngine
+from fila.core.models import ImageRef
+from fila.sandbox import images
+from fila.sandbox.docker.backend import DockerBackend
 
 pytestmark = pytest.mark.docker
 

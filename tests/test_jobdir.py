@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from fila import jobdir
-from fila.errors import TargetError
-from fila.layout import Root
-from fila.policy import load_policy, narrow
+from fila.core.errors import TargetError
+from fila.core.layout import Root
+from fila.queue.policy import load_policy, narrow
+from fila.workspace import jobdir
 
 from .helpers import make_root, shell_task
 

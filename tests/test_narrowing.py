@@ -16,11 +16,11 @@ import pytest
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
-from fila.backends import docker as sandbox
-from fila.errors import InvalidPolicy, InvalidTaskFile
-from fila.layout import Root
-from fila.models import MIN_CPUS, MIN_MEMORY, MIN_PIDS, MIN_SIZE, Limits, Policy, Task, parse_size
-from fila.policy import load_policy, narrow, validate_document
+from fila.core.errors import InvalidPolicy, InvalidTaskFile
+from fila.core.layout import Root
+from fila.core.models import MIN_CPUS, MIN_MEMORY, MIN_PIDS, MIN_SIZE, Limits, Policy, Task, parse_size
+from fila.queue.policy import load_policy, narrow, validate_document
+from fila.sandbox.docker import backend as sandbox
 
 from .helpers import fila, make_root, record
 

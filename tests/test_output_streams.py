@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from fila.backends import Backend, RunSpec, get_backend
-from fila.backends.base import ROOT_LABEL
+from fila.core.models import Policy
 from fila.engines import get_engine
-from fila.models import Policy
+from fila.sandbox import Backend, RunSpec, get_backend
+from fila.sandbox.base import ROOT_LABEL
 
 pytestmark = pytest.mark.docker
 

@@ -28,10 +28,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from fila.backends import docker as dk
-from fila.backends.base import RunSpec
-from fila.backends.podman import libpod_spec, overlay_why
-from fila.models import Policy
+from fila.core.models import Policy
+from fila.sandbox.base import RunSpec
+from fila.sandbox.docker import backend as dk
+from fila.sandbox.podman.backend import libpod_spec, overlay_why
 
 AS_USER = os.environ.get("FILA_CONTRACT_BACKEND") == "podman" and os.getuid() != 0
 as_user = pytest.mark.skipif(not AS_USER, reason="runs as the Podman test user (the root test starts it)")
@@ -94,7 +94,7 @@ def test_libpod_spec_leaves_out_only_what_is_waived_and_refuses_keys_it_does_not
 
 
 def _overlay_kwargs(tmp_path: Path) -> dict[str, object]:
-    from fila.snapshot import Overlay
+    from fila.workspace.snapshot import Overlay
 
     job = tmp_path / "job"
     (job / "input").mkdir(parents=True, exist_ok=True)
@@ -205,9 +205,9 @@ def test_the_cycle_on_podman_refuses_an_unwaived_policy_and_records_a_waived_one
 
 @as_user
 def test_recovery_on_podman_sweeps_a_container_no_worker_holds(tmp_path: Path) -> None:
-    from fila import recovery
-    from fila.backends.podman import PodmanBackend
-    from fila.layout import Root
+    from fila.core.layout import Root
+    from fila.recovery import recover as recovery
+    from fila.sandbox.podman.backend import PodmanBackend
 
     q = Root.at(tmp_path / "q")
     assert _cli("init", "--root", str(q.path), "--backend", "podman")[0] == 0
@@ -248,7 +248,7 @@ def test_recovery_on_podman_sweeps_a_container_no_worker_holds(tmp_path: Path) -
 def test_a_worker_killed_while_its_podman_container_runs_is_recovered_and_the_container_removed(
     tmp_path: Path,
 ) -> None:
-    from fila.backends.podman import PodmanBackend
+    from fila.sandbox.podman.backend import PodmanBackend
 
     backend = PodmanBackend()
     backend.build("shell", progress=lambda _m: None)  # reused when the contract built it
@@ -302,8 +302,8 @@ def _tree_state(top: Path) -> dict[str, tuple]:
 def test_an_overlay_job_on_rootless_podman_writes_the_patch_the_copy_writes_and_leaves_the_snapshot_pristine(
     tmp_path: Path,
 ) -> None:
-    from fila import snapshot
-    from fila.layout import Root
+    from fila.core.layout import Root
+    from fila.workspace import snapshot
 
     q = tmp_path / "q"
     (q / "src" / "sub").mkdir(parents=True)
@@ -317,7 +317,7 @@ def test_an_overlay_job_on_rootless_podman_writes_the_patch_the_copy_writes_and_
     assert _cli("init", "--root", str(q), "--backend", "podman")[0] == 0
     pol = q / "policies" / "default.json"
     pol.write_text(json.dumps(json.loads(pol.read_text()) | {"waive": ["memory", "pids", "cpus"]}))
-    from fila.backends.podman import PodmanBackend
+    from fila.sandbox.podman.backend import PodmanBackend
 
     PodmanBackend().build("shell", progress=lambda _m: None)
 

@@ -30,12 +30,12 @@ from typing import Any
 
 import pytest
 
-from fila.backends import docker as dk
-from fila.backends.base import RunSpec
-from fila.backends.podman import libpod_spec
-from fila.backends.podman_egress import gateway_spec, job_network_spec
-from fila.egress import Gateway
-from fila.models import Policy
+from fila.core.models import Policy
+from fila.egress.config import Gateway
+from fila.sandbox.base import RunSpec
+from fila.sandbox.docker import backend as dk
+from fila.sandbox.podman.backend import libpod_spec
+from fila.sandbox.podman.egress import gateway_spec, job_network_spec
 
 AS_USER = os.environ.get("FILA_CONTRACT_BACKEND") == "podman" and os.getuid() != 0
 as_user = pytest.mark.skipif(not AS_USER, reason="runs as the Podman test user (the root test starts it)")
@@ -136,14 +136,14 @@ class PodmanUpstreams:
 
 
 def _libpod(c: Any, method: str, path: str, body: Any = None, **params: Any) -> Any:
-    from fila.backends.podman_egress import _call
+    from fila.sandbox.podman.egress import _call
 
     return _call(c, method, path, body, **params)
 
 
 @pytest.fixture(scope="module")
 def podman_upstreams(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PodmanUpstreams]:
-    from fila.backends.podman import PodmanBackend
+    from fila.sandbox.podman.backend import PodmanBackend
     from tests.upstreams.ca import make_ca
     from tests.upstreams.fixtures import SERVER_PY
 
@@ -268,7 +268,7 @@ def _submit(q: Path, command: str, env: dict[str, str]) -> str:
 
 
 def _leftovers(q: Path, tid: str) -> list[str]:
-    from fila.backends.podman import PodmanBackend
+    from fila.sandbox.podman.backend import PodmanBackend
 
     with PodmanBackend().client() as c:
         flt = json.dumps({"label": [f"fila.job={tid}"]})
@@ -294,7 +294,7 @@ class Inspector(threading.Thread):
         self.netns_addrs = ""  # `ip -4 -o addr` of the user's rootless network namespace
 
     def run(self) -> None:
-        from fila.backends.podman import PodmanBackend
+        from fila.sandbox.podman.backend import PodmanBackend
 
         with PodmanBackend().client() as c:
             while not self.stop.is_set():
@@ -490,9 +490,9 @@ def test_allowlist_passes_on_rootless_podman_as_an_ordinary_user(
     import pwd
     import re
 
-    from fila import egress
-    from fila.backends.docker import DockerBackend
-    from fila.images import ensure_image
+    from fila.egress import config as egress
+    from fila.sandbox.docker.backend import DockerBackend
+    from fila.sandbox.images import ensure_image
 
     from .test_podman import _python_for_others, podman_user, pytest_as_user
     from .test_unprivileged import tests_for_others

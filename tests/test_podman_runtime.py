@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from fila.backends import podman
-from fila.errors import EngineUnavailable
+from fila.core.errors import EngineUnavailable
+from fila.sandbox.podman import backend as podman
 
 pytestmark = [
     pytest.mark.skipif(os.getuid() != 0, reason="making another uid's directory needs root"),
@@ -213,8 +213,8 @@ def _as(user: str, python: str, code: str) -> subprocess.CompletedProcess[str]:
 
 
 _PING = (
-    "from fila.backends.podman import PodmanBackend\n"
-    "from fila.errors import EngineUnavailable\n"
+    "from fila.sandbox.podman.backend import PodmanBackend\n"
+    "from fila.core.errors import EngineUnavailable\n"
     "b = PodmanBackend()\n"
     "try:\n"
     "    b.ping()\n"

@@ -15,8 +15,11 @@ pytestmark = pytest.mark.docker
 # kernel's work/ of a subordinate uid, mode 000, that a worker killed after its container's removal
 # leaves. Then one recovery pass, and gc of a1 once rejected with its scratch planted again.
 _SCRIPT = r"""
-from fila import cycle, decision, gc, lease, queue, recovery
-from fila.layout import Root
+from fila.run import job as cycle
+from fila.review import decision
+from fila.recovery import gc, recover as recovery
+from fila.queue import lease, store as queue
+from fila.core.layout import Root
 def submit(tid):
     fila("submit", "--root", str(q), "--id", tid, "--engine", "shell", "--command", "exit 3",
          "--target", "greeting.txt")

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from fila.layout import Root
+from fila.core.layout import Root
 
 from .helpers import fila, make_root, record
 

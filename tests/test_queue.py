@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from fila import queue
-from fila.errors import DuplicateId, InvalidId, InvalidTransition
-from fila.layout import Root
-from fila.models import Status
+from fila.core.errors import DuplicateId, InvalidId, InvalidTransition
+from fila.core.layout import Root
+from fila.core.models import Status
+from fila.queue import store as queue
 
 from .helpers import make_root, shell_task
 
@@ -101,8 +101,8 @@ def test_reject_file_keeps_the_file_and_the_reason(root: Root) -> None:
 WORKER = textwrap.dedent("""
     import sys, json
     from pathlib import Path
-    from fila import queue
-    from fila.layout import Root
+    from fila.queue import store as queue
+    from fila.core.layout import Root
     root = Root.at(sys.argv[1]); me = sys.argv[2]; got = []
     while True:
         files = queue.queued_files(root)
@@ -152,7 +152,7 @@ def test_hand_back_never_replaces_a_file_dropped_meanwhile(root: Root) -> None:
 
 
 def test_rename_noreplace_refuses_to_replace(tmp_path: Path) -> None:
-    from fila.fsutil import rename_noreplace
+    from fila.core.fsutil import rename_noreplace
 
     (tmp_path / "a").write_text("a")
     (tmp_path / "b").write_text("b")
@@ -164,7 +164,7 @@ def test_rename_noreplace_refuses_to_replace(tmp_path: Path) -> None:
 
 
 def test_a_short_append_is_undone_and_raised(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from fila import fsutil
+    from fila.core import fsutil
 
     log = tmp_path / "events"
     fsutil.append_line(log, "first")
@@ -181,8 +181,8 @@ def test_a_short_append_is_undone_and_raised(tmp_path: Path, monkeypatch: pytest
 def test_a_lease_ttl_that_would_reap_live_workers_is_refused(
     ttl: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fila.errors import InvalidInput
-    from fila.lease import lease_ttl
+    from fila.core.errors import InvalidInput
+    from fila.queue.lease import lease_ttl
 
     monkeypatch.setenv("FILA_LEASE_TTL", ttl)
     with pytest.raises(InvalidInput):

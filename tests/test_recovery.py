@@ -14,12 +14,16 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from fila import cycle, fsutil, lease, queue, recovery
-from fila.backends.docker import DockerBackend
 from fila.cli import app
-from fila.errors import InvalidTransition, RecordMismatch
-from fila.layout import Root
-from fila.models import ErrorInfo, ErrorKind, Status
+from fila.core import fsutil
+from fila.core.errors import InvalidTransition, RecordMismatch
+from fila.core.layout import Root
+from fila.core.models import ErrorInfo, ErrorKind, Status
+from fila.queue import lease
+from fila.queue import store as queue
+from fila.recovery import recover as recovery
+from fila.run import job as cycle
+from fila.sandbox.docker.backend import DockerBackend
 
 from .helpers import FakeContainer, FakeDocker, make_root, shell_task
 

@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from fila import cycle, fsutil, queue
-from fila.layout import Root
-from fila.models import ImageRef, Status
+from fila.core import fsutil
+from fila.core.layout import Root
+from fila.core.models import ImageRef, Status
+from fila.queue import store as queue
+from fila.run import job as cycle
 
 from .helpers import make_root, shell_task
 
@@ -39,7 +41,7 @@ def recovered(root: Root, tid: str) -> list[str]:
 def test_run_once_waits_out_a_backoff_within_the_cap_and_never_one_a_clock_stepped_back_made(
     proj: Root, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fila.worker import Worker
+    from fila.run.worker import Worker
 
     # A short cap, so that waiting it out is quick; the hour below is what a clock stepped back
     # an hour after the backoff was written leaves in the record.

@@ -14,10 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from fila import fsutil, queue, recovery
-from fila.backends.docker import DockerBackend
-from fila.layout import Root
-from fila.models import ErrorInfo, ErrorKind, Status
+from fila.core import fsutil
+from fila.core.layout import Root
+from fila.core.models import ErrorInfo, ErrorKind, Status
+from fila.queue import store as queue
+from fila.recovery import recover as recovery
+from fila.sandbox.docker.backend import DockerBackend
 
 from .helpers import FakeDocker, make_root, shell_task
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from fila import review
-from fila.layout import Root
-from fila.models import ImageRef
+from fila.core.layout import Root
+from fila.core.models import ImageRef
+from fila.review import report as review
 
 from .helpers import fila, make_root, submit_shell
 
@@ -187,8 +187,8 @@ def test_ci_steps_work_without_a_terminal(proj: Path) -> None:
 
 
 def test_blank_glyph_letters_are_shown_escaped() -> None:
-    from fila.fswalk import escape_name
-    from fila.review import inert
+    from fila.review.report import inert
+    from fila.workspace.fswalk import escape_name
 
     assert inert("exec(\u3164)") == "exec(\\u3164)"
     assert escape_name("a\u2800.txt") == "a\\u2800.txt"

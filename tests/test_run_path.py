@@ -14,11 +14,13 @@ from pathlib import Path
 import docker
 import pytest
 
-from fila import cycle, diff, queue
-from fila.backends import docker as dk
-from fila.backends.docker import DockerBackend
-from fila.layout import Root
-from fila.models import ImageRef, Status
+from fila.core.layout import Root
+from fila.core.models import ImageRef, Status
+from fila.queue import store as queue
+from fila.run import job as cycle
+from fila.sandbox.docker import backend as dk
+from fila.sandbox.docker.backend import DockerBackend
+from fila.workspace import diff
 
 from .helpers import make_root, shell_task
 
@@ -137,7 +139,7 @@ def test_one_process_asks_the_daemon_its_version_and_info_once_and_pings_it_at_m
         return real_send(self, request, **kw)
 
     monkeypatch.setattr("requests.Session.send", counting_send)
-    from fila.worker import Worker
+    from fila.run.worker import Worker
 
     for tid in ("t1", "t2"):
         cycle.submit(proj, shell_task("echo world >> greeting.txt", id=tid))
@@ -170,7 +172,7 @@ def test_an_empty_work_dir_is_made_inert_in_process_exactly_as_the_tools_make_a_
     """An overlay job's work/ on the host is an empty mount point: reclaim sets its owner and
     strips its mode bits itself, the same result `find`, `chown` and `chmod` give a work/ with
     files in it (the path every copied job takes)."""
-    from fila import jobdir
+    from fila.workspace import jobdir
 
     owner = (os.getuid(), os.getgid())
     results = {}
@@ -200,7 +202,7 @@ def test_recovery_removes_a_work_volume_no_container_uses_and_never_one_in_use(
     removal runs behind the diff, the window is the diff's length) leaves the volume alone."""
     from docker.types import Mount
 
-    from fila import recovery
+    from fila.recovery import recover as recovery
 
     labels = {"fila": "1", "fila.root": str(proj.path), "fila.job": "t1"}
     docker_client.volumes.create(f"fila-t1-{os.urandom(4).hex()}-work", labels=labels)
@@ -234,8 +236,8 @@ def _break_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_failed_run_whose_container_cannot_be_removed_stays_fenced_until_recovery_sees_it_gone(
     proj: Root, docker_client: docker.DockerClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fila.errors import InfraError, InvalidTransition
-    from fila.recovery import recover
+    from fila.core.errors import InfraError, InvalidTransition
+    from fila.recovery.recover import recover
 
     _break_the_wait(monkeypatch)
     said: list[str] = []
@@ -292,7 +294,7 @@ def test_a_failed_run_whose_container_cannot_be_removed_stays_fenced_until_recov
 def test_a_retry_never_starts_while_a_container_of_an_earlier_attempt_is_there(
     proj: Root, docker_client: docker.DockerClient, shell_image: ImageRef, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from fila.errors import InfraError
+    from fila.core.errors import InfraError
 
     monkeypatch.setattr(cycle, "backoff_s", lambda _n: 0.0)  # the requeued task is claimable at once
 
@@ -446,7 +448,7 @@ def test_the_log_and_the_events_file_are_on_disk_before_the_record_that_points_a
 PODMAN_ROOT = r"""
 import json, os, subprocess, sys, tempfile
 from pathlib import Path
-from fila.backends.podman import PodmanBackend
+from fila.sandbox.podman.backend import PodmanBackend
 CLI = [sys.executable, "-c", "from fila.cli import main; main()"]
 def fila(*a):
     r = subprocess.run([*CLI, *a], capture_output=True, text=True, timeout=300)

@@ -20,10 +20,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fila import secretscan
-from fila.backends import docker as sandbox
-from fila.errors import EngineUnavailable, ImageMissing, InfraError
-from fila.models import ImageRef, Limits, Policy
+from fila.core.errors import EngineUnavailable, ImageMissing, InfraError
+from fila.core.models import ImageRef, Limits, Policy
+from fila.sandbox.docker import backend as sandbox
+from fila.workspace import secretscan
 
 pytestmark = pytest.mark.docker
 
@@ -334,8 +334,8 @@ _CHILD = textwrap.dedent(
     """
     import signal, sys
     from pathlib import Path
-    from fila.backends import docker as sandbox
-    from fila.models import Policy
+    from fila.sandbox.docker import backend as sandbox
+    from fila.core.models import Policy
 
     def on_term(signum, frame):
         raise SystemExit(143)

@@ -19,12 +19,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fila import jobdir, snapshot
-from fila.diff import DiffResult, compute_diff
-from fila.errors import FilaError, LimitExceeded
-from fila.layout import Root
-from fila.models import Policy
-from fila.policy import load_policy, narrow
+from fila.core.errors import FilaError, LimitExceeded
+from fila.core.layout import Root
+from fila.core.models import Policy
+from fila.queue.policy import load_policy, narrow
+from fila.workspace import jobdir, snapshot
+from fila.workspace.diff import DiffResult, compute_diff
 
 from .helpers import make_root, shell_task
 from .test_diff import DIRS, Node, build, policy, tree_pairs

@@ -22,11 +22,14 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from fila import breaker, fsutil, queue, recovery
-from fila.backends.docker import DockerBackend
-from fila.errors import InvalidTransition, Refused
-from fila.layout import Root
-from fila.models import ErrorInfo, ErrorKind, Status
+from fila.core import fsutil
+from fila.core.errors import InvalidTransition, Refused
+from fila.core.layout import Root
+from fila.core.models import ErrorInfo, ErrorKind, Status
+from fila.queue import breaker
+from fila.queue import store as queue
+from fila.recovery import recover as recovery
+from fila.sandbox.docker.backend import DockerBackend
 
 from .helpers import FakeDocker, shell_task
 
@@ -91,7 +94,7 @@ class QueueMachine(RuleBasedStateMachine):
         if not acting:
             return
         w = data.draw(st.sampled_from(acting))
-        from fila.cycle import next_claim
+        from fila.run.job import next_claim
 
         c = next_claim(self.root, w)
         if c is not None:

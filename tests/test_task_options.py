@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
+from fila.core.errors import InvalidTaskFile
+from fila.core.models import ImageRef, Task
 from fila.engines import get_engine
-from fila.errors import InvalidTaskFile
-from fila.models import ImageRef, Task
 
 from .helpers import fila, make_root
 

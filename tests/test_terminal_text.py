@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from fila.fswalk import inert
-from fila.layout import Root
-from fila.models import Task
-from fila.states import valid_id
+from fila.core.layout import Root
+from fila.core.models import Task
+from fila.core.states import valid_id
+from fila.workspace.fswalk import inert
 
 from .helpers import fila, make_root, record
 

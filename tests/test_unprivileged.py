@@ -25,9 +25,9 @@ from pathlib import Path
 import pytest
 
 import fila
-from fila import snapshot
-from fila.layout import Root
-from fila.models import ImageRef
+from fila.core.layout import Root
+from fila.core.models import ImageRef
+from fila.workspace import snapshot
 
 pytestmark = [
     pytest.mark.docker,

@@ -21,9 +21,9 @@ from typing import Any
 import docker
 import pytest
 
-from fila import images
-from fila.backends.docker import DockerBackend
-from fila.errors import ImageMissing
+from fila.core.errors import ImageMissing
+from fila.sandbox import images
+from fila.sandbox.docker.backend import DockerBackend
 
 from .helpers import fila, make_root, record
 from .upstreams import Upstreams

@@ -16,10 +16,11 @@ from pathlib import Path
 import docker
 import pytest
 
-from fila import breaker, queue
-from fila.backends.docker import DockerBackend
-from fila.layout import Root
-from fila.models import ImageRef, Status
+from fila.core.layout import Root
+from fila.core.models import ImageRef, Status
+from fila.queue import breaker
+from fila.queue import store as queue
+from fila.sandbox.docker.backend import DockerBackend
 
 from .helpers import make_root
 from .test_durability import (
@@ -218,8 +219,8 @@ def test_several_worker_processes_process_each_task_exactly_once(
 ) -> None:
     n = 200
     for i in range(n):  # through the library: 200 CLI start-ups would dominate the test
-        from fila.cycle import submit as do_submit
-        from fila.models import Task
+        from fila.core.models import Task
+        from fila.run.job import submit as do_submit
 
         do_submit(proj, Task(id=f"t{i:03d}", engine="shell", command="true", targets=["greeting.txt"]))
     procs = [start_worker(proj, "--once", "--concurrency", "2", log=tmp_path / f"w{k}.log") for k in range(3)]
@@ -374,7 +375,7 @@ def test_docker_daemon_stopped_mid_run_and_started_again(
 
 
 def test_breaker_counts_failures_not_interruptions_or_invalid_files(tmp_path: Path) -> None:
-    from fila.models import ErrorInfo, Record, Task
+    from fila.core.models import ErrorInfo, Record, Task
 
     root = make_root(tmp_path)
     task = Task(engine="shell", command="true", targets=["x"])
@@ -402,7 +403,7 @@ def test_breaker_counts_failures_not_interruptions_or_invalid_files(tmp_path: Pa
 def test_a_job_stopped_before_its_container_starts_goes_back_to_the_queue(
     proj: Root, docker_client: docker.DockerClient, started_containers: Starts
 ) -> None:
-    from fila import cycle
+    from fila.run import job as cycle
 
     class Draining(cycle.Hooks):
         def before_start(self) -> None:
@@ -437,8 +438,8 @@ def test_the_heartbeat_thread_marks_a_reaped_job_lost_so_its_next_check_stops_it
 ) -> None:
     import threading
 
-    from fila import lease
-    from fila import worker as wmod
+    from fila.queue import lease
+    from fila.run import worker as wmod
 
     from .helpers import shell_task
 

@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli.py's sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "3b852827224cc93f6e7b3898a4a589b98fa121f2d09ac44381762684ebfdcebc"
+CLI_SHA256 = "f30f6dd86bf4e1c5945c9df35a9f1c965cbb14df19c9a622959a63cf7e02c4c9"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 

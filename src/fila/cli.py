@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from .errors import EXIT_INTERRUPTED, FilaError
-from .layout import Root
-from .states import Status
+from .core.errors import EXIT_INTERRUPTED, FilaError
+from .core.layout import Root
+from .core.states import Status
 
 if TYPE_CHECKING:  # pydantic's import costs a third of `fila --help`; commands import it lazily
-    from .models import Record
+    from .core.models import Record
 
 
 class _Commands(MutableMapping[str, Any]):
@@ -182,8 +182,8 @@ def init(
     json_: JsonOpt = False,
 ) -> None:
     """Create the queue layout (fila/in, out, logs; sandbox/; policies/) in the root."""
-    from .backends import check_name, set_root_backend
-    from .policy import install_shipped
+    from .queue.policy import install_shipped
+    from .sandbox import check_name, set_root_backend
 
     r = _root(root)
     if backend is not None:
@@ -252,15 +252,15 @@ def submit(
     task is refused here rather than failing later. With --run (CI, one process): the task is
     queued as above, then claimed and run like `fila run --once` would, other queued tasks left.
     """
-    from .cycle import parse_task_bytes, parse_task_file
-    from .cycle import submit as do_submit
-    from .errors import InvalidInput
-    from .models import Task
-    from .policy import validate_document
+    from .core.errors import InvalidInput
+    from .core.models import Task
+    from .queue.policy import validate_document
+    from .run.job import parse_task_bytes, parse_task_file
+    from .run.job import submit as do_submit
 
     data: dict[str, Any] = {}
     if task_file == "-":
-        from .untrusted import MAX_TASK_BYTES
+        from .core.untrusted import MAX_TASK_BYTES
 
         raw = sys.stdin.buffer.read(MAX_TASK_BYTES + 1)  # capped: stdin may be endless
         data = parse_task_bytes(raw, source="stdin").model_dump(exclude_none=True)
@@ -288,8 +288,8 @@ def submit(
                            hint="one engine takes one --model MODEL")  # fmt: skip
     validate_document("task", data, path=task_file if task_file not in (None, "-") else "options")
     if engine and len(engine) > 1:
-        from .compare import group_tasks
-        from .cycle import submit_group
+        from .review.groups import group_tasks
+        from .run.job import submit_group
 
         per_engine = dict(m.split("=", 1) for m in model or [] if "=" in m)
         recs = submit_group(_root(root), group_tasks(Task.model_validate(data), engine, models=per_engine))
@@ -379,7 +379,7 @@ def _process(
     grace: float = 60.0,
 ) -> None:
     """Run a worker (`only`: just these tasks) and exit with its code (never returns)."""
-    from .worker import Worker
+    from .run.worker import Worker
 
     def on_record(rec: Record) -> None:
         typer.echo(json.dumps(_record_json(rec)) if json_ else _summary_line(rec))
@@ -418,7 +418,7 @@ def recover(
 ) -> None:
     """Settle what crashed workers left: stale claims (requeued before their container started,
     needs_human after), interrupted writes, orphaned containers. Safe while workers run."""
-    from .recovery import recover as do_recover
+    from .recovery.recover import recover as do_recover
 
     rep = do_recover(_root(root), docker=not no_docker)
     if json_:
@@ -441,8 +441,8 @@ def retry(
     json_: JsonOpt = False,
 ) -> None:
     """Queue a failed or needs_human task again: a person's decision to run it once more."""
-    from .decision import check_reason, decider
-    from .queue import retry as do_retry
+    from .queue.store import retry as do_retry
+    from .review.decision import check_reason, decider
 
     rec = do_retry(_root(root).require(), task_id, by=decider(by), reason=check_reason(reason))
     if json_:
@@ -459,8 +459,8 @@ def rearm(
     json_: JsonOpt = False,
 ) -> None:
     """Close the circuit breaker so workers claim again; the rearm is recorded."""
-    from .breaker import rearm as do_rearm
-    from .decision import check_reason, decider
+    from .queue.breaker import rearm as do_rearm
+    from .review.decision import check_reason, decider
 
     st = do_rearm(_root(root).require(), by=decider(by), reason=check_reason(reason))
     if json_:
@@ -472,7 +472,7 @@ def rearm(
 @app.command()
 def status(root: RootOpt = None, json_: JsonOpt = False) -> None:
     """Queue counts per state, running jobs (age, heartbeat), the breaker, stale claims."""
-    from .status import gather, render
+    from .ops.status import gather, render
 
     d = gather(_root(root))
     if json_:
@@ -488,7 +488,7 @@ def ls_cmd(
     json_: JsonOpt = False,
 ) -> None:
     """List tasks with their status, newest last."""
-    from .queue import listing
+    from .queue.store import listing
 
     recs, dropped = listing(_root(root).require(), status)
     if json_:
@@ -516,9 +516,9 @@ def ls_cmd(
 @app.command()
 def show(task_id: str, root: RootOpt = None, json_: JsonOpt = False) -> None:
     """Show a task's record: status, engine, image, policy, timings, diffstat, error."""
-    from .fswalk import escape_name
-    from .queue import get_record
-    from .review import project_path
+    from .queue.store import get_record
+    from .review.report import project_path
+    from .workspace.fswalk import escape_name
 
     r = _root(root).require()
     rec = get_record(r, task_id)
@@ -566,7 +566,7 @@ def show(task_id: str, root: RootOpt = None, json_: JsonOpt = False) -> None:
         lines.append(f"log:       {r.path / rec.log_path}")
     for w in rec.warnings:
         lines.append(f"warning:   {_safe(w)}")
-    from .egress import lines as egress_lines
+    from .egress.config import lines as egress_lines
 
     lines += egress_lines(rec.egress)
     if rec.decision:
@@ -578,7 +578,7 @@ def show(task_id: str, root: RootOpt = None, json_: JsonOpt = False) -> None:
 
 def _safe(text: str) -> str:
     """Text from the engine as it may be shown (a name can carry terminal escape sequences)."""
-    from .fswalk import inert
+    from .workspace.fswalk import inert
 
     return inert(text)
 
@@ -597,12 +597,12 @@ def logs(
     On a terminal, control characters from the engine are shown escaped; piped, the bytes are
     written as they are. --follow is progress for long work: it ends when the task is decided.
     """
-    from .queue import log_chunks
+    from .queue.store import log_chunks
 
     tty = sys.stdout.isatty()
     for data in log_chunks(_root(root).require(), task_id, events=events, follow=follow):
         if tty:
-            from .fswalk import inert
+            from .workspace.fswalk import inert
 
             typer.echo("\n".join(inert(x) for x in data.split(b"\n")), nl=False)
         else:
@@ -618,19 +618,19 @@ def diff(task_id: str, root: RootOpt = None) -> None:
     characters are escaped (a hostile line could otherwise hide itself with escape sequences);
     piped, the bytes are written unchanged, e.g. for `git apply`.
     """
-    from .patch import policy_for, read_reviewed
-    from .queue import get_record
+    from .queue.store import get_record
+    from .review.patch import policy_for, read_reviewed
 
     r = _root(root).require()
     rec = get_record(r, task_id)
     data = read_reviewed(r, rec, policy_for(r, rec))
     if rec.credentials_in_diff is not None:  # on stderr: the patch on stdout stays a patch
-        from .secretscan import diff_warning
+        from .workspace.secretscan import diff_warning
 
         found = rec.credentials_in_diff
         _err(f"fila: warning: {diff_warning(found.counts, len(found.files))}")
     if sys.stdout.isatty():
-        from .fswalk import inert
+        from .workspace.fswalk import inert
 
         typer.echo("\n".join(inert(line) for line in data.split(b"\n")), nl=False)
         return
@@ -662,7 +662,7 @@ def review(
     """
     import os
 
-    from . import review as rv
+    from .review import report as rv
 
     r = _root(root)
     got = rv.load(r, task_id)
@@ -727,9 +727,9 @@ def apply_cmd(
     --allow-credential. What lands equals the job's work/ byte for byte, modes 0644/0755, but
     for that marker.
     """
-    from .apply import apply
-    from .errors import InvalidInput
-    from .queue import get_record
+    from .core.errors import InvalidInput
+    from .queue.store import get_record
+    from .review.apply import apply
 
     r = _root(root)
     if not yes:
@@ -738,8 +738,8 @@ def apply_cmd(
                 "apply asks for confirmation and there is no terminal",
                 hint="pass --yes to apply without asking (CI)",
             )
-        from .fswalk import escape_name
-        from .review import project_path
+        from .review.report import project_path
+        from .workspace.fswalk import escape_name
 
         rec = get_record(r.require(), task_id)
         typer.echo(_summary_line(rec), err=True)
@@ -805,7 +805,7 @@ def compare(
 ) -> None:
     """Show a group's tasks side by side: status, files touched, +/- lines, duration, requests,
     tokens, cost, and the check when the task names one."""
-    from . import compare as cmp
+    from .review import groups as cmp
 
     c = cmp.compare(_root(root), group)
     if json_:
@@ -827,7 +827,7 @@ def reject(
 ) -> None:
     """Reject a task (ready for review, failed or needing a person) and record why. The project
     is not touched; `fila gc` removes the job directory later."""
-    from .decision import reject as do_reject
+    from .review.decision import reject as do_reject
 
     rec = do_reject(_root(root), task_id, by=by, reason=reason)
     d = rec.decision
@@ -850,7 +850,7 @@ def gc_cmd(
 ) -> None:
     """Remove job directories (sandbox/jobs/ID, sandbox/meta/ID) of tasks applied or rejected
     longer ago than --older-than. Never a task that is not decided; records and logs stay."""
-    from .gc import collect, parse_age
+    from .recovery.gc import collect, parse_age
 
     got = collect(_root(root), parse_age(older_than), dry_run=dry_run)
     if json_:
@@ -885,8 +885,8 @@ def doctor(
     """Check this host: the container engine, runtimes, images built, every policy of the root,
     and a self-test with real containers (no network under none, the allowlist lets a listed host
     through and refuses another, input/ read-only, no capabilities). Exit 1 naming what failed."""
-    from . import doctor as dr
-    from .errors import FilaError
+    from .core.errors import FilaError
+    from .ops import doctor as dr
 
     rep = dr.run(_root(root), self_test=not no_self_test, progress=_err)
     # Policy names and their errors come from the operator's files: escaped like everything else.
@@ -898,8 +898,8 @@ def doctor(
 @app.command()
 def schema(kind: Annotated[str, typer.Argument(help="task, policy or record")]) -> None:
     """Print the JSON Schema of a file format (the one fila validates against)."""
-    from .errors import InvalidInput
-    from .models import schema_for
+    from .core.errors import InvalidInput
+    from .core.models import schema_for
 
     if kind not in ("task", "policy", "record"):
         raise InvalidInput(f"unknown schema {kind!r}", hint="choose task, policy or record")
@@ -920,9 +920,9 @@ def images_build(
     json_: JsonOpt = False,
 ) -> None:
     """Build engine images locally, also on a host with no registry. A current image is reused."""
-    from .backends import get_backend, root_backend
     from .engines import engine_names, get_engine
-    from .images import SUPPORT_IMAGES
+    from .sandbox import get_backend, root_backend
+    from .sandbox.images import SUPPORT_IMAGES
 
     names = [engine] if engine else engine_names()
     built = []

@@ -37,7 +37,7 @@ def cached_help() -> str | None:
 
     if os.path.basename(sys.argv[0]) != "fila" or shutil.get_terminal_size().columns < MIN_COLUMNS:
         return None
-    from .stored import stored_bytes
+    from .core.stored import stored_bytes
 
     raw = stored_bytes(_HELP, __file__)
     if raw is None:  # not generated, or not to be trusted
@@ -75,7 +75,7 @@ def write_help() -> str:
     assert "\\" not in text and '"""' not in text, "the help needs escaping: write it with repr()"
     from pathlib import Path
 
-    from .fsutil import atomic_write
+    from .core.fsutil import atomic_write
 
     # 0644 whatever the umask: a group-writable copy would be ignored (stored_bytes).
     atomic_write(
@@ -142,7 +142,7 @@ if __name__ == "__main__":
     # The generated start-up files, after an edit of cli.py or of the models (tests say when).
     if sys.argv[1:] != ["--write"]:
         raise SystemExit("usage: python -m fila.entry --write")
-    from .models import write_stored_schemas
+    from .core.models import write_stored_schemas
 
     print(write_help())
     print(write_stored_schemas())

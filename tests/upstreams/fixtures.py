@@ -27,8 +27,8 @@ import docker
 import pytest
 from docker.errors import APIError, NotFound
 
-from fila.backends.docker import DockerBackend
-from fila.images import ensure_image
+from fila.sandbox.docker.backend import DockerBackend
+from fila.sandbox.images import ensure_image
 
 from .ca import TestCA, make_ca
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 
-from ..errors import UnknownEngine
+from ..core.errors import UnknownEngine
 from .base import Engine, Outcome
 
 __all__ = ["Engine", "Outcome", "engine_names", "get_engine"]

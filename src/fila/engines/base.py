@@ -18,9 +18,9 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ValidationError
 
-from ..backends.base import RunOutput
-from ..errors import InvalidTaskFile
-from ..models import EgressRecord, Policy, Task
+from ..core.errors import InvalidTaskFile
+from ..core.models import EgressRecord, Policy, Task
+from ..sandbox.base import RunOutput
 
 OutcomeKind = Literal["success", "engine_error", "quota", "auth"]
 

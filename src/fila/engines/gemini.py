@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..models import Policy, Task
+from ..core.models import Policy, Task
 from .base import HOME, JOB_MOUNT, Engine, Invocation, Outcome, RunOutput, Smoke, error_outcome
 
 DEFAULT_MODEL = "gemini-2.5-pro"

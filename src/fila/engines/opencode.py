@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..models import Policy, Task
+from ..core.models import Policy, Task
 from .base import HOME, JOB_MOUNT, Engine, Invocation, Outcome, RunOutput, Smoke, error_outcome, json_lines
 
 PROVIDER = "fila"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..models import Task
+from ..core.models import Task
 from .base import JOB_MOUNT, Engine, Invocation, Outcome, RunOutput
 
 

@@ -1,0 +1,569 @@
+"""`network: allowlist`: the job's own network and egress gateway, from policy to record.
+
+Per job (egress.md, the gateway contract): an internal bridge network with no IPv4 on the bridge
+(so the engine cannot reach host services through the bridge address), a gateway container
+(`fila/gateway:latest`, mitmproxy with fila's addon) on that network and on the egress network,
+and the engine on the job network only, with the gateway as its proxy, its resolver and its model
+routes. The real credentials exist only in the secrets directory mounted into the gateway; the
+engine holds the placeholder key. After the engine container is gone the gateway, the network and
+the secrets are removed, and the gateway's log becomes the record's `egress` section.
+
+Everything is labelled (`fila=1`, `fila.job`, `fila.role`, `fila.root`) so `fila recover` sweeps
+what a killed fila left (`sweep`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import ipaddress
+import json
+import os
+import secrets as _secrets
+import shutil
+import stat
+from collections.abc import Callable, Collection
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..core.errors import InvalidPolicy
+from ..core.models import EgressRecord, EgressRequest, Policy, Route, RouteSummary
+
+GATEWAY_IMAGE = "fila/gateway:latest"
+ROLE_LABEL = "fila.role"
+ROLE_GATEWAY = "gateway"
+ROLE_JOB_NET = "job-net"
+ROLE_EGRESS_NET = "egress-net"
+DEFAULT_EGRESS_NETWORK = "fila-egress"
+PROXY_PORT = 3128
+ROUTE_PORT = 8080
+PLACEHOLDER_KEY = "fila-placeholder"
+CONFIG_PATH = "/etc/fila-gateway/config.json"
+UPSTREAM_CA_PATH = "/etc/fila-gateway/upstream-ca.pem"
+SECRETS_PATH = "/run/fila-gateway/secrets"
+LOG_PATH = "/var/log/fila-gateway"
+READY_TIMEOUT_S = 20.0
+GATEWAY_MEMORY = 256 << 20
+GATEWAY_PIDS = 128
+MAX_LOG_BYTES = 8 << 20  # egress.jsonl read into the record at most this much
+MAX_RECORD_REQUESTS = 500  # requests kept in the record; the rest are counted as dropped
+
+
+@dataclass(frozen=True)
+class KnownRoute:
+    upstream: str
+    header: str
+    format: str
+    base_url_env: str
+    base_url_suffix: str  # what the engine's SDK expects after the route (OpenAI's includes /v1)
+    key_env: str
+
+
+KNOWN_ROUTES: dict[str, KnownRoute] = {
+    "anthropic": KnownRoute(
+        "https://api.anthropic.com", "x-api-key", "{key}", "ANTHROPIC_BASE_URL", "", "ANTHROPIC_API_KEY"
+    ),
+    "openai": KnownRoute(
+        "https://api.openai.com", "authorization", "Bearer {key}", "OPENAI_BASE_URL", "/v1", "OPENAI_API_KEY"
+    ),
+    "gemini": KnownRoute(
+        "https://generativelanguage.googleapis.com",
+        "x-goog-api-key",
+        "{key}",
+        "GOOGLE_GEMINI_BASE_URL",
+        "",
+        "GEMINI_API_KEY",
+    ),
+}
+
+# Names that resolve to this machine, the local network or a cloud's metadata service: never
+# allowed, whatever they resolve to today (the gateway also checks every address it resolves).
+_PRIVATE_NAMES = {"localhost", "metadata", "metadata.google.internal", "metadata.goog", "instance-data"}
+_PRIVATE_SUFFIXES = (".localhost", ".local", ".internal", ".localdomain", ".lan", ".home.arpa", ".arpa")
+
+
+# -- the policy ----------------------------------------------------------------------------------
+
+
+def _bad(field: str, message: str, path: Path | str | None, hint: str | None = None) -> InvalidPolicy:
+    return InvalidPolicy(f"policy field {field!r}: {message}", hint=hint, path=path)
+
+
+def _is_ip_literal(host: str) -> bool:
+    h = host.strip("[]").rstrip(".")
+    with contextlib.suppress(ValueError):
+        ipaddress.ip_address(h)
+        return True
+    # 2130706433, 0x7f.1, 127.1: forms inet_aton accepts that ip_address does not.
+    labels = h.split(".")
+    return all(lbl.isdigit() or lbl.lower().startswith("0x") for lbl in labels if lbl)
+
+
+def private_name(host: str) -> bool:
+    h = host.lower().rstrip(".")
+    if h.startswith("*."):
+        h = h[2:]
+    return h in _PRIVATE_NAMES or h.endswith(_PRIVATE_SUFFIXES) or "." + h in _PRIVATE_SUFFIXES
+
+
+def validate(policy: Policy, *, path: Path | str | None = None) -> None:
+    """Everything about `network`/`egress` a schema cannot say; errors name the field (exit 2)."""
+    eg = policy.egress
+    if policy.network != "allowlist":
+        if eg is not None:
+            raise _bad(
+                "egress",
+                f"set while network is {policy.network!r}",
+                path,
+                'use "network": "allowlist", or remove egress',
+            )
+        return
+    if eg is None or (not eg.allow and not eg.routes):
+        raise _bad(
+            "egress",
+            "network allowlist needs at least one egress.allow entry or egress.routes route",
+            path,
+            'e.g. "egress": {"allow": [{"host": "registry.npmjs.org"}]}',
+        )
+    for i, entry in enumerate(eg.allow):
+        field = f"egress.allow.{i}.host"
+        if _is_ip_literal(entry.host):
+            raise _bad(field, f"{entry.host!r} is an IP address; list host names only", path)
+        if private_name(entry.host):
+            raise _bad(field, f"{entry.host!r} is a private or metadata name", path)
+        if entry.methods is not None and entry.port == 443:
+            # Port 443 is reached through a CONNECT tunnel, where the gateway sees no method: the
+            # gateway refuses CONNECT for a method-limited entry, so this entry would open nothing.
+            raise _bad(
+                f"egress.allow.{i}.methods",
+                "methods limit plain HTTP only; port 443 is reached by CONNECT (TLS): no method is seen",
+                path,
+                "remove methods (the whole host:443 is open), or list a plain-HTTP port (80)",
+            )
+    for i, cidr in enumerate(eg.allow_private):
+        try:
+            ipaddress.ip_network(cidr, strict=False)
+        except ValueError as e:
+            raise _bad(f"egress.allow_private.{i}", f"not a CIDR: {e}", path) from None
+    for name, route in eg.routes.items():
+        _validate_route(name, route, path)
+
+
+def _validate_route(name: str, route: Route, path: Path | str | None) -> None:
+    base = f"egress.routes.{name}"
+    if name not in KNOWN_ROUTES:
+        raise _bad(base, f"unknown route {name!r}", path, f"known routes: {', '.join(sorted(KNOWN_ROUTES))}")
+    if (route.credential is None) == (route.credential_file is None):
+        raise _bad(base, "give exactly one of credential (a variable name) or credential_file", path)
+    if route.credential is not None and not os.environ.get(route.credential):
+        raise _bad(
+            f"{base}.credential",
+            f"the environment variable {route.credential} is not set",
+            path,
+            f"export {route.credential} in the environment fila runs in",
+        )
+    if route.credential_file is not None:
+        _check_secret_file(f"{base}.credential_file", Path(route.credential_file), path)
+    if route.ca_file is not None:
+        try:
+            st = os.stat(route.ca_file)
+        except OSError as e:
+            raise _bad(f"{base}.ca_file", f"cannot read {route.ca_file}: {e.strerror}", path) from None
+        if not stat.S_ISREG(st.st_mode):
+            raise _bad(f"{base}.ca_file", f"{route.ca_file} is not a regular file", path)
+    if route.format is not None and "{key}" not in route.format:
+        raise _bad(f"{base}.format", "must contain {key}", path)
+    for i, rule in enumerate(route.paths or []):
+        if any(seg in (".", "..") for seg in rule.split(" ", 1)[1].split("/")):
+            raise _bad(f"{base}.paths.{i}", f"{rule!r} has a dot segment", path)
+
+
+def _check_secret_file(field: str, p: Path, path: Path | str | None) -> None:
+    try:
+        st = os.lstat(p)
+    except OSError as e:
+        raise _bad(field, f"cannot read {p}: {e.strerror}", path) from None
+    if not stat.S_ISREG(st.st_mode):
+        raise _bad(field, f"{p} is not a regular file (a symlink or special file is refused)", path)
+    if st.st_uid != os.getuid():
+        raise _bad(field, f"{p} is owned by uid {st.st_uid}, not by fila's user ({os.getuid()})", path)
+    if st.st_mode & 0o077:
+        raise _bad(
+            field,
+            f"{p} is readable or writable by others (mode {stat.S_IMODE(st.st_mode):04o})",
+            path,
+            f"chmod 600 {p}",
+        )
+
+
+@dataclass(frozen=True)
+class Resolved:
+    name: str
+    upstream: str
+    header: str
+    format: str
+    key: str
+    ca_file: str | None
+    paths: list[str] | None = None  # None: the gateway's default for the known route
+
+
+def resolve_routes(policy: Policy) -> list[Resolved]:
+    """The policy's routes with the known defaults filled in and the credential read."""
+    eg = policy.egress
+    out = []
+    for name, r in (eg.routes if eg else {}).items():
+        known = KNOWN_ROUTES[name]
+        if r.credential is not None:
+            key = os.environ.get(r.credential, "")
+        else:
+            assert r.credential_file is not None
+            fd = os.open(r.credential_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as f:
+                key = f.read(1 << 16).decode().strip()
+        if not key:
+            raise _bad(f"egress.routes.{name}", "the credential is empty", None)
+        out.append(
+            Resolved(
+                name,
+                (r.upstream or known.upstream).rstrip("/"),
+                (r.header or known.header).lower(),
+                r.format or known.format,
+                key,
+                r.ca_file,
+                r.paths,
+            )
+        )
+    return out
+
+
+# -- the job's network and gateway ---------------------------------------------------------------
+
+
+@dataclass
+class Gateway:
+    job_id: str
+    network: str
+    container: str
+    ip: str
+    dir: Path
+    routes: list[str]
+
+    def engine_env(self) -> dict[str, str]:
+        proxy = f"http://{self.ip}:{PROXY_PORT}"
+        env = {k: proxy for k in ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy")}
+        # Gemini CLI and qwen CONNECT even for plain http: the routes must bypass the proxy.
+        env |= {"NO_PROXY": self.ip, "no_proxy": self.ip}
+        for name in self.routes:
+            base = f"http://{self.ip}:{ROUTE_PORT}/{name}"
+            env[f"FILA_ROUTE_{name.upper()}"] = base
+            known = KNOWN_ROUTES.get(name)
+            if known is not None:
+                env[known.base_url_env] = base + known.base_url_suffix
+                env[known.key_env] = PLACEHOLDER_KEY
+        return env
+
+
+def _labels(job_id: str, role: str, extra: dict[str, str]) -> dict[str, str]:
+    return {**extra, "fila": "1", "fila.job": job_id, ROLE_LABEL: role}
+
+
+def network_name(job_id: str) -> str:
+    return f"fila-net-{job_id[:90]}-{_secrets.token_hex(4)}"
+
+
+def _write_private(path: Path, data: bytes, uid: int, gid: int) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, data)
+        if (uid, gid) != (os.getuid(), os.getgid()):
+            os.fchown(fd, uid, gid)
+    finally:
+        os.close(fd)
+
+
+def _prepare_dir(
+    state: Path, policy: Policy, job_id: str, uid: int, gid: int, *, clients: list[str]
+) -> list[Resolved]:
+    """state/ (0700, the host's): config.json, upstream-ca.pem, secrets/ and log/ (the gateway's).
+    `clients`: the job network's subnets, the only peers the gateway serves (its key and budget are
+    this job's: an engine of another job reaching it through a broad allow_private is refused)."""
+    assert policy.egress is not None
+    routes = resolve_routes(policy)
+    if state.exists():
+        remove_dir(state)
+    state.mkdir(mode=0o700, parents=True)
+    os.chmod(state, 0o700)
+    sdir, ldir = state / "secrets", state / "log"
+    for d in (sdir, ldir):
+        d.mkdir(mode=0o700)
+        if (uid, gid) != (os.getuid(), os.getgid()):
+            os.chown(d, uid, gid)
+    cas = [r.ca_file for r in routes if r.ca_file]
+    if cas:
+        bundle = b"".join(Path(c).read_bytes().rstrip(b"\n") + b"\n" for c in dict.fromkeys(cas))
+        (state / "upstream-ca.pem").write_bytes(bundle)
+        os.chmod(state / "upstream-ca.pem", 0o644)
+    for r in routes:
+        _write_private(sdir / r.name, r.key.encode(), uid, gid)
+    eg = policy.egress
+    config = {
+        "job": job_id,
+        "allow": [e.model_dump() for e in eg.allow],
+        "allow_private": list(eg.allow_private),
+        "routes": {
+            r.name: {
+                "upstream": r.upstream,
+                "header": r.header,
+                "format": r.format,
+                "secret": r.name,
+                "paths": r.paths,
+            }
+            for r in routes
+        },
+        "budget": {"max_requests": eg.max_requests, "max_tokens": eg.max_tokens},
+        "upstream_ca": UPSTREAM_CA_PATH if cas else None,
+        "clients": clients,
+        "host_addresses": host_addresses(),
+    }
+    (state / "config.json").write_text(json.dumps(config, indent=2))
+    os.chmod(state / "config.json", 0o644)
+    return routes
+
+
+def host_addresses() -> list[str]:
+    """This machine's own addresses (IPv4 local routes of /proc/net/fib_trie, IPv6 of
+    /proc/net/if_inet6): the gateway never connects to them, public or not (a listed wildcard name
+    resolving to the host would otherwise reach its services through the egress bridge)."""
+    out: set[str] = set()
+    with contextlib.suppress(OSError):
+        prev = ""
+        for line in Path("/proc/net/fib_trie").read_text().splitlines():
+            if "/32 host LOCAL" in line and prev:
+                out.add(prev)
+            parts = line.split()
+            prev = parts[1] if len(parts) == 2 and parts[0] in ("|--", "+--") else ""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/net/if_inet6").read_text().splitlines():
+            raw = line.split()[0]
+            out.add(str(ipaddress.IPv6Address(int(raw, 16))))
+    return sorted(out)
+
+
+def remove_dir(state: Path) -> None:
+    """The job's gateway directory, secrets included; never following a link out of it."""
+    with contextlib.suppress(FileNotFoundError):
+        if state.is_symlink() or not state.is_dir():
+            state.unlink()
+            return
+        shutil.rmtree(state)
+
+
+# -- the record ----------------------------------------------------------------------------------
+
+
+def _read_gateway_file(path: Path, cap: int) -> bytes | None:
+    """A file the gateway wrote: opened without following a link, a regular file, at most cap + 1
+    bytes. b"" when absent, None when unusable."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        return b"" if e.errno == errno.ENOENT else None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+            return None
+        return f.read(cap + 1)
+
+
+def read_log(
+    path: Path,
+    *,
+    cap: int = MAX_LOG_BYTES,
+    keep: int = MAX_RECORD_REQUESTS,
+    summary: Path | None = None,
+    routes: Collection[str] | None = None,
+) -> EgressRecord:
+    """egress.jsonl as the record's `egress` section, read up to `cap` bytes. A route call has two
+    lines with the same id (in flight, then final): the final one replaces the first; one left in
+    flight means the gateway stopped during the call. `summary` (the gateway's summary.json) gives
+    the totals when present, so they do not depend on how much of the log was kept. `routes`: the
+    configured route names; per-route totals are kept for these only (a name the engine made up is
+    a denied request, never a route)."""
+    rec = EgressRecord()
+    data = _read_gateway_file(path, cap)
+    if data is None:
+        rec.dropped = 1
+        return rec
+    lines = data.split(b"\n")
+    if len(data) > cap:
+        lines = lines[:-1]
+        rec.dropped += 1
+    items: list[EgressRequest] = []
+    pending: dict[str, int] = {}  # id -> index in items of its in-flight line
+    for raw in lines:
+        if not raw.strip():
+            continue
+        try:
+            item = EgressRequest.model_validate(json.loads(raw))
+        except (ValueError, TypeError):
+            rec.dropped += 1
+            continue
+        if item.id is not None and item.id in pending:
+            items[pending.pop(item.id)] = item
+        else:
+            if item.id is not None and item.status is None and item.reason == "in flight":
+                pending[item.id] = len(items)
+            items.append(item)
+    rec.in_flight = len(pending)
+    for item in items:
+        _count(rec, item)
+        if len(rec.requests) < keep:
+            rec.requests.append(item)
+        else:
+            rec.dropped += 1
+    if summary is not None:
+        _apply_summary(rec, summary)
+    if routes is not None:
+        rec.routes = {k: v for k, v in rec.routes.items() if k in routes}
+    return rec
+
+
+def _apply_summary(rec: EgressRecord, path: Path) -> None:
+    """The gateway's own totals (counted as it decided, also past its log cap) replace those
+    counted from the log; what the log left out is counted as dropped."""
+    data = _read_gateway_file(path, 1 << 20)
+    if not data:
+        return
+    try:
+        doc = json.loads(data)
+        routes = {str(k): RouteSummary.model_validate(v) for k, v in (doc.get("routes") or {}).items()}
+        allowed, denied = int(doc["allowed"]), int(doc["denied"])
+        suppressed = sum(int(v) for v in (doc.get("suppressed") or {}).values())
+        in_flight = int(doc.get("in_flight") or 0)
+    except (ValueError, TypeError, KeyError, AttributeError):
+        rec.dropped += 1
+        return
+    # The gateway rewrites summary.json at most every half second for non-route lines, and fila
+    # reads it while the gateway still runs: a denial logged just now may not be in it yet. Both
+    # counts are lower bounds of the truth (the log's without its in-flight lines, which the
+    # summary counts only once final), so the larger one is kept.
+    rec.routes = routes
+    rec.allowed = max(allowed, rec.allowed - rec.in_flight)
+    rec.denied = max(denied, rec.denied)
+    rec.dropped += suppressed
+    rec.in_flight = max(rec.in_flight, in_flight)
+    if isinstance(b := doc.get("budget_exhausted"), str) and rec.budget_exhausted is None:
+        rec.budget_exhausted = b
+
+
+def _count(rec: EgressRecord, item: EgressRequest) -> None:
+    if item.allowed:
+        rec.allowed += 1
+    else:
+        rec.denied += 1
+    if item.budget and rec.budget_exhausted is None:
+        rec.budget_exhausted = item.budget
+    if item.route and not (not item.allowed and item.reason == "unknown route"):
+        s = rec.routes.setdefault(item.route, RouteSummary())
+        s.requests += 1
+        key = str(item.status) if item.status is not None else "denied"
+        if item.status is None and item.reason == "in flight":
+            key = "in flight"  # the gateway stopped during the call
+        s.statuses[key] = s.statuses.get(key, 0) + 1
+        if item.usage:
+            s.input_tokens += int(item.usage.get("input_tokens", 0) or 0)
+            s.output_tokens += int(item.usage.get("output_tokens", 0) or 0)
+        for kind, n in (item.scrubbed or {}).items():
+            s.scrubbed[kind] = s.scrubbed.get(kind, 0) + int(n)
+
+
+def collect(gw: Gateway) -> EgressRecord:
+    log = gw.dir / "log"
+    return read_log(log / "egress.jsonl", summary=log / "summary.json", routes=gw.routes)
+
+
+def scrub_messages(rec: EgressRecord | None) -> list[str]:
+    """A warning per route whose upstream sent the injected credential back: the engine never saw
+    it (the gateway replaced it, or refused the answer), but that upstream reflects credentials."""
+    from ..workspace.fswalk import inert
+
+    out = []
+    for name, s in sorted((rec.routes if rec else {}).items()):
+        echoed = sum(n for k, n in s.scrubbed.items() if not k.startswith("refused"))
+        refused = sum(n for k, n in s.scrubbed.items() if k.startswith("refused"))
+        if echoed:
+            kinds = ", ".join(
+                f"{k} {n}" for k, n in sorted(s.scrubbed.items()) if not k.startswith("refused")
+            )
+            out.append(
+                f"the upstream of route {inert(name)} echoed the injected credential {echoed} times "
+                f"({inert(kinds)}); it was replaced before the engine saw it"
+            )
+        if refused:
+            out.append(
+                f"the upstream of route {inert(name)} sent {refused} compressed answers although the "
+                "gateway asked for none; they were refused (the engine got 502) as they could hide the "
+                "credential"
+            )
+    return out
+
+
+def budget_message(rec: EgressRecord | None) -> str | None:
+    if rec is None or rec.budget_exhausted is None:
+        return None
+    return (
+        f"the egress budget {rec.budget_exhausted} ended the run: the gateway answered 429 "
+        "to the engine's model requests past it"
+    )
+
+
+def lines(rec: EgressRecord | None) -> list[str]:
+    """The egress section as text lines (show, review, REVIEW.html); engine-chosen text escaped."""
+    from ..workspace.fswalk import inert
+
+    if rec is None:
+        return []
+    out = [
+        f"egress    {rec.allowed} allowed, {rec.denied} denied"
+        + (f", {rec.dropped} dropped" if rec.dropped else "")
+    ]
+    if rec.budget_exhausted:
+        out.append(f"budget    {inert(rec.budget_exhausted)} exhausted: it ended the run")
+    if rec.in_flight:
+        out.append(
+            f"unfinished {rec.in_flight} route calls were in flight when the gateway stopped: they may be "
+            "unmetered (the upstream may have billed them)"
+        )
+    for name, s in sorted(rec.routes.items()):
+        st = ", ".join(f"{k}: {v}" for k, v in sorted(s.statuses.items()))
+        sc = ", ".join(f"{k}: {v}" for k, v in sorted(s.scrubbed.items()))
+        out.append(
+            f"route     {inert(name)}: {s.requests} requests ({st}), "
+            f"{s.input_tokens} input / {s.output_tokens} output tokens"
+            + (f"; credential scrubbed ({inert(sc)})" if sc else "")
+        )
+    for r in rec.requests:
+        where = f"/{r.route}{r.path or ''}" if r.route else f"{r.host}:{r.port}"
+        verdict = "allowed" if r.allowed else f"DENIED ({r.reason})"
+        size = f" in {r.bytes_in or 0} B out {r.bytes_out or 0} B" if r.allowed else ""
+        out.append(
+            inert(f"  {r.door or '?'} {r.method or '-'} {where} {r.status if r.status is not None else '-'} "
+                  f"{verdict}{size}")
+        )  # fmt: skip
+    return out
+
+
+# -- crash recovery ------------------------------------------------------------------------------
+
+
+def sweep_dirs(meta_dir: Path, has_claim: Callable[[str, str | None], bool]) -> list[str]:
+    """Remove the gateway directories (secrets) of jobs whose worker holds no claim."""
+    from ..core.models import valid_id
+
+    removed = []
+    if meta_dir.is_dir():
+        for d in meta_dir.glob("*/egress"):
+            tid = d.parent.name
+            if valid_id(tid) and not has_claim(tid, None):
+                remove_dir(d)
+                removed.append(f"gateway directory {d}")
+    return removed

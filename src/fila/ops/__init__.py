@@ -1,0 +1,1 @@
+"""The host at a glance: `fila doctor` and `fila status`."""

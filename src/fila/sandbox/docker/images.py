@@ -1,0 +1,150 @@
+"""Image primitives on the Docker API (also Podman's compatible one): look up, build a context,
+import a root filesystem, pull, tag, remove, and run a smoke check. images.py decides what to
+build and when; this module only talks to the engine, and turns its errors into fila's."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import docker
+import requests
+from docker.errors import DockerException, ImageNotFound
+
+from ...core.errors import ImageMissing, InfraError
+from ..base import ImageInfo
+
+_ERRORS = (DockerException, requests.RequestException)
+BUILD_READ_TIMEOUT_S = 900  # between two progress lines; a hung build must not hang fila forever
+SMOKE_TIMEOUT_S = 120
+
+
+def _infra(engine: str, action: str, err: BaseException, **kw: Any) -> InfraError:
+    return InfraError(
+        f"{engine} failed while {action}: {err}",
+        hint=f"check that the {engine} engine is running ({engine} info)",
+        **kw,
+    )
+
+
+def image_info(client: docker.DockerClient, tag: str, *, engine: str = "docker") -> ImageInfo | None:
+    try:
+        img = client.images.get(tag)
+    except ImageNotFound:
+        return None
+    except _ERRORS as e:
+        raise _infra(engine, f"looking up image {tag}", e) from e
+    return ImageInfo(id=str(img.id), labels=dict(img.labels or {}), tags=list(img.tags or []))
+
+
+def build_context(
+    client: docker.DockerClient,
+    context: Path,
+    tag: str,
+    *,
+    buildargs: dict[str, str],
+    labels: dict[str, str],
+    nocache: bool,
+    progress: Callable[[str], None],
+    engine: str = "docker",
+    network_mode: str | None = None,
+) -> None:
+    try:
+        chunks: Iterable[dict[str, Any]] = client.api.build(
+            path=str(context),
+            tag=tag,
+            buildargs=buildargs,
+            labels=labels,
+            rm=True,
+            forcerm=True,
+            pull=False,
+            nocache=nocache,
+            decode=True,
+            timeout=BUILD_READ_TIMEOUT_S,
+            network_mode=network_mode,
+        )
+        for chunk in chunks:
+            if "error" in chunk:
+                raise ImageMissing(
+                    f"building {tag} failed: {str(chunk['error']).strip()}",
+                    hint="read the build output above; fix the Dockerfile or pass --base IMAGE",
+                )
+            text = chunk.get("stream") or chunk.get("status") or ""
+            for line in str(text).splitlines():
+                if line.strip():
+                    progress(line.rstrip())
+    except _ERRORS as e:
+        raise _infra(engine, f"building {tag}", e) from e
+
+
+def import_image(
+    client: docker.DockerClient, archive: Path, tag: str, changes: list[str], *, engine: str = "docker"
+) -> None:
+    repo, _, name = tag.partition(":")
+    try:
+        client.api.import_image(src=str(archive), repository=repo, tag=name, changes=changes)
+    except _ERRORS as e:
+        raise _infra(engine, f"importing {tag}", e) from e
+
+
+def pull(client: docker.DockerClient, image: str) -> str | None:
+    """None when pulled, else why not (one line)."""
+    try:
+        client.images.pull(image)
+        return None
+    except _ERRORS as e:
+        return str(e).splitlines()[0][-200:]
+
+
+def tag_image(client: docker.DockerClient, image_id: str, tag: str, *, engine: str = "docker") -> None:
+    repo, _, name = tag.rpartition(":")
+    try:
+        client.api.tag(image_id, repo, name)
+    except _ERRORS as e:
+        raise _infra(engine, f"tagging {image_id[:19]} as {tag}", e) from e
+
+
+def remove_image(client: docker.DockerClient, ref: str) -> None:
+    """Best effort: refused (409) while a container still uses it, and gone is fine."""
+    with contextlib.suppress(*_ERRORS):
+        client.images.remove(ref)
+
+
+def smoke_run(
+    client: docker.DockerClient, image: str, argv: tuple[str, ...], *, engine: str = "docker"
+) -> tuple[int | None, str]:
+    """`argv` in the image as fila runs an engine: uid 65534, read-only root, tmpfs /tmp and HOME,
+    no network, no capabilities. (exit code, stdout+stderr); None when it did not finish in time."""
+    try:
+        c = client.containers.create(
+            image,
+            list(argv),
+            user="65534:65534",
+            read_only=True,
+            network_mode="none",
+            cap_drop=["ALL"],
+            security_opt=["no-new-privileges:true"],
+            tmpfs={
+                "/tmp": "rw,nosuid,nodev,size=64m",
+                "/home/fila": "rw,nosuid,nodev,size=64m,uid=65534,gid=65534",
+            },
+            working_dir="/job",
+            environment={"HOME": "/home/fila", "CI": "1", "TERM": "dumb", "NO_COLOR": "1"},
+            labels={"fila": "1", "fila.role": "smoke"},
+        )
+    except _ERRORS as e:
+        raise _infra(engine, f"creating a smoke-test container of {image}", e) from e
+    try:
+        c.start()
+        try:
+            code: int | None = int(c.wait(timeout=SMOKE_TIMEOUT_S)["StatusCode"])
+        except requests.RequestException:
+            code = None
+        return code, c.logs(stdout=True, stderr=True).decode(errors="replace")
+    except _ERRORS as e:
+        raise _infra(engine, f"smoke-testing {image}", e) from e
+    finally:
+        with contextlib.suppress(*_ERRORS):
+            c.remove(force=True)

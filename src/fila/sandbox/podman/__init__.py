@@ -1,0 +1,1 @@
+"""The rootless Podman backend: the job's container and its egress gateway."""

@@ -1,0 +1,274 @@
+"""The credentials fila knows for a run, found and replaced in whatever fila shows or applies.
+
+A route's real key lives in the gateway and an engine's forwarded secrets in its container; an
+upstream that echoes the key, or an engine that saves what it was told, can carry one into work/
+and from there into DIFF.patch, REVIEW.html, the record and the project. Every such text passes
+through one `Scanner`: it looks for each value and the encodings it usually travels in, so an
+encoded copy is caught as surely as the plain one:
+- the value itself (UTF-8);
+- base64, standard and URL-safe alphabets, at each of the 3 byte alignments: only the characters
+  that depend on the value alone, so the value is found inside a longer encoded text (a Basic
+  authorization header, a JSON body saved as base64) whatever bytes precede it;
+- URL percent-encoding (upper- and lowercase hex, `/` kept or encoded, `+` for a space);
+- JSON string escapes (`\\uXXXX` or the characters as they are, `/` plain or as `\\/`).
+
+A value shorter than MIN_CHARS is not looked for: it is no credential a route or an engine uses,
+and it would match ordinary text (a 3-character value masks every word that contains it, half a
+diff). Such a value is reported by label (`Scanner.skipped`) so the record can say so.
+
+Never a value in what the scanner reports: labels ("route anthropic", "engine variable
+ANTHROPIC_API_KEY") name the credential, counts say how often it was found.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import dataclasses
+import enum
+import json
+import os
+import re
+import urllib.parse
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
+
+from ..core.models import Policy
+
+MIN_CHARS = 8
+_CHUNK = 1 << 20
+_T = TypeVar("_T")
+
+
+@dataclasses.dataclass(frozen=True)
+class Credential:
+    label: str  # how the record and the marker name it; never the value
+    value: str
+
+
+def known(
+    policy: Policy, *, engine_vars: Mapping[str, str] | None = None, forwarded: Iterable[str] = ()
+) -> list[Credential]:
+    """The credentials of a run: the policy's route keys (network allowlist), the engine's
+    credential variables from the host, and the values its invocation marks secret."""
+    from ..core.errors import InvalidPolicy
+    from ..egress import config as egress
+
+    out: list[Credential] = []
+    if policy.network == "allowlist":
+        # A credential that cannot be read starts no gateway: the engine never runs with it.
+        with contextlib.suppress(InvalidPolicy, OSError, UnicodeDecodeError):
+            out += [Credential(f"route {r.name}", r.key) for r in egress.resolve_routes(policy)]
+    out += [Credential(f"engine variable {k}", v) for k, v in (engine_vars or {}).items()]
+    out += [Credential("engine secret", v) for v in forwarded]
+    return out
+
+
+def encodings(value: str) -> list[bytes]:
+    """The byte strings that betray `value`: itself and its usual encodings (module doc),
+    longest first."""
+    raw = value.encode("utf-8", "surrogateescape")
+    forms = {raw}
+    for b64 in (base64.b64encode, base64.urlsafe_b64encode):
+        for k in range(3):
+            # After k leading bytes the value's bits start at 8k: the characters wholly inside
+            # [8k, 8k + 8n) depend on the value alone, whatever surrounds it.
+            full = b64(b"\0" * k + raw)
+            forms.add(full[-(-8 * k // 6) : (8 * k + 8 * len(raw)) // 6])
+    for safe in ("", "/"):
+        for quoted in (urllib.parse.quote(raw, safe=safe), urllib.parse.quote_plus(raw, safe=safe)):
+            forms.add(quoted.encode())
+            forms.add(re.sub(r"%[0-9A-F]{2}", lambda m: m.group().lower(), quoted).encode())
+    for ascii_only in (True, False):
+        try:
+            escaped = json.dumps(value, ensure_ascii=ascii_only)[1:-1].encode()
+        except UnicodeEncodeError:  # a lone surrogate: no JSON text holds it as it is
+            continue
+        forms.add(escaped)
+        forms.add(escaped.replace(b"/", b"\\/"))
+    return sorted((f for f in forms if f), key=lambda f: (-len(f), f))
+
+
+def marker(label: str) -> bytes:
+    """What replaces a credential in DIFF.patch and the record: fixed per label, so the same work/
+    gives the same patch bytes and sha256."""
+    return f"[fila: credential removed: {label}]".encode()
+
+
+def counted(counts: Mapping[str, int]) -> str:
+    """`route anthropic: 3, engine secret: 1`: what a warning says of what was found."""
+    return ", ".join(f"{label}: {n}" for label, n in sorted(counts.items()))
+
+
+ALLOW_FLAG = "--allow-credential"
+
+
+def diff_warning(counts: Mapping[str, int], files: int) -> str:
+    """The record's warning for credentials replaced in DIFF.patch (shown by show and review)."""
+    where = f" in {files} file{'' if files == 1 else 's'}" if files else ""
+    return (
+        f"known credential in the engine's changes{where} ({counted(counts)}): replaced in DIFF.patch "
+        f"by {marker('…').decode()}; `fila apply` refuses this task unless {ALLOW_FLAG}"
+    )
+
+
+class Scanner:
+    """Finds and replaces the known credentials' needles (the `encodings` of each) in bytes."""
+
+    def __init__(self, credentials: Iterable[Credential] = ()) -> None:
+        labels: dict[str, list[str]] = {}
+        self.skipped: list[str] = []
+        for c in credentials:
+            if not c.value:
+                continue
+            if len(c.value) < MIN_CHARS:
+                self.skipped.append(c.label)
+                continue
+            names = labels.setdefault(c.value, [])
+            if c.label not in names:
+                names.append(c.label)
+        needles: dict[bytes, str] = {}
+        for value, names in labels.items():
+            for n in encodings(value):
+                needles.setdefault(n, ", ".join(names))
+        self._init(needles)
+
+    @classmethod
+    def of_needles(cls, needles: Mapping[bytes, str]) -> Scanner:
+        """A scanner for these exact byte strings (no encodings, no minimum length)."""
+        s = cls.__new__(cls)
+        s.skipped = []
+        s._init({n: label for n, label in needles.items() if n})
+        return s
+
+    def _init(self, needles: dict[bytes, str]) -> None:
+        self.needles = needles
+        ordered = sorted(needles, key=lambda n: (-len(n), n))  # the longest wins at one position
+        self._rx = re.compile(b"|".join(re.escape(n) for n in ordered)) if ordered else None
+        self.longest = max(map(len, needles), default=0)
+
+    def __bool__(self) -> bool:
+        return self._rx is not None
+
+    def find(self, data: bytes) -> bool:
+        return self._rx is not None and self._rx.search(data) is not None
+
+    def mask(
+        self,
+        data: bytes,
+        counts: Counter[str] | None = None,
+        replace: Callable[[str], bytes] = marker,
+    ) -> bytes:
+        """`data` with every needle replaced by `replace(label)`; `counts` adds one per label."""
+        if self._rx is None:
+            return data
+
+        def sub(m: re.Match[bytes]) -> bytes:
+            label = self.needles[m.group()]
+            if counts is not None:
+                counts[label] += 1
+            return replace(label)
+
+        return self._rx.sub(sub, data)
+
+    def find_in_fd(self, fd: int, size: int) -> bool:
+        """Does the open file hold a needle? Read in chunks that overlap by the longest needle
+        less one, so one cut in two is seen whole."""
+        if self._rx is None:
+            return False
+        from .fswalk import read_exact
+
+        os.lseek(fd, 0, os.SEEK_SET)
+        keep, tail, left = self.longest - 1, b"", size
+        while left:
+            chunk = tail + read_exact(fd, min(_CHUNK, left))
+            left -= len(chunk) - len(tail)
+            if self._rx.search(chunk):
+                return True
+            tail = chunk[-keep:] if keep else b""
+        return False
+
+    def scrub(self, value: _T, counts: Counter[str] | None = None) -> _T:
+        """`value` with every credential in its text replaced by its marker: strings, and the
+        strings inside lists, tuples, dicts, pydantic models and dataclasses (a record's error,
+        warnings, engine report, egress log). What holds none is returned as it is."""
+        if self._rx is None:
+            return value
+        return self._scrub(value, counts)
+
+    def _scrub(self, v: Any, counts: Counter[str] | None) -> Any:
+        if isinstance(v, enum.Enum) or v is None or isinstance(v, (bool, int, float)):
+            return v
+        if isinstance(v, str):
+            raw = v.encode("utf-8", "surrogateescape")
+            out = self.mask(raw, counts)
+            return v if out is raw or out == raw else out.decode("utf-8", "surrogateescape")
+        if isinstance(v, bytes):
+            return self.mask(v, counts)
+        if isinstance(v, list | tuple):
+            items = [self._scrub(x, counts) for x in v]
+            return v if all(a is b for a, b in zip(items, v, strict=True)) else type(v)(items)
+        if isinstance(v, dict):
+            pairs = [(self._scrub(k, counts), self._scrub(x, counts)) for k, x in v.items()]
+            same = all(a is k and b is x for (a, b), (k, x) in zip(pairs, v.items(), strict=True))
+            return v if same else dict(pairs)
+        if isinstance(v, BaseModel):
+            data = {**{f: getattr(v, f) for f in type(v).model_fields}, **(v.__pydantic_extra__ or {})}
+            changed = {k: new for k, x in data.items() if (new := self._scrub(x, counts)) is not x}
+            return v.model_copy(update=changed) if changed else v
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            fields = {f.name: getattr(v, f.name) for f in dataclasses.fields(v) if f.init}
+            changed = {k: new for k, x in fields.items() if (new := self._scrub(x, counts)) is not x}
+            return dataclasses.replace(v, **changed) if changed else v
+        return v
+
+    def stream(self, replace: Callable[[str], bytes] = marker) -> StreamMasker:
+        return StreamMasker(self, replace)
+
+
+class StreamMasker:
+    """Replaces needles in a byte stream, also one split across two chunks. It holds back only a
+    chunk's end that could begin a needle, so what it passes on stays prompt and in order (the
+    engine's log: two streams interleaved as they came). `counts` adds one per label found."""
+
+    def __init__(self, scanner: Scanner, replace: Callable[[str], bytes] = marker) -> None:
+        self.scanner, self.replace = scanner, replace
+        self.counts: Counter[str] = Counter()
+        self._buf = b""
+
+    def feed(self, chunk: bytes) -> bytes:
+        rx = self.scanner._rx
+        if rx is None:
+            return chunk
+        self._buf += chunk
+        buf = self._buf
+        cut = len(buf) - self._held(buf)
+        # A match that starts before the cut ends inside the buffer: emit it whole, replaced.
+        for m in rx.finditer(buf):
+            if m.start() < cut < m.end():
+                cut = m.end()
+        out, self._buf = buf[:cut], buf[cut:]
+        return self.scanner.mask(out, self.counts, self.replace)
+
+    def _held(self, buf: bytes) -> int:
+        """The length of the buffer's longest end that could begin a needle."""
+        for k in range(min(self.scanner.longest - 1, len(buf)), 0, -1):
+            end = buf[-k:]
+            if any(n.startswith(end) for n in self.scanner.needles):
+                return k
+        return 0
+
+    def flush(self) -> bytes:
+        out, self._buf = self._buf, b""
+        return self.scanner.mask(out, self.counts, self.replace)
+
+    def wrap(self, chunks: Iterable[bytes]) -> Iterator[bytes]:
+        """The stream `chunks`, masked."""
+        for chunk in chunks:
+            if out := self.feed(chunk):
+                yield out
+        if out := self.flush():
+            yield out
