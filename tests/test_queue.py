@@ -99,11 +99,16 @@ def test_reject_file_keeps_the_file_and_the_reason(root: Root) -> None:
 
 
 WORKER = textwrap.dedent("""
-    import sys, json
+    import json, sys, time
     from pathlib import Path
     from fila.queue import store as queue
     from fila.core.layout import Root
     root = Root.at(sys.argv[1]); me = sys.argv[2]; got = []
+    # Start together: every worker has paid its imports before any claims (else the first one up
+    # may drain the queue alone and the competition is not tested).
+    Path(sys.argv[3] + ".ready").touch()
+    while not Path(sys.argv[3]).parent.joinpath("go").exists():
+        time.sleep(0.005)
     while True:
         files = queue.queued_files(root)
         if not files:
@@ -125,6 +130,11 @@ def test_several_worker_processes_claim_each_task_exactly_once(root: Root, tmp_p
         out = tmp_path / f"w{n}.json"
         outs.append(out)
         procs.append(subprocess.Popen([sys.executable, "-c", WORKER, str(root.path), f"w{n}", out]))
+    deadline = time.monotonic() + 60
+    while not all(out.with_name(out.name + ".ready").exists() for out in outs):
+        assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "a worker never started"
+        time.sleep(0.01)
+    (tmp_path / "go").touch()
     for p in procs:
         assert p.wait(timeout=120) == 0
     claimed = [t for out in outs for t in json.loads(out.read_text())]
