@@ -97,7 +97,7 @@ def exit_now(code: object) -> None:
     After a command, the interpreter's exit frees every module and object one by one: 50-150 ms
     of a `fila submit` or a `run --once` (pydantic's schemas, the Docker SDK), paid by every CI
     step. Nothing fila keeps needs it: every durable write is fsynced before the command returns
-    (fila is built to survive a SIGKILL at any point, faults.py), daemon threads are stopped by
+    (fila is built to survive a SIGKILL at any point, core/faults.py), daemon threads are stopped by
     either exit, and the kernel closes files, sockets and locks. What the teardown would still do
     is done here first: the atexit callbacks (weakref finalizers among them), stdout and stderr
     flushed. A live non-daemon thread, an exit code that is not an int, or a flush that fails

@@ -1,4 +1,5 @@
-"""Durable file primitives (queue-contract.md): temp file, fsync, rename, fsync the directory."""
+"""Durable file primitives: temp file, fsync, rename, fsync the directory (docs/architecture.md,
+"The queue's contract")."""
 
 from __future__ import annotations
 

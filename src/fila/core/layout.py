@@ -1,4 +1,4 @@
-"""Where things live under a queue root (cycle.md, "Layout")."""
+"""Where things live under a queue root (docs/architecture.md, "On disk")."""
 
 from __future__ import annotations
 

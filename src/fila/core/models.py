@@ -546,9 +546,9 @@ def schema_for(name: str) -> dict[str, Any]:
 # The schemas generated once and stored beside the code (`_schemas.json`, written by
 # `python -m fila.entry --write`): generating them costs 10-20 ms a format in every process that
 # validates a task or a policy (every submit, every worker's first claim). They are used only while
-# the sources they came from are these (models.py, states.py and pydantic's version), so an edited
+# the sources they came from are these (core/models.py, core/states.py and pydantic's version), so an edited
 # model is validated against its own schema, generated, until the file is written again; and only
-# while the file is owned like models.py and not group/other-writable (stored.stored_bytes): its key
+# while the file is owned like core/models.py and not group/other-writable (stored.stored_bytes): its key
 # is computed from public sources, so anyone who could write it could choose what is accepted.
 _STORED = Path(__file__).with_name("_schemas.json")
 
@@ -559,7 +559,7 @@ def _schema_key() -> str:
     import pydantic
 
     h = hashlib.sha256(pydantic.VERSION.encode())
-    for source in ("models.py", "states.py"):
+    for source in ("core/models.py", "core/states.py"):
         h.update(Path(__file__).with_name(source).read_bytes())
     return h.hexdigest()
 

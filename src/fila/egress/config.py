@@ -1,6 +1,6 @@
 """`network: allowlist`: the job's own network and egress gateway, from policy to record.
 
-Per job (egress.md, the gateway contract): an internal bridge network with no IPv4 on the bridge
+Per job (docs/architecture.md, "Threat model in brief"): an internal bridge network with no IPv4 on the bridge
 (so the engine cannot reach host services through the bridge address), a gateway container
 (`fila/gateway:latest`, mitmproxy with fila's addon) on that network and on the egress network,
 and the engine on the job network only, with the gateway as its proxy, its resolver and its model

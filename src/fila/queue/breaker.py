@@ -1,4 +1,4 @@
-"""The circuit breaker (seed 003, queue-contract.md): stop claiming after too many failures.
+"""The circuit breaker (docs/architecture.md, "The queue's contract"): stop claiming after too many failures.
 
 Workers count consecutive outcomes that are `failed` or `needs_human`; a `needs_review` resets
 the count; an invalid task file, a task handed back and a run a person interrupted do not count.

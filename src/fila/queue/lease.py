@@ -9,7 +9,7 @@ HEARTBEAT_S while it holds the claim.
 
 A claim is stale when its worker is gone, or when its heartbeat is older than the lease TTL (a
 frozen or partitioned worker). Reaping a stale claim of a worker that is merely slow is safe: its
-next write is fenced (queue.py checks, under the record lock, that its claim file still exists),
+next write is fenced (queue/store.py checks, under the record lock, that its claim file still exists),
 so the late worker's result is ignored, as with fencing tokens.
 """
 

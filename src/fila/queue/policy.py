@@ -90,7 +90,7 @@ def _validate_model(kind: str, data: Any, *, path: Path | str | None) -> None:
 
 
 def load_json(path: Path, kind: str) -> Any:
-    """An untrusted task or policy file, through the one safe reader (untrusted.py)."""
+    """An untrusted task or policy file, through the one safe reader (core/untrusted.py)."""
     return _read(path, kind)[0]
 
 

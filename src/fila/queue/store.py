@@ -1,4 +1,4 @@
-"""The file queue and its one state machine (queue-contract.md).
+"""The file queue and its one state machine (docs/architecture.md, "The queue's contract").
 
 Where a task is:
     fila/in/<id>.json                       queued (a person or CI may drop one here)
@@ -44,7 +44,8 @@ from ..core.models import Attempt, Decision, ErrorInfo, Record, Status, Task, no
 from .lease import this_host
 
 S = Status
-# queue-contract.md, "Transitions". A running -> running change is a checkpoint or a fallback.
+# docs/architecture.md, "The queue's contract"; README.md lists the transitions. A running ->
+# running change is a checkpoint or a fallback.
 ALLOWED: dict[Status | None, set[Status]] = {
     None: {S.queued, S.failed},  # failed: a dropped task file that did not validate
     S.queued: {S.running, S.failed},  # failed: invalid when claimed (e.g. target deleted)
@@ -165,7 +166,7 @@ def locked(root: Root, task_id: str) -> Iterator[None]:
 
 
 def field_problem(rec: Record) -> str | None:
-    """The combinations of fields that no reader accepts (seed 003: partial state is worse than
+    """The combinations of fields that no reader accepts (partial state is worse than
     wrong state). set_status refuses to write a record for which this returns a reason."""
     st = rec.status
     if st in (S.queued, S.running) and rec.task is None:

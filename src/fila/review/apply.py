@@ -73,7 +73,7 @@ class Applied:
     merged: list[str] = field(default_factory=list)
     moved_untouched: list[str] = field(default_factory=list)  # --3way: changed, not in the patch
     resumed: bool = False
-    superseded: list[str] = field(default_factory=list)  # the group's other members (compare.py)
+    superseded: list[str] = field(default_factory=list)  # the group's other members (review/groups.py)
     credential_markers: list[str] = field(default_factory=list)  # files landed with the marker
     undecided: list[str] = field(default_factory=list)  # members still queued or running
 

@@ -1,4 +1,4 @@
-"""A person's decision on a task (cycle.md step 7): who, when, why; recorded once.
+"""A person's decision on a task (docs/architecture.md, "The cycle", step 7): who, when, why; recorded once.
 
 The status change goes through `queue.set_status` with `expect=` (the transition table forbids
 applied -> rejected, rejected -> applied and applying twice); `lock` additionally serialises

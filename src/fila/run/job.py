@@ -1,4 +1,4 @@
-"""The cycle (cycle.md steps 1-7): submit, claim, prepare, run, diff, record, stop.
+"""The cycle (docs/architecture.md, "The cycle", steps 1-7): submit, claim, prepare, run, diff, record, stop.
 
 `run_one` takes one claimed task to a final record. It never touches the project: after the
 record is written, nothing happens until a person decides (`fila apply` / `fila reject`).

@@ -1,13 +1,13 @@
-"""The worker loop (seed 003's chain): claim -> run -> record -> claim the next -> queue empty ->
+"""The worker loop: claim -> run -> record -> claim the next -> queue empty ->
 idle -> a task appears -> wake within a second -> run it. No restart between tasks.
 
-- `concurrency` jobs at once, each in its own thread; the backend (backends/) gives each call
+- `concurrency` jobs at once, each in its own thread; the backend (sandbox/) gives each call
   its own connection, so one job's engine calls never wait for another's.
 - Wake-up: inotify on fila/in/ (and fila/state/, for `fila rearm`) through inotify_simple; a
   one-second poll is the fallback where inotify is missing.
 - Recovery runs in a background thread at start and then periodically: start-up never waits
-  for it (seed 003: the boot path is not the place for work).
-- The circuit breaker (breaker.py) is checked before every claim.
+  for it (the boot path is not the place for work).
+- The circuit breaker (queue/breaker.py) is checked before every claim.
 - Docker unreachable: no claims; the daemon is probed with exponential backoff, and recovery
   runs again once it answers. With `once`, the worker stops and reports it (exit 3).
 - Signals: SIGTERM drains (no new claims; a job whose container has not started is handed back;

@@ -1,4 +1,4 @@
-"""The seam between fila and a container engine (docs: shared/design/backends.md).
+"""The seam between fila and a container engine (docs/architecture.md, "Layers").
 
 The cycle, the worker, recovery and the doctor call a `Backend`; only the modules of this package
 talk to an engine's API. A backend maps the policy to its engine's request in one pure function
@@ -164,7 +164,7 @@ class Box:
 
 @dataclass(frozen=True)
 class ImageInfo:
-    """A local image as images.py needs it: its id, labels (build inputs) and tags."""
+    """A local image as sandbox/images.py needs it: its id, labels (build inputs) and tags."""
 
     id: str
     labels: dict[str, str]
@@ -177,7 +177,7 @@ WAIVABLE = ("memory", "pids", "cpus")
 
 class Backend(ABC):
     """A container engine fila runs jobs on. Thread-safe: one instance serves every job slot of
-    a worker. Errors are fila's own (errors.py): EngineUnavailable when the engine does not
+    a worker. Errors are fila's own (core/errors.py): EngineUnavailable when the engine does not
     answer, InfraError for what it failed to do, ImageMissing for an absent image."""
 
     name: str = ""
@@ -281,9 +281,9 @@ class Backend(ABC):
         force: bool = False,
         progress: Callable[[str], None] = print,
     ) -> ImageRef:
-        """Build `fila/<engine>:latest` on this engine (images.py decides what and when)."""
+        """Build `fila/<engine>:latest` on this engine (sandbox/images.py decides what and when)."""
 
-    # -- image primitives (images.py decides what to build and when) --------------------------
+    # -- image primitives (sandbox/images.py decides what to build and when) --------------------------
 
     @abstractmethod
     def image_info(self, tag: str) -> ImageInfo | None:

@@ -29,7 +29,7 @@ from ..assets import shipped_dir
 from ..core.errors import ImageMissing, InfraError, InvalidInput, UnknownEngine
 from ..core.models import ImageRef
 
-if TYPE_CHECKING:  # the backend is the caller's: images.py never picks or imports one
+if TYPE_CHECKING:  # the backend is the caller's: sandbox/images.py never picks or imports one
     from .base import Backend, ImageInfo
 
 Progress = Callable[[str], None]

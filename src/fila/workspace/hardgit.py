@@ -1,5 +1,5 @@
-"""git, hardened, for the two places fila runs it on engine-written files: the diff (diff.py) and
-apply (apply.py).
+"""git, hardened, for the two places fila runs it on engine-written files: the diff (workspace/diff.py) and
+apply (review/apply.py).
 
 git runs in a throwaway bare repository with an environment built from nothing: no system or
 global configuration, no hooks, no fsmonitor, no attributes from any file fila did not write

@@ -19,11 +19,11 @@ A job holds its snapshot by a hard link of manifest.json at `sandbox/meta/<id>/m
 (the file apply reads): a snapshot whose manifest has a single link left serves no job, and gc
 removes it. Nothing under `<key>/` is written after it is published.
 
-The upper layer the engine leaves is read by `Layers` (for diff.py), under the host-side rules of
-threat-model.md: never a symlink followed, whiteouts (character devices 0/0) are deletions and
-never files, an opaque directory (`user.overlay.opaque` or `trusted.overlay.opaque` = "y") hides
-the lower directory's entries, and a redirect or metacopy xattr, which fila never enables, is
-refused rather than guessed at.
+The upper layer the engine leaves is read by `Layers` (for workspace/diff.py), under the
+host-side rules of docs/architecture.md, "Threat model in brief": never a symlink followed,
+whiteouts (character devices 0/0) are deletions and never files, an opaque directory
+(`user.overlay.opaque` or `trusted.overlay.opaque` = "y") hides the lower directory's entries, and
+a redirect or metacopy xattr, which fila never enables, is refused rather than guessed at.
 """
 
 from __future__ import annotations

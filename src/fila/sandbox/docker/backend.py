@@ -1,4 +1,4 @@
-"""The Docker backend: one job's container through the Docker SDK, hardened as threat-model.md
+"""The Docker backend: one job's container through the Docker SDK, hardened as docs/architecture.md
 asks, and removed.
 
 The engine is assumed hostile: it sees the job directory (input/ read-only) and nothing else of

@@ -1,6 +1,6 @@
 """The job network and the egress gateway on Docker (network allowlist): created before the
 engine, removed after it, swept by label after a crash. What the gateway is and logs (its
-configuration, the record's egress section) is egress.py's; this module only talks to Docker."""
+configuration, the record's egress section) is egress/config.py's; this module only talks to Docker."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Image primitives on the Docker API (also Podman's compatible one): look up, build a context,
-import a root filesystem, pull, tag, remove, and run a smoke check. images.py decides what to
+import a root filesystem, pull, tag, remove, and run a smoke check. sandbox/images.py decides what to
 build and when; this module only talks to the engine, and turns its errors into fila's."""
 
 from __future__ import annotations
