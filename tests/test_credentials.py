@@ -14,6 +14,8 @@ import hashlib
 import json
 import os
 import secrets
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 from urllib.parse import quote
@@ -145,6 +147,40 @@ def test_a_credential_in_text_binary_large_files_names_and_links_is_replaced_in_
     assert again.sha256 == res.sha256
 
 
+def test_escaped_wrapped_trimmed_and_non_ascii_forms_are_found_in_the_patch(tmp_path: Path) -> None:
+    long_key = "sk-ant-api03-" + secrets.token_urlsafe(72)  # base64 wraps it at 76 columns
+    spaced = f"  sk-fila-{secrets.token_hex(8)}\r"  # as a CRLF env file leaves it: the gateway trims
+    accented = f"sk-fila-\u00e9{secrets.token_hex(8)}"
+    partial_json = long_key[:3] + "\\u00" + format(ord(long_key[3]), "02x") + long_key[4:]
+    mixed_pct = quote(KEY, safe="").replace("%2F", "%2f")  # one escape lowercase, one uppercase
+    files = {
+        "wrapped.txt": base64.encodebytes(b"Authorization: " + long_key.encode()),
+        "partial-json.txt": b'{"k": "' + partial_json.encode() + b'"}\n',
+        "partial-url.txt": b"k=" + KEY.replace("s", "%73", 1).encode() + b"\n",
+        "mixed-url.txt": b"k=" + mixed_pct.encode() + b"\n",
+        "trimmed.txt": spaced.strip().encode() + b"\n",
+    }
+    d = job(tmp_path, files)
+    (d / "work" / f"n-{accented}.txt").write_bytes(b"x\n")  # git C-quotes the name: \303\251
+    scanner = secretscan.Scanner(
+        [
+            secretscan.Credential("route anthropic", KEY),
+            secretscan.Credential("route openai", long_key),
+            secretscan.Credential("engine variable SPACED", spaced),
+            secretscan.Credential("engine secret", accented),
+        ]
+    )
+    res = compute_diff(d, policy=POLICY, scratch=tmp_path / "s", credentials=scanner)
+    patch = res.patch_path.read_bytes()
+    assert res.credentials is not None
+    assert set(res.credentials.files) >= set(files), res.credentials.files
+    assert res.credentials.counts["engine secret"] >= 1 and b"n-[fila: credential removed" in patch
+    assert base64.b64encode(b"Authorization: " + long_key.encode())[20:60] not in patch.replace(b"\n", b"")
+    for value in (KEY, long_key, spaced.strip()):
+        assert_clean(patch, value, value)
+    assert accented.encode() not in patch and b"\\303\\251" not in patch
+
+
 # -- end to end: run, review, apply ------------------------------------------------------------
 
 
@@ -188,6 +224,7 @@ def test_a_change_without_a_credential_is_reviewed_and_applied_as_usual(proj: Pa
 
 
 @pytest.mark.docker
+@pytest.mark.quick
 def test_a_known_credential_in_the_changes_is_masked_flagged_and_refused_unless_allowed(proj: Path) -> None:
     blob = b"\0\1" + KEY.encode() + b"\xff"
     cmd = (
@@ -250,3 +287,35 @@ def test_a_known_credential_in_the_changes_is_masked_flagged_and_refused_unless_
     assert landed.count(MARKER) == 5 and landed.startswith(b"raw: " + MARKER + b"\n")
     assert_clean(landed)
     assert record(proj, tid)["status"] == "applied"
+
+
+@pytest.mark.docker
+def test_the_evidence_recovery_keeps_of_a_dead_run_is_masked_and_flagged_too(proj: Path) -> None:
+    # The key also names a file (its "/" makes a directory): the path is the credential.
+    top = KEY.split("/")[0]
+    cmd = (
+        f"printf '{octal(KEY.encode())}' > creds.txt; mkdir -p \"$(printf '{octal(top.encode())}')\"; "
+        f"printf x > \"$(printf '{octal(KEY.encode())}')\""
+    )
+    tid = submit_shell(proj, cmd, "greeting.txt", "creds.txt", extra=("--policy", "routed"))
+    # The worker dies after the container exited, before its diff: recovery reads work/.
+    env = {**os.environ, "FILA_CRASH_AT": "after_exit"}
+    crashed = subprocess.run(
+        [sys.executable, "-c", "from fila.cli import main; main()", "run", "--once", "--root", str(proj)],
+        env=env, capture_output=True, timeout=180,
+    )  # fmt: skip
+    assert crashed.returncode == -9, crashed.stderr
+    assert fila(proj, "recover").exit_code == 0
+    rec = record(proj, tid)
+    assert rec["status"] == "needs_human" and rec["patch_path"], rec
+    assert rec["credentials_in_diff"]["counts"]["route anthropic"] >= 2  # the content, the name
+    assert "known credential" in rec["diagnosis"]
+    patch = (proj / rec["patch_path"]).read_bytes()
+    assert MARKER in patch
+    for name, text in {
+        "DIFF.patch": patch,
+        "record": (proj / "fila" / "out" / f"{tid}.json").read_bytes(),
+        "show": fila(proj, "show", tid).stdout,
+        "diff": fila(proj, "diff", tid).stdout,
+    }.items():
+        assert_clean(text, name)

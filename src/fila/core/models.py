@@ -559,7 +559,7 @@ def _schema_key() -> str:
     import pydantic
 
     h = hashlib.sha256(pydantic.VERSION.encode())
-    for source in ("core/models.py", "core/states.py"):
+    for source in ("models.py", "states.py"):
         h.update(Path(__file__).with_name(source).read_bytes())
     return h.hexdigest()
 

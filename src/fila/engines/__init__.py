@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from ..core.errors import UnknownEngine
 from .base import Engine, Outcome
 
-__all__ = ["Engine", "Outcome", "engine_names", "get_engine"]
+if TYPE_CHECKING:
+    from ..core.models import Policy, Task
+    from ..workspace.secretscan import Scanner
+
+__all__ = ["Engine", "Outcome", "engine_names", "get_engine", "scanner_for"]
 
 # name -> "module:Class"; an adapter's module is imported only when a task names it.
 _ENGINES = {
@@ -35,3 +40,14 @@ def get_engine(name: str) -> Engine:
         ) from None
     module, _, cls = target.partition(":")
     return getattr(importlib.import_module(module), cls)()
+
+
+def scanner_for(engine: Engine, task: Task, policy: Policy) -> Scanner:
+    """The scanner for every credential a run of `engine` on `task` under `policy` knows: the
+    route keys, the engine's credential variables from this process's environment, the values its
+    invocation marks secret. The run and recovery (which reads a dead run's work/) share it."""
+    from ..workspace import secretscan
+
+    creds = engine.credentials()[0]
+    inv = engine.invocation_for(task, policy)
+    return secretscan.Scanner(secretscan.known(policy, engine_vars=creds, forwarded=inv.secrets))

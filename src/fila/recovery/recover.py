@@ -369,19 +369,27 @@ def _decide(root: Root, claim: queue.Claim, to: Status, rep: Report, **fields: A
 
 def _work_evidence(root: Root, rec: Record) -> tuple[dict[str, Any], str]:
     """What work/ holds, as DIFF.patch evidence when it can be read safely."""
+    from ..engines import get_engine, scanner_for
     from ..queue.policy import load_policy
     from ..run.job import _job_lock
-    from ..workspace import diff, snapshot
+    from ..workspace import diff, secretscan, snapshot
 
     job = root.job_dir(rec.id)
     if not (job / "input").is_dir() or not (job / "work").is_dir():
         return {}, "There is no job directory to read."
     try:
         policy = load_policy(root, rec.task.policy if rec.task else "default")[0]
+        # The dead run's credentials stay out of the evidence as they would have out of its diff.
+        scanner = (
+            scanner_for(get_engine(rec.engine), rec.task, policy)
+            if rec.engine and rec.task is not None
+            else secretscan.Scanner(secretscan.known(policy))
+        )
         with _job_lock(root, rec.id):
             ov = snapshot.job_overlay(root, rec.id)  # the overlay strategy: work/ is its layers
             d = diff.compute_diff(job, policy=policy, scratch=root.meta(rec.id) / "scratch",
-                                  layers=ov.layers() if ov is not None else None)  # fmt: skip
+                                  layers=ov.layers() if ov is not None else None,
+                                  credentials=scanner)  # fmt: skip
     except InfraError:
         return {}, "work/ is still in use by a stalled worker and was not read."
     except (FilaError, OSError) as e:
@@ -393,10 +401,15 @@ def _work_evidence(root: Root, rec: Record) -> tuple[dict[str, Any], str]:
         if st.files
         else "work/ holds no change."
     )
+    found: dict[str, Any] = {}
+    if d.credentials is not None:
+        found = {"credentials_in_diff": scanner.scrub(d.credentials)}
+        what += " " + secretscan.diff_warning(d.credentials.counts, len(d.credentials.files))
     return {
-        "diffstat": d.stat,
+        "diffstat": scanner.scrub(d.stat),
         "patch_sha256": d.sha256,
         "patch_path": str(d.patch_path.relative_to(root.path)),
+        **found,
     }, what
 
 

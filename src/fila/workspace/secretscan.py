@@ -3,14 +3,16 @@
 A route's real key lives in the gateway and an engine's forwarded secrets in its container; an
 upstream that echoes the key, or an engine that saves what it was told, can carry one into work/
 and from there into DIFF.patch, REVIEW.html, the record and the project. Every such text passes
-through one `Scanner`: it looks for each value and the encodings it usually travels in, so an
-encoded copy is caught as surely as the plain one:
-- the value itself (UTF-8);
-- base64, standard and URL-safe alphabets, at each of the 3 byte alignments: only the characters
-  that depend on the value alone, so the value is found inside a longer encoded text (a Basic
-  authorization header, a JSON body saved as base64) whatever bytes precede it;
-- URL percent-encoding (upper- and lowercase hex, `/` kept or encoded, `+` for a space);
-- JSON string escapes (`\\uXXXX` or the characters as they are, `/` plain or as `\\/`).
+through one `Scanner`: it looks for each value in the forms it usually travels in, so an encoded
+copy is caught as surely as the plain one. Each character of the value may stand
+- as itself (UTF-8), or with its bytes percent-encoded (either case of hex, `+` for a space);
+- JSON-escaped (`\\uXXXX` in either case, or `\\/`, `\\"`, `\\\\`, `\\n`...);
+- git's C quoting of a path (`\\303\\251`), the form file names take in DIFF.patch;
+in any mixture, so a value escaped in part is found too. And the value may stand as base64,
+standard or URL-safe, at each of the 3 byte alignments (only the characters that depend on the
+value alone, so it is found inside a longer encoded text), with line breaks anywhere (MIME and
+`base64` wrap at 76 columns) and `/` or `+` percent- or JSON-escaped. A value with white space at
+either end is also looked for trimmed: the gateway sends the trimmed key.
 
 A value shorter than MIN_CHARS is not looked for: it is no credential a route or an engine uses,
 and it would match ordinary text (a 3-character value masks every word that contains it, half a
@@ -68,28 +70,75 @@ def known(
 
 
 def encodings(value: str) -> list[bytes]:
-    """The byte strings that betray `value`: itself and its usual encodings (module doc),
-    longest first."""
+    """The canonical byte strings that betray `value`: itself, its base64 cores, its full
+    percent-encoding and JSON escape, longest first. `pattern` finds these and their variants."""
     raw = value.encode("utf-8", "surrogateescape")
-    forms = {raw}
+    forms = {raw, *_base64_cores(raw)}
+    for safe in ("", "/"):
+        for quoted in (urllib.parse.quote(raw, safe=safe), urllib.parse.quote_plus(raw, safe=safe)):
+            forms.add(quoted.encode())
+    with contextlib.suppress(UnicodeEncodeError):  # a lone surrogate: no JSON text holds it
+        forms.add(json.dumps(value, ensure_ascii=True)[1:-1].encode())
+    return sorted((f for f in forms if f), key=lambda f: (-len(f), f))
+
+
+def _base64_cores(raw: bytes) -> set[bytes]:
+    cores = set()
     for b64 in (base64.b64encode, base64.urlsafe_b64encode):
         for k in range(3):
             # After k leading bytes the value's bits start at 8k: the characters wholly inside
             # [8k, 8k + 8n) depend on the value alone, whatever surrounds it.
             full = b64(b"\0" * k + raw)
-            forms.add(full[-(-8 * k // 6) : (8 * k + 8 * len(raw)) // 6])
-    for safe in ("", "/"):
-        for quoted in (urllib.parse.quote(raw, safe=safe), urllib.parse.quote_plus(raw, safe=safe)):
-            forms.add(quoted.encode())
-            forms.add(re.sub(r"%[0-9A-F]{2}", lambda m: m.group().lower(), quoted).encode())
-    for ascii_only in (True, False):
-        try:
-            escaped = json.dumps(value, ensure_ascii=ascii_only)[1:-1].encode()
-        except UnicodeEncodeError:  # a lone surrogate: no JSON text holds it as it is
-            continue
-        forms.add(escaped)
-        forms.add(escaped.replace(b"/", b"\\/"))
-    return sorted((f for f in forms if f), key=lambda f: (-len(f), f))
+            cores.add(full[-(-8 * k // 6) : (8 * k + 8 * len(raw)) // 6])
+    return {c for c in cores if c}
+
+
+def _hex(n: int, width: int) -> bytes:
+    """`n` in hex, each letter matching either case."""
+    return b"".join(
+        f"[{c.lower()}{c.upper()}]".encode() if c.isalpha() else c.encode() for c in f"{n:0{width}x}"
+    )
+
+
+_SHORT_ESCAPES = {'"': b'\\"', "\\": b"\\\\", "/": b"\\/", "\b": b"\\b", "\f": b"\\f",
+                  "\n": b"\\n", "\r": b"\\r", "\t": b"\\t", "\a": b"\\a", "\v": b"\\v"}  # fmt: skip
+
+
+def _char(ch: str) -> bytes:
+    """A regex for one character of a value, in every form the module doc lists."""
+    data = ch.encode("utf-8", "surrogateescape")
+    each = b"".join(
+        b"(?:" + re.escape(bytes([b])) + b"|%" + _hex(b, 2) + b"|\\\\" + f"{b:03o}".encode() + b")"
+        for b in data
+    )
+    alts = [each]
+    cp = ord(ch)
+    if cp < 0x10000:
+        alts.append(b"\\\\u" + _hex(cp, 4))
+    else:
+        hi, lo = 0xD800 + ((cp - 0x10000) >> 10), 0xDC00 + ((cp - 0x10000) & 0x3FF)
+        alts.append(b"\\\\u" + _hex(hi, 4) + b"\\\\u" + _hex(lo, 4))
+    if ch in _SHORT_ESCAPES:
+        alts.append(re.escape(_SHORT_ESCAPES[ch]))
+    if ch == " ":
+        alts.append(re.escape(b"+"))
+    return b"(?:" + b"|".join(alts) + b")"
+
+
+_B64_CHAR = {ord("+"): b"(?:\\+|%2[bB])", ord("/"): b"(?:/|%2[fF]|\\\\/)"}
+_WRAP = b"(?:\r?\n)?"
+
+
+def pattern(value: str) -> tuple[bytes, int]:
+    """The regex that finds `value` in any of its forms (module doc), and the most bytes one
+    match can span (how much of a stream is held back, how far chunks overlap)."""
+    raw = value.encode("utf-8", "surrogateescape")
+    alts = [b"".join(_char(ch) for ch in value)]
+    longest = sum(max(6 * len(ch.encode("utf-8", "surrogateescape")), 12) for ch in value)
+    for core in sorted(_base64_cores(raw)):
+        alts.append(_WRAP.join(_B64_CHAR.get(c, re.escape(bytes([c]))) for c in core))
+        longest = max(longest, 5 * len(core))
+    return b"(?:" + b"|".join(alts) + b")", longest
 
 
 def marker(label: str) -> bytes:
@@ -122,33 +171,38 @@ class Scanner:
         labels: dict[str, list[str]] = {}
         self.skipped: list[str] = []
         for c in credentials:
-            if not c.value:
-                continue
-            if len(c.value) < MIN_CHARS:
-                self.skipped.append(c.label)
-                continue
-            names = labels.setdefault(c.value, [])
-            if c.label not in names:
-                names.append(c.label)
-        needles: dict[bytes, str] = {}
-        for value, names in labels.items():
-            for n in encodings(value):
-                needles.setdefault(n, ", ".join(names))
-        self._init(needles)
+            for value in dict.fromkeys((c.value, c.value.strip())):
+                if not value:
+                    continue
+                if len(value) < MIN_CHARS:
+                    if c.label not in self.skipped:
+                        self.skipped.append(c.label)
+                    continue
+                names = labels.setdefault(value, [])
+                if c.label not in names:
+                    names.append(c.label)
+        self.values = list(labels)  # what the log redactor looks for (backends get values only)
+        # The longest value first: where one value holds another, the whole one is replaced.
+        ordered = sorted(labels.items(), key=lambda kv: (-len(kv[0]), kv[0]))
+        self._init([(pattern(value), ", ".join(names)) for value, names in ordered])
 
     @classmethod
     def of_needles(cls, needles: Mapping[bytes, str]) -> Scanner:
         """A scanner for these exact byte strings (no encodings, no minimum length)."""
         s = cls.__new__(cls)
-        s.skipped = []
-        s._init({n: label for n, label in needles.items() if n})
+        s.skipped, s.values = [], []
+        exact = sorted((n for n in needles if n), key=lambda n: (-len(n), n))
+        s._init([((re.escape(n), len(n)), needles[n]) for n in exact])
         return s
 
-    def _init(self, needles: dict[bytes, str]) -> None:
-        self.needles = needles
-        ordered = sorted(needles, key=lambda n: (-len(n), n))  # the longest wins at one position
-        self._rx = re.compile(b"|".join(re.escape(n) for n in ordered)) if ordered else None
-        self.longest = max(map(len, needles), default=0)
+    def _init(self, found_by: list[tuple[tuple[bytes, int], str]]) -> None:
+        self.labels = [label for _, label in found_by]
+        parts = [b"(?P<c%d>%s)" % (i, rx) for i, ((rx, _), _) in enumerate(found_by)]
+        self._rx = re.compile(b"|".join(parts)) if parts else None
+        self.longest = max((n for (_, n), _ in found_by), default=0)
+
+    def label_of(self, m: re.Match[bytes]) -> str:
+        return self.labels[int(m.lastgroup[1:])] if m.lastgroup else ""
 
     def __bool__(self) -> bool:
         return self._rx is not None
@@ -167,7 +221,7 @@ class Scanner:
             return data
 
         def sub(m: re.Match[bytes]) -> bytes:
-            label = self.needles[m.group()]
+            label = self.label_of(m)
             if counts is not None:
                 counts[label] += 1
             return replace(label)
@@ -254,12 +308,9 @@ class StreamMasker:
         return self.scanner.mask(out, self.counts, self.replace)
 
     def _held(self, buf: bytes) -> int:
-        """The length of the buffer's longest end that could begin a needle."""
-        for k in range(min(self.scanner.longest - 1, len(buf)), 0, -1):
-            end = buf[-k:]
-            if any(n.startswith(end) for n in self.scanner.needles):
-                return k
-        return 0
+        """How much of the buffer's end to hold back: all that a match could still begin in
+        (one that began earlier would end inside the buffer and is emitted whole)."""
+        return min(self.scanner.longest - 1, len(buf))
 
     def flush(self) -> bytes:
         out, self._buf = self._buf, b""
