@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from fila.core.layout import Root
 from fila.core.models import Task
@@ -77,3 +81,12 @@ class FakeDocker:
             raise APIError("removal failed (injected)")
         self.removed.append(cid)
         self.items = [c for c in self.items if c.id != cid]
+
+
+def quick_for(values: Iterable[Any], *quick: Any) -> list[Any]:
+    """Parametrize values with the `quick` mark on the chosen ones: the quick tier
+    (`scripts/test --quick`) runs those cases of a test that runs every value in the full suite."""
+    chosen = set(quick)
+    missing = chosen - set(values)
+    assert not missing, f"quick_for: {sorted(missing)} are not among the values"
+    return [pytest.param(v, marks=pytest.mark.quick) if v in chosen else v for v in values]

@@ -153,6 +153,7 @@ def make_round_trip_project(root: Path) -> None:
 
 @docker
 @pytest.mark.parametrize("workspace", STRATEGIES)
+@pytest.mark.quick
 def test_apply_lands_exactly_work_byte_for_byte_with_modes(proj: Path, workspace: tuple[dict, str]) -> None:
     env, strategy = workspace
     make_round_trip_project(proj)
@@ -207,6 +208,7 @@ def test_project_gitattributes_do_not_change_what_lands(proj: Path) -> None:
 
 
 @docker
+@pytest.mark.quick
 def test_apply_refuses_a_tampered_patch(proj: Path) -> None:
     tid = run_task(proj, "echo world > greeting.txt")
     p = proj / "sandbox" / "jobs" / tid / "DIFF.patch"
@@ -220,6 +222,7 @@ def test_apply_refuses_a_tampered_patch(proj: Path) -> None:
 
 
 @docker
+@pytest.mark.quick
 def test_apply_refuses_moved_base_and_writes_nothing(proj: Path) -> None:
     (proj / "notes.txt").write_text("notes\n")
     (proj / "lib").mkdir()

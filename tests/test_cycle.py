@@ -60,6 +60,7 @@ def fila_containers(client: docker.DockerClient, root: Path) -> list:
     return client.containers.list(all=True, filters={"label": f"fila.root={root}"})
 
 
+@pytest.mark.quick
 def test_cycle_ends_in_needs_review_with_a_diff_that_git_applies(proj: Path) -> None:
     tid = submit(proj, "sed -i 's/hello/world/' greeting.txt")
     res = fila(proj, "run", "--once")
@@ -105,6 +106,7 @@ def test_task_file_with_directory_target_and_json_output(proj: Path) -> None:
 
 
 @pytest.mark.parametrize("workspace", STRATEGIES)
+@pytest.mark.quick
 def test_input_cannot_be_written_from_the_container(proj: Path, workspace: tuple[dict, str]) -> None:
     env, strategy = workspace
     tid = submit(proj, "echo pwned > ../input/greeting.txt")

@@ -133,6 +133,7 @@ class Inspector(threading.Thread):
 # -- the allowlist, the routes and the secret --------------------------------------------------
 
 
+@pytest.mark.quick
 def test_engine_reaches_the_listed_host_and_the_model_route_never_an_unlisted_host_nor_the_key(
     proj: Path,
     upstreams: Upstreams,  # noqa: F811

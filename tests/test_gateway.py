@@ -314,6 +314,7 @@ def raw_connect(env: Env, gw: Gw, target: str, then: str = "") -> str:
 # ---------------------------------------------------------------- the proxy door
 
 
+@pytest.mark.quick
 def test_connect_tunnels_tls_untouched_to_a_listed_host_and_refuses_every_other_target(env: Env) -> None:
     allowed_ip = env.ups.ip("allowed.test")
     gw = env.gateway(
@@ -1293,6 +1294,7 @@ def _sse_text(out: str) -> str:
     return text
 
 
+@pytest.mark.quick
 def test_a_route_upstream_echoing_the_credential_never_shows_it_to_the_engine_in_any_form(env: Env) -> None:
     gw = env.gateway(routes=_routes(env))
     usage = {"input_tokens": 3, "output_tokens": 2}

@@ -38,6 +38,7 @@ def proj(tmp_path: Path, shell_image: ImageRef) -> Path:
     return tmp_path
 
 
+@pytest.mark.quick
 def test_review_shows_summary_and_diff_without_color_or_pager_off_a_terminal(proj: Path) -> None:
     tid = run_task(proj, "sed -i 's/hello/world/' greeting.txt")
     res = fila(proj, "review", tid)
@@ -120,6 +121,7 @@ def test_review_refuses_a_tampered_patch(proj: Path) -> None:
     assert not (proj / "sandbox" / "jobs" / tid / "REVIEW.html").exists()
 
 
+@pytest.mark.quick
 def test_review_html_is_one_self_contained_file(proj: Path) -> None:
     tid = run_task(proj, HOSTILE_NAMES + "printf '\\000\\377' > blob.bin\n")
     res = fila(proj, "review", tid, "--html")

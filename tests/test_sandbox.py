@@ -90,6 +90,7 @@ def test_output_lands_in_log_and_exit_code_propagates(tmp_path, docker_client, s
     assert_no_container(docker_client, spec.job_id)
 
 
+@pytest.mark.quick
 def test_container_is_hardened_before_start(tmp_path, docker_client, shell_image):
     """Inspect the created container at the side-effect boundary: what the engine will get."""
     spec = make_spec(tmp_path, shell_image, "true", limits=Limits(memory="64m", cpus=0.5, pids=50))
@@ -179,6 +180,7 @@ def test_environment_is_only_what_was_given(tmp_path, docker_client, shell_image
     assert "HOME=/home/fila" in log_of(spec)
 
 
+@pytest.mark.quick
 def test_no_network(tmp_path, docker_client, shell_image):
     script = (
         "echo IFACES $(sed -n 's/^ *\\([^:]*\\):.*/\\1/p' /proc/net/dev); "
@@ -191,6 +193,7 @@ def test_no_network(tmp_path, docker_client, shell_image):
     assert "nc=0" not in out and "Network is unreachable" in out
 
 
+@pytest.mark.quick
 def test_timeout_stops_and_removes(tmp_path, docker_client, shell_image):
     spec = make_spec(tmp_path, shell_image, "echo started; sleep 30", timeout_ms=1000)
     t0 = time.monotonic()
@@ -214,6 +217,7 @@ def test_engine_trapping_sigterm_is_killed_after_grace(tmp_path, docker_client, 
     assert_no_container(docker_client, spec.job_id)
 
 
+@pytest.mark.quick
 def test_memory_bomb_is_oom_killed(tmp_path, docker_client, shell_image):
     # dd fills a buffer of bs bytes: 128 MiB against a 32 MiB limit (swap equal: none extra).
     spec = make_spec(
@@ -227,6 +231,7 @@ def test_memory_bomb_is_oom_killed(tmp_path, docker_client, shell_image):
     assert_no_container(docker_client, spec.job_id)
 
 
+@pytest.mark.quick
 def test_fork_bomb_is_held_by_pids_limit(tmp_path, docker_client, shell_image):
     script = "for i in $(seq 1 60); do sleep 3 & done; echo spawned; ls /proc | grep -c '^[0-9]'"
     spec = make_spec(tmp_path, shell_image, script, policy=make_policy(pids=16))
@@ -433,6 +438,7 @@ def test_unknown_runtime_is_an_infra_error_with_a_hint(tmp_path, docker_client, 
     assert_no_container(docker_client, spec.job_id)
 
 
+@pytest.mark.quick
 def test_filling_the_disk_during_the_run_is_stopped(tmp_path, docker_client, shell_image):
     policy = make_policy(max_work_bytes=2 << 20, max_work_files=1000)
     spec = make_spec(
