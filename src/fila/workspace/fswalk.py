@@ -24,7 +24,8 @@ from ..core.errors import FilaError, LimitExceeded
 
 Kind = Literal["file", "symlink", "dir", "other"]
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# How fila opens a directory it walks: never through a symlink, never inherited by a child.
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
@@ -118,7 +119,7 @@ def open_dir(root: Path) -> int:
     if not stat.S_ISDIR(st.st_mode):
         raise FilaError("not a directory", path=root, hint="the engine replaced it")
     try:
-        return os.open(root, _DIR_FLAGS)  # O_NOFOLLOW: still no symlink after the lstat
+        return os.open(root, DIR_FLAGS)  # O_NOFOLLOW: still no symlink after the lstat
     except OSError as err:
         raise FilaError(f"cannot open directory: {err.strerror}", path=root) from None
 
@@ -215,7 +216,7 @@ class Tree:
         fd = self._fd
         try:
             for part in parent.split("/"):
-                nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                nfd = os.open(part, DIR_FLAGS, dir_fd=fd)
                 if fd != self._fd:
                     os.close(fd)
                 fd = nfd
@@ -306,7 +307,7 @@ def open_beneath(base_fd: int, rel: str) -> int:
         for part in [p for p in rel.split("/") if p not in ("", ".")]:
             if part == "..":
                 raise FilaError("refusing '..' in a path", path=escape_name(rel))
-            nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+            nfd = os.open(part, DIR_FLAGS, dir_fd=fd)
             os.close(fd)
             fd = nfd
     except OSError as err:
@@ -342,7 +343,7 @@ def walk_fd(
 
     def visit(dfd: int, prefix: str, depth: int) -> Iterator[Found]:
         nonlocal files, total, pending
-        names = _names(dfd, prefix, max(0, max_files - files - pending), max_files)
+        names = entry_names(dfd, prefix, max(0, max_files - files - pending), max_files)
         pending += len(names)
         for raw, name in names:
             pending -= 1
@@ -371,7 +372,7 @@ def walk_fd(
             yield Found(Entry(rel, kind, st.st_mode, st.st_size, st.st_nlink), dfd, raw, st)
             if kind == "dir":
                 try:
-                    cfd = os.open(raw, _DIR_FLAGS, dir_fd=dfd)
+                    cfd = os.open(raw, DIR_FLAGS, dir_fd=dfd)
                 except OSError as err:
                     raise _open_error(err, rel) from None
                 try:
@@ -384,7 +385,7 @@ def walk_fd(
     yield from visit(rfd, "", 1)
 
 
-def _names(dfd: int, prefix: str, limit: int, max_files: int) -> list[tuple[bytes, str]]:
+def entry_names(dfd: int, prefix: str, limit: int, max_files: int) -> list[tuple[bytes, str]]:
     """The names in one directory, sorted by bytes; refuse a listing longer than `limit` before
     holding it all (millions of small files must not exhaust memory)."""
     out: list[tuple[bytes, str]] = []

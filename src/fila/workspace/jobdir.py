@@ -24,7 +24,7 @@ from ..core.errors import FilaError, LimitExceeded, TargetError
 from ..core.layout import Root
 from ..core.models import Policy, Task
 from ..queue.policy import Effective, denied_by
-from .fswalk import escape_name, kind_of, open_beneath, open_dir, same_file, walk_fd
+from .fswalk import DIR_FLAGS, escape_name, kind_of, open_beneath, open_dir, same_file, walk_fd
 
 ALWAYS_EXCLUDED = (".git",)
 
@@ -77,7 +77,7 @@ def project_of(root: Root, task: Task, policy: Policy) -> Path:
     return real
 
 
-def _excluded_prefixes(root: Root, project: Path, *extra: Path) -> list[str]:
+def excluded_prefixes(root: Root, project: Path, *extra: Path) -> list[str]:
     """The queue's own directories, relative to the project, when they lie inside it."""
     out = []
     for d in (root.fila, root.path / "sandbox", *extra):
@@ -86,7 +86,7 @@ def _excluded_prefixes(root: Root, project: Path, *extra: Path) -> list[str]:
     return out
 
 
-def _exclusion(rel: str, is_dir: bool, policy: Policy, prefixes: list[str]) -> str | None:
+def exclusion(rel: str, is_dir: bool, policy: Policy, prefixes: list[str]) -> str | None:
     if any(rel == p or rel.startswith(p + "/") for p in prefixes):
         return "fila's own directories"
     if any(part in ALWAYS_EXCLUDED for part in rel.split("/")):
@@ -98,8 +98,8 @@ def _exclusion(rel: str, is_dir: bool, policy: Policy, prefixes: list[str]) -> s
 def diff_skip(root: Root, project: Path, policy: Policy) -> Callable[[str, bool], bool]:
     """What the diff leaves out of work/: what is never copied in is never applied either (an
     engine writing work/fila/in/x.json must not queue a task when the patch is applied)."""
-    prefixes = _excluded_prefixes(root, project, root.policies_dir)
-    return lambda rel, is_dir: _exclusion(rel, is_dir, policy, prefixes) is not None
+    prefixes = excluded_prefixes(root, project, root.policies_dir)
+    return lambda rel, is_dir: exclusion(rel, is_dir, policy, prefixes) is not None
 
 
 def _resolve_one(project: Path, raw: str, policy: Policy, prefixes: list[str]) -> str:
@@ -135,7 +135,7 @@ def _resolve_one(project: Path, raw: str, policy: Policy, prefixes: list[str]) -
                     path=cur,
                 )
     if rel != ".":
-        why = _exclusion(rel, (project / rel).is_dir(), policy, prefixes)
+        why = exclusion(rel, (project / rel).is_dir(), policy, prefixes)
         if why:
             raise TargetError(f"target {raw!r} is never copied ({why})", path=project / rel)
     return rel
@@ -143,7 +143,7 @@ def _resolve_one(project: Path, raw: str, policy: Policy, prefixes: list[str]) -
 
 def resolve_targets(root: Root, project: Path, targets: list[str], policy: Policy) -> list[str]:
     """Normalise targets to project-relative paths; refuse what is outside, missing or denied."""
-    prefixes = _excluded_prefixes(root, project)
+    prefixes = excluded_prefixes(root, project)
     out: list[str] = []
     kept: set[str] = set()  # a list's `in` made 40,000 targets cost 30 s per call
     for raw in targets:
@@ -162,12 +162,11 @@ def resolve_targets(root: Root, project: Path, targets: list[str], policy: Polic
     return out
 
 
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _SRC_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _DST_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-class _Dest:
+class Dest:
     """input/ or work/ of the job being prepared, written through directory fds only: no path
     below it is ever resolved by the kernel from the top, so nothing swapped in meanwhile is
     followed. The last parent's fd is cached (entries come depth first)."""
@@ -197,7 +196,7 @@ class _Dest:
             for part in rel.split("/"):
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(part, 0o777, dir_fd=fd)
-                nfd = os.open(part, _DIR_FLAGS, dir_fd=fd)
+                nfd = os.open(part, DIR_FLAGS, dir_fd=fd)
                 os.close(fd)
                 fd = nfd
         except BaseException:
@@ -207,7 +206,7 @@ class _Dest:
         return fd
 
 
-def _copy_file(
+def copy_file(
     src_dir: int, name: bytes, walked: os.stat_result, dsts: list[tuple[int, str]], mode: int, max_bytes: int
 ) -> tuple[int, str]:
     """Read once, write to every destination, hash on the way. Never follows a link or blocks.
@@ -258,7 +257,7 @@ def prepare(
 ) -> Prepared:
     project = project_of(root, task, policy)
     targets = resolve_targets(root, project, task.targets, policy)
-    prefixes = _excluded_prefixes(root, project)
+    prefixes = excluded_prefixes(root, project)
     job = root.job_dir(task_id)
     if job.exists() or job.is_symlink():
         # A requeued task starts from a clean copy (a first attempt may have left anything).
@@ -273,9 +272,9 @@ def prepare(
     stack = contextlib.ExitStack()
     pfd = open_dir(project)
     stack.callback(os.close, pfd)
-    ins = _Dest(job / "input")
+    ins = Dest(job / "input")
     stack.callback(ins.close)
-    wrk = _Dest(job / "work")
+    wrk = Dest(job / "work")
     stack.callback(wrk.close)
 
     def add(rel: str, src_dir: int, name: bytes, kind: str, st: os.stat_result) -> None:
@@ -297,7 +296,7 @@ def prepare(
         elif kind == "file":
             mode = 0o755 if st.st_mode & stat.S_IXUSR else 0o644
             dsts = [(ins.dir(parent), base), (wrk.dir(parent), base)]
-            size, sha = _copy_file(src_dir, name, st, dsts, mode, policy.max_work_bytes - prep.bytes)
+            size, sha = copy_file(src_dir, name, st, dsts, mode, policy.max_work_bytes - prep.bytes)
             prep.bytes += size
             prep.manifest.append(ManifestEntry(rel, "file", size, sha, mode))
             if st.st_nlink > 1:
@@ -323,11 +322,11 @@ def prepare(
                     base = "" if rel == "." else rel + "/"
 
                     def skip(sub: str, is_dir: bool, base: str = base) -> bool:
-                        return _exclusion(base + sub, is_dir, policy, prefixes) is not None
+                        return exclusion(base + sub, is_dir, policy, prefixes) is not None
 
                     if base:
                         add(rel, dir_fd, name, "dir", st)
-                    tfd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+                    tfd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
                     try:
                         if not same_file(os.fstat(tfd), st):
                             raise TargetError(f"target {rel!r} was replaced while it was being copied")

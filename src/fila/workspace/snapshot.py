@@ -48,14 +48,13 @@ from ..core import fsutil
 from ..core.errors import FilaError, LimitExceeded, TargetError
 from ..core.layout import Root
 from ..core.models import Policy
-from .fswalk import Entry, escape_name, kind_of, open_beneath, open_dir, same_file, walk, walk_fd
+from .fswalk import DIR_FLAGS, Entry, escape_name, kind_of, open_beneath, open_dir, same_file, walk, walk_fd
 
 # Stat data younger than this when the scan started is not trusted next time: a file written twice
 # within one timestamp tick keeps its size and times (git's "racily clean" entries).
 _RACY_NS = 2_000_000_000
 _CHUNK = 1 << 20
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _OPAQUE = ("user.overlay.opaque", "trusted.overlay.opaque")
 # What fila never enables (redirect_dir, metacopy) and what only a lower layer may hold: an upper
 # layer carrying one was not made by the mount fila asked for.
@@ -130,10 +129,9 @@ def _walk(
     is never followed. Counts files and bytes against the policy as prepare does. `tree` gets
     what the next stat pass checks (`_unchanged`): each target's stat data and, per directory,
     the names the rules kept with theirs."""
-    from .jobdir import _DIR_FLAGS as DIRF
-    from .jobdir import _excluded_prefixes, _exclusion
+    from .jobdir import excluded_prefixes, exclusion
 
-    prefixes = _excluded_prefixes(root, project)
+    prefixes = excluded_prefixes(root, project)
     seen: set[str] = set()
     files = size = 0
 
@@ -180,11 +178,11 @@ def _walk(
                 base = "" if rel == "." else rel + "/"
 
                 def skip(sub: str, is_dir: bool, base: str = base) -> bool:
-                    return _exclusion(base + sub, is_dir, policy, prefixes) is not None
+                    return exclusion(base + sub, is_dir, policy, prefixes) is not None
 
                 if base and (src := item(rel, st)) is not None:
                     yield src, dir_fd, name, st
-                tfd = os.open(name, DIRF, dir_fd=dir_fd)
+                tfd = os.open(name, DIR_FLAGS, dir_fd=dir_fd)
                 try:
                     if not same_file(os.fstat(tfd), st):
                         raise TargetError(f"target {rel!r} was replaced while it was being read")
@@ -219,7 +217,6 @@ def _unchanged(project: Path, targets: list[str], cache: dict) -> bool:
     the same names (an entry made, removed or renamed moves its mtime), so the rules need not run
     again and nothing is listed or read: one stat per entry, through directory fds opened
     without following a link. Any doubt is False, and the full scan decides."""
-    from .jobdir import _DIR_FLAGS as DIRF
 
     tree, horizon = cache.get("tree"), cache.get("horizon")
     if (
@@ -242,7 +239,7 @@ def _unchanged(project: Path, targets: list[str], cache: dict) -> bool:
                 if _sig(st) != want or want[1] >= horizon:
                     return False
                 if stat.S_ISDIR(st.st_mode):
-                    fd = os.open(name, DIRF, dir_fd=dfd)
+                    fd = os.open(name, DIR_FLAGS, dir_fd=dfd)
                     todo.append((b"" if rel == "." else os.fsencode(rel), fd))
                     if not same_file(os.fstat(fd), st):
                         return False
@@ -263,7 +260,7 @@ def _unchanged(project: Path, targets: list[str], cache: dict) -> bool:
                     ):
                         return False
                     if e[1]:
-                        cfd = os.open(e[0], DIRF, dir_fd=fd)
+                        cfd = os.open(e[0], DIR_FLAGS, dir_fd=fd)
                         todo.insert(len(todo) - 1, (key + b"/" + e[0] if key else e[0], cfd))
                         if not same_file(os.fstat(cfd), s):
                             return False
@@ -352,9 +349,9 @@ def take(
             if src.kind == "symlink":
                 sha = hashlib.sha256(os.readlink(name, dir_fd=dfd)).hexdigest()
             else:
-                from .jobdir import _copy_file
+                from .jobdir import copy_file
 
-                sha = _copy_file(dfd, name, st, [], src.mode, policy.max_work_bytes)[1]
+                sha = copy_file(dfd, name, st, [], src.mode, policy.max_work_bytes)[1]
                 hashed += 1
             checked[src.rel] = [*src.sig, sha]
         if not stale and _listing(sources) == cache.get("listing"):
@@ -404,7 +401,7 @@ def _build(
     """Copy the targets into a new snapshot and publish it; (key, sources, their stat data and
     hashes, files read). A file whose stat data is the one `checked` holds and whose hash the
     previous snapshot `prev` has at the same path is hard-linked from it, not read."""
-    from .jobdir import _copy_file, _Dest
+    from .jobdir import Dest, copy_file
 
     d = _made_store(root)
     new = Path(tempfile.mkdtemp(prefix=".new-", dir=d))
@@ -414,7 +411,7 @@ def _build(
     try:
         tree = new / "tree"
         tree.mkdir()
-        dest = _Dest(tree)
+        dest = Dest(tree)
         entries: list[list] = []
         sources: list[_Source] = []
         found: dict[str, list] = {}
@@ -425,7 +422,7 @@ def _build(
                 sources.append(src)
                 rel = src.rel
                 parent, _, base = rel.rpartition("/")
-                while parent and parent not in dirs:  # made by _Dest on the way: chmod/chown later
+                while parent and parent not in dirs:  # made by Dest on the way: chmod/chown later
                     dirs.add(parent)
                     parent = parent.rpartition("/")[0]
                 parent = rel.rpartition("/")[0]
@@ -445,7 +442,7 @@ def _build(
                     size = src.sig[0]
                     if not (sha is not None and prev_entries.get(rel) == [rel, "file", size, sha, src.mode]
                             and _link(prev_tree, rel, pfd, base)):  # fmt: skip
-                        size, sha = _copy_file(dfd, name, st, [(pfd, base)], src.mode,
+                        size, sha = copy_file(dfd, name, st, [(pfd, base)], src.mode,
                                                policy.max_work_bytes - size_total)  # fmt: skip
                         read += 1
                     size_total += size
@@ -505,7 +502,7 @@ def _link(prev_tree: Path | None, rel: str, dir_fd: int, name: str) -> bool:
 
 
 def _syncfs(path: Path) -> None:
-    fd = os.open(path, _DIR_FLAGS)
+    fd = os.open(path, DIR_FLAGS)
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.syncfs(fd) != 0:
@@ -669,13 +666,13 @@ class Layers:
     def upper_walk(
         self, prune: Callable[[str, bool], bool], *, max_files: int, max_bytes: int
     ) -> Iterator[Entry]:
-        from .fswalk import _names
+        from .fswalk import entry_names
 
         def hide(rel: str, subtree: bool) -> None:
             self.hidden.append((rel, subtree))
 
         def visit(ufd: int, lfd: int | None, prefix: str, depth: int) -> Iterator[Entry]:
-            for raw, name in _names(ufd, prefix, max_files, max_files):
+            for raw, name in entry_names(ufd, prefix, max_files, max_files):
                 rel = prefix + name
                 try:
                     st = os.stat(raw, dir_fd=ufd, follow_symlinks=False)
@@ -713,11 +710,11 @@ class Layers:
                 yield Entry(rel, kind, st.st_mode, st.st_size, st.st_nlink)
                 if kind != "dir":
                     continue
-                cfd = os.open(raw, _DIR_FLAGS, dir_fd=ufd)
+                cfd = os.open(raw, DIR_FLAGS, dir_fd=ufd)
                 clfd = None
                 try:
                     if merge:
-                        clfd = os.open(raw, _DIR_FLAGS, dir_fd=lfd)
+                        clfd = os.open(raw, DIR_FLAGS, dir_fd=lfd)
                     yield from visit(cfd, clfd, rel + "/", depth + 1)
                 finally:
                     os.close(cfd)
