@@ -689,7 +689,7 @@ def test_the_gateway_files_are_private_and_outside_the_job_directory(tmp_path: P
         uid, gid = run_as()
         state = tmp_path / "sandbox" / "meta" / "job" / "egress"
         state.parent.mkdir(parents=True)
-        egress._prepare_dir(state, policy, "job", uid, gid, clients=["172.29.9.0/24"])
+        egress.prepare_gateway_dir(state, policy, "job", uid, gid, clients=["172.29.9.0/24"])
     finally:
         del os.environ[KEY_VAR]
     secret = state / "secrets" / "openai"
@@ -721,7 +721,7 @@ def test_a_route_paths_override_reaches_the_gateway_config(tmp_path: Path) -> No
         policy = Policy.model_validate(doc)
         egress.validate(policy)
         uid, gid = run_as()
-        egress._prepare_dir(tmp_path / "egress", policy, "job", uid, gid, clients=["172.29.9.0/24"])
+        egress.prepare_gateway_dir(tmp_path / "egress", policy, "job", uid, gid, clients=["172.29.9.0/24"])
     finally:
         del os.environ[KEY_VAR]
     config = json.loads((tmp_path / "egress" / "config.json").read_text())

@@ -263,7 +263,7 @@ class Gateway:
         return env
 
 
-def _labels(job_id: str, role: str, extra: dict[str, str]) -> dict[str, str]:
+def job_labels(job_id: str, role: str, extra: dict[str, str]) -> dict[str, str]:
     return {**extra, "fila": "1", "fila.job": job_id, ROLE_LABEL: role}
 
 
@@ -281,7 +281,7 @@ def _write_private(path: Path, data: bytes, uid: int, gid: int) -> None:
         os.close(fd)
 
 
-def _prepare_dir(
+def prepare_gateway_dir(
     state: Path, policy: Policy, job_id: str, uid: int, gid: int, *, clients: list[str]
 ) -> list[Resolved]:
     """state/ (0700, the host's): config.json, upstream-ca.pem, secrets/ and log/ (the gateway's).

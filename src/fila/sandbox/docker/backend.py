@@ -420,7 +420,7 @@ class _Waiter(threading.Thread):
 def _docker_error(spec: RunSpec, action: str, err: BaseException) -> InfraError:
     """str() of the result names the job and its log: FilaError appends task_id and path."""
     cls = EngineUnavailable if isinstance(err, requests.ConnectionError) else InfraError
-    hint = "check `docker info`; the task can be retried once Docker is healthy"
+    hint = docker_images.RUN_HINT
     if spec.policy.runtime and "runtime" in str(err).lower():
         hint = f"install the {spec.policy.runtime!r} runtime in Docker, or change the policy's runtime"
     return cls(f"{action} failed: {err}", hint=hint, task_id=spec.job_id, path=spec.log_path)
@@ -691,7 +691,7 @@ def run(
             if spec.overlay is not None:
                 _remove_volume_after_failure(client, name, exc)
         if gateway is not None:
-            _stop_gateway_after_failure(client, gateway, exc)
+            stop_gateway_after_failure(client, gateway, exc)
         try:
             jobdir.reclaim(spec.job_dir, owner=owner)
         except Exception as e:  # the original error matters more; say what is left
@@ -742,7 +742,7 @@ def _start_gateway(client: docker.DockerClient, spec: RunSpec, uid: int, gid: in
     )
 
 
-def _stop_gateway_after_failure(client: docker.DockerClient, gateway: Any, exc: BaseException) -> None:
+def stop_gateway_after_failure(client: docker.DockerClient, gateway: Any, exc: BaseException) -> None:
     from . import egress
 
     try:
@@ -1020,10 +1020,13 @@ class DockerBackend(Backend):
         ca_file: Path | None = None,
         force: bool = False,
         progress: Callable[[str], None] = print,
+        verbose: bool = False,
     ) -> ImageRef:
         from .. import images
 
-        return images.build(engine, self, base=base, ca_file=ca_file, force=force, progress=progress)
+        return images.build(
+            engine, self, base=base, ca_file=ca_file, force=force, progress=progress, verbose=verbose
+        )
 
     def ensure_image(self, engine: str, *, progress: Callable[[str], None] = print) -> ImageRef:
         from .. import images

@@ -30,10 +30,10 @@ from ...egress.config import (
     SECRETS_PATH,
     UPSTREAM_CA_PATH,
     Gateway,
-    _labels,
-    _prepare_dir,
     collect,
+    job_labels,
     network_name,
+    prepare_gateway_dir,
     remove_dir,
     sweep_dirs,
 )
@@ -93,7 +93,7 @@ def _gateway_kwargs(
         image=GATEWAY_IMAGE,
         name=name,
         user=f"{uid}:{gid}",
-        labels=_labels(job_id, ROLE_GATEWAY, labels),
+        labels=job_labels(job_id, ROLE_GATEWAY, labels),
         mounts=mounts,
         network=net,
         hostname="gateway",
@@ -147,7 +147,7 @@ def start(
             enable_ipv6=False,
             # Without this the bridge holds an address, and through it the host's services.
             options={"com.docker.network.bridge.inhibit_ipv4": "true"},
-            labels=_labels(job_id, ROLE_JOB_NET, labels),
+            labels=job_labels(job_id, ROLE_JOB_NET, labels),
         )
         net.reload()
         subnets = [c["Subnet"] for c in (net.attrs.get("IPAM") or {}).get("Config") or [] if c.get("Subnet")]
@@ -168,7 +168,7 @@ def start(
         step = "starting the gateway"
         client.api.start(gw.container)
         step = "waiting for the gateway"
-        gw.ip = _wait_ready(client, gw, ready_timeout_s)
+        gw.ip = wait_ready(client, gw, ready_timeout_s)
         return gw
     except BaseException as exc:
         try:
@@ -186,12 +186,12 @@ def gateway_files(gw: Gateway, policy: Policy, uid: int, gid: int, subnets: list
     share it: a job network without a subnet would leave the gateway serving no one."""
     if not subnets:
         raise InfraError(f"the job network {gw.network} has no subnet", task_id=gw.job_id)
-    routes = _prepare_dir(gw.dir, policy, gw.job_id, uid, gid, clients=subnets)
+    routes = prepare_gateway_dir(gw.dir, policy, gw.job_id, uid, gid, clients=subnets)
     gw.routes = [r.name for r in routes]
     return any(r.ca_file for r in routes)
 
 
-def _wait_ready(client: docker.DockerClient, gw: Gateway, timeout_s: float) -> str:
+def wait_ready(client: docker.DockerClient, gw: Gateway, timeout_s: float) -> str:
     ready = gw.dir / "log" / "ready"
     deadline = time.monotonic() + timeout_s
     while True:

@@ -55,7 +55,7 @@ from ...egress.config import (
     SECRETS_PATH,
     UPSTREAM_CA_PATH,
     Gateway,
-    _labels,
+    job_labels,
     network_name,
     sweep_dirs,
 )
@@ -158,7 +158,7 @@ def gateway_spec(
         "image": GATEWAY_IMAGE,
         "name": name,
         "user": f"{uid}:{gid}",
-        "labels": _labels(job_id, ROLE_GATEWAY, labels),
+        "labels": job_labels(job_id, ROLE_GATEWAY, labels),
         "mounts": mounts,
         "hostname": "gateway",
         "env": {"HOME": "/tmp"},
@@ -217,7 +217,7 @@ def start(
             client,
             "POST",
             "/libpod/networks/create",
-            job_network_spec(gw.network, _labels(job_id, ROLE_JOB_NET, labels)),
+            job_network_spec(gw.network, job_labels(job_id, ROLE_JOB_NET, labels)),
         )
         subnets = [s["subnet"] for s in net.get("subnets") or [] if s.get("subnet")]
         step = "writing the gateway's configuration"
@@ -249,7 +249,7 @@ def start(
         client.api.start(gw.container)
         step = "waiting for the gateway"
         # Podman's Docker-compatible inspect and logs serve the wait as they do Docker's.
-        gw.ip = docker_egress._wait_ready(client, gw, ready_timeout_s)
+        gw.ip = docker_egress.wait_ready(client, gw, ready_timeout_s)
         return gw
     except BaseException as exc:
         try:
@@ -308,7 +308,7 @@ def run(
     except BaseException as exc:
         # Docker's own path for a failed run: what cannot be removed is carried on the error
         # (note_left), so the cycle keeps the task fenced instead of publishing it as over.
-        dk._stop_gateway_after_failure(client, gw, exc)
+        dk.stop_gateway_after_failure(client, gw, exc)
         raise
     result.egress, left = docker_egress.finish(client, gw)
     result.warnings += left
