@@ -28,6 +28,7 @@ import base64
 import contextlib
 import dataclasses
 import enum
+import functools
 import json
 import os
 import re
@@ -93,52 +94,75 @@ def _base64_cores(raw: bytes) -> set[bytes]:
     return {c for c in cores if c}
 
 
-def _hex(n: int, width: int) -> bytes:
-    """`n` in hex, each letter matching either case."""
-    return b"".join(
-        f"[{c.lower()}{c.upper()}]".encode() if c.isalpha() else c.encode() for c in f"{n:0{width}x}"
-    )
+def _hex(n: int, width: int) -> set[bytes]:
+    """`n` in hex, in every mixture of letter case."""
+    out = {b""}
+    for c in f"{n:0{width}x}":
+        out = {o + v.encode() for o in out for v in {c.lower(), c.upper()}}
+    return out
 
 
 _SHORT_ESCAPES = {'"': b'\\"', "\\": b"\\\\", "/": b"\\/", "\b": b"\\b", "\f": b"\\f",
                   "\n": b"\\n", "\r": b"\\r", "\t": b"\\t", "\a": b"\\a", "\v": b"\\v"}  # fmt: skip
 
+# A form is a sequence of tokens; a token is the set of byte strings one character may take.
+Form = list[frozenset[bytes]]
 
-def _char(ch: str) -> bytes:
-    """A regex for one character of a value, in every form the module doc lists."""
+
+def _char(ch: str) -> frozenset[bytes]:
+    """Every form of one character of a value that the module doc lists."""
     data = ch.encode("utf-8", "surrogateescape")
-    each = b"".join(
-        b"(?:" + re.escape(bytes([b])) + b"|%" + _hex(b, 2) + b"|\\\\" + f"{b:03o}".encode() + b")"
-        for b in data
-    )
-    alts = [each]
+    each = {b""}
+    for b in data:
+        one = {bytes([b]), b"\\" + f"{b:03o}".encode()} | {b"%" + h for h in _hex(b, 2)}
+        each = {e + o for e in each for o in one}
     cp = ord(ch)
     if cp < 0x10000:
-        alts.append(b"\\\\u" + _hex(cp, 4))
+        each |= {b"\\u" + h for h in _hex(cp, 4)}
     else:
         hi, lo = 0xD800 + ((cp - 0x10000) >> 10), 0xDC00 + ((cp - 0x10000) & 0x3FF)
-        alts.append(b"\\\\u" + _hex(hi, 4) + b"\\\\u" + _hex(lo, 4))
+        each |= {b"\\u" + a + b"\\u" + z for a in _hex(hi, 4) for z in _hex(lo, 4)}
     if ch in _SHORT_ESCAPES:
-        alts.append(re.escape(_SHORT_ESCAPES[ch]))
+        each.add(_SHORT_ESCAPES[ch])
     if ch == " ":
-        alts.append(re.escape(b"+"))
-    return b"(?:" + b"|".join(alts) + b")"
+        each.add(b"+")
+    return frozenset(each)
 
 
-_B64_CHAR = {ord("+"): b"(?:\\+|%2[bB])", ord("/"): b"(?:/|%2[fF]|\\\\/)"}
-_WRAP = b"(?:\r?\n)?"
+_B64_ESCAPES = {ord("+"): {b"+", b"%2b", b"%2B"}, ord("/"): {b"/", b"%2f", b"%2F", b"\\/"}}
+_WRAPS = (b"", b"\n", b"\r\n")  # base64 wrapped at any column (MIME, `base64`)
 
 
-def pattern(value: str) -> tuple[bytes, int]:
-    """The regex that finds `value` in any of its forms (module doc), and the most bytes one
-    match can span (how much of a stream is held back, how far chunks overlap)."""
+def forms(value: str) -> list[Form]:
+    """The value character by character, and each base64 core with a line break allowed before
+    any character but the first (module doc)."""
     raw = value.encode("utf-8", "surrogateescape")
-    alts = [b"".join(_char(ch) for ch in value)]
-    longest = sum(max(6 * len(ch.encode("utf-8", "surrogateescape")), 12) for ch in value)
+    out: list[Form] = [[_char(ch) for ch in value]]
     for core in sorted(_base64_cores(raw)):
-        alts.append(_WRAP.join(_B64_CHAR.get(c, re.escape(bytes([c]))) for c in core))
-        longest = max(longest, 5 * len(core))
-    return b"(?:" + b"|".join(alts) + b")", longest
+        chars = [_B64_ESCAPES.get(c, {bytes([c])}) for c in core]
+        out.append(
+            [frozenset(chars[0])] + [frozenset(w + x for w in _WRAPS for x in alts) for alts in chars[1:]]
+        )
+    return out
+
+
+def _regex(form: Form) -> bytes:
+    return b"".join(
+        b"(?:" + b"|".join(re.escape(x) for x in sorted(tok, key=lambda x: (-len(x), x))) + b")"
+        for tok in form
+    )
+
+
+def _may_begin(data: bytes, form: Form, i: int = 0) -> bool:
+    """Could `data` be the beginning of a match of `form` from its token `i` on?"""
+    if not data or i == len(form):
+        return not data
+    for alt in form[i]:
+        if alt.startswith(data):
+            return True
+        if data.startswith(alt) and _may_begin(data[len(alt) :], form, i + 1):
+            return True
+    return False
 
 
 def marker(label: str) -> bytes:
@@ -184,7 +208,7 @@ class Scanner:
         self.values = list(labels)  # what the log redactor looks for (backends get values only)
         # The longest value first: where one value holds another, the whole one is replaced.
         ordered = sorted(labels.items(), key=lambda kv: (-len(kv[0]), kv[0]))
-        self._init([(pattern(value), ", ".join(names)) for value, names in ordered])
+        self._init([(forms(value), ", ".join(names)) for value, names in ordered])
 
     @classmethod
     def of_needles(cls, needles: Mapping[bytes, str]) -> Scanner:
@@ -192,14 +216,26 @@ class Scanner:
         s = cls.__new__(cls)
         s.skipped, s.values = [], []
         exact = sorted((n for n in needles if n), key=lambda n: (-len(n), n))
-        s._init([((re.escape(n), len(n)), needles[n]) for n in exact])
+        s._init([([[frozenset({bytes([c])}) for c in n]], needles[n]) for n in exact])
         return s
 
-    def _init(self, found_by: list[tuple[tuple[bytes, int], str]]) -> None:
+    def _init(self, found_by: list[tuple[list[Form], str]]) -> None:
         self.labels = [label for _, label in found_by]
-        parts = [b"(?P<c%d>%s)" % (i, rx) for i, ((rx, _), _) in enumerate(found_by)]
+        self.forms = [f for fs, _ in found_by for f in fs]
+        parts = [b"(?P<c%d>%s)" % (i, b"|".join(_regex(f) for f in fs)) for i, (fs, _) in enumerate(found_by)]
         self._rx = re.compile(b"|".join(parts)) if parts else None
-        self.longest = max((n for (_, n), _ in found_by), default=0)
+        # The most bytes one match can span: how much of a stream may be held back, how far
+        # chunks overlap.
+        self.longest = max((sum(max(map(len, tok)) for tok in f) for f in self.forms), default=0)
+
+    @functools.cached_property
+    def first_bytes(self) -> frozenset[int]:
+        """The bytes a match can begin with."""
+        return frozenset(alt[0] for f in self.forms for alt in f[0] if alt)
+
+    def may_begin(self, data: bytes) -> bool:
+        """Could `data` be the beginning of a match (more bytes to come)?"""
+        return any(_may_begin(data, f) for f in self.forms)
 
     def label_of(self, m: re.Match[bytes]) -> str:
         return self.labels[int(m.lastgroup[1:])] if m.lastgroup else ""
@@ -308,9 +344,13 @@ class StreamMasker:
         return self.scanner.mask(out, self.counts, self.replace)
 
     def _held(self, buf: bytes) -> int:
-        """How much of the buffer's end to hold back: all that a match could still begin in
-        (one that began earlier would end inside the buffer and is emitted whole)."""
-        return min(self.scanner.longest - 1, len(buf))
+        """The length of the buffer's longest end that could begin a match: only that waits for
+        the next chunk, so what is passed on stays prompt and in order."""
+        first = self.scanner.first_bytes
+        for p in range(max(0, len(buf) - self.scanner.longest + 1), len(buf)):
+            if buf[p] in first and self.scanner.may_begin(buf[p:]):
+                return len(buf) - p
+        return 0
 
     def flush(self) -> bytes:
         out, self._buf = self._buf, b""
