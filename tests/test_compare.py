@@ -180,12 +180,21 @@ def test_three_engines_on_one_input_compare_side_by_side_and_applying_one_supers
 def proj(tmp_path: Path) -> Path:
     make_root(tmp_path)
     (tmp_path / "a.txt").write_text("hello\n")
+    # Submit-time cases with model engines: their routes (network none refuses them at submit).
+    route = {"credential": KEY_VAR}
+    doc = {"network": "allowlist", "max_timeout_ms": 60_000, "default_timeout_ms": 60_000,
+           "egress": {"routes": {"anthropic": route, "openai": route}}}  # fmt: skip
+    (tmp_path / "policies" / "models.json").write_text(json.dumps(doc))
     return tmp_path
 
 
-def test_a_group_is_checked_whole_before_any_member_is_queued(proj: Path) -> None:
+def test_a_group_is_checked_whole_before_any_member_is_queued(
+    proj: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(KEY_VAR, "sk-test-submit")
     ok = fila(proj, "submit", "--target", "a.txt", "--engine", "shell", "--engine", "claude",
-              "--command", "true", "--prompt", "x", "--id", "g1", "--model", "claude=claude-x-1")  # fmt: skip
+              "--policy", "models", "--command", "true", "--prompt", "x", "--id", "g1",
+              "--model", "claude=claude-x-1")  # fmt: skip
     assert ok.exit_code == 0 and ok.stdout.split() == ["g1.shell", "g1.claude"], ok.output
     # Each engine gets its own model (a model name is one vendor's), the others none.
     assert [record(proj, t)["task"]["model"] for t in ("g1.shell", "g1.claude")] == [None, "claude-x-1"]
@@ -199,12 +208,11 @@ def test_a_group_is_checked_whole_before_any_member_is_queued(proj: Path) -> Non
         (("--engine", "shell", "--engine", "nope"), "engine"),  # unknown: nothing is queued
         (("--engine", "shell", "--engine", "claude", "--image", "fila/shell:latest"), "image"),
     ]:
-        bad = fila(
-            proj, "submit", "--target", "a.txt", "--command", "true", "--prompt", "x", "--id", "g2", *args
-        )
+        bad = fila(proj, "submit", "--target", "a.txt", "--command", "true", "--prompt", "x", "--id", "g2",
+                   "--policy", "models", *args)  # fmt: skip
         assert bad.exit_code == 2 and f"field '{field}'" in bad.output, bad.output
     dup = fila(proj, "submit", "--target", "a.txt", "--engine", "shell", "--engine", "claude",
-               "--command", "true", "--prompt", "x", "--id", "g1")  # fmt: skip
+               "--policy", "models", "--command", "true", "--prompt", "x", "--id", "g1")  # fmt: skip
     assert dup.exit_code == 4 and "g1.shell" in dup.output
     assert sorted(p.stem for p in (proj / "fila" / "in").glob("*.json")) == ["g1.claude", "g1.shell"]
     one = fila(
@@ -367,10 +375,13 @@ def test_a_row_shows_the_engines_a_fallback_tried_and_where_its_tokens_were_coun
     assert "claude(quota) -> shell" in table[2] and "10/2" in table[2] and "99/-" in table[3]
 
 
-def test_a_task_file_with_repeated_engine_makes_the_group_from_the_files_fields(proj: Path) -> None:
+def test_a_task_file_with_repeated_engine_makes_the_group_from_the_files_fields(
+    proj: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(KEY_VAR, "sk-test-submit")
     f = proj / "task.json"
     f.write_text(json.dumps({"id": "tf", "engine": "shell", "prompt": "Say hi.", "command": "true",
-                             "targets": ["a.txt"], "check": "true"}))  # fmt: skip
+                             "targets": ["a.txt"], "check": "true", "policy": "models"}))  # fmt: skip
     ok = fila(proj, "submit", str(f), "--engine", "shell", "--engine", "codex")
     assert ok.exit_code == 0 and ok.stdout.split() == ["tf.shell", "tf.codex"], ok.output
     tasks = [record(proj, t)["task"] for t in ("tf.shell", "tf.codex")]

@@ -134,6 +134,15 @@ def test_the_report_holds_what_the_cli_says_about_model_turns_usage_and_cost(
     assert report.get("session_id") or engine == "aider"  # aider has no session id
 
 
+def test_aiders_model_is_read_from_its_main_model_line_when_a_weak_model_is_beside_it() -> None:
+    # aider 0.86 says `Main model: M` (then `Weak model: W`) for a model with a weak model, and
+    # `Model: M` for one without: both name the model the run used, never the weak one.
+    report = get_engine("aider").classify(0, captured("aider", "main_model")).report
+    assert report is not None
+    assert (report["model"], report["turns"], report["input_tokens"]) == ("openai/gpt-4o", 1, 829)
+    assert get_engine("aider").classify(0, captured("aider", "success")).report["model"] == "openai/m1"  # type: ignore[index]
+
+
 def test_text_before_the_result_on_stdout_is_skipped() -> None:
     text = "garbage {not json\n" + captured_text("claude", "success")
     assert get_engine("claude").classify(0, out(text[5:])).kind == "success"

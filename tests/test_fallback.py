@@ -183,22 +183,25 @@ def test_the_chain_is_the_tasks_fallback_else_the_policys_and_an_empty_list_mean
 
 
 def _refusal_policy(root: Path, name: str, **doc: Any) -> None:
-    base = {"max_timeout_ms": 60_000, "default_timeout_ms": 60_000}
+    # claude's route, so the case at hand is the one refused (network none refuses claude itself).
+    base = {
+        "max_timeout_ms": 60_000,
+        "default_timeout_ms": 60_000,
+        "network": "allowlist",
+        "egress": {"routes": {"anthropic": {"credential": KEY_VAR}}},
+    }
     (root / "policies" / f"{name}.json").write_text(json.dumps({**base, **doc}))
 
 
 @pytest.fixture
-def sub_root(tmp_path: Path) -> Path:
+def sub_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv(KEY_VAR, "sk-test")
     make_root(tmp_path)
     (tmp_path / "a.txt").write_text("hello\n")
+    _refusal_policy(tmp_path, "default")
     _refusal_policy(tmp_path, "narrow", images=["fila/claude:*", "fila/shell:*"])
     _refusal_policy(tmp_path, "typo", fallback=["shel"])
-    _refusal_policy(
-        tmp_path,
-        "anthropic-only",
-        network="allowlist",
-        egress={"routes": {"anthropic": {"credential": KEY_VAR}}},
-    )
+    _refusal_policy(tmp_path, "anthropic-only")
     return tmp_path
 
 

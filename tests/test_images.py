@@ -12,7 +12,7 @@ import docker
 import pytest
 
 from fila.assets import shipped_dir
-from fila.core.errors import InvalidInput, UnknownEngine
+from fila.core.errors import ImageMissing, InvalidInput, UnknownEngine
 from fila.core.models import ImageRef
 from fila.sandbox import images
 from fila.sandbox.docker.backend import DockerBackend
@@ -115,3 +115,78 @@ def test_explicit_base_is_used(docker_client, scratch_engine) -> None:
     base = images.offline_busybox_base(DockerBackend(docker_client), progress=lambda s: None)
     ref = images.build(name, DockerBackend(docker_client), base=base.tag, progress=lambda s: None)
     assert docker_client.images.get(ref.tag).labels[images.LABEL_BASE] == base.tag
+
+
+def test_a_build_shows_a_line_per_step_with_what_it_fetches_and_the_raw_stream_only_when_verbose() -> None:
+    dockerfile = (shipped_dir("images") / "claude" / "Dockerfile").read_text()
+    raw = [
+        "Step 2/15 : FROM ${BASE} AS fetch",
+        " ---> 5d1e6f0b1c2a",
+        "Step 5/15 : RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates curl",
+        "Get:1 http://deb.debian.org/debian bookworm InRelease [151 kB]",
+        'Step 8/15 : RUN set -e;     curl -fsSL --retry 3 -o /tmp/pkg.tgz "$TARBALL";     tar -xzf x',
+        "[2/2] STEP 3/8: RUN pip install --no-cache-dir aider-chat==0.86.2",
+    ]
+    lines: list[str] = []
+    out = images.BuildProgress("fila/claude:latest", dockerfile, lines.append, buildargs={"BASE": "b:1"})
+    for line in raw:
+        out(line)
+    assert lines == [
+        "fila/claude:latest: Step 2/15, stage 1 (fetch): FROM b:1 AS fetch",
+        "fila/claude:latest: Step 5/15, stage 1 (fetch): RUN (fetching: apt-get install "
+        "ca-certificates curl)",
+        "fila/claude:latest: Step 8/15, stage 1 (fetch): RUN (fetching: https://registry.npmjs.org/"
+        "@anthropic-ai/claude-code-linux-x64/-/claude-code-linux-x64-2.1.332.tgz)",
+        "fila/claude:latest: Step 3/8, stage 1 (fetch): RUN (fetching: pip install aider-chat==0.86.2)",
+    ]
+    verbose: list[str] = []
+    out = images.BuildProgress("fila/claude:latest", dockerfile, verbose.append, verbose=True)
+    for line in raw:
+        out(line)
+    # The tail kept for a failure's error leaves out layer ids.
+    assert verbose == raw and out.tail == [ln for ln in raw if "--->" not in ln]
+
+
+@pytest.mark.parametrize(
+    "said",
+    [
+        "curl: (60) SSL certificate problem: unable to get local issuer certificate",
+        "npm ERR! code SELF_SIGNED_CERT_IN_CHAIN",
+        "npm error code UNABLE_TO_GET_ISSUER_CERT_LOCALLY",
+        "SSLError(SSLCertVerificationError(1, '[SSL: CERTIFICATE_VERIFY_FAILED] certificate verify failed'))",
+        "The command '/bin/sh -c curl -fsSL -o /tmp/pkg.tgz $TARBALL' returned a non-zero code: 60",
+    ],
+)
+def test_an_untrusted_certificate_is_recognised_in_curls_npms_and_pips_words(said: str) -> None:
+    assert images.untrusted_tls(said)
+    assert not images.untrusted_tls("E: Unable to locate package nope")  # the counterpart
+
+
+def test_a_build_failing_on_an_untrusted_certificate_names_ca_file_and_the_hosts_bundle(
+    docker_client, scratch_engine
+) -> None:
+    name, src = scratch_engine
+    with (src / "Dockerfile").open("a") as f:  # what curl says and does behind an intercepting proxy
+        f.write("RUN echo 'curl: (60) SSL certificate problem: unable to get local issuer certificate' >&2;")
+        f.write(" exit 60\n")
+    lines: list[str] = []
+    with pytest.raises(ImageMissing) as info:
+        images.build(name, DockerBackend(docker_client), progress=lines.append)
+    hint = info.value.hint or ""
+    assert f"fila images build {name} --ca-file" in hint, hint
+    if images.HOST_CA_BUNDLE.is_file():
+        assert str(images.HOST_CA_BUNDLE) in hint
+    # The failed step and curl's own words are in the error, though the progress showed only steps.
+    assert "SSL certificate problem" in info.value.message and "Step" in info.value.message
+    assert any(ln.startswith(f"fila/{name}:latest: Step ") for ln in lines), lines
+    # No raw stream: curl's words are shown only in the step that runs it, not as its output line.
+    assert not any(ln.startswith("curl: (60)") for ln in lines), lines
+
+
+def test_images_build_takes_root_like_every_command(tmp_path: Path) -> None:
+    from tests.helpers import fila
+
+    res = fila(tmp_path, "images", "build", "no-such-engine")  # `--root` is appended
+    assert res.exit_code == 2 and "unknown engine" in res.output and "No such option" not in res.output, (
+        res.output
+    )

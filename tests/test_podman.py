@@ -433,8 +433,8 @@ def test_the_contract_and_the_cycle_pass_on_rootless_podman_as_an_ordinary_user(
     with podman_user() as user:
         out = pytest_as_user(user, python, here, ["test_backend_contract.py", "test_podman.py"], timeout=900)
     m = re.search(r"(\d+) passed", out)
-    # 7 contract tests and 2 seam tests, 4 cycle tests on Podman, 4 pure ones: all ran as the user.
-    assert m is not None and int(m.group(1)) == 17 and "skipped" not in out, out[-3000:]
+    # 7 contract tests, 4 cycle tests on Podman, 5 pure ones: all ran as the user.
+    assert m is not None and int(m.group(1)) == 16 and "skipped" not in out, out[-3000:]
 
 
 def pytest_as_user(user: str, python: str, here: Path, files: list[str], *, timeout: float) -> str:
@@ -460,3 +460,48 @@ def pytest_as_user(user: str, python: str, here: Path, files: list[str], *, time
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-6000:]
     return out
+
+
+def test_a_podman_engine_error_says_check_podman_info_and_names_the_socket_fila_used(tmp_path: Path) -> None:
+    import requests
+    from docker.errors import DockerException
+
+    from fila.core.errors import InfraError
+    from fila.sandbox.podman.backend import PodmanBackend
+
+    class Images:
+        def get(self, tag: str) -> None:
+            raise DockerException("connection reset by peer")
+
+    class Client:  # a Podman API that fails every call
+        images = Images()
+
+        def close(self) -> None:
+            pass
+
+    sock = tmp_path / "run" / "podman.sock"
+    backend = PodmanBackend(socket=sock, autostart=False)
+    backend.connect = lambda timeout=None: Client()  # type: ignore[method-assign,assignment,return-value]
+    # An image call (builds, look-ups) and a job's container call, both as the backend raises them.
+    with pytest.raises(InfraError) as image_err:
+        backend.image_info("fila/shell:latest")
+    spec = RunSpec(
+        job_id="t1",
+        job_dir=tmp_path,
+        image="fila/shell:latest",
+        argv=["true"],
+        env={},
+        policy=_policy(),
+        limits=None,
+        timeout_ms=1000,
+        log_path=tmp_path / "log",
+        labels={},
+    )
+    with pytest.raises(InfraError) as run_err, backend.client():
+        raise dk._docker_error(spec, "starting the container", requests.ConnectionError("refused"))
+    for err in (image_err.value, run_err.value):
+        assert err.hint and "`podman info`" in err.hint and str(sock) in err.hint, err.hint
+        assert "docker" not in err.hint.lower(), err.hint
+    assert run_err.value.hint and "retried" in run_err.value.hint
+    # The Docker backend's own hint for the same error names Docker.
+    assert "`docker info`" in (dk._docker_error(spec, "x", requests.ConnectionError()).hint or "")

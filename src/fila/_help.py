@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli.py's sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "f30f6dd86bf4e1c5945c9df35a9f1c965cbb14df19c9a622959a63cf7e02c4c9"
+CLI_SHA256 = "05e2f765e22b05ace0d9c24af273c3a924a80e480621575a883726b547432273"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 

@@ -909,14 +909,20 @@ def schema(kind: Annotated[str, typer.Argument(help="task, policy or record")]) 
 @images_app.command("build")
 def images_build(
     engine: Annotated[
-        str | None,
-        typer.Argument(help="engine, or a support image: gateway, testnet (default: every engine)"),
+        list[str] | None,
+        typer.Argument(
+            help="engines, or support images: gateway, testnet (default: every engine)", show_default=False
+        ),
     ] = None,
     base: Annotated[str | None, typer.Option(help="base image (overrides the BASE arg)")] = None,
     ca_file: Annotated[
         Path | None, typer.Option(help="CA bundle to trust in the image (TLS-intercepting proxy)")
     ] = None,
     force: Annotated[bool, typer.Option(help="rebuild even when the image is current")] = False,
+    verbose: Annotated[
+        bool, typer.Option("--verbose", "-v", help="the build's raw output, not a line per Dockerfile step")
+    ] = False,
+    root: RootOpt = None,
     json_: JsonOpt = False,
 ) -> None:
     """Build engine images locally, also on a host with no registry. A current image is reused."""
@@ -924,14 +930,15 @@ def images_build(
     from .sandbox import get_backend, root_backend
     from .sandbox.images import SUPPORT_IMAGES
 
-    names = [engine] if engine else engine_names()
-    built = []
-    r = Root.at(None)
-    backend = get_backend(root_backend(r) if r.fila.is_dir() else None)
+    names = list(dict.fromkeys(engine)) if engine else engine_names()
     for name in names:
         if name not in SUPPORT_IMAGES:
-            get_engine(name)  # an unknown name lists the valid engines
-        ref = backend.build(name, base=base, ca_file=ca_file, force=force, progress=_err)
+            get_engine(name)  # an unknown name lists the valid engines, before anything is built
+    built = []
+    r = _root(root)
+    backend = get_backend(root_backend(r) if r.fila.is_dir() else None)
+    for name in names:
+        ref = backend.build(name, base=base, ca_file=ca_file, force=force, progress=_err, verbose=verbose)
         built.append({"engine": name, "tag": ref.tag, "id": ref.id})
         if not json_:
             typer.echo(f"{name}: {ref.tag} {ref.id}")

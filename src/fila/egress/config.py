@@ -155,15 +155,6 @@ def _validate_route(name: str, route: Route, path: Path | str | None) -> None:
         raise _bad(base, f"unknown route {name!r}", path, f"known routes: {', '.join(sorted(KNOWN_ROUTES))}")
     if (route.credential is None) == (route.credential_file is None):
         raise _bad(base, "give exactly one of credential (a variable name) or credential_file", path)
-    if route.credential is not None and not os.environ.get(route.credential):
-        raise _bad(
-            f"{base}.credential",
-            f"the environment variable {route.credential} is not set",
-            path,
-            f"export {route.credential} in the environment fila runs in",
-        )
-    if route.credential_file is not None:
-        _check_secret_file(f"{base}.credential_file", Path(route.credential_file), path)
     if route.ca_file is not None:
         try:
             st = os.stat(route.ca_file)
@@ -176,6 +167,37 @@ def _validate_route(name: str, route: Route, path: Path | str | None) -> None:
     for i, rule in enumerate(route.paths or []):
         if any(seg in (".", "..") for seg in rule.split(" ", 1)[1].split("/")):
             raise _bad(f"{base}.paths.{i}", f"{rule!r} has a dot segment", path)
+
+
+def check_credentials(policy: Policy, routes: Collection[str], *, path: Path | str | None = None) -> None:
+    """The credentials of `routes` (the ones a task's engines use) can be read: a variable that is
+    set, a file of fila's user that no one else may read. A route no engine of the task uses needs
+    no credential, so a policy may name every vendor a team uses."""
+    eg = policy.egress
+    for name in routes:
+        route = eg.routes[name] if eg else None
+        if route is None:
+            continue
+        base = f"egress.routes.{name}"
+        if route.credential is not None and not os.environ.get(route.credential):
+            raise _bad(
+                f"{base}.credential",
+                f"the environment variable {route.credential} is not set",
+                path,
+                f"export {route.credential} in the environment fila runs in",
+            )
+        if route.credential_file is not None:
+            _check_secret_file(f"{base}.credential_file", Path(route.credential_file), path)
+
+
+def only_routes(policy: Policy, routes: Collection[str]) -> Policy:
+    """`policy` with only `routes` of its egress routes: the gateway of a job gets the keys its
+    engines use and no other (docs/architecture.md, "Threat model in brief")."""
+    eg = policy.egress
+    if eg is None or set(eg.routes) <= set(routes):
+        return policy
+    kept = {k: v for k, v in eg.routes.items() if k in routes}
+    return policy.model_copy(update={"egress": eg.model_copy(update={"routes": kept})})
 
 
 def _check_secret_file(field: str, p: Path, path: Path | str | None) -> None:
@@ -465,7 +487,7 @@ def _count(rec: EgressRecord, item: EgressRequest) -> None:
     if item.route and not (not item.allowed and item.reason == "unknown route"):
         s = rec.routes.setdefault(item.route, RouteSummary())
         s.requests += 1
-        key = str(item.status) if item.status is not None else "denied"
+        key = str(item.status) if item.status is not None else "no answer" if item.allowed else "denied"
         if item.status is None and item.reason == "in flight":
             key = "in flight"  # the gateway stopped during the call
         s.statuses[key] = s.statuses.get(key, 0) + 1

@@ -47,7 +47,8 @@ TOKENS_RE = re.compile(
     r"^Tokens: ([\d.,]+k?) sent, ([\d.,]+k?) received\.(?: Cost: \$([\d.]+) message, \$([\d.]+) session\.)?",
     re.MULTILINE,
 )
-MODEL_RE = re.compile(r"^Model: (\S+)", re.MULTILINE)
+# `Model: M` alone; `Main model: M` when the model has a weak model beside it (aider 0.86).
+MODEL_RE = re.compile(r"^(?:Main model|Model): (\S+)", re.MULTILINE)
 
 
 class AiderConfig(BaseModel):

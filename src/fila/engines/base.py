@@ -71,6 +71,8 @@ class Engine(ABC):
     credential_vars: ClassVar[tuple[str, ...]] = ()
     # Model routes of the egress gateway this engine's CLI talks to (egress.KNOWN_ROUTES names).
     routes: ClassVar[tuple[str, ...]] = ()
+    # True when the engine may call any route the policy gives (a command fila cannot read ahead).
+    any_route: ClassVar[bool] = False
     # Build-time checks of the engine's image; `version_argv` must print the image's version label.
     version_argv: ClassVar[tuple[str, ...]] = ()
     smoke: ClassVar[tuple[Smoke, ...]] = ()

@@ -16,6 +16,7 @@ class ShellConfig(BaseModel):
 class ShellEngine(Engine):
     name = "shell"
     Config = ShellConfig
+    any_route = True  # the command is the task author's: it may curl any route the policy gives
 
     def invocation(self, task: Task) -> Invocation:
         cfg = self.config(task)

@@ -48,9 +48,17 @@ from ..core.models import (
     now_iso,
 )
 from ..egress import config as egress
-from ..engines import Engine, get_engine
+from ..engines import Engine, get_engine, scanner_for
 from ..queue import store as queue
-from ..queue.policy import Effective, image_allowed, load_json, load_policy, narrow, validate_document
+from ..queue.policy import (
+    Effective,
+    image_allowed,
+    load_json,
+    load_policy,
+    narrow,
+    policy_path,
+    validate_document,
+)
 from ..workspace import jobdir, secretscan
 
 if TYPE_CHECKING:
@@ -205,18 +213,7 @@ def check_task(root: Root, task: Task, *, tags_of: Callable[[str], list[str]] | 
             f"({', '.join(n for n, _i in chain)})",
             field=f"options.{stray[0]}",
         )
-    if policy.network == "allowlist":
-        routes = policy.egress.routes if policy.egress else {}
-        for field, name in fallback_chain(task, policy):
-            missing = [r for r in get_engine(name).routes if r not in routes]
-            if missing:
-                raise InvalidTaskFile(
-                    f"engine {name!r} talks to model route {missing[0]!r}, and policy {task.policy!r} "
-                    f"has no egress.routes.{missing[0]} (no credential for it)",
-                    field=field,
-                    hint=f"add egress.routes.{missing[0]} with its credential to the policy, "
-                    "or choose another engine",
-                )
+    policy = _routes_checked(root, task, policy)
     if task.check and not image_allowed(policy, get_engine("shell").image_tag()):
         raise InvalidTaskFile(
             f"the check runs in {get_engine('shell').image_tag()!r}, which policy {task.policy!r} "
@@ -224,6 +221,52 @@ def check_task(root: Root, task: Task, *, tags_of: Callable[[str], list[str]] | 
             field="check",
         )
     return Checked(task, engine, policy, ref, eff, project, targets, image, tuple(chain))
+
+
+def chain_routes(task: Task, policy: Policy) -> list[str]:
+    """The model routes the task's engines (its fallbacks too) use: each engine's own, and every
+    route of the policy for an engine whose command may call any (shell)."""
+    given = list(policy.egress.routes) if policy.egress else []
+    out: dict[str, None] = {}
+    for _field, name in fallback_chain(task, policy):
+        eng = get_engine(name)
+        out.update(dict.fromkeys(given if eng.any_route else eng.routes))
+    return list(out)
+
+
+def _routes_checked(root: Root, task: Task, policy: Policy) -> Policy:
+    """Every engine of the chain has its model routes in the policy, and each route a task's
+    engine uses has a readable credential (README, "Network allowlist"); the policy the job runs
+    under keeps only those routes, so its gateway holds no other key."""
+    given = policy.egress.routes if policy.network == "allowlist" and policy.egress else {}
+    for field, name in fallback_chain(task, policy):
+        missing = [r for r in get_engine(name).routes if r not in given]
+        if not missing:
+            continue
+        route = missing[0]
+        var = egress.KNOWN_ROUTES[route].key_env
+        shipped = (
+            f"use the shipped policy {route!r} (--policy {route}: network allowlist, the {route} route, "
+            f"the key from {var}; `fila init` writes it to policies/{route}.json)"
+        )
+        if policy.network != "allowlist":
+            raise InvalidTaskFile(
+                f"engine {name!r} reaches its model through the gateway's {route!r} route, and policy "
+                f"{task.policy!r} has network {policy.network!r}: no gateway, no route",
+                field=field,
+                hint=shipped,
+            )
+        raise InvalidTaskFile(
+            f"engine {name!r} talks to model route {route!r}, and policy {task.policy!r} "
+            f"has no egress.routes.{route} (no credential for it)",
+            field=field,
+            hint=f"{shipped}, or add egress.routes.{route} with its credential to policy {task.policy!r}",
+        )
+    if policy.network != "allowlist":
+        return policy
+    used = chain_routes(task, policy)
+    egress.check_credentials(policy, used, path=policy_path(root, task.policy))
+    return egress.only_routes(policy, used)
 
 
 def local_tags(backend: Backend, image: str) -> list[str]:
@@ -718,8 +761,7 @@ def _run_engines(
         inv = engine.invocation_for(task, checked.policy)  # the policy's deny rules, as the CLI's own
         creds = engine.credentials()[0]
         # Every credential the run knows is kept out of the log, the diff and the record.
-        known = secretscan.known(checked.policy, engine_vars=creds, forwarded=inv.secrets)
-        scanner = secretscan.Scanner(known)
+        scanner = scanner_for(engine, task, checked.policy)
         if checked.policy.network == "allowlist":
             creds = {}  # the gateway holds the real keys; the engine gets the placeholder (still redacted)
         spec = RunSpec(
@@ -728,12 +770,13 @@ def _run_engines(
             image=image,
             argv=inv.argv,
             env={**inv.env, **creds},
-            policy=checked.policy,
+            # This engine's gateway holds this engine's keys only, not its fallbacks'.
+            policy=checked.policy if engine.any_route else egress.only_routes(checked.policy, engine.routes),
             limits=checked.effective.limits,
             timeout_ms=checked.effective.timeout_ms,
             log_path=root.log_path(tid),
             labels={"fila.root": str(root.path), "fila.worker": run.claim.worker},
-            redact=[c.value for c in known],
+            redact=scanner.values,
             egress_dir=root.meta(tid) / "egress",
             overlay=overlay,
             defer_removal=True,  # the container is removed while the diff runs: awaited below
@@ -818,7 +861,8 @@ def _run_engines(
                 "diffstat": scanner.scrub(d.stat, in_record),
                 "patch_sha256": d.sha256,
                 "patch_path": str(d.patch_path.relative_to(root.path)),
-                "credentials_in_diff": d.credentials,
+                # A path that is itself a credential is masked here too (apply then refuses it).
+                "credentials_in_diff": scanner.scrub(d.credentials, in_record),
             }
             warnings += scanner.scrub(d.warnings, in_record)
             if d.credentials is not None:

@@ -280,8 +280,10 @@ class Backend(ABC):
         ca_file: Path | None = None,
         force: bool = False,
         progress: Callable[[str], None] = print,
+        verbose: bool = False,
     ) -> ImageRef:
-        """Build `fila/<engine>:latest` on this engine (sandbox/images.py decides what and when)."""
+        """Build `fila/<engine>:latest` on this engine (sandbox/images.py decides what and when);
+        `progress` gets a line per Dockerfile step, and the engine's raw stream when `verbose`."""
 
     # -- image primitives (sandbox/images.py decides what to build and when) --------------------------
 

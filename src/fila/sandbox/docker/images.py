@@ -21,12 +21,15 @@ BUILD_READ_TIMEOUT_S = 900  # between two progress lines; a hung build must not 
 SMOKE_TIMEOUT_S = 120
 
 
+# What a person checks when Docker failed a call; the Podman backend puts its own in their place
+# (`podman info`, the socket it used: PodmanBackend.client).
+RUN_HINT = "check `docker info`; the task can be retried once Docker is healthy"
+IMAGE_HINT = "check that Docker is running (`docker info`)"
+HEALTH_HINTS = (RUN_HINT, IMAGE_HINT)
+
+
 def _infra(engine: str, action: str, err: BaseException, **kw: Any) -> InfraError:
-    return InfraError(
-        f"{engine} failed while {action}: {err}",
-        hint=f"check that the {engine} engine is running ({engine} info)",
-        **kw,
-    )
+    return InfraError(f"{engine} failed while {action}: {err}", hint=IMAGE_HINT, **kw)
 
 
 def image_info(client: docker.DockerClient, tag: str, *, engine: str = "docker") -> ImageInfo | None:
@@ -69,7 +72,8 @@ def build_context(
             if "error" in chunk:
                 raise ImageMissing(
                     f"building {tag} failed: {str(chunk['error']).strip()}",
-                    hint="read the build output above; fix the Dockerfile or pass --base IMAGE",
+                    hint="the build's last lines say why (all of them with --verbose); fix the "
+                    "Dockerfile or pass --base IMAGE",
                 )
             text = chunk.get("stream") or chunk.get("status") or ""
             for line in str(text).splitlines():

@@ -48,6 +48,7 @@ from ...core.models import Policy
 from ...core.untrusted import read_capped
 from ..base import JOB_LABEL, ROOT_LABEL, WAIVABLE, Box, RunResult, RunSpec, note_left
 from ..docker import backend as dk
+from ..docker import images as docker_images
 
 SERVICE_IDLE_S = 600  # a service fila started exits after this long without a client
 START_WAIT_S = 20.0
@@ -465,6 +466,23 @@ class PodmanBackend(dk.DockerBackend):
                     return self._client(t)
                 except _ERRORS as e:
                     raise self._down(e) from e
+
+    @contextlib.contextmanager
+    def client(self) -> Iterator[docker.DockerClient]:
+        """Docker's pooled client; an error's hint about the engine's health names Podman's own
+        check and the socket fila used, not Docker's."""
+        try:
+            with super().client() as c:
+                yield c
+        except InfraError as e:
+            if e.hint in docker_images.HEALTH_HINTS:
+                e.hint = self.health_hint(retry=e.hint == docker_images.RUN_HINT)
+            raise
+
+    def health_hint(self, *, retry: bool = False) -> str:
+        """What a person checks when Podman failed a call (as this user: rootless Podman is per user)."""
+        hint = f"check `podman info` as this user (fila used the Podman API socket {self.socket})"
+        return hint + ("; the task can be retried once Podman is healthy" if retry else "")
 
     def _down(self, err: BaseException) -> EngineUnavailable:
         return EngineUnavailable(
