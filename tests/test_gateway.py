@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import html
 import ipaddress
 import json
 import os
@@ -365,7 +366,8 @@ def test_connect_tunnels_tls_untouched_to_a_listed_host_and_refuses_every_other_
     out = raw_connect(env, gw, "allowed.test@denied.test:443")
     assert " 400" in out.splitlines()[0], out  # mitmproxy's parser refuses it; the gateway logs it
     line = gw.last(host="allowed.test@denied.test:443")
-    assert line["allowed"] is False and line["reason"] == "malformed request" and line["method"] == "CONNECT"
+    assert line["allowed"] is False and line["method"] == "CONNECT"
+    assert line["reason"].startswith("malformed request: Bad HTTP request line"), line
     assert env.ups.requests("denied.test") == []  # nothing ever reached denied.test
 
 
@@ -1258,15 +1260,19 @@ def test_an_address_of_the_gateways_host_is_refused_unless_allow_private_names_i
 
 
 def _key_forms(key: str) -> dict[str, str]:
-    """The forms of `key` an engine could decode: as is, percent-encoded (both cases), JSON
-    escapes (both cases), and its base64 (standard and urlsafe) at each of the three alignments
-    it can have inside a longer text."""
+    """The forms of `key` an engine could decode: as is, percent-encoded (both cases, once or
+    twice), JSON escapes (both cases), hex (both cases), HTML character references, and its base64
+    (standard and urlsafe) at each of the three alignments it can have inside a longer text."""
     forms = {
         "plain": key,
         "url": "".join(f"%{ord(c):02X}" for c in key),
         "url-lower": "".join(f"%{ord(c):02x}" for c in key),
+        "url-twice": "".join(f"%25{ord(c):02X}" for c in key),
         "json": "".join(f"\\u{ord(c):04x}" for c in key),
         "json-upper": "".join(f"\\u{ord(c):04X}" for c in key),
+        "hex": key.encode().hex(),
+        "hex-upper": key.encode().hex().upper(),
+        "html": "".join(f"&#{ord(c)};" for c in key),
     }
     for a in range(3):
         whole = key[a:][: (len(key) - a) // 3 * 3].encode()
@@ -1281,6 +1287,8 @@ def _leaks(out: str, *keys: str) -> list[str]:
         out,
         urllib.parse.unquote(out),
         re.sub(r"\\u([0-9a-fA-F]{4})", lambda m: chr(int(m[1], 16)), out),
+        html.unescape(out),
+        re.sub(r"\r|\n|\\r|\\n", "", out),  # base64 wrapped in lines
     ]
     return [name for key in keys for name, f in _key_forms(key).items() for text in decoded if f in text]
 
@@ -1306,6 +1314,10 @@ def test_a_route_upstream_echoing_the_credential_never_shows_it_to_the_engine_in
         "base64": {"body:base64": 6},
         "urlencoded": {"body": 1, "body:url": 2},
         "json-escaped": {"body:json": 2},
+        "hex": {"body:hex": 2},
+        "html": {"body:html": 2},
+        "percent-twice": {"body:url": 1},
+        "base64-lines": {"body:base64": 2},
     }
     env.ups.set_script(
         [
@@ -1425,6 +1437,10 @@ def test_requests_the_proxy_refuses_before_the_addon_are_logged_as_denied_not_as
         "smuggled": (head + "Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", "400"),
         "bad length": (head + "Content-Length: 5x\r\n\r\n{}", "400"),
         "huge head": (head + "X-Pad: " + "a" * 70000, "431"),
+        # header lines mitmproxy cannot parse: refused before any hook sees the request
+        "no colon": (head + "NoColonHere\r\nContent-Length: 0\r\n\r\n", "400"),
+        "folded": ("POST /anthropic/v1/messages HTTP/1.1\r\n Host: x\r\nContent-Length: 0\r\n\r\n", "400"),
+        "empty name": (head + ": v\r\n\r\n", "400"),
     }
     for name, (raw, want) in cases.items():
         script = (
@@ -1439,13 +1455,16 @@ def test_requests_the_proxy_refuses_before_the_addon_are_logged_as_denied_not_as
         line = gw.raw_log()[-1]
         assert line["allowed"] is False and line["status"] == int(want), (name, line)
         why = "request headers larger than" if want == "431" else "refused by the proxy: "
+        if name in ("no colon", "folded", "empty name"):
+            why = "malformed request: Invalid header"
+            assert line["door"] == "route", line
         assert line["reason"].startswith(why), (name, line)
     assert not any(e["allowed"] and e["status"] == 502 for e in gw.log())
     assert len(env.ups.requests("model.test")) == 1  # none of them reached the upstream
     assert _post(env, f"{gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)[0] == "200"
     # The refused requests gave back the budget count and the in-flight count.
     summary = json.loads((gw.log_dir / "summary.json").read_text())
-    assert summary["requests"] == 2 and summary["in_flight"] == 0 and summary["denied"] == 3
+    assert summary["requests"] == 2 and summary["in_flight"] == 0 and summary["denied"] == len(cases)
 
 
 SERVER_FIRST = r"""
@@ -1466,7 +1485,9 @@ except TimeoutError:
 print("BEFORE", early)
 if send.startswith("tls:"):
     inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
-    tls = ssl.create_default_context().wrap_bio(inc, out, server_hostname=send[4:])
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = bool(send[4:])  # "tls:" alone: a ClientHello that names no server
+    tls = ctx.wrap_bio(inc, out, server_hostname=send[4:] or None)
     try:
         tls.do_handshake()
     except ssl.SSLWantReadError:
@@ -1506,8 +1527,206 @@ def test_a_tunnel_whose_server_speaks_first_is_checked_against_the_clients_first
     for send, reason in (
         ("GET / HTTP/1.1\r\nHost: denied.test\r\n\r\n", "tunnel closed: not a TLS handshake"),
         ("tls:denied.test", "tls server name denied.test is not the CONNECT host"),
+        ("tls:", "tls ClientHello without a server name"),
     ):
         out = tunnel(send)
         assert "BEFORE b''" in out and "AFTER b''" in out, out
         line = gw.last(method="CONNECT", allowed=False, reason=reason)
         assert line["host"] == "allowed.test" and line["port"] == 2222
+
+
+RAW_POST = r"""
+import socket, sys
+ip, head = sys.argv[1], sys.argv[2].encode().decode("unicode_escape").encode("latin-1")
+s = socket.create_connection((ip, 8080), timeout=8)
+s.sendall(head)
+out = b""
+try:
+    while d := s.recv(65536):
+        out += d
+except OSError as e:
+    out += f"<{e}>".encode()
+print(out.decode("latin-1"))
+"""
+
+
+def _raw_post(env: Env, gw: Gw, path: str, *headers: str, body: str = "{}") -> str:
+    """A request sent byte for byte (`\\xNN` escapes for any byte): everything that comes back."""
+    head = f"POST {path} HTTP/1.1\\r\\nHost: x\\r\\nContent-Type: application/json\\r\\n"
+    head += "".join(f"{h}\\r\\n" for h in headers) + f"Content-Length: {len(body)}\\r\\n\\r\\n{body}"
+    code, out, err = env.sh(f"python3 -c {shlex.quote(RAW_POST)} {gw.ip} {shlex.quote(head)}")
+    assert code == 0, err
+    return out
+
+
+def test_an_upstream_answer_that_cannot_be_read_reaches_the_engine_as_the_gateways_502_without_its_bytes(
+    env: Env,
+) -> None:
+    gw = env.gateway(routes=_routes(env))
+    heads = {  # an upstream that echoes the key in a head mitmproxy cannot parse, then closes
+        "cut head": "HTTP/1.1 200 OK\r\nX-Echo: {key}\r\n",
+        "bad status": "HTTP/1.1 abc {key}\r\n\r\n",
+        "no colon": "HTTP/1.1 200 OK\r\n{key}\r\n\r\n",
+        "bad length": "HTTP/1.1 200 OK\r\nContent-Length: {key}\r\n\r\n",
+    }
+    env.ups.set_script(
+        [{"protocol": "anthropic", "reply": {"text": "ok"}}]
+        + [{"protocol": "anthropic", "reflect": "raw", "raw": [h], "pause": 0.3} for h in heads.values()]
+    )
+    env.ups.clear_requests("model.test")
+    # Allowed: an answer that parses is passed on.
+    status, out = _post(env, f"{gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)
+    assert status == "200" and "ok" in out
+    for name in heads:
+        status, out = _post(env, f"{gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)
+        assert status == "502" and "fila_gateway" in out and "no readable answer" in out, (name, out)
+        assert _leaks(out, REAL_KEY) == [] and "mitmproxy" not in out, (name, out)
+        line = gw.final()
+        assert line["route"] == "anthropic" and line["status"] == 502 and line["allowed"] is True, line
+        assert line["reason"].startswith("upstream: ") and REAL_KEY not in line["reason"], (name, line)
+        assert len(line["reason"]) <= 256 + 3, line
+    # The upstream did get the real key each time; the log never quotes it.
+    assert [r["headers"]["x-api-key"] for r in env.ups.requests("model.test")] == [REAL_KEY] * 5
+    assert REAL_KEY not in (gw.log_dir / "egress.jsonl").read_text()
+
+
+def test_a_route_upstream_answering_101_gets_no_raw_pipe_to_the_engine(env: Env) -> None:
+    gw = env.gateway(routes=_routes(env))
+    switch = "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: fila\r\n\r\n"
+    env.ups.set_script(
+        [
+            {"protocol": "anthropic", "reply": {"text": "ok"}},
+            {
+                "protocol": "anthropic",
+                "reflect": "raw",
+                "raw": [switch, "raw after 101: {key}\n"],
+                "pause": 0.3,
+            },
+            {"protocol": "anthropic", "reply": {"text": "ok again"}},
+        ]
+    )
+    env.ups.clear_requests("model.test")
+    out = _raw_post(env, gw, "/anthropic/v1/messages")
+    assert out.startswith("HTTP/1.1 200") and "ok" in out, out
+    out = _raw_post(env, gw, "/anthropic/v1/messages")
+    assert "101" not in out and "raw after 101" not in out and _leaks(out, REAL_KEY) == [], out
+    line = gw.final()
+    assert line["route"] == "anthropic" and line["allowed"] is False and line["status"] is None, line
+    assert line["reason"] == "route upstream answered 101 (no protocol switch on a route)", line
+    # The next call is served as usual (the slot and the in-flight count were given back).
+    status, out = _post(env, f"{gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)
+    assert status == "200" and "ok again" in out
+    summary = json.loads((gw.log_dir / "summary.json").read_text())
+    assert summary["in_flight"] == 0 and summary["routes"]["anthropic"]["statuses"] == {"200": 2, "denied": 1}
+
+
+TLS_TO_ROUTES = r"""
+import socket, ssl, sys
+ctx = ssl.create_default_context(); ctx.check_hostname = False; ctx.verify_mode = ssl.CERT_NONE
+ctx.set_alpn_protocols(["h2", "http/1.1"])
+try:
+    s = ctx.wrap_socket(socket.create_connection((sys.argv[1], 8080), timeout=8), server_hostname="gateway")
+    print("HANDSHAKE", s.selected_alpn_protocol())
+except (OSError, ssl.SSLError) as e:
+    print("REFUSED", type(e).__name__)
+"""
+
+
+def test_the_route_port_speaks_plain_http1_only_and_refuses_unsafe_bytes_before_forwarding(env: Env) -> None:
+    gw = env.gateway(routes=_routes(env))
+    env.ups.set_script([{"protocol": "anthropic", "reply": {"text": "ok"}}] * 3)
+    env.ups.clear_requests("model.test")
+    # Allowed: plain HTTP/1.1, an ordinary query and ordinary header values (spaces in them too).
+    out = _raw_post(env, gw, "/anthropic/v1/messages?beta=true", "User-Agent: an engine/1.0 (linux)")
+    assert out.startswith("HTTP/1.1 200") and "ok" in out, out
+    assert env.ups.requests("model.test")[-1]["raw_query"] == "beta=true"
+    # TLS (which would bring mitmproxy's own CA and HTTP/2) is closed at its first bytes.
+    code, out, err = env.sh(f"python3 -c {shlex.quote(TLS_TO_ROUTES)} {gw.ip}")
+    assert code == 0 and out.startswith("REFUSED"), (out, err)
+    assert gw.last(reason="TLS on the route port (plain HTTP only)")["allowed"] is False
+    # HTTP/2 without TLS (prior knowledge) is not spoken either.
+    code, out, err = env.sh(
+        f"curl -sS -m 10 --http2-prior-knowledge -d '{{}}' {gw.routes}/anthropic/v1/messages"
+    )
+    assert code != 0 or "ok" not in out, (out, err)
+    # Bytes that the upstream's HTTP/1 parser could read as something else: 400, never forwarded.
+    for path, headers, reason in (
+        ("/anthropic/v1/messages?a=\\x01", (), "control character, space or non-ASCII in the path or query"),
+        (
+            "/anthropic/v1/messages?q=\\xc3\\xa9",
+            (),
+            "control character, space or non-ASCII in the path or query",
+        ),
+        ("/anthropic/v1/messages\\x7f", (), "control character, space or non-ASCII in the path or query"),
+        ("/anthropic/v1/messages", ("X-A: b\\x01c",), "control character or non-ASCII in a header value"),
+        (
+            "/anthropic/v1/messages",
+            ("X-A: caf\\xc3\\xa9",),
+            "control character or non-ASCII in a header value",
+        ),
+        (
+            "/anthropic/v1/messages",
+            (
+                "X-A: b",
+                " folded",
+            ),
+            "control character or non-ASCII in a header value",
+        ),
+    ):
+        out = _raw_post(env, gw, path, *headers)
+        assert out.startswith("HTTP/1.1 400") and reason in out, (path, headers, out)
+        line = gw.final()
+        assert line["allowed"] is False and line["status"] == 400 and line["reason"] == reason, line
+    code, out, err = env.sh(
+        f"python3 -c {shlex.quote(RAW_POST)} {gw.ip} "
+        + shlex.quote("POST /anthropic/v1/messages HTTP/1.7\\r\\nHost: x\\r\\nContent-Length: 0\\r\\n\\r\\n")
+    )
+    assert code == 0 and out.startswith("HTTP/1.1 400") and "HTTP version other than" in out, (out, err)
+    assert len(env.ups.requests("model.test")) == 1
+    out = _raw_post(env, gw, "/anthropic/v1/messages")
+    assert out.startswith("HTTP/1.1 200"), out
+
+
+def test_a_key_split_across_stream_events_is_found_whatever_the_stream_looks_like(env: Env) -> None:
+    gw = env.gateway(routes=_routes(env))
+    shapes = {
+        "crlf blank line": {"separator": "\n\r\n"},
+        "cr line ends": {"separator": "\r\r"},
+        "not labelled a stream": {"content_type": "application/octet-stream", "prefix": "x: padding\n\n"},
+        "after an oversized event": {"pad": 1100 * 1024, "chunk": 65536},
+    }
+    env.ups.set_script(
+        [{"protocol": "anthropic", "reply": {"text": "streamed"}}]
+        + [{"protocol": "anthropic", "reflect": "sse", **shape} for shape in shapes.values()]
+    )
+    # Allowed: an ordinary stream passes as it came.
+    status, out = _post(env, f"{gw.routes}/anthropic/v1/messages", {**ANTHROPIC_BODY, "stream": True})
+    assert status == "200" and _sse_text(out) == "streamed", out
+    for name in shapes:
+        status, out = _post(env, f"{gw.routes}/anthropic/v1/messages", {**ANTHROPIC_BODY, "stream": True})
+        assert status == "200", (name, out[:300])
+        text = _sse_text(out)
+        assert text.startswith("the key is ") and REAL_KEY[:8] not in text, (name, text)
+        assert _leaks(out, REAL_KEY) == [], (name, out[-2000:])
+        line = gw.final()
+        assert line["scrubbed"] == {"body": 1, "body:split": 1}, (name, line)
+
+
+def test_an_engine_that_goes_away_while_waiting_is_logged_as_such_not_as_an_upstream_error(env: Env) -> None:
+    gw = env.gateway(routes=_routes(env))
+    env.ups.set_script(
+        [
+            {"protocol": "anthropic", "reply": {"text": "ok"}},
+            {"protocol": "anthropic", "hang": 3, "reply": {"text": "late"}},
+        ]
+    )
+    assert _post(env, f"{gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)[0] == "200"
+    assert gw.final()["reason"] is None
+    code, _, _ = env.sh(
+        f"curl -sS -m 1 -d '{{}}' -H 'content-type: application/json' {gw.routes}/anthropic/v1/messages"
+    )
+    assert code != 0
+    line = gw.last(route="anthropic", reason="client disconnected before the answer")
+    assert line["allowed"] is True and line["status"] is None, line
+    summary = json.loads((gw.log_dir / "summary.json").read_text())
+    assert summary["routes"]["anthropic"]["statuses"] == {"200": 1, "no answer": 1}

@@ -12,6 +12,10 @@
 # - mitmproxy's CA (made in the tmpfs confdir) is thus never shown to a client.
 # - body_size_limit: a request body past 32 MiB is refused (413) rather than held in memory (route
 #   bodies are read whole to be rewritten; responses are streamed and not limited).
+# - http2=false: the route port speaks HTTP/1 only (HTTP/2 pseudo-headers would reach an upstream's
+#   HTTP/1 head unchecked); the addon also closes a route client that starts TLS.
+# - rawtcp=false: an upstream's 101 never turns a connection into an unfiltered raw pipe (the addon
+#   refuses a 101 on a route before it is sent; on the proxy door the connection is closed).
 # Extra arguments are passed on to mitmdump (e.g. --set termlog_verbosity=debug).
 set -eu
 proxy_port="${FILA_GATEWAY_PROXY_PORT:-3128}"
@@ -28,5 +32,7 @@ exec mitmdump \
     --set termlog_verbosity=warn \
     --set http3=false \
     --set body_size_limit=32m \
+    --set http2=false \
+    --set rawtcp=false \
     -s "$(dirname "$0")/fila_gateway.py" \
     "$@"

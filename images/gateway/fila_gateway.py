@@ -8,17 +8,23 @@ mitmproxy does all the HTTP and TLS work. This addon decides, per request, wheth
   checks plus the entry's method list. The name is resolved here, every address must be
   global (or inside `allow_private`), and the connection is pinned to the checked address so that a
   second lookup (DNS rebinding) cannot change where it goes.
-- door "route" (reverse mode on 8080): `/<route>/<rest>` goes to the route's upstream with the
-  engine's credential headers dropped and the real one (from the secrets directory) added, for the
-  route's `paths` only (no upgrades, no escapes); usage is read from model-call responses (streams
-  stay streamed) and the job's budget is enforced before forwarding (one model call at a time under
-  max_tokens; a model call without readable usage spends the budget). The answer never carries
-  the credential back: every form of a route's key the upstream echoes (status line, headers,
-  body, trailers; as is, percent-encoded, JSON-escaped, base64; split across chunks or stream
+- door "route" (reverse mode on 8080, plain HTTP/1 only: a client starting TLS is closed, HTTP/2 is
+  off): `/<route>/<rest>` goes to the route's upstream with the engine's credential headers dropped
+  and the real one (from the secrets directory) added, for the route's `paths` only (no upgrades, no
+  escapes, nothing but printable ASCII in the target and the header values); usage is read from
+  model-call responses (streams stay streamed) and the job's budget is enforced before forwarding
+  (one model call at a time under max_tokens; a model call without readable usage spends the
+  budget). The answer never carries the credential back: every form of a route's key the upstream
+  echoes (status line, headers, body, trailers; as is, percent-encoded once or twice, JSON-escaped,
+  HTML character references, hex, base64 with or without line breaks; split across chunks or stream
   events) is replaced by a marker of the same length before the engine reads it (`Needles`,
   `StreamScrubber`, `SseScrubber`), a compressed answer is refused (the gateway asks for identity),
-  and each replacement is counted per kind in the call's line and the route's totals. A route name
-  that is not configured is a denied request, never a route of the totals.
+  an answer whose head cannot be parsed becomes the gateway's own 502 (mitmproxy's error page would
+  quote it), a switch of protocols (101) is refused and the connection closed, and each replacement
+  is counted per kind in the call's line and the route's totals. Not recognised: the key in UTF-16
+  or in base32, a key split across two headers (or across a header and the body), a key inside one
+  event past MAX_SSE_LINE split with the events around it. A route name that is not configured is a
+  denied request, never a route of the totals.
 - The proxy door adds no credential (a tunnel carries the engine's own TLS, a plain request its
   own headers): there is nothing of fila's to scrub in what comes back through it.
 
@@ -60,11 +66,12 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from mitmproxy import ctx, dns, http, tcp
+from mitmproxy.connection import ConnectionState
 from mitmproxy.net.dns import response_codes
 from mitmproxy.net.dns import types as dns_types
-from mitmproxy.net.http import url
+from mitmproxy.net.http import http1, status_codes, url
 from mitmproxy.proxy import commands, events, layer, layers
-from mitmproxy.proxy.layers.http import _http1
+from mitmproxy.proxy.layers.http import ResponseProtocolError, _http1
 from mitmproxy.proxy.layers.tls import parse_client_hello
 from mitmproxy.proxy.mode_specs import RegularMode, ReverseMode
 
@@ -432,15 +439,18 @@ def _hex_class(n: int) -> str:
 
 class Needles:
     """Every form of the route credentials a response must not carry to the engine, as one regex:
-    each character of a key literal, percent-encoded (either case) or JSON-escaped (`\\u00xx`,
-    `\\/`), in any mixture; and the key's base64 (standard and urlsafe) at each of the three
-    alignments it can have inside a longer encoded text (the whole groups only: the odd bytes at
-    its ends leak at most two characters). Matches are replaced by a marker of the same length, so
-    a response's Content-Length stays true."""
+    each character of a key literal, percent-encoded once or twice (`%2d`, `%252D`, either case),
+    JSON-escaped (`\\u00xx`, `\\/`) or an HTML character reference (`&#45;`, `&#x2d;`), in any
+    mixture; the key's hex (either case); and the key's base64 (standard and urlsafe) at each of the
+    three alignments it can have inside a longer encoded text (the whole groups only: the odd bytes
+    at its ends leak at most two characters), line breaks (CRLF or LF, as MIME wraps it, or
+    JSON-escaped) allowed between any two of its characters. Matches are replaced by a marker of
+    the same length, so a response's Content-Length stays true."""
 
     def __init__(self, keys: Iterable[str]) -> None:
         keys = sorted({k for k in keys if k}, key=len, reverse=True)
         self.b64: set[bytes] = set()
+        self.hex: set[bytes] = set()
         alts: list[str] = []
         longest = 0
         for key in keys:
@@ -449,20 +459,29 @@ class Needles:
                 n = ord(ch)
                 forms = [re.escape(ch)]
                 if n < 0x80:
-                    forms += [f"%{_hex_class(n)}", f"\\\\u00{_hex_class(n)}"]
+                    forms += [
+                        f"%(?:25)?{_hex_class(n)}",
+                        f"\\\\u00{_hex_class(n)}",
+                        f"&#0{{0,3}}{n};",
+                        f"&#[xX]0{{0,3}}{_hex_class(n)};",
+                    ]
                     if ch in '/"\\':
                         forms.append(re.escape("\\" + ch))
                 parts.append("(?:" + "|".join(forms) + ")")
             alts.append("".join(parts))
             raw = key.encode()
-            longest = max(longest, 6 * len(raw))
+            longest = max(longest, 9 * len(raw))  # `&#x000hh;`: the longest form of one character
+            self.hex.add(raw.hex().encode())
+            alts.append("".join(_hex_class(b) for b in raw))
             for a in range(3):
                 whole = raw[a:][: (len(raw) - a) // 3 * 3]
                 if len(whole) >= 6:  # shorter would match ordinary text
                     for enc in (base64.b64encode(whole), base64.urlsafe_b64encode(whole)):
                         self.b64.add(enc)
-                        longest = max(longest, len(enc))
-        alts += [re.escape(b.decode()) for b in sorted(self.b64, key=len, reverse=True)]
+                        longest = max(longest, 5 * len(enc))  # a line break (4 escaped) after each character
+        # A line break (CRLF or LF, as is or JSON-escaped) may come between any two characters.
+        brk = r"(?:\r?\n|(?:\\r)?\\n)?"
+        alts += [brk.join(re.escape(c) for c in b.decode()) for b in sorted(self.b64, key=len, reverse=True)]
         self.empty = not alts
         pattern = "|".join(alts) or "(?!)"
         self.rx = re.compile(pattern.encode())
@@ -481,12 +500,16 @@ class Needles:
 
     def kind(self, match: bytes | str) -> str:
         raw = match.encode() if isinstance(match, str) else match
-        if raw in self.b64:
+        if re.sub(rb"\r|\n|\\[rn]", b"", raw) in self.b64:
             return ":base64"
+        if raw.lower() in self.hex:
+            return ":hex"
         if b"\\" in raw:
             return ":json"
         if b"%" in raw:
             return ":url"
+        if b"&#" in raw:
+            return ":html"
         return ""
 
     def scrub(self, data: bytes, where: str, counts: dict[str, int]) -> bytes:
@@ -536,20 +559,24 @@ class StreamScrubber:
         return self.needles.scrub(buf[:cut], "body", self.counts)
 
 
-_SSE_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
-_SSE_START = re.compile(rb"^\s*(data|event|id|retry)?:")
+# The blank line that ends an event: two line ends in a row, each CRLF, LF or CR (a CRLF is one
+# line end, never a CR and then an LF: the groups are atomic).
+_SSE_END = re.compile(rb"(?>\r\n|\n|\r)(?>\r\n|\n|\r)")
 
 
 class SseScrubber:
-    """A server-sent event stream, passed on event by event (never the whole body). Each complete
-    event is scrubbed as bytes. An engine also joins the same field of successive events (text
-    deltas, tool argument pieces): per field (its JSON path), the text so far is searched too, so a
-    key spread over several events is found, and its characters in events not yet sent are
-    replaced. An event whose field ends with SPLIT_MIN or more characters of the start of a form
-    of a key is held back until the next events show whether the key goes on (at the end of the
-    stream it is sent): what may reach the engine before the rest of a split key is found is fewer
-    than SPLIT_MIN of its first characters. An event still incomplete past MAX_SSE_LINE, or held
-    events past MAX_SSE_HOLD bytes, fall back to the byte filter."""
+    """A route's answer, passed on event by event (never the whole body): any content type goes
+    through it (an engine may read a stream whatever its Content-Type says), and a body that is no
+    event stream is one event, scrubbed as bytes. Each complete event is scrubbed as bytes. An
+    engine also joins the same field of successive events (text deltas, tool argument pieces): per
+    field (its JSON path), the text so far is searched too, so a key spread over several events is
+    found, and its characters in events not yet sent are replaced. An event whose field ends with
+    SPLIT_MIN or more characters of the start of a form of a key is held back until the next events
+    show whether the key goes on (at the end of the stream it is sent): what may reach the engine
+    before the rest of a split key is found is fewer than SPLIT_MIN of its first characters. An
+    event still incomplete past MAX_SSE_LINE goes through the byte filter as it arrives, up to its
+    end, and the events after it are read as events again; held events past MAX_SSE_HOLD bytes are
+    sent (a key's first characters then reach the engine, never the rest of it)."""
 
     SPLIT_MIN = 8
 
@@ -559,13 +586,18 @@ class SseScrubber:
         self.raw = b""
         self.held: list[_SseEvent] = []
         self.sent: dict[tuple[Any, ...], str] = {}  # per field: the end of what was passed on
-        self.bytes_mode: StreamScrubber | None = None
+        self.oversized: StreamScrubber | None = None  # the byte filter of an event past MAX_SSE_LINE
+        self._tail = b""  # the last bytes of the oversized event so far
 
     def __call__(self, chunk: bytes) -> bytes:
-        if self.bytes_mode is not None:
-            return self.bytes_mode(chunk)
-        self.raw += chunk
         final = not chunk
+        out = b""
+        if self.oversized is not None:
+            out += self._pass_oversized(chunk)
+            if self.oversized is not None or final:
+                return out
+            chunk, self.raw = self.raw, b""  # what came after the oversized event's end
+        self.raw += chunk
         ends = list(_SSE_END.finditer(self.raw))
         cut = len(self.raw) if final else (ends[-1].end() if ends else 0)
         block, self.raw = self.raw[:cut], self.raw[cut:]
@@ -575,12 +607,36 @@ class SseScrubber:
             start = m.end()
         if start < len(block):
             self.held.append(_SseEvent(self.needles.scrub(block[start:], "body", self.counts)))
-        out = self._emit(final or not self._scan())
-        if self.raw and (len(self.raw) > MAX_SSE_LINE or sum(len(e.raw) for e in self.held) > MAX_SSE_HOLD):
+        wait = self._scan() and not final and sum(len(e.raw) for e in self.held) <= MAX_SSE_HOLD
+        out += self._emit(not wait)
+        if len(self.raw) > MAX_SSE_LINE:
             out += self._emit(True)
-            self.bytes_mode = StreamScrubber(self.needles, self.counts)
-            out += self.bytes_mode(self.raw)
-            self.raw = b""
+            self.oversized = StreamScrubber(self.needles, self.counts)
+            self._tail = b""
+            data, self.raw = self.raw, b""
+            out += self._pass_oversized(data)
+            if self.oversized is None and self.raw:
+                rest, self.raw = self.raw, b""
+                out += self(rest)
+        return out
+
+    def _pass_oversized(self, chunk: bytes) -> bytes:
+        """The bytes of an oversized event through the byte filter up to its end (the end of the
+        stream, or its blank line: what follows is left in self.raw, to be read as events)."""
+        assert self.oversized is not None
+        if not chunk:
+            out = self.oversized(b"")
+            self.oversized = None
+            return out
+        tail = self._tail  # a blank line split across chunks: the bytes just before count too
+        self._tail = (tail + chunk)[-3:]
+        end = next((m.end() for m in _SSE_END.finditer(tail + chunk) if m.end() > len(tail)), None)
+        if end is None:
+            return self.oversized(chunk)
+        at = end - len(tail)
+        out = self.oversized(chunk[:at]) + self.oversized(b"")
+        self.oversized = None
+        self.raw = chunk[at:]
         return out
 
     def _scan(self) -> bool:
@@ -710,31 +766,6 @@ class Refusal:
         return self.body
 
 
-class BodyScrubber:
-    """The filter of a route response's body: the SSE filter when the response is an event
-    stream (by its content type, or by its first bytes, whatever the type says), else the byte
-    filter."""
-
-    def __init__(self, needles: Needles, counts: dict[str, int], content_type: str) -> None:
-        self.needles = needles
-        self.counts = counts
-        sse = content_type.lower().split(";", 1)[0].strip() == "text/event-stream"
-        self.inner: StreamScrubber | SseScrubber | None = SseScrubber(needles, counts) if sse else None
-        self.start = b""
-
-    def __call__(self, chunk: bytes) -> bytes:
-        if self.inner is None:
-            self.start += chunk
-            if chunk and len(self.start.lstrip()) < 16:
-                return b""  # too few bytes to tell yet
-            looks_sse = bool(_SSE_START.match(self.start))
-            self.inner = (SseScrubber if looks_sse else StreamScrubber)(self.needles, self.counts)
-            data, self.start = self.start, b""
-            out = self.inner(data) if data else b""
-            return out + self.inner(b"") if not chunk else out
-        return self.inner(chunk)
-
-
 # ---------------------------------------------------------------- the addon
 
 
@@ -779,6 +810,26 @@ def _escaped(text: str) -> str:
     """Engine-chosen text for the log, cut to LOG_FIELD: anything but printable ASCII escaped."""
     text = text[: LOG_FIELD + 1]
     return "".join(c if c.isascii() and c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
+_UNSAFE_TARGET = re.compile(rb"[^\x21-\x7e]")  # control characters, space, non-ASCII
+_UNSAFE_VALUE = re.compile(rb"[^\x20-\x7e]")  # a header value may hold spaces
+_TOKEN = re.compile(rb"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+
+
+def _unsafe_request(req: http.Request) -> str | None:
+    """Why a route request's path, query, authority or headers are not plain printable ASCII, or
+    its version is not one the upstream's HTTP/1.1 head is written in."""
+    if req.data.http_version not in (b"HTTP/1.0", b"HTTP/1.1"):
+        return "HTTP version other than 1.0 or 1.1"
+    if _UNSAFE_TARGET.search(req.data.path) or _UNSAFE_TARGET.search(req.data.authority):
+        return "control character, space or non-ASCII in the path or query"
+    for name, value in req.headers.fields:
+        if not _TOKEN.match(name):
+            return "invalid header name"
+        if _UNSAFE_VALUE.search(value):
+            return "control character or non-ASCII in a header value"
+    return None
 
 
 def _header_bytes(req: http.Request) -> int:
@@ -861,58 +912,92 @@ class DnsRefuser(asyncio.DatagramProtocol):
             )
 
 
-class MalformedRequests(logging.Handler):
-    """mitmproxy answers 400 to a request line it cannot parse (a CONNECT target with userinfo,
-    `host@other:443`) before any hook sees it, and only says so in its own log: that log record
-    becomes a denied line in egress.jsonl."""
-
-    LINE = re.compile(r"Bad HTTP request line: b'(?P<method>[^ ']{1,24}) (?P<target>[^ ']{1,300})")
-
-    def __init__(self, gateway: Gateway) -> None:
-        super().__init__(logging.DEBUG)
-        self.gateway = gateway
-
-    def emit(self, record: logging.LogRecord) -> None:
-        with contextlib.suppress(Exception):
-            text = record.getMessage()
-            if "Bad HTTP request" not in text:
-                return
-            m = self.LINE.search(text)
-            self.gateway.write(
-                door=self.gateway.doors.get(getattr(record, "client", None), "proxy"),
-                method=m["method"] if m else None,
-                host=m["target"] if m else None,
-                reason="malformed request",
-                status=400,
-            )
-
+# What the gateway answers in place of mitmproxy's error page (which quotes what it could not
+# read: an upstream's answer, with the credential it echoes), per status.
+ERROR_ANSWERS = {
+    502: "no readable answer from the upstream (the reason is in the gateway's log)",
+    413: "request body too large",
+    400: "bad request",
+}
 
 _read_request_head = _http1.Http1Server.read_headers
+_http1_server_send = _http1.Http1Server.send
+
+
+def _door_of(conn: Any) -> str:
+    return "route" if isinstance(getattr(conn, "proxy_mode", None), ReverseMode) else "proxy"
 
 
 def _bounded_read_headers(self: Any, event: events.Event) -> layer.CommandGenerator[None]:
     """mitmproxy's HTTP/1 server reads a request head without a limit ("FIXME: protect against
     header size DoS"): one huge header would fill the gateway's memory and kill it with every
-    in-flight request's usage. Past MAX_HEAD_READ bytes without the blank line: 431 and close."""
+    in-flight request's usage. Past MAX_HEAD_READ bytes without the blank line: 431 and close.
+    A head mitmproxy cannot parse (a bad request line, a header line without a colon, a folded or
+    nameless one) gets its 400 before any hook sees the request: it is logged here, with why."""
     if isinstance(event, events.DataReceived) and len(self.buf) > MAX_HEAD_READ:
         head = bytes(self.buf._data[: MAX_HEAD_READ + 4])
         if b"\r\n\r\n" not in head and b"\n\n" not in head:
             yield commands.SendData(self.conn, _http1.make_error_response(431, "request headers too large"))
             yield commands.CloseConnection(self.conn)
             with contextlib.suppress(Exception):  # refused before any hook: logged here
-                gw = addons[0]
-                gw.write(
-                    door=gw.doors.get(self.conn.peername, "proxy"),
+                addons[0].write(
+                    door=_door_of(self.conn),
                     reason=f"request headers larger than {MAX_HEAD_READ} bytes",
                     status=431,
                 )
             self.buf._data.clear()
             self.state = self.done
             return
-    yield from _read_request_head(self, event)
+    had_request = self.request is not None
+    inner = _read_request_head(self, event)
+    reply: Any = None
+    refused = False
+    while True:
+        try:
+            cmd = inner.send(reply)
+        except StopIteration:
+            return
+        if isinstance(cmd, commands.SendData) and not had_request and self.request is None:
+            refused = cmd.data.startswith(b"HTTP/1.1 400")
+        elif isinstance(cmd, commands.Log) and refused:
+            with contextlib.suppress(Exception):
+                _log_malformed(self.conn, cmd.message)
+        reply = yield cmd
+
+
+def _log_malformed(conn: Any, message: str) -> None:
+    # mitmproxy's message is "<peer>: <why>"; a bad request line names its method and target.
+    why = message.split(": ", 1)[1] if ": " in message else message
+    m = re.search(r"Bad HTTP request line: b'(?P<method>[^ ']{1,24}) (?P<target>[^ ']{1,300})", why)
+    addons[0].write(
+        door=_door_of(conn),
+        method=m["method"] if m else None,
+        host=m["target"] if m else None,
+        reason=f"malformed request: {why}",
+        status=400,
+    )
+
+
+def _own_error_answer(self: Any, event: Any) -> layer.CommandGenerator[None]:
+    """mitmproxy answers a flow that failed (an upstream answer it cannot parse, a connection
+    refused, a body too large) with an HTML page quoting the error, and the error quotes the
+    upstream's bytes: a route's credential, when the upstream echoes it in a broken head. The
+    client gets the gateway's own JSON error instead: the status only, no upstream byte."""
+    if (
+        isinstance(event, ResponseProtocolError)
+        and event.code != status_codes.NO_RESPONSE
+        and not self.response
+        and self.conn.state & ConnectionState.CAN_WRITE
+    ):
+        reason = ERROR_ANSWERS.get(event.code, status_codes.RESPONSES.get(event.code, "error"))
+        yield commands.SendData(self.conn, http1.assemble_response(_json_response(event.code, reason)))
+        yield commands.CloseConnection(self.conn)
+        return
+    yield from _http1_server_send(self, event)
 
 
 _http1.Http1Server.read_headers = _bounded_read_headers  # type: ignore[method-assign]
+_http1.Http1Server.send = _own_error_answer  # type: ignore[method-assign]
 
 
 def hello_problem(data: bytes) -> str | None:
@@ -988,7 +1073,6 @@ class Gateway:
         self._log: Any = None
         self._sink: asyncio.Server | None = None
         self._dns: Any = None
-        self.doors: dict[Any, str] = {}  # client address -> door, for MalformedRequests
         self._slot: asyncio.Lock | None = None  # one metered call at a time under max_tokens
         self.in_flight = 0
         self._log_bytes = 0
@@ -997,7 +1081,6 @@ class Gateway:
             "allowed": 0, "denied": 0, "routes": {}, "budget_exhausted": None, "suppressed": {},
         }  # fmt: skip
         self._summary_at = 0.0
-        self._malformed = MalformedRequests(self)
         self.needles = Needles(())  # the route credentials, in every form a response must not carry
 
     # -- lifecycle
@@ -1011,7 +1094,6 @@ class Gateway:
             return
         self.needles = Needles(r["key"] for r in self.config["routes"].values())
         LOG_DIR.mkdir(parents=True, exist_ok=True)
-        logging.getLogger("mitmproxy.proxy.server").addHandler(self._malformed)
         self._log = open(LOG_DIR / "egress.jsonl", "a", buffering=1, encoding="utf-8")  # noqa: SIM115
         self._log_bytes = self._log.tell()
 
@@ -1047,7 +1129,6 @@ class Gateway:
             logger.error(f"fila_gateway: listeners {sorted(ports)} lack {PROXY_PORT} or {ROUTE_PORT}")
 
     def done(self) -> None:
-        logging.getLogger("mitmproxy.proxy.server").removeHandler(self._malformed)
         if self._sink is not None:
             self._sink.close()
         if self._dns is not None:
@@ -1073,7 +1154,6 @@ class Gateway:
     def client_connected(self, client: Any) -> None:
         peer = client.peername[0] if client.peername else ""
         if self.client_allowed(peer):
-            self.doors[client.peername] = "route" if isinstance(client.proxy_mode, ReverseMode) else "proxy"
             return
         client.error = "client not on the job network"
         door = "route" if isinstance(client.proxy_mode, ReverseMode) else "proxy"
@@ -1102,8 +1182,11 @@ class Gateway:
         }
         line.update(fields)
         for k in ("host", "path", "reason", "route", "method"):
-            if isinstance(line[k], str) and len(line[k]) > LOG_FIELD:
-                line[k] = line[k][:LOG_FIELD] + "..."
+            if isinstance(line[k], str):
+                # What a line quotes (an upstream's unreadable answer, a malformed head) is scrubbed
+                # of the route credentials before it is escaped and cut.
+                text = _escaped(self.needles.scrub_text(line[k], "log", {}))
+                line[k] = text[:LOG_FIELD] + "..." if len(text) > LOG_FIELD else text
         final = line["reason"] != "in flight"
         if final:
             self.totals["allowed" if line["allowed"] else "denied"] += 1
@@ -1192,7 +1275,7 @@ class Gateway:
             r["requests"] += 1
             for kind, n in (scrubbed or {}).items():
                 r["scrubbed"][kind] = r["scrubbed"].get(kind, 0) + n
-            key = str(status) if status is not None else "denied"
+            key = str(status) if status is not None else "no answer" if allowed else "denied"
             r["statuses"][key] = r["statuses"].get(key, 0) + 1
             if usage:
                 r["input_tokens"] += usage["input_tokens"]
@@ -1254,6 +1337,16 @@ class Gateway:
         # the CONNECT host, relay raw bytes (no TLS interception). Anything else closes the tunnel.
         # (entrypoint.sh also sets allow_hosts so that mitmproxy's own choice is a raw relay too.)
         c = nextlayer.context
+        if isinstance(c.client.proxy_mode, ReverseMode) and not any(
+            isinstance(x, layers.HttpLayer) for x in c.layers
+        ):
+            # The route port speaks plain HTTP/1 only: TLS there would be terminated with
+            # mitmproxy's own CA and bring HTTP/2, whose pseudo-headers are copied unchecked into
+            # the upstream's HTTP/1 request. A client whose first bytes are a TLS handshake is closed.
+            if nextlayer.data_client()[:1] == b"\x16" or isinstance(nextlayer.layer, layers.ClientTLSLayer):
+                nextlayer.layer = CloseClient(c)
+                self.write(door="route", reason="TLS on the route port (plain HTTP only)", status=None)
+            return
         if not (
             isinstance(c.client.proxy_mode, RegularMode)
             and any(isinstance(x, layers.HttpLayer) for x in c.layers)
@@ -1289,13 +1382,17 @@ class Gateway:
                 problem = "ClientHello too large"
         sni = (hello.sni or "").lower().rstrip(".") if hello else ""
         host = self.tunnels[c.client.id]["host"]
-        if problem is None and sni and sni != host:
+        if problem is None and not sni:
+            # A TLS client for a named host always names it: without a name, a shared front end
+            # (a CDN) serves its default site, which nobody listed.
+            problem = "tls ClientHello without a server name"
+        elif problem is None and sni != host:
             # The TLS server name is what a shared front end (a CDN) routes by: a tunnel to a
             # listed name must not carry a handshake for another one (domain fronting).
             problem = f"tls server name {sni[:LOG_FIELD]} is not the CONNECT host"
         if problem is not None:
             t = self.tunnels.pop(c.client.id)
-            if not problem.startswith("tls server name"):
+            if not problem.startswith("tls "):
                 problem = f"tunnel closed: {problem}"
             self.write(
                 door="proxy", method="CONNECT", host=t["host"], port=t["port"], allowed=False,
@@ -1330,7 +1427,6 @@ class Gateway:
             )  # fmt: skip
 
     def client_disconnected(self, client: Any) -> None:
-        self.doors.pop(client.peername, None)
         # A tunnel the client closed before sending a byte (no TCP flow was ever made for it).
         t = self.tunnels.pop(client.id, None)
         if t is not None:
@@ -1422,6 +1518,10 @@ class Gateway:
             flow.metadata.update(fila_host=None, fila_port=None, fila_path=_escaped(path))
             return self.refuse(flow, 404, "unknown route")
         flow.metadata.update(fila_route=name, fila_host=route["host"], fila_port=route["port"])
+        if problem := _unsafe_request(req):
+            # Whatever reaches the upstream's HTTP/1 head must be what was checked here: no CR or
+            # LF (a second request, another path, the real key with it), no byte parsed otherwise.
+            return self.refuse(flow, 400, problem)
         if any(seg in (".", "..") for seg in rest.split("/")) or any(c in rest for c in "%\\;"):
             # Encoded slashes and dots, backslashes and `;` parameters: each server normalises
             # them its own way, so a path that matched a rule here could be another one there.
@@ -1493,6 +1593,12 @@ class Gateway:
             return
         resp = flow.response
         route = flow.metadata.get("fila_door") == "route"
+        if route and resp.status_code < 200 and resp.status_code not in (100, 103):
+            # 101 Switching Protocols would make the connection a raw pipe that no scrubber and no
+            # meter sees: the answer is not sent, the engine's connection is closed.
+            flow.kill()
+            reason = f"route upstream answered {resp.status_code} (no protocol switch on a route)"
+            return self.record(flow, allowed=False, reason=reason, status=None)
         meter = Meter(resp.headers.get("content-type", ""), usage=route and m_ok(flow))
         flow.metadata["fila_meter"] = meter
         if not route:
@@ -1521,7 +1627,7 @@ class Gateway:
             )
             resp.stream = _guarded(refusal)
             return
-        body = BodyScrubber(self.needles, counts, resp.headers.get("content-type", ""))
+        body = SseScrubber(self.needles, counts)
         resp.stream = _guarded(lambda chunk: body(meter(chunk)))  # the meter reads what the upstream sent
 
     def response(self, flow: http.HTTPFlow) -> None:
@@ -1559,7 +1665,14 @@ class Gateway:
                 status = 413 if "body_size_limit" in msg else 400
                 self.record(flow, allowed=False, reason=f"refused by the proxy: {msg}", status=status)
             return
-        # No response from the upstream: mitmproxy answers the engine 502 itself.
+        if msg.startswith("Client disconnected"):
+            # The engine went away while waiting (or reading): the upstream is not to blame.
+            when = "before the answer" if flow.response is None else "during the answer"
+            status = flow.response.status_code if flow.response else None
+            self.record(flow, allowed=True, reason=f"client disconnected {when}", status=status)
+            return
+        # No (readable) answer from the upstream: the engine gets the gateway's own 502
+        # (_own_error_answer); the reason quotes the upstream's bytes, scrubbed by `write`.
         status = flow.response.status_code if flow.response else 502
         self.record(flow, allowed=True, reason=f"upstream: {msg}", status=status)
 

@@ -686,6 +686,11 @@ class Handler(BaseHTTPRequestHandler):
                 self._chunk(doc[i : i + 7])
                 time.sleep(0.002)
             self._end_stream()
+        elif form == "raw":  # bytes as the step gives them (an unparseable head, a 101), then close
+            for piece in step.get("raw") or []:
+                self.wfile.write(str(piece).replace("{key}", " ".join(secrets)).encode("latin-1"))
+                self.wfile.flush()
+                time.sleep(float(step.get("pause", 0.2)))
         elif form == "sse":  # an Anthropic stream whose text is the key, split across events
             text = "the key is " + " ".join(secrets)
             mid = len(text) // 2 + 7
@@ -699,11 +704,24 @@ class Handler(BaseHTTPRequestHandler):
             events = [e for e in events if e[0] != "content_block_delta"]
             at = next(i for i, e in enumerate(events) if e[0] == "content_block_stop")
             events[at:at] = deltas
-            raw = b"".join(f"event: {n}\ndata: {json.dumps(d)}\n\n".encode() for n, d in events)
-            raw += f"data: {json.dumps({'echo': secrets})}\n\n".encode()
-            self._start_stream()
-            for i in range(0, len(raw), 5):  # mid-key chunk boundaries too
-                self._chunk(raw[i : i + 5])
+            sep = str(step.get("separator", "\n\n"))  # the blank line's line ends (LF, CRLF, CR)
+            raw = b"".join(f"event: {n}\ndata: {json.dumps(d)}{sep}".encode() for n, d in events)
+            raw += f"data: {json.dumps({'echo': secrets})}{sep}".encode()
+            if step.get("pad"):  # first, a ping event of this many bytes
+                raw = (
+                    b'event: ping\ndata: {"type": "ping", "pad": "'
+                    + b"x" * int(step["pad"])
+                    + b'"}\n\n'
+                    + raw
+                )
+            raw = str(step.get("prefix", "")).encode() + raw
+            self.send_response(200)
+            self.send_header("Content-Type", str(step.get("content_type", "text/event-stream")))
+            self.send_header("Transfer-Encoding", "chunked")
+            self.end_headers()
+            size = int(step.get("chunk", 5))
+            for i in range(0, len(raw), size):  # mid-key chunk boundaries too
+                self._chunk(raw[i : i + size])
             self._end_stream()
         elif form == "gzip":  # compressed although the request asked for identity
             self._send(200, gzip.compress(doc), Content_Encoding="gzip")
@@ -716,6 +734,14 @@ class Handler(BaseHTTPRequestHandler):
                                          "".join(f"%{ord(c):02X}" for c in v)],
                 "json-escaped": lambda v: ["".join(f"\\u{ord(c):04x}" for c in v),
                                            "".join(f"\\u{ord(c):04X}" for c in v)],
+                "hex": lambda v: [v.encode().hex(), v.encode().hex().upper()],
+                "html": lambda v: ["".join(f"&#{ord(c)};" for c in v), "".join(f"&#x{ord(c):x};" for c in v)],
+                "percent-twice": lambda v: ["".join(f"%25{ord(c):02X}" for c in v)],
+                # MIME-wrapped (76 columns, CRLF), and with a JSON-escaped line break inside
+                "base64-lines": lambda v: [base64.encodebytes(("x" * 50 + v).encode()).decode()
+                                           .replace("\n", "\r\n"),
+                                           base64.b64encode(v.encode()).decode()[:20] + "\\n"
+                                           + base64.b64encode(v.encode()).decode()[20:]],
             }[form]  # fmt: skip
             parts = [x for v in secrets for x in encoded(v)]
             self._send(200, ('{"echo": ["' + '", "'.join(parts) + '"]}').encode())
