@@ -19,6 +19,7 @@ from bench.common import REPO, Ctx, Row, bench_tmp
 
 def _cases() -> dict[str, Callable[[Ctx], list[Row]]]:
     from bench.ci_single import ci_single
+    from bench.cycle_fake import cycle_fake
     from bench.engine_startup import engine_startup
     from bench.large_project import large_project
     from bench.per_task import per_task
@@ -33,6 +34,7 @@ def _cases() -> dict[str, Callable[[Ctx], list[Row]]]:
         "throughput": throughput,
         "scale": scale,
         "queue": queue_case,
+        "cycle-fake": cycle_fake,
         "large-project": large_project,
         "ci-single": ci_single,
         "engine-startup": engine_startup,
@@ -45,6 +47,7 @@ CASES = (
     "throughput",
     "scale",
     "queue",
+    "cycle-fake",
     "large-project",
     "ci-single",
     "engine-startup",

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
 from fila.core.layout import Root
 from fila.core.models import Task
+
+if TYPE_CHECKING:
+    from fila.sandbox.fake import FakeBackend
 
 
 def make_root(path: Path) -> Root:
@@ -51,36 +54,12 @@ def shell_task(command: str = "true", targets: list[str] | None = None, **kw: ob
     return Task(engine="shell", command=command, targets=targets or ["greeting.txt"], **kw)
 
 
-class FakeContainer:
-    def __init__(self, cid: str, labels: dict[str, str], status: str = "running") -> None:
-        self.id, self.name, self.labels, self.status = cid, f"fila-{cid}", labels, status
-        self.attrs: dict[str, object] = {"State": {"ExitCode": 0}}
+def fake_backend(root: Root, **kw: Any) -> FakeBackend:
+    """The fake backend (no containers) with its boxes beside the queue root, not in it: recovery's
+    file-level tests get an engine that answers, holds what they plant, and fails when told to."""
+    from fila.sandbox.fake import FakeBackend
 
-
-class FakeDocker:
-    """A Docker client for recovery's file-level tests: it answers, lists `containers` (all of
-    them, whatever the filter), and removes them; with `fail_remove` every removal fails as a
-    daemon error would. Tests that need the real daemon use the `docker_client` fixture."""
-
-    def __init__(self, containers: list[FakeContainer] | None = None, *, fail_remove: bool = False) -> None:
-        from types import SimpleNamespace
-
-        self.items = list(containers or [])
-        self.removed: list[str] = []
-        self.fail_remove = fail_remove
-        self.containers = SimpleNamespace(list=lambda **_kw: list(self.items))
-        self.api = SimpleNamespace(remove_container=self._remove)
-
-    def ping(self) -> bool:
-        return True
-
-    def _remove(self, cid: str, **_kw: object) -> None:
-        from docker.errors import APIError
-
-        if self.fail_remove:
-            raise APIError("removal failed (injected)")
-        self.removed.append(cid)
-        self.items = [c for c in self.items if c.id != cid]
+    return FakeBackend(root.path.parent / f"{root.path.name}.fake-boxes", **kw)
 
 
 def quick_for(values: Iterable[Any], *quick: Any) -> list[Any]:

@@ -1,11 +1,14 @@
 """One contract for every container backend, against the real engine (huey's StorageTests style).
 
-Docker runs it here, as root. Rootless Podman runs the same tests as an unprivileged user the
-tests create: tests/test_podman.py starts this module in a process of that user with
+Docker runs it here, as root, and so does the fake backend (sandbox/fake.py: no containers).
+Rootless Podman runs the same tests as an unprivileged user the tests create:
+tests/test_podman.py starts this module in a process of that user with
 FILA_CONTRACT_BACKEND=podman (the backend fixture then yields Podman only). Each test is one
 promise the cycle, the worker and recovery rely on: a hardened run, the host's timeout, the
 limits (enforced, or refused before any container unless waived), removal and the sweep by
-label, image lookup and build, and a clear error when the engine does not answer.
+label, image lookup and build, and a clear error when the engine does not answer. The fake
+keeps every promise but the container's own (hardening, ulimits, cgroup limits), which those
+tests skip for it by name.
 """
 
 from __future__ import annotations
@@ -24,27 +27,40 @@ from fila.core.errors import EngineUnavailable, InfraError, InvalidPolicy
 from fila.core.models import ImageRef, Policy
 from fila.sandbox import Backend, RunSpec, get_backend
 from fila.sandbox.base import JOB_LABEL, ROOT_LABEL
-
-pytestmark = pytest.mark.docker
+from fila.sandbox.fake import FakeBackend
 
 ENV = "FILA_CONTRACT_BACKEND"
 SHELL = "fila/shell:latest"
 
 
-def _names() -> list[str]:
+def _names() -> list[object]:
     chosen = os.environ.get(ENV)
     if chosen:
-        return [chosen]
-    return ["docker"]  # podman: as an unprivileged user, through tests/test_podman.py
+        return [pytest.param(chosen, marks=pytest.mark.docker)]
+    # podman: as an unprivileged user, through tests/test_podman.py
+    return [pytest.param("docker", marks=pytest.mark.docker), "fake"]
 
 
 @pytest.fixture(scope="module", params=_names())
-def backend(request: pytest.FixtureRequest) -> Iterator[Backend]:
-    b = get_backend(request.param)
+def backend(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Backend]:
+    # The fake is never a root's backend nor get_backend's without FILA_BACKEND: passed as an instance.
+    b = (
+        FakeBackend(tmp_path_factory.mktemp("boxes"))
+        if request.param == "fake"
+        else get_backend(request.param)
+    )
     try:
         yield b
     finally:
         b.close()
+
+
+def needs_a_container(backend: Backend) -> None:
+    """Skip a promise only a container keeps: the fake runs commands on the host, unconfined."""
+    if isinstance(backend, FakeBackend):
+        pytest.skip(
+            "hardening, ulimits and cgroup limits are a container's: the fake backend is not a sandbox"
+        )
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +121,7 @@ HARDENED = (
 def test_a_run_is_hardened_and_only_work_is_writable(
     backend: Backend, shell: ImageRef, tmp_path: Path
 ) -> None:
+    needs_a_container(backend)
     s = spec(tmp_path, HARDENED, waiving(backend))
     res = backend.run(s)
     out = log(s)
@@ -148,6 +165,7 @@ def test_the_host_timeout_stops_the_container_and_removes_it(
 
 
 def test_ulimits_hold_inside_the_container(backend: Backend, shell: ImageRef, tmp_path: Path) -> None:
+    needs_a_container(backend)
     p = waiving(backend, nofile=512, fsize="2m")
     script = (
         'echo "nofile=$(ulimit -n)"; '
@@ -164,6 +182,7 @@ def test_ulimits_hold_inside_the_container(backend: Backend, shell: ImageRef, tm
 def test_limits_are_enforced_or_the_policy_is_refused_before_any_container_unless_waived(
     backend: Backend, shell: ImageRef, tmp_path: Path
 ) -> None:
+    needs_a_container(backend)
     p = policy(memory="64m", pids=64, cpus=0.5)
     missing = backend.unenforceable(p)
     if not missing:
@@ -239,10 +258,12 @@ def test_an_engine_that_does_not_answer_is_a_clear_error_before_any_container(
 ) -> None:
     backend.ping()  # the counterpart: the real one answers
     dead = tmp_path / "dead.sock"
-    if backend.name == "podman":
+    if isinstance(backend, FakeBackend):
+        down: Backend = FakeBackend(backend.state, down="told to be down")
+    elif backend.name == "podman":
         from fila.sandbox.podman.backend import PodmanBackend
 
-        down: Backend = PodmanBackend(dead, autostart=False)
+        down = PodmanBackend(dead, autostart=False)
     else:
         from fila.sandbox.docker.backend import DockerBackend
 

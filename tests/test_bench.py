@@ -51,3 +51,12 @@ def test_floor_has_the_sandbox_options(tmp_path: Path) -> None:
 def test_floor_refuses_an_option_it_cannot_translate() -> None:
     with pytest.raises(ValueError, match="not translated"):
         docker_run_args({"image": "x", "entrypoint": ["sh"], "command": [], "device_requests": []})
+
+
+def test_the_cycle_case_runs_through_the_fake_backend_without_docker(tmp_path: Path) -> None:
+    from bench.cycle_fake import measure as cycle_measure
+
+    rows = cycle_measure(tmp_path, n=3, reps=1)
+    assert [r.case.split(",")[0] for r in rows] == ["cycle via FakeBackend"] * 2
+    assert all(r.fila and r.fila > 0 and r.base is None for r in rows)
+    assert list(tmp_path.iterdir()) == []

@@ -197,3 +197,33 @@ def test_a_lease_ttl_that_would_reap_live_workers_is_refused(
     monkeypatch.setenv("FILA_LEASE_TTL", ttl)
     with pytest.raises(InvalidInput):
         lease_ttl()
+
+
+def test_a_job_waits_out_a_passing_holder_of_its_lock_and_not_a_stalled_one(root: Root) -> None:
+    import threading
+
+    from fila.core.errors import InfraError
+    from fila.queue import lease
+
+    def hold(seconds: float, taken: threading.Event) -> None:
+        with lease.try_job_lock(root, "t1") as held:
+            assert held
+            taken.set()
+            time.sleep(seconds)
+
+    # Allowed: a recovery pass holds the lock for a moment; the job gets it once it is free.
+    taken = threading.Event()
+    passing = threading.Thread(target=hold, args=(0.5, taken))
+    passing.start()
+    taken.wait(5)
+    with lease.job_lock(root, "t1", wait_s=10):
+        assert not passing.is_alive(), "the lock came only after the holder let go"
+    passing.join()
+    # A holder that stays past the wait is a stalled worker: the job is refused, as infra.
+    taken = threading.Event()
+    stalled = threading.Thread(target=hold, args=(2.0, taken))
+    stalled.start()
+    taken.wait(5)
+    with pytest.raises(InfraError, match="still in use"), lease.job_lock(root, "t1", wait_s=0.3):
+        pass
+    stalled.join()

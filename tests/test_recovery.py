@@ -1,4 +1,5 @@
-"""Recovery settles every partial state a crash can leave, without Docker (files only).
+"""Recovery settles every partial state a crash can leave, without Docker (files, and the fake
+backend's boxes for the containers a crash leaves).
 
 Each test builds the exact leftovers of a crash at one instruction, runs recovery, and checks the
 task is in exactly one state with an event saying what happened.
@@ -19,13 +20,13 @@ from fila.core import fsutil
 from fila.core.errors import InvalidTransition, RecordMismatch
 from fila.core.layout import Root
 from fila.core.models import ErrorInfo, ErrorKind, Status
-from fila.queue import lease
+from fila.queue import lease, retry
 from fila.queue import store as queue
 from fila.recovery import recover as recovery
 from fila.run import job as cycle
-from fila.sandbox.docker.backend import DockerBackend
+from fila.sandbox.fake import FakeBackend
 
-from .helpers import FakeContainer, FakeDocker, make_root, shell_task
+from .helpers import fake_backend, make_root, shell_task
 
 S = Status
 GONE: lease.AliveFn = lambda _w: "gone"  # noqa: E731
@@ -40,10 +41,10 @@ def root(tmp_path: Path) -> Root:
 
 
 def recover(
-    root: Root, alive: lease.AliveFn = GONE, ttl: float = 60, client: object = None
+    root: Root, alive: lease.AliveFn = GONE, ttl: float = 60, backend: FakeBackend | None = None
 ) -> recovery.Report:
-    """Recovery with a Docker that answers and holds no container (unless `client` is given)."""
-    return recovery.recover(root, backend=DockerBackend(client or FakeDocker()), alive=alive, ttl=ttl)
+    """Recovery with an engine that answers and holds no container (unless `backend` is given)."""
+    return recovery.recover(root, backend=backend or fake_backend(root), alive=alive, ttl=ttl)
 
 
 def actions(root: Root, tid: str) -> list[str]:
@@ -77,7 +78,7 @@ def test_claim_of_a_dead_worker_before_its_container_started_is_requeued(root: R
 
 def test_repeated_losses_before_start_give_up_at_the_infra_cap(root: Root) -> None:
     queue.enqueue(root, "t1", shell_task())
-    for n in range(1, cycle.MAX_INFRA_ATTEMPTS + 1):
+    for n in range(1, retry.INFRA.attempts + 1):
         c = queue.try_claim(root, root.queued_path("t1"), f"w{n}")
         assert c is not None, n
         queue.begin(root, c, shell_task().model_copy(update={"id": "t1"}))
@@ -260,7 +261,7 @@ def test_a_backoff_beyond_the_cap_is_clamped_and_one_within_it_is_kept(
     monkeypatch.setattr(time, "time", lambda: now - 3600)
     recover(root)
     assert actions(root, "q1") == ["backoff clamped"]
-    assert queue.get_record(root, "q1").not_before == now - 3600 + cycle.BACKOFF_CAP_S
+    assert queue.get_record(root, "q1").not_before == now - 3600 + retry.INFRA.cap
     recover(root)
     assert actions(root, "q1") == ["backoff clamped"], "clamped once"
     assert root.queued_path("q1").exists()
@@ -326,11 +327,13 @@ def test_a_started_task_is_never_decided_while_its_container_may_still_exist(roo
     # it. Recovery that cannot make sure it is gone must not decide (a person would then
     # reject or retry while the engine runs).
     c = started(root)
-    box = FakeContainer("c1", {"fila.job": "t1", "fila.worker": "w1"}, status="created")
+    engine = fake_backend(root)
+    box = engine.leave("t1", root=str(root.path), worker="w1", status="created")
     if docker == "off":
         rep = recovery.recover(root, docker=False, alive=GONE, ttl=60)
     else:
-        rep = recover(root, client=FakeDocker([box], fail_remove=True))
+        engine.stuck = "removal failed (injected)"
+        rep = recover(root, backend=engine)
     assert queue.get_record(root, "t1").status == S.running
     assert c.tombstone("reaped").exists(), "the tombstone fences the worker and blocks retry"
     assert "undecided" in [a.action for a in rep.actions]
@@ -338,9 +341,9 @@ def test_a_started_task_is_never_decided_while_its_container_may_still_exist(roo
         queue.set_status(root, "t1", S.rejected, expect={S.needs_human, S.failed})
     with pytest.raises(InvalidTransition):
         queue.retry(root, "t1", by="ana")
-    dk = FakeDocker([box])
-    recover(root, client=dk)  # a later pass, Docker answers: removed first, then decided
-    assert dk.removed == ["c1"]
+    engine.stuck = None
+    recover(root, backend=engine)  # a later pass, the engine answers: removed first, then decided
+    assert engine.removed == [box.id]
     rec = queue.get_record(root, "t1")
     assert rec.status == S.needs_human and not queue.claim_files(root, "t1")
     assert rec.diagnosis and "found and removed" in rec.diagnosis
@@ -357,9 +360,10 @@ def test_a_running_record_without_a_claim_is_not_decided_while_its_container_may
 
 def test_the_container_sweep_never_removes_the_container_of_a_claim_it_did_not_reap(root: Root) -> None:
     c = started(root)
-    mine = FakeContainer("c1", {"fila.job": "t1", "fila.worker": "w1"})
-    orphan = FakeContainer("c2", {"fila.job": "t2", "fila.worker": "w9"})
-    zombie = FakeContainer("c3", {"fila.job": "t1", "fila.worker": "w0"})  # an older claim's
+    engine, here = fake_backend(root), str(root.path)
+    mine = engine.leave("t1", root=here, worker="w1")
+    orphan = engine.leave("t2", root=here, worker="w9")
+    zombie = engine.leave("t1", root=here, worker="w0")  # an older claim's
     calls: list[str] = []
 
     def alive_then_gone(_w: str) -> lease.Liveness:
@@ -368,9 +372,9 @@ def test_the_container_sweep_never_removes_the_container_of_a_claim_it_did_not_r
         calls.append(_w)
         return "alive" if len(calls) == 1 else "gone"
 
-    dk = FakeDocker([mine, orphan, zombie])
-    recover(root, alive=alive_then_gone, client=dk)
-    assert sorted(dk.removed) == ["c2", "c3"], "only containers no claim file accounts for"
+    recover(root, alive=alive_then_gone, backend=engine)
+    assert sorted(engine.removed) == sorted([orphan.id, zombie.id]), "only containers no claim accounts for"
+    assert engine.find(root=here) == [mine]
     assert c.path.exists() and queue.get_record(root, "t1").status == S.running
 
 

@@ -3,6 +3,7 @@ backoff cap for a `not_before` further ahead than any backoff lasts; its recover
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from datetime import datetime
@@ -13,6 +14,7 @@ import pytest
 from fila.core import fsutil
 from fila.core.layout import Root
 from fila.core.models import ImageRef, Status
+from fila.queue import retry
 from fila.queue import store as queue
 from fila.run import job as cycle
 
@@ -45,7 +47,7 @@ def test_run_once_waits_out_a_backoff_within_the_cap_and_never_one_a_clock_stepp
 
     # A short cap, so that waiting it out is quick; the hour below is what a clock stepped back
     # an hour after the backoff was written leaves in the record.
-    monkeypatch.setattr(cycle, "BACKOFF_CAP_S", 2.0)
+    monkeypatch.setattr(retry, "INFRA", dataclasses.replace(retry.INFRA, cap=2.0))
     cycle.submit(proj, shell_task("echo a >> greeting.txt", id="t0"))
     cycle.submit(proj, shell_task("echo b >> greeting.txt", id="t1"))
     start = time.time()

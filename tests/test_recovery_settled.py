@@ -1,6 +1,6 @@
 """Recovery over a long history: a pass reads again only the tasks whose record or event log
 changed since a pass found them settled, and still finds every leftover a crash or a person
-makes after that (files only, no Docker)."""
+makes after that (files only, no Docker: the fake backend answers, with no container)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,8 @@ from fila.core.layout import Root
 from fila.core.models import ErrorInfo, ErrorKind, Status
 from fila.queue import store as queue
 from fila.recovery import recover as recovery
-from fila.sandbox.docker.backend import DockerBackend
 
-from .helpers import FakeDocker, make_root, shell_task
+from .helpers import fake_backend, make_root, shell_task
 
 S = Status
 
@@ -34,7 +33,7 @@ def root(tmp_path: Path) -> Root:
 
 
 def recover(root: Root) -> recovery.Report:
-    return recovery.recover(root, backend=DockerBackend(FakeDocker()), alive=lambda _w: "alive", ttl=60)
+    return recovery.recover(root, backend=fake_backend(root), alive=lambda _w: "alive", ttl=60)
 
 
 def actions(root: Root, tid: str) -> list[str]:

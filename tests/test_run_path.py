@@ -5,6 +5,7 @@ and pings it at most once."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 import threading
@@ -295,8 +296,10 @@ def test_a_retry_never_starts_while_a_container_of_an_earlier_attempt_is_there(
     proj: Root, docker_client: docker.DockerClient, shell_image: ImageRef, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from fila.core.errors import InfraError
+    from fila.queue import retry
 
-    monkeypatch.setattr(cycle, "backoff_s", lambda _n: 0.0)  # the requeued task is claimable at once
+    # No backoff: the requeued task is claimable at once.
+    monkeypatch.setattr(retry, "INFRA", dataclasses.replace(retry.INFRA, base=0.0))
 
     backend = DockerBackend()
     try:

@@ -29,9 +29,8 @@ from fila.core.models import ErrorInfo, ErrorKind, Status
 from fila.queue import breaker
 from fila.queue import store as queue
 from fila.recovery import recover as recovery
-from fila.sandbox.docker.backend import DockerBackend
 
-from .helpers import FakeDocker, shell_task
+from .helpers import fake_backend, shell_task
 
 S = Status
 
@@ -212,8 +211,8 @@ class QueueMachine(RuleBasedStateMachine):
 
     @rule()
     def recover(self) -> None:
-        # A Docker that answers and holds no container: recovery may decide started tasks.
-        recovery.recover(self.root, backend=DockerBackend(FakeDocker()), ttl=1e9, alive=self._alive)
+        # An engine that answers and holds no container: recovery may decide started tasks.
+        recovery.recover(self.root, backend=fake_backend(self.root), ttl=1e9, alive=self._alive)
 
     # -- people ----------------------------------------------------------------------------
 
@@ -298,7 +297,7 @@ class QueueMachine(RuleBasedStateMachine):
 
 
 def _after_recover_nothing_is_stale(m: QueueMachine) -> None:
-    recovery.recover(m.root, backend=DockerBackend(FakeDocker()), ttl=1e9, alive=m._alive)
+    recovery.recover(m.root, backend=fake_backend(m.root), ttl=1e9, alive=m._alive)
     for c, suffix in queue.claims(m.root):
         assert c.worker not in m.dead | m.stalled or suffix not in ("json", "reaped"), c.name
 

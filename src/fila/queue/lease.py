@@ -10,7 +10,8 @@ HEARTBEAT_S while it holds the claim.
 A claim is stale when its worker is gone, or when its heartbeat is older than the lease TTL (a
 frozen or partitioned worker). Reaping a stale claim of a worker that is merely slow is safe: its
 next write is fenced (queue/store.py checks, under the record lock, that its claim file still exists),
-so the late worker's result is ignored, as with fencing tokens.
+so the late worker's result is ignored, as with fencing tokens. Its job directory is guarded by the
+job lock (`job_lock`), which the job runner and recovery's reading of work/ both take.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ import json
 import os
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Literal
 
-from ..core.errors import InvalidInput
+from ..core.errors import InfraError, InvalidInput
 from ..core.fsutil import file_lock
 from ..core.layout import Root
 from ..core.models import now_iso
@@ -107,6 +108,39 @@ class WorkerLock:
             self.path.unlink()  # unlinked while still locked: nobody can mistake it for alive
         os.close(self.fd)
         self.fd = None
+
+
+# How long a job waits for its lock before it counts the holder as a stalled worker: recovery
+# and gc hold it for a pass over one job directory (seconds), a stalled worker for good.
+JOB_LOCK_WAIT_S = 15.0
+
+
+@contextlib.contextmanager
+def try_job_lock(root: Root, tid: str) -> Iterator[bool]:
+    """The job lock if it is free now: yields True held, False when another process holds it."""
+    meta = root.meta(tid)
+    meta.mkdir(parents=True, exist_ok=True)
+    with file_lock(meta / "job.lock", wait=False) as held:
+        yield held
+
+
+@contextlib.contextmanager
+def job_lock(root: Root, tid: str, *, wait_s: float = 0.0) -> Iterator[None]:
+    """One process at a time in sandbox/jobs/<id>/: a stalled worker whose lease was reaped must
+    not have its job directory rebuilt under it by the next attempt, nor read by recovery while
+    it writes, nor have its overlay scratch emptied. Waits up to `wait_s` for a holder that is
+    only passing (recovery, gc), then InfraError."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        with try_job_lock(root, tid) as held:
+            if held:
+                yield
+                return
+        if time.monotonic() >= deadline:
+            raise InfraError(
+                "the job directory is still in use by another process (a stalled worker)", task_id=tid
+            )
+        time.sleep(0.1)
 
 
 def worker_liveness(root: Root, worker: str) -> Liveness:

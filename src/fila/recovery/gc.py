@@ -20,6 +20,7 @@ from ..core import fsutil
 from ..core.errors import FilaError, InvalidInput
 from ..core.layout import Root
 from ..core.models import Status
+from ..queue import lease
 from ..queue import store as queue
 
 if TYPE_CHECKING:
@@ -60,7 +61,7 @@ def clear_scratch(root: Root, tid: str, backend: Backend) -> bool:
     is mounted on it meanwhile) and only while the task holds no claim file (recovery has reaped
     the stale ones; one still there is a live worker's). True when it was emptied; raises the
     backend's InfraError when it could not be."""
-    with fsutil.file_lock(root.meta(tid) / "job.lock", wait=False) as held:
+    with lease.try_job_lock(root, tid) as held:
         if not held or queue.claim_files(root, tid):
             return False
         return backend.clear_job_scratch(str(root.path), tid)

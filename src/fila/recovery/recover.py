@@ -4,7 +4,8 @@ ends in exactly one state, nothing is lost, nothing runs twice without a person 
 What it settles, each step an event in the task's log (and in fila/state/recovery.events.jsonl):
 - a stale claim (its worker is gone, or its heartbeat is older than the lease TTL): reaped by
   renaming it to `.reaped` (the race with the worker's `.done`), then
-  - container not started: back to fila/in/ (attempt counted; failed after MAX_INFRA_ATTEMPTS),
+  - container not started: back to fila/in/ (attempt counted; failed once the retry policy of
+    queue/retry.py gives up),
   - container started: the container is removed, then `needs_human`, with a diagnosis (worker,
     how long it ran, the container as found, what work/ holds, kept as DIFF.patch evidence). Only
     once Docker confirmed no container of the job is left: until then (Docker down, removal
@@ -44,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 from ..core import fsutil
 from ..core.errors import EngineUnavailable, FilaError, InfraError, RecordMismatch
 from ..core.layout import Root
-from ..queue import lease
+from ..queue import lease, retry
 from ..queue import store as queue
 
 if TYPE_CHECKING:
@@ -236,8 +237,6 @@ def _settle_reaped(
 ) -> None:
     """Decide a reaped claim. After the rename its worker can no longer write the record (its
     fence fails), so what we read now is final; the guards below re-check it under the lock."""
-    from ..run.job import MAX_INFRA_ATTEMPTS, backoff_s, infra_tries
-
     tid, tomb = claim.task_id, claim.tombstone("reaped")
     rec = queue.read_record(root, tid)
     mine = rec is not None and rec.status == S.running and rec.worker == claim.worker
@@ -256,13 +255,13 @@ def _settle_reaped(
         return
     assert rec is not None
     if not rec.container_started:
-        tries = infra_tries(rec) + 1
+        tries = retry.INFRA.tries(rec) + 1
         removed, _seen, _gone = dk.job_containers(root, tid) if dk.enabled else ([], "", False)
         rep.containers_removed += removed
         err = ErrorInfo(
             kind=ErrorKind.infra, message=f"the worker was lost before the container started: {why}"
         )
-        if tries >= MAX_INFRA_ATTEMPTS:
+        if retry.INFRA.gives_up(tries):
             _decide(
                 root,
                 claim,
@@ -279,14 +278,14 @@ def _settle_reaped(
             suffix="reaped",
             error=err,
             outcome="lost",
-            not_before=time.time() + backoff_s(tries),
+            not_before=time.time() + retry.INFRA.backoff(tries),
             event="recovered",
         ):
             rep.add(
                 root,
                 tid,
                 "requeued",
-                f"its container had not started; attempt {tries} of {MAX_INFRA_ATTEMPTS} ({why})",
+                f"its container had not started; attempt {tries} of {retry.INFRA.attempts} ({why})",
             )
         return
     removed, seen, gone = dk.job_containers(root, tid)
@@ -371,7 +370,6 @@ def _work_evidence(root: Root, rec: Record) -> tuple[dict[str, Any], str]:
     """What work/ holds, as DIFF.patch evidence when it can be read safely."""
     from ..engines import get_engine, scanner_for
     from ..queue.policy import load_policy
-    from ..run.job import _job_lock
     from ..workspace import diff, secretscan, snapshot
 
     job = root.job_dir(rec.id)
@@ -385,7 +383,7 @@ def _work_evidence(root: Root, rec: Record) -> tuple[dict[str, Any], str]:
             if rec.engine and rec.task is not None
             else secretscan.Scanner(secretscan.known(policy))
         )
-        with _job_lock(root, rec.id):
+        with lease.job_lock(root, rec.id):
             ov = snapshot.job_overlay(root, rec.id)  # the overlay strategy: work/ is its layers
             d = diff.compute_diff(job, policy=policy, scratch=root.meta(rec.id) / "scratch",
                                   layers=ov.layers() if ov is not None else None,
@@ -569,8 +567,6 @@ class _Settled:
         around it still agree with the status its own bytes state: a final record has no file in
         fila/in/ (a second copy), a queued one has its file (or a claim) and no backoff beyond
         the cap, a running one its claim and no file. Anything else, or any doubt, is a miss."""
-        from ..run.job import BACKOFF_CAP_S
-
         hit = self.entries.get(tid)
         if hit is None:
             return False
@@ -585,7 +581,7 @@ class _Settled:
             return False
         status, not_before = rec.get("status"), rec.get("not_before")
         if status == S.queued:
-            late = isinstance(not_before, (int, float)) and not_before > now + BACKOFF_CAP_S
+            late = isinstance(not_before, (int, float)) and not_before > now + retry.INFRA.cap
             return (queued or claimed) and not late
         if status == S.running:
             return claimed and not queued
@@ -730,24 +726,23 @@ def _settle_task(
 
 
 def _clamp_backoff(root: Root, cur: Record, rep: Report) -> Record:
-    """A backoff lasts at most BACKOFF_CAP_S, so a `not_before` further ahead than that comes
-    from a clock that went back after it was written (or a hand edit): left as it is, no
-    worker would claim the task, and `run --once` would wait, until the clock caught up.
-    Clamped to now + the cap (under the record lock the caller holds)."""
-    from ..run.job import BACKOFF_CAP_S
-
+    """A backoff lasts at most the retry policy's cap (queue/retry.py), so a `not_before` further
+    ahead than that comes from a clock that went back after it was written (or a hand edit): left
+    as it is, no worker would claim the task, and `run --once` would wait, until the clock caught
+    up. Clamped to now + the cap (under the record lock the caller holds)."""
+    cap = retry.INFRA.cap
     now = time.time()
-    if cur.status != S.queued or cur.not_before is None or cur.not_before <= now + BACKOFF_CAP_S:
+    if cur.status != S.queued or cur.not_before is None or cur.not_before <= now + cap:
         return cur
-    was, to = cur.not_before, now + BACKOFF_CAP_S
+    was, to = cur.not_before, now + cap
     new = cur.model_copy(update={"not_before": to, "updated_at": now_iso()})
     fsutil.atomic_write(root.record_path(cur.id), new.to_json())
     rep.add(
         root,
         cur.id,
         "backoff clamped",
-        f"its backoff ended {was - now:.0f} s from now, beyond the {BACKOFF_CAP_S:g} s a backoff "
-        f"lasts (a clock that went back, or an edit): it now ends in {BACKOFF_CAP_S:g} s",
+        f"its backoff ended {was - now:.0f} s from now, beyond the {cap:g} s a backoff "
+        f"lasts (a clock that went back, or an edit): it now ends in {cap:g} s",
         not_before=was,
         clamped_to=to,
     )

@@ -7,9 +7,7 @@ every other member when a person applies one. A superseded member is `rejected` 
 `superseded` (who, when, which member won): the state machine keeps its table, and a superseded
 task can never be applied.
 
-The task's optional `check` runs here too (`run_check`): after the engine succeeded, in a second
-container of the shell image with network none, on a copy of the job's work/ (so what the check
-writes, caches and build output, never reaches the diff or what `fila apply` verifies).
+The task's optional `check` runs with the job (run/check.py); here it is one more column.
 """
 
 from __future__ import annotations
@@ -18,94 +16,14 @@ import contextlib
 import fcntl
 import html
 import os
-import subprocess
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from ..core import fsutil
-from ..core.errors import InfraError, InvalidTaskFile, InvalidTransition, NotFound
+from ..core.errors import InvalidTaskFile, InvalidTransition, NotFound
 from ..core.layout import Root
-from ..core.models import CheckResult, Decision, ImageRef, Record, Status, Task, now_iso
+from ..core.models import Decision, Record, Status, Task, now_iso
 from ..queue import store as queue
-
-if TYPE_CHECKING:
-    from ..run.job import Checked, _Run
-
-CHECK_LOG_SUFFIX = ".check.log"
-
-
-# -- the check ------------------------------------------------------------------------------------
-
-
-def run_check(
-    run: _Run,
-    checked: Checked,
-    job_dir: Path,
-    refs: dict[str, ImageRef],
-    *,
-    runner: Callable[..., Any],
-    spec_of: Callable[..., Any],
-    redact: list[str] | None = None,
-) -> CheckResult:
-    """Run the task's `check` on a copy of work/ with the sandbox the engine ran in (`runner`,
-    `spec_of`: what the cycle calls), network none, the task's limits and timeout. `redact`: the
-    run's credentials, kept out of the check's log as out of the engine's (work/ may hold one)."""
-    from ..engines import get_engine
-
-    root, tid, task = run.root, run.tid, checked.task
-    assert task.check is not None
-    shell = get_engine("shell")
-    image = shell.image_tag()
-    # Host-only per-job data: the task id's own directory, so no task id can name this copy.
-    copy = root.meta(tid) / "check"
-    fsutil.remove_tree(copy)
-    (copy / "input").mkdir(parents=True)
-    # The real tool: cp -a copies links as links and a fifo as a fifo (never reading it).
-    res = subprocess.run(
-        ["cp", "-a", "--", str(job_dir / "work"), str(copy / "work")], capture_output=True, text=True
-    )
-    if res.returncode != 0:
-        raise InfraError(f"could not copy work/ for the check: {res.stderr.strip()[:500]}", task_id=tid)
-    inv = shell.invocation(task.model_copy(update={"command": task.check}))
-    log = root.logs_dir / f"{tid}{CHECK_LOG_SUFFIX}"
-    spec = spec_of(
-        job_id=tid,
-        job_dir=copy,
-        image=image,
-        argv=inv.argv,
-        env=inv.env,
-        policy=checked.policy.model_copy(update={"network": "none", "egress": None}),
-        limits=checked.effective.limits,
-        timeout_ms=checked.effective.timeout_ms,
-        log_path=log,
-        labels={"fila.root": str(root.path), "fila.worker": run.claim.worker},
-        redact=list(redact or []),
-    )
-
-    def before_start(container_id: str) -> None:
-        run.hooks.before_start()
-        run.checkpoint(container=container_id, event="check started")
-        run.fence()
-
-    run.progress(f"{tid}: running the check: {task.check}")
-    try:
-        result = runner(spec, before_start=before_start, heartbeat=run.heartbeat, heartbeat_s=1.0)
-    finally:
-        fsutil.remove_tree(copy)
-    passed = result.exit_code == 0 and not result.timed_out and not result.oom_killed
-    queue.log_event(root, tid, "check exited", exit_code=result.exit_code, passed=passed)
-    return CheckResult(
-        command=task.check,
-        passed=passed,
-        exit_code=result.exit_code,
-        timed_out=result.timed_out,
-        duration_s=result.duration_s,
-        log_path=str(log.relative_to(root.path)),
-        image=ImageRef(tag=image, id=result.image_id or refs[image].id),
-    )
-
 
 # -- groups ---------------------------------------------------------------------------------------
 

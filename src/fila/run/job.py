@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import os
-import random
 import re
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,7 +30,6 @@ from ..core.errors import (
     UnknownEngine,
 )
 from ..core.faults import crash_point
-from ..core.fsutil import file_lock
 from ..core.layout import Root
 from ..core.models import (
     Attempt,
@@ -49,6 +47,7 @@ from ..core.models import (
 )
 from ..egress import config as egress
 from ..engines import Engine, get_engine, scanner_for
+from ..queue import lease, retry
 from ..queue import store as queue
 from ..queue.policy import (
     Effective,
@@ -64,11 +63,6 @@ from ..workspace import jobdir, secretscan
 if TYPE_CHECKING:
     from ..sandbox import Backend
     from ..sandbox.base import Removal
-
-MAX_INFRA_ATTEMPTS = 5
-BACKOFF_BASE_S = 1.0
-BACKOFF_CAP_S = 60.0
-
 
 HEARTBEAT_IN_RUN_S = 1.0  # how often the sandbox calls back: the lease, and a stop request
 LeaseLost = queue.LeaseLost
@@ -335,17 +329,6 @@ class Hooks:
         return {}
 
 
-def infra_tries(rec: Record | None) -> int:
-    """Attempts that ended before their container started because of the infrastructure or a
-    dead worker: they count toward MAX_INFRA_ATTEMPTS."""
-    return sum(1 for a in rec.attempts if a.outcome in ("requeued", "lost")) if rec else 0
-
-
-def backoff_s(attempt: int) -> float:
-    """Exponential backoff with full jitter, capped."""
-    return random.uniform(0, min(BACKOFF_CAP_S, BACKOFF_BASE_S * 2 ** max(0, attempt - 1)))
-
-
 RETRY_HINT = "`fila retry ID` runs it again from a clean copy, `fila reject ID` drops it."
 
 
@@ -512,13 +495,13 @@ class _Run:
         kind = ErrorKind.interrupted if outcome == "handed back" else ErrorKind.infra
         nb = None
         if outcome == "requeued":
-            tries = infra_tries(queue.read_record(self.root, self.tid)) + 1
-            if tries >= MAX_INFRA_ATTEMPTS:
+            tries = retry.INFRA.tries(queue.read_record(self.root, self.tid)) + 1
+            if retry.INFRA.gives_up(tries):
                 return self.finish(
                     Status.failed,
                     error=ErrorInfo(kind=ErrorKind.infra, message=f"{err} (gave up after {tries} attempts)"),
                 )
-            nb = time.time() + backoff_s(tries)
+            nb = time.time() + retry.INFRA.backoff(tries)
         ok = queue.hand_back(
             self.root,
             self.claim,
@@ -562,20 +545,6 @@ def _reject_invalid(root: Root, claim: queue.Claim, err: InvalidInput) -> Record
     with contextlib.suppress(FileNotFoundError):
         queue.reject_file(root, claim.path, str(err), name=f"{tid}.json")
     return rec
-
-
-@contextlib.contextmanager
-def _job_lock(root: Root, tid: str) -> Iterator[None]:
-    """One process at a time in sandbox/jobs/<id>/: a stalled worker whose lease was reaped must
-    not have its job directory rebuilt under it by the next attempt."""
-    meta = root.meta(tid)
-    meta.mkdir(parents=True, exist_ok=True)
-    with file_lock(meta / "job.lock", wait=False) as held:
-        if not held:
-            raise InfraError(
-                "the job directory is still in use by another process (a stalled worker)", task_id=tid
-            )
-        yield
 
 
 def run_one(
@@ -652,7 +621,7 @@ def run_one(
                 ),
             )
         run.lap("validate")  # policy, targets, images, runtime: what can be known before a container
-        with _job_lock(root, tid):
+        with lease.job_lock(root, tid, wait_s=lease.JOB_LOCK_WAIT_S):
             try:
                 return _run_engines(run, checked, refs, rec.attempt, t0)
             finally:
@@ -676,7 +645,7 @@ def run_one(
         )
     except InfraError as e:
         refusal = backend.refusal(e)
-        if refusal is not None and not run.container_started:
+        if not run.container_started and not retry.INFRA.transient(e, refused=refusal is not None):
             # Docker refused this task's request itself: retrying cannot help, and the next
             # task must still run. The task's record says why; the run goes on.
             return run.finish(
@@ -877,11 +846,11 @@ def _run_engines(
             outcome = _Out(ErrorKind.engine_error, f"the engine's output breaks a limit: {diff_error}")
         check = None
         if task.check and outcome.kind == "success":
-            from ..review import groups as compare
+            from .check import run_check
 
-            # The same sandbox as the engine's (what this loop calls), on a copy of work/.
-            check = compare.run_check(
-                run, checked, prep.job_dir, refs, runner=run.backend.run, spec_of=RunSpec, redact=spec.redact
+            # The same sandbox as the engine's (run.backend), on a copy of work/.
+            check = run_check(
+                run, task, checked.policy, checked.effective, prep.job_dir, refs, redact=spec.redact
             )
             check = scanner.scrub(check, in_record)
             run.lap("check")

@@ -8,8 +8,9 @@ idle -> a task appears -> wake within a second -> run it. No restart between tas
 - Recovery runs in a background thread at start and then periodically: start-up never waits
   for it (the boot path is not the place for work).
 - The circuit breaker (queue/breaker.py) is checked before every claim.
-- Docker unreachable: no claims; the daemon is probed with exponential backoff, and recovery
-  runs again once it answers. With `once`, the worker stops and reports it (exit 3).
+- Docker unreachable: no claims; the daemon is probed with capped exponential backoff
+  (DAEMON_PROBE, a policy of queue/retry.py), and recovery runs again once it answers. With
+  `once`, the worker stops and reports it (exit 3).
 - Signals: SIGTERM drains (no new claims; a job whose container has not started is handed back;
   running jobs get `grace_s` to finish, then are stopped as on Ctrl-C); SIGINT (Ctrl-C) or a
   second SIGTERM stops every job at once: containers are removed, a started task becomes
@@ -42,7 +43,7 @@ from ..core.errors import (
 )
 from ..core.layout import Root
 from ..core.models import ErrorKind, Record, Status
-from ..queue import breaker, lease
+from ..queue import breaker, lease, retry
 from ..queue import store as queue
 from . import job as cycle
 
@@ -51,7 +52,9 @@ if TYPE_CHECKING:
 
 DEFAULT_GRACE_S = 60.0
 RECOVER_EVERY_S = 30.0
-DOCKER_BACKOFF_CAP_S = 30.0
+# The probe of an unreachable daemon: 1, 2, 4 ... 30 s apart, for as long as it takes (see
+# queue/retry.py for why it is the same kind of policy as a task's).
+DAEMON_PROBE = retry.RetryPolicy(attempts=None, base=1.0, cap=30.0, jitter=False)
 
 
 def process_age() -> float | None:
@@ -198,7 +201,7 @@ class Worker:
         self.breaker_tripped = False
         self.docker_bad = False
         self.docker_retry_at = 0.0
-        self.docker_backoff = 1.0
+        self.docker_failures = 0  # failed probes since the daemon last answered
 
     # -- signals (handlers only set flags) ------------------------------------------------
 
@@ -322,7 +325,7 @@ class Worker:
             if self.once and not self.active and not started:
                 wake_at = cycle.earliest_backoff(self.root)
                 if wake_at is not None:
-                    self._wait(max(0.05, min(wake_at - time.time(), cycle.BACKOFF_CAP_S)))
+                    self._wait(max(0.05, min(wake_at - time.time(), retry.INFRA.cap)))
                 elif self.recovering.is_set():
                     self._wait(0.1)
                 else:
@@ -402,7 +405,7 @@ class Worker:
             self.progress(f"{tid}: {e}" + (f"\n  hint: {e.hint}" if e.hint else ""))
             if self.once and isinstance(e, ImageMissing):
                 # An engine's image not built yet is that task's wait (requeued with backoff, and
-                # failed after MAX_INFRA_ATTEMPTS): the run goes on, the other tasks still run.
+                # failed once retry.INFRA gives up): the run goes on, the other tasks still run.
                 return
             if self.once:
                 self.infra_error = self.infra_error or e
@@ -428,8 +431,8 @@ class Worker:
         if not self.docker_bad:
             self.progress("fila worker: Docker does not answer; no claims until it does")
         self.docker_bad = True
-        self.docker_retry_at = time.monotonic() + self.docker_backoff
-        self.docker_backoff = min(DOCKER_BACKOFF_CAP_S, self.docker_backoff * 2)
+        self.docker_failures += 1
+        self.docker_retry_at = time.monotonic() + DAEMON_PROBE.backoff(self.docker_failures)
 
     def _docker_ready(self) -> bool:
         if not self.docker_bad:
@@ -440,7 +443,7 @@ class Worker:
             self._docker_down()
             return False
         self.progress("fila worker: Docker answers again")
-        self.docker_bad, self.docker_backoff = False, 1.0
+        self.docker_bad, self.docker_failures = False, 0
         self.recover_now.set()  # remove what the outage left behind
         return True
 

@@ -1,8 +1,9 @@
 """Container engines fila runs jobs on, behind one interface (base.Backend).
 
 `get_backend(name)` imports a backend's module only when it is chosen (the Docker SDK is not
-loaded by commands that never talk to an engine). The name comes from the caller (a queue root's
-config), else FILA_BACKEND, else Docker.
+loaded by commands that never talk to an engine). The name comes from FILA_BACKEND, else the
+caller (a queue root's config), else Docker. `fake` (sandbox/fake.py: no containers, not a
+sandbox) is chosen only by FILA_BACKEND, never by a queue root's config.
 """
 
 from __future__ import annotations
@@ -46,7 +47,16 @@ def _podman() -> Backend:
     return PodmanBackend()
 
 
-BACKENDS: dict[str, Callable[[], Backend]] = {"docker": _docker, "podman": _podman}
+def _fake() -> Backend:
+    from .fake import FakeBackend
+
+    return FakeBackend()
+
+
+BACKENDS: dict[str, Callable[[], Backend]] = {"docker": _docker, "podman": _podman, "fake": _fake}
+# Not a sandbox: only FILA_BACKEND (one command's explicit choice) names it, never a queue root.
+EXPLICIT_ONLY = frozenset({"fake"})
+SANDBOXES = sorted(set(BACKENDS) - EXPLICIT_ONLY)
 
 
 def config_path(root: Root) -> Path:
@@ -71,10 +81,15 @@ def root_backend(root: Root) -> str | None:
 def check_name(name: str) -> str:
     """A backend name, normalised; an unknown one lists the valid ones (exit 2)."""
     norm = name.strip().lower()
+    if norm in EXPLICIT_ONLY:
+        raise InvalidInput(
+            f"field 'backend': the {norm} backend is not a sandbox and is never a queue root's backend",
+            hint=f"valid backends: {', '.join(SANDBOXES)}; FILA_BACKEND={norm} chooses it for one command",
+        )
     if norm not in BACKENDS:
         raise InvalidInput(
             f"field 'backend': unknown container backend {name!r}",
-            hint=f"valid backends: {', '.join(sorted(BACKENDS))}",
+            hint=f"valid backends: {', '.join(SANDBOXES)}",
         )
     return norm
 
@@ -96,6 +111,8 @@ def backend_name(configured: str | None = None) -> str:
     """The chosen backend's name: FILA_BACKEND when set (this command's choice), else the queue
     root's setting, else docker."""
     env = os.environ.get(ENV)
+    if not env and configured is not None and configured.strip().lower() in EXPLICIT_ONLY:
+        check_name(configured)  # refused: a root's config never names a backend that is no sandbox
     name = (env or configured or DEFAULT).strip().lower()
     if name not in BACKENDS:
         source = ENV if env else "the queue root's fila/config.json field 'backend'"

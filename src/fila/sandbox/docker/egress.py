@@ -291,20 +291,18 @@ def sweep(client: Any, root: Path, meta_dir: Path, has_claim: Callable[[str, str
     from ...core.models import valid_id
 
     removed = []
-    networks = getattr(client, "networks", None)
-    if networks is not None:  # a client without network support (a recovery test double)
-        found = networks.list(
-            filters={"label": ["fila=1", f"{ROLE_LABEL}={ROLE_JOB_NET}", f"fila.root={root}"]}
-        )
-        for net in found:
-            labels = net.attrs.get("Labels") or {}
-            tid = labels.get("fila.job", "")
-            if not valid_id(tid) or has_claim(tid, labels.get("fila.worker")):
-                continue
-            _remove_net_containers(client, net)
-            with contextlib.suppress(*_not_found()):
-                client.api.remove_network(net.id)
-                removed.append(f"network {net.name}")
+    found = client.networks.list(
+        filters={"label": ["fila=1", f"{ROLE_LABEL}={ROLE_JOB_NET}", f"fila.root={root}"]}
+    )
+    for net in found:
+        labels = net.attrs.get("Labels") or {}
+        tid = labels.get("fila.job", "")
+        if not valid_id(tid) or has_claim(tid, labels.get("fila.worker")):
+            continue
+        _remove_net_containers(client, net)
+        with contextlib.suppress(*_not_found()):
+            client.api.remove_network(net.id)
+            removed.append(f"network {net.name}")
     return removed + sweep_dirs(meta_dir, has_claim)
 
 
