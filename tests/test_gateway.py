@@ -1288,7 +1288,8 @@ def _leaks(out: str, *keys: str) -> list[str]:
         urllib.parse.unquote(out),
         re.sub(r"\\u([0-9a-fA-F]{4})", lambda m: chr(int(m[1], 16)), out),
         html.unescape(out),
-        re.sub(r"\r|\n|\\r|\\n", "", out),  # base64 wrapped in lines
+        re.sub(r"\r|\n|\\r|\\n| ", "", out),  # base64 wrapped in lines or broken by spaces
+        re.sub(r"\\x([0-9a-fA-F]{2})", lambda m: chr(int(m[1], 16)), out),  # JS/Python escapes
     ]
     return [name for key in keys for name, f in _key_forms(key).items() for text in decoded if f in text]
 
@@ -1316,6 +1317,9 @@ def test_a_route_upstream_echoing_the_credential_never_shows_it_to_the_engine_in
         "json-escaped": {"body:json": 2},
         "hex": {"body:hex": 2},
         "html": {"body:html": 2},
+        "html-loose": {"body:html": 2},
+        "js-hex": {"body:json": 2},
+        "base64-spaced": {"body:base64": 2},
         "percent-twice": {"body:url": 1},
         "base64-lines": {"body:base64": 2},
     }
@@ -1730,3 +1734,166 @@ def test_an_engine_that_goes_away_while_waiting_is_logged_as_such_not_as_an_upst
     assert line["allowed"] is True and line["status"] is None, line
     summary = json.loads((gw.log_dir / "summary.json").read_text())
     assert summary["routes"]["anthropic"]["statuses"] == {"200": 1, "no answer": 1}
+
+
+def _answer(ctype: str, *pieces: str) -> list[str]:
+    """A raw 200 answer of this content type whose body is `pieces` (sent apart), ended by the close."""
+    return [f"HTTP/1.1 200 OK\r\nContent-Type: {ctype}\r\nConnection: close\r\n\r\n", *pieces]
+
+
+def _gemini_chunk(text: str, tokens: int = 1) -> str:
+    return json.dumps(
+        {
+            "candidates": [{"content": {"parts": [{"text": text}], "role": "model"}}],
+            "usageMetadata": {"promptTokenCount": 5, "candidatesTokenCount": tokens},
+        }
+    )
+
+
+def _sse(name: str, doc: dict[str, Any]) -> str:
+    return f"event: {name}\ndata: {json.dumps(doc)}\n\n"
+
+
+def test_a_key_split_across_json_strings_a_client_joins_is_found_in_any_body_shape(env: Env) -> None:
+    routes = _routes(env)
+    routes["gemini"] = {**routes["anthropic"], "header": "x-goog-api-key"}
+    gw = env.gateway(routes=routes)
+    block = {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": "{key1}"}}
+    delta = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "{key2}"}}
+    parts = {"candidates": [{"content": {"parts": [{"text": "{key1}"}, {"text": "{key2}"}]}}]}
+    second = {"candidates": [{"content": {"parts": [{"text": ""}, {"text": "{key2}"}]}}]}
+    first = {"candidates": [{"content": {"parts": [{"text": "{key1}"}]}}]}
+    shapes = {  # (route, how the upstream splits the key in two JSON strings an engine joins)
+        "gemini array": ("gemini", _answer(
+            "application/json", "[" + _gemini_chunk("key: {key1}"), "\n,\r\n" + _gemini_chunk("{key2}"), "]"
+        )),
+        "ndjson": ("anthropic", _answer(
+            "application/x-ndjson", '{"response": "{key1}"}\n', '{"response": "{key2}"}\n'
+        )),
+        "block start then delta": ("anthropic", _answer(
+            "text/event-stream", _sse("content_block_start", block), _sse("content_block_delta", delta)
+        )),
+        "two parts of one event": ("gemini", _answer("text/event-stream", f"data: {json.dumps(parts)}\n\n")),
+        "parts of two events": ("gemini", _answer(
+            "text/event-stream", f"data: {json.dumps(first)}\n\n", f"data: {json.dumps(second)}\n\n"
+        )),
+    }  # fmt: skip
+    half1, half2 = REAL_KEY[: len(REAL_KEY) // 2], REAL_KEY[len(REAL_KEY) // 2 :]
+    normal = _answer("application/json", "[" + _gemini_chunk("hel"), "\n,\r\n" + _gemini_chunk("lo"), "]")
+    env.ups.set_script(
+        [{"protocol": "gemini", "reflect": "raw", "raw": normal, "pause": 0.1}]
+        + [{"protocol": r, "reflect": "raw", "raw": raw, "pause": 0.1} for r, raw in shapes.values()]
+    )
+    url = {
+        "gemini": f"{gw.routes}/gemini/v1beta/models/g:streamGenerateContent",
+        "anthropic": f"{gw.routes}/anthropic/v1/messages",
+    }
+    # Allowed: strings that join to ordinary text pass as they came.
+    status, out = _post(env, url["gemini"], {"contents": []})
+    assert status == "200" and '"text": "hel"}' in out and '"text": "lo"}' in out, out
+    assert gw.final()["scrubbed"] is None
+    for name, (route, _) in shapes.items():
+        status, out = _post(env, url[route], ANTHROPIC_BODY)
+        assert status == "200", (name, out)
+        assert half1 not in out and half2 not in out and "*" * 8 in out, (name, out)
+        line = gw.final()
+        assert line["route"] == route and line["scrubbed"] == {"body:split": 1}, (name, line)
+    # The rewritten answers are still what they were: JSON values, as long as they came.
+    assert json.loads(out.split("data: ", 2)[2].strip())["candidates"][0]["content"]["parts"][1]["text"] == (
+        "*" * len(half2)
+    )
+
+
+def test_gemini_and_json_lines_streams_without_sse_are_metered(env: Env) -> None:
+    routes = _routes(env)
+    routes["gemini"] = {**routes["anthropic"], "header": "x-goog-api-key"}
+    gw = env.gateway(routes=routes)
+    array = _answer("application/json", "[" + _gemini_chunk("a", 1), "\n,\r\n" + _gemini_chunk("b", 4), "]")
+    lines = _answer(
+        "application/x-ndjson",
+        json.dumps({"response": "a", "usage": {"input_tokens": 7}}) + "\n",
+        json.dumps({"response": "b", "usage": {"output_tokens": 3}}) + "\n",
+    )
+    env.ups.set_script(
+        [
+            {"protocol": "gemini", "reply": {"text": "g"}, "usage": {"input_tokens": 9, "output_tokens": 2}},
+            {"protocol": "gemini", "reflect": "raw", "raw": array, "pause": 0.1},
+            {"protocol": "anthropic", "reflect": "raw", "raw": lines, "pause": 0.1},
+        ]
+    )
+    # Allowed: the SSE stream is metered as before.
+    status, out = _post(env, f"{gw.routes}/gemini/v1beta/models/g:streamGenerateContent?alt=sse", {})
+    assert status == "200" and gw.final()["usage"] == {"input_tokens": 9, "output_tokens": 2}
+    status, out = _post(env, f"{gw.routes}/gemini/v1beta/models/g:streamGenerateContent", {})
+    assert status == "200" and '"text": "b"' in out, out
+    line = gw.final()
+    assert line["usage"] == {"input_tokens": 5, "output_tokens": 4} and line["reason"] is None, line
+    status, out = _post(env, f"{gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)
+    assert status == "200" and '"response": "b"' in out, out
+    line = gw.final()
+    assert line["usage"] == {"input_tokens": 7, "output_tokens": 3} and line["reason"] is None, line
+
+
+def test_a_route_upstream_answering_100_or_103_gets_the_engine_a_closed_connection_not_a_hang(
+    env: Env,
+) -> None:
+    gw = env.gateway(routes=_routes(env))
+    final = "HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 9\r\n\r\nafter 1xx"
+    interim = {
+        100: "HTTP/1.1 100 Continue\r\nX-Echo: {key}\r\n\r\n",
+        103: "HTTP/1.1 103 Early Hints\r\nLink: </a>; rel=preload\r\n\r\n",
+    }
+    env.ups.set_script(
+        [{"protocol": "anthropic", "reflect": "raw", "raw": [final], "pause": 0.1}]
+        + [
+            {"protocol": "anthropic", "reflect": "raw", "raw": [h, final], "pause": 0.3}
+            for h in interim.values()
+        ]
+        + [{"protocol": "anthropic", "reply": {"text": "ok again"}}]
+    )
+    # Allowed: a final answer without an interim one.
+    out = _raw_post(env, gw, "/anthropic/v1/messages")
+    assert out.startswith("HTTP/1.1 200") and "after 1xx" in out, out
+    for code in interim:
+        started = time.monotonic()
+        out = _raw_post(env, gw, "/anthropic/v1/messages")
+        assert time.monotonic() - started < 6 and "timed out" not in out, (code, out)
+        assert "after 1xx" not in out and _leaks(out, REAL_KEY) == [], (code, out)
+        line = gw.final()
+        assert line["route"] == "anthropic" and line["allowed"] is False and line["status"] is None, line
+        assert line["reason"] == f"route upstream answered {code} (no interim answer on a route)", line
+    status, out = _post(env, f"{gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)
+    assert status == "200" and "ok again" in out
+    summary = json.loads((gw.log_dir / "summary.json").read_text())
+    assert summary["in_flight"] == 0 and summary["routes"]["anthropic"]["statuses"] == {"200": 2, "denied": 2}
+
+
+def test_a_connect_sent_to_the_route_port_is_refused_and_logged(env: Env) -> None:
+    gw = env.gateway(routes=_routes(env))
+    send = r"""
+import socket, sys
+s = socket.create_connection((sys.argv[1], 8080), timeout=5)
+s.sendall(sys.argv[2].encode())
+out = b""
+try:
+    while d := s.recv(65536):
+        out += d
+except OSError as e:
+    out += f"<{e}>".encode()
+print(out.decode("latin-1"))
+"""
+    # Allowed: an ordinary route request is logged as ever.
+    env.ups.set_script([{"protocol": "anthropic", "reply": {"text": "ok"}}])
+    assert _post(env, f"{gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)[0] == "200"
+    before = len(gw.raw_log())
+    head = "CONNECT model.test:443 HTTP/1.1\r\nHost: model.test:443\r\n\r\n"
+    code, out, err = env.sh(f"python3 -c {shlex.quote(send)} {gw.ip} {shlex.quote(head)}")
+    assert code == 0 and out.startswith("HTTP/1.1 400"), (out, err)
+    deadline = time.monotonic() + 5
+    while len(gw.raw_log()) == before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    new = gw.raw_log()[before:]
+    assert len(new) == 1, new
+    line = new[0]
+    assert line["door"] == "route" and line["method"] == "CONNECT" and line["allowed"] is False, line
+    assert line["status"] == 400 and line["reason"].startswith("CONNECT on the route port"), line

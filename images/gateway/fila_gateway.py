@@ -15,15 +15,20 @@ mitmproxy does all the HTTP and TLS work. This addon decides, per request, wheth
   model-call responses (streams stay streamed) and the job's budget is enforced before forwarding
   (one model call at a time under max_tokens; a model call without readable usage spends the
   budget). The answer never carries the credential back: every form of a route's key the upstream
-  echoes (status line, headers, body, trailers; as is, percent-encoded once or twice, JSON-escaped,
-  HTML character references, hex, base64 with or without line breaks; split across chunks or stream
-  events) is replaced by a marker of the same length before the engine reads it (`Needles`,
-  `StreamScrubber`, `SseScrubber`), a compressed answer is refused (the gateway asks for identity),
-  an answer whose head cannot be parsed becomes the gateway's own 502 (mitmproxy's error page would
-  quote it), a switch of protocols (101) is refused and the connection closed, and each replacement
+  echoes (status line, headers, body, trailers; as is, percent-encoded once or twice, JSON- or
+  `\\xHH`-escaped, HTML character references, hex, base64 with or without line breaks or spaces;
+  split across chunks, stream events, or JSON strings a client joins, in an event stream, a JSON
+  body, JSON lines or a JSON array of chunks) is replaced by a marker of the same length before the
+  engine reads it (`Needles`, `StreamScrubber`, `SseScrubber`), a compressed answer is refused
+  (the gateway asks for identity), an answer whose head cannot be parsed becomes the gateway's own
+  502 (mitmproxy's error page would quote it), an interim or protocol-switching answer (1xx) is
+  refused and the connection closed, and each replacement
   is counted per kind in the call's line and the route's totals. Not recognised: the key in UTF-16
-  or in base32, a key split across two headers (or across a header and the body), a key inside one
-  event past MAX_SSE_LINE split with the events around it. A route name that is not configured is a
+  or in base32, hex with separators, XOR or any encoding a colluding engine and upstream agree on,
+  a gzip body labelled only by its Content-Type (no Content-Encoding), a key split across two
+  headers (or across a header and the body), a key inside one event past MAX_SSE_LINE split with
+  the events around it, a key split across strings the client puts in another order than they
+  came (OpenAI chunks whose `index` values go out of order). A route name that is not configured is a
   denied request, never a route of the totals.
 - The proxy door adds no credential (a tunnel carries the engine's own TLS, a plain request its
   own headers): there is nothing of fila's to scrub in what comes back through it.
@@ -380,8 +385,9 @@ class Meter:
         self.raw_usage: dict[str, Any] = {}
         self._pending = b""
         # Only a route's JSON reply is kept (bounded) to read its usage; proxied bodies are counted.
-        # Usage is read only from a JSON or SSE reply of a model call (the caller's `usage`).
-        self._body: bytearray | None = bytearray() if usage and ctype == "application/json" else None
+        # Usage is read only from a JSON, JSON lines or SSE reply of a model call (the caller's `usage`).
+        kept = usage and ctype in ("application/json", "application/x-ndjson", "application/jsonl")
+        self._body: bytearray | None = bytearray() if kept else None
         self.overflow = False
 
     def __call__(self, chunk: bytes) -> bytes:
@@ -419,8 +425,11 @@ class Meter:
 
     def usage(self) -> dict[str, int] | None:
         if self._body:
-            with contextlib.suppress(ValueError, UnicodeDecodeError):
-                self._add(json.loads(bytes(self._body)))
+            # One JSON document, JSON lines, or a JSON array of chunks (Gemini's streamGenerateContent
+            # without alt=sse): each value in turn, so the last usage report counts.
+            with contextlib.suppress(UnicodeDecodeError):
+                for _, _, value in _json_values(bytes(self._body).decode()):
+                    self._add(value)
             self._body = None
         return normalize_usage(self.raw_usage)
 
@@ -432,6 +441,11 @@ SCRUB_MARKER = b"fila-scrubbed"
 MAX_SSE_HOLD = 1024 * 1024  # bytes of complete SSE events held back for a key spread over several
 
 
+HTML_ZEROS = 8  # leading zeros a character reference may have (`&#00000045;`)
+# What may break a base64 text between two characters: CRLF, CR, LF or a space, as is or JSON-escaped.
+_B64_BREAK = r"(?:\r\n|[\r\n ]|\\r\\n|\\[rn]|\\u0020)"
+
+
 def _hex_class(n: int) -> str:
     """`%2d`, `%2D`: a byte's two hex digits, either case."""
     return "".join(f"[{c.lower()}{c.upper()}]" if c.isalpha() else c for c in f"{n:02x}")
@@ -440,12 +454,13 @@ def _hex_class(n: int) -> str:
 class Needles:
     """Every form of the route credentials a response must not carry to the engine, as one regex:
     each character of a key literal, percent-encoded once or twice (`%2d`, `%252D`, either case),
-    JSON-escaped (`\\u00xx`, `\\/`) or an HTML character reference (`&#45;`, `&#x2d;`), in any
+    JSON-escaped (`\\u00xx`, `\\/`), a JS/Python escape (`\\x2d`, either case) or an HTML
+    character reference (`&#45;`, `&#x2d;`, the `;` optional, up to HTML_ZEROS leading zeros), in any
     mixture; the key's hex (either case); and the key's base64 (standard and urlsafe) at each of the
     three alignments it can have inside a longer encoded text (the whole groups only: the odd bytes
-    at its ends leak at most two characters), line breaks (CRLF or LF, as MIME wraps it, or
-    JSON-escaped) allowed between any two of its characters. Matches are replaced by a marker of
-    the same length, so a response's Content-Length stays true."""
+    at its ends leak at most two characters), a line break (CRLF, LF or CR, as MIME wraps it) or a
+    space, as is or JSON-escaped, allowed between any two of its characters. Matches are replaced by
+    a marker of the same length, so a response's Content-Length stays true."""
 
     def __init__(self, keys: Iterable[str]) -> None:
         keys = sorted({k for k in keys if k}, key=len, reverse=True)
@@ -462,15 +477,18 @@ class Needles:
                     forms += [
                         f"%(?:25)?{_hex_class(n)}",
                         f"\\\\u00{_hex_class(n)}",
-                        f"&#0{{0,3}}{n};",
-                        f"&#[xX]0{{0,3}}{_hex_class(n)};",
+                        f"\\\\x{_hex_class(n)}",
+                        f"&#0{{0,{HTML_ZEROS}}}{n};?",
+                        f"&#[xX]0{{0,{HTML_ZEROS}}}{_hex_class(n)};?",
                     ]
                     if ch in '/"\\':
                         forms.append(re.escape("\\" + ch))
                 parts.append("(?:" + "|".join(forms) + ")")
             alts.append("".join(parts))
             raw = key.encode()
-            longest = max(longest, 9 * len(raw))  # `&#x000hh;`: the longest form of one character
+            longest = max(
+                longest, (6 + HTML_ZEROS) * len(raw)
+            )  # `&#x0..0hh;`: the longest form of one character
             self.hex.add(raw.hex().encode())
             alts.append("".join(_hex_class(b) for b in raw))
             for a in range(3):
@@ -478,9 +496,9 @@ class Needles:
                 if len(whole) >= 6:  # shorter would match ordinary text
                     for enc in (base64.b64encode(whole), base64.urlsafe_b64encode(whole)):
                         self.b64.add(enc)
-                        longest = max(longest, 5 * len(enc))  # a line break (4 escaped) after each character
-        # A line break (CRLF or LF, as is or JSON-escaped) may come between any two characters.
-        brk = r"(?:\r?\n|(?:\\r)?\\n)?"
+                        longest = max(longest, 7 * len(enc))  # a break (6 escaped) after each character
+        # A line break or a space (as is or JSON-escaped) may come between any two characters.
+        brk = _B64_BREAK + "?"
         alts += [brk.join(re.escape(c) for c in b.decode()) for b in sorted(self.b64, key=len, reverse=True)]
         self.empty = not alts
         pattern = "|".join(alts) or "(?!)"
@@ -500,7 +518,7 @@ class Needles:
 
     def kind(self, match: bytes | str) -> str:
         raw = match.encode() if isinstance(match, str) else match
-        if re.sub(rb"\r|\n|\\[rn]", b"", raw) in self.b64:
+        if re.sub(_B64_BREAK.encode(), b"", raw) in self.b64:
             return ":base64"
         if raw.lower() in self.hex:
             return ":hex"
@@ -568,9 +586,10 @@ class SseScrubber:
     """A route's answer, passed on event by event (never the whole body): any content type goes
     through it (an engine may read a stream whatever its Content-Type says), and a body that is no
     event stream is one event, scrubbed as bytes. Each complete event is scrubbed as bytes. An
-    engine also joins the same field of successive events (text deltas, tool argument pieces): per
-    field (its JSON path), the text so far is searched too, so a key spread over several events is
-    found, and its characters in events not yet sent are replaced. An event whose field ends with
+    engine also joins strings of successive events (text deltas, tool argument pieces, a content
+    block's start and its deltas, a candidate's parts): per field (its JSON path), per field name,
+    and over all strings in order, the text so far is searched too, so a key spread over several
+    strings is found, and its characters in events not yet sent are replaced. An event whose field ends with
     SPLIT_MIN or more characters of the start of a form of a key is held back until the next events
     show whether the key goes on (at the end of the stream it is sent): what may reach the engine
     before the rest of a split key is found is fewer than SPLIT_MIN of its first characters. An
@@ -585,7 +604,7 @@ class SseScrubber:
         self.counts = counts
         self.raw = b""
         self.held: list[_SseEvent] = []
-        self.sent: dict[tuple[Any, ...], str] = {}  # per field: the end of what was passed on
+        self.sent: dict[tuple[Any, ...], str] = {}  # per running text: the end of what was passed on
         self.oversized: StreamScrubber | None = None  # the byte filter of an event past MAX_SSE_LINE
         self._tail = b""  # the last bytes of the oversized event so far
 
@@ -640,30 +659,35 @@ class SseScrubber:
         return out
 
     def _scan(self) -> bool:
-        """Replace the keys found per field across events; True when the held events must wait."""
+        """Replace the keys found in the running texts across events; True when the held events
+        must wait. Three kinds of running text, searched in turn (what one finds is gone from the
+        next): each field by its JSON path, each field name wherever it is (`content_block.text`
+        then `delta.text`, `parts[0].text` then `parts[1].text`), and all string values in order."""
         if self.needles.empty or not self.held:
             return False
-        fields: dict[tuple[Any, ...], list[tuple[int, _SseEvent, int]]] = {}
-        texts: dict[tuple[Any, ...], list[str]] = {}
-        for ev in self.held:
-            for i, (path, s) in enumerate(ev.strings):
-                parts = texts.setdefault(path, [self.sent.get(path, "")])
-                fields.setdefault(path, []).append((sum(map(len, parts)), ev, i))
-                parts.append(s)
         wait = False
-        for path, parts in texts.items():
-            text = "".join(parts)
-            for m in self.needles.rx_text.finditer(text):
-                kind = "body:split" + self.needles.kind(m[0])
-                self.counts[kind] = self.counts.get(kind, 0) + 1
-                for off, ev, i in fields[path]:
-                    p, piece = ev.strings[i]
-                    lo, hi = max(m.start(), off), min(m.end(), off + len(piece))
-                    if lo < hi:
-                        ev.strings[i] = (p, piece[: lo - off] + "*" * (hi - lo) + piece[hi - off :])
-                        ev.changed = True
-                text = text[: m.start()] + "*" * len(m[0]) + text[m.end() :]
-            wait = wait or self.needles.starts_in(text[-self.needles.longest :], self.SPLIT_MIN)
+        for group in (lambda p: ("path", p), _name_of, lambda p: ("all",)):
+            fields: dict[Any, list[tuple[int, _SseEvent, int]]] = {}
+            texts: dict[Any, list[str]] = {}
+            for ev in self.held:
+                for i, (path, s) in enumerate(ev.strings):
+                    key = group(path)
+                    parts = texts.setdefault(key, [self.sent.get(key, "")])
+                    fields.setdefault(key, []).append((sum(map(len, parts)), ev, i))
+                    parts.append(s)
+            for key, parts in texts.items():
+                text = "".join(parts)
+                for m in self.needles.rx_text.finditer(text):
+                    kind = "body:split" + self.needles.kind(m[0])
+                    self.counts[kind] = self.counts.get(kind, 0) + 1
+                    for off, ev, i in fields[key]:
+                        p, piece = ev.strings[i]
+                        lo, hi = max(m.start(), off), min(m.end(), off + len(piece))
+                        if lo < hi:
+                            ev.strings[i] = (p, piece[: lo - off] + "*" * (hi - lo) + piece[hi - off :])
+                            ev.changed = True
+                    text = text[: m.start()] + "*" * len(m[0]) + text[m.end() :]
+                wait = wait or self.needles.starts_in(text[-self.needles.longest :], self.SPLIT_MIN)
         return wait
 
     def _emit(self, go: bool) -> bytes:
@@ -672,14 +696,18 @@ class SseScrubber:
         out = []
         for ev in self.held:
             for path, s in ev.strings:
-                self.sent[path] = (self.sent.get(path, "") + s)[-self.needles.longest :]
+                for key in (("path", path), _name_of(path), ("all",)):
+                    self.sent[key] = (self.sent.get(key, "") + s)[-self.needles.longest :]
             out.append(ev.bytes())
         self.held = []
         return b"".join(out)
 
 
 class _SseEvent:
-    """One event's bytes and the string values of its data (JSON), each with its path."""
+    """One event's bytes and the string values of its data (JSON), each with its path. A body that
+    is no event stream (no `data:` line) is read as JSON values one after another: a whole JSON
+    document, JSON lines (NDJSON), or the elements of a JSON array (Gemini's streamGenerateContent
+    without alt=sse), so that its strings join the same running texts."""
 
     def __init__(self, raw: bytes) -> None:
         self.raw = raw
@@ -687,8 +715,14 @@ class _SseEvent:
         self.obj: Any = None
         self.json = False
         self.strings: list[tuple[tuple[Any, ...], str]] = []
+        self.values: list[tuple[int, int, Any, int]] | None = None  # (start, end, value, strings)
         data = [ln[5:].removeprefix(b" ") for ln in re.split(rb"\r\n|\n|\r", raw) if ln.startswith(b"data:")]
         if not data:
+            self.values = []
+            for start, end, value in _json_values(raw.decode("utf-8", "surrogateescape")):
+                n = len(self.strings)
+                _strings_of(value, (), self.strings)
+                self.values.append((start, end, value, len(self.strings) - n))
             return
         text = b"\n".join(data).decode("utf-8", "surrogateescape")
         try:
@@ -704,6 +738,8 @@ class _SseEvent:
         out longer, an empty string as the data."""
         if not self.changed:
             return self.raw
+        if self.values is not None:
+            return self._rebuild_values()
         obj = _with_strings(self.obj, iter(s for _, s in self.strings))
         data = json.dumps(obj, ensure_ascii=False, separators=(",", ":")) if self.json else obj
         out = self._build(data, 0)
@@ -711,6 +747,27 @@ class _SseEvent:
             data = '""' if self.json else ""
             out = self._build(data, 0)
         return self._build(data, max(0, len(self.raw) - len(out)))
+
+    def _rebuild_values(self) -> bytes:
+        """The body with each JSON value that holds a replaced string written anew, padded with
+        spaces to its length (or an empty string, padded, should it come out longer)."""
+        assert self.values is not None
+        text = self.raw.decode("utf-8", "surrogateescape")
+        out, at, first = [], 0, 0
+        for start, end, value, n in self.values:
+            mine = [s for _, s in self.strings[first : first + n]]
+            first += n
+            if mine == [s for _, s in _strings_list(value)]:
+                continue
+            new = json.dumps(_with_strings(value, iter(mine)), ensure_ascii=False, separators=(",", ":"))
+            size = len(text[start:end].encode("utf-8", "surrogateescape"))
+            if len(new.encode("utf-8", "surrogateescape")) > size:
+                new = '""'
+            new += " " * (size - len(new.encode("utf-8", "surrogateescape")))
+            out += [text[at:start], new]
+            at = end
+        out.append(text[at:])
+        return "".join(out).encode("utf-8", "surrogateescape")
 
     def _build(self, data: str, pad: int) -> bytes:
         out, placed = [], False
@@ -736,6 +793,37 @@ def _strings_of(obj: Any, path: tuple[Any, ...], out: list[tuple[tuple[Any, ...]
     elif isinstance(obj, list):
         for i, v in enumerate(obj):
             _strings_of(v, (*path, i), out)
+
+
+_JSON = json.JSONDecoder()
+_BETWEEN_VALUES = re.compile(r"[\s\[\],]*")  # what separates JSON lines or a JSON array's elements
+
+
+def _json_values(text: str) -> Iterator[tuple[int, int, Any]]:
+    """(start, end, value) of the JSON values in `text` one after another, the elements of an
+    array one by one; reading stops at the first thing that is not JSON."""
+    at = 0
+    while True:
+        at = _BETWEEN_VALUES.match(text, at).end()  # type: ignore[union-attr]
+        if at >= len(text):
+            return
+        try:
+            value, end = _JSON.raw_decode(text, at)
+        except (ValueError, RecursionError):
+            return
+        yield at, end, value
+        at = end
+
+
+def _strings_list(obj: Any) -> list[tuple[tuple[Any, ...], str]]:
+    out: list[tuple[tuple[Any, ...], str]] = []
+    _strings_of(obj, (), out)
+    return out
+
+
+def _name_of(path: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The running text a field joins by its name: the last object key on its path."""
+    return ("name", next((p for p in reversed(path) if isinstance(p, str)), None))
 
 
 def _with_strings(obj: Any, it: Iterator[str]) -> Any:
@@ -1593,11 +1681,14 @@ class Gateway:
             return
         resp = flow.response
         route = flow.metadata.get("fila_door") == "route"
-        if route and resp.status_code < 200 and resp.status_code not in (100, 103):
+        if route and resp.status_code < 200:
             # 101 Switching Protocols would make the connection a raw pipe that no scrubber and no
-            # meter sees: the answer is not sent, the engine's connection is closed.
+            # meter sees. Any other 1xx (100 Continue, 103 Early Hints) mitmproxy takes for the
+            # final answer and drops the one after it, so the engine would wait forever. Either
+            # way the answer is not sent and the engine's connection is closed.
             flow.kill()
-            reason = f"route upstream answered {resp.status_code} (no protocol switch on a route)"
+            what = "no protocol switch" if resp.status_code == 101 else "no interim answer"
+            reason = f"route upstream answered {resp.status_code} ({what} on a route)"
             return self.record(flow, allowed=False, reason=reason, status=None)
         meter = Meter(resp.headers.get("content-type", ""), usage=route and m_ok(flow))
         flow.metadata["fila_meter"] = meter
@@ -1651,7 +1742,17 @@ class Gateway:
         self.record(flow, allowed=True, reason=reason, status=resp.status_code)
 
     def error(self, flow: http.HTTPFlow) -> None:
-        if flow.metadata.get("fila_logged") or flow.request.method == "CONNECT":
+        if flow.metadata.get("fila_logged"):
+            return
+        if flow.request.method == "CONNECT":
+            if isinstance(flow.client_conn.proxy_mode, ReverseMode):
+                # mitmproxy refuses a CONNECT on the route port before any hook sees it: no
+                # tunnel will log it, so this is its line.
+                flow.metadata.update(fila_door="route", fila_path=_escaped(flow.request.path))
+                msg = flow.error.msg if flow.error else "error"
+                return self.record(
+                    flow, allowed=False, reason=f"CONNECT on the route port: {msg}"[:LOG_FIELD], status=400
+                )
             return  # a tunnel is logged when it ends (tcp_end / tcp_error)
         msg = flow.error.msg if flow.error else "error"
         if flow.request.timestamp_end is None:

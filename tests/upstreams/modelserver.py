@@ -29,6 +29,7 @@ import gzip
 import hashlib
 import json
 import os
+import re
 import socketserver
 import ssl
 import threading
@@ -153,6 +154,10 @@ class Script:
 def _usage(step: dict[str, Any]) -> tuple[int, int]:
     u = {**DEFAULT_USAGE, **(step.get("usage") or {})}
     return int(u["input_tokens"]), int(u["output_tokens"])
+
+
+def _b64(s: str) -> str:
+    return base64.b64encode(s.encode()).decode()
 
 
 def _halves(s: str) -> list[str]:
@@ -687,8 +692,11 @@ class Handler(BaseHTTPRequestHandler):
                 time.sleep(0.002)
             self._end_stream()
         elif form == "raw":  # bytes as the step gives them (an unparseable head, a 101), then close
+            key = " ".join(secrets)  # {key1} and {key2}: its two halves, for a key split in two
+            halves = {"{key}": key, "{key1}": key[: len(key) // 2], "{key2}": key[len(key) // 2 :]}
             for piece in step.get("raw") or []:
-                self.wfile.write(str(piece).replace("{key}", " ".join(secrets)).encode("latin-1"))
+                piece = re.sub(r"\{key[12]?\}", lambda m: halves[m[0]], str(piece))
+                self.wfile.write(piece.encode("latin-1"))
                 self.wfile.flush()
                 time.sleep(float(step.get("pause", 0.2)))
         elif form == "sse":  # an Anthropic stream whose text is the key, split across events
@@ -736,6 +744,14 @@ class Handler(BaseHTTPRequestHandler):
                                            "".join(f"\\u{ord(c):04X}" for c in v)],
                 "hex": lambda v: [v.encode().hex(), v.encode().hex().upper()],
                 "html": lambda v: ["".join(f"&#{ord(c)};" for c in v), "".join(f"&#x{ord(c):x};" for c in v)],
+                # without the `;` a browser does without, and with many leading zeros
+                "html-loose": lambda v: ["".join(f"&#{ord(c)}" for c in v),
+                                         "".join(f"&#x0000000{ord(c):x};" for c in v)],
+                "js-hex": lambda v: ["".join(f"\\x{ord(c):02x}" for c in v),
+                                     "".join(f"\\x{ord(c):02X}" for c in v)],
+                # broken by spaces, and by lone CRs
+                "base64-spaced": lambda v: [" ".join(re.findall(".{1,4}", _b64(v))),
+                                            "\r".join(re.findall(".{1,8}", _b64(v)))],
                 "percent-twice": lambda v: ["".join(f"%25{ord(c):02X}" for c in v)],
                 # MIME-wrapped (76 columns, CRLF), and with a JSON-escaped line break inside
                 "base64-lines": lambda v: [base64.encodebytes(("x" * 50 + v).encode()).decode()
