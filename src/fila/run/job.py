@@ -263,20 +263,20 @@ def _routes_checked(root: Root, task: Task, policy: Policy) -> Policy:
     return egress.only_routes(policy, used)
 
 
-def local_tags(backend: Backend, image: str) -> list[str]:
-    """The local tags of an image (by id or name), for the policy's image patterns; none when it
-    is not built."""
-    return backend.tags(image)
+def root_tags(root: Root) -> Callable[[str], list[str]]:
+    """The local tags of an image (by id or name), for the policy's image patterns, as the queue
+    root's own backend (its fila/config.json, or FILA_BACKEND) has them; none when not built."""
 
+    def tags_of(image: str) -> list[str]:
+        from ..sandbox import get_backend, root_backend
 
-def docker_tags(image: str) -> list[str]:
-    from ..sandbox import get_backend
+        backend = get_backend(root_backend(root))
+        try:
+            return backend.tags(image)
+        finally:
+            backend.close()
 
-    backend = get_backend()
-    try:
-        return backend.tags(image)
-    finally:
-        backend.close()
+    return tags_of
 
 
 def submit(root: Root, task: Task) -> Record:
@@ -284,7 +284,7 @@ def submit(root: Root, task: Task) -> Record:
     # Through the reader a claim uses: a task built from options (a NUL in --prompt) is refused
     # here, not queued and then refused at claim.
     task = parse_task_bytes(queue.task_json(task).encode(), source="the submitted task")
-    check_task(root, task, tags_of=docker_tags)
+    check_task(root, task, tags_of=root_tags(root))
     return queue.enqueue(root, task.id or queue.new_task_id(), task)
 
 
