@@ -1,4 +1,6 @@
-"""Audit 11 (hostile input to fila itself): each finding's attack refused, its allowed twin kept."""
+"""Hostile or broken input to fila itself (a swapped directory, a path past the kernel's limits, an
+unreadable tree, a bad deny rule, a missing image): each attack refused or confined to its own task,
+its allowed twin kept, and the next task runs."""
 
 from __future__ import annotations
 
@@ -155,7 +157,7 @@ def as_user(request: pytest.FixtureRequest, shell_image: object) -> Iterator[Any
 
     from .test_unprivileged import Fila, ordinary_user
 
-    base = Path(tempfile.mkdtemp(prefix="fila-audit11-"))
+    base = Path(tempfile.mkdtemp(prefix="fila-long-path-"))
     try:
         with ordinary_user() as user:
             pw = pwd.getpwnam(user)

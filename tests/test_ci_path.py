@@ -1,4 +1,4 @@
-"""The CI path (issue 13): `fila submit ... --run`, one process from nothing to a reviewed diff,
+"""The CI path: `fila submit ... --run`, one process from nothing to a reviewed diff,
 keeps every guarantee of `submit` + `run --once` (the claim by rename, durable records, recovery
 of what a crash left, the breaker), and both forms say where the time went (`timings`).
 

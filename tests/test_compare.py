@@ -1,4 +1,4 @@
-"""Engine groups and `fila compare` (issue 9, points 5-6): `fila submit --engine A --engine B ...`
+"""Engine groups and `fila compare`: `fila submit --engine A --engine B ...`
 makes one task per engine in a group on the same input; `fila compare GROUP` (text, --json, --html)
 shows them side by side with the task's check; `fila apply` of one marks the others superseded.
 A task may pin its image by tag or by image id; the policy's patterns allow or refuse it, and the

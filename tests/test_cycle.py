@@ -231,7 +231,7 @@ def test_a_pinned_image_that_is_not_built_fails_its_task_with_a_build_hint(proj:
     (proj / "t.json").write_text(json.dumps(task))
     assert fila(proj, "submit", str(proj / "t.json")).exit_code == 0
     res = fila(proj, "run", "--once")
-    # A pinned image no retry can make appear is the task's own failure (audit 11): recorded,
+    # A pinned image no retry can make appear is the task's own failure: recorded,
     # not requeued, and the run is not stopped (exit 2: a task was invalid, Docker is fine).
     assert res.exit_code == 2, res.output
     rec = record(proj, "noimg")

@@ -206,7 +206,7 @@ def test_sigkill_during_a_hand_back_loses_nothing(
 ) -> None:
     # The job directory held by another process (a stalled worker): an infra error before the
     # container starts, so the worker hands the task back, and dies half-way through. (A pinned
-    # image nobody built no longer does: that is the task's own failure since audit 11.)
+    # image nobody built does not: that is the task's own failure.)
     fila(
         proj,
         "submit",

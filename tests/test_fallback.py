@@ -1,4 +1,4 @@
-"""Quota fallback (issue 9, point 4): on `quota` the next engine runs on a fresh work/, every
+"""Quota fallback: on `quota` the next engine runs on a fresh work/, every
 attempt is in the record; the job's egress budget, `auth` and `engine_error` never fall back. Bad
 input (an unknown fallback engine, one the policy's images or routes do not allow) is refused at
 submit, exit 2, naming the field.

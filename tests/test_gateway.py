@@ -937,9 +937,9 @@ def test_a_bad_config_or_missing_secret_stops_the_gateway_before_it_listens(env:
     assert "allow[0].host" in c.logs().decode(errors="replace") and "is not a DNS name" in c.logs().decode()
 
 
-# ---------------------------------------------------------------- audit 8 findings
+# ---------------------------------------------------------------- relays and bypasses
 
-# A relay inside the engine (audit 8, finding 1): CONNECT through the gateway, then pass the
+# A relay inside the engine: CONNECT through the gateway, then pass the
 # client's TLS on with its first bytes altered ("v4": record version 03 04; "empty": an empty
 # handshake record first; "none": untouched).
 RELAY = r"""

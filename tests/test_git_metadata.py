@@ -112,7 +112,7 @@ def test_directories_named_objects_refs_or_head_alone_are_not_flagged(proj: Path
     assert (proj / "objects" / "ab" / "x").read_text() == "a\n" and (proj / "docs" / "HEAD").is_file()
 
 
-# Other layouts git's is_git_directory accepts (audit 11): objects/refs as symlinks or executable
+# Other layouts git's is_git_directory accepts: objects/refs as symlinks or executable
 # files (access(X_OK) passes), a commondir that points them elsewhere, a HEAD beside a config.
 HEAD = "mkdir -p x && echo 'ref: refs/heads/main' > x/HEAD && sed -i s/hello/world/ greeting.txt && "
 LAYOUTS = {

@@ -1,4 +1,4 @@
-"""Hostile input at fila's intake (issue 11, points 1 and 2): whatever lands in fila/in/ (any
+"""Hostile input at fila's intake: whatever lands in fila/in/ (any
 bytes, any JSON, a FIFO, a socket, a device, a directory, a symlink to anything, a name with
 control characters), whatever `fila submit` reads, whatever a policy file holds, ends as a record
 `failed`/`invalid` or a file in fila/rejected/ with a reason, never a hang, a traceback, a claim
@@ -620,7 +620,7 @@ def docker_refused_tasks(root: Root) -> dict[str, str]:
     (root.path / "limits.json").write_text(json.dumps(task))
     fila(root, "submit", str(root.path / "limits.json"), check=True)
     # an image reference Docker cannot parse that the policy's glob allows: fila checks Docker's
-    # reference grammar itself now (audit 11), so it is refused at submit, never sent
+    # reference grammar itself, so it is refused at submit, never sent
     task = {
         "id": "badref",
         "engine": "shell",

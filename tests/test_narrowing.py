@@ -1,4 +1,4 @@
-"""Narrowing only narrows (issue 11, point 3): no limit a task or a policy sets reaches Docker as
+"""Narrowing only narrows: no limit a task or a policy sets reaches Docker as
 0, "unlimited", "default" or above the policy. Generated task and policy files are either refused
 as input (InvalidTaskFile / InvalidPolicy, exit 2) or give container limits that are all > 0 and
 within the policy; one real container shows the cgroup a narrowing produces."""

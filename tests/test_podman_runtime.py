@@ -1,4 +1,4 @@
-"""Podman's runtime directory is the user's alone (audit-s2-sec F1): fila uses its own 0700 runtime
+"""Podman's runtime directory is the user's alone: fila uses its own 0700 runtime
 directory, socket and pause.pid, and refuses one another uid owns or may write into; it never writes
 through a link there; the overlay scratch it removes is checked against its own job layout.
 

@@ -1,4 +1,4 @@
-"""Where a task may point (issue 11, point 4): the directories a task may name as its project are
+"""Where a task may point: the directories a task may name as its project are
 the queue root and the policy's `projects` (the operator's file), compared as real paths; anything
 else is refused at submit and at claim, and show, review and apply name the project."""
 

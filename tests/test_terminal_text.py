@@ -1,4 +1,4 @@
-"""Text to a terminal (issue 11, point 5): whatever fila prints that came from a task, a file name
+"""Text to a terminal: whatever fila prints that came from a task, a file name
 in fila/in, a decision (--reason, --by, $FILA_USER) or a policy is shown escaped, bidi controls
 included; ids never hold a control character. Checked on the bytes each command writes."""
 

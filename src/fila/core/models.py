@@ -51,7 +51,7 @@ def now_iso() -> str:
 
 Size = Annotated[str, Field(pattern=SIZE_PATTERN, description="bytes, or a number with k, m or g")]
 
-# Floors and ceilings of every resource a policy grants or a task narrows (issue 11, point 3).
+# Floors and ceilings of every resource a policy grants or a task narrows.
 # Docker reads 0 (and an empty value) as "no limit" or "the daemon's default" for memory, cpus,
 # pids and tmpfs sizes, and an overflowing size wraps; so no value below a floor that still runs
 # something, or above a ceiling that fits every kernel interface, is ever accepted. A task's
@@ -96,7 +96,7 @@ Cpus = Annotated[float, Field(strict=True, ge=MIN_CPUS, le=MAX_CPUS, allow_inf_n
 Pids = Annotated[int, Field(strict=True, ge=MIN_PIDS, le=MAX_PIDS)]
 Millis = Annotated[int, Field(strict=True, gt=0, le=MAX_TIMEOUT_MS)]
 # A task's own timeout: below a second no engine even starts, so a shorter one only makes a
-# failure on purpose (audit 11: 1 ms tasks were used to trip the breaker).
+# failure on purpose (1 ms tasks would trip the breaker).
 MIN_TASK_TIMEOUT_MS = 1000
 TaskMillis = Annotated[int, Field(strict=True, ge=MIN_TASK_TIMEOUT_MS, le=MAX_TIMEOUT_MS)]
 Count = Annotated[int, Field(strict=True, gt=0, le=MAX_COUNT)]

@@ -126,7 +126,7 @@ class Review:
     patch: patch.Patch | None = None
     parse_error: str | None = None
     warnings: list[str] = field(default_factory=list)
-    project: str = ""  # where apply writes: shown first, escaped (issue 11)
+    project: str = ""  # where apply writes: shown first, escaped
 
 
 def project_path(root: Root, rec: Record) -> str:

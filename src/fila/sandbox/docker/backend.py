@@ -110,7 +110,7 @@ def _effective(policy: Policy, limits: Limits | None) -> tuple[int, float, int]:
 
 def _check_limits(kw: dict[str, Any], policy: Policy) -> None:
     """The last look at what reaches Docker: every limit > 0 (0 and -1 read as "unlimited") and
-    within the policy, whatever the models let through. A policy is input too (issue 11)."""
+    within the policy, whatever the models let through. A policy is input too."""
     from ...core.models import MIN_CPUS, MIN_MEMORY, MIN_PIDS, MIN_SIZE
 
     mem = parse_size(policy.memory)
