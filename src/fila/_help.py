@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli.py's sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "05e2f765e22b05ace0d9c24af273c3a924a80e480621575a883726b547432273"
+CLI_SHA256 = "f85b509d0c9092cad7bcb655ece0cceaed84d378afd3e16033d1378128fa6bd9"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 

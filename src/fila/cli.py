@@ -896,8 +896,12 @@ def doctor(
 
 
 @app.command()
-def schema(kind: Annotated[str, typer.Argument(help="task, policy or record")]) -> None:
-    """Print the JSON Schema of a file format (the one fila validates against)."""
+def schema(
+    kind: Annotated[str, typer.Argument(help="task, policy or record")],
+    root: RootOpt = None,
+) -> None:
+    """Print the JSON Schema of a file format (the one fila validates against). The formats are
+    fila's, not a queue root's: --root is accepted, like every command's, and changes nothing."""
     from .core.errors import InvalidInput
     from .core.models import schema_for
 
