@@ -566,6 +566,9 @@ def test_the_real_cli_edits_through_the_gateway_with_a_key_it_never_holds(
         for where, text in {"log": rec["_log"], "job": job_files, "record": record_text}.items()
         if secret in text
     ] == []
+    # Nothing but the model calls left the engine: no fetch of its own housekeeping was denied.
+    denied = [(r["host"], r["reason"]) for r in rec["egress"]["requests"] if not r["allowed"]]
+    assert denied == [], denied
     # The gateway measured the script's usage; the CLI reported the same (where it reports usage).
     route = rec["egress"]["routes"][spec.route]
     inp = sum(st["usage"]["input_tokens"] for st in script)

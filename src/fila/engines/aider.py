@@ -82,7 +82,15 @@ class AiderEngine(Engine):
         args += ["--no-pretty", "--no-fancy-input", "--no-check-update", "--analytics-disable"]
         args += ["--no-show-model-warnings", "--no-show-release-notes"]
         args += ["--chat-history-file", "/dev/null", "--input-history-file", "/dev/null"]
-        setup = f'printf %s "$FILA_AIDER_MODELS" > {HOME}/fila-models.json'
+        # aider fetches litellm's price list from GitHub when its 24 h cache is missing (every run:
+        # HOME is a fresh tmpfs); the copy litellm ships, put where aider caches it, stops the
+        # fetch (a denied request in every record, and up to 5 s of start-up).
+        cache = f"{HOME}/.aider/caches"
+        setup = (
+            f'printf %s "$FILA_AIDER_MODELS" > {HOME}/fila-models.json && mkdir -p {cache} && '
+            f"cp /opt/aider/lib/python3*/site-packages/litellm/model_prices_and_context_window_backup.json "
+            f"{cache}/model_prices_and_context_window.json"
+        )
         # The files of work/ go to aider (it edits only files it is given); -x: one aider run or none.
         run = (
             'find . -type f ! -path "./.*" -print0 | '

@@ -80,7 +80,15 @@ class OpencodeEngine(Engine):
         args = ["--format", "json", "--model", f"{PROVIDER}/{model}"]
         # opencode takes the message as arguments only: TASK.md is read in the container and
         # passed as one argument (after "$@", never spliced into the script).
-        script = f'cd {JOB_MOUNT}/work || exit 97; exec opencode run "$@" -- "$(cat {JOB_MOUNT}/TASK.md)"'
+        # opencode installs @opencode-ai/plugin from npm into every writable config directory at
+        # start (HOME is a fresh tmpfs, so every run: a denied request to registry.npmjs.org and
+        # its wait); its config comes from OPENCODE_CONFIG_CONTENT, so the directory is made
+        # read-only, which opencode takes as "nothing to install".
+        conf = f"{HOME}/.config/opencode"
+        script = (
+            f"mkdir -p {conf} && chmod 555 {conf} && cd {JOB_MOUNT}/work || exit 97; "
+            f'exec opencode run "$@" -- "$(cat {JOB_MOUNT}/TASK.md)"'
+        )
         env = self.base_env() | {
             "OPENCODE_CONFIG_CONTENT": config_content(model, policy),
             "OPENCODE_DISABLE_AUTOUPDATE": "1",
