@@ -31,7 +31,7 @@ def submit_noops(root: Path, project: Path, n: int, *, command: str = "true") ->
 
 
 def allow_project(r: Any, project: Path) -> None:
-    """The root's `default` policy names the bench project in `projects` (issue 11: a task may
+    """The root's `default` policy names the bench project in `projects` (a task may
     point only at the queue root or an operator-listed directory)."""
     import json
 

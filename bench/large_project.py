@@ -1,4 +1,4 @@
-"""Case: large projects (issue 12). Source-sized files (1-4 KB, no binaries) at 10,000 and 50,000
+"""Case: large projects. Source-sized files (1-4 KB, no binaries) at 10,000 and 50,000
 files; fila's prepare + diff on the overlay strategy against the floor's `cp -a` twice and
 `git diff --no-index --binary`, run side by side (alternating), with the peak RSS of fila.
 

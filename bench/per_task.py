@@ -30,7 +30,7 @@ from bench.filaside import Failures, ensure_image, init_root, submit_noops
 from bench.floor import FloorSpec, floor_task, new_job
 from bench.projects import make_project
 
-TARGET = 1.0  # issue 12: not copying twice should beat a loop that does (was 1.25)
+TARGET = 1.0  # not copying twice should beat a loop that does
 
 
 def per_task(ctx: Ctx, *, tasks: int = 10, files: int = 100, backend: str = "docker") -> list[Row]:
