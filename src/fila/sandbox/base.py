@@ -187,13 +187,15 @@ class Backend(ABC):
     def ping(self) -> None:
         """Raise EngineUnavailable (the engine does not answer) with what to do next."""
 
-    @abstractmethod
     def image(self, tag: str) -> ImageRef | None:
-        """The image by tag, or None when it is not there."""
+        """The image by tag, or None when it is not there (from `image_info`)."""
+        info = self.image_info(tag)
+        return ImageRef(tag=tag, id=info.id) if info is not None else None
 
-    @abstractmethod
     def tags(self, image: str) -> list[str]:
         """The local tags of an image (by id or name); [] when it is not there."""
+        info = self.image_info(image)
+        return list(info.tags) if info is not None else []
 
     @abstractmethod
     def unenforceable(self, policy: Policy) -> list[str]:

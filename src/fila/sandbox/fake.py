@@ -387,14 +387,6 @@ class FakeBackend(Backend):
                 return ImageInfo(id=image_id, labels={}, tags=same)
         return None
 
-    def image(self, tag: str) -> ImageRef | None:
-        info = self.image_info(tag)
-        return ImageRef(tag=tag, id=info.id) if info is not None else None
-
-    def tags(self, image: str) -> list[str]:
-        info = self.image_info(image)
-        return list(info.tags) if info is not None else []
-
     def build(
         self,
         engine: str,

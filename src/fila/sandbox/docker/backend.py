@@ -1004,14 +1004,6 @@ class DockerBackend(Backend):
         result.backend, result.waived = self.name, waived
         return result
 
-    def image(self, tag: str) -> ImageRef | None:
-        info = self.image_info(tag)
-        return ImageRef(tag=tag, id=info.id) if info is not None else None
-
-    def tags(self, image: str) -> list[str]:
-        info = self.image_info(image)
-        return list(info.tags) if info is not None else []
-
     def build(
         self,
         engine: str,
