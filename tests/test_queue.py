@@ -205,25 +205,27 @@ def test_a_job_waits_out_a_passing_holder_of_its_lock_and_not_a_stalled_one(root
     from fila.core.errors import InfraError
     from fila.queue import lease
 
-    def hold(seconds: float, taken: threading.Event) -> None:
+    def hold(seconds: float, taken: threading.Event, letting_go: threading.Event) -> None:
         with lease.try_job_lock(root, "t1") as held:
             assert held
             taken.set()
             time.sleep(seconds)
+            letting_go.set()  # still held here: whoever gets the lock gets it after this
 
     # Allowed: a recovery pass holds the lock for a moment; the job gets it once it is free.
-    taken = threading.Event()
-    passing = threading.Thread(target=hold, args=(0.5, taken))
+    taken, letting_go = threading.Event(), threading.Event()
+    passing = threading.Thread(target=hold, args=(0.5, taken, letting_go))
     passing.start()
-    taken.wait(5)
+    assert taken.wait(5)
     with lease.job_lock(root, "t1", wait_s=10):
-        assert not passing.is_alive(), "the lock came only after the holder let go"
+        assert letting_go.is_set(), "the lock came only after the holder let go"
     passing.join()
     # A holder that stays past the wait is a stalled worker: the job is refused, as infra.
-    taken = threading.Event()
-    stalled = threading.Thread(target=hold, args=(2.0, taken))
+    taken, letting_go = threading.Event(), threading.Event()
+    stalled = threading.Thread(target=hold, args=(2.0, taken, letting_go))
     stalled.start()
-    taken.wait(5)
+    assert taken.wait(5)
     with pytest.raises(InfraError, match="still in use"), lease.job_lock(root, "t1", wait_s=0.3):
         pass
+    assert not letting_go.is_set(), "refused while the holder still held it"
     stalled.join()
