@@ -24,6 +24,7 @@ from pathlib import Path
 
 from bench.common import Ctx, Row, alternate, median, paired_ratio
 from fila.sandbox.docker.backend import DockerBackend
+from fila.workspace.strategy import CopyWorkspace
 
 KEY_VAR = "FILA_BENCH_EGRESS_KEY"
 
@@ -38,7 +39,7 @@ def _spec(tmp: Path, policy: object, tag: str) -> object:
     (job_dir / "TASK.md").write_text("no-op\n")
     return RunSpec(
         job_id=job_id,
-        job_dir=job_dir,
+        workspace=CopyWorkspace(job_dir),
         image="fila/shell:latest",
         argv=["/bin/sh", "-c", "true"],
         env={"PATH": "/usr/bin:/bin"},

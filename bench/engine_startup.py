@@ -73,22 +73,22 @@ class EngineStartup:
     """One engine's two sides, sharing the upstreams, a fila root and a bare job directory."""
 
     def __init__(self, engine: str, ups: Any, client: Any, tmp: Path) -> None:
-        from tests.helpers import make_root
-        from tests.test_engines import E2E_ENGINES, KEY_VAR, _engine_policy, _script
+        from tests.support.engines import E2E_ENGINES, KEY_VAR, engine_policy, model_script
+        from tests.support.project import make_root
 
         from fila.core.models import Policy, Task
         from fila.engines import get_engine
 
         self.engine, self.ups, self.client = engine, ups, client
         self.spec = E2E_ENGINES[engine]
-        self.script = _script(self.spec)
+        self.script = model_script(self.spec)
         self.key_var = KEY_VAR
         self.secret = f"sk-bench-{uuid.uuid4().hex}"
         self.root = tmp / f"{engine}-root"
         self.root.mkdir()
         make_root(self.root)
         (self.root / "a.txt").write_text("hello\n")
-        _engine_policy(self.root, ups, engine, self.spec.route)
+        engine_policy(self.root, ups, engine, self.spec.route)
         policy = Policy.model_validate_json((self.root / "policies" / f"{engine}.json").read_text())
         task = Task(engine=engine, prompt=PROMPT, model=self.spec.model, targets=["a.txt"])
         self.eng = get_engine(engine)

@@ -125,6 +125,7 @@ class FloorSpec:
         from fila.engines import get_engine
         from fila.queue.policy import load_policy, narrow
         from fila.sandbox.docker.backend import RunSpec, create_kwargs
+        from fila.workspace.strategy import CopyWorkspace
 
         root = Root.at(self.root)
         task = Task(engine="shell", command=self.command, targets=["."])
@@ -135,7 +136,7 @@ class FloorSpec:
         creds, _secrets = engine.credentials()
         spec = RunSpec(
             job_id=job_dir.name,
-            job_dir=job_dir,
+            workspace=CopyWorkspace(job_dir),
             image=self.image,
             argv=inv.argv,
             env={**inv.env, **creds},

@@ -175,7 +175,7 @@ policy_bytes = st.one_of(
 
 def scratch_root(path: Path) -> Any:
     """A real queue root with a project file, as `fila init` makes it."""
-    from tests.helpers import make_root
+    from tests.support.project import make_root
 
     root = make_root(path)
     (path / "greeting.txt").write_text("hello\n")

@@ -188,7 +188,7 @@ def _engine_change(overlay: object, files_json: str) -> None:
     ns = ["unshare", "-m"] if os.getuid() == 0 else ["unshare", "-Urm"]
     script = f'mount -t overlay overlay -o "$1" "$2" && {sys.executable} -c "$3" "$2" "$4" && umount "$2"'
     p = subprocess.run(
-        [*ns, "sh", "-c", script, "sh", overlay.mount_options(), str(merged), code, files_json],  # type: ignore[attr-defined]
+        [*ns, "sh", "-c", script, "sh", overlay.volume("/job/work").options(), str(merged), code, files_json],  # type: ignore[attr-defined]
         cwd=REPO,
         capture_output=True,
         text=True,

@@ -351,12 +351,12 @@ def as_user(argv: list[str]) -> None:
              "--root", rest[0]], ok=(0, 1, 6))  # fmt: skip
         print(time.perf_counter() - t)
     elif cmd == "floor":
-        from fila.sandbox.podman.backend import _service_conf
+        from fila.sandbox.podman.service import service_conf
 
         jobs, project, root, n = Path(rest[0]), Path(rest[1]), Path(rest[2]), int(rest[3])
         # The engine configuration fila's own Podman service runs with (cgroupfs, runc on a
         # hybrid cgroup host): the floor's podman runs the same runtime the same way.
-        os.environ["CONTAINERS_CONF"] = str(_service_conf(jobs.parent / f"{jobs.name}.conf"))
+        os.environ["CONTAINERS_CONF"] = str(service_conf(jobs.parent / f"{jobs.name}.conf"))
         spec = FloorSpec(root)
         prepared = []
         for i in range(n):

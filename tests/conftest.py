@@ -10,12 +10,27 @@ import docker
 import pytest
 
 from fila.core.errors import EngineUnavailable
+from fila.core.layout import Root
 from fila.core.models import ImageRef
 from fila.sandbox.docker.backend import DockerBackend
 from fila.sandbox.docker.backend import docker_client as connect
 from fila.sandbox.images import ensure_image
+from tests.support.containers import Starts
+from tests.support.engines import E2E_ENGINES, engine_policy
+from tests.support.project import make_project, make_root
+from tests.upstreams.fixtures import Upstreams, upstreams  # noqa: F401  (the `upstreams` fixture, for every test)
 
-from .upstreams.fixtures import upstreams  # noqa: F401  (the `upstreams` fixture, for every test)
+
+@pytest.fixture
+def root(tmp_path: Path) -> Root:
+    """A queue root at tmp_path with the project the shell tasks target (greeting.txt), no daemon."""
+    return make_project(tmp_path).require()
+
+
+@pytest.fixture
+def proj(root: Root, shell_image: ImageRef) -> Root:
+    """The same queue root, for a test that runs the shell engine in a real container."""
+    return root
 
 
 @pytest.fixture(scope="session")
@@ -52,12 +67,35 @@ def gateway_image(docker_client: docker.DockerClient) -> str:
 
 @pytest.fixture
 def started_containers(docker_client: docker.DockerClient, proj: Any) -> Iterator[Any]:
-    """Counts the containers the daemon starts for the test's queue root (`proj`, each test
-    module's own fixture), from Docker's live event stream."""
-    from .test_durability import Starts
-
+    """Counts the containers the daemon starts for the test's queue root (`proj`), from Docker's
+    live event stream."""
     s = Starts(docker_client, proj)
     try:
         yield s
     finally:
         s.close()
+
+
+@pytest.fixture
+def engine_root(
+    tmp_path: Path,
+    upstreams: Upstreams,  # noqa: F811
+    docker_client: docker.DockerClient,
+    gateway_image: str,
+) -> Path:
+    """A queue root with a.txt and, per engine, the policy that routes its CLI to the scripted
+    model server (tests/upstreams) through the egress gateway."""
+    make_root(tmp_path)
+    (tmp_path / "a.txt").write_text("hello\n")
+    for engine, spec in E2E_ENGINES.items():
+        engine_policy(tmp_path, upstreams, engine, spec.route)
+    return tmp_path
+
+
+@pytest.fixture(scope="session")
+def pg_cluster() -> Iterator[Any]:
+    """A throwaway PostgreSQL cluster on a unix socket (tests/support/pg.py), for the session."""
+    from tests.support.pg import cluster
+
+    with cluster() as c:
+        yield c

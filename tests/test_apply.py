@@ -16,23 +16,12 @@ import pytest
 
 from fila.core.errors import ApplyRefused, InvalidTransition
 from fila.core.layout import Root
-from fila.core.models import ImageRef
 from fila.review import apply as apply_mod
 from fila.review import landing, patch
 from fila.workspace import snapshot as fsnap
 from fila.workspace.safedir import SafeDir
-
-from .helpers import fila, make_root, record, submit_shell
-
-
-def run_task(
-    root: Path, command: str, *targets: str, status: str = "needs_review", env: dict[str, str] | None = None
-) -> str:
-    tid = submit_shell(root, command, *targets)
-    fila(root, "run", "--once", env=env)
-    assert record(root, tid)["status"] == status, record(root, tid)
-    return tid
-
+from tests.support.cli import fila, run_shell
+from tests.support.project import make_root, record
 
 docker = pytest.mark.docker
 
@@ -101,10 +90,9 @@ def forge_patch(root: Path, tid: str, text: bytes) -> None:
 
 
 @pytest.fixture
-def proj(tmp_path: Path, shell_image: ImageRef) -> Path:
-    make_root(tmp_path)
-    (tmp_path / "greeting.txt").write_text("hello\n")
-    return tmp_path
+def proj(proj: Root) -> Path:
+    """The shared queue root (conftest), as the path this module's tests build on."""
+    return proj.path
 
 
 # -- round trip --------------------------------------------------------------------------------
@@ -158,7 +146,7 @@ def test_apply_lands_exactly_work_byte_for_byte_with_modes(proj: Path, workspace
     env, strategy = workspace
     make_round_trip_project(proj)
     untouched = files_of(snapshot(proj), ("policies/",))
-    tid = run_task(proj, ROUND_TRIP, "greeting.txt", "src", env=env)
+    tid = run_shell(proj, ROUND_TRIP, "greeting.txt", "src", env=env)
     assert record(proj, tid)["workspace"]["strategy"] == strategy
     res = fila(proj, "apply", tid, "--yes", "--by", "alice", "--reason", "looks right")
     assert res.exit_code == 0, res.output
@@ -184,7 +172,7 @@ def test_apply_lands_exactly_work_byte_for_byte_with_modes(proj: Path, workspace
 
 @docker
 def test_apply_of_an_empty_diff_records_the_decision_and_writes_nothing(proj: Path) -> None:
-    tid = run_task(proj, "true")
+    tid = run_shell(proj, "true")
     before = snapshot(proj)
     res = fila(proj, "apply", tid, "--yes", "--json")
     assert res.exit_code == 0, res.output
@@ -197,7 +185,7 @@ def test_project_gitattributes_do_not_change_what_lands(proj: Path) -> None:
     # Without fila's attribute override git apply writes CRLF here (and the work/ check refuses).
     (proj / ".gitattributes").write_text("* text eol=crlf\n")
     (proj / "f.txt").write_text("a\n")
-    tid = run_task(proj, "echo '# x' >> .gitattributes; echo b >> f.txt", ".gitattributes", "f.txt")
+    tid = run_shell(proj, "echo '# x' >> .gitattributes; echo b >> f.txt", ".gitattributes", "f.txt")
     res = fila(proj, "apply", tid, "--yes")
     assert res.exit_code == 0, res.output
     assert (proj / "f.txt").read_bytes() == b"a\nb\n"
@@ -210,7 +198,7 @@ def test_project_gitattributes_do_not_change_what_lands(proj: Path) -> None:
 @docker
 @pytest.mark.quick
 def test_apply_refuses_a_tampered_patch(proj: Path) -> None:
-    tid = run_task(proj, "echo world > greeting.txt")
+    tid = run_shell(proj, "echo world > greeting.txt")
     p = proj / "sandbox" / "jobs" / tid / "DIFF.patch"
     p.write_bytes(p.read_bytes().replace(b"+world", b"+pwned"))
     before = snapshot(proj)
@@ -227,7 +215,7 @@ def test_apply_refuses_moved_base_and_writes_nothing(proj: Path) -> None:
     (proj / "notes.txt").write_text("notes\n")
     (proj / "lib").mkdir()
     (proj / "lib" / "util.py").write_text("x = 1\n")
-    tid = run_task(
+    tid = run_shell(
         proj,
         "echo world > greeting.txt; echo new > lib/new.py; echo y=2 >> lib/util.py",
         "greeting.txt",
@@ -250,7 +238,7 @@ def test_apply_refuses_moved_base_and_writes_nothing(proj: Path) -> None:
 
 @docker
 def test_apply_refuses_a_mode_change_in_the_project_as_a_moved_base(proj: Path) -> None:
-    tid = run_task(proj, "echo world > greeting.txt")
+    tid = run_shell(proj, "echo world > greeting.txt")
     (proj / "greeting.txt").chmod(0o755)
     res = fila(proj, "apply", tid, "--yes")
     assert res.exit_code == 4 and "mode 644 -> 755" in res.stderr
@@ -261,7 +249,7 @@ def test_apply_3way_merges_a_moved_base_and_refuses_conflicts(proj: Path) -> Non
     lines = "".join(f"line {i}\n" for i in range(1, 11))
     (proj / "doc.txt").write_text(lines)
     (proj / "other.txt").write_text(lines)
-    tid = run_task(proj, "sed -i 's/^line 1$/LINE ONE/' doc.txt other.txt", "doc.txt", "other.txt")
+    tid = run_shell(proj, "sed -i 's/^line 1$/LINE ONE/' doc.txt other.txt", "doc.txt", "other.txt")
     (proj / "doc.txt").write_text(lines.replace("line 9\n", "line nine\n"))  # merges cleanly
     (proj / "other.txt").write_text(lines.replace("line 1\n", "line uno\n"))  # conflicts
     before = snapshot(proj)
@@ -339,7 +327,7 @@ HOSTILE = {
 @pytest.mark.parametrize("case", list(HOSTILE))
 def test_apply_refuses_a_hostile_patch(proj: Path, case: str) -> None:
     subprocess.run(["git", "init", "-q", str(proj)], check=True)
-    tid = run_task(proj, "echo world > greeting.txt")
+    tid = run_shell(proj, "echo world > greeting.txt")
     text, why = HOSTILE[case]
     forge_patch(proj, tid, text)
     before, beside = snapshot(proj), sorted(os.listdir(proj.parent))
@@ -370,7 +358,7 @@ def test_hostile_patches_are_refused_even_without_the_path_checks(
     # Defence in depth: git apply in staging, the comparison with work/ and the symlink check
     # of the staged result each refuse on their own.
     monkeypatch.setattr(apply_mod._Plan, "check_paths", lambda self: None)
-    tid = run_task(proj, "echo world > greeting.txt")
+    tid = run_shell(proj, "echo world > greeting.txt")
     forge_patch(proj, tid, HOSTILE[case][0])
     before, beside = snapshot(proj), sorted(os.listdir(proj.parent))
     res = fila(proj, "apply", tid, "--yes")
@@ -383,7 +371,7 @@ def test_hostile_patches_are_refused_even_without_the_path_checks(
 def test_apply_refuses_to_write_through_a_symlinked_directory_in_the_project(proj: Path) -> None:
     outside = proj.parent / f"elsewhere-{proj.name}"
     outside.mkdir()
-    tid = run_task(proj, "echo world > greeting.txt")
+    tid = run_shell(proj, "echo world > greeting.txt")
     os.symlink(outside, proj / "docs")
     forge_patch(proj, tid, new_file(b"docs/x"))
     res = fila(proj, "apply", tid, "--yes")
@@ -431,7 +419,7 @@ def test_unsafe_paths_are_named_with_their_reason() -> None:
 @docker
 def test_a_failed_write_rolls_back_every_file(proj: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     make_round_trip_project(proj)
-    tid = run_task(proj, ROUND_TRIP, "greeting.txt", "src")
+    tid = run_shell(proj, ROUND_TRIP, "greeting.txt", "src")
     before = snapshot(proj)
     real, calls = SafeDir.put_file, []
 
@@ -459,7 +447,7 @@ def test_an_apply_killed_midway_is_finished_by_the_next_apply(
 ) -> None:
     env, strategy = workspace
     make_round_trip_project(proj)
-    tid = run_task(proj, ROUND_TRIP, "greeting.txt", "src", env=env)
+    tid = run_shell(proj, ROUND_TRIP, "greeting.txt", "src", env=env)
     assert record(proj, tid)["workspace"]["strategy"] == strategy
     before = snapshot(proj)
     cmd = [sys.executable, "-c", "from fila.cli import main; main()", "apply", tid, "--yes",
@@ -484,7 +472,7 @@ def test_an_apply_killed_midway_is_finished_by_the_next_apply(
 def test_a_crash_before_anything_landed_still_allows_reject(
     proj: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    tid = run_task(proj, "echo world > greeting.txt")
+    tid = run_shell(proj, "echo world > greeting.txt")
     before = snapshot(proj)
 
     def die(*a: object, **kw: object) -> None:  # the marker is written, then the process dies
@@ -506,7 +494,7 @@ def test_a_crash_before_anything_landed_still_allows_reject(
 
 @docker
 def test_decisions_are_recorded_once(proj: Path) -> None:
-    tid = run_task(proj, "echo world > greeting.txt")
+    tid = run_shell(proj, "echo world > greeting.txt")
     res = fila(proj, "apply", tid, "--yes", env={"FILA_USER": "carol"})
     assert res.exit_code == 0, res.output
     assert record(proj, tid)["decision"]["by"] == "carol"
@@ -517,7 +505,7 @@ def test_decisions_are_recorded_once(proj: Path) -> None:
     assert [e["event"] for e in events(proj, tid)].count("applied") == 1
     assert (proj / "greeting.txt").read_text() == "world\n"
 
-    tid2 = run_task(proj, "echo again > greeting.txt")
+    tid2 = run_shell(proj, "echo again > greeting.txt")
     res = fila(proj, "reject", tid2, "--reason", "wrong approach", "--by", "dave", "--json")
     assert res.exit_code == 0, res.output
     d = json.loads(res.stdout)["decision"]
@@ -531,7 +519,7 @@ def test_decisions_are_recorded_once(proj: Path) -> None:
 
 @docker
 def test_a_failed_task_can_be_rejected_but_not_applied(proj: Path) -> None:
-    tid = run_task(proj, "echo partial > greeting.txt; exit 3", status="failed")
+    tid = run_shell(proj, "echo partial > greeting.txt; exit 3", status="failed")
     res = fila(proj, "apply", tid, "--yes")
     assert res.exit_code == 4 and "only a task in needs_review" in res.stderr
     assert (proj / "greeting.txt").read_text() == "hello\n"
@@ -541,7 +529,7 @@ def test_a_failed_task_can_be_rejected_but_not_applied(proj: Path) -> None:
 
 @docker
 def test_two_people_applying_at_once_only_one_wins(proj: Path) -> None:
-    tid = run_task(proj, "echo world > greeting.txt")
+    tid = run_shell(proj, "echo world > greeting.txt")
     results: list[object] = []
 
     def go(who: str) -> None:
@@ -562,7 +550,7 @@ def test_two_people_applying_at_once_only_one_wins(proj: Path) -> None:
 
 @docker
 def test_apply_without_a_terminal_needs_yes(proj: Path) -> None:
-    tid = run_task(proj, "echo world > greeting.txt")
+    tid = run_shell(proj, "echo world > greeting.txt")
     res = fila(proj, "apply", tid)
     assert res.exit_code == 2 and "--yes" in res.stderr
     assert (proj / "greeting.txt").read_text() == "hello\n"
@@ -580,11 +568,11 @@ def test_unknown_task_is_not_found(tmp_path: Path) -> None:
 
 @docker
 def test_gc_removes_only_decided_jobs(proj: Path) -> None:
-    applied = run_task(proj, "echo world > greeting.txt")
+    applied = run_shell(proj, "echo world > greeting.txt")
     assert fila(proj, "apply", applied, "--yes").exit_code == 0
-    rejected = run_task(proj, "echo x > greeting.txt")
+    rejected = run_shell(proj, "echo x > greeting.txt")
     assert fila(proj, "reject", rejected).exit_code == 0
-    pending = run_task(proj, "echo y > greeting.txt")
+    pending = run_shell(proj, "echo y > greeting.txt")
     jobs = proj / "sandbox" / "jobs"
     # An engine may leave a directory without permissions; gc must still remove it.
     (jobs / rejected / "work" / "locked").mkdir()

@@ -26,8 +26,9 @@ import pytest
 from fila.core.errors import EngineUnavailable, InfraError, InvalidPolicy
 from fila.core.models import ImageRef, Policy
 from fila.sandbox import Backend, RunSpec, get_backend
-from fila.sandbox.base import JOB_LABEL, ROOT_LABEL
+from fila.sandbox.base import JOB_LABEL, ROOT_LABEL, StopRun
 from fila.sandbox.fake import FakeBackend
+from fila.workspace.strategy import CopyWorkspace
 
 ENV = "FILA_CONTRACT_BACKEND"
 SHELL = "fila/shell:latest"
@@ -92,7 +93,7 @@ def spec(tmp_path: Path, script: str, p: Policy, *, timeout_ms: int = 20_000) ->
     (job_dir / "TASK.md").write_text("contract\n")
     return RunSpec(
         job_id=job_id,
-        job_dir=job_dir,
+        workspace=CopyWorkspace(job_dir),
         image=SHELL,
         argv=["/bin/sh", "-c", script],
         env={"PATH": "/usr/bin:/bin:/usr/sbin:/sbin"},
@@ -162,6 +163,33 @@ def test_the_host_timeout_stops_the_container_and_removes_it(
     assert res.timed_out and time.monotonic() - t < 30
     assert len(beats) >= 2 and beats[0] < 2.0, beats
     assert backend.find(job_id=silent.job_id) == []
+
+
+def test_a_heartbeat_that_asks_to_stop_ends_the_run_and_keeps_its_result(
+    backend: Backend, shell: ImageRef, tmp_path: Path
+) -> None:
+    # How a waiting fallback cuts an attempt short (run/quota_watch.py): StopRun from the heartbeat.
+    beats: list[float] = []
+
+    def beat() -> None:
+        beats.append(time.monotonic())
+        if len(beats) >= 3:
+            raise StopRun("enough")
+
+    script = "echo started; echo kept > /job/work/a.txt; sleep 60"
+    s = spec(tmp_path, script, waiving(backend), timeout_ms=50_000)
+    t = time.monotonic()
+    res = backend.run(s, heartbeat=beat, heartbeat_s=0.5)
+    assert res.stopped == "enough" and not res.timed_out and res.exit_code != 0
+    assert len(beats) == 3 and time.monotonic() - t < 30 and res.duration_s < 30
+    # What it did and said before the stop is kept: the output, the log, work/.
+    assert b"started" in res.output.stdout and "started" in log(s)
+    assert (s.job_dir / "work" / "a.txt").read_text() == "kept\n"
+    assert backend.find(job_id=s.job_id) == []
+    # The counterpart: a heartbeat that asks nothing leaves the run to end by itself.
+    quick = spec(tmp_path, "sleep 1; echo done", waiving(backend))
+    res = backend.run(quick, heartbeat=lambda: None, heartbeat_s=0.2)
+    assert res.stopped is None and res.exit_code == 0 and not res.timed_out
 
 
 def test_ulimits_hold_inside_the_container(backend: Backend, shell: ImageRef, tmp_path: Path) -> None:

@@ -18,8 +18,7 @@ import pytest
 from fila.core.errors import FilaError
 from fila.queue.policy import load_policy, narrow
 from fila.workspace import jobdir
-
-from .helpers import make_root, shell_task
+from tests.support.project import make_root, shell_task
 
 # -- 1. the copy race: a directory swapped for a symlink while fila copies ----------------------
 
@@ -127,7 +126,7 @@ def _deep_target(base: Path, levels: int) -> str:
 def test_a_target_path_longer_than_the_kernel_allows_is_refused_by_name_not_with_a_traceback(
     tmp_path: Path,
 ) -> None:
-    from .helpers import fila
+    from tests.support.cli import fila
 
     root = make_root(tmp_path)
     (tmp_path / "g.txt").write_text("hello\n")
@@ -151,25 +150,15 @@ def as_user(request: pytest.FixtureRequest, shell_image: object) -> Iterator[Any
     copy (FILA_WORKSPACE=copy) or whatever fila chooses by default."""
     if os.getuid() != 0:
         pytest.skip("creating an ordinary user for the test needs root")
-    import pwd
     import shutil
     import tempfile
 
-    from .test_unprivileged import Fila, ordinary_user
+    from tests.support.users import fila_on_new_root, ordinary_user
 
     base = Path(tempfile.mkdtemp(prefix="fila-long-path-"))
     try:
         with ordinary_user() as user:
-            pw = pwd.getpwnam(user)
-            os.chmod(base, 0o755)
-            f = Fila(base / "q", user, {"FILA_WORKSPACE": "copy"} if request.param == "copy" else {})
-            (f.root / ".home").mkdir(parents=True)
-            (f.root / "greeting.txt").write_text("hello\n")
-            for p in (f.root, f.root / ".home", f.root / "greeting.txt"):
-                os.chown(p, pw.pw_uid, pw.pw_gid)
-            res = f("init")
-            assert res.returncode == 0, res.stderr
-            yield f
+            yield fila_on_new_root(base, user, {"FILA_WORKSPACE": "copy"} if request.param == "copy" else {})
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
@@ -250,7 +239,7 @@ def test_a_directory_the_engine_made_unreadable_does_not_stop_the_cleanup_of_wor
 def test_a_deny_rule_with_a_reversed_range_is_refused_by_its_index_everywhere(tmp_path: Path) -> None:
     import json
 
-    from .helpers import fila
+    from tests.support.cli import fila
 
     root = make_root(tmp_path)
     (tmp_path / "g.txt").write_text("hello\n")
@@ -279,8 +268,7 @@ def test_a_task_timeout_below_one_second_is_refused_naming_the_field(tmp_path: P
     from pydantic import ValidationError
 
     from fila.core.models import Task
-
-    from .helpers import fila
+    from tests.support.cli import fila
 
     make_root(tmp_path)
     (tmp_path / "g.txt").write_text("hello\n")
@@ -332,8 +320,8 @@ def test_five_failures_their_author_chose_do_not_stop_the_next_task(
     tmp_path: Path, shell_image: object
 ) -> None:
     from fila.queue import breaker
-
-    from .helpers import fila, record
+    from tests.support.cli import fila
+    from tests.support.project import record
 
     make_root(tmp_path)
     (tmp_path / "greeting.txt").write_text("hello\n")
@@ -368,7 +356,8 @@ def test_a_pinned_image_or_runtime_that_is_not_there_fails_its_task_and_the_next
 ) -> None:
     import json
 
-    from .helpers import fila, record
+    from tests.support.cli import fila
+    from tests.support.project import record
 
     root = make_root(tmp_path)
     (tmp_path / "greeting.txt").write_text("hello\n")
@@ -443,7 +432,8 @@ def _on_a_terminal(argv: list[str]) -> bytes:
 def test_logs_and_diff_escape_engine_control_characters_on_a_terminal_only(
     tmp_path: Path, shell_image: object
 ) -> None:
-    from .helpers import fila, record
+    from tests.support.cli import fila
+    from tests.support.project import record
 
     make_root(tmp_path)
     (tmp_path / "greeting.txt").write_text("hello\n")
@@ -528,8 +518,7 @@ def test_a_bug_before_the_container_fails_its_task_once_while_a_stop_hands_it_ba
     from fila.queue import store as queue
     from fila.run import job as cycle
     from fila.sandbox.docker.backend import DockerBackend
-
-    from .helpers import fila
+    from tests.support.cli import fila
 
     root = make_root(tmp_path)
     (tmp_path / "g.txt").write_text("hello\n")
@@ -567,8 +556,8 @@ def test_an_engine_image_missing_at_claim_waits_for_its_task_only_and_the_run_go
     tmp_path: Path, shell_image: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from fila.sandbox.docker.backend import DockerBackend
-
-    from .helpers import fila, record
+    from tests.support.cli import fila
+    from tests.support.project import record
 
     make_root(tmp_path)
     (tmp_path / "greeting.txt").write_text("hello\n")
@@ -611,7 +600,8 @@ def test_a_directory_deeper_than_path_max_fails_its_task_and_the_next_runs(
 ) -> None:
     import json
 
-    from .helpers import fila, record
+    from tests.support.cli import fila
+    from tests.support.project import record
 
     root = make_root(tmp_path)
     (tmp_path / "greeting.txt").write_text("hello\n")
@@ -639,7 +629,8 @@ def test_no_run_reads_outside_the_project_while_a_directory_is_swapped_whatever_
     engine reads, what its log shows and what fila keeps never hold a file from outside."""
     import json
 
-    from .helpers import fila, record
+    from tests.support.cli import fila
+    from tests.support.project import record
 
     root = make_root(tmp_path / "proj")
     outside = tmp_path / "outside"

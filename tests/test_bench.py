@@ -10,7 +10,7 @@ from bench.floor import FloorSpec, docker_run_args, new_job
 from bench.harness import table
 from bench.queue_rate import measure
 
-from tests.helpers import make_root
+from tests.support.project import make_root
 
 
 def test_queue_case_runs_and_prints(tmp_path: Path) -> None:

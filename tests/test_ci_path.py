@@ -20,12 +20,13 @@ import docker
 import pytest
 
 from fila.core.layout import Root
-from fila.core.models import ImageRef, Status
+from fila.core.models import Status
 from fila.queue import breaker
 from fila.queue import store as queue
-
-from .helpers import make_root
-from .test_durability import CLI, EXPECTED, Starts, assert_one_state_each, containers_left, fila
+from tests.support.cli import CLI, submit_process
+from tests.support.cli import fila_process as fila
+from tests.support.containers import Starts, containers_left
+from tests.support.crash import EXPECTED, assert_one_state_each
 
 S = Status
 pytestmark = pytest.mark.docker
@@ -34,18 +35,6 @@ pytestmark = pytest.mark.docker
 LAPS = ("begin", "validate", "prepare", "run", "diff")
 # The backend's run, split: they add up to `run`.
 CONTAINER = ("create", "start_wait", "remove")
-
-
-@pytest.fixture
-def proj(tmp_path: Path, shell_image: ImageRef) -> Root:
-    root = make_root(tmp_path)
-    (tmp_path / "greeting.txt").write_text("hello\n")
-    return root
-
-
-def submit(root: Root, tid: str, command: str, *extra: str, **kw: Any) -> subprocess.CompletedProcess[str]:
-    return fila(root, "submit", "--id", tid, "--engine", "shell", "--command", command,
-                "--target", "greeting.txt", *extra, **kw)  # fmt: skip
 
 
 def records_of(out: str) -> list[dict[str, Any]]:
@@ -63,8 +52,8 @@ def assert_breakdown(t: dict[str, float], *, process: bool) -> None:
 
 
 def test_submit_run_takes_its_task_to_review_in_one_process_and_leaves_the_others(proj: Root) -> None:
-    submit(proj, "other", "echo other >> greeting.txt", check=True)
-    res = submit(proj, "mine", "sed -i s/hello/world/ greeting.txt", "--run", "--json")
+    submit_process(proj, "other", "echo other >> greeting.txt", check=True)
+    res = submit_process(proj, "mine", "sed -i s/hello/world/ greeting.txt", "--run", "--json")
     assert res.returncode == 0, res.stderr
     (rec,) = records_of(res.stdout)
     assert rec["id"] == "mine" and rec["status"] == "needs_review"
@@ -83,9 +72,9 @@ def test_submit_run_takes_its_task_to_review_in_one_process_and_leaves_the_other
 
 
 def test_submit_run_without_json_prints_the_summary_and_exit_code_of_run_once(proj: Root) -> None:
-    ok = submit(proj, "good", "true", "--run", "--quiet")
+    ok = submit_process(proj, "good", "true", "--run", "--quiet")
     assert ok.returncode == 0 and ok.stdout.startswith("good  needs_review"), ok.stdout + ok.stderr
-    bad = submit(proj, "bad", "exit 3", "--run", "--quiet")
+    bad = submit_process(proj, "bad", "exit 3", "--run", "--quiet")
     assert bad.returncode == 1 and bad.stdout.startswith("bad  failed"), bad.stdout + bad.stderr
     shown = fila(proj, "show", "good", check=True).stdout
     assert "start_wait" in shown and "startup" in shown
@@ -97,7 +86,7 @@ def test_submit_run_without_json_prints_the_summary_and_exit_code_of_run_once(pr
 def test_submit_run_killed_at_a_crash_point_is_recovered_like_run_once(
     proj: Root, docker_client: docker.DockerClient, started_containers: Starts, point: str
 ) -> None:
-    crashed = submit(proj, "t1", "echo world >> greeting.txt", "--run", crash=point)
+    crashed = submit_process(proj, "t1", "echo world >> greeting.txt", "--run", crash=point)
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
     rep = json.loads(fila(proj, "recover", "--json", check=True).stdout)
     assert rep["docker"] == "ok"
@@ -119,12 +108,12 @@ def test_submit_run_stops_at_an_open_breaker_and_leaves_the_task_queued(proj: Ro
     # A failure the author did not choose (the policy's own timeout on a command that hangs).
     pol["max_consecutive_failures"], pol["default_timeout_ms"] = 1, 1000
     (proj.policies_dir / "strict.json").write_text(json.dumps(pol))
-    ok = submit(proj, "ok", "true", "--policy", "strict", "--run")
+    ok = submit_process(proj, "ok", "true", "--policy", "strict", "--run")
     assert ok.returncode == 0, ok.stderr
-    hung = submit(proj, "hung", "trap 'exit 0' TERM; sleep 30 & wait", "--policy", "strict", "--run")
+    hung = submit_process(proj, "hung", "trap 'exit 0' TERM; sleep 30 & wait", "--policy", "strict", "--run")
     assert hung.returncode == 6 and queue.get_record(proj, "hung").status == S.failed, hung.stderr
     assert breaker.read(proj).open
-    res = submit(proj, "next", "true", "--policy", "strict", "--run")
+    res = submit_process(proj, "next", "true", "--policy", "strict", "--run")
     assert res.returncode == 6 and "circuit breaker" in res.stderr
     assert queue.get_record(proj, "next").status == S.queued and proj.queued_path("next").exists()
     fila(proj, "rearm", "--by", "ana", "--reason", "fixed", check=True)
@@ -148,7 +137,7 @@ def test_submit_run_racing_a_worker_for_its_task_runs_it_once_and_reports_it(
         reader.join(60)
         assert first and "watching" in first[0], first
         worker_id = first[0].split()[2].rstrip(":")
-        res = submit(proj, "raced", "echo raced >> greeting.txt", "--run", "--json")
+        res = submit_process(proj, "raced", "echo raced >> greeting.txt", "--run", "--json")
     finally:
         worker.send_signal(signal.SIGTERM)
         w_out, _ = worker.communicate(timeout=120)
@@ -165,7 +154,9 @@ def test_submit_run_racing_a_worker_for_its_task_runs_it_once_and_reports_it(
 
 
 def test_submit_run_without_docker_keeps_the_task_queued_for_a_later_run(proj: Root, tmp_path: Path) -> None:
-    res = submit(proj, "later", "true", "--run", env_extra={"DOCKER_HOST": f"unix://{tmp_path}/no-such.sock"})
+    res = submit_process(
+        proj, "later", "true", "--run", env_extra={"DOCKER_HOST": f"unix://{tmp_path}/no-such.sock"}
+    )
     assert res.returncode == 3, res.stdout + res.stderr
     assert queue.get_record(proj, "later").status == S.queued and proj.queued_path("later").exists()
     res = fila(proj, "run", "--once")

@@ -17,8 +17,7 @@ import typer.main
 
 from fila import entry
 from fila.cli import app, lazy_command
-
-from .helpers import make_root
+from tests.support.project import make_root
 
 FILA = Path(sys.executable).parent / "fila"
 
@@ -122,7 +121,7 @@ def test_stored_help_is_what_typer_prints_for_the_current_cli() -> None:
     from fila import _help
 
     assert entry.cli_sha256() == _help.CLI_SHA256, (
-        "fila/cli.py changed since fila/_help.py was written: regenerate it with "
+        "fila/cli/ changed since fila/_help.py was written: regenerate it with "
         "`.venv/bin/python -m fila.entry --write-help`"
     )
     assert _help.TEXT == entry.render_help() == _run(_eager(), ["--help"])[1]
@@ -446,7 +445,7 @@ def test_the_ci_path_through_the_console_ends_fast_with_every_record_and_no_cont
 ) -> None:
     """`submit` + `run --once` and `submit --run`, each a console-script process ending by the fast
     exit: the records are durable and complete, the output whole, no container or volume left."""
-    from .test_durability import containers_left, volumes_left
+    from tests.support.containers import containers_left, volumes_left
 
     root = make_root(tmp_path)
     (tmp_path / "greeting.txt").write_text("hello\n")

@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import secrets
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,51 +21,35 @@ from typing import Any
 import docker
 import pytest
 
-from fila.sandbox.docker.backend import DockerBackend
-from tests.helpers import fila, make_root, record
-from tests.test_engines import E2E_ENGINES, HELLO, USAGE
-from tests.upstreams.fixtures import Upstreams, upstreams  # noqa: F401  (the fixture)
+from tests.support.cli import fila, run_once_console
+from tests.support.engines import E2E_ENGINES, HELLO, USAGE, engine_image
+from tests.support.policy import edit_policy, model_policy, model_route, write_policy
+from tests.support.project import make_root, record
+from tests.upstreams import Upstreams
 
 KEY_VAR = "FILA_TEST_COMPARE_KEY"
 ODD_NAME = "<b>odd.txt"  # a name the HTML page must escape
 
 
 def _run_once(root: Path, secret: str = "unused") -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(Path(sys.executable).with_name("fila")), "run", "--once", "--root", str(root)],
-        env={**os.environ, KEY_VAR: secret},
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
+    return run_once_console(root, {KEY_VAR: secret}, timeout=900)
 
 
 @pytest.fixture
 def group_root(
     tmp_path: Path,
-    upstreams: Upstreams,  # noqa: F811
+    upstreams: Upstreams,
     docker_client: docker.DockerClient,
     gateway_image: str,
 ) -> Path:
-    from fila.sandbox.images import ensure_image
-
     for engine in ("claude", "codex", "gemini", "shell"):
-        ensure_image(engine, DockerBackend(docker_client), progress=lambda _l: None)
+        engine_image(docker_client, engine)
     make_root(tmp_path)
     (tmp_path / "a.txt").write_text("hello\n")
-    route = {"upstream": "https://model.test", "credential": KEY_VAR, "ca_file": str(upstreams.ca_file)}
-    doc = {
-        "network": "allowlist",
-        "max_timeout_ms": 300_000,
-        "default_timeout_ms": 240_000,
-        "grace_ms": 2000,
-        "egress": {
-            "routes": {"anthropic": route, "openai": route, "gemini": route},
-            "allow_private": [upstreams.subnet],
-            "egress_network": upstreams.network,
-        },
-    }
-    (tmp_path / "policies" / "models.json").write_text(json.dumps(doc))
+    route = model_route(upstreams, KEY_VAR)
+    write_policy(
+        tmp_path, "models", model_policy(upstreams, {k: route for k in ("anthropic", "openai", "gemini")})
+    )
     return tmp_path
 
 
@@ -90,7 +72,7 @@ def _script() -> list[dict[str, Any]]:
 @pytest.mark.engines
 def test_three_engines_on_one_input_compare_side_by_side_and_applying_one_supersedes_the_others(
     group_root: Path,
-    upstreams: Upstreams,  # noqa: F811
+    upstreams: Upstreams,
 ) -> None:
     root, secret = group_root, f"sk-test-{secrets.token_hex(16)}"
     upstreams.set_script(_script())
@@ -184,7 +166,7 @@ def proj(tmp_path: Path) -> Path:
     route = {"credential": KEY_VAR}
     doc = {"network": "allowlist", "max_timeout_ms": 60_000, "default_timeout_ms": 60_000,
            "egress": {"routes": {"anthropic": route, "openai": route}}}  # fmt: skip
-    (tmp_path / "policies" / "models.json").write_text(json.dumps(doc))
+    write_policy(tmp_path, "models", doc)
     return tmp_path
 
 
@@ -266,8 +248,7 @@ def test_a_pinned_image_by_tag_or_id_is_allowed_by_the_policys_patterns_and_the_
 ) -> None:
     shell_id = docker_client.images.get("fila/shell:latest").id
     other_id = docker_client.images.get(other_image).id
-    pol = json.loads((proj / "policies" / "default.json").read_text())
-    (proj / "policies" / "pinned.json").write_text(json.dumps({**pol, "images": ["fila/*", "h12-test/*"]}))
+    edit_policy(proj, "default", to="pinned", images=["fila/*", "h12-test/*"])
 
     def submit(image: str, *extra: str) -> Any:
         return fila(proj, "submit", "--target", "a.txt", "--engine", "shell", "--command", "echo x >> a.txt",
@@ -323,8 +304,7 @@ def test_a_member_that_finishes_after_another_was_applied_cannot_be_applied(
 def test_the_check_has_no_network_even_when_the_engine_had_one_and_its_timeout_is_the_tasks(
     proj: Path, shell_image: Any
 ) -> None:
-    pol = json.loads((proj / "policies" / "default.json").read_text())
-    (proj / "policies" / "bridged.json").write_text(json.dumps({**pol, "network": "bridge"}))
+    edit_policy(proj, "default", to="bridged", network="bridge")
     # ALLOWED: under `bridge` the engine has an interface besides lo (it only lists them: no traffic).
     net = ("--policy", "bridged", "--id", "net", "--command", "ls /sys/class/net > a.txt")
     seen = fila(

@@ -25,8 +25,9 @@ import pytest
 from fila.core.models import EngineReport, ErrorInfo, ErrorKind, ImageRef, Policy
 from fila.workspace import secretscan
 from fila.workspace.diff import compute_diff
-
-from .helpers import fila, make_root, record, submit_shell
+from tests.support.cli import fila, run_shell, submit_shell
+from tests.support.policy import write_policy
+from tests.support.project import make_project, record
 
 KEY_VAR = "FILA_TEST_CREDENTIAL_KEY"
 KEY = f'sk-fila-{secrets.token_hex(12)}/+x"y'
@@ -190,9 +191,7 @@ def octal(data: bytes) -> str:
 
 @pytest.fixture
 def proj(tmp_path: Path, shell_image: ImageRef, monkeypatch: pytest.MonkeyPatch) -> Path:
-    make_root(tmp_path)
-    (tmp_path / "greeting.txt").write_text("hello\n")
-    (tmp_path / "creds.txt").write_text("none yet\n")
+    make_project(tmp_path, {"creds.txt": "none yet\n"})
     (tmp_path / "blob.bin").write_bytes(b"\0none yet")
     policy = {
         "network": "allowlist",
@@ -200,16 +199,13 @@ def proj(tmp_path: Path, shell_image: ImageRef, monkeypatch: pytest.MonkeyPatch)
         "default_timeout_ms": 30_000,
         "egress": {"routes": {"anthropic": {"credential": KEY_VAR}}},
     }
-    (tmp_path / "policies" / "routed.json").write_text(json.dumps(policy))
+    write_policy(tmp_path, "routed", policy)
     monkeypatch.setenv(KEY_VAR, KEY)
     return tmp_path
 
 
 def run(root: Path, command: str, *targets: str) -> str:
-    tid = submit_shell(root, command, *targets, extra=("--policy", "routed"))
-    res = fila(root, "run", "--once")
-    assert record(root, tid)["status"] == "needs_review", (res.output, record(root, tid))
-    return tid
+    return run_shell(root, command, *targets, extra=("--policy", "routed"))
 
 
 @pytest.mark.docker

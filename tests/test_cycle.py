@@ -13,9 +13,9 @@ import pytest
 from fila.core.layout import Root
 from fila.core.models import ImageRef
 from fila.workspace import snapshot
-
-from .helpers import fila, make_root, record
-from .helpers import submit_shell as submit
+from tests.support.cli import fila
+from tests.support.cli import submit_shell as submit
+from tests.support.project import make_project, record
 
 pytestmark = pytest.mark.docker
 
@@ -48,12 +48,8 @@ def _work_of(proj: Path, rec: dict) -> Path:
 
 @pytest.fixture
 def proj(tmp_path: Path, shell_image: ImageRef) -> Path:
-    make_root(tmp_path)
-    (tmp_path / "greeting.txt").write_text("hello\n")
-    (tmp_path / "src").mkdir()
-    (tmp_path / "src" / "run.sh").write_text("#!/bin/sh\necho hello\n")
-    (tmp_path / ".env").write_text("API_TOKEN=secret\n")
-    return tmp_path
+    files = {"src/run.sh": "#!/bin/sh\necho hello\n", ".env": "API_TOKEN=secret\n"}
+    return make_project(tmp_path, files).path
 
 
 def fila_containers(client: docker.DockerClient, root: Path) -> list:

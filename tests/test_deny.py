@@ -12,8 +12,7 @@ import pytest
 from fila.core.errors import InvalidPolicy
 from fila.queue.policy import denied_by, load_policy, narrow
 from fila.workspace import jobdir
-
-from .helpers import make_root, shell_task
+from tests.support.project import make_root, shell_task
 
 REPO = Path(__file__).resolve().parent.parent
 

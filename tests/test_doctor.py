@@ -9,7 +9,8 @@ import docker
 import pytest
 
 from fila.core.models import ImageRef
-from tests.helpers import fila, make_root
+from tests.support.cli import fila
+from tests.support.project import make_root
 
 pytestmark = pytest.mark.docker
 

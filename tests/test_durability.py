@@ -14,8 +14,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -26,111 +24,16 @@ import pytest
 from fila.core import fsutil
 from fila.core.faults import POINTS
 from fila.core.layout import Root
-from fila.core.models import ImageRef, Status
+from fila.core.models import Status
 from fila.queue import store as queue
-
-from .helpers import make_root, quick_for
+from tests.support.cli import CLI
+from tests.support.cli import fila_process as fila
+from tests.support.containers import Starts, containers_left, volumes_left
+from tests.support.crash import EXPECTED, assert_one_state_each
+from tests.support.marks import quick_for
 
 S = Status
 pytestmark = pytest.mark.docker
-CLI = [sys.executable, "-c", "from fila.cli import main; main()"]
-# The console script's own path (what CI runs): the fast exit (os._exit after the command) included.
-ENTRY = [sys.executable, "-c", "from fila.entry import main; main()"]
-
-
-def fila(
-    root: Root,
-    *args: str,
-    crash: str | None = None,
-    check: bool = False,
-    timeout: float = 120,
-    env_extra: dict[str, str] | None = None,
-    entry: bool = False,
-) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "FILA_ROOT": str(root.path), **(env_extra or {})}
-    env.pop("FILA_CRASH_AT", None)
-    if crash:
-        env["FILA_CRASH_AT"] = crash
-    cli = ENTRY if entry else CLI
-    res = subprocess.run([*cli, *args], env=env, capture_output=True, text=True, timeout=timeout)
-    if check:
-        assert res.returncode == 0, res.stdout + res.stderr
-    return res
-
-
-class Starts:
-    """Counts the containers of one root that the daemon starts, from its live event stream
-    (not from fila's records, and not from its short replay buffer, which other tests fill)."""
-
-    def __init__(self, client: docker.DockerClient, root: Root) -> None:
-        self.n = 0
-        self._stream = client.events(
-            decode=True, filters={"event": "start", "label": [f"fila.root={root.path}"]}
-        )
-        self._thread = threading.Thread(target=self._count, daemon=True)
-        self._thread.start()
-
-    def _count(self) -> None:
-        with contextlib.suppress(Exception):  # the stream ends when closed
-            for _ in self._stream:
-                self.n += 1
-
-    def count(self) -> int:
-        time.sleep(0.5)  # the daemon sends the event right after the start returns
-        return self.n
-
-    def close(self) -> None:
-        self._stream.close()
-
-
-def containers_left(client: docker.DockerClient, root: Root) -> list[str]:
-    return [c.name for c in client.containers.list(all=True, filters={"label": [f"fila.root={root.path}"]})]
-
-
-def volumes_left(client: docker.DockerClient, root: Root) -> list[str]:
-    return [v.name for v in client.volumes.list(filters={"label": f"fila.root={root.path}"})]
-
-
-def assert_one_state_each(root: Root, ids: list[str]) -> dict[str, Status]:
-    """Exactly one place per task; no claim or tombstone left after recovery."""
-    out = {}
-    for tid in ids:
-        rec = queue.get_record(root, tid)
-        claims = queue.claim_files(root, tid)
-        in_file = root.queued_path(tid).exists()
-        assert not claims, f"{tid}: {[p.name for p in claims]} left in fila/run/"
-        assert in_file == (rec.status == S.queued), f"{tid}: {rec.status}, in/ file {in_file}"
-        assert queue.field_problem(rec) is None
-        out[tid] = rec.status
-    assert not list(root.out_dir.glob(".*.tmp"))
-    return out
-
-
-# Where each crash point leaves the task once recovery has run.
-EXPECTED = {
-    "after_claim": S.queued,
-    "after_begin": S.queued,
-    "after_job_dir": S.queued,
-    "after_checkpoint": S.needs_human,
-    "after_container_start": S.needs_human,
-    "during_run": S.needs_human,
-    "after_exit": S.needs_human,
-    # The container exited and its removal, in the background while the host diffs work/, has not
-    # happened: recovery finds it by its labels, removes it (and its work volume), needs_human.
-    "during_removal": S.needs_human,
-    "after_diff": S.needs_human,
-    "after_result": S.needs_human,
-    "after_win": S.needs_review,
-    "during_record_write": S.needs_review,
-    "after_record": S.needs_review,
-}
-
-
-@pytest.fixture
-def proj(tmp_path: Path, shell_image: ImageRef) -> Root:
-    root = make_root(tmp_path)
-    (tmp_path / "greeting.txt").write_text("hello\n")
-    return root
 
 
 def test_every_crash_point_is_named_and_tested() -> None:

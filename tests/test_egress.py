@@ -13,7 +13,6 @@ import os
 import secrets
 import shutil
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -26,12 +25,14 @@ from fila.core.models import ImageRef
 from fila.egress import config as egress
 from fila.sandbox.docker import egress as docker_egress
 from fila.sandbox.docker.backend import DockerBackend
-from tests.helpers import fila, make_root, record
-from tests.upstreams.fixtures import Upstreams, upstreams  # noqa: F401  (the fixture)
+from fila.workspace.strategy import CopyWorkspace
+from tests.support.cli import fila, run_once_console
+from tests.support.project import make_project, make_root, record
+from tests.upstreams import Upstreams
+from tests.upstreams.fixtures import create_on_free_subnet
 
 pytestmark = pytest.mark.docker
 
-FILA = str(Path(sys.executable).with_name("fila"))
 KEY_VAR = "FILA_TEST_ANTHROPIC_KEY"
 MESSAGES = (
     '-H "content-type: application/json" -H "anthropic-version: 2023-06-01" '
@@ -47,9 +48,8 @@ def images(docker_client: docker.DockerClient, gateway_image: str) -> ImageRef:
 
 
 @pytest.fixture
-def proj(tmp_path: Path, upstreams: Upstreams, images: ImageRef) -> Path:  # noqa: F811
-    make_root(tmp_path)
-    (tmp_path / "greeting.txt").write_text("hello\n")
+def proj(tmp_path: Path, upstreams: Upstreams, images: ImageRef) -> Path:
+    make_project(tmp_path)
     # The engine trusts the test CA (its TLS goes through the gateway's tunnel untouched).
     shutil.copyfile(upstreams.ca_file, tmp_path / "ca.crt")
     return tmp_path
@@ -92,10 +92,7 @@ def submit_task(root: Path, policy: str, command: str, env: dict[str, str] | Non
 
 
 def run_once(root: Path, env: dict[str, str], **kw: Any) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [FILA, "run", "--once", "--root", str(root)], env={**os.environ, **env}, capture_output=True,
-        text=True, timeout=180, **kw,
-    )  # fmt: skip
+    return run_once_console(root, env, timeout=180, **kw)
 
 
 def leftovers(client: docker.DockerClient, root: Path, tid: str) -> list[str]:
@@ -136,7 +133,7 @@ class Inspector(threading.Thread):
 @pytest.mark.quick
 def test_engine_reaches_the_listed_host_and_the_model_route_never_an_unlisted_host_nor_the_key(
     proj: Path,
-    upstreams: Upstreams,  # noqa: F811
+    upstreams: Upstreams,
     docker_client: docker.DockerClient,
 ) -> None:
     secret = f"sk-test-{secrets.token_hex(16)}"
@@ -244,7 +241,7 @@ def test_engine_reaches_the_listed_host_and_the_model_route_never_an_unlisted_ho
 
 def test_a_listed_host_on_a_private_address_is_refused_unless_allow_private_covers_it(
     proj: Path,
-    upstreams: Upstreams,  # noqa: F811
+    upstreams: Upstreams,
     docker_client: docker.DockerClient,
 ) -> None:
     cmd = 'echo "allowed: $(curl -sS --max-time 10 --cacert ca.crt https://allowed.test/ 2>&1)"'
@@ -264,7 +261,7 @@ def test_a_listed_host_on_a_private_address_is_refused_unless_allow_private_cove
 
 def test_the_engine_lookups_reach_only_the_gateway_which_refuses_and_records_them(
     proj: Path,
-    upstreams: Upstreams,  # noqa: F811
+    upstreams: Upstreams,
     docker_client: docker.DockerClient,
 ) -> None:
     # The allowed counterpart first: the same job reaches allowed.test through the proxy (the
@@ -289,7 +286,7 @@ def test_the_engine_lookups_reach_only_the_gateway_which_refuses_and_records_the
 
 def test_a_budget_ends_the_run_with_429_and_the_record_says_which(
     proj: Path,
-    upstreams: Upstreams,  # noqa: F811
+    upstreams: Upstreams,
 ) -> None:
     env = {KEY_VAR: f"sk-test-{secrets.token_hex(8)}"}
     write_policy(
@@ -451,7 +448,7 @@ def test_a_secrets_file_must_be_a_private_regular_file_of_fila_user(tmp_path: Pa
 @pytest.mark.parametrize("point", ["after_checkpoint", "after_container_start"])
 def test_a_killed_run_leaves_gateway_and_network_that_recover_removes(
     proj: Path,
-    upstreams: Upstreams,  # noqa: F811
+    upstreams: Upstreams,
     docker_client: docker.DockerClient,
     point: str,
 ) -> None:
@@ -475,7 +472,7 @@ def test_a_killed_run_leaves_gateway_and_network_that_recover_removes(
 @pytest.mark.parametrize("network", ["none", "allowlist"])
 def test_runsc_runs_the_engine_in_gvisor_under_none_and_allowlist(
     proj: Path,
-    upstreams: Upstreams,  # noqa: F811
+    upstreams: Upstreams,
     docker_client: docker.DockerClient,
     network: str,
 ) -> None:
@@ -637,7 +634,7 @@ def _gateway_policy(ups: Upstreams) -> Any:
 
 def test_a_gateway_that_dies_or_is_late_is_an_infra_error_and_leaves_nothing(
     tmp_path: Path,
-    upstreams: Upstreams,  # noqa: F811
+    upstreams: Upstreams,
     docker_client: docker.DockerClient,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -689,7 +686,7 @@ def test_the_gateway_files_are_private_and_outside_the_job_directory(tmp_path: P
         uid, gid = run_as()
         state = tmp_path / "sandbox" / "meta" / "job" / "egress"
         state.parent.mkdir(parents=True)
-        egress.prepare_gateway_dir(state, policy, "job", uid, gid, clients=["172.29.9.0/24"])
+        egress.prepare_gateway_dir(state, policy, "job", uid, gid, clients=["10.213.9.0/24"])
     finally:
         del os.environ[KEY_VAR]
     secret = state / "secrets" / "openai"
@@ -702,7 +699,7 @@ def test_the_gateway_files_are_private_and_outside_the_job_directory(tmp_path: P
     want = {"upstream": "https://api.openai.com", "header": "authorization", "format": "Bearer {key}"}
     # paths null: the gateway's default for the known route (its model calls only).
     assert config["routes"]["openai"] == want | {"secret": "openai", "paths": None}
-    assert config["clients"] == ["172.29.9.0/24"]
+    assert config["clients"] == ["10.213.9.0/24"]
     # The host's own addresses go to the gateway, which never connects to them.
     assert "127.0.0.1" in config["host_addresses"] and config["host_addresses"] == egress.host_addresses()
     assert any(not a.startswith("127.") and ":" not in a for a in config["host_addresses"])
@@ -721,7 +718,7 @@ def test_a_route_paths_override_reaches_the_gateway_config(tmp_path: Path) -> No
         policy = Policy.model_validate(doc)
         egress.validate(policy)
         uid, gid = run_as()
-        egress.prepare_gateway_dir(tmp_path / "egress", policy, "job", uid, gid, clients=["172.29.9.0/24"])
+        egress.prepare_gateway_dir(tmp_path / "egress", policy, "job", uid, gid, clients=["10.213.9.0/24"])
     finally:
         del os.environ[KEY_VAR]
     config = json.loads((tmp_path / "egress" / "config.json").read_text())
@@ -730,7 +727,7 @@ def test_a_route_paths_override_reaches_the_gateway_config(tmp_path: Path) -> No
 
 def test_a_real_key_in_the_engine_environment_is_replaced_by_the_placeholder(
     tmp_path: Path,
-    upstreams: Upstreams,  # noqa: F811
+    upstreams: Upstreams,
     docker_client: docker.DockerClient,
     images: ImageRef,
     monkeypatch: pytest.MonkeyPatch,
@@ -744,7 +741,8 @@ def test_a_real_key_in_the_engine_environment_is_replaced_by_the_placeholder(
 
     def spec(policy: Any) -> sandbox.RunSpec:
         return sandbox.RunSpec(
-            job_id="key-job", job_dir=job_dir, image="fila/testnet:latest",
+            job_id="key-job", workspace=CopyWorkspace(job_dir),
+            image="fila/testnet:latest",
             argv=["sh", "-c", 'echo "key=$ANTHROPIC_API_KEY"'], env={"ANTHROPIC_API_KEY": secret},
             policy=policy, limits=None, timeout_ms=30_000, log_path=tmp_path / "key.log", labels={},
             egress_dir=tmp_path / "egress",
@@ -769,7 +767,7 @@ def test_a_real_key_in_the_engine_environment_is_replaced_by_the_placeholder(
 
 def test_a_gateway_that_dies_during_the_run_is_a_warning_of_the_result(
     tmp_path: Path,
-    upstreams: Upstreams,  # noqa: F811
+    upstreams: Upstreams,
     docker_client: docker.DockerClient,
     images: ImageRef,
 ) -> None:
@@ -780,7 +778,8 @@ def test_a_gateway_that_dies_during_the_run_is_a_warning_of_the_result(
         (job_dir / "input").mkdir(parents=True)
         (job_dir / "work").mkdir()
         spec = sandbox.RunSpec(
-            job_id=tid, job_dir=job_dir, image="fila/testnet:latest", argv=["sh", "-c", "sleep 3"],
+            job_id=tid, workspace=CopyWorkspace(job_dir),
+            image="fila/testnet:latest", argv=["sh", "-c", "sleep 3"],
             env={}, policy=_gateway_policy(upstreams), limits=None, timeout_ms=30_000,
             log_path=tmp_path / f"{tid}.log", labels={}, egress_dir=tmp_path / f"{tid}.egress",
         )  # fmt: skip
@@ -821,7 +820,7 @@ def test_containers_on_fila_egress_network_cannot_reach_each_other(
     opts = docker_client.networks.get(egress.DEFAULT_EGRESS_NETWORK).attrs["Options"]
     assert opts.get("com.docker.network.bridge.enable_icc") == "false", opts
     own = f"fila-test-icc-{secrets.token_hex(4)}"
-    docker_client.networks.create(own, driver="bridge", internal=True, labels={"fila.test": "icc"})
+    create_on_free_subnet(docker_client, own, options={}, labels={"fila.test": "icc"})
     knock = (
         "import socket,sys; s=socket.socket(); s.settimeout(3)\n"
         "try:\n s.connect((sys.argv[1], 8000)); print('connected')\n"
@@ -855,7 +854,7 @@ def test_containers_on_fila_egress_network_cannot_reach_each_other(
 
 def test_a_runtime_docker_lacks_is_refused_before_the_gateway_or_any_container_starts(
     tmp_path: Path,
-    upstreams: Upstreams,  # noqa: F811
+    upstreams: Upstreams,
     docker_client: docker.DockerClient,
     images: ImageRef,
 ) -> None:
@@ -868,7 +867,8 @@ def test_a_runtime_docker_lacks_is_refused_before_the_gateway_or_any_container_s
         (job_dir / "work").mkdir()
         policy = _gateway_policy(upstreams).model_copy(update={"runtime": runtime})
         return sandbox.RunSpec(
-            job_id=tid, job_dir=job_dir, image="fila/testnet:latest", argv=["true"], env={}, policy=policy,
+            job_id=tid, workspace=CopyWorkspace(job_dir),
+            image="fila/testnet:latest", argv=["true"], env={}, policy=policy,
             limits=None, timeout_ms=30_000, log_path=tmp_path / f"{tid}.log", labels={},
             egress_dir=tmp_path / f"{tid}.egress",
         )  # fmt: skip

@@ -9,28 +9,16 @@ on a broken stream about a minute).
 
 from __future__ import annotations
 
-import json
-import os
-import secrets
-import subprocess
-import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import docker
 import pytest
 
-from tests.helpers import fila, record
-from tests.test_engines import (
-    E2E_ENGINES,
-    HELLO,
-    KEY_VAR,
-    _image,
-    _script,
-    engine_root,  # noqa: F401  (the fixture)
-)
-from tests.upstreams.fixtures import Upstreams, upstreams  # noqa: F401  (the fixture)
+from tests.support.engines import E2E_ENGINES, HELLO, engine_image, model_script, run_engine_task
+from tests.support.marks import matrix_beyond
+from tests.support.policy import edit_policy
+from tests.upstreams import Upstreams
 
 pytestmark = [pytest.mark.docker, pytest.mark.engines]
 
@@ -39,58 +27,28 @@ TIMEOUT_MS = 20_000  # long enough for a node CLI to reach the model on a busy 2
 # past 20 s on a loaded one; the hang test asserts the request arrived, so aider gets ten times its
 # quiet start-up.
 TIMEOUT_MS_BY_ENGINE = {"aider": 45_000}
-GRACE_MS = 2_000  # the engine policies' grace (tests/test_engines.py _engine_policy)
+GRACE_MS = 2_000  # the engine policies' grace (tests/support/engines.py engine_policy)
 HANG_S = 120  # far beyond the timeout: only fila's stop can end the run in time
 LOG_CAP = 256 << 10
 HUGE = 2 << 20  # the model's final answer: 2 MiB of text, eight times the log cap
 
 
-def _with_policy(root: Path, engine: str, **fields: Any) -> None:
-    path = root / "policies" / f"{engine}.json"
-    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
-
-
-def _run(root: Path, engine: str, *extra: str) -> dict[str, Any]:
-    """Submit an engine task (tests/test_engines.py's, with `extra` options) and run it with
-    `fila run --once` in a child process, as a user would; the record, its log and fila's stderr."""
-    spec = E2E_ENGINES[engine]
-    secret = f"sk-test-{secrets.token_hex(16)}"
-    res = fila(
-        root,
-        *("submit", "--engine", engine, "--model", spec.model, "--target", "a.txt", "--policy", engine),
-        *("--prompt", "Create hello.txt saying hello.", *extra),
-        env={KEY_VAR: secret},
-    )
-    assert res.exit_code == 0, res.output
-    tid = res.stdout.strip()
-    done = subprocess.run(
-        [str(Path(sys.executable).with_name("fila")), "run", "--once", "--root", str(root)],
-        env={**os.environ, KEY_VAR: secret},
-        capture_output=True,
-        text=True,
-        timeout=420,
-    )
-    rec = record(root, tid)
-    rec["_stderr"] = done.stderr
-    rec["_log"] = (root / rec["log_path"]).read_text(errors="replace") if rec.get("log_path") else ""
-    return rec
-
-
-@pytest.mark.parametrize("engine", list(E2E_ENGINES))
+# gemini ignores SIGTERM: its case is the one that needs the kill after the grace
+@pytest.mark.parametrize("engine", matrix_beyond(E2E_ENGINES, "claude", "gemini"))
 def test_a_model_that_hangs_is_stopped_at_the_task_timeout_and_its_container_removed(
     engine: str,
-    engine_root: Path,  # noqa: F811
-    upstreams: Upstreams,  # noqa: F811
+    engine_root: Path,
+    upstreams: Upstreams,
     docker_client: docker.DockerClient,
 ) -> None:
     spec = E2E_ENGINES[engine]
     timeout_ms = TIMEOUT_MS_BY_ENGINE.get(engine, TIMEOUT_MS)
-    _image(docker_client, engine)
+    engine_image(docker_client, engine)
     # The first request hangs; a CLI that gives up and retries meets the same.
     upstreams.set_script([{"protocol": spec.protocol, "hang": HANG_S, "reply": {"text": "late"}}] * 4)
     upstreams.clear_requests()
     t0 = time.time()
-    rec = _run(engine_root, engine, "--timeout", str(timeout_ms))
+    rec = run_engine_task(engine_root, engine, "--timeout", str(timeout_ms))
     t1 = time.time()
     assert rec["status"] == "failed", (rec["status"], rec["_log"][-2000:])
     assert rec["error"]["kind"] == "timeout", (rec["error"], rec["_log"][-2000:])
@@ -117,21 +75,21 @@ def test_a_model_that_hangs_is_stopped_at_the_task_timeout_and_its_container_rem
     assert docker_client.containers.list(all=True, filters={"label": f"fila.job={job}"}) == []
 
 
-@pytest.mark.parametrize("engine", list(E2E_ENGINES))
+@pytest.mark.parametrize("engine", matrix_beyond(E2E_ENGINES, "claude", "codex", "gemini", "qwen"))
 def test_a_stream_cut_mid_way_is_not_a_success(
     engine: str,
-    engine_root: Path,  # noqa: F811
-    upstreams: Upstreams,  # noqa: F811
+    engine_root: Path,
+    upstreams: Upstreams,
     docker_client: docker.DockerClient,
 ) -> None:
     spec = E2E_ENGINES[engine]
-    _image(docker_client, engine)
+    engine_image(docker_client, engine)
     # The allowed counterpart is test_the_real_cli_edits_through_the_gateway_with_a_key_it_never_holds:
     # the same CLI, the same route, a whole stream -> needs_review. Here every answer breaks (the
     # CLI's retries included), then the script runs out (HTTP 500).
     upstreams.set_script([{"protocol": spec.protocol, "malformed": "truncated"}] * 8)
     upstreams.clear_requests()
-    rec = _run(engine_root, engine, "--timeout", "150000")
+    rec = run_engine_task(engine_root, engine, "--timeout", "150000")
     got = upstreams.requests("model.test")
     assert got and got[0]["step"] == 0, got  # the first answer the CLI met was the broken one
     assert rec["status"] == "failed", (rec["status"], rec["_log"][-2000:])
@@ -142,23 +100,25 @@ def test_a_stream_cut_mid_way_is_not_a_success(
 # Not gemini: after the 2 MiB answer its CLI sends a third request, which the two-step success
 # script has no step for (why is not traced), and retries the server's 500 until the task timeout.
 # Not aider: it spends minutes at 100% CPU on a 2 MiB answer, past the 240 s task timeout.
-@pytest.mark.parametrize("engine", [e for e in E2E_ENGINES if e not in ("gemini", "aider")])
+@pytest.mark.parametrize(
+    "engine", matrix_beyond([e for e in E2E_ENGINES if e not in ("gemini", "aider")], "claude", "codex")
+)
 def test_an_answer_larger_than_the_log_cap_is_capped_and_still_a_success(
     engine: str,
-    engine_root: Path,  # noqa: F811
-    upstreams: Upstreams,  # noqa: F811
+    engine_root: Path,
+    upstreams: Upstreams,
     docker_client: docker.DockerClient,
 ) -> None:
     spec = E2E_ENGINES[engine]
-    _image(docker_client, engine)
-    _with_policy(engine_root, engine, max_log_bytes=LOG_CAP)
-    script = _script(spec)
+    engine_image(docker_client, engine)
+    edit_policy(engine_root, engine, max_log_bytes=LOG_CAP)
+    script = model_script(spec)
     # The last answer as in the success script (aider's is its edit), then 2 MiB more text.
     big = script[-1]["reply"]["text"] + "\n" + "x" * HUGE
     script[-1] = {**script[-1], "reply": {"text": big}}
     upstreams.set_script(script)
     upstreams.clear_requests()
-    rec = _run(engine_root, engine)
+    rec = run_engine_task(engine_root, engine)
     assert [r["step"] for r in upstreams.requests("model.test")] == list(range(len(script)))
     # The CLI printed the whole answer (more than the cap); fila kept the cap and said so.
     log = (engine_root / rec["log_path"]).read_bytes()

@@ -12,11 +12,7 @@ fila and the egress gateway.
 from __future__ import annotations
 
 import json
-import os
 import secrets
-import subprocess
-import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +25,16 @@ from fila.engines import get_engine
 from fila.sandbox.base import RunOutput, RunSpec
 from fila.sandbox.docker.backend import DockerBackend
 from fila.workspace import snapshot as fila_snapshot
-from tests.helpers import fila, make_root, quick_for, record
-from tests.upstreams.fixtures import Upstreams, upstreams  # noqa: F401  (the fixture)
+from fila.workspace.strategy import CopyWorkspace
+from tests.support.engines import (
+    E2E_ENGINES,
+    engine_image,
+    model_script,
+    run_engine_task,
+)
+from tests.support.marks import quick_for
+from tests.support.policy import edit_policy
+from tests.upstreams import Upstreams
 
 FIXTURES = Path(__file__).parent / "fixtures" / "engines"
 
@@ -379,150 +383,6 @@ def test_a_task_without_a_prompt_is_refused_naming_the_field(engine: str) -> Non
 
 # -- end to end: the real CLI in its image, through fila and the egress gateway -----------------
 
-KEY_VAR = "FILA_TEST_ENGINE_KEY"
-HELLO = "hello from the model\n"
-USAGE = ({"input_tokens": 150, "output_tokens": 40}, {"input_tokens": 260, "output_tokens": 9})
-
-
-@dataclass(frozen=True)
-class E2E:
-    route: str  # the gateway route the engine's CLI talks to
-    protocol: str  # the model server's protocol for that CLI
-    model: str
-    tool: dict[str, Any]  # the scripted tool call that writes work/hello.txt
-    key_header: str  # where the real credential must arrive at the model server
-    key_format: str
-
-
-E2E_ENGINES = {
-    "claude": E2E(
-        "anthropic",
-        "anthropic",
-        "claude-sonnet-4-5",
-        {"name": "Write", "arguments": {"file_path": "/job/work/hello.txt", "content": HELLO}},
-        "x-api-key",
-        "{key}",
-    ),
-    "codex": E2E(
-        "openai",
-        "responses",
-        "gpt-5.5",
-        {
-            "name": "apply_patch",
-            "input": f"*** Begin Patch\n*** Add File: /job/work/hello.txt\n+{HELLO}*** End Patch\n",
-        },
-        "authorization",
-        "Bearer {key}",
-    ),
-    "opencode": E2E(
-        "openai",
-        "openai",
-        "m1",
-        {"name": "write", "arguments": {"filePath": "/job/work/hello.txt", "content": HELLO}},
-        "authorization",
-        "Bearer {key}",
-    ),
-    "gemini": E2E(
-        "gemini",
-        "gemini",
-        "gemini-2.5-pro",
-        {"name": "write_file", "arguments": {"file_path": "/job/work/hello.txt", "content": HELLO}},
-        "x-goog-api-key",
-        "{key}",
-    ),
-    "qwen": E2E(
-        "openai",
-        "openai",
-        "qwen3-coder-plus",
-        {"name": "write_file", "arguments": {"file_path": "/job/work/hello.txt", "content": HELLO}},
-        "authorization",
-        "Bearer {key}",
-    ),
-    # aider has no tools: its answer in the `whole` edit format names the file (one request).
-    "aider": E2E("openai", "openai", "m1", {}, "authorization", "Bearer {key}"),
-}
-
-
-def _script(spec: E2E) -> list[dict[str, Any]]:
-    if not spec.tool:
-        return [
-            {"protocol": spec.protocol, "reply": {"text": f"hello.txt\n```\n{HELLO}```\n"}, "usage": USAGE[0]}
-        ]
-    return [
-        {
-            "protocol": spec.protocol,
-            "when": "no_tool_result",
-            "reply": {"tool": spec.tool},
-            "usage": USAGE[0],
-        },
-        {
-            "protocol": spec.protocol,
-            "when": "tool_result",
-            "reply": {"text": "Wrote hello.txt."},
-            "usage": USAGE[1],
-        },
-    ]
-
-
-def _engine_policy(root: Path, ups: Upstreams, name: str, route: str) -> None:
-    policy_doc = {
-        "network": "allowlist",
-        "max_timeout_ms": 300_000,
-        "default_timeout_ms": 240_000,
-        "grace_ms": 2000,
-        "egress": {
-            "routes": {
-                route: {"upstream": "https://model.test", "credential": KEY_VAR, "ca_file": str(ups.ca_file)}
-            },
-            "allow_private": [ups.subnet],
-            "egress_network": ups.network,
-        },
-    }
-    (root / "policies" / f"{name}.json").write_text(json.dumps(policy_doc))
-
-
-def _run_engine_task(root: Path, engine: str, secret: str) -> dict[str, Any]:
-    spec = E2E_ENGINES[engine]
-    res = fila(
-        root,
-        *("submit", "--engine", engine, "--model", spec.model, "--target", "a.txt", "--policy", engine),
-        *("--prompt", "Create hello.txt saying hello."),
-        env={KEY_VAR: secret},
-    )
-    assert res.exit_code == 0, res.output
-    tid = res.stdout.strip()
-    done = subprocess.run(
-        [str(Path(sys.executable).with_name("fila")), "run", "--once", "--root", str(root)],
-        env={**os.environ, KEY_VAR: secret},
-        capture_output=True,
-        text=True,
-        timeout=420,
-    )
-    rec = record(root, tid)
-    rec["_stderr"] = done.stderr
-    rec["_log"] = (root / rec["log_path"]).read_text() if rec.get("log_path") else ""
-    return rec
-
-
-@pytest.fixture
-def engine_root(
-    tmp_path: Path,
-    upstreams: Upstreams,  # noqa: F811
-    docker_client: docker.DockerClient,
-    gateway_image: str,
-) -> Path:
-    make_root(tmp_path)
-    (tmp_path / "a.txt").write_text("hello\n")
-    for engine, spec in E2E_ENGINES.items():
-        _engine_policy(tmp_path, upstreams, engine, spec.route)
-    return tmp_path
-
-
-def _image(docker_client: docker.DockerClient, engine: str) -> None:
-    from fila.sandbox.images import ensure_image
-
-    ensure_image(engine, DockerBackend(docker_client), progress=lambda _l: None)
-
 
 @pytest.mark.docker
 @pytest.mark.engines
@@ -530,16 +390,16 @@ def _image(docker_client: docker.DockerClient, engine: str) -> None:
 def test_the_real_cli_edits_through_the_gateway_with_a_key_it_never_holds(
     engine: str,
     engine_root: Path,
-    upstreams: Upstreams,  # noqa: F811
+    upstreams: Upstreams,
     docker_client: docker.DockerClient,
 ) -> None:
     spec = E2E_ENGINES[engine]
-    _image(docker_client, engine)
+    engine_image(docker_client, engine)
     secret = f"sk-test-{secrets.token_hex(16)}"
-    script = _script(spec)
+    script = model_script(spec)
     upstreams.set_script(script)
     upstreams.clear_requests()
-    rec = _run_engine_task(engine_root, engine, secret)
+    rec = run_engine_task(engine_root, engine, secret=secret)
     assert rec["status"] == "needs_review", (rec["error"], rec["_log"][-2000:], rec["_stderr"][-2000:])
     # The CLI's edit is in the diff.
     patch = (engine_root / rec["patch_path"]).read_text()
@@ -586,19 +446,18 @@ def test_the_real_cli_edits_through_the_gateway_with_a_key_it_never_holds(
 @pytest.mark.engines
 def test_the_policys_deny_rules_reach_the_real_cli_in_a_fila_run(
     engine_root: Path,
-    upstreams: Upstreams,  # noqa: F811
+    upstreams: Upstreams,
     docker_client: docker.DockerClient,
 ) -> None:
     # The counterpart is the end-to-end test above: the same script writes hello.txt. Here the
     # policy denies hello.txt, and claude's own permission rule (written by the adapter from the
     # policy) refuses the write inside the CLI: the model asked, the tool answered with a denial.
-    _image(docker_client, "claude")
-    doc = json.loads((engine_root / "policies" / "claude.json").read_text())
-    (engine_root / "policies" / "claude.json").write_text(json.dumps({**doc, "deny": ["hello.txt"]}))
-    script = _script(E2E_ENGINES["claude"])
+    engine_image(docker_client, "claude")
+    edit_policy(engine_root, "claude", deny=["hello.txt"])
+    script = model_script(E2E_ENGINES["claude"])
     upstreams.set_script(script)
     upstreams.clear_requests()
-    rec = _run_engine_task(engine_root, "claude", f"sk-test-{secrets.token_hex(16)}")
+    rec = run_engine_task(engine_root, "claude")
     assert rec["status"] == "needs_review", (rec["error"], rec["_log"][-2000:], rec["_stderr"][-2000:])
     assert [r["step"] for r in upstreams.requests("model.test")] == [0, 1]  # it tried, was told no
     patch = (engine_root / rec["patch_path"]).read_text() if rec.get("patch_path") else ""
@@ -609,18 +468,28 @@ def test_the_policys_deny_rules_reach_the_real_cli_in_a_fila_run(
 
 @pytest.mark.docker
 @pytest.mark.engines
-@pytest.mark.parametrize("engine", list(E2E_ENGINES))
-@pytest.mark.parametrize(("status", "kind"), [(429, "quota"), (401, "auth")])
+@pytest.mark.parametrize(
+    ("engine", "status", "kind"),
+    # every CLI's 401 (seconds each); the 429s that end in seconds: qwen's, aider's and opencode's
+    # own retries last 40-140 s, and tests/test_fallback.py cuts qwen's short in every run
+    [(e, 401, "auth") for e in E2E_ENGINES]
+    + [
+        (e, 429, "quota")
+        if e in ("claude", "codex", "gemini")
+        else pytest.param(e, 429, "quota", marks=pytest.mark.matrix)
+        for e in E2E_ENGINES
+    ],
+)
 def test_a_429_is_quota_and_a_401_is_auth_with_the_clis_own_message(
     engine: str,
     status: int,
     kind: str,
     engine_root: Path,
-    upstreams: Upstreams,  # noqa: F811
+    upstreams: Upstreams,
     docker_client: docker.DockerClient,
 ) -> None:
     spec = E2E_ENGINES[engine]
-    _image(docker_client, engine)
+    engine_image(docker_client, engine)
     message = {
         429: "Number of request tokens has exceeded your per-minute rate limit",
         401: "invalid api key",
@@ -636,13 +505,15 @@ def test_a_429_is_quota_and_a_401_is_auth_with_the_clis_own_message(
     }
     upstreams.set_script([step] * 12)
     upstreams.clear_requests()
-    rec = _run_engine_task(engine_root, engine, f"sk-test-{secrets.token_hex(16)}")
+    rec = run_engine_task(engine_root, engine)
     assert rec["status"] == "failed", rec["_log"][-2000:]
     assert rec["error"]["kind"] == kind, (rec["error"], rec["_log"][-2000:])
     assert upstreams.requests("model.test"), "the CLI never reached the model server"
     # The CLI's first request met the scripted error (qwen and aider retry past the script's end,
     # where the server answers 500: the gateway's log still names the quota).
     assert upstreams.requests("model.test")[0]["status"] == status
+    # No fallback waits: the CLI's own retries stand, and fila never cuts the attempt short.
+    assert [a["cut_short"] for a in rec["attempts"]] == [None], rec["attempts"]
 
 
 @pytest.mark.docker
@@ -681,7 +552,7 @@ def _shell_spec(tmp_path: Path, script: str, **policy_kw: Any) -> RunSpec:
     doc = {"max_timeout_ms": 60_000, "default_timeout_ms": 20_000, "grace_ms": 1000} | policy_kw
     return RunSpec(
         job_id=job_id,
-        job_dir=job_dir,
+        workspace=CopyWorkspace(job_dir),
         image="fila/shell:latest",
         argv=["/bin/sh", "-c", script],
         env={"PATH": "/usr/bin:/bin"},
@@ -769,10 +640,10 @@ Frames = list[tuple[int, bytes]]
 
 
 def _pump(tmp_path: Path, followed: Frames, tail: Frames) -> tuple[RunOutput, bytes]:
-    from fila.sandbox.docker.backend import _LogPump
+    from fila.sandbox.docker.logs import LogPump
 
     log = tmp_path / f"{secrets.token_hex(4)}.log"
-    pump = _LogPump(lambda: iter(followed), log, 1 << 20, ["sk-pump-secret"], open_tail=lambda: iter(tail))
+    pump = LogPump(lambda: iter(followed), log, 1 << 20, ["sk-pump-secret"], open_tail=lambda: iter(tail))
     pump.run()
     assert pump.error is None
     return pump.output(), log.read_bytes()

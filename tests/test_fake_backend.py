@@ -23,17 +23,16 @@ from fila.run import job as cycle
 from fila.sandbox import get_backend
 from fila.sandbox.base import ROOT_LABEL, RunSpec
 from fila.sandbox.fake import NOT_A_SANDBOX, Act, FakeBackend
-
-from .helpers import fila, make_root, record, submit_shell
+from fila.workspace.strategy import CopyWorkspace
+from tests.support.cli import fila, submit_shell
+from tests.support.project import make_project, record
 
 CLI = [sys.executable, "-c", "from fila.cli import main; main()"]
 
 
 @pytest.fixture
 def root(tmp_path: Path) -> Root:
-    r = make_root(tmp_path / "proj")
-    (r.path / "greeting.txt").write_text("hello\n")
-    return r
+    return make_project(tmp_path / "proj")
 
 
 @pytest.fixture
@@ -60,7 +59,7 @@ def spec(tmp_path: Path, policy: Policy | None = None, **kw: object) -> RunSpec:
     (job_dir / "work").mkdir(exist_ok=True)
     fields: dict = dict(
         job_id="j1",
-        job_dir=job_dir,
+        workspace=CopyWorkspace(job_dir),
         image="fila/shell:latest",
         argv=["/bin/sh", "-c", "true"],
         env={},

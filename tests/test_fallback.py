@@ -10,10 +10,9 @@ scripted model server (tests/upstreams/README.md), falling back to the real shel
 from __future__ import annotations
 
 import json
-import os
+import re
 import secrets
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +22,10 @@ import pytest
 from fila.core.models import Policy, Task
 from fila.run.job import fallback_chain
 from fila.sandbox.docker.backend import DockerBackend
-from tests.helpers import fila, make_root, record
-from tests.upstreams.fixtures import Upstreams, upstreams  # noqa: F401  (the fixture)
+from tests.support.cli import fila, run_once_console
+from tests.support.policy import model_policy, model_route, write_policy
+from tests.support.project import make_root, record
+from tests.upstreams import Upstreams
 
 KEY_VAR = "FILA_TEST_FALLBACK_KEY"
 WRITE = {"name": "Write", "arguments": {"file_path": "/job/work/hello.txt", "content": "from claude\n"}}
@@ -32,22 +33,8 @@ RATE = "Number of request tokens has exceeded your per-minute rate limit"
 
 
 def _policy(root: Path, ups: Upstreams, name: str, **extra: Any) -> None:
-    route = {"upstream": "https://model.test", "credential": KEY_VAR, "ca_file": str(ups.ca_file)}
-    egress: dict[str, Any] = {
-        "routes": {"anthropic": route, "openai": route},
-        "allow_private": [ups.subnet],
-        "egress_network": ups.network,
-        **extra.pop("egress", {}),
-    }
-    doc = {
-        "network": "allowlist",
-        "max_timeout_ms": 300_000,
-        "default_timeout_ms": 240_000,
-        "grace_ms": 2000,
-        "egress": egress,
-        **extra,
-    }
-    (root / "policies" / f"{name}.json").write_text(json.dumps(doc))
+    route = model_route(ups, KEY_VAR)
+    write_policy(root, name, model_policy(ups, {"anthropic": route, "openai": route}, **extra))
 
 
 def _submit(root: Path, *args: str) -> str:
@@ -57,32 +44,31 @@ def _submit(root: Path, *args: str) -> str:
 
 
 def _run_once(root: Path, secret: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(Path(sys.executable).with_name("fila")), "run", "--once", "--root", str(root)],
-        env={**os.environ, KEY_VAR: secret},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return run_once_console(root, {KEY_VAR: secret}, timeout=600)
 
 
 def _log(root: Path, rel: str | None) -> str:
     return (root / rel).read_text(errors="replace") if rel else ""
 
 
+def _engines_root(path: Path, client: docker.DockerClient, engines: tuple[str, ...]) -> None:
+    """A queue root with a.txt, the engines' images built when missing."""
+    from fila.sandbox.images import ensure_image
+
+    for engine in engines:
+        ensure_image(engine, DockerBackend(client), progress=lambda _l: None)
+    make_root(path)
+    (path / "a.txt").write_text("hello\n")
+
+
 @pytest.fixture
 def fb_root(
     tmp_path: Path,
-    upstreams: Upstreams,  # noqa: F811
+    upstreams: Upstreams,
     docker_client: docker.DockerClient,
     gateway_image: str,
 ) -> Path:
-    from fila.sandbox.images import ensure_image
-
-    for engine in ("claude", "codex", "shell"):
-        ensure_image(engine, DockerBackend(docker_client), progress=lambda _l: None)
-    make_root(tmp_path)
-    (tmp_path / "a.txt").write_text("hello\n")
+    _engines_root(tmp_path, docker_client, ("claude", "codex", "shell"))
     _policy(tmp_path, upstreams, "chain", fallback=["shell"])  # the policy's default chain
     _policy(tmp_path, upstreams, "budget", fallback=["shell"], egress={"max_requests": 1})
     return tmp_path
@@ -92,7 +78,7 @@ def fb_root(
 @pytest.mark.engines
 def test_quota_falls_back_on_a_fresh_work_dir_and_budget_auth_and_engine_error_never_do(
     fb_root: Path,
-    upstreams: Upstreams,  # noqa: F811
+    upstreams: Upstreams,
 ) -> None:
     root, secret = fb_root, f"sk-test-{secrets.token_hex(16)}"
     shell_cmd = ("--command", "echo from shell >> a.txt")
@@ -131,8 +117,15 @@ def test_quota_falls_back_on_a_fresh_work_dir_and_budget_auth_and_engine_error_n
     assert "+from shell" in patch
     assert "hello.txt" not in patch, "the fallback saw the first engine's work/"
     assert rec["diffstat"]["paths"] == ["a.txt"]
-    shown = fila(root, "show", tid).stdout
-    assert "fell back: claude out of quota" in shown and first["log_path"] in shown
+    # Each attempt numbered, with its own outcome, exit code, image, log and egress (show and review).
+    assert [a["number"] for a in rec["attempts"]] == [1, 2] and {a["run"] for a in rec["attempts"]} == {1}
+    last = rec["attempts"][1]
+    assert (last["exit_code"], last["log_path"], last["image"]) == (0, rec["log_path"], rec["image"])
+    assert last["egress"] == rec["egress"] and last["duration_s"] is not None
+    for shown in (fila(root, "show", tid).stdout, fila(root, "review", tid, "--no-pager").stdout):
+        assert "1 claude: quota" in shown and "2 shell: success" in shown, shown
+        assert first["log_path"] in shown and rec["log_path"] in shown
+        assert re.search(r"egress \d+ allowed, \d+ denied; anthropic \d+ requests \(200: 1, 429: ", shown)
 
     # BLOCKED: the job's egress budget (max_requests 1) ends claude's run with the gateway's own
     # 429: a fallback would get no new budget, so the task fails as quota, naming the budget.
@@ -190,7 +183,7 @@ def _refusal_policy(root: Path, name: str, **doc: Any) -> None:
         "network": "allowlist",
         "egress": {"routes": {"anthropic": {"credential": KEY_VAR}}},
     }
-    (root / "policies" / f"{name}.json").write_text(json.dumps({**base, **doc}))
+    write_policy(root, name, {**base, **doc})
 
 
 @pytest.fixture
@@ -262,7 +255,7 @@ def test_a_prompt_over_the_policys_cap_is_refused_naming_the_field(sub_root: Pat
 @pytest.mark.engines
 def test_the_tasks_own_chain_runs_in_order_until_an_engine_is_not_out_of_quota(
     fb_root: Path,
-    upstreams: Upstreams,  # noqa: F811
+    upstreams: Upstreams,
 ) -> None:
     root = fb_root
     quota = {"error": {"status": 429, "message": RATE, "retry_after": 0}}
@@ -287,3 +280,140 @@ def test_the_tasks_own_chain_runs_in_order_until_an_engine_is_not_out_of_quota(
     paths = {r["path"].rsplit("/", 1)[-1] for r in upstreams.requests("model.test")}
     assert {"messages", "responses"} <= paths, paths
     assert "+from shell" in (root / rec["patch_path"]).read_text()
+
+
+# -- falling back promptly: the upstream's quota answer ends the attempt (docs/engines.md) ----------
+
+# Per-minute wording: gemini-cli retries it ten times with its own backoff (about four minutes), qwen
+# up to ten times a minute apart; cut short, each falls back within seconds.
+PER_MINUTE = {"status": 429, "message": RATE, "retry_after": 0}
+CUT_ENGINES = {  # engine: (route, the model server's protocol, model)
+    "gemini": ("gemini", "gemini", "gemini-2.5-pro"),
+    "qwen": ("openai", "openai", "qwen3-coder-plus"),
+}
+
+
+@pytest.fixture
+def cut_root(
+    tmp_path: Path,
+    upstreams: Upstreams,
+    docker_client: docker.DockerClient,
+    gateway_image: str,
+) -> Path:
+    _engines_root(tmp_path, docker_client, ("gemini", "qwen", "shell"))
+    route = {"upstream": "https://model.test", "credential": KEY_VAR, "ca_file": str(upstreams.ca_file)}
+    _policy(tmp_path, upstreams, "models", egress={"routes": {"gemini": route, "openai": route}})
+    return tmp_path
+
+
+@pytest.mark.docker
+@pytest.mark.engines
+@pytest.mark.parametrize("engine", list(CUT_ENGINES))
+def test_a_quota_answer_with_a_fallback_waiting_cuts_the_attempt_short_within_seconds(
+    engine: str,
+    cut_root: Path,
+    upstreams: Upstreams,
+) -> None:
+    root = cut_root
+    route, protocol, model = CUT_ENGINES[engine]
+    upstreams.set_script([{"protocol": protocol, "error": PER_MINUTE}] * 12)
+    upstreams.clear_requests()
+    tid = _submit(root, "--engine", engine, "--model", model, "--prompt", "Create hello.txt.",
+                  "--fallback", "shell", "--command", "echo from shell >> a.txt",
+                  "--policy", "models")  # fmt: skip
+    done = _run_once(root, f"sk-test-{secrets.token_hex(16)}")
+    rec = record(root, tid)
+    assert rec["status"] == "needs_review", (rec["error"], done.stderr[-2000:])
+    assert [(a["engine"], a["outcome"]) for a in rec["attempts"]] == [(engine, "quota"), ("shell", "success")]
+    first = rec["attempts"][0]
+    # The gateway saw the upstream's 429 and fila stopped the engine there, not after its retries:
+    # under 30 s of engine time (the CLI's own loop takes minutes), and the record says why.
+    assert first["duration_s"] is not None and first["duration_s"] < 30, first
+    assert first["cut_short"] and f"route {route} answered HTTP 429" in first["cut_short"], first
+    assert "fallback to shell" in first["cut_short"]
+    assert first["error"]["kind"] == "quota" and "cut short" in first["error"]["message"]
+    assert first["egress"]["routes"][route]["statuses"].get("429", 0) >= 1, first["egress"]
+    assert first["exit_code"] not in (0, None)
+    got = upstreams.requests("model.test")
+    assert got and {r["status"] for r in got} == {429} and len(got) < 10, [r["status"] for r in got]
+    assert rec["attempts"][1]["cut_short"] is None
+    assert "+from shell" in (root / rec["patch_path"]).read_text()
+    for shown in (fila(root, "show", tid).stdout, fila(root, "review", tid, "--no-pager").stdout):
+        assert f"1 {engine}: quota" in shown and first["cut_short"] in shown, shown
+
+
+def test_the_quota_watch_reads_the_upstreams_429_on_the_engines_routes_only(tmp_path: Path) -> None:
+    from fila.run.quota_watch import QuotaWatch
+    from fila.sandbox.base import StopRun
+
+    log = tmp_path / "log" / "egress.jsonl"
+    watch = QuotaWatch(log, ["openai"], then="shell")
+    assert watch.poll() is None  # no log yet: the gateway has not written it
+
+    def line(**kw: Any) -> str:
+        return json.dumps({"door": "route", "route": "openai", "allowed": True, "status": 200} | kw) + "\n"
+
+    log.parent.mkdir()
+    with log.open("a") as f:
+        f.write(line(status=None, reason="in flight"))
+        f.write(line())  # a model call that succeeded
+        f.write(line(route="gemini", status=429))  # not this engine's route
+        f.write(line(status=429, allowed=False, budget="max_requests"))  # the gateway's own budget
+        f.write(line(door="proxy", route=None, status=429, host="example.com"))  # not a model route
+        f.write(line(status=429)[:20])  # a line still being written
+    assert watch.poll() is None
+    watch.check()  # nothing to stop for
+    with log.open("a") as f:
+        f.write(line(status=429)[20:])
+    why = watch.poll()
+    assert why == (
+        "cut short for the fallback to shell: the model route openai answered HTTP 429 (gateway log)"
+    )
+    with pytest.raises(StopRun) as e:
+        watch.check()
+    assert e.value.reason == why
+
+
+def test_the_quota_watch_never_follows_a_link_in_place_of_the_log(tmp_path: Path) -> None:
+    from fila.run.quota_watch import QuotaWatch
+
+    elsewhere = tmp_path / "elsewhere.jsonl"
+    quota = {"door": "route", "route": "openai", "allowed": True, "status": 429}
+    elsewhere.write_text(json.dumps(quota) + "\n")
+    log = tmp_path / "log" / "egress.jsonl"
+    log.parent.mkdir()
+    log.symlink_to(elsewhere)
+    watch = QuotaWatch(log, ["openai"], then="shell")
+    assert watch.poll() is None
+    # The counterpart: the same line in the log itself stops the run.
+    log.unlink()
+    log.write_text(elsewhere.read_text())
+    assert QuotaWatch(log, ["openai"], then="shell").poll() is not None
+
+
+def test_a_record_of_an_older_version_still_loads_and_lists_its_attempts() -> None:
+    from fila.core.models import Record
+    from fila.review.report import attempt_lines
+
+    # Before attempts were numbered 1, 2, ...: both engines of the run had the claim's count, and
+    # only the engine that fell back had its own exit code and log.
+    older = {
+        "id": "t1",
+        "status": "needs_review",
+        "attempt": 1,
+        "attempts": [
+            {"number": 1, "engine": "claude", "outcome": "quota", "exit_code": 1,
+             "error": {"kind": "quota", "message": "429"}, "log_path": "fila/logs/t1.1-1-claude.log"},
+            {"number": 1, "engine": "shell", "outcome": "success"},
+        ],
+    }  # fmt: skip
+    rec = Record.model_validate(older)
+    assert [(a.run, a.duration_s, a.cut_short, a.egress) for a in rec.attempts] == [
+        (None, None, None, None)
+    ] * 2
+    lines = attempt_lines(rec, "attempt", 10)
+    assert lines == [
+        "attempt   1 claude: quota, exit 1",
+        "            log fila/logs/t1.1-1-claude.log",
+        "          1 shell: success",
+    ]

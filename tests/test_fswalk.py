@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import os
 import stat
-import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from fila.core.errors import FilaError, LimitExceeded
 from fila.workspace.fswalk import Tree, escape_name, read_file, walk
+from tests.support.spy import finishes, watch
 
 BIG = 1 << 40
 
@@ -20,25 +18,6 @@ BIG = 1 << 40
 def entries(root: Path, **kw: object) -> list[tuple[str, str]]:
     limits: dict = {"max_files": 1000, "max_bytes": BIG, **kw}
     return [(e.rel, e.kind) for e in walk(root, **limits)]
-
-
-def finishes(fn: Callable[[], object], seconds: float = 10) -> object:
-    """Run fn in a daemon thread: a blocking open on a FIFO fails the test instead of hanging."""
-    box: dict[str, object] = {}
-
-    def target() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as err:
-            box["error"] = err
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(seconds)
-    assert not t.is_alive(), "blocked"
-    if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    return box.get("value")
 
 
 @pytest.fixture
@@ -67,7 +46,7 @@ def test_walk_is_sorted_depth_first_and_never_follows_links(tree: Path) -> None:
     ]
 
 
-def test_entry_fields(tree: Path) -> None:
+def test_an_entry_has_the_size_mode_and_link_count_of_its_lstat(tree: Path) -> None:
     os.link(tree / "z", tree / "hard")
     by = {e.rel: e for e in walk(tree, max_files=100, max_bytes=BIG)}
     assert by["z"].size == 2 and stat.S_ISREG(by["z"].mode) and by["z"].nlink == 2
@@ -115,10 +94,9 @@ def test_limit_on_one_huge_directory_before_listing_it_all(tmp_path: Path) -> No
 def test_limit_on_bytes_uses_the_size_of_a_sparse_file_without_reading_it(tmp_path: Path) -> None:
     with open(tmp_path / "sparse", "wb") as f:
         f.truncate(1 << 40)  # 1 TB, no blocks
-    t = time.monotonic()
-    with pytest.raises(LimitExceeded, match="max_bytes=1073741824"):
+    with watch() as seen, pytest.raises(LimitExceeded, match="max_bytes=1073741824"):
         entries(tmp_path, max_bytes=1 << 30)
-    assert time.monotonic() - t < 2
+    assert not seen.read(tmp_path / "sparse")
 
 
 def test_limit_on_depth_and_path_length(tmp_path: Path) -> None:
@@ -166,7 +144,7 @@ def test_names_that_are_not_utf8_walk_and_read(tmp_path: Path) -> None:
     assert escape_name(e.rel) == "bad\\xff\\nname"
 
 
-def test_read_file(tmp_path: Path) -> None:
+def test_read_file_returns_a_regular_file_within_its_limit_and_refuses_the_rest(tmp_path: Path) -> None:
     (tmp_path / "f").write_bytes(b"12345")
     assert read_file(tmp_path / "f", max_bytes=5) == b"12345"
     with pytest.raises(LimitExceeded, match="5 bytes is over the limit of 4"):
@@ -189,10 +167,12 @@ def test_read_file_never_blocks_on_a_fifo(tmp_path: Path) -> None:
 def test_read_file_refuses_a_sparse_huge_file_before_reading(tmp_path: Path) -> None:
     with open(tmp_path / "sparse", "wb") as f:
         f.truncate(1 << 40)
-    t = time.monotonic()
-    with pytest.raises(LimitExceeded, match="1099511627776 bytes"):
-        read_file(tmp_path / "sparse", max_bytes=1 << 20)
-    assert time.monotonic() - t < 2
+    (tmp_path / "small").write_bytes(b"12345")
+    with watch() as seen:
+        assert read_file(tmp_path / "small", max_bytes=5) == b"12345"  # the allowed counterpart
+        with pytest.raises(LimitExceeded, match="1099511627776 bytes"):
+            read_file(tmp_path / "sparse", max_bytes=1 << 20)
+    assert seen.read(tmp_path / "small") and not seen.read(tmp_path / "sparse")
 
 
 def test_tree_never_goes_through_a_symlinked_directory(tmp_path: Path) -> None:
@@ -227,6 +207,6 @@ def test_tree_never_goes_through_a_symlinked_directory(tmp_path: Path) -> None:
         ("tab\tdel\x7f", "tab\\tdel\\x7f"),
     ],
 )
-def test_escape_name(name: str, shown: str) -> None:
+def test_escape_name_shows_every_name_as_printable_text(name: str, shown: str) -> None:
     assert escape_name(name) == shown
     assert escape_name(name).isprintable()

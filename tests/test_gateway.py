@@ -14,7 +14,6 @@ import html
 import ipaddress
 import json
 import os
-import random
 import re
 import shlex
 import time
@@ -30,15 +29,20 @@ import pytest
 from docker.errors import APIError, NotFound
 
 from fila.sandbox.images import GATEWAY_IMAGE
-
-from .upstreams.fixtures import CA_IN_CONTAINER, HARDENED, IMAGE, Upstreams, check_no_route_out
+from tests.upstreams.fixtures import (
+    CA_IN_CONTAINER,
+    HARDENED,
+    IMAGE,
+    Upstreams,
+    check_no_route_out,
+    create_on_free_subnet,
+)
 
 pytestmark = pytest.mark.docker
 
 LABEL = "fila.test"
 LABEL_VALUE = "gateway"
 SYSTEM_CA = Path("/etc/ssl/certs/ca-certificates.crt")
-JOB_POOL = ipaddress.ip_network("172.29.0.0/16")
 REAL_KEY = "sk-ant-REAL-" + uuid.uuid4().hex
 REAL_OPENAI_KEY = "sk-openai-REAL-" + uuid.uuid4().hex
 PLACEHOLDER = "fila-placeholder"
@@ -220,26 +224,10 @@ def start_gateway(
 
 def _job_network(client: docker.DockerClient, session: str) -> tuple[str, str]:
     """A network like fila's per-job one: internal, no IPv4 on the host side, no IPv6."""
-    subnets = list(JOB_POOL.subnets(new_prefix=24))
-    random.shuffle(subnets)
     name = f"fila-test-jobnet-{session}"
-    for sub in subnets[:32]:
-        ipam = docker.types.IPAMConfig(pool_configs=[docker.types.IPAMPool(subnet=str(sub))])
-        try:
-            client.networks.create(
-                name,
-                driver="bridge",
-                internal=True,
-                enable_ipv6=False,
-                ipam=ipam,
-                options={"com.docker.network.bridge.inhibit_ipv4": "true"},
-                labels=_labels(session),
-            )
-            return name, str(sub)
-        except APIError as e:
-            if "overlap" not in str(e).lower():
-                raise
-    raise RuntimeError(f"no free /24 in {JOB_POOL} for the job network")
+    options = {"com.docker.network.bridge.inhibit_ipv4": "true"}
+    _net, subnet = create_on_free_subnet(client, name, options=options, labels=_labels(session))
+    return name, subnet
 
 
 def _client(env_docker: docker.DockerClient, net: str, session: str, ups: Upstreams, **kw: Any) -> Any:

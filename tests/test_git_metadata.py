@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from fila.core.models import ImageRef
-
-from .helpers import fila, make_root, record, submit_shell
+from fila.core.layout import Root
+from tests.support.cli import fila, run_shell
+from tests.support.project import record
 
 pytestmark = pytest.mark.docker
 
@@ -27,18 +27,9 @@ BARE = (
 
 
 @pytest.fixture
-def proj(tmp_path: Path, shell_image: ImageRef) -> Path:
-    make_root(tmp_path)
-    (tmp_path / "greeting.txt").write_text("hello\n")
-    return tmp_path
-
-
-def run_task(proj: Path, command: str, *targets: str) -> str:
-    tid = submit_shell(proj, command, *targets)
-    res = fila(proj, "run", "--once")
-    assert res.exit_code == 0, res.output
-    assert record(proj, tid)["status"] == "needs_review"
-    return tid
+def proj(proj: Root) -> Path:
+    """The shared queue root (conftest), as the path this module's tests build on."""
+    return proj.path
 
 
 def project_files(proj: Path) -> dict[str, bytes]:
@@ -63,7 +54,7 @@ def warnings_of(proj: Path, tid: str) -> tuple[list[str], str, str]:
 
 
 def test_a_bare_repository_in_the_patch_is_refused_unless_allowed(proj: Path) -> None:
-    tid = run_task(proj, BARE)
+    tid = run_shell(proj, BARE)
     assert "vendor/lib/HEAD" in fila(proj, "diff", tid).stdout
     warnings, text, page = warnings_of(proj, tid)
     flagged = [w for w in warnings if "looks like a git repository" in w]
@@ -91,7 +82,7 @@ def test_a_patch_completing_a_repository_the_project_half_has_is_refused(proj: P
     for rel in ("store/objects/ab/x", "store/refs/heads/main"):
         (proj / rel).parent.mkdir(parents=True)
         (proj / rel).write_text("old\n")
-    tid = run_task(proj, "echo 'ref: refs/heads/main' > store/HEAD", "store")
+    tid = run_shell(proj, "echo 'ref: refs/heads/main' > store/HEAD", "store")
     warnings, _, _ = warnings_of(proj, tid)
     assert any("looks like a git repository" in w and "store/" in w for w in warnings)
     res = fila(proj, "apply", tid, "--yes")
@@ -104,7 +95,7 @@ def test_directories_named_objects_refs_or_head_alone_are_not_flagged(proj: Path
         "mkdir -p objects/ab refs docs && echo a > objects/ab/x && echo b > refs/y && "
         "echo c > docs/HEAD && sed -i s/hello/world/ greeting.txt"
     )
-    tid = run_task(proj, cmd)
+    tid = run_shell(proj, cmd)
     warnings, text, _ = warnings_of(proj, tid)
     assert not [w for w in warnings if "git repository" in w] and "git repository" not in text
     res = fila(proj, "apply", tid, "--yes")
@@ -127,7 +118,7 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_every_layout_git_opens_as_a_repository_is_refused_unless_allowed(proj: Path, layout: str) -> None:
-    tid = run_task(proj, LAYOUTS[layout])
+    tid = run_shell(proj, LAYOUTS[layout])
     warnings, text, _ = warnings_of(proj, tid)
     assert any("looks like a git repository" in w and "x/" in w for w in warnings), warnings
     assert FLAG in text

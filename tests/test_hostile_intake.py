@@ -39,10 +39,11 @@ from fila.core.states import valid_id
 from fila.queue import store as queue
 from fila.queue.policy import load_policy
 from fila.run.job import check_task, parse_task_bytes, parse_task_file
-
-from .helpers import fila as fila_in_process
-from .helpers import make_root
-from .test_durability import CLI, fila
+from tests.support.cli import CLI, submit_process
+from tests.support.cli import fila as fila_in_process
+from tests.support.cli import fila_process as fila
+from tests.support.project import make_project, make_root
+from tests.support.spy import finishes, watch
 
 S = Status
 GOOD = {"engine": "shell", "command": "echo changed > greeting.txt", "targets": ["greeting.txt"]}
@@ -51,10 +52,7 @@ HYP = settings(deadline=None, suppress_health_check=[HealthCheck.function_scoped
 
 @pytest.fixture(scope="module")
 def qroot(tmp_path_factory: pytest.TempPathFactory) -> Root:
-    path = tmp_path_factory.mktemp("hostile")
-    root = make_root(path)
-    (path / "greeting.txt").write_text("hello\n")
-    return root
+    return make_project(tmp_path_factory.mktemp("hostile"))
 
 
 # -- the poison set: every kind of entry, made in a directory ---------------------------------
@@ -225,13 +223,14 @@ def test_an_id_with_a_trailing_newline_is_not_an_id() -> None:
 def test_the_reader_refuses_every_non_regular_entry_without_opening_it(kind: str, tmp_path: Path) -> None:
     ok = tmp_path / "ok.json"
     ok.write_text(json.dumps(GOOD))
-    assert parse_task_file(ok).engine == "shell"  # the allowed counterpart
+    with watch() as seen:
+        assert parse_task_file(ok).engine == "shell"  # the allowed counterpart, read
+    assert seen.read(ok)
     path = tmp_path / "t.json"
     make_entry(kind, path, tmp_path / "aside")
-    t0 = time.monotonic()
-    with pytest.raises(InvalidTaskFile) as e:
-        parse_task_file(path)
-    assert time.monotonic() - t0 < 5, "nothing blocks"
+    with watch() as seen, pytest.raises(InvalidTaskFile) as e:
+        finishes(lambda: parse_task_file(path))  # nothing blocks
+    assert not [r for r in seen.reads if r.startswith(os.path.realpath(tmp_path))], seen.reads
     assert NAMED.get(kind, "a symlink") in str(e.value)
 
 
@@ -297,6 +296,14 @@ def test_any_task_bytes_end_as_a_task_or_an_input_error(qroot: Root, raw: bytes)
     path.unlink()
 
 
+def assert_input_error(e: InvalidInput) -> None:
+    """What an input error means here: the CLI's exit code for bad input (2), and a message with
+    words in it (not empty nor blank). Its text may hold what the input held (a key with a control
+    character): the CLI escapes it where it prints it (test_terminal_text)."""
+    assert e.exit_code == 2
+    assert e.message.strip(), repr(e.message)
+
+
 @HYP
 @given(doc=task_docs)
 def test_task_shaped_documents_with_a_hostile_field_end_as_a_task_or_an_input_error(
@@ -307,7 +314,7 @@ def test_task_shaped_documents_with_a_hostile_field_end_as_a_task_or_an_input_er
         task = parse_task_bytes(raw, source="stdin")
         check_task(qroot, task)
     except InvalidInput as e:
-        assert str(e)  # a message, never empty
+        assert_input_error(e)
         return
     # Accepted: every name it carries is clean, and it serialises back (a record can hold it).
     assert Task.model_validate_json(task.model_dump_json()) == task
@@ -327,7 +334,7 @@ def test_any_policy_bytes_end_as_a_policy_or_invalid_policy(qroot: Root, raw: by
     try:
         policy, ref = load_policy(qroot, "hyp")
     except InvalidPolicy as e:
-        assert str(e)
+        assert_input_error(e)
         return
     assert policy.max_timeout_ms >= policy.default_timeout_ms and len(ref.sha256) == 64
 
@@ -435,25 +442,11 @@ def test_submit_from_options_refuses_what_a_claim_would_refuse(qroot: Root) -> N
 
 @pytest.fixture
 def proj(tmp_path: Path, shell_image: ImageRef) -> Root:
-    root = make_root(tmp_path / "q")
-    (root.path / "greeting.txt").write_text("hello\n")
-    return root
+    return make_project(tmp_path / "q")
 
 
 def submit_good(root: Root, tid: str) -> None:
-    fila(
-        root,
-        "submit",
-        "--id",
-        tid,
-        "--engine",
-        "shell",
-        "--command",
-        GOOD["command"],
-        "--target",
-        "greeting.txt",
-        check=True,
-    )  # type: ignore[arg-type]
+    submit_process(root, tid, GOOD["command"], check=True)
 
 
 @pytest.mark.docker

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.docker
 FAKE_CA = "-----BEGIN CERTIFICATE-----\nZmlsYS10ZXN0LWNh\n-----END CERTIFICATE-----\n"
 
 
-def test_image_tag() -> None:
+def test_an_engines_image_is_tagged_fila_engine_latest() -> None:
     assert images.image_tag("shell") == "fila/shell:latest"
     assert "shell" in images.engines()
 
@@ -53,7 +53,7 @@ def test_find_image_missing_is_none(docker_client) -> None:
     assert images.find_image(DockerBackend(docker_client), f"fila/missing-{uuid.uuid4().hex[:8]}:x") is None
 
 
-def test_unknown_engine(docker_client) -> None:
+def test_building_an_unknown_engine_is_refused_naming_the_known_ones(docker_client) -> None:
     with pytest.raises(UnknownEngine) as info:
         images.build("no-such-engine", DockerBackend(docker_client))
     assert info.value.hint and "shell" in info.value.hint
@@ -184,7 +184,7 @@ def test_a_build_failing_on_an_untrusted_certificate_names_ca_file_and_the_hosts
 
 
 def test_images_build_takes_root_like_every_command(tmp_path: Path) -> None:
-    from tests.helpers import fila
+    from tests.support.cli import fila
 
     res = fila(tmp_path, "images", "build", "no-such-engine")  # `--root` is appended
     assert res.exit_code == 2 and "unknown engine" in res.output and "No such option" not in res.output, (

@@ -12,14 +12,12 @@ from fila.core.errors import TargetError
 from fila.core.layout import Root
 from fila.queue.policy import load_policy, narrow
 from fila.workspace import jobdir
-
-from .helpers import make_root, shell_task
+from tests.support.project import make_project, shell_task
 
 
 @pytest.fixture
 def root(tmp_path: Path) -> Root:
-    r = make_root(tmp_path).require()
-    (tmp_path / "greeting.txt").write_text("hello\n")
+    r = make_project(tmp_path).require()
     src = tmp_path / "src"
     src.mkdir()
     (src / "a.py").write_text("print('hello')\n")
@@ -108,3 +106,35 @@ def test_a_requeued_task_starts_from_a_clean_copy(root: Root) -> None:
     prep = prepare(root, ["greeting.txt"])
     assert (prep.job_dir / "work" / "greeting.txt").read_text() == "hello\n"
     assert not (prep.job_dir / "work" / "junk").exists()
+
+
+def test_both_strategies_give_a_backend_the_job_read_only_and_only_work_writable(tmp_path: Path) -> None:
+    """The Workspace seam (core/mounts.py) as a backend reads it: the copy binds the job's own
+    input/ and work/; the overlay binds the snapshot as input/ and makes work/ an overlay whose
+    writes land in the job's upper layer, counted by `usage` with the job directory."""
+    from fila.core.mounts import Bind, OverlayVolume, Workspace, overlay_of
+    from fila.workspace.snapshot import Overlay
+    from fila.workspace.strategy import CopyWorkspace, OverlayWorkspace
+
+    job = tmp_path / "job"
+    for d in ("input", "work"):
+        (job / d).mkdir(parents=True)
+    copy = CopyWorkspace(job)
+    assert isinstance(copy, Workspace) and copy.layers() is None and overlay_of(copy, "/job") is None
+    assert copy.mounts("/job") == [
+        Bind("/job", job.resolve(), read_only=True),
+        Bind("/job/input", job.resolve() / "input", read_only=True),
+        Bind("/job/work", job.resolve() / "work", read_only=False),
+    ]
+    lower, upper, scratch = tmp_path / "snap", tmp_path / "ov" / "upper", tmp_path / "ov" / "work"
+    for d in (lower, upper, scratch):
+        d.mkdir(parents=True)
+    (upper / "new.txt").write_bytes(b"x" * 10_000)
+    over = OverlayWorkspace(job, Overlay(lower, upper, scratch, 0, 0))
+    assert isinstance(over, Workspace)
+    volume = OverlayVolume("/job/work", lower, upper, scratch)
+    assert over.mounts("/job")[1:] == [Bind("/job/input", lower, read_only=True), volume]
+    assert overlay_of(over, "/job") == volume
+    assert volume.options() == f"lowerdir={lower},upperdir={upper},workdir={scratch},userxattr"
+    used, files = over.usage(max_bytes=1 << 30, max_files=1000)
+    assert (used, files) > copy.usage(max_bytes=1 << 30, max_files=1000) and used >= 10_000

@@ -32,10 +32,8 @@ LAYERS = [
 # fails on any other upward import, and on an entry here that no longer exists (so the list only
 # shrinks).
 KNOWN_UPWARD = {
-    # the engines' output type lives with the backends; it belongs in core with the adapter contract
-    ("fila.engines.base", "fila.sandbox.base"),
     # the text escaping of engine-chosen names lives with the tree walk; it belongs in core
-    ("fila.egress.config", "fila.workspace.fswalk"),
+    ("fila.egress.record", "fila.workspace.fswalk"),
 }
 
 
@@ -179,3 +177,18 @@ def test_only_the_container_backends_import_the_docker_sdk() -> None:
     )
     assert importers, "the check finds the backends' imports"
     assert all(p.startswith(("sandbox/docker/", "sandbox/podman/")) for p in importers), importers
+
+
+def test_the_backends_reach_the_job_directory_only_through_the_workspace_seam() -> None:
+    """A backend mounts and hands back a job's files through its RunSpec's Workspace
+    (core/mounts.py); how a job directory is made (jobdir, snapshot) is the workspace package's."""
+    graph = imports()
+    backends = [m for m in graph if m.startswith("fila.sandbox.")]
+    assert "fila.sandbox.docker.container" in backends
+    reach = {
+        (m, t)
+        for m in backends
+        for t in graph[m]
+        if t in ("fila.workspace.jobdir", "fila.workspace.snapshot")
+    }
+    assert reach == set()

@@ -19,10 +19,12 @@ from hypothesis import strategies as st
 from fila.core.errors import InvalidPolicy, InvalidTaskFile
 from fila.core.layout import Root
 from fila.core.models import MIN_CPUS, MIN_MEMORY, MIN_PIDS, MIN_SIZE, Limits, Policy, Task, parse_size
+from fila.engines.base import HOME
 from fila.queue.policy import load_policy, narrow, validate_document
 from fila.sandbox.docker import backend as sandbox
-
-from .helpers import fila, make_root, record
+from fila.workspace.strategy import CopyWorkspace
+from tests.support.cli import fila
+from tests.support.project import make_root, record
 
 SHIPPED = json.loads((Path(__file__).resolve().parents[1] / "policies" / "default.json").read_text())
 
@@ -93,7 +95,8 @@ def _job_spec(root: Root, policy: Policy, task: Task) -> sandbox.RunSpec:
     (job / "work").mkdir(exist_ok=True)
     eff = narrow(policy, task, name="p")
     return sandbox.RunSpec(
-        job_id="j", job_dir=job, image="fila/shell", argv=["/bin/sh", "-c", "true"], env={}, policy=policy,
+        job_id="j", workspace=CopyWorkspace(job),
+        image="fila/shell", argv=["/bin/sh", "-c", "true"], env={}, policy=policy,
         limits=eff.limits, timeout_ms=eff.timeout_ms, log_path=root.path / "j.log", labels={}, redact=[],
     )  # fmt: skip
 
@@ -119,7 +122,7 @@ def _caps(p: Policy) -> dict[str, int]:
         "memory": parse_size(p.memory), "memswap": parse_size(p.memory), "nano_cpus": int(p.cpus * 1e9),
         "pids": p.pids, "nofile.soft": p.nofile, "nofile.hard": p.nofile, "fsize.soft": fsize,
         "fsize.hard": fsize, "tmpfs /tmp": parse_size(p.tmpfs.tmp),
-        f"tmpfs {sandbox.HOME}": parse_size(p.tmpfs.home),
+        f"tmpfs {HOME}": parse_size(p.tmpfs.home),
     }  # fmt: skip
 
 
@@ -127,7 +130,7 @@ def _floors() -> dict[str, int]:
     return {
         "memory": MIN_MEMORY, "memswap": MIN_MEMORY, "nano_cpus": int(MIN_CPUS * 1e9), "pids": MIN_PIDS,
         "nofile.soft": 1, "nofile.hard": 1, "fsize.soft": MIN_SIZE, "fsize.hard": MIN_SIZE,
-        "tmpfs /tmp": MIN_SIZE, f"tmpfs {sandbox.HOME}": MIN_SIZE,
+        "tmpfs /tmp": MIN_SIZE, f"tmpfs {HOME}": MIN_SIZE,
     }  # fmt: skip
 
 
@@ -254,15 +257,8 @@ def test_the_last_check_before_docker_refuses_a_limit_the_models_did_not_see() -
         narrow(DEFAULT, sneaky)
 
 
-@pytest.fixture
-def proj(tmp_path: Path) -> Root:
-    root = make_root(tmp_path)
-    (tmp_path / "greeting.txt").write_text("hello\n")
-    return root
-
-
-def _task_file(proj: Root, name: str, limits: dict[str, Any], command: str = "true") -> Path:
-    f = proj.path / f"{name}.json"
+def _task_file(root: Root, name: str, limits: dict[str, Any], command: str = "true") -> Path:
+    f = root.path / f"{name}.json"
     f.write_text(
         json.dumps({"engine": "shell", "command": command, "targets": ["greeting.txt"], "limits": limits})
     )
@@ -283,11 +279,11 @@ def _task_file(proj: Root, name: str, limits: dict[str, Any], command: str = "tr
     ],
 )
 def test_submit_refuses_a_narrowing_that_widens_or_unlimits_naming_the_field(
-    proj: Root, limits: dict, field: str, why: str
+    root: Root, limits: dict, field: str, why: str
 ) -> None:
-    res = fila(proj.path, "submit", str(_task_file(proj, "ok", {"memory": "64m", "cpus": 0.5, "pids": 50})))
+    res = fila(root.path, "submit", str(_task_file(root, "ok", {"memory": "64m", "cpus": 0.5, "pids": 50})))
     assert res.exit_code == 0, res.output  # allowed counterpart
-    res = fila(proj.path, "submit", str(_task_file(proj, "bad", limits)))
+    res = fila(root.path, "submit", str(_task_file(root, "bad", limits)))
     assert res.exit_code == 2, res.output
     assert field in res.stderr and why in res.stderr, res.stderr
 
@@ -308,16 +304,16 @@ def test_submit_refuses_a_narrowing_that_widens_or_unlimits_naming_the_field(
     ],
 )
 def test_a_policy_weaker_than_its_fields_is_refused_at_submit_naming_the_field(
-    proj: Root, change: dict, field: str
+    root: Root, change: dict, field: str
 ) -> None:
-    (proj.policies_dir / "p.json").write_text(json.dumps(SHIPPED))
+    (root.policies_dir / "p.json").write_text(json.dumps(SHIPPED))
     res = fila(
-        proj.path, "submit", "--engine", "shell", "--command", "true", "-t", "greeting.txt", "--policy", "p"
+        root.path, "submit", "--engine", "shell", "--command", "true", "-t", "greeting.txt", "--policy", "p"
     )
     assert res.exit_code == 0, res.output  # allowed counterpart: the same file, unchanged
-    (proj.policies_dir / "p.json").write_text(json.dumps({**SHIPPED, **change}))
+    (root.policies_dir / "p.json").write_text(json.dumps({**SHIPPED, **change}))
     res = fila(
-        proj.path, "submit", "--engine", "shell", "--command", "true", "-t", "greeting.txt", "--policy", "p"
+        root.path, "submit", "--engine", "shell", "--command", "true", "-t", "greeting.txt", "--policy", "p"
     )
     assert res.exit_code == 2, res.output
     assert f"'{field}'" in res.stderr or f"{field} " in res.stderr, res.stderr
@@ -325,7 +321,7 @@ def test_a_policy_weaker_than_its_fields_is_refused_at_submit_naming_the_field(
 
 @pytest.mark.docker
 def test_a_narrowing_reaches_the_cgroup_and_zero_never_does(
-    proj: Root, shell_image: Any, started_containers: Any
+    root: Root, shell_image: Any, started_containers: Any
 ):
     """The real thing: the cgroup inside the container (v1 here, v2 elsewhere) holds the narrowed
     values; a "0" is refused at submit, and dropped into fila/in, at claim, with no container."""
@@ -333,19 +329,19 @@ def test_a_narrowing_reaches_the_cgroup_and_zero_never_does(
         "cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null || cat /sys/fs/cgroup/memory.max; "
         "cat /sys/fs/cgroup/pids/pids.max 2>/dev/null || cat /sys/fs/cgroup/pids.max"
     )
-    res = fila(proj.path, "submit", str(_task_file(proj, "ok", {"memory": "64m", "pids": 50}, probe)))
+    res = fila(root.path, "submit", str(_task_file(root, "ok", {"memory": "64m", "pids": 50}, probe)))
     assert res.exit_code == 0, res.output
     ok = res.stdout.strip()
-    res = fila(proj.path, "submit", str(_task_file(proj, "zero", {"memory": "0"}, probe)))
+    res = fila(root.path, "submit", str(_task_file(root, "zero", {"memory": "0"}, probe)))
     assert res.exit_code == 2 and "limits.memory" in res.stderr, res.output
-    dropped = proj.in_dir / "dropped-zero.json"
+    dropped = root.in_dir / "dropped-zero.json"
     dropped.write_text(json.dumps({"engine": "shell", "command": probe, "targets": ["greeting.txt"],
                                    "limits": {"memory": "0"}}))  # fmt: skip
-    res = fila(proj.path, "run", "--once")
-    assert record(proj.path, ok)["status"] == "needs_review", res.output
-    shown = (proj.logs_dir / f"{ok}.log").read_text().split()
+    res = fila(root.path, "run", "--once")
+    assert record(root.path, ok)["status"] == "needs_review", res.output
+    shown = (root.logs_dir / f"{ok}.log").read_text().split()
     assert shown[:2] == [str(64 << 20), "50"], shown
-    rec = record(proj.path, "dropped-zero")
+    rec = record(root.path, "dropped-zero")
     assert rec["status"] == "failed" and rec["error"]["kind"] == "invalid", rec
     assert "limits.memory" in rec["error"]["message"]
     assert started_containers.count() == 1, "only the allowed task ran a container"
@@ -353,24 +349,24 @@ def test_a_narrowing_reaches_the_cgroup_and_zero_never_does(
 
 @pytest.mark.docker
 def test_a_task_queued_before_the_floors_is_refused_at_claim_and_its_record_still_reads(
-    proj: Root, shell_image: Any, started_containers: Any
+    root: Root, shell_image: Any, started_containers: Any
 ) -> None:
     """A record is history: one written by an older fila (memory "0" was accepted then) still
     loads for ls and show, and its task never runs with the unlimited value."""
-    res = fila(proj.path, "submit", str(_task_file(proj, "ok", {"memory": "64m"})))
+    res = fila(root.path, "submit", str(_task_file(root, "ok", {"memory": "64m"})))
     assert res.exit_code == 0, res.output
     ok = res.stdout.strip()
-    res = fila(proj.path, "submit", str(_task_file(proj, "old", {"memory": "64m"})))
+    res = fila(root.path, "submit", str(_task_file(root, "old", {"memory": "64m"})))
     old = res.stdout.strip()
-    for path in (proj.record_path(old), proj.queued_path(old)):  # as an older fila wrote them
+    for path in (root.record_path(old), root.queued_path(old)):  # as an older fila wrote them
         data = json.loads(path.read_text())
         data.get("task", data)["limits"] = {"memory": "0"}
         path.write_text(json.dumps(data))
-    assert old in fila(proj.path, "ls").stdout and fila(proj.path, "show", old).exit_code == 0
-    fila(proj.path, "run", "--once")
-    assert record(proj.path, ok)["status"] == "needs_review"
-    rec = record(proj.path, old)
+    assert old in fila(root.path, "ls").stdout and fila(root.path, "show", old).exit_code == 0
+    fila(root.path, "run", "--once")
+    assert record(root.path, ok)["status"] == "needs_review"
+    rec = record(root.path, old)
     assert rec["status"] == "failed" and rec["error"]["kind"] == "invalid", rec
     assert "limits.memory" in rec["error"]["message"]
     assert started_containers.count() == 1, "only the valid task started a container"
-    assert fila(proj.path, "show", old).exit_code == 0
+    assert fila(root.path, "show", old).exit_code == 0

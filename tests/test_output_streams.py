@@ -24,6 +24,7 @@ from fila.core.models import Policy
 from fila.engines import get_engine
 from fila.sandbox import Backend, RunSpec, get_backend
 from fila.sandbox.base import ROOT_LABEL
+from fila.workspace.strategy import CopyWorkspace
 
 pytestmark = pytest.mark.docker
 
@@ -58,7 +59,7 @@ def test_the_log_has_both_streams_and_the_output_keeps_them_apart(backend: Backe
     )
     spec = RunSpec(
         job_id=job_id,
-        job_dir=job_dir,
+        workspace=CopyWorkspace(job_dir),
         image="fila/shell:latest",
         argv=["/bin/sh", "-c", script],
         env={"PATH": "/usr/bin:/bin"},
@@ -88,13 +89,12 @@ def test_the_log_has_both_streams_and_the_output_keeps_them_apart(backend: Backe
 @pytest.mark.skipif(os.getuid() != 0, reason="creating an ordinary user for the test needs root")
 @pytest.mark.skipif(shutil.which("podman") is None, reason="scripts/podman-up installs podman")
 def test_the_streams_stay_apart_on_rootless_podman_as_an_ordinary_user() -> None:
-    from .test_podman import _python_for_others, podman_user, pytest_as_user
-    from .test_unprivileged import tests_for_others
+    from tests.support.users import podman_user, pytest_as_user, python_for_others, readable_tests_dir
 
-    python = _python_for_others()
+    python = python_for_others()
     if python is None:
         pytest.skip(f"no Python {sys.version_info[:2]} an ordinary user may run")
-    here = tests_for_others()
+    here = readable_tests_dir()
     with podman_user() as user:
         out = pytest_as_user(user, python, here, ["test_output_streams.py"], timeout=600)
     m = re.search(r"(\d+) passed", out)

@@ -12,33 +12,28 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import pwd
 import re
-import secrets
 import shutil
 import stat
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from fila.core.models import Policy
 from fila.sandbox.base import RunSpec
 from fila.sandbox.docker import backend as dk
+from fila.sandbox.docker.container import docker_error
 from fila.sandbox.podman.backend import libpod_spec, overlay_why
+from fila.workspace.strategy import CopyWorkspace, OverlayWorkspace
+from tests.support.policy import policy
+from tests.support.users import podman_user, pytest_as_user, python_for_others, readable_tests_dir
 
 AS_USER = os.environ.get("FILA_CONTRACT_BACKEND") == "podman" and os.getuid() != 0
 as_user = pytest.mark.skipif(not AS_USER, reason="runs as the Podman test user (the root test starts it)")
-
-
-def _policy(**kw: object) -> Policy:
-    return Policy.model_validate(dict(max_timeout_ms=60_000, default_timeout_ms=10_000) | kw)
 
 
 def _kwargs(tmp_path: Path, **kw: object) -> dict[str, object]:
@@ -47,11 +42,11 @@ def _kwargs(tmp_path: Path, **kw: object) -> dict[str, object]:
     (job / "work").mkdir(exist_ok=True)
     spec = RunSpec(
         job_id="t1",
-        job_dir=job,
+        workspace=CopyWorkspace(job),
         image="fila/shell:latest",
         argv=["sh", "-c", "true"],
         env={"A": "1"},
-        policy=_policy(**kw),
+        policy=policy(**kw),
         limits=None,
         timeout_ms=1000,
         log_path=tmp_path / "log",
@@ -100,9 +95,9 @@ def _overlay_kwargs(tmp_path: Path) -> dict[str, object]:
     (job / "input").mkdir(parents=True, exist_ok=True)
     (job / "work").mkdir(exist_ok=True)
     ov = Overlay(tmp_path / "snap" / "tree", tmp_path / "ov" / "upper", tmp_path / "ov" / "work", 1, 1)
-    spec = RunSpec(job_id="t1", job_dir=job, image="fila/shell:latest", argv=["true"], env={},
-                   policy=_policy(), limits=None, timeout_ms=1000, log_path=tmp_path / "log",
-                   labels={"fila.root": "/q"}, overlay=ov)  # fmt: skip
+    spec = RunSpec(job_id="t1", workspace=OverlayWorkspace(job, ov), image="fila/shell:latest",
+                   argv=["true"], env={}, policy=policy(), limits=None, timeout_ms=1000,
+                   log_path=tmp_path / "log", labels={"fila.root": "/q"})  # fmt: skip
     return dk.create_kwargs(spec, "fila-t1-x")
 
 
@@ -217,11 +212,11 @@ def test_recovery_on_podman_sweeps_a_container_no_worker_holds(tmp_path: Path) -
     (job / "work").mkdir()
     spec = RunSpec(
         job_id="20260101-000000-abcdef",
-        job_dir=job,
+        workspace=CopyWorkspace(job),
         image="fila/shell:latest",
         argv=["sh", "-c", "sleep 50"],
         env={"PATH": "/bin:/usr/bin"},
-        policy=_policy(waive=["memory", "pids", "cpus"]),
+        policy=policy(waive=["memory", "pids", "cpus"]),
         limits=None,
         timeout_ms=55_000,
         log_path=tmp_path / "log",
@@ -379,87 +374,25 @@ def test_an_overlay_job_on_rootless_podman_writes_the_patch_the_copy_writes_and_
     assert os.readlink(q / "link") == "greeting.txt" and (q / "src" / "a.py").stat().st_mode & 0o100
     code, out = _cli("gc", "--older-than", "0s", "--root", str(q))
     assert code == 0, out
-    assert not snapshot.overlay_dir(Root.at(q), over["id"]).exists()
+    assert not Root.at(q).overlay_dir(over["id"]).exists()
 
 
 # -- the driver (root) ---------------------------------------------------------------------------
-
-
-def _python_for_others() -> str | None:
-    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
-    for cand in (Path(sys.executable), Path(f"/usr/bin/python{version}")):
-        path = cand.resolve()
-        if path.exists() and all(os.stat(p).st_mode & 0o001 for p in (path, *path.parents)):
-            return str(cand)
-    return None
-
-
-@contextlib.contextmanager
-def podman_user() -> Iterator[str]:
-    """A throwaway user with subordinate ids (useradd gives them) and no docker group."""
-    name = f"filapm{secrets.token_hex(3)}"
-    subprocess.run(["useradd", "--create-home", "--shell", "/bin/sh", "--user-group", name],
-                   check=True, capture_output=True)  # fmt: skip
-    pw = pwd.getpwnam(name)
-    try:
-        yield name
-    finally:
-        # Only the processes of the user made here: its Podman service, conmon, containers.
-        for _ in range(50):  # userdel refuses a user with a process left: kill -9 is not instant
-            pids = subprocess.run(
-                ["pgrep", "-u", str(pw.pw_uid)], capture_output=True, text=True
-            ).stdout.split()
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError, ValueError):
-                    os.kill(int(pid), 9)
-            if subprocess.run(["userdel", name], capture_output=True).returncode in (0, 6):  # 6: gone
-                break
-            time.sleep(0.2)
-        shutil.rmtree(pw.pw_dir, ignore_errors=True)
-        shutil.rmtree(f"/tmp/podman-run-{pw.pw_uid}", ignore_errors=True)
-        shutil.rmtree(f"/tmp/pytest-of-{name}", ignore_errors=True)
 
 
 @pytest.mark.docker
 @pytest.mark.skipif(os.getuid() != 0, reason="creating an ordinary user for the test needs root")
 @pytest.mark.skipif(shutil.which("podman") is None, reason="scripts/podman-up installs podman")
 def test_the_contract_and_the_cycle_pass_on_rootless_podman_as_an_ordinary_user() -> None:
-    python = _python_for_others()
+    python = python_for_others()
     if python is None:
         pytest.skip(f"no Python {sys.version_info[:2]} an ordinary user may run")
-    from .test_unprivileged import tests_for_others
-
-    here = tests_for_others()  # the checkout may be below a 0700 directory (CI): then a readable copy
+    here = readable_tests_dir()  # the checkout may be below a 0700 directory (CI): then a readable copy
     with podman_user() as user:
         out = pytest_as_user(user, python, here, ["test_backend_contract.py", "test_podman.py"], timeout=900)
     m = re.search(r"(\d+) passed", out)
     # 7 contract tests, 4 cycle tests on Podman, 5 pure ones: all ran as the user.
     assert m is not None and int(m.group(1)) == 16 and "skipped" not in out, out[-3000:]
-
-
-def pytest_as_user(user: str, python: str, here: Path, files: list[str], *, timeout: float) -> str:
-    """Run the cases of `files` (tests/ as `here`: the readable copy) not named `ordinary_user`
-    as `user`, on rootless Podman (FILA_CONTRACT_BACKEND=podman), with nothing of root's
-    environment; pytest's output, once it has passed (the caller counts what ran)."""
-    from .test_unprivileged import _code_for_others
-
-    env = {
-        "PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
-        "HOME": pwd.getpwnam(user).pw_dir,
-        "FILA_CONTRACT_BACKEND": "podman",
-        "PYTHONPATH": _code_for_others(),
-        "PYTHONDONTWRITEBYTECODE": "1",
-    }
-    with tempfile.TemporaryDirectory(prefix="fila-podman-") as tmp:
-        os.chmod(tmp, 0o777)
-        argv = ["runuser", "-u", user, "--", "env", "-i", *(f"{k}={v}" for k, v in env.items()),
-                python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs", f"--basetemp={tmp}/t",
-                "--rootdir", str(here.parent), *(str(here / f) for f in files),
-                "-k", "not ordinary_user"]  # fmt: skip
-        res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=tmp)
-    out = res.stdout + res.stderr
-    assert res.returncode == 0, out[-6000:]
-    return out
 
 
 def test_a_podman_engine_error_says_check_podman_info_and_names_the_socket_fila_used(tmp_path: Path) -> None:
@@ -487,21 +420,21 @@ def test_a_podman_engine_error_says_check_podman_info_and_names_the_socket_fila_
         backend.image_info("fila/shell:latest")
     spec = RunSpec(
         job_id="t1",
-        job_dir=tmp_path,
+        workspace=CopyWorkspace(tmp_path),
         image="fila/shell:latest",
         argv=["true"],
         env={},
-        policy=_policy(),
+        policy=policy(),
         limits=None,
         timeout_ms=1000,
         log_path=tmp_path / "log",
         labels={},
     )
     with pytest.raises(InfraError) as run_err, backend.client():
-        raise dk._docker_error(spec, "starting the container", requests.ConnectionError("refused"))
+        raise docker_error(spec, "starting the container", requests.ConnectionError("refused"))
     for err in (image_err.value, run_err.value):
         assert err.hint and "`podman info`" in err.hint and str(sock) in err.hint, err.hint
         assert "docker" not in err.hint.lower(), err.hint
     assert run_err.value.hint and "retried" in run_err.value.hint
     # The Docker backend's own hint for the same error names Docker.
-    assert "`docker info`" in (dk._docker_error(spec, "x", requests.ConnectionError()).hint or "")
+    assert "`docker info`" in (docker_error(spec, "x", requests.ConnectionError()).hint or "")

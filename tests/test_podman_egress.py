@@ -36,6 +36,8 @@ from fila.sandbox.base import RunSpec
 from fila.sandbox.docker import backend as dk
 from fila.sandbox.podman.backend import libpod_spec
 from fila.sandbox.podman.egress import gateway_spec, job_network_spec
+from fila.workspace.strategy import CopyWorkspace
+from tests.support.policy import write_policy
 
 AS_USER = os.environ.get("FILA_CONTRACT_BACKEND") == "podman" and os.getuid() != 0
 as_user = pytest.mark.skipif(not AS_USER, reason="runs as the Podman test user (the root test starts it)")
@@ -66,7 +68,7 @@ def _spec(tmp_path: Path) -> RunSpec:
     )
     return RunSpec(
         job_id="t1",
-        job_dir=job,
+        workspace=CopyWorkspace(job),
         image="fila/testnet:latest",
         argv=["sh", "-c", "true"],
         env={},
@@ -254,7 +256,7 @@ def _policy(q: Path, ups: PodmanUpstreams, **egress: Any) -> None:
         }
         | egress,
     }
-    (q / "policies" / "allow.json").write_text(json.dumps(doc))
+    write_policy(q, "allow", doc)
 
 
 def _submit(q: Path, command: str, env: dict[str, str]) -> str:
@@ -493,15 +495,13 @@ def test_allowlist_passes_on_rootless_podman_as_an_ordinary_user(
     from fila.egress import config as egress
     from fila.sandbox.docker.backend import DockerBackend
     from fila.sandbox.images import ensure_image
+    from tests.support.users import podman_user, pytest_as_user, python_for_others, readable_tests_dir
 
-    from .test_podman import _python_for_others, podman_user, pytest_as_user
-    from .test_unprivileged import tests_for_others
-
-    python = _python_for_others()
+    python = python_for_others()
     if python is None:
         pytest.skip(f"no Python {sys.version_info[:2]} an ordinary user may run")
     ensure_image("testnet", DockerBackend(docker_client), progress=lambda _l: None)
-    here = tests_for_others()
+    here = readable_tests_dir()
     with podman_user() as user:
         home = pwd.getpwnam(user).pw_dir
         # The cheapest honest way into the user's storage: the very images Docker built (their

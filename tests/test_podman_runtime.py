@@ -21,6 +21,7 @@ import pytest
 
 from fila.core.errors import EngineUnavailable
 from fila.sandbox.podman import backend as podman
+from fila.sandbox.podman import service as podman_service
 
 pytestmark = [
     pytest.mark.skipif(os.getuid() != 0, reason="making another uid's directory needs root"),
@@ -31,7 +32,8 @@ OTHER = 65534  # another local user: nobody
 
 @pytest.fixture(autouse=True)
 def _short_lived_service(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(podman, "SERVICE_IDLE_S", 3)  # the services these tests start end by themselves
+    # the services these tests start end by themselves
+    monkeypatch.setattr(podman_service, "SERVICE_IDLE_S", 3)
 
 
 def _theirs(path: Path, mode: int = 0o777) -> Path:
@@ -102,7 +104,7 @@ def test_the_default_runtime_directory_and_its_parent_must_both_be_the_users(
     """Where the socket is Podman's default (/tmp/podman-run-$UID/podman/podman.sock without
     XDG_RUNTIME_DIR), the runtime directory above the socket's is checked too: pause.pid is there."""
     run = tmp_path / "podman-run"
-    monkeypatch.setattr(podman, "default_socket", lambda: run / "podman" / "podman.sock")
+    monkeypatch.setattr(podman_service, "default_socket", lambda: run / "podman" / "podman.sock")
     b = podman.PodmanBackend(say=lambda _m: None)
     assert b.socket == run / "podman" / "podman.sock"
     b.ping()  # allowed: missing, so fila makes both and starts the service in them
@@ -204,12 +206,10 @@ def test_the_overlay_scratch_a_container_label_names_is_checked_against_the_job_
 def _as(user: str, python: str, code: str) -> subprocess.CompletedProcess[str]:
     """`code` run by `user` as the tests' driver runs fila: env -i, no XDG_RUNTIME_DIR, so the
     runtime directory is /tmp/podman-run-$UID, which any local user could have made first."""
-    from .test_unprivileged import _code_for_others
+    from tests.support.users import as_user, podman_env
 
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": pwd.getpwnam(user).pw_dir,
-           "PYTHONPATH": _code_for_others(), "PYTHONDONTWRITEBYTECODE": "1"}  # fmt: skip
-    argv = ["runuser", "-u", user, "--", "env", "-i", *(f"{k}={v}" for k, v in env.items())]
-    return subprocess.run([*argv, python, "-c", code], capture_output=True, text=True, timeout=120, cwd="/")
+    argv = [*as_user(user, podman_env(user)), python, "-c", code]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd="/")
 
 
 _PING = (
@@ -231,9 +231,9 @@ def test_another_local_users_podman_run_directory_is_refused_and_the_users_own_i
     a link where fila writes its config); the victim's fila refuses it, naming it and its owner, and
     writes nothing through the link. Once it is gone, fila makes its own and real rootless Podman
     answers there (the counterpart)."""
-    from .test_podman import _python_for_others, podman_user
+    from tests.support.users import podman_user, python_for_others
 
-    python = _python_for_others()
+    python = python_for_others()
     if python is None:
         pytest.skip(f"no Python {sys.version_info[:2]} an ordinary user may run")
     with podman_user() as victim, podman_user() as attacker:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from .test_run_path import run_as_podman_user
+from tests.support.users import run_as_podman_user
 
 pytestmark = pytest.mark.docker
 

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from fila.core.layout import Root
-
-from .helpers import fila, make_root, record
+from tests.support.cli import fila
+from tests.support.project import make_root, record
 
 CLI = [sys.executable, "-c", "from fila.cli import main; main()"]
 SHIPPED = json.loads((Path(__file__).resolve().parents[1] / "policies" / "default.json").read_text())

@@ -16,15 +16,7 @@ from fila.core.errors import DuplicateId, InvalidId, InvalidTransition
 from fila.core.layout import Root
 from fila.core.models import Status
 from fila.queue import store as queue
-
-from .helpers import make_root, shell_task
-
-
-@pytest.fixture
-def root(tmp_path: Path) -> Root:
-    r = make_root(tmp_path)
-    (tmp_path / "greeting.txt").write_text("hello\n")
-    return r.require()
+from tests.support.project import shell_task
 
 
 def test_enqueue_writes_record_and_task_file(root: Root) -> None:
@@ -70,7 +62,7 @@ def test_completion_and_reaping_race_on_one_rename(root: Root) -> None:
     assert not queue.heartbeat(c)
 
 
-def test_transitions_are_checked(root: Root) -> None:
+def test_only_the_state_machines_transitions_are_written_each_as_an_event(root: Root) -> None:
     queue.enqueue(root, "t1", shell_task())
     with pytest.raises(InvalidTransition):
         queue.set_status(root, "t1", Status.applied)

@@ -13,7 +13,6 @@ import re
 import secrets
 import shlex
 import subprocess
-import sys
 from pathlib import Path
 
 import docker
@@ -25,9 +24,10 @@ from fila.egress import config as egress
 from fila.engines import engine_names, get_engine
 from fila.run.job import check_task
 from fila.workspace import secretscan
-from tests.helpers import fila, make_root, record
-from tests.test_engines import _image
-from tests.upstreams.fixtures import Upstreams, upstreams  # noqa: F401  (the fixture)
+from tests.support.cli import FILA_SCRIPT, fila
+from tests.support.engines import engine_image
+from tests.support.project import make_root, record
+from tests.upstreams import Upstreams
 
 README = Path(__file__).parents[1] / "README.md"
 VENDORS = {"anthropic": "ANTHROPIC_API_KEY", "openai": "OPENAI_API_KEY", "gemini": "GEMINI_API_KEY"}
@@ -208,16 +208,16 @@ def _answering(argv: list[str], cwd: Path, env: dict[str, str], answer: str) -> 
 @pytest.mark.engines
 def test_the_readmes_quick_start_runs_as_written_with_the_key_in_the_usual_variable(
     tmp_path: Path,
-    upstreams: Upstreams,  # noqa: F811
+    upstreams: Upstreams,
     docker_client: docker.DockerClient,
     gateway_image: str,
 ) -> None:
-    _image(docker_client, "claude")
+    engine_image(docker_client, "claude")
     project = tmp_path / "project"
     project.mkdir()
     (project / "README.md").write_text("Teh quick brown fox.\n")
     secret = f"sk-ant-test-{secrets.token_hex(16)}"
-    exe = str(Path(sys.executable).with_name("fila"))
+    exe = FILA_SCRIPT
     env = {**os.environ, "ANTHROPIC_API_KEY": secret}
     env.pop("FILA_ROOT", None)  # the quick start runs in the project directory
     upstreams.set_script([

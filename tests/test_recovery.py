@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import time
-from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -25,19 +24,11 @@ from fila.queue import store as queue
 from fila.recovery import recover as recovery
 from fila.run import job as cycle
 from fila.sandbox.fake import FakeBackend
-
-from .helpers import fake_backend, make_root, shell_task
+from tests.support.project import fake_backend, shell_task
 
 S = Status
 GONE: lease.AliveFn = lambda _w: "gone"  # noqa: E731
 ALIVE: lease.AliveFn = lambda _w: "alive"  # noqa: E731
-
-
-@pytest.fixture
-def root(tmp_path: Path) -> Root:
-    r = make_root(tmp_path)
-    (tmp_path / "greeting.txt").write_text("hello\n")
-    return r.require()
 
 
 def recover(
@@ -282,7 +273,7 @@ def test_retry_is_a_recorded_decision_and_refused_while_recovery_is_pending(root
         queue.retry(root, "t1", by="ana")
 
 
-def test_recover_and_status_commands(root: Root) -> None:
+def test_status_shows_a_gone_workers_claim_and_only_recovery_with_docker_decides_it(root: Root) -> None:
     started(root, worker=f"{lease.this_host()}-999999-dead")  # this host, no lock: gone
     runner = CliRunner()
     res = runner.invoke(app, ["status", "--root", str(root.path), "--json"])

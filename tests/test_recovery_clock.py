@@ -7,28 +7,19 @@ import dataclasses
 import threading
 import time
 from datetime import datetime
-from pathlib import Path
 
 import pytest
 
 from fila.core import fsutil
 from fila.core.layout import Root
-from fila.core.models import ImageRef, Status
+from fila.core.models import Status
 from fila.queue import retry
 from fila.queue import store as queue
 from fila.run import job as cycle
-
-from .helpers import make_root, shell_task
+from tests.support.project import shell_task
 
 S = Status
 pytestmark = pytest.mark.docker
-
-
-@pytest.fixture
-def proj(tmp_path: Path, shell_image: ImageRef) -> Root:
-    root = make_root(tmp_path)
-    (tmp_path / "greeting.txt").write_text("hello\n")
-    return root
 
 
 def backoff_until(root: Root, tid: str, at: float) -> None:

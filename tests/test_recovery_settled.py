@@ -19,17 +19,9 @@ from fila.core.layout import Root
 from fila.core.models import ErrorInfo, ErrorKind, Status
 from fila.queue import store as queue
 from fila.recovery import recover as recovery
-
-from .helpers import fake_backend, make_root, shell_task
+from tests.support.project import fake_backend, shell_task
 
 S = Status
-
-
-@pytest.fixture
-def root(tmp_path: Path) -> Root:
-    r = make_root(tmp_path)
-    (tmp_path / "greeting.txt").write_text("hello\n")
-    return r.require()
 
 
 def recover(root: Root) -> recovery.Report:

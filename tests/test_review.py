@@ -11,17 +11,8 @@ from pathlib import Path
 import pytest
 
 from fila.core.layout import Root
-from fila.core.models import ImageRef
 from fila.review import report as review
-
-from .helpers import fila, make_root, submit_shell
-
-
-def run_task(root: Path, command: str, *targets: str) -> str:
-    tid = submit_shell(root, command, *targets)
-    fila(root, "run", "--once")
-    return tid
-
+from tests.support.cli import fila, run_shell
 
 pytestmark = pytest.mark.docker
 
@@ -32,15 +23,14 @@ echo engine says hi
 
 
 @pytest.fixture
-def proj(tmp_path: Path, shell_image: ImageRef) -> Path:
-    make_root(tmp_path)
-    (tmp_path / "greeting.txt").write_text("hello\n")
-    return tmp_path
+def proj(proj: Root) -> Path:
+    """The shared queue root (conftest), as the path this module's tests build on."""
+    return proj.path
 
 
 @pytest.mark.quick
 def test_review_shows_summary_and_diff_without_color_or_pager_off_a_terminal(proj: Path) -> None:
-    tid = run_task(proj, "sed -i 's/hello/world/' greeting.txt")
+    tid = run_shell(proj, "sed -i 's/hello/world/' greeting.txt")
     res = fila(proj, "review", tid)
     assert res.exit_code == 0, res.output
     out = res.stdout
@@ -59,7 +49,7 @@ def test_review_shows_summary_and_diff_without_color_or_pager_off_a_terminal(pro
 
 
 def test_review_escapes_control_characters_in_names_and_content(proj: Path) -> None:
-    tid = run_task(proj, HOSTILE_NAMES)
+    tid = run_shell(proj, HOSTILE_NAMES)
     res = fila(proj, "review", tid)
     assert res.exit_code == 0, res.output
     out = res.stdout
@@ -82,7 +72,7 @@ ln -s greeting.txt link; ln -s ../../etc/passwd escape
 printf '\\000\\001\\377' > blob.bin
 echo world > greeting.txt
 """
-    tid = run_task(proj, cmd)
+    tid = run_shell(proj, cmd)
     res = fila(proj, "review", tid, "--json")
     assert res.exit_code == 0, res.output
     got = json.loads(res.stdout)
@@ -100,7 +90,7 @@ echo world > greeting.txt
 
 
 def test_review_warns_when_the_patch_is_over_the_policy_limit(proj: Path) -> None:
-    tid = run_task(proj, "echo world > greeting.txt")
+    tid = run_shell(proj, "echo world > greeting.txt")
     policy = proj / "policies" / "default.json"
     data = json.loads(policy.read_text())
     data["max_diff_bytes"] = 10  # the policy was tightened after the run
@@ -110,7 +100,7 @@ def test_review_warns_when_the_patch_is_over_the_policy_limit(proj: Path) -> Non
 
 
 def test_review_refuses_a_tampered_patch(proj: Path) -> None:
-    tid = run_task(proj, "echo world > greeting.txt")
+    tid = run_shell(proj, "echo world > greeting.txt")
     p = proj / "sandbox" / "jobs" / tid / "DIFF.patch"
     p.write_bytes(p.read_bytes() + b"+one more line\n")
     res = fila(proj, "review", tid)
@@ -123,7 +113,7 @@ def test_review_refuses_a_tampered_patch(proj: Path) -> None:
 
 @pytest.mark.quick
 def test_review_html_is_one_self_contained_file(proj: Path) -> None:
-    tid = run_task(proj, HOSTILE_NAMES + "printf '\\000\\377' > blob.bin\n")
+    tid = run_shell(proj, HOSTILE_NAMES + "printf '\\000\\377' > blob.bin\n")
     res = fila(proj, "review", tid, "--html")
     assert res.exit_code == 0, res.output
     path = Path(res.stdout.strip())
@@ -145,7 +135,7 @@ def test_review_html_is_one_self_contained_file(proj: Path) -> None:
 def test_review_pages_through_pager_only_when_asked(
     proj: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    tid = run_task(proj, "echo world > greeting.txt")
+    tid = run_shell(proj, "echo world > greeting.txt")
     text = review.render_text(review.load(Root.at(proj), tid), color=False)
     out = tmp_path / "paged.txt"
     monkeypatch.setenv("PAGER", f"sh -c 'cat > {out}'")

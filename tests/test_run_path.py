@@ -19,21 +19,14 @@ from fila.core.layout import Root
 from fila.core.models import ImageRef, Status
 from fila.queue import store as queue
 from fila.run import job as cycle
-from fila.sandbox.docker import backend as dk
+from fila.sandbox.docker import container as dk
 from fila.sandbox.docker.backend import DockerBackend
 from fila.workspace import diff
-
-from .helpers import make_root, shell_task
+from tests.support.project import shell_task
+from tests.support.users import run_as_podman_user
 
 S = Status
 pytestmark = pytest.mark.docker
-
-
-@pytest.fixture
-def proj(tmp_path: Path, shell_image: ImageRef) -> Root:
-    root = make_root(tmp_path)
-    (tmp_path / "greeting.txt").write_text("hello\n")
-    return root
 
 
 def left(client: docker.DockerClient, root: Root) -> tuple[list[str], list[str]]:
@@ -57,7 +50,7 @@ def test_the_diff_runs_while_the_container_is_removed_and_the_record_waits_for_t
 ) -> None:
     order: list[str] = []
     seen_at_publish: list[tuple[list[str], list[str]]] = []
-    real_remove, real_diff, real_publish = dk._remove_exited, diff.compute_diff, queue.publish
+    real_remove, real_diff, real_publish = dk.remove_exited, diff.compute_diff, queue.publish
 
     def slow_remove(*a, **kw):
         order.append("removal starts")
@@ -74,7 +67,7 @@ def test_the_diff_runs_while_the_container_is_removed_and_the_record_waits_for_t
         seen_at_publish.append(left(docker_client, proj))
         return real_publish(*a, **kw)
 
-    monkeypatch.setattr(dk, "_remove_exited", slow_remove)
+    monkeypatch.setattr(dk, "remove_exited", slow_remove)
     monkeypatch.setattr(diff, "compute_diff", watched_diff)
     monkeypatch.setattr(queue, "publish", watched_publish)
     backend = DockerBackend()
@@ -103,14 +96,14 @@ def test_a_removal_that_fails_behind_the_diff_is_the_needs_human_it_always_was(
         ok = cycle.run_one(proj, claim_of(proj, "t1", "echo world >> greeting.txt"), backend=backend)
         assert ok is not None and ok.status == S.needs_review
 
-        real_remove = dk._remove_exited
+        real_remove = dk.remove_exited
 
         def failing_remove(client, spec, name, **kw):
             real_remove(client, spec, name, **kw)  # gone for real (nothing leaks from the test)
             err = docker.errors.APIError("the daemon failed to remove it (injected)")
-            raise dk._docker_error(spec, f"removing container {name}", err) from err
+            raise dk.docker_error(spec, f"removing container {name}", err) from err
 
-        monkeypatch.setattr(dk, "_remove_exited", failing_remove)
+        monkeypatch.setattr(dk, "remove_exited", failing_remove)
         rec = cycle.run_one(proj, claim_of(proj, "t2", "echo world >> greeting.txt"), backend=backend)
     finally:
         backend.close()
@@ -226,12 +219,12 @@ def test_recovery_removes_a_work_volume_no_container_uses_and_never_one_in_use(
 def _break_the_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     """The daemon's wait connection breaks 1 s into the run (a restarting container engine)."""
 
-    def broken_wait(self: dk._Waiter) -> None:
+    def broken_wait(self: dk.Waiter) -> None:
         time.sleep(1.0)
         self.error = docker.errors.APIError("the connection to the daemon was lost (injected)")
         self.done.set()
 
-    monkeypatch.setattr(dk._Waiter, "run", broken_wait)
+    monkeypatch.setattr(dk.Waiter, "run", broken_wait)
 
 
 def test_a_failed_run_whose_container_cannot_be_removed_stays_fenced_until_recovery_sees_it_gone(
@@ -252,7 +245,7 @@ def test_a_failed_run_whose_container_cannot_be_removed_stays_fenced_until_recov
         def refused(client: docker.DockerClient, name: str) -> None:
             raise docker.errors.APIError("the daemon refused to remove the container (injected)")
 
-        monkeypatch.setattr(dk, "_remove", refused)
+        monkeypatch.setattr(dk, "remove_container", refused)
         with pytest.raises(InfraError) as err:
             cycle.run_one(proj, claim_of(proj, "t2", "sleep 25"), backend=backend, progress=said.append)
         # What the CLI prints on stderr (the worker prints the error and its hint).
@@ -345,7 +338,7 @@ def test_an_output_stream_that_outlives_the_container_is_cut_off_and_said_so_not
         return real_classify(engine, result, log_path, checked)
 
     monkeypatch.setattr(cycle, "_classify", watched)
-    monkeypatch.setattr(dk, "PUMP_WAIT_S", 1.0, raising=False)  # 10 s in use
+    monkeypatch.setattr(dk, "PUMP_WAIT_S", 1.0)  # 10 s in use
     backend = DockerBackend()
     try:
         # Allowed first: a stream that ends with the container: whole log, whole stdout, no warning.
@@ -354,7 +347,7 @@ def test_an_output_stream_that_outlives_the_container_is_cut_off_and_said_so_not
         assert b"LAST-LINE-OF-OUTPUT" in proj.log_path("t1").read_bytes()
         assert seen == [False] and not [w for w in ok.warnings if "log" in w]
 
-        real_frames = dk._log_frames
+        real_frames = dk.log_frames
 
         def slow(client, cid, **kw):  # a busy daemon: what follows the first frame comes late
             for n, item in enumerate(real_frames(client, cid, **kw)):
@@ -362,7 +355,7 @@ def test_an_output_stream_that_outlives_the_container_is_cut_off_and_said_so_not
                     time.sleep(12)
                 yield item
 
-        monkeypatch.setattr(dk, "_log_frames", slow)
+        monkeypatch.setattr(dk, "log_frames", slow)
         rec = cycle.run_one(proj, claim_of(proj, "t2", command), backend=backend)
     finally:
         backend.close()
@@ -379,8 +372,8 @@ def test_a_stream_blocked_on_its_socket_is_ended_by_the_cut_and_its_thread_stops
 ) -> None:
     import socket
 
-    monkeypatch.setattr(dk, "PUMP_WAIT_S", 1.0, raising=False)
-    real_frames = dk._log_frames
+    monkeypatch.setattr(dk, "PUMP_WAIT_S", 1.0)
+    real_frames = dk.log_frames
 
     def stuck(client, cid, **kw):  # the first frame, then a read that never returns by itself
         frames = real_frames(client, cid, **kw)
@@ -400,7 +393,7 @@ def test_a_stream_blocked_on_its_socket_is_ended_by_the_cut_and_its_thread_stops
         ok = cycle.run_one(proj, claim_of(proj, "b1", "echo a; sleep 0.3; echo b"), backend=backend)
         assert ok is not None and not [w for w in ok.warnings if w.startswith("log incomplete")]
         assert not [t for t in threading.enumerate() if t.name == "fila-log-b1.log"]
-        monkeypatch.setattr(dk, "_log_frames", stuck)
+        monkeypatch.setattr(dk, "log_frames", stuck)
         rec = cycle.run_one(proj, claim_of(proj, "b2", "echo a; sleep 0.3; echo b"), backend=backend)
     finally:
         backend.close()
@@ -444,62 +437,6 @@ def test_the_log_and_the_events_file_are_on_disk_before_the_record_that_points_a
     before = synced[: synced.index("publish")]
     assert log in before, f"the log is fsynced before the record: {synced}"
     assert logs in before, "and the logs directory after the log was made"
-
-
-# The start of a script run_as_podman_user runs: a queue root `q` on rootless Podman (its limits
-# waived: cgroup v1 here), the shell image built, and `fila(...)`, the CLI as this user.
-PODMAN_ROOT = r"""
-import json, os, subprocess, sys, tempfile
-from pathlib import Path
-from fila.sandbox.podman.backend import PodmanBackend
-CLI = [sys.executable, "-c", "from fila.cli import main; main()"]
-def fila(*a):
-    r = subprocess.run([*CLI, *a], capture_output=True, text=True, timeout=300)
-    return r.returncode, r.stdout + r.stderr
-q = Path(tempfile.mkdtemp(prefix="fila-scratch-"))
-(q / "greeting.txt").write_text("hello\n")
-assert fila("init", "--root", str(q), "--backend", "podman")[0] == 0
-pol = q / "policies" / "default.json"
-pol.write_text(json.dumps(json.loads(pol.read_text()) | {"waive": ["memory", "pids", "cpus"]}))
-b = PodmanBackend(); b.build("shell", progress=lambda _m: None); b.close()
-"""
-
-
-def run_as_podman_user(script: str) -> dict:
-    """Run PODMAN_ROOT + `script` as a throwaway ordinary user with subordinate ids (rootless
-    Podman); the JSON its last line prints. Skips where no such user or Python can be had."""
-    import json
-    import pwd
-    import shutil
-    import subprocess
-    import tempfile
-
-    if os.getuid() != 0:
-        pytest.skip("creating an ordinary user for the test needs root")
-    if shutil.which("podman") is None:
-        pytest.skip("scripts/podman-up installs podman")
-    from .test_podman import _python_for_others, podman_user
-    from .test_unprivileged import _code_for_others
-
-    python = _python_for_others()
-    if python is None:
-        pytest.skip("no Python an ordinary user may run")
-    with podman_user() as user, tempfile.TemporaryDirectory(prefix="fila-scratch-") as tmp:
-        os.chmod(tmp, 0o755)
-        path = Path(tmp) / "as_podman_user.py"
-        path.write_text(PODMAN_ROOT + script)
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin", "HOME": pwd.getpwnam(user).pw_dir,
-               "PYTHONPATH": _code_for_others(), "PYTHONDONTWRITEBYTECODE": "1"}  # fmt: skip
-        argv = ["runuser", "-u", user, "--", "env", "-i", *(f"{k}={v}" for k, v in env.items())]
-        argv += [python, str(path)]
-        try:
-            res = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=tmp)
-            assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-            return json.loads(res.stdout.strip().splitlines()[-1])
-        finally:
-            for p in Path("/tmp").glob("fila-scratch-*"):
-                if p.owner() == user:
-                    shutil.rmtree(p, ignore_errors=True)
 
 
 _LEFT_SCRATCH = r"""

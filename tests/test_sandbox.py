@@ -23,7 +23,10 @@ from hypothesis import strategies as st
 from fila.core.errors import EngineUnavailable, ImageMissing, InfraError
 from fila.core.models import ImageRef, Limits, Policy
 from fila.sandbox.docker import backend as sandbox
+from fila.sandbox.docker.container import remove_container
+from fila.sandbox.docker.logs import redactor
 from fila.workspace import secretscan
+from fila.workspace.strategy import CopyWorkspace
 
 pytestmark = pytest.mark.docker
 
@@ -58,7 +61,7 @@ def make_spec(
     (job_dir / "TASK.md").write_text("test\n")
     return sandbox.RunSpec(
         job_id=job_id,
-        job_dir=job_dir,
+        workspace=CopyWorkspace(job_dir),
         image=image.tag if isinstance(image, ImageRef) else image,
         argv=["/bin/sh", "-c", script],
         env=env if env is not None else {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin"},
@@ -274,7 +277,7 @@ def test_secrets_are_redacted_even_across_chunks(tmp_path, docker_client, shell_
 
 
 def test_redactor_keeps_split_matches_whole() -> None:
-    r = sandbox._redactor(["abcdefgh-long", "abcdefgh"])
+    r = redactor(["abcdefgh-long", "abcdefgh"])
     chunks = [b"xxabcd", b"efgh-lo", b"ngyy abcdefgh", b"ab", b"cdefgh-loZ"]
     assert b"".join(r.feed(c) for c in chunks) + r.flush() == b"xx***yy ******-loZ"
 
@@ -283,7 +286,7 @@ def test_redactor_masks_encoded_copies_and_leaves_short_values_alone() -> None:
     secret = "sk-TOPSECRET-123/+x"
     b64 = base64.b64encode(b"user:" + secret.encode()).decode()
     text = f"raw {secret} b64 {b64} url {quote(secret, safe='')} json {json.dumps(secret)} abc".encode()
-    r = sandbox._redactor([secret, "abc"])
+    r = redactor([secret, "abc"])
     out = r.feed(text) + r.flush()
     assert secret.encode() not in out and b"TOPSECRET" not in out and b"VE9QU0VDUkVU" not in out
     assert out.endswith(b" abc") and out.count(b"***") == 4, out
@@ -341,6 +344,7 @@ _CHILD = textwrap.dedent(
     from pathlib import Path
     from fila.sandbox.docker import backend as sandbox
     from fila.core.models import Policy
+    from fila.workspace.strategy import CopyWorkspace
 
     def on_term(signum, frame):
         raise SystemExit(143)
@@ -352,7 +356,7 @@ _CHILD = textwrap.dedent(
     signal.signal(signal.SIGINT, signal.default_int_handler)
     job = Path(sys.argv[1])
     spec = sandbox.RunSpec(
-        job_id=sys.argv[2], job_dir=job, image=sys.argv[3], argv=["sleep", "30"],
+        job_id=sys.argv[2], workspace=CopyWorkspace(job), image=sys.argv[3], argv=["sleep", "30"],
         env={"PATH": "/bin"}, limits=None, timeout_ms=30_000, log_path=job / "log",
         policy=Policy(max_timeout_ms=60_000, default_timeout_ms=30_000, grace_ms=1000),
         labels={},
@@ -404,7 +408,7 @@ def test_find_and_remove_containers_by_label(tmp_path, docker_client, shell_imag
         assert len(sandbox.find_containers(docker_client, root=root_b)) == 1
     finally:
         for c in made:
-            sandbox._remove(docker_client, c.id)
+            remove_container(docker_client, c.id)
 
 
 def test_missing_image_maps_to_image_missing(tmp_path, docker_client):

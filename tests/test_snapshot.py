@@ -25,9 +25,9 @@ from fila.core.models import Policy
 from fila.queue.policy import load_policy, narrow
 from fila.workspace import jobdir, snapshot
 from fila.workspace.diff import DiffResult, compute_diff
-
-from .helpers import make_root, shell_task
-from .test_diff import DIRS, Node, build, policy, tree_pairs
+from tests.support.policy import policy
+from tests.support.project import make_project, make_root, shell_task
+from tests.support.trees import DIRS, Node, build, tree_pairs
 
 # --- the same change made on a copy and through a real overlay ----------------------------------
 
@@ -259,8 +259,7 @@ def test_a_whiteout_made_by_hand_is_a_deletion_and_a_fifo_is_not_a_file(tmp_path
 
 @pytest.fixture
 def root(tmp_path: Path) -> Root:
-    r = make_root(tmp_path).require()
-    (tmp_path / "greeting.txt").write_text("hello\n")
+    r = make_project(tmp_path).require()
     src = tmp_path / "src"
     (src / "empty").mkdir(parents=True)
     (src / "a.py").write_text("print('hello')\n")
@@ -464,7 +463,8 @@ def docker_proj(tmp_path: Path, shell_image: object) -> Path:
 
 
 def _run_one(proj: Path, env: dict[str, str] | None = None) -> dict:
-    from .helpers import fila, record, submit_shell
+    from tests.support.cli import fila, submit_shell
+    from tests.support.project import record
 
     tid = submit_shell(proj, _ENGINE_CHANGE, "greeting.txt", "src")
     res = fila(proj, "run", "--once", env=env)
@@ -508,7 +508,7 @@ def test_an_overlay_job_writes_the_patch_the_copy_writes_and_leaves_the_snapshot
 
 @pytest.mark.docker
 def test_apply_of_an_overlay_job_lands_the_reviewed_change(docker_proj: Path) -> None:
-    from .helpers import fila
+    from tests.support.cli import fila
 
     rec = _run_one(docker_proj)
     assert rec["workspace"]["strategy"] == "overlay"
@@ -524,7 +524,7 @@ def test_apply_of_an_overlay_job_lands_the_reviewed_change(docker_proj: Path) ->
 
 @pytest.mark.docker
 def test_apply_refuses_an_overlay_job_whose_upper_layer_changed_after_review(docker_proj: Path) -> None:
-    from .helpers import fila
+    from tests.support.cli import fila
 
     rec = _run_one(docker_proj)
     ov = snapshot.job_overlay(Root.at(docker_proj), rec["id"])

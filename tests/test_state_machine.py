@@ -29,8 +29,7 @@ from fila.core.models import ErrorInfo, ErrorKind, Status
 from fila.queue import breaker
 from fila.queue import store as queue
 from fila.recovery import recover as recovery
-
-from .helpers import fake_backend, shell_task
+from tests.support.project import fake_backend, shell_task
 
 S = Status
 

@@ -10,17 +10,16 @@ from typing import Any
 import pytest
 
 from fila.core.errors import InvalidTaskFile
+from fila.core.layout import Root
 from fila.core.models import ImageRef, Task
 from fila.engines import get_engine
-
-from .helpers import fila, make_root
+from tests.support.cli import fila
 
 
 @pytest.fixture
-def proj(tmp_path: Path) -> Path:
-    make_root(tmp_path)
-    (tmp_path / "greeting.txt").write_text("hello\n")
-    return tmp_path
+def proj(root: Root) -> Path:
+    """The shared queue root (conftest, no daemon), as the path this module's tests build on."""
+    return root.path
 
 
 def _task(**kw: Any) -> Task:

@@ -7,34 +7,27 @@ input/ or leaving files beside work/. Both modes must behave the same: only work
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import os
 import pwd
-import secrets
 import shutil
 import stat
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
-import fila
 from fila.core.layout import Root
 from fila.core.models import ImageRef
 from fila.workspace import snapshot
+from tests.support.users import Fila, fila_on_new_root, ordinary_user
 
 pytestmark = [
     pytest.mark.docker,
     pytest.mark.skipif(os.getuid() != 0, reason="creating an ordinary user for the test needs root"),
 ]
-
-SOCKET = "/var/run/docker.sock"
 
 # The two workspace strategies: the copy (forced) and the default. The daemon mounts the overlay
 # volume, so the default is the overlay whoever runs fila (an ordinary user needs no mount
@@ -56,137 +49,12 @@ def _layers(f: Fila, rec: dict) -> tuple[Path, Path]:
     return ov.lower, ov.upper
 
 
-def _usable_by_anyone(path: Path) -> bool:
-    """Can any user run `path` (o+x on it and on every directory above it)?"""
-    path = path.resolve()
-    return all(os.stat(p).st_mode & 0o001 for p in (path, *path.parents))
-
-
-def _python_for_others() -> str | None:
-    """An interpreter an ordinary user can start, of this one's version (the venv's compiled
-    packages must load): the venv's own when it is reachable, else the system's."""
-    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
-    for cand in (Path(sys.executable), Path(f"/usr/bin/python{version}")):
-        if cand.exists() and _usable_by_anyone(cand):
-            return str(cand)
-    return None
-
-
-_RUNTIME: list[str] = []
-
-
-def _code_for_others() -> str:
-    """PYTHONPATH for an ordinary user: fila's source and the venv's packages where anyone can
-    read them. The checkout may sit below a directory only root may enter (CI clones into a
-    0700 temporary directory): then both are copied, once per test process, to a 0755 one."""
-    if _RUNTIME:
-        return _RUNTIME[0]
-    pkg = Path(fila.__file__).parent
-    site = next(Path(p) for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix))
-
-    def readable(p: Path) -> bool:  # o+r on it, o+x on every directory above it
-        p = p.resolve()
-        return bool(os.stat(p).st_mode & 0o004) and all(os.stat(d).st_mode & 0o001 for d in p.parents)
-
-    if readable(pkg / "__init__.py") and readable(site):
-        _RUNTIME.append(f"{pkg.parent}:{site}")
-        return _RUNTIME[0]
-    base = Path(tempfile.mkdtemp(prefix="fila-runtime-"))
-    os.chmod(base, 0o755)
-    atexit.register(shutil.rmtree, base, ignore_errors=True)
-    shutil.copytree(pkg, base / "src" / "fila", symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
-    # What fila ships beside its code (assets.shipped_dir), and the tests with their configuration
-    # (test_podman runs pytest as the user).
-    for shipped in ("policies", "images", "tests"):
-        shutil.copytree(
-            pkg.parents[1] / shipped,
-            base / shipped,
-            symlinks=True,
-            ignore=shutil.ignore_patterns("__pycache__"),
-        )
-    shutil.copyfile(pkg.parents[1] / "pyproject.toml", base / "pyproject.toml")
-    shutil.copytree(site, base / "site", symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
-    for d, _dirs, files in os.walk(base):
-        os.chmod(d, 0o755)
-        for f in files:
-            if not os.path.islink(os.path.join(d, f)):
-                os.chmod(os.path.join(d, f), 0o644 | (os.stat(os.path.join(d, f)).st_mode & 0o111))
-    _RUNTIME.append(f"{base / 'src'}:{base / 'site'}")
-    return _RUNTIME[0]
-
-
-def tests_for_others() -> Path:
-    """The tests directory an ordinary user can read: this one, or the copy _code_for_others made."""
-    first = Path(_code_for_others().split(":")[0])
-    return first.parent / "tests"
-
-
 # Every write outside work/ must fail inside the container; the one in work/ must land.
 ATTEMPTS = (
     'echo "uid=$(id -u)"; echo pwned > ../TASK.md; echo "task=$?"; echo pwned > ../input/greeting.txt; '
     'echo "input=$?"; echo pwned > ../beside.txt; echo "beside=$?"; mkdir ../extra; '
     'echo "mkdir=$?"; sed -i s/hello/world/ greeting.txt && echo "work=$?"'
 )
-
-
-@dataclass
-class Fila:
-    """`fila` as a separate process, as root or (with `user`) as that ordinary user."""
-
-    root: Path
-    user: str | None
-    extra_env: dict[str, str] = field(default_factory=dict)  # e.g. FILA_WORKSPACE=copy
-
-    @property
-    def uid(self) -> int:
-        return pwd.getpwnam(self.user).pw_uid if self.user else 0
-
-    def __call__(self, *args: str) -> subprocess.CompletedProcess[str]:
-        env = {"PATH": os.environ["PATH"], "HOME": str(self.root / ".home"), "FILA_ROOT": str(self.root)}
-        env.update(self.extra_env)
-        if "DOCKER_HOST" in os.environ:
-            env["DOCKER_HOST"] = os.environ["DOCKER_HOST"]
-        # Both modes run the same fila (the one under test) the same way: an interpreter on the
-        # venv's packages and fila's source, all world-readable, while the venv's interpreter may
-        # live where only root can go (/root/.pyenv).
-        python = sys.executable if self.user is None else _python_for_others()
-        if python is None:
-            pytest.skip(f"no Python {sys.version_info[:2]} an ordinary user may run")
-        if self.user is None:
-            site = next(p for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix))
-            env["PYTHONPATH"] = f"{Path(fila.__file__).parent.parent}:{site}"
-        else:
-            env["PYTHONPATH"] = _code_for_others()
-        argv = [python, "-c", "from fila.cli import main; main()", *args]
-        if self.user:
-            # runuser sets the user's uid, gid and groups (docker, for the socket) from /etc/group.
-            argv = [
-                "runuser",
-                "-u",
-                self.user,
-                "--",
-                "env",
-                "-i",
-                *(f"{k}={v}" for k, v in env.items()),
-                *argv,
-            ]
-        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=300, cwd=self.root)
-
-
-@contextlib.contextmanager
-def ordinary_user() -> Iterator[str]:
-    """A throwaway user in the group that owns the Docker socket, removed afterwards."""
-    name = f"filat{secrets.token_hex(4)}"
-    group = os.stat(SOCKET).st_gid
-    subprocess.run(
-        ["useradd", "--no-create-home", "--shell", "/bin/sh", "--user-group", "-G", str(group), name],
-        check=True,
-        capture_output=True,
-    )
-    try:
-        yield name
-    finally:
-        subprocess.run(["userdel", name], capture_output=True)
 
 
 @pytest.fixture(params=["root", "user"])
@@ -196,18 +64,7 @@ def run_as(request: pytest.FixtureRequest, shell_image: ImageRef) -> Iterator[Fi
     try:
         with contextlib.ExitStack() as stack:
             user = stack.enter_context(ordinary_user()) if request.param == "user" else None
-            f = Fila(base / "q", user)
-            f.root.mkdir()
-            (f.root / ".home").mkdir()
-            (f.root / "greeting.txt").write_text("hello\n")
-            if user:
-                pw = pwd.getpwnam(user)
-                os.chmod(base, 0o755)
-                for p in (f.root, f.root / ".home", f.root / "greeting.txt"):
-                    os.chown(p, pw.pw_uid, pw.pw_gid)
-            res = f("init")
-            assert res.returncode == 0, res.stderr
-            yield f
+            yield fila_on_new_root(base, user)
     finally:
         # As root the job's work/ may still belong to nobody after a failure: rmtree as root is fine.
         shutil.rmtree(base, ignore_errors=True)

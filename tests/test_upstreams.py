@@ -22,12 +22,12 @@ import docker
 import pytest
 
 from fila.core.errors import ImageMissing
-from fila.sandbox import images
+from fila.sandbox import image_bases, images
 from fila.sandbox.docker.backend import DockerBackend
-
-from .helpers import fila, make_root, record
-from .upstreams import Upstreams
-from .upstreams.fixtures import LABEL, check_no_route_out, create_on_free_subnet
+from tests.support.cli import fila
+from tests.support.project import make_root, record
+from tests.upstreams import Upstreams
+from tests.upstreams.fixtures import LABEL, check_no_route_out, create_on_free_subnet
 
 pytestmark = pytest.mark.docker
 
@@ -100,14 +100,14 @@ def test_debian_base_is_reused_while_its_definition_holds(
     lines: list[str] = []
     ref = images.debian_base(DockerBackend(docker_client), progress=lines.append)
     labels = docker_client.images.get(ref.id).labels
-    assert labels[images.LABEL_DEFINITION] == images._definition_hash()
+    assert labels[images.LABEL_DEFINITION] == image_bases.definition_hash()
     assert lines == [f"local base {images.DEBIAN_TAG}: reusing {ref.id[:19]}"]
 
     def no_debootstrap(root: Path, progress: Any) -> None:
         raise ImageMissing("debootstrap would run")
 
     # A changed definition (another package) is a rebuild, not a reuse.
-    monkeypatch.setattr(images, "_debootstrap", no_debootstrap)
+    monkeypatch.setattr(image_bases, "_debootstrap", no_debootstrap)
     monkeypatch.setitem(images.DEBIAN, "packages", ["curl"])
     with pytest.raises(ImageMissing, match="debootstrap would run"):
         images.debian_base(DockerBackend(docker_client), progress=lambda s: None)
@@ -122,7 +122,7 @@ def test_debian_base_rebuilds_for_a_ca_it_does_not_hold(
     ref = images.debian_base(DockerBackend(docker_client), progress=lambda s: None)
     held = docker_client.images.get(ref.id).labels.get(images.LABEL_CA, "")
     monkeypatch.setattr(
-        images, "_debootstrap", lambda root, progress: (_ for _ in ()).throw(ImageMissing("rebuild"))
+        image_bases, "_debootstrap", lambda root, progress: (_ for _ in ()).throw(ImageMissing("rebuild"))
     )
     ca = tmp_path / "other-ca.pem"
     ca.write_text("-----BEGIN CERTIFICATE-----\nZmlsYS1vdGhlci1jYQ==\n-----END CERTIFICATE-----\n")
@@ -140,7 +140,7 @@ def test_testnet_image_builds_on_the_debian_base_and_is_reused(
     img = docker_client.images.get(ref.id)
     # Built FROM the imported Debian base of the current definition (its label is inherited).
     assert img.labels[images.LABEL_BASE] == images.DEBIAN_TAG
-    assert img.labels[images.LABEL_DEFINITION] == images._definition_hash()
+    assert img.labels[images.LABEL_DEFINITION] == image_bases.definition_hash()
     assert any("Imported from" in (h.get("Comment") or "") for h in img.history())
     lines: list[str] = []
     assert images.build("testnet", DockerBackend(docker_client), progress=lines.append) == ref
@@ -559,7 +559,7 @@ def test_servers_run_hardened(upstreams: Upstreams, docker_client: docker.Docker
 
 
 def test_ca_certificates_verify_with_openssl(tmp_path: Path) -> None:
-    from .upstreams.ca import make_ca
+    from tests.upstreams.ca import make_ca
 
     ca = make_ca(tmp_path / "ca")
     cert = ca.issue("allowed.test", "*.allowed.test")
@@ -581,7 +581,7 @@ def test_ca_certificates_verify_with_openssl(tmp_path: Path) -> None:
 
 
 def test_a_dead_session_is_swept_and_a_live_one_kept(docker_client: docker.DockerClient) -> None:
-    from .upstreams import fixtures
+    from tests.upstreams import fixtures
 
     images.ensure_image("testnet", DockerBackend(docker_client), progress=lambda s: None)
     gone = subprocess.Popen(["true"])
@@ -591,7 +591,7 @@ def test_a_dead_session_is_swept_and_a_live_one_kept(docker_client: docker.Docke
         session = f"sweep{kind}{uuid.uuid4().hex[:6]}"
         labels = {LABEL: "upstreams", f"{LABEL}.session": session, f"{LABEL}.pid": str(pid)}
         labels[f"{LABEL}.host"] = socket.gethostname()
-        net = docker_client.networks.create(f"fila-test-{session}", internal=True, labels=labels)
+        net, _ = create_on_free_subnet(docker_client, f"fila-test-{session}", options={}, labels=labels)
         c = docker_client.containers.run(
             fixtures.IMAGE, ["sleep", "60"], detach=True, network=net.name, labels=labels, **_quiet()
         )
@@ -623,7 +623,7 @@ def test_an_unreachable_mirror_fails_the_base_build_with_debootstrap_s_reason(
     monkeypatch.setitem(images.DEBIAN, "mirror", "http://127.0.0.1:9/debian")
     root = tmp_path / "root"
     with pytest.raises(ImageMissing) as info:
-        images._debootstrap(root, lambda s: None)
+        image_bases._debootstrap(root, lambda s: None)
     assert "failed (exit" in str(info.value) and "127.0.0.1:9" in str(info.value)
     assert "Release" in str(info.value), "debootstrap's own reason is kept"
-    images._unmount_all(root)  # nothing mounted: the directory can go
+    image_bases._unmount_all(root)  # nothing mounted: the directory can go

@@ -21,42 +21,18 @@ from fila.core.models import ImageRef, Status
 from fila.queue import breaker
 from fila.queue import store as queue
 from fila.sandbox.docker.backend import DockerBackend
-
-from .helpers import make_root
-from .test_durability import (
-    CLI,
-    Starts,
-    assert_one_state_each,
-    containers_left,
-    fila,
-)
+from tests.support.cli import CLI, submit_process
+from tests.support.cli import fila_process as fila
+from tests.support.containers import Starts, containers_left
+from tests.support.crash import assert_one_state_each
+from tests.support.project import make_root
 
 S = Status
 pytestmark = pytest.mark.docker
 
 
-@pytest.fixture
-def proj(tmp_path: Path, shell_image: ImageRef) -> Root:
-    root = make_root(tmp_path)
-    (tmp_path / "greeting.txt").write_text("hello\n")
-    return root
-
-
 def submit(root: Root, tid: str, command: str, *extra: str) -> None:
-    fila(
-        root,
-        "submit",
-        "--id",
-        tid,
-        "--engine",
-        "shell",
-        "--command",
-        command,
-        "--target",
-        "greeting.txt",
-        *extra,
-        check=True,
-    )
+    submit_process(root, tid, command, *extra, check=True)
 
 
 def start_worker(
@@ -441,8 +417,7 @@ def test_the_heartbeat_thread_marks_a_reaped_job_lost_so_its_next_check_stops_it
 
     from fila.queue import lease
     from fila.run import worker as wmod
-
-    from .helpers import shell_task
+    from tests.support.project import shell_task
 
     monkeypatch.setattr(lease, "HEARTBEAT_S", 0.05)
     w = wmod.Worker(proj, backend=DockerBackend(None))

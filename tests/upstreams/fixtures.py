@@ -42,7 +42,11 @@ HTTPS_PORTS = (443, 8443)
 BANNER_PORT = 2222  # static servers: a server that speaks first (modelserver.serve_banner)
 CA_IN_CONTAINER = "/etc/fila-test/ca.crt"
 SERVER_PY = Path(__file__).with_name("modelserver.py")
-SUBNET_POOL = ipaddress.ip_network("172.30.0.0/16")
+# Every network the tests create takes a /24 of this pool: outside Docker's default address pools
+# (172.17.0.0/16-172.31.0.0/16, 192.168.0.0/16), so a daemon that has handed those out to its own
+# networks (fila's job and egress networks among them) still has room here, and the tests' networks
+# never take an address an auto-addressed network wants. Each is internal: no route out.
+SUBNET_POOL = ipaddress.ip_network("10.213.0.0/16")
 READY_TIMEOUT_S = 30.0
 # Documentation addresses (never routed on the internet) a probe tries to connect to: the
 # allowed counterpart is the test servers answering, checked by the tests.
@@ -255,10 +259,9 @@ def _create_network(client: docker.DockerClient, name: str, session: str) -> tup
 def create_on_free_subnet(
     client: docker.DockerClient, name: str, *, options: dict[str, str], labels: dict[str, str]
 ) -> tuple[Any, str]:
-    """An internal bridge network on a free /24 of 172.30.0.0/16, tried at random: sessions run
-    side by side, and other test networks hold some of them (a fixed /24 once collided: "Pool
-    overlaps"). Docker's own default pools include 172.30.0.0/16: a daemon that has handed out that
-    /16 to an auto-addressed network leaves none free here, and this says so."""
+    """An internal bridge network on a free /24 of SUBNET_POOL, tried at random: sessions run side
+    by side, and other test networks hold some of them (a fixed /24 once collided: "Pool
+    overlaps"); when none of the tries is free, this says so."""
     subnets = list(SUBNET_POOL.subnets(new_prefix=24))
     random.shuffle(subnets)
     last: Exception | None = None

@@ -96,6 +96,10 @@ class Root:
     def meta(self, task_id: str) -> Path:
         return self.meta_dir / check_id(task_id)
 
+    def overlay_dir(self, task_id: str) -> Path:
+        """An overlay job's upper layer (`upper/`) and the kernel's scratch for it (`work/`)."""
+        return self.meta(task_id) / "overlay"
+
     def record_path(self, task_id: str) -> Path:
         return self.out_dir / f"{check_id(task_id)}.json"
 

@@ -354,19 +354,39 @@ class CredentialsFound(BaseModel):
 
 
 class Attempt(BaseModel):
-    number: int
+    """One engine's run of the task: a claim runs the task's engine, then each fallback engine
+    on quota, and each is an attempt of its own."""
+
+    number: int = Field(
+        description="1, 2, ... in the record's order (records of older versions: the claim's count)"
+    )
+    run: int | None = Field(
+        default=None,
+        description="the claim it ran under (the record's `attempt` then): the engines of one run "
+        "share it; absent in records of older versions",
+    )
     engine: str
     worker: str | None = None
     started_at: str | None = None
     ended_at: str | None = None
-    outcome: str | None = None
+    outcome: str | None = Field(
+        default=None, description="success, quota (fell back), failed, or the worker's hand back"
+    )
     error: ErrorInfo | None = None
-    # An engine that ran and fell back (quota): what it ran on and what it reported.
+    # What the engine ran on and what it reported (older versions: for an engine that fell back only).
     image: ImageRef | None = None
     exit_code: int | None = None
     log_path: str | None = None
     egress: EgressRecord | None = None
     engine_report: EngineReport | None = None
+    duration_s: float | None = Field(
+        default=None, description="the engine's container from its start to its exit (engine time)"
+    )
+    cut_short: str | None = Field(
+        default=None,
+        description="why fila stopped the engine before it ended: an upstream's quota answer in the "
+        "gateway log while a fallback engine was waiting (docs/engines.md)",
+    )
 
 
 class CheckResult(BaseModel):

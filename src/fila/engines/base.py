@@ -20,7 +20,7 @@ from pydantic import BaseModel, ValidationError
 
 from ..core.errors import InvalidTaskFile
 from ..core.models import EgressRecord, Policy, Task
-from ..sandbox.base import RunOutput
+from ..core.output import RunOutput
 
 OutcomeKind = Literal["success", "engine_error", "quota", "auth"]
 

@@ -27,7 +27,7 @@ from ..core.layout import Root
 from ..core.models import Policy
 
 if TYPE_CHECKING:
-    from ..sandbox import Backend
+    from ..sandbox import Backend, RunSpec
 
 UPSTREAM_PORT = 8000
 GATEWAY_IMAGE_FOR_UPSTREAM = "fila/gateway:latest"  # python3 is in it; no other image is needed
@@ -141,8 +141,9 @@ def _images(backend: Backend) -> Check:
 # -- the self-test -------------------------------------------------------------------------------
 
 
-def _spec(tmp: Path, image: str, argv: list[str], policy: Policy, tag: str) -> Any:
+def _spec(tmp: Path, image: str, argv: list[str], policy: Policy, tag: str) -> RunSpec:
     from ..sandbox import RunSpec
+    from ..workspace.strategy import CopyWorkspace
 
     job_id = f"doctor-{tag}-{secrets.token_hex(4)}"
     job_dir = tmp / job_id
@@ -152,7 +153,7 @@ def _spec(tmp: Path, image: str, argv: list[str], policy: Policy, tag: str) -> A
     (job_dir / "TASK.md").write_text("fila doctor self-test\n")
     return RunSpec(
         job_id=job_id,
-        job_dir=job_dir,
+        workspace=CopyWorkspace(job_dir),
         image=image,
         argv=argv,
         env={"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin"},

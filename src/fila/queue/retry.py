@@ -4,8 +4,9 @@ transient (docs/architecture.md, "The queue's contract").
 An infrastructure error before a task's container started sends the task back to the queue with
 a backoff, and so does a worker that died before its container started; both count toward one
 limit of attempts, after which the task fails. The job runner (run/job.py) requeues with `INFRA`,
-recovery (recovery/recover.py) requeues a dead worker's task with it and clamps a backoff longer
-than its cap (a clock that went back), and `run --once` waits for a backoff at most that cap.
+recovery (recovery/claims.py) requeues a dead worker's task with it, recovery/records.py clamps a
+backoff longer than its cap (a clock that went back), and `run --once` waits for a backoff at most
+that cap.
 
 The worker's probe of an unreachable container daemon (run/worker.py) is the same kind of policy,
 a capped exponential backoff after a transient error, so it is an instance of the same class:

@@ -530,7 +530,13 @@ def begin(root: Root, claim: Claim, task: Task) -> Record:
                 error=None,
                 attempts=[
                     *cur.attempts,
-                    Attempt(number=attempt, engine=task.engine, worker=claim.worker, started_at=now_iso()),
+                    Attempt(
+                        number=len(cur.attempts) + 1,
+                        run=attempt,
+                        engine=task.engine,
+                        worker=claim.worker,
+                        started_at=now_iso(),
+                    ),
                 ],
             ),
         )

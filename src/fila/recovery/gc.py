@@ -24,7 +24,7 @@ from ..queue import lease
 from ..queue import store as queue
 
 if TYPE_CHECKING:
-    from ..sandbox.base import Backend
+    from ..sandbox.base import Runner
 
 DECIDED = {Status.applied, Status.rejected}
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -55,7 +55,7 @@ def scratch_left(root: Root, tid: str) -> bool:
     return any(os.path.lexists(scratch / n) for n in ("work", "index"))
 
 
-def clear_scratch(root: Root, tid: str, backend: Backend) -> bool:
+def clear_scratch(root: Root, tid: str, backend: Runner) -> bool:
     """Empty a job's leftover overlay scratch through the backend (`clear_job_scratch`, Podman's),
     never a live job's: under the job's lock (a worker runs its container under it, so no overlay
     is mounted on it meanwhile) and only while the task holds no claim file (recovery has reaped
@@ -68,14 +68,14 @@ def clear_scratch(root: Root, tid: str, backend: Backend) -> bool:
 
 
 def collect(root: Root, older_than_s: float, *, dry_run: bool = False, now: datetime | None = None,
-            backend: Backend | None = None) -> list[Collected]:  # fmt: skip
+            backend: Runner | None = None) -> list[Collected]:  # fmt: skip
     """Remove (or, with dry_run, list) the job directories of tasks decided before now - age.
     `backend` empties a leftover rootless overlay scratch (the root's own when None, made only
     when one is there)."""
     root.require()
     now = now or datetime.now(UTC)
     out = []
-    owned: list[Backend] = []
+    owned: list[Runner] = []
     try:
         for rec in queue.all_records(root):
             if rec.status not in DECIDED:

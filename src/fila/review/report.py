@@ -25,7 +25,7 @@ from typing import Any
 from ..core import fsutil
 from ..core.errors import NotFound
 from ..core.layout import Root
-from ..core.models import Policy, Record, Status, now_iso
+from ..core.models import EgressRecord, Policy, Record, Status, now_iso
 from ..egress import config as egress
 from ..workspace import jobdir
 from ..workspace.fswalk import escape_name, inert
@@ -256,6 +256,7 @@ def summary_lines(rv: Review) -> list[str]:
         lines.append(f"WAIVED    {', '.join(inert(w) for w in rec.waived)} limits not enforced on this host")
     if rec.timings:
         lines.append("timings   " + ", ".join(f"{k} {v:.2f}s" for k, v in rec.timings.items()))
+    lines += attempt_lines(rec, "attempt", 10)
     if rec.error:
         lines.append(f"error     {rec.error.kind}: {inert(rec.error.message)}")
     if rv.data is None:
@@ -276,6 +277,49 @@ def summary_lines(rv: Review) -> list[str]:
         lines.append(f"decision  {d.action} by {inert(d.by)} at {d.at}"
                      + (f": {inert(d.reason)}" if d.reason else ""))  # fmt: skip
     return lines
+
+
+def attempt_lines(rec: Record, label: str, width: int) -> list[str]:
+    """Each attempt of the record (every engine a run tried, the fallbacks too), numbered, with its
+    outcome, engine time, exit code, why fila cut it short, its image, log and egress summary:
+    `label` starts the first line, padded to `width`; the other lines are indented as far. A record
+    of one attempt gets its first line only (the rest is the record's own)."""
+    out: list[str] = []
+    runs = {a.run for a in rec.attempts}
+    for i, a in enumerate(rec.attempts):
+        what = a.outcome or ("running" if rec.status == Status.running else "-")
+        if a.error is not None and a.error.kind != what:
+            what += f" ({a.error.kind})"
+        if a.duration_s is not None:
+            what += f", {a.duration_s:g} s"
+        if a.exit_code is not None:
+            what += f", exit {a.exit_code}"
+        run = f" (run {a.run})" if a.run is not None and len(runs) > 1 else ""
+        out.append(f"{label if i == 0 else '':<{width}}{a.number} {inert(a.engine)}{run}: {what}")
+        pad = " " * (width + 2)
+        if a.cut_short:
+            out.append(f"{pad}{inert(a.cut_short)}")
+        if len(rec.attempts) == 1:
+            continue
+        if a.image is not None:
+            out.append(f"{pad}image {inert(a.image.tag)} {a.image.id or ''}".rstrip())
+        if a.log_path:
+            out.append(f"{pad}log {escape_name(a.log_path)}")
+        if a.egress is not None:
+            out.append(f"{pad}{_egress_summary(a.egress)}")
+    return out
+
+
+def _egress_summary(rec: EgressRecord) -> str:
+    """What an attempt's gateway saw, in one line: the totals and each route's statuses."""
+    routes = "".join(
+        f"; {inert(name)} {s.requests} requests ("
+        + ", ".join(f"{inert(k)}: {v}" for k, v in sorted(s.statuses.items()))
+        + f"), {s.input_tokens} input / {s.output_tokens} output tokens"
+        for name, s in sorted(rec.routes.items())
+    )
+    budget = f"; budget {inert(rec.budget_exhausted)} exhausted" if rec.budget_exhausted else ""
+    return f"egress {rec.allowed} allowed, {rec.denied} denied{routes}{budget}"
 
 
 def _file_kind(f: patch.FilePatch) -> str:

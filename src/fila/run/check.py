@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from ..core.layout import Root
     from ..core.models import Policy, Task
     from ..queue.policy import Effective
-    from ..sandbox import Backend
+    from ..sandbox.base import Runner
 
 CHECK_LOG_SUFFIX = ".check.log"
 HEARTBEAT_S = 1.0  # how often the sandbox calls back while the check runs: the lease, a stop
@@ -42,9 +42,14 @@ class Job(Protocol):
     root: Root
     tid: str
     claim: queue.Claim
-    backend: Backend
     hooks: Gate
     progress: Callable[[str], None]
+
+    @property
+    def backend(self) -> Runner:
+        """The job's backend; the check only runs a container on it (read-only here, so the job
+        may hold the whole Backend)."""
+        ...
 
     def checkpoint(self, **fields: Any) -> None: ...
 
@@ -68,6 +73,7 @@ def run_check(
     out of the engine's (work/ may hold one)."""
     from ..engines import get_engine
     from ..sandbox import RunSpec
+    from ..workspace.strategy import CopyWorkspace
 
     root, tid = job.root, job.tid
     assert task.check is not None
@@ -87,7 +93,7 @@ def run_check(
     log = root.logs_dir / f"{tid}{CHECK_LOG_SUFFIX}"
     spec = RunSpec(
         job_id=tid,
-        job_dir=copy,
+        workspace=CopyWorkspace(copy),
         image=image,
         argv=inv.argv,
         env=inv.env,

@@ -62,7 +62,9 @@ from ..workspace import jobdir, secretscan
 
 if TYPE_CHECKING:
     from ..sandbox import Backend
-    from ..sandbox.base import Removal
+    from ..sandbox.base import Removal, RunResult, RunSpec
+    from ..workspace.strategy import JobWorkspace
+    from .quota_watch import QuotaWatch
 
 HEARTBEAT_IN_RUN_S = 1.0  # how often the sandbox calls back: the lease, and a stop request
 LeaseLost = queue.LeaseLost
@@ -355,6 +357,7 @@ class _Run:
         self.removals: list[Removal] = []  # containers exited and still being removed
         self.removal_warnings: list[str] = []
         self.removal_failed = False  # a container this job started may not be gone
+        self.watch: QuotaWatch | None = None  # set while an engine runs with a fallback waiting
 
     def lap(self, phase: str) -> None:
         """The seconds since the previous lap, added to `phase` (a fallback engine adds to its
@@ -472,6 +475,8 @@ class _Run:
         if not queue.holds(self.claim):
             raise queue.LeaseLost(self.claim.name)
         self.hooks.check()
+        if self.watch is not None:
+            self.watch.check()  # StopRun: the backend stops the container and returns its result
 
     def finish(self, status: Status, **fields: Any) -> Record | None:
         self.settle_removals()  # none left on the usual path: awaited after the diff
@@ -722,7 +727,7 @@ def _run_engines(
         if i == 0 and attempt > 1:
             _no_earlier_container(run)
         # A fresh copy for every engine: a fallback never sees what the engine before it left.
-        prep, overlay, workspace = _prepare(run, checked)
+        prep, mounted, workspace = _prepare(run, checked)
         run.lap("prepare")
         crash_point("after_job_dir")
         run.hooks.check()
@@ -735,7 +740,7 @@ def _run_engines(
             creds = {}  # the gateway holds the real keys; the engine gets the placeholder (still redacted)
         spec = RunSpec(
             job_id=tid,
-            job_dir=prep.job_dir,
+            workspace=mounted,
             image=image,
             argv=inv.argv,
             env={**inv.env, **creds},
@@ -747,7 +752,6 @@ def _run_engines(
             labels={"fila.root": str(root.path), "fila.worker": run.claim.worker},
             redact=scanner.values,
             egress_dir=root.meta(tid) / "egress",
-            overlay=overlay,
             defer_removal=True,  # the container is removed while the diff runs: awaited below
         )
 
@@ -775,12 +779,16 @@ def _run_engines(
             marks["start"] = time.monotonic()  # the backend starts the container now
 
         t = run.mark
-        result = run.backend.run(
-            spec,
-            before_start=before_start,
-            heartbeat=run.heartbeat,
-            heartbeat_s=HEARTBEAT_IN_RUN_S,
-        )
+        run.watch = _quota_watch(spec, engine, engines, i)
+        try:
+            result = run.backend.run(
+                spec,
+                before_start=before_start,
+                heartbeat=run.heartbeat,
+                heartbeat_s=HEARTBEAT_IN_RUN_S,
+            )
+        finally:
+            run.watch = None
         if result.removal is not None:
             run.removals.append(result.removal)
         run.lap("run")
@@ -793,6 +801,7 @@ def _run_engines(
             exit_code=result.exit_code,
             timed_out=result.timed_out,
             seconds=result.duration_s,
+            **({"cut_short": result.stopped} if result.stopped else {}),
         )
         crash_point("after_exit")
         # The engine's words reach the record (error, report, egress log, names): none of them
@@ -823,7 +832,7 @@ def _run_engines(
                 policy=checked.policy,
                 scratch=root.meta(tid) / "scratch",
                 skip=jobdir.diff_skip(root, checked.project, checked.policy),
-                layers=overlay.layers() if overlay is not None else None,
+                layers=mounted.layers(),
                 credentials=scanner,
             )
             diff_fields = {
@@ -862,11 +871,12 @@ def _run_engines(
                             f"{secretscan.MIN_CHARS} characters): {', '.join(scanner.skipped)}")  # fmt: skip
         run.await_removal()
         run.timings["total"] = round(run.mark - t0, 3)  # the laps since the claim, added up
+        ran_on = ImageRef(tag=image, id=result.image_id or ref.id)
         common = dict(
             engine=name,
             model=task.model,
             exit_code=result.exit_code,
-            image=ImageRef(tag=image, id=result.image_id or ref.id),
+            image=ran_on,
             policy=checked.policy_ref,
             container=result.container_name,
             log_path=str(root.log_path(tid).relative_to(root.path)),
@@ -891,6 +901,7 @@ def _run_engines(
                     if outcome.kind == "success"
                     else ErrorInfo(kind=outcome.kind, message=outcome.msg),
                 }
+                | _ran(result, outcome, ran_on, root.log_path(tid).relative_to(root.path))
             )
         if outcome.kind == "success":
             return run.finish(Status.needs_review, attempts=attempts, error=None, **common)
@@ -901,6 +912,20 @@ def _run_engines(
             **common,
         )
     raise AssertionError("unreachable: the last engine always finishes")
+
+
+def _quota_watch(spec: RunSpec, engine: Engine, engines: list[tuple[str, str]], i: int) -> QuotaWatch | None:
+    """With a fallback engine after engine i and a gateway to read, the watch that ends engine i's
+    run at its upstream's first quota answer on one of its own model routes (docs/engines.md,
+    "Falling back promptly"); else None, and the engine's own retries stand. An engine without
+    routes of its own (shell) is not watched: its classification never reads the gateway's 429."""
+    if i + 1 >= len(engines) or not engine.routes:
+        return None
+    if spec.policy.network != "allowlist" or spec.egress_dir is None:
+        return None
+    from .quota_watch import QuotaWatch, gateway_log
+
+    return QuotaWatch(gateway_log(spec.egress_dir), engine.routes, then=engines[i + 1][0])
 
 
 def _no_earlier_container(run: _Run) -> None:
@@ -922,11 +947,12 @@ def _no_earlier_container(run: _Run) -> None:
         )
 
 
-def _prepare(run: _Run, checked: Checked) -> tuple[jobdir.Prepared, Any, Workspace]:
+def _prepare(run: _Run, checked: Checked) -> tuple[jobdir.Prepared, JobWorkspace, Workspace]:
     """input/ and work/ by the strategy this backend and task allow (snapshot.choose): an overlay
     of a shared snapshot when the backend mounts one, else the copy; the record says which and why."""
     from ..sandbox.base import run_as
     from ..workspace import snapshot
+    from ..workspace.strategy import CopyWorkspace, OverlayWorkspace
 
     root, tid, task = run.root, run.tid, checked.task
     strategy, why = snapshot.choose(root, run.backend.overlay_unsupported())
@@ -934,7 +960,7 @@ def _prepare(run: _Run, checked: Checked) -> tuple[jobdir.Prepared, Any, Workspa
         strategy, why = "copy", "the task's check runs on a copy of work/ made on the host"
     if strategy == "copy":
         prep = jobdir.prepare(root, tid, task, checked.policy, checked.effective)
-        return prep, None, Workspace(strategy="copy", why=why)
+        return prep, CopyWorkspace(prep.job_dir), Workspace(strategy="copy", why=why)
     owner = run_as() if os.getuid() == 0 else None  # the engine's uid must write its view of the files
     # A rootless overlay's scratch an earlier attempt left (its worker killed between its
     # container's removal and the scratch's) is the subordinate uids': only the backend can empty
@@ -947,7 +973,7 @@ def _prepare(run: _Run, checked: Checked) -> tuple[jobdir.Prepared, Any, Workspa
     ws = Workspace(
         strategy="overlay", why=why, snapshot=snap.key, snapshot_how=snap.how, files_read=snap.hashed
     )
-    return prep, overlay, ws
+    return prep, OverlayWorkspace(prep.job_dir, overlay), ws
 
 
 def _fall_back(
@@ -961,27 +987,32 @@ def _fall_back(
     kept = root.logs_dir / f"{tid}.{run.attempt}-{i + 1}-{name}.log"
     with contextlib.suppress(FileNotFoundError):
         os.replace(root.log_path(tid), kept)
-    done = Attempt(
-        number=run.attempt,
-        engine=name,
-        worker=run.claim.worker,
-        started_at=started_at,
-        ended_at=now_iso(),
-        outcome="quota",
-        error=ErrorInfo(
-            kind=ErrorKind.quota, message=outcome.msg.replace(str(root.log_path(tid)), str(kept))
-        ),
-        image=image,
-        exit_code=result.exit_code,
-        log_path=str(kept.relative_to(root.path)),
-        egress=result.egress,
-        engine_report=outcome.report,
-    )
     cur = queue.get_record(root, tid)
-    open_attempt = cur.attempts[-1].model_copy(update={"engine": nxt, "started_at": now_iso()})
+    # The open attempt (numbered at the claim, or at the fallback before) is this engine's.
+    done = cur.attempts[-1].model_copy(
+        update=_ran(result, outcome, image, kept.relative_to(root.path))
+        | {
+            "engine": name,
+            "worker": run.claim.worker,
+            "started_at": started_at,
+            "ended_at": now_iso(),
+            "outcome": "quota",
+            "error": ErrorInfo(
+                kind=ErrorKind.quota, message=outcome.msg.replace(str(root.log_path(tid)), str(kept))
+            ),
+        }
+    )
+    open_attempt = Attempt(
+        number=len(cur.attempts) + 1,
+        run=run.attempt,
+        engine=nxt,
+        worker=run.claim.worker,
+        started_at=now_iso(),
+    )
     run.checkpoint(attempts=[*cur.attempts[:-1], done, open_attempt], engine=nxt, event="fallback")
     queue.log_event(root, tid, "fell back", engine=name, to=nxt, reason=outcome.msg)
-    run.progress(f"{tid}: {name} is out of quota; falling back to {nxt}")
+    cut = f" (cut short after {result.duration_s:g} s)" if result.stopped else ""
+    run.progress(f"{tid}: {name} is out of quota{cut}; falling back to {nxt}")
 
 
 @dataclass(frozen=True)
@@ -989,6 +1020,19 @@ class _Out:
     kind: Any
     msg: str
     report: EngineReport | None = None
+
+
+def _ran(result: RunResult, outcome: _Out, image: ImageRef, log_path: Path) -> dict[str, Any]:
+    """What an attempt's engine ran on and left: its own fields in the record's `attempts`."""
+    return {
+        "image": image,
+        "exit_code": result.exit_code,
+        "log_path": str(log_path),
+        "egress": result.egress,
+        "engine_report": outcome.report,
+        "duration_s": result.duration_s,
+        "cut_short": result.stopped,
+    }
 
 
 def _classify(engine: Engine, result: Any, log_path: Path, checked: Checked) -> _Out:
@@ -1008,6 +1052,8 @@ def _classify(engine: Engine, result: Any, log_path: Path, checked: Checked) -> 
     # gateway's statuses (engines.md); the log file is for people and keeps both streams.
     o = engine.classify_run(result.exit_code, result.output, result.egress)
     report = EngineReport.model_validate(o.report) if o.report else None
+    if result.stopped:  # fila stopped it at the upstream's quota answer: that answer is its class
+        return _Out(ErrorKind.quota, f"{result.stopped}; see {log_path}", report)
     if o.kind == "success":
         return _Out("success", "", report)
     kind = {"quota": ErrorKind.quota, "auth": ErrorKind.auth}.get(o.kind, ErrorKind.engine_error)

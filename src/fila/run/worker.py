@@ -224,7 +224,7 @@ class Worker:
     # -- the loop -----------------------------------------------------------------------------
 
     def run(self) -> int:
-        """Process the queue; returns the exit code (see cli.py). `once`: until it is empty."""
+        """Process the queue; returns the exit code (`fila.cli` lists them). `once`: until it is empty."""
         self.root.require()
         if self.once:
             self.backend.ping()  # an engine that does not answer: fail before claiming

@@ -1,9 +1,11 @@
 """The seam between fila and a container engine (docs/architecture.md, "Layers").
 
-The cycle, the worker, recovery and the doctor call a `Backend`; only the modules of this package
-talk to an engine's API. A backend maps the policy to its engine's request in one pure function
-(`create_kwargs` for the Docker API), enforces the host's wall-clock timeout, always removes what
-it created, and labels it so a later sweep finds what a killed fila left behind.
+The cycle, the worker, recovery and the doctor call a backend by the role they need (`Runner`,
+`ImageStore`, `HostProbe`; `Backend` is all three); only the modules of this package talk to an
+engine's API. A backend maps the policy to its engine's request in one pure function
+(`create_kwargs` for the Docker API), mounts the job's files as the RunSpec's Workspace says
+(docs/architecture.md, "The Workspace seam"), enforces the host's wall-clock timeout, always
+removes what it created, and labels it so a later sweep finds what a killed fila left behind.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..core.models import ImageRef, Limits, Policy
+from ..core.models import EgressRecord, ImageRef, Limits, Policy
+from ..core.mounts import Workspace
+from ..core.output import RunOutput
 
 LABEL = "fila"
 JOB_LABEL = "fila.job"
@@ -27,7 +31,7 @@ ROOT_LABEL = "fila.root"
 WORKER_LABEL = "fila.worker"
 
 # The engine never runs as root: when fila itself does, the container gets this uid ("nobody"),
-# and work/ is handed to it for the run and back afterwards (jobdir.hand_over / reclaim).
+# and work/ is handed to it for the run and back afterwards (Workspace.hand_over and reclaim).
 UNPRIVILEGED = 65534
 
 
@@ -44,7 +48,8 @@ def container_name(job_id: str) -> str:
 @dataclass
 class RunSpec:
     job_id: str
-    job_dir: Path
+    # input/ and work/: what the container mounts, and the hooks that hand work/ over and back
+    workspace: Workspace
     image: str
     argv: list[str]
     env: dict[str, str]
@@ -56,11 +61,12 @@ class RunSpec:
     redact: list[str] = field(default_factory=list)
     # network allowlist: the gateway's config, secrets and log (0700; never under job_dir)
     egress_dir: Path | None = None
-    # the overlay strategy (snapshot.Overlay): input/ is the snapshot's tree (read-only), work/ an
-    # overlay of it with the job's upper layer; None: input/ and work/ are the job's own copies
-    overlay: Any = None
     # the caller awaits RunResult.removal before it publishes anything (see Backend.run)
     defer_removal: bool = False
+
+    @property
+    def job_dir(self) -> Path:
+        return self.workspace.job_dir
 
 
 class Removal:
@@ -94,31 +100,6 @@ class Removal:
             raise self.error
 
 
-# How much of stderr classification keeps: the end, where a CLI's last words are.
-STDERR_TAIL = 256 << 10
-
-
-@dataclass(frozen=True)
-class RunOutput:
-    """The container's output as classification reads it (docs/engines.md, "Classifying a run"),
-    redacted like the log: stdout whole (a CLI's structured result, however large), up to the
-    policy's max_log_bytes, and the last STDERR_TAIL bytes of stderr (its warnings and errors)."""
-
-    stdout: bytes = b""
-    stderr: bytes = b""
-    # stdout may miss its end: the log reached max_log_bytes and fila stopped reading the output.
-    stdout_truncated: bool = False
-    # stderr's start was dropped: only its tail is kept.
-    stderr_truncated: bool = False
-
-    def text(self) -> str:
-        """stderr's tail, then stdout: what the text rules (quota, auth) read."""
-        return (self.stderr + b"\n" + self.stdout).decode(errors="replace")
-
-    def out(self) -> str:
-        return self.stdout.decode(errors="replace")
-
-
 @dataclass
 class RunResult:
     exit_code: int | None
@@ -134,13 +115,40 @@ class RunResult:
     log_truncated: bool
     warnings: list[str] = field(default_factory=list)  # what reclaiming the job dir found
     limit_exceeded: str | None = None  # the container was killed for breaking a disk limit
-    egress: Any = None  # models.EgressRecord: what the job's gateway logged (network allowlist)
+    egress: EgressRecord | None = None  # what the job's gateway logged (network allowlist)
     backend: str = ""  # the backend that ran it (named in the record)
     waived: list[str] = field(default_factory=list)  # limits the policy let this backend leave unenforced
     # stdout apart from stderr, for classification (the log file has both, interleaved)
     output: RunOutput = field(default_factory=RunOutput)
     # defer_removal: the container's removal, still running; awaited before anything is published
     removal: Removal | None = None
+    # Why the caller ended the run early (a heartbeat raised StopRun): the container was stopped as
+    # at its timeout, and what it produced is kept. None: it exited by itself, or timed out.
+    stopped: str | None = None
+
+
+class StopRun(Exception):
+    """Raised by a run's heartbeat to end the run now and keep its result: the backend stops the
+    container as at its timeout (SIGTERM, SIGKILL after `grace_ms`, the policy's grace when None)
+    and returns the RunResult with `stopped` set to `reason`. Any other exception from the
+    heartbeat aborts the run."""
+
+    def __init__(self, reason: str, *, grace_ms: int | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.grace_ms = grace_ms
+
+
+def call_heartbeat(heartbeat: Callable[[], None] | None, grace_s: float) -> tuple[str | None, float]:
+    """One turn of a run's heartbeat, for every backend's wait loop: the reason to stop the run
+    (None: carry on) and the grace its stop gets (a StopRun's own `grace_ms` shortens it)."""
+    if heartbeat is None:
+        return None, grace_s
+    try:
+        heartbeat()
+    except StopRun as e:
+        return e.reason, grace_s if e.grace_ms is None else min(grace_s, e.grace_ms / 1000)
+    return None, grace_s
 
 
 @dataclass(frozen=True)
@@ -175,27 +183,27 @@ class ImageInfo:
 WAIVABLE = ("memory", "pids", "cpus")
 
 
-class Backend(ABC):
-    """A container engine fila runs jobs on. Thread-safe: one instance serves every job slot of
-    a worker. Errors are fila's own (core/errors.py): EngineUnavailable when the engine does not
-    answer, InfraError for what it failed to do, ImageMissing for an absent image."""
+class Connection(ABC):
+    """What every caller of a container engine needs: its name, whether it answers, and the
+    release of its connections. Thread-safe: one instance serves every job slot of a worker.
+    Errors are fila's own (core/errors.py): EngineUnavailable when the engine does not answer,
+    InfraError for what it failed to do, ImageMissing for an absent image."""
 
     name: str = ""
-    allowlist: bool = True  # runs `network: allowlist` (a job network and a gateway)
 
     @abstractmethod
     def ping(self) -> None:
         """Raise EngineUnavailable (the engine does not answer) with what to do next."""
 
-    def image(self, tag: str) -> ImageRef | None:
-        """The image by tag, or None when it is not there (from `image_info`)."""
-        info = self.image_info(tag)
-        return ImageRef(tag=tag, id=info.id) if info is not None else None
+    def close(self) -> None:  # noqa: B027 (a backend without connections has nothing to release)
+        """Release connections (idempotent)."""
 
-    def tags(self, image: str) -> list[str]:
-        """The local tags of an image (by id or name); [] when it is not there."""
-        info = self.image_info(image)
-        return list(info.tags) if info is not None else []
+
+class Runner(Connection):
+    """What the cycle, the worker and recovery need: run one job's container (its policy checked
+    first) and sweep what a killed fila left behind."""
+
+    allowlist: bool = True  # runs `network: allowlist` (a job network and a gateway)
 
     @abstractmethod
     def unenforceable(self, policy: Policy) -> list[str]:
@@ -252,7 +260,9 @@ class Backend(ABC):
         removed unstarted). `heartbeat()` runs every `heartbeat_s` while the container runs.
         `spec.defer_removal`: a backend that can returns once the container has exited and work/
         is handed back, its removal running on in `RunResult.removal`, which the caller must
-        await before it publishes anything; one that cannot removes it first (removal None)."""
+        await before it publishes anything; one that cannot removes it first (removal None).
+        A heartbeat that raises StopRun ends the run as its timeout would, and the result is
+        returned with `stopped` set (it is not `timed_out`)."""
 
     @abstractmethod
     def find(self, *, job_id: str | None = None, root: str | None = None) -> list[Box]:
@@ -273,6 +283,30 @@ class Backend(ABC):
         between a container's removal and its work volume's leaves one): (name, job id) each."""
         return []
 
+    def refusal(self, err: BaseException) -> str | None:
+        """The engine's own words when it refused a request as malformed (the task's fault, not
+        an outage), else None."""
+        return None
+
+
+class ImageStore(Connection):
+    """What sandbox/images.py needs: the engine's local images and the primitives that build,
+    import, pull, tag and smoke-test them (images.py decides what to build and when)."""
+
+    def image(self, tag: str) -> ImageRef | None:
+        """The image by tag, or None when it is not there (from `image_info`)."""
+        info = self.image_info(tag)
+        return ImageRef(tag=tag, id=info.id) if info is not None else None
+
+    def tags(self, image: str) -> list[str]:
+        """The local tags of an image (by id or name); [] when it is not there."""
+        info = self.image_info(image)
+        return list(info.tags) if info is not None else []
+
+    @abstractmethod
+    def image_info(self, tag: str) -> ImageInfo | None:
+        """The image by tag or id with its labels and tags; None when it is not there."""
+
     @abstractmethod
     def build(
         self,
@@ -286,12 +320,6 @@ class Backend(ABC):
     ) -> ImageRef:
         """Build `fila/<engine>:latest` on this engine (sandbox/images.py decides what and when);
         `progress` gets a line per Dockerfile step, and the engine's raw stream when `verbose`."""
-
-    # -- image primitives (sandbox/images.py decides what to build and when) --------------------------
-
-    @abstractmethod
-    def image_info(self, tag: str) -> ImageInfo | None:
-        """The image by tag or id with its labels and tags; None when it is not there."""
 
     @abstractmethod
     def build_context(
@@ -325,6 +353,11 @@ class Backend(ABC):
     def smoke_run(self, image: str, argv: tuple[str, ...]) -> tuple[int | None, str]:
         """argv in the image, hardened and without network: (exit code or None on timeout, output)."""
 
+
+class HostProbe(Connection):
+    """What the doctor asks of the host: the runtimes, the engine's version, and a test upstream
+    for the allowlist's self-test."""
+
     @abstractmethod
     def runtimes(self) -> list[str]:
         """The OCI runtimes the engine offers (runc, crun, runsc...)."""
@@ -340,17 +373,14 @@ class Backend(ABC):
         """A server (`argv` in `image`) on a new internal network, reachable by `aliases` there:
         yields (network name, subnet) and removes both afterwards (the doctor's allowlist test)."""
 
-    def refusal(self, err: BaseException) -> str | None:
-        """The engine's own words when it refused a request as malformed (the task's fault, not
-        an outage), else None."""
-        return None
-
-    def close(self) -> None:  # noqa: B027 (a backend without connections has nothing to release)
-        """Release connections (idempotent)."""
-
     def describe(self) -> dict[str, Any]:
         """What the doctor shows: name, version, where it listens."""
         return {"name": self.name}
+
+
+class Backend(Runner, ImageStore, HostProbe):
+    """A container engine fila runs jobs on: one class per engine implements every role, and
+    each caller types what it holds by the role it uses (docs/architecture.md, "Layers")."""
 
 
 LEFT_ATTR = "fila_left"  # on an exception a failed run raises: what it could not remove

@@ -66,6 +66,7 @@ from .base import (
     Removal,
     RunResult,
     RunSpec,
+    call_heartbeat,
     container_name,
     note_left,
 )
@@ -314,7 +315,7 @@ class FakeBackend(Backend):
                 ex.go()
             if act is not None and act.error is not None and act.error_at == "start":
                 raise act.error
-            timed_out = self._wait(spec, ex, t0, heartbeat, heartbeat_s)
+            timed_out, stopped = self._wait(spec, ex, t0, heartbeat, heartbeat_s)
             ended_at, duration = now_iso(), time.monotonic() - t0
             code = ex.exit_code()
         except BaseException:
@@ -345,6 +346,7 @@ class FakeBackend(Backend):
             log_bytes=capture.written,
             log_truncated=capture.truncated,
             output=output,
+            stopped=stopped,
         )
 
     @staticmethod
@@ -354,29 +356,33 @@ class FakeBackend(Backend):
         t0: float,
         heartbeat: Callable[[], None] | None,
         heartbeat_s: float,
-    ) -> bool:
-        """Until the exit, with heartbeats; at the host's timeout SIGTERM, then SIGKILL after the
-        grace. True when the timeout ended it."""
+    ) -> tuple[bool, str | None]:
+        """Until the exit, with heartbeats; at the host's timeout (or a heartbeat's StopRun)
+        SIGTERM, then SIGKILL after the grace. (timed out, why the caller stopped it)."""
         deadline = t0 + min(spec.timeout_ms, spec.policy.max_timeout_ms) / 1000
         beat = max(heartbeat_s, 0.05)
         next_beat = t0 + beat
+        stopped: str | None = None
+        grace_s = spec.policy.grace_ms / 1000
         while not ex.wait(min(deadline, next_beat) - time.monotonic()):
             now = time.monotonic()
-            if now >= deadline:
+            if now >= deadline or stopped is not None:
                 ex.signal(signal.SIGTERM)
-                if not ex.wait(spec.policy.grace_ms / 1000):
+                if not ex.wait(grace_s):
                     ex.signal(signal.SIGKILL)
                     if not ex.wait(_KILL_WAIT_S):
                         raise InfraError(
                             f"the fake backend's command survived SIGKILL for {_KILL_WAIT_S}s",
                             task_id=spec.job_id,
                         )
-                return True
+                return stopped is None, stopped
             if now >= next_beat:
-                if heartbeat is not None:
-                    heartbeat()
+                reason, grace_s = call_heartbeat(heartbeat, grace_s)
+                if reason is not None:
+                    stopped = reason  # stopped on the next turn, as at the timeout
+                    continue
                 next_beat = now + beat
-        return False
+        return False, stopped
 
     # -- images: a fixed set of tags --------------------------------------------------------------
 

@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..core.errors import InfraError
-from .base import STDERR_TAIL, RunOutput, RunSpec
+from ..core.output import STDERR_TAIL, RunOutput
+from .base import RunSpec
 
 _JOB_MOUNT = re.compile(r"(?<![\w.-])/job\b(?![.-])")  # engines.base.JOB_MOUNT as a path prefix
 _PLAIN_PATH = re.compile(r"[\w./+-]+")  # spliced into shell scripts unquoted: nothing to escape

@@ -48,6 +48,7 @@ from ..core import fsutil
 from ..core.errors import FilaError, LimitExceeded, TargetError
 from ..core.layout import Root
 from ..core.models import Policy
+from ..core.mounts import OverlayVolume
 from .fswalk import DIR_FLAGS, Entry, escape_name, kind_of, open_beneath, open_dir, same_file, walk, walk_fd
 
 # Stat data younger than this when the scan started is not trusted next time: a file written twice
@@ -783,12 +784,9 @@ class Overlay:
     def layers(self) -> Layers:
         return Layers(self.lower, self.upper, entries=self.entries, bytes_=self.bytes)
 
-    def mount_options(self) -> str:
-        return f"lowerdir={self.lower},upperdir={self.upper},workdir={self.scratch},userxattr"
-
-
-def overlay_dir(root: Root, task_id: str) -> Path:
-    return root.meta(task_id) / "overlay"
+    def volume(self, target: str) -> OverlayVolume:
+        """work/ as the overlay volume a backend mounts at `target`."""
+        return OverlayVolume(target, self.lower, self.upper, self.scratch)
 
 
 def choose(root: Root, unsupported: str | None) -> tuple[str, str]:
@@ -831,7 +829,7 @@ def prepare_job(
 
     project = project_of(root, task, policy)
     targets = resolve_targets(root, project, task.targets, policy)
-    job, ov = root.job_dir(task_id), overlay_dir(root, task_id)
+    job, ov = root.job_dir(task_id), root.overlay_dir(task_id)
     for old in (job, ov):
         if old.exists() or old.is_symlink():  # a requeued task starts from a clean state
             fsutil.remove_tree(old)
@@ -862,7 +860,7 @@ def job_overlay(root: Root, task_id: str) -> Overlay | None:
         return None
     if not isinstance(info, dict) or not isinstance(info.get("key"), str):
         return None
-    ov = overlay_dir(root, task_id)
+    ov = root.overlay_dir(task_id)
     tree = store(root) / info["key"] / "tree"
     return Overlay(tree, ov / "upper", ov / "work", int(info["entries"]), int(info["bytes"]))
 

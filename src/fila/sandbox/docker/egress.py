@@ -12,9 +12,10 @@ from pathlib import Path
 from typing import Any
 
 import docker
+from docker.models.networks import Network
 
 from ...core.errors import InfraError, InvalidPolicy
-from ...core.models import Policy
+from ...core.models import EgressRecord, Policy
 from ...egress.config import (
     CONFIG_PATH,
     DEFAULT_EGRESS_NETWORK,
@@ -243,7 +244,7 @@ def died(client: docker.DockerClient, gw: Gateway) -> str | None:
     )
 
 
-def finish(client: docker.DockerClient, gw: Gateway) -> tuple[Any, list[str]]:
+def finish(client: docker.DockerClient, gw: Gateway) -> tuple[EgressRecord, list[str]]:
     """After the engine's container is gone: the gateway's log read into the record's egress
     section, then the gateway, its network and secrets removed. Returns the section and what the
     record must warn of (a gateway that died during the run, one left for `fila recover`)."""
@@ -284,7 +285,9 @@ def stop(client: docker.DockerClient, gw: Gateway) -> None:
         raise InfraError("could not remove " + "; ".join(errors), task_id=gw.job_id)
 
 
-def sweep(client: Any, root: Path, meta_dir: Path, has_claim: Callable[[str, str | None], bool]) -> list[str]:
+def sweep(
+    client: docker.DockerClient, root: Path, meta_dir: Path, has_claim: Callable[[str, str | None], bool]
+) -> list[str]:
     """Remove job networks and gateway directories of this root's jobs whose worker holds no
     claim (their gateways are containers: the container sweep removed them first). Returns
     what was removed, described."""
@@ -306,7 +309,7 @@ def sweep(client: Any, root: Path, meta_dir: Path, has_claim: Callable[[str, str
     return removed + sweep_dirs(meta_dir, has_claim)
 
 
-def _remove_net_containers(client: Any, net: Any) -> None:
+def _remove_net_containers(client: docker.DockerClient, net: Network) -> None:
     """A gateway of the job still attached (its labels lost, or created by a killed fila): force
     it off the network by removing it, when it is fila's."""
     with contextlib.suppress(*_docker_errors()):

@@ -60,8 +60,9 @@ from ...egress.config import (
     sweep_dirs,
 )
 from ..base import RunResult, RunSpec, run_as
-from ..docker import backend as dk
+from ..docker import container as docker_container
 from ..docker import egress as docker_egress
+from ..docker.spec import create_kwargs
 
 __all__ = ["gateway_spec", "run", "start", "sweep"]
 
@@ -272,8 +273,8 @@ def run(
     heartbeat: Callable[[], None] | None = None,
     heartbeat_s: float = 5.0,
 ) -> RunResult:
-    """The job with its gateway: start the gateway, run the engine on the job network (dk.run,
-    every other step of the run as on Docker), then read the gateway's log into the record and
+    """The job with its gateway: start the gateway, run the engine on the job network (Docker's
+    container.run, every other step of the run as on Docker), then read the gateway's log into the record and
     remove the gateway, its network and its secrets; on a failure remove them before raising."""
     if spec.egress_dir is None:
         raise InfraError("network allowlist needs RunSpec.egress_dir", task_id=spec.job_id)
@@ -291,13 +292,13 @@ def run(
     )
 
     def on_job_network(c: docker.DockerClient, kwargs: dict[str, Any]) -> Container:
-        # dk.run starts Docker's gateway itself for an allowlist policy; it is given the policy
-        # as `none` (no gateway of its own) and the request is made again here with this one.
-        return create(c, dk.create_kwargs(spec, kwargs["name"], gw))
+        # Docker's container.run starts Docker's gateway itself for an allowlist policy; it is given
+        # the policy as `none` (no gateway of its own) and the request is made again here with this one.
+        return create(c, create_kwargs(spec, kwargs["name"], gw))
 
     no_gateway = dataclasses.replace(spec, policy=spec.policy.model_copy(update={"network": "none"}))
     try:
-        result = dk.run(
+        result = docker_container.run(
             no_gateway,
             client=client,
             before_start=before_start,
@@ -308,7 +309,7 @@ def run(
     except BaseException as exc:
         # Docker's own path for a failed run: what cannot be removed is carried on the error
         # (note_left), so the cycle keeps the task fenced instead of publishing it as over.
-        dk.stop_gateway_after_failure(client, gw, exc)
+        docker_container.stop_gateway_after_failure(client, gw, exc)
         raise
     result.egress, left = docker_egress.finish(client, gw)
     result.warnings += left

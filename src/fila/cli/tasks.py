@@ -1,0 +1,215 @@
+"""`fila submit`, `fila run` and `fila worker`: tasks into the queue, and a worker to run them.
+
+`submit --run` and `run --once` share one path (`_process`), so a task run in the submitting process
+is run and reported exactly as a worker would (docs/architecture.md, the cycle).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from ..core.errors import FilaError
+from ..core.layout import Root
+from .common import JsonOpt, RootOpt, print_json, record_json, summary_line, to_stderr
+
+if TYPE_CHECKING:  # pydantic's import costs a third of `fila --help`; commands import it lazily
+    from ..core.models import Record
+
+
+def submit(
+    task_file: Annotated[
+        str | None,
+        typer.Argument(help="task JSON file (see `fila schema task`); '-' reads stdin", show_default=False),
+    ] = None,
+    engine: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="engine name (shell, claude, ...); repeated: one task per engine in a compare group "
+            "(ids GROUP.ENGINE, GROUP from --id or the file's group/id)"
+        ),
+    ] = None,
+    command: Annotated[str | None, typer.Option(help="shell engine: command run in work/")] = None,
+    target: Annotated[
+        list[str] | None, typer.Option("--target", "-t", help="path relative to the project; repeatable")
+    ] = None,
+    prompt: Annotated[str | None, typer.Option(help="what the engine is asked to do")] = None,
+    model: Annotated[
+        list[str] | None,
+        typer.Option(help="model passed to the engine; in a group, ENGINE=MODEL (repeatable) per engine"),
+    ] = None,
+    timeout: Annotated[int | None, typer.Option(help="milliseconds; at most the policy cap")] = None,
+    policy: Annotated[str | None, typer.Option(help="policy name (default: default)")] = None,
+    task_id: Annotated[str | None, typer.Option("--id", help="task id (default: generated)")] = None,
+    fallback: Annotated[list[str] | None, typer.Option(help="engine to try on quota")] = None,
+    project: Annotated[str | None, typer.Option(help="project dir (default: root)")] = None,
+    image: Annotated[
+        str | None, typer.Option(help="pin the engine's image: a tag or an image id (sha256:...)")
+    ] = None,
+    check: Annotated[
+        str | None,
+        typer.Option(help="command run on a copy of work/ after the engine (network none); recorded"),
+    ] = None,
+    run_now: Annotated[
+        bool,
+        typer.Option(
+            "--run",
+            help="then run it in this process as `run --once` would (only this task or group): "
+            "prints its record (--json: the full record), exit codes as `run --once`",
+        ),
+    ] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="with --run: no progress on stderr")] = False,
+    root: RootOpt = None,
+    json_: JsonOpt = False,
+) -> None:
+    """Queue a task and print its id on stdout (a group: one id a line).
+
+    Either give a task file, or describe the task with options; options given with a file
+    override its fields. The task is checked now (engine, policy, limits, targets), so a bad
+    task is refused here rather than failing later. With --run (CI, one process): the task is
+    queued as above, then claimed and run like `fila run --once` would, other queued tasks left.
+    """
+    from ..core.errors import InvalidInput
+    from ..core.models import Task
+    from ..queue.policy import validate_document
+    from ..run.job import parse_task_bytes, parse_task_file
+    from ..run.job import submit as do_submit
+
+    data: dict[str, Any] = {}
+    if task_file == "-":
+        from ..core.untrusted import MAX_TASK_BYTES
+
+        raw = sys.stdin.buffer.read(MAX_TASK_BYTES + 1)  # capped: stdin may be endless
+        data = parse_task_bytes(raw, source="stdin").model_dump(exclude_none=True)
+    elif task_file:
+        data = parse_task_file(Path(task_file)).model_dump(exclude_none=True)
+    opts = {
+        "engine": engine[0] if engine else None,
+        "command": command,
+        "targets": target or None,
+        "prompt": prompt,
+        "model": model[0] if model and len(model) == 1 and "=" not in model[0] else None,
+        "timeout": timeout,
+        "policy": policy,
+        "id": task_id,
+        "fallback": fallback or None,
+        "project": project,
+        "image": image,
+        "check": check,
+    }
+    data.update({k: v for k, v in opts.items() if v is not None})
+    if not data:
+        raise InvalidInput("nothing to submit", hint="give a task file or --engine and --target")
+    if model and (len(model) > 1 or "=" in model[0]) and not (engine and len(engine) > 1):
+        raise InvalidInput("--model ENGINE=MODEL and a repeated --model are for a group (--engine repeated)",
+                           hint="one engine takes one --model MODEL")  # fmt: skip
+    validate_document("task", data, path=task_file if task_file not in (None, "-") else "options")
+    if engine and len(engine) > 1:
+        from ..review.groups import group_tasks
+        from ..run.job import submit_group
+
+        per_engine = dict(m.split("=", 1) for m in model or [] if "=" in m)
+        recs = submit_group(Root.at(root), group_tasks(Task.model_validate(data), engine, models=per_engine))
+        if run_now:
+            _process(root, once=True, only={r.id for r in recs}, json_=json_, quiet=quiet)
+        if json_:
+            print_json({"group": recs[0].task.group if recs[0].task else None,
+                  "tasks": [{"id": r.id, "engine": r.task.engine if r.task else None, "status": r.status}
+                            for r in recs]})  # fmt: skip
+        else:
+            for r in recs:
+                typer.echo(r.id)
+        return
+    rec = do_submit(Root.at(root), Task.model_validate(data))
+    if run_now:
+        _process(root, once=True, only={rec.id}, json_=json_, quiet=quiet)
+    if json_:
+        print_json({"id": rec.id, "status": rec.status})
+    else:
+        typer.echo(rec.id)
+
+
+def run_cmd(
+    once: Annotated[bool, typer.Option("--once", help="process what is queued, then exit")] = False,
+    root: RootOpt = None,
+    json_: Annotated[
+        bool, typer.Option("--json", help="one JSON object per processed task on stdout")
+    ] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress on stderr")] = False,
+    concurrency: Annotated[int, typer.Option("--concurrency", "-j", min=1, help="jobs run at once")] = 1,
+) -> None:
+    """Process queued tasks. With --once (for CI): process what is queued, then exit.
+
+    Progress goes to stderr; results to stdout. Exit 0 when every processed task is ready for
+    review, 1 when some failed or need a person, 2 when a task file was invalid, 3 when Docker is
+    unavailable or an image is missing (the tasks stay queued), 6 when the circuit breaker is
+    open, 130 when interrupted (running containers removed, tasks recorded).
+    """
+    worker(root=root, once=once, json_=json_, quiet=quiet, concurrency=concurrency)
+
+
+def worker(
+    root: RootOpt = None,
+    once: Annotated[bool, typer.Option("--once", help="process what is queued, then exit")] = False,
+    concurrency: Annotated[int, typer.Option("--concurrency", "-j", min=1, help="jobs run at once")] = 1,
+    poll: Annotated[float, typer.Option(help="seconds between looks when inotify is missing")] = 1.0,
+    grace: Annotated[
+        float, typer.Option(help="after SIGTERM, seconds running jobs get to finish before they are stopped")
+    ] = 60.0,
+    json_: Annotated[
+        bool, typer.Option("--json", help="one JSON object per processed task on stdout")
+    ] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress on stderr")] = False,
+) -> None:
+    """Keep processing tasks; wake within a second when a task appears (inotify).
+
+    Recovery runs in the background at start and every 30 s. SIGTERM: no new claims, jobs not
+    yet started go back to the queue, running ones get --grace seconds. Ctrl-C: running
+    containers are removed and their tasks recorded (needs_human). Exit codes as `run --once`.
+    """
+    _process(root, once=once, json_=json_, quiet=quiet, concurrency=concurrency, poll=poll, grace=grace)
+
+
+def _process(
+    root: Path | None,
+    *,
+    once: bool,
+    json_: bool,
+    quiet: bool,
+    only: set[str] | None = None,
+    concurrency: int = 1,
+    poll: float = 1.0,
+    grace: float = 60.0,
+) -> None:
+    """Run a worker (`only`: just these tasks) and exit with its code (never returns)."""
+    from ..run.worker import Worker
+
+    def on_record(rec: Record) -> None:
+        typer.echo(json.dumps(record_json(rec)) if json_ else summary_line(rec))
+
+    w = Worker(
+        Root.at(root),
+        once=once,
+        concurrency=concurrency,
+        poll_s=poll,
+        grace_s=grace,
+        on_record=on_record,
+        progress=(lambda _m: None) if quiet else to_stderr,
+        only=only,
+    )
+    code = w.run()
+    if once and not w.records and not quiet and code == 0:
+        to_stderr("fila: nothing queued")
+    for e in (w.infra_error, w.crash):
+        if isinstance(e, FilaError):
+            to_stderr(f"fila: error: {e}" + (f"\nfila: hint: {e.hint}" if e.hint else ""))
+    if once and w.breaker_tripped:
+        to_stderr(
+            "fila: error: the circuit breaker is open; `fila status` shows why, `fila rearm` "
+            "lets workers claim again"
+        )
+    raise typer.Exit(code)

@@ -1,0 +1,46 @@
+"""What the daemon holds for a queue root: its containers, its work volumes, the starts it sees."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import docker
+
+from fila.core.layout import Root
+
+
+def containers_left(client: docker.DockerClient, root: Root) -> list[str]:
+    """fila's containers of this root, in any state."""
+    return [c.name for c in client.containers.list(all=True, filters={"label": [f"fila.root={root.path}"]})]
+
+
+def volumes_left(client: docker.DockerClient, root: Root) -> list[str]:
+    """fila's work volumes of this root."""
+    return [v.name for v in client.volumes.list(filters={"label": f"fila.root={root.path}"})]
+
+
+class Starts:
+    """Counts the containers of one root that the daemon starts, from its live event stream
+    (not from fila's records, and not from its short replay buffer, which other tests fill)."""
+
+    def __init__(self, client: docker.DockerClient, root: Root) -> None:
+        self.n = 0
+        self._stream = client.events(
+            decode=True, filters={"event": "start", "label": [f"fila.root={root.path}"]}
+        )
+        self._thread = threading.Thread(target=self._count, daemon=True)
+        self._thread.start()
+
+    def _count(self) -> None:
+        with contextlib.suppress(Exception):  # the stream ends when closed
+            for _ in self._stream:
+                self.n += 1
+
+    def count(self) -> int:
+        time.sleep(0.5)  # the daemon sends the event right after the start returns
+        return self.n
+
+    def close(self) -> None:
+        self._stream.close()
