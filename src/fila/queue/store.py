@@ -186,11 +186,70 @@ def field_problem(rec: Record) -> str | None:
     return None
 
 
-def _close_attempt(attempts: list[Attempt], outcome: str, error: ErrorInfo | None) -> list[Attempt]:
+def close_attempt(attempts: list[Attempt], at: str, outcome: str, error: ErrorInfo | None) -> list[Attempt]:
+    """The attempts with the open one (the last, when it has no end) ended at `at`."""
     if not attempts or attempts[-1].ended_at is not None:
         return attempts
-    last = attempts[-1].model_copy(update={"ended_at": now_iso(), "outcome": outcome, "error": error})
+    last = attempts[-1].model_copy(update={"ended_at": at, "outcome": outcome, "error": error})
     return [*attempts[:-1], last]
+
+
+def claim_changes(cur: Record, run: int, engine: str, worker: str, at: str) -> dict[str, Any]:
+    """What a claim changes in the record: run `run` (the claim's count) by `worker`, and a new
+    open attempt numbered after the ones before it."""
+    opened = Attempt(number=len(cur.attempts) + 1, run=run, engine=engine, worker=worker, started_at=at)
+    return dict(worker=worker, attempt=run, error=None, attempts=[*cur.attempts, opened])
+
+
+def next_record(
+    task_id: str,
+    cur: Record | None,
+    to: Status,
+    now: str,
+    *,
+    expect: set[Status] | None = None,
+    task: Task | None = None,
+    outcome: str | None = None,
+    changes: dict[str, Any] | None = None,
+) -> Record:
+    """The record after one status change at time `now`, checked against ALLOWED, `expect` and
+    field_problem; InvalidTransition (nothing to write) when refused. Pure: the file queue and the
+    PostgreSQL queue (queue/pg/records.py) write what it returns, each in its own way."""
+    changes = changes or {}
+    frm = cur.status if cur else None
+    if to not in ALLOWED[frm] or (expect is not None and frm not in expect):
+        raise InvalidTransition(
+            f"task {task_id} is {frm or 'unknown'}; it cannot become {to}",
+            task_id=task_id,
+            hint="`fila show ID` shows its state and history",
+        )
+    if cur is None:
+        base: dict[str, Any] = {"id": task_id, "task": task, "submitted_at": now}
+        if task is not None:
+            base.update(engine=task.engine, model=task.model)
+    else:
+        base = cur.model_dump()
+        if task is not None:
+            base["task"] = task
+    if to == S.queued:
+        base.update(dict.fromkeys(RUN_FIELDS), container_started=False)
+    else:
+        base["not_before"] = None
+    base.update(changes)
+    base.update(status=to, updated_at=now)
+    if to != S.running and "attempts" not in changes:
+        err = base.get("error")
+        base["attempts"] = close_attempt(
+            [Attempt.model_validate(a) if isinstance(a, dict) else a for a in base.get("attempts", [])],
+            now,
+            outcome or OUTCOME_OF.get(to, str(to)),
+            ErrorInfo.model_validate(err) if isinstance(err, dict) else err,
+        )
+    new = Record.model_validate(base)
+    problem = field_problem(new)
+    if problem:
+        raise InvalidTransition(f"refused to write task {task_id} as {to}: {problem}", task_id=task_id)
+    return new
 
 
 def _write_record(path: Path, data: str, to: Status) -> None:
@@ -221,37 +280,7 @@ def transition_locked(
     `set_status` unless other moves must happen under the same lock (recovery, enqueue)."""
     changes = changes or {}
     frm = cur.status if cur else None
-    if to not in ALLOWED[frm] or (expect is not None and frm not in expect):
-        raise InvalidTransition(
-            f"task {task_id} is {frm or 'unknown'}; it cannot become {to}",
-            task_id=task_id,
-            hint="`fila show ID` shows its state and history",
-        )
-    if cur is None:
-        base: dict[str, Any] = {"id": task_id, "task": task}
-        if task is not None:
-            base.update(engine=task.engine, model=task.model)
-    else:
-        base = cur.model_dump()
-        if task is not None:
-            base["task"] = task
-    if to == S.queued:
-        base.update(dict.fromkeys(RUN_FIELDS), container_started=False)
-    else:
-        base["not_before"] = None
-    base.update(changes)
-    base.update(status=to, updated_at=now_iso())
-    if to != S.running and "attempts" not in changes:
-        err = base.get("error")
-        base["attempts"] = _close_attempt(
-            [Attempt.model_validate(a) if isinstance(a, dict) else a for a in base.get("attempts", [])],
-            outcome or OUTCOME_OF.get(to, str(to)),
-            ErrorInfo.model_validate(err) if isinstance(err, dict) else err,
-        )
-    new = Record.model_validate(base)
-    problem = field_problem(new)
-    if problem:
-        raise InvalidTransition(f"refused to write task {task_id} as {to}: {problem}", task_id=task_id)
+    new = next_record(task_id, cur, to, now_iso(), expect=expect, task=task, outcome=outcome, changes=changes)
     path = root.record_path(task_id)
     if cur is None:
         if not fsutil.create_exclusive(path, new.to_json()):
@@ -524,21 +553,7 @@ def begin(root: Root, claim: Claim, task: Task) -> Record:
             event="started",
             log={"claim": claim.name},
             outcome=None,
-            changes=dict(
-                worker=claim.worker,
-                attempt=attempt,
-                error=None,
-                attempts=[
-                    *cur.attempts,
-                    Attempt(
-                        number=len(cur.attempts) + 1,
-                        run=attempt,
-                        engine=task.engine,
-                        worker=claim.worker,
-                        started_at=now_iso(),
-                    ),
-                ],
-            ),
+            changes=claim_changes(cur, attempt, task.engine, claim.worker, now_iso()),
         )
 
 

@@ -1,0 +1,244 @@
+"""The PostgreSQL queue's connections and reads (docs/architecture.md, "The PostgreSQL queue").
+
+A `Database` holds a psycopg pool for one queue URL, checked at open (a clear error for a wrong
+URL, credentials or schema version). Each operation is one transaction, run again (up to
+`reconnect_s`) when the connection breaks (a restart, a killed server), so every operation must be
+safe to repeat: `again` tells it that an earlier try may have committed. LISTEN/NOTIFY wakes
+waiting runners early; it is a hint only, never the guarantee (see `wait_for_work`).
+
+Every writer (store.py) locks the task's row first, then writes its record and events through
+`_write` in the same transaction, so the four tables always agree.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any, Self, TypeVar
+
+from ...core.errors import NotFound
+from ...core.models import Record, Status
+from . import blobs as blobstore
+from . import conninfo, migrate, records
+from .errors import QueueUnreachable
+
+S = Status
+T = TypeVar("T")
+CHANNEL = "fila_queued"  # NOTIFY payload: the task id (a hint only; the poll is the guarantee)
+
+
+class Database:
+    """One queue database, shared by this process's threads (a pool of `max_size` connections)."""
+
+    def __init__(self, url: str, *, max_size: int = 4, reconnect_s: float = 30.0) -> None:
+        from psycopg_pool import ConnectionPool
+
+        self.params = conninfo.parse(url)
+        self.where = conninfo.describe(self.params)
+        self.url = url
+        self.reconnect_s = reconnect_s
+        with conninfo.connect(url) as conn:  # a clear error for a wrong URL, credentials or schema
+            migrate.check(conn, self.where)
+        self.pool = ConnectionPool(
+            url,
+            min_size=1,
+            max_size=max_size,
+            open=False,
+            kwargs={"autocommit": True, "connect_timeout": 10},
+            name="fila-queue",
+        )
+        self.pool.open(wait=False)
+        self._listener: Any = None
+
+    def close(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        self.pool.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- one transaction, run again when the connection breaks --------------------------------
+
+    def _tx(self, fn: Callable[[Any, bool], T]) -> T:
+        """`fn(conn, again)` in one transaction; on a broken connection (OperationalError, or no
+        connection within the wait) it runs again, `again` True, until `reconnect_s` has passed."""
+        import psycopg
+        from psycopg_pool import PoolTimeout
+
+        deadline = time.monotonic() + self.reconnect_s
+        delay, again = 0.05, False
+        while True:
+            try:
+                wait = max(0.1, deadline - time.monotonic())
+                with self.pool.connection(timeout=wait) as conn, conn.transaction():
+                    return fn(conn, again)
+            except (psycopg.OperationalError, PoolTimeout) as e:
+                if time.monotonic() + delay > deadline:
+                    raise QueueUnreachable(
+                        f"the queue database {self.where} did not answer for {self.reconnect_s:g} s: "
+                        f"{conninfo.mask(str(e).strip() or type(e).__name__)}",
+                        hint="check that PostgreSQL runs there (pg_isready); nothing was lost: "
+                        "the operation can be repeated",
+                    ) from None
+                time.sleep(delay)
+                delay, again = min(1.0, delay * 2), True
+
+    # -- reading --------------------------------------------------------------------------------
+
+    def get(self, task_id: str) -> Record:
+        """The task's record; NotFound for an unknown id."""
+        return self._tx(lambda conn, _again: self._record(conn, task_id))
+
+    def listing(self, status: Status | None = None) -> list[Record]:
+        """The records (of one status, or all), oldest submitted first."""
+        sql = "SELECT r.record FROM fila_records r JOIN fila_tasks t USING (id)"
+        sql += " WHERE t.state = %s" if status is not None else ""
+        sql += " ORDER BY t.submitted_at, t.id"
+        args = (str(status),) if status is not None else ()
+        rows = self._tx(lambda conn, _again: conn.execute(sql, args).fetchall())
+        return [Record.model_validate(r[0]) for r in rows]
+
+    def events(self, task_id: str) -> list[dict[str, Any]]:
+        """The task's events in order, each {"at", "event", ...data} like events.jsonl's lines."""
+        rows = self._tx(
+            lambda conn, _again: conn.execute(
+                "SELECT at, event, data FROM fila_events WHERE task_id = %s ORDER BY seq", (task_id,)
+            ).fetchall()
+        )
+        return [{"at": records.iso(at), "event": ev, **data} for at, ev, data in rows]
+
+    def task_state(self, task_id: str) -> dict[str, Any]:
+        """The task's queue columns (state, runner, token, attempt, tries, started, lease...)."""
+
+        def run(conn: Any, _again: bool) -> dict[str, Any]:
+            cur = conn.execute(
+                "SELECT id, state, engine, attempt, tries, max_tries, runner, token, started, "
+                "lease_expires_at, not_before FROM fila_tasks WHERE id = %s",
+                (task_id,),
+            )
+            row = cur.fetchone()
+            if row is None:
+                raise NotFound(f"no task {task_id!r} in the queue database {self.where}")
+            return dict(zip([d.name for d in cur.description], row, strict=True))
+
+        return self._tx(run)
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        """Tasks by status, then by engine: {"queued": {"shell": 3}, ...} (for `fila status`)."""
+        rows = self._tx(
+            lambda conn, _again: conn.execute(
+                "SELECT state, engine, count(*) FROM fila_tasks GROUP BY state, engine"
+            ).fetchall()
+        )
+        out: dict[str, dict[str, int]] = {}
+        for state, engine, n in rows:
+            out.setdefault(state, {})[engine] = n
+        return out
+
+    def task_blobs(self, task_id: str) -> dict[str, str]:
+        """name -> sha256 of the blobs the task's publish named."""
+        rows = self._tx(
+            lambda conn, _again: conn.execute(
+                "SELECT name, sha256 FROM fila_task_blobs WHERE task_id = %s ORDER BY name", (task_id,)
+            ).fetchall()
+        )
+        return dict(rows)
+
+    def blob(self, sha256: str) -> bytes:
+        """The blob's bytes, checked against its sha256 (BlobMismatch); NotFound when absent."""
+        data = self._tx(lambda conn, _again: blobstore.read(conn, sha256))
+        if data is None:
+            raise NotFound(f"no blob sha256 {sha256} in the queue database {self.where}")
+        return data
+
+    def clock(self) -> datetime:
+        """The database's now(): the one clock leases are judged by."""
+        return self._tx(lambda conn, _again: conn.execute("SELECT now()").fetchone()[0])
+
+    # -- wake-ups -------------------------------------------------------------------------------
+
+    def _listen(self) -> None:
+        """Open the LISTEN connection when there is none (a broken one is dropped by wait)."""
+        if self._listener is not None:
+            return
+        import psycopg
+
+        try:
+            conn = conninfo.connect(self.url, autocommit=True, timeout=5)
+            conn.execute(f"LISTEN {CHANNEL}")
+            self._listener = conn
+        except (psycopg.Error, QueueUnreachable):
+            self._listener = None
+
+    def wait_for_work(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for a NOTIFY that a task was queued: True when one came.
+        A hint only: notifications are lost on reconnect and through poolers, so callers poll
+        at least every `timeout` seconds whatever this returns. One thread at a time waits on a
+        Database (its LISTEN connection is its own); give each waiting thread its own Database."""
+        import psycopg
+
+        self._listen()
+        if self._listener is None:
+            time.sleep(timeout)
+            return False
+        try:
+            for _ in self._listener.notifies(timeout=timeout, stop_after=1):
+                return True
+            return False
+        except psycopg.Error:
+            self._listener.close()
+            self._listener = None
+            return False
+
+    # -- inside a transaction -------------------------------------------------------------------
+
+    def _record(self, conn: Any, task_id: str) -> Record:
+        row = conn.execute("SELECT record FROM fila_records WHERE id = %s", (task_id,)).fetchone()
+        if row is None:
+            raise NotFound(
+                f"no task {task_id!r} in the queue database {self.where}", hint="`fila ls` lists tasks"
+            )
+        return Record.model_validate(row[0])
+
+    def _event(self, conn: Any, task_id: str, event: str, data: dict[str, Any]) -> None:
+        from psycopg.types.json import Jsonb
+
+        conn.execute(
+            "INSERT INTO fila_events (task_id, event, data) VALUES (%s, %s, %s)",
+            (task_id, event, Jsonb(data)),
+        )
+
+    def _write(self, conn: Any, rec: Record, event: str, data: dict[str, Any]) -> None:
+        """Upsert the record and append its event (the caller holds the task's row)."""
+        from psycopg.types.json import Jsonb
+
+        if rec.error is not None and rec.status in (S.failed, S.needs_human, S.queued):
+            data = {**data, "error": rec.error.model_dump(mode="json")}
+        conn.execute(
+            "WITH r AS (INSERT INTO fila_records (id, record) VALUES (%(id)s, %(rec)s) "
+            "ON CONFLICT (id) DO UPDATE SET record = excluded.record, updated_at = now()) "
+            "INSERT INTO fila_events (task_id, event, data) VALUES (%(id)s, %(event)s, %(data)s)",
+            {"id": rec.id, "rec": Jsonb(rec.model_dump(mode="json")), "event": event, "data": Jsonb(data)},
+        )
+
+    def _move(self, conn: Any, task_id: str, to: Status, tries: int, not_before: datetime | None) -> None:
+        """The row's side of an owner change: a new token; queued clears the run's columns."""
+        conn.execute(
+            "UPDATE fila_tasks SET state = %(to)s, token = nextval('fila_token_seq'), tries = %(tries)s, "
+            "runner = CASE WHEN %(queued)s THEN NULL ELSE runner END, "
+            "started = started AND NOT %(queued)s, not_before = %(not_before)s, "
+            "lease_expires_at = NULL, updated_at = now() WHERE id = %(id)s",
+            {
+                "to": str(to),
+                "tries": tries,
+                "queued": to == S.queued,
+                "not_before": not_before,
+                "id": task_id,
+            },
+        )

@@ -1,0 +1,459 @@
+"""The PostgreSQL queue's store: submit, claim, lease, publish, sweep, retry, read
+(docs/architecture.md, "The PostgreSQL queue"; the rules are "The queue's contract").
+
+Every writer locks the task's row first (`FOR UPDATE`, or the UPDATE itself) and then touches its
+record, events and blobs in the same transaction, so a task's four tables always agree. Only the
+database's clock (`now()`) sets and judges a lease; runners never compare their own clock with it.
+
+Fencing: a claim draws a token from `fila_token_seq`; so does every later change of owner (a
+requeue, a sweep's decision, a person's retry). Renew, checkpoints, the started mark, hand back
+and publish change a row only `WHERE id = $id AND token = $token AND state = 'running' AND
+lease_expires_at > now()`: a runner whose lease expired (on the database's clock, whether or not
+a sweep has run yet) or was taken changes nothing (LeaseLost, or publish's None). Publish keeps
+the token, so a publish whose commit was cut off is recognised when it is sent again (the row left
+`running` with that same token).
+
+The side-effect boundary: the runner marks the task started (`mark_started`) *before* it starts
+its container. A lease that expires before the mark is requeued with a new token while the task's
+retry budget (`max_tries`) allows; after the mark, or with the budget spent, it goes to
+`needs_human`, never silently run again.
+
+Connections, the retry of a transaction whose connection broke, reads and wake-ups are db.py's:
+every operation here is safe to repeat. A claim whose commit was cut off leaves the task running
+under a token nobody holds: its lease expires and the sweep requeues it (its container never
+started).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from ...core.errors import DuplicateId, InvalidTransition, NotFound
+from ...core.models import Decision, ErrorInfo, ErrorKind, Record, Status, Task
+from ...core.states import valid_id
+from ..retry import INFRA, RetryPolicy
+from ..store import LeaseLost
+from . import blobs as blobstore
+from . import records
+from .blobs import Blob
+from .db import CHANNEL, Database
+
+S = Status
+OUTCOMES = {S.needs_review, S.failed, S.needs_human}
+# The row a lease holds: its id, its token, still running, not expired on the database's clock.
+HELD = "id = %s AND token = %s AND state = 'running' AND lease_expires_at > now()"
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A claim: the task, its attempt, and the fencing token every later write must carry."""
+
+    task_id: str
+    token: int
+    runner: str
+    attempt: int
+    task: Task
+    expires_at: datetime
+
+
+def _seconds(value: float) -> timedelta:
+    return timedelta(seconds=value)
+
+
+class PgQueue(Database):
+    """One queue database, shared by this process's threads: the operations that change it."""
+
+    # -- submit ---------------------------------------------------------------------------------
+
+    def enqueue(
+        self, task_id: str, task: Task, *, max_tries: int | None = None, notify: bool = True
+    ) -> Record:
+        """Queue a validated task: its row, its record (queued) and its `submitted` event. An id
+        that exists is refused (DuplicateId); `notify` wakes waiting runners (a hint)."""
+        from psycopg.types.json import Jsonb
+
+        if not valid_id(task_id):
+            from ...core.errors import InvalidId
+
+            raise InvalidId(f"task id {task_id!r} is not [A-Za-z0-9._-]{{1,128}}")
+        task = task.model_copy(update={"id": task_id})
+        doc = task.model_dump(mode="json", exclude_none=True)
+        budget = max_tries if max_tries is not None else (INFRA.attempts or 1)
+
+        def run(conn: Any, again: bool) -> Record:
+            row = conn.execute(
+                "INSERT INTO fila_tasks (id, state, task, engine, max_tries) "
+                "VALUES (%s, 'queued', %s, %s, %s) ON CONFLICT (id) DO NOTHING RETURNING submitted_at",
+                (task_id, Jsonb(doc), task.engine, budget),
+            ).fetchone()
+            if row is None:
+                row = conn.execute("SELECT task FROM fila_tasks WHERE id = %s", (task_id,)).fetchone()
+                if again and row is not None and row[0] == doc:  # our own insert, its commit cut off
+                    return self._record(conn, task_id)
+                raise DuplicateId(
+                    f"task id {task_id!r} exists already in the queue database {self.where}",
+                    task_id=task_id,
+                    hint="choose another id, or omit it to get a new one",
+                )
+            at = row[0]
+            rec = records.transition(task_id, None, S.queued, at, task=task)
+            self._write(conn, rec, "submitted", {"from": None, "to": "queued"})
+            if notify:
+                conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, task_id))
+            return rec
+
+        return self._tx(run)
+
+    # -- claim and lease ------------------------------------------------------------------------
+
+    def claim(self, runner: str, engines: Iterable[str], ttl: float) -> Lease | None:
+        """The oldest queued task this runner can run (its engine is in `engines`, its backoff
+        over), claimed in one statement that skips rows other runners hold: running, this
+        runner's, a new token, a lease of `ttl` seconds on the database's clock. None: no task."""
+        engines = sorted(set(engines))
+
+        def run(conn: Any, _again: bool) -> Lease | None:
+            row = conn.execute(
+                """
+                WITH pick AS (
+                    SELECT id FROM fila_tasks
+                    WHERE state = 'queued' AND engine = ANY(%(engines)s)
+                      AND (not_before IS NULL OR not_before <= now())
+                    ORDER BY submitted_at, id
+                    LIMIT 1
+                    FOR UPDATE SKIP LOCKED
+                )
+                UPDATE fila_tasks t
+                SET state = 'running', runner = %(runner)s, token = nextval('fila_token_seq'),
+                    lease_expires_at = now() + %(ttl)s, attempt = t.attempt + 1, started = false,
+                    not_before = NULL, claimed_at = now(), updated_at = now()
+                FROM pick WHERE t.id = pick.id
+                RETURNING t.id, t.token, t.attempt, t.task, t.lease_expires_at, now(),
+                    (SELECT record FROM fila_records r WHERE r.id = t.id)
+                """,
+                {"engines": engines, "runner": runner, "ttl": _seconds(ttl)},
+            ).fetchone()
+            if row is None:
+                return None
+            tid, token, attempt, doc, expires, at, cur = row
+            task = Task.model_validate(doc)
+            cur = Record.model_validate(cur)
+            rec = records.started(tid, cur, at, runner=runner, engine=task.engine, attempt=attempt)
+            self._write(
+                conn,
+                rec,
+                "claimed",
+                {"from": "queued", "to": "running", "runner": runner, "token": token, "attempt": attempt},
+            )
+            return Lease(tid, token, runner, attempt, task, expires)
+
+        return self._tx(run)
+
+    def claim_wait(
+        self, runner: str, engines: Iterable[str], ttl: float, *, poll_s: float, timeout: float
+    ) -> Lease | None:
+        """`claim`, waiting up to `timeout` seconds for a task: woken early by a NOTIFY, and at the
+        latest every `poll_s` seconds whether or not a notification arrived."""
+        engines = list(engines)
+        end = time.monotonic() + timeout
+        while True:
+            self._listen()  # before the claim: a task queued after it empties the wait at once
+            lease = self.claim(runner, engines, ttl)
+            left = end - time.monotonic()
+            if lease is not None or left <= 0:
+                return lease
+            self.wait_for_work(min(poll_s, left))
+
+    def renew(self, task_id: str, token: int, ttl: float) -> datetime:
+        """Extend the lease to now() + `ttl` on the database's clock; LeaseLost when the task is
+        no longer this token's (swept, retried, published)."""
+
+        def run(conn: Any, _again: bool) -> datetime:
+            row = conn.execute(
+                "UPDATE fila_tasks SET lease_expires_at = now() + %s "
+                f"WHERE {HELD} RETURNING lease_expires_at",
+                (_seconds(ttl), task_id, token),
+            ).fetchone()
+            if row is None:
+                raise LeaseLost(f"task {task_id}: token {token} no longer holds its lease")
+            return row[0]
+
+        return self._tx(run)
+
+    def mark_started(self, task_id: str, token: int, *, container: str) -> Record:
+        """Record that the task's container is about to start (the side-effect boundary): from
+        now on a lost lease sends the task to needs_human. LeaseLost when the token is stale."""
+        return self._running_change(
+            task_id,
+            token,
+            "started = true",
+            {"container": container, "container_started": True},
+            "container started",
+            {"container": container, "token": token},
+        )
+
+    def checkpoint(self, task_id: str, token: int, *, event: str = "checkpoint", **fields: Any) -> Record:
+        """running -> running with new fields of the record (the image, timings...), only while
+        `token` holds the lease (LeaseLost otherwise)."""
+        return self._running_change(
+            task_id, token, None, fields, event, {"token": token, "fields": sorted(fields)}
+        )
+
+    def _running_change(
+        self,
+        task_id: str,
+        token: int,
+        also_set: str | None,
+        changes: dict[str, Any],
+        event: str,
+        log: dict[str, Any],
+    ) -> Record:
+        """running -> running with `changes` in the record (and `also_set` in the task's row),
+        only while `token` holds the lease: LeaseLost otherwise."""
+        sets = f"{also_set}, updated_at = now()" if also_set else "updated_at = now()"
+
+        def run(conn: Any, _again: bool) -> Record:
+            row = conn.execute(
+                f"UPDATE fila_tasks SET {sets} WHERE {HELD} RETURNING now()", (task_id, token)
+            ).fetchone()
+            if row is None:
+                raise LeaseLost(f"task {task_id}: token {token} no longer holds its lease")
+            cur = self._record(conn, task_id)
+            rec = records.transition(task_id, cur, S.running, row[0], expect={S.running}, changes=changes)
+            self._write(conn, rec, event, log)
+            return rec
+
+        return self._tx(run)
+
+    # -- outcomes -------------------------------------------------------------------------------
+
+    def publish(
+        self,
+        task_id: str,
+        token: int,
+        status: Status,
+        fields: dict[str, Any],
+        blobs: Iterable[Blob] = (),
+    ) -> Record | None:
+        """The runner's outcome (needs_review, failed, needs_human) with its blobs, in one
+        transaction, only while `token` holds the lease. A stale token writes nothing but a
+        `result discarded` event and returns None. Every blob's sha256 is checked first
+        (BlobMismatch: nothing written)."""
+        if status not in OUTCOMES:
+            raise InvalidTransition(f"publish takes an outcome ({', '.join(sorted(OUTCOMES))}), not {status}")
+        items = list(blobs)
+        for b in items:
+            blobstore.check(b, task_id=task_id)
+
+        def run(conn: Any, again: bool) -> Record | None:
+            row = conn.execute(
+                "SELECT state, token, attempt, now(), coalesce(lease_expires_at > now(), false) "
+                "FROM fila_tasks WHERE id = %s FOR UPDATE",
+                (task_id,),
+            ).fetchone()
+            if row is None:
+                raise NotFound(f"no task {task_id!r} in the queue database {self.where}")
+            state, cur_token, attempt, at, live = row
+            if cur_token == token and state != S.running and again:  # our publish, its commit cut off
+                return self._record(conn, task_id)
+            if state != S.running or cur_token != token or not live:
+                why = "lease expired" if state == S.running and cur_token == token else "lease lost"
+                self._event(
+                    conn,
+                    task_id,
+                    "result discarded",
+                    {"reason": why, "token": token, "current_token": cur_token, "state": state},
+                )
+                return None
+            blobstore.put(conn, task_id, attempt, items)
+            cur = self._record(conn, task_id)
+            rec = records.transition(task_id, cur, status, at, expect={S.running}, changes=dict(fields))
+            conn.execute(
+                "UPDATE fila_tasks SET state = %s, lease_expires_at = NULL, updated_at = now() WHERE id = %s",
+                (str(status), task_id),
+            )
+            self._write(
+                conn,
+                rec,
+                "published",
+                {
+                    "from": "running",
+                    "to": str(status),
+                    "token": token,
+                    "blobs": {b.name: b.sha256 for b in items},
+                },
+            )
+            return rec
+
+        return self._tx(run)
+
+    def hand_back(
+        self,
+        task_id: str,
+        token: int,
+        error: ErrorInfo | None,
+        *,
+        backoff_s: float = 0.0,
+        counted: bool = True,
+    ) -> Record | None:
+        """A claimed task whose container never started goes back to the queue (a new token, a
+        backoff); a counted hand back spends one try of the budget, and the last one fails the task
+        instead. None when the token is stale. Refused (InvalidTransition) once the task is marked
+        started: that task is for a person."""
+
+        def run(conn: Any, _again: bool) -> Record | None:
+            row = conn.execute(
+                f"SELECT started, tries, max_tries, now() FROM fila_tasks WHERE {HELD} FOR UPDATE",
+                (task_id, token),
+            ).fetchone()
+            if row is None:
+                return None
+            started, tries, budget, at = row
+            if started:
+                raise InvalidTransition(
+                    f"task {task_id}: its container started; it cannot be requeued silently", task_id=task_id
+                )
+            tries += 1 if counted else 0
+            cur = self._record(conn, task_id)
+            outcome = "requeued" if counted else "handed back"
+            if counted and RetryPolicy(budget, 0, 0).gives_up(tries):
+                msg = f"{error.message if error else 'handed back'} (gave up after {tries} attempts)"
+                err = ErrorInfo(kind=error.kind if error else ErrorKind.infra, message=msg)
+                return self._settle(conn, task_id, cur, S.failed, at, tries, outcome, {"error": err})
+            until = at + _seconds(backoff_s)
+            changes = {"error": error, "not_before": until.timestamp() if backoff_s > 0 else None}
+            return self._settle(conn, task_id, cur, S.queued, at, tries, outcome, changes, not_before=until)
+
+        return self._tx(run)
+
+    def sweep(self, *, policy: RetryPolicy = INFRA, limit: int = 100) -> list[tuple[str, Status]]:
+        """Decide the tasks whose lease expired on the database's clock (rows other sweepers hold
+        are skipped): requeued with a new token while the container had not started and the retry
+        budget allows (backoff from `policy`), otherwise needs_human. (task id, new status) each."""
+
+        def run(conn: Any, _again: bool) -> list[tuple[str, Status]]:
+            rows = conn.execute(
+                "SELECT id, runner, started, tries, max_tries, lease_expires_at, now() FROM fila_tasks "
+                "WHERE state = 'running' AND lease_expires_at <= now() "
+                "ORDER BY lease_expires_at LIMIT %s FOR UPDATE SKIP LOCKED",
+                (limit,),
+            ).fetchall()
+            out = []
+            for tid, runner, started, tries, budget, expired, at in rows:
+                cur = self._record(conn, tid)
+                lapsed = f"runner {runner}'s lease expired at {records.iso(expired)}"
+                if not started and not RetryPolicy(budget, 0, 0).gives_up(tries + 1):
+                    until = at + _seconds(policy.backoff(tries + 1))
+                    err = ErrorInfo(kind=ErrorKind.infra, message=f"{lapsed} before its container started")
+                    self._settle(
+                        conn,
+                        tid,
+                        cur,
+                        S.queued,
+                        at,
+                        tries + 1,
+                        "lost",
+                        {"error": err, "not_before": until.timestamp()},
+                        not_before=until,
+                    )
+                    out.append((tid, S.queued))
+                    continue
+                if started:
+                    what = f"{lapsed} while its container ran"
+                    err = ErrorInfo(kind=ErrorKind.interrupted, message=what)
+                else:
+                    what = f"{lapsed} before its container started, and its {budget} tries are spent"
+                    err = ErrorInfo(kind=ErrorKind.infra, message=what)
+                diagnosis = (
+                    f"{what[0].upper()}{what[1:]} (attempt {cur.attempt}). Nothing was run again: "
+                    f"`fila retry {tid}` runs it from a clean copy, `fila reject {tid}` drops it."
+                )
+                changes = {"error": err, "diagnosis": diagnosis}
+                self._settle(conn, tid, cur, S.needs_human, at, tries, "lost", changes)
+                out.append((tid, S.needs_human))
+            return out
+
+        return self._tx(run)
+
+    def retry(self, task_id: str, *, by: str, reason: str | None = None) -> Record:
+        """A person's requeue of a task that failed or needs a human (a new token)."""
+
+        def run(conn: Any, again: bool) -> Record:
+            row = conn.execute(
+                "SELECT tries, now() FROM fila_tasks WHERE id = %s FOR UPDATE", (task_id,)
+            ).fetchone()
+            if row is None:
+                raise NotFound(f"no task {task_id!r} in the queue database {self.where}")
+            cur = self._record(conn, task_id)
+            done = cur.decision
+            if again and cur.status == S.queued and done and (done.action, done.by) == ("retried", by):
+                return cur  # our retry, its commit cut off
+            decision = Decision(action="retried", by=by, at=records.iso(row[1]), reason=reason)
+            rec = records.transition(
+                task_id,
+                cur,
+                S.queued,
+                row[1],
+                expect={S.needs_human, S.failed},
+                changes={"decision": decision},
+            )
+            self._move(conn, task_id, S.queued, row[0], None)
+            self._write(
+                conn, rec, "retried", {"from": str(cur.status), "to": "queued", "by": by, "reason": reason}
+            )
+            conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, task_id))
+            return rec
+
+        return self._tx(run)
+
+    def decide(self, task_id: str, to: Status, decision: Decision, *, expect: set[Status]) -> Record:
+        """A person's final decision (applied or rejected), recorded once for everyone: refused
+        (InvalidTransition) unless the task is in `expect` (review/decision.py's DECIDABLE), so a
+        second decision, from any host, changes nothing."""
+        if to not in (S.applied, S.rejected):
+            raise InvalidTransition(f"a decision makes a task applied or rejected, not {to}", task_id=task_id)
+
+        def run(conn: Any, _again: bool) -> Record:
+            row = conn.execute("SELECT now() FROM fila_tasks WHERE id = %s FOR UPDATE", (task_id,)).fetchone()
+            if row is None:
+                raise NotFound(f"no task {task_id!r} in the queue database {self.where}")
+            cur = self._record(conn, task_id)
+            rec = records.transition(task_id, cur, to, row[0], expect=expect, changes={"decision": decision})
+            conn.execute(
+                "UPDATE fila_tasks SET state = %s, updated_at = now() WHERE id = %s", (str(to), task_id)
+            )
+            data = {"from": str(cur.status), "to": str(to), "by": decision.by, "reason": decision.reason}
+            self._write(conn, rec, "decided", data)
+            return rec
+
+        return self._tx(run)
+
+    def _settle(
+        self,
+        conn: Any,
+        task_id: str,
+        cur: Record,
+        to: Status,
+        at: datetime,
+        tries: int,
+        outcome: str,
+        changes: dict[str, Any],
+        *,
+        not_before: datetime | None = None,
+    ) -> Record:
+        """running -> queued, failed or needs_human for a lost or handed-back claim."""
+        rec = records.transition(task_id, cur, to, at, expect={S.running}, outcome=outcome, changes=changes)
+        self._move(conn, task_id, to, tries, not_before if to == S.queued else None)
+        self._write(
+            conn,
+            rec,
+            "requeued" if to == S.queued else "lease lost",
+            {"from": "running", "to": str(to), "tries": tries, "outcome": outcome},
+        )
+        if to == S.queued:
+            conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, task_id))
+        return rec
