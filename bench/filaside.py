@@ -19,7 +19,7 @@ def submit_noops(root: Path, project: Path, n: int, *, command: str = "true") ->
     """Queue `n` shell tasks running `command` on the whole project (in-process: not timed)."""
     from fila.core.layout import Root
     from fila.core.models import Task
-    from fila.run.job import submit
+    from fila.run.intake import submit
 
     r = Root.at(root)
     allow_project(r, project)

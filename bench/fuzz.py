@@ -183,7 +183,7 @@ def scratch_root(path: Path) -> Any:
 
 
 def load_task_file(root: Any, raw: bytes) -> str:
-    from fila.run.job import check_task, parse_task_file
+    from fila.run.intake import check_task, parse_task_file
 
     path = root.in_dir / "fuzz.json"
     path.write_bytes(raw)
@@ -193,7 +193,7 @@ def load_task_file(root: Any, raw: bytes) -> str:
 
 
 def load_task_stdin(root: Any, raw: bytes) -> str:
-    from fila.run.job import check_task, parse_task_bytes
+    from fila.run.intake import check_task, parse_task_bytes
 
     check_task(root, parse_task_bytes(raw, source="stdin"))
     return "accepted"

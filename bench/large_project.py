@@ -204,7 +204,8 @@ def _task(root_dir: str, project: str, tid: str, files_json: str) -> dict:
     from fila.core.models import Task
     from fila.run import job as cycle
     from fila.sandbox.base import run_as
-    from fila.workspace import diff, jobdir, snapshot
+    from fila.workspace import diff, jobdir
+    from fila.workspace.overlay import prepare_job
 
     root = Root.at(root_dir)
     task = Task(id=tid, engine="shell", command="true", targets=["."], project=project)
@@ -212,9 +213,7 @@ def _task(root_dir: str, project: str, tid: str, files_json: str) -> dict:
     owner = run_as() if os.getuid() == 0 else None
     sync()
     t = time.perf_counter()
-    prep, overlay, snap = snapshot.prepare_job(
-        root, tid, task, checked.policy, checked.effective, owner=owner
-    )
+    prep, overlay, snap = prepare_job(root, tid, task, checked.policy, checked.effective, owner=owner)
     prepare_s = time.perf_counter() - t
     _engine_change(overlay, files_json)
     sync()

@@ -18,7 +18,7 @@ from fila.core.errors import ApplyRefused, InvalidTransition
 from fila.core.layout import Root
 from fila.review import apply as apply_mod
 from fila.review import landing, patch
-from fila.workspace import snapshot as fsnap
+from fila.workspace import overlay as fsnap
 from fila.workspace.safedir import SafeDir
 from tests.support.cli import fila, run_shell
 from tests.support.project import make_root, record
@@ -65,7 +65,7 @@ STRATEGIES = [
 def assert_targets_hold_exactly_work(root: Path, tid: str, prefixes: tuple[str, ...]) -> None:
     """The project's targets hold exactly what the engine left in work/: the job copy compared entry
     by entry (modes, bytes, link targets), or an overlay job's merged view (the upper layer over the
-    snapshot, read by snapshot.MergedView) compared by kind, git mode and sha256 of every file's
+    snapshot, read by overlay.MergedView) compared by kind, git mode and sha256 of every file's
     bytes or link's target, each path of either layer checked."""
     got = files_of(snapshot(root), prefixes)
     ov = fsnap.job_overlay(Root.at(root), tid)

@@ -462,11 +462,11 @@ _RECLAIM = textwrap.dedent(
     """
     import resource, sys
     from pathlib import Path
-    from fila.workspace import jobdir
+    from fila.workspace import handover
     from fila.core.errors import FilaError
     resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[2]), int(sys.argv[2])))
     try:
-        print("ok", jobdir.reclaim(Path(sys.argv[1])))
+        print("ok", handover.reclaim(Path(sys.argv[1])))
     except FilaError as e:
         print("refused", e)
     """

@@ -122,7 +122,7 @@ def test_stored_help_is_what_typer_prints_for_the_current_cli() -> None:
 
     assert entry.cli_sha256() == _help.CLI_SHA256, (
         "fila/cli/ changed since fila/_help.py was written: regenerate it with "
-        "`.venv/bin/python -m fila.entry --write-help`"
+        "`.venv/bin/python -m fila.entry --write`"
     )
     assert _help.TEXT == entry.render_help() == _run(_eager(), ["--help"])[1]
 

@@ -12,7 +12,7 @@ import pytest
 
 from fila.core.layout import Root
 from fila.core.models import ImageRef
-from fila.workspace import snapshot
+from fila.workspace import overlay
 from tests.support.cli import fila
 from tests.support.cli import submit_shell as submit
 from tests.support.project import make_project, record
@@ -31,7 +31,7 @@ STRATEGIES = [
 def _input_of(proj: Path, rec: dict) -> Path:
     """The job's input/ as the host keeps it: the job copy, or the snapshot its overlay's lower is."""
     if rec["workspace"]["strategy"] == "overlay":
-        ov = snapshot.job_overlay(Root.at(proj), rec["id"])
+        ov = overlay.job_overlay(Root.at(proj), rec["id"])
         assert ov is not None
         return ov.lower
     return proj / "sandbox" / "jobs" / rec["id"] / "input"
@@ -40,7 +40,7 @@ def _input_of(proj: Path, rec: dict) -> Path:
 def _work_of(proj: Path, rec: dict) -> Path:
     """What the engine wrote in work/ as the host reads it: the job copy, or its overlay's upper layer."""
     if rec["workspace"]["strategy"] == "overlay":
-        ov = snapshot.job_overlay(Root.at(proj), rec["id"])
+        ov = overlay.job_overlay(Root.at(proj), rec["id"])
         assert ov is not None
         return ov.upper
     return proj / "sandbox" / "jobs" / rec["id"] / "work"

@@ -24,7 +24,7 @@ from fila.core.models import EgressRecord, EgressRequest, ImageRef, Policy, Task
 from fila.engines import get_engine
 from fila.sandbox.base import RunOutput, RunSpec
 from fila.sandbox.docker.backend import DockerBackend
-from fila.workspace import snapshot as fila_snapshot
+from fila.workspace import overlay as fila_overlay
 from fila.workspace.strategy import CopyWorkspace
 from tests.support.engines import (
     E2E_ENGINES,
@@ -412,7 +412,7 @@ def test_the_real_cli_edits_through_the_gateway_with_a_key_it_never_holds(
     assert all(r["headers"].get(spec.key_header) == spec.key_format.format(key=secret) for r in got)
     # ...which the engine never held: not in its log, its files, the record.
     # The job directory, and on the overlay strategy the upper layer where work/'s files are.
-    ov = fila_snapshot.job_overlay(Root.at(engine_root), rec["id"])
+    ov = fila_overlay.job_overlay(Root.at(engine_root), rec["id"])
     job_files = "".join(
         p.read_text(errors="replace")
         for top in (engine_root / "sandbox" / "jobs" / rec["id"], *((ov.upper,) if ov else ()))

@@ -20,7 +20,7 @@ import docker
 import pytest
 
 from fila.core.models import Policy, Task
-from fila.run.job import fallback_chain
+from fila.run.intake import fallback_chain
 from fila.sandbox.docker.backend import DockerBackend
 from tests.support.cli import fila, run_once_console
 from tests.support.policy import model_policy, model_route, write_policy

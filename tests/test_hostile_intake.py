@@ -38,7 +38,7 @@ from fila.core.models import ImageRef, Status, Task
 from fila.core.states import valid_id
 from fila.queue import store as queue
 from fila.queue.policy import load_policy
-from fila.run.job import check_task, parse_task_bytes, parse_task_file
+from fila.run.intake import check_task, parse_task_bytes, parse_task_file
 from tests.support.cli import CLI, submit_process
 from tests.support.cli import fila as fila_in_process
 from tests.support.cli import fila_process as fila

@@ -113,7 +113,7 @@ def test_both_strategies_give_a_backend_the_job_read_only_and_only_work_writable
     input/ and work/; the overlay binds the snapshot as input/ and makes work/ an overlay whose
     writes land in the job's upper layer, counted by `usage` with the job directory."""
     from fila.core.mounts import Bind, OverlayVolume, Workspace, overlay_of
-    from fila.workspace.snapshot import Overlay
+    from fila.workspace.overlay import Overlay
     from fila.workspace.strategy import CopyWorkspace, OverlayWorkspace
 
     job = tmp_path / "job"

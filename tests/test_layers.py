@@ -181,7 +181,8 @@ def test_only_the_container_backends_import_the_docker_sdk() -> None:
 
 def test_the_backends_reach_the_job_directory_only_through_the_workspace_seam() -> None:
     """A backend mounts and hands back a job's files through its RunSpec's Workspace
-    (core/mounts.py); how a job directory is made (jobdir, snapshot) is the workspace package's."""
+    (core/mounts.py); how a job directory is made (jobdir, handover, snapshot, overlay) is the
+    workspace package's."""
     graph = imports()
     backends = [m for m in graph if m.startswith("fila.sandbox.")]
     assert "fila.sandbox.docker.container" in backends
@@ -189,6 +190,12 @@ def test_the_backends_reach_the_job_directory_only_through_the_workspace_seam() 
         (m, t)
         for m in backends
         for t in graph[m]
-        if t in ("fila.workspace.jobdir", "fila.workspace.snapshot")
+        if t
+        in (
+            "fila.workspace.jobdir",
+            "fila.workspace.snapshot",
+            "fila.workspace.overlay",
+            "fila.workspace.handover",
+        )
     }
     assert reach == set()

@@ -22,7 +22,7 @@ from fila.core.layout import Root
 from fila.core.models import Task
 from fila.egress import config as egress
 from fila.engines import engine_names, get_engine
-from fila.run.job import check_task
+from fila.run.intake import check_task
 from fila.workspace import secretscan
 from tests.support.cli import FILA_SCRIPT, fila
 from tests.support.engines import engine_image

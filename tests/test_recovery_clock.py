@@ -15,7 +15,7 @@ from fila.core.layout import Root
 from fila.core.models import Status
 from fila.queue import retry
 from fila.queue import store as queue
-from fila.run import job as cycle
+from fila.run import intake
 from tests.support.project import shell_task
 
 S = Status
@@ -39,8 +39,8 @@ def test_run_once_waits_out_a_backoff_within_the_cap_and_never_one_a_clock_stepp
     # A short cap, so that waiting it out is quick; the hour below is what a clock stepped back
     # an hour after the backoff was written leaves in the record.
     monkeypatch.setattr(retry, "INFRA", dataclasses.replace(retry.INFRA, cap=2.0))
-    cycle.submit(proj, shell_task("echo a >> greeting.txt", id="t0"))
-    cycle.submit(proj, shell_task("echo b >> greeting.txt", id="t1"))
+    intake.submit(proj, shell_task("echo a >> greeting.txt", id="t0"))
+    intake.submit(proj, shell_task("echo b >> greeting.txt", id="t1"))
     start = time.time()
     backoff_until(proj, "t0", start + 1.0)  # a real backoff, within the cap: waited for
     backoff_until(proj, "t1", start + 3600)

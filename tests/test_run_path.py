@@ -18,6 +18,7 @@ import pytest
 from fila.core.layout import Root
 from fila.core.models import ImageRef, Status
 from fila.queue import store as queue
+from fila.run import attempts, intake
 from fila.run import job as cycle
 from fila.sandbox.docker import container as dk
 from fila.sandbox.docker.backend import DockerBackend
@@ -39,7 +40,7 @@ def left(client: docker.DockerClient, root: Root) -> tuple[list[str], list[str]]
 
 
 def claim_of(root: Root, tid: str, command: str):
-    cycle.submit(root, shell_task(command, id=tid))
+    intake.submit(root, shell_task(command, id=tid))
     claim = cycle.next_claim(root, "w1", only={tid})
     assert claim is not None
     return claim
@@ -136,7 +137,7 @@ def test_one_process_asks_the_daemon_its_version_and_info_once_and_pings_it_at_m
     from fila.run.worker import Worker
 
     for tid in ("t1", "t2"):
-        cycle.submit(proj, shell_task("echo world >> greeting.txt", id=tid))
+        intake.submit(proj, shell_task("echo world >> greeting.txt", id=tid))
     recs: list = []
     w = Worker(proj, once=True, on_record=recs.append)
     assert w.run() == 0
@@ -166,7 +167,7 @@ def test_an_empty_work_dir_is_made_inert_in_process_exactly_as_the_tools_make_a_
     """An overlay job's work/ on the host is an empty mount point: reclaim sets its owner and
     strips its mode bits itself, the same result `find`, `chown` and `chmod` give a work/ with
     files in it (the path every copied job takes)."""
-    from fila.workspace import jobdir
+    from fila.workspace import handover
 
     owner = (os.getuid(), os.getgid())
     results = {}
@@ -178,7 +179,7 @@ def test_an_empty_work_dir_is_made_inert_in_process_exactly_as_the_tools_make_a_
         if os.getuid() == 0:
             os.chown(job / "work", 65534, 65534)
         os.chmod(job / "work", 0o7777)
-        warnings = jobdir.reclaim(job, owner=owner)
+        warnings = handover.reclaim(job, owner=owner)
         st = os.lstat(job / "work")
         results[kind] = (
             stat.S_IMODE(st.st_mode),
@@ -331,13 +332,13 @@ def test_an_output_stream_that_outlives_the_container_is_cut_off_and_said_so_not
 ) -> None:
     command = "echo first-line; sleep 0.3; echo LAST-LINE-OF-OUTPUT; echo world > greeting.txt"
     seen: list[bool] = []
-    real_classify = cycle._classify
+    real_classify = attempts._classify
 
     def watched(engine, result, log_path, checked):  # what classification is told of stdout
         seen.append(result.output.stdout_truncated)
         return real_classify(engine, result, log_path, checked)
 
-    monkeypatch.setattr(cycle, "_classify", watched)
+    monkeypatch.setattr(attempts, "_classify", watched)
     monkeypatch.setattr(dk, "PUMP_WAIT_S", 1.0)  # 10 s in use
     backend = DockerBackend()
     try:

@@ -23,7 +23,7 @@ from fila.core.errors import FilaError, LimitExceeded
 from fila.core.layout import Root
 from fila.core.models import Policy
 from fila.queue.policy import load_policy, narrow
-from fila.workspace import jobdir, snapshot
+from fila.workspace import jobdir, overlay, snapshot
 from fila.workspace.diff import DiffResult, compute_diff
 from tests.support.policy import policy
 from tests.support.project import make_project, make_root, shell_task
@@ -133,7 +133,7 @@ def both(base: Path, before: dict, after: dict, recreate: list, pol: Policy) -> 
     shutil.copytree(copy / "input", lower, symlinks=True)
     in_overlay(lower, ovl / "upper", before, after, recreate)
     n, size = totals(lower)
-    layers = snapshot.Layers(lower, ovl / "upper", entries=n, bytes_=size)
+    layers = overlay.Layers(lower, ovl / "upper", entries=n, bytes_=size)
     a = compute_diff(copy, policy=pol, scratch=base / "s1")
     b = compute_diff(ovl / "job", policy=pol, scratch=base / "s2", layers=layers)
     return a, b
@@ -192,7 +192,7 @@ def test_an_unchanged_overlay_reads_nothing_and_gives_an_empty_patch(tmp_path: P
     a, b = both(tmp_path, before, before, [], policy(deny=[]))  # every file rewritten unchanged
     assert a.bytes == b.bytes == 0
     # Without the rewrite, the upper layer is empty and the snapshot is never walked.
-    layers = snapshot.Layers(tmp_path / "ovl" / "lower", tmp_path / "empty", entries=51, bytes_=1225)
+    layers = overlay.Layers(tmp_path / "ovl" / "lower", tmp_path / "empty", entries=51, bytes_=1225)
     (tmp_path / "empty").mkdir()
     seen = list(layers.upper_walk(lambda r, d: False, max_files=100, max_bytes=1 << 20))
     assert seen == [] and list(layers.lower_walk(lambda r, d: False)) == []
@@ -212,7 +212,7 @@ def test_overlay_totals_are_held_to_max_work_files_as_the_copy_is(tmp_path: Path
     (base / "job").mkdir(parents=True)
     build(base / "lower", before)
     in_overlay(base / "lower", base / "upper", before, grown, [])
-    layers = snapshot.Layers(base / "lower", base / "upper", entries=6, bytes_=6)
+    layers = overlay.Layers(base / "lower", base / "upper", entries=6, bytes_=6)
     with pytest.raises(LimitExceeded, match="max_files=7"):
         compute_diff(
             base / "job", policy=policy(deny=[], max_work_files=7), scratch=base / "s", layers=layers
@@ -227,7 +227,7 @@ def test_an_upper_layer_with_a_redirect_xattr_is_refused(tmp_path: Path) -> None
     pol = policy(deny=[])
 
     def run() -> DiffResult:
-        layers = snapshot.Layers(lower, upper, entries=2, bytes_=2)
+        layers = overlay.Layers(lower, upper, entries=2, bytes_=2)
         return compute_diff(tmp_path / "job", policy=pol, scratch=tmp_path / "s", layers=layers)
 
     assert b"+b" in run().patch_path.read_bytes()  # allowed: a plain upper layer
@@ -248,7 +248,7 @@ def test_a_whiteout_made_by_hand_is_a_deletion_and_a_fifo_is_not_a_file(tmp_path
     os.mknod(upper / "a", 0o600 | stat.S_IFCHR, os.makedev(0, 0))
     os.mkfifo(upper / "pipe")
     (tmp_path / "job").mkdir()
-    layers = snapshot.Layers(lower, upper, entries=2, bytes_=4)
+    layers = overlay.Layers(lower, upper, entries=2, bytes_=4)
     d = compute_diff(tmp_path / "job", policy=policy(deny=[]), scratch=tmp_path / "s", layers=layers)
     assert d.stat.paths == ["a"] and b"deleted file mode" in d.patch_path.read_bytes()
     assert any("pipe" in w and "FIFO" in w for w in d.warnings)
@@ -488,7 +488,7 @@ def test_an_overlay_job_writes_the_patch_the_copy_writes_and_leaves_the_snapshot
     ).read_bytes()
     assert over["diffstat"] == copied["diffstat"] and len(over["diffstat"]["paths"]) == 8
     root = Root.at(docker_proj)
-    ov = snapshot.job_overlay(root, over["id"])
+    ov = overlay.job_overlay(root, over["id"])
     assert ov is not None
     # input/ stayed pristine and read-only: the engine's write failed, the snapshot is as taken.
     assert "WROTE-INPUT" not in (docker_proj / over["log_path"]).read_text()
@@ -527,7 +527,7 @@ def test_apply_refuses_an_overlay_job_whose_upper_layer_changed_after_review(doc
     from tests.support.cli import fila
 
     rec = _run_one(docker_proj)
-    ov = snapshot.job_overlay(Root.at(docker_proj), rec["id"])
+    ov = overlay.job_overlay(Root.at(docker_proj), rec["id"])
     assert ov is not None
     (ov.upper / "greeting.txt").write_text("tampered\n")
     res = fila(docker_proj, "apply", rec["id"], "--yes", "--by", "alice", "--reason", "ok")

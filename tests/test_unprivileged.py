@@ -21,7 +21,7 @@ import pytest
 
 from fila.core.layout import Root
 from fila.core.models import ImageRef
-from fila.workspace import snapshot
+from fila.workspace import overlay
 from tests.support.users import Fila, fila_on_new_root, ordinary_user
 
 pytestmark = [
@@ -44,7 +44,7 @@ def _layers(f: Fila, rec: dict) -> tuple[Path, Path]:
     job = f.root / "sandbox" / "jobs" / rec["id"]
     if rec["workspace"]["strategy"] != "overlay":
         return job / "input", job / "work"
-    ov = snapshot.job_overlay(Root.at(f.root), rec["id"])
+    ov = overlay.job_overlay(Root.at(f.root), rec["id"])
     assert ov is not None
     return ov.lower, ov.upper
 

@@ -196,7 +196,7 @@ def test_several_worker_processes_process_each_task_exactly_once(
     n = 200
     for i in range(n):  # through the library: 200 CLI start-ups would dominate the test
         from fila.core.models import Task
-        from fila.run.job import submit as do_submit
+        from fila.run.intake import submit as do_submit
 
         do_submit(proj, Task(id=f"t{i:03d}", engine="shell", command="true", targets=["greeting.txt"]))
     procs = [start_worker(proj, "--once", "--concurrency", "2", log=tmp_path / f"w{k}.log") for k in range(3)]

@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "a76fdfb56955b0bb014a5b5a0aff5e3438e1fbdc6014687c57d513137bd42b9e"
+CLI_SHA256 = "1cf8d7e4287b8571628ebcd8594b82f14ad812e2d059c41d8ff14e52fb5e00f1"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 

@@ -76,8 +76,8 @@ def submit(
     from ..core.errors import InvalidInput
     from ..core.models import Task
     from ..queue.policy import validate_document
-    from ..run.job import parse_task_bytes, parse_task_file
-    from ..run.job import submit as do_submit
+    from ..run.intake import parse_task_bytes, parse_task_file
+    from ..run.intake import submit as do_submit
 
     data: dict[str, Any] = {}
     if task_file == "-":
@@ -110,7 +110,7 @@ def submit(
     validate_document("task", data, path=task_file if task_file not in (None, "-") else "options")
     if engine and len(engine) > 1:
         from ..review.groups import group_tasks
-        from ..run.job import submit_group
+        from ..run.intake import submit_group
 
         per_engine = dict(m.split("=", 1) for m in model or [] if "=" in m)
         recs = submit_group(Root.at(root), group_tasks(Task.model_validate(data), engine, models=per_engine))

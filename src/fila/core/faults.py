@@ -11,8 +11,9 @@ behaves differently when it is set, and with the variable unset each point costs
 write and every side effect it attempts afterwards is fenced off. A test that stops a process must
 SIGKILL it in a `finally`.
 
-The points, in the order a task meets them (run/job.py, queue/store.py; the last two are apply's, in
-review/apply.py and review/landing.py, and are not in POINTS, the cycle's list that test_durability walks):
+The points, in the order a task meets them (run/job.py, run/attempts.py, run/claimed.py,
+queue/store.py; the last two are apply's, in review/apply.py and review/landing.py, and are not in
+POINTS, the cycle's list that test_durability walks):
     after_claim            the task file was renamed into fila/run/, the record still says queued
     after_begin            the record says running (attempt + 1); no job directory yet
     after_job_dir          sandbox/jobs/<id>/ is prepared; no container yet

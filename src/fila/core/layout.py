@@ -121,7 +121,7 @@ class Root:
         for d in (self.run_dir, self.rejected_dir, self.state_dir, self.meta_dir, self.jobs_dir):
             d.mkdir(parents=True, exist_ok=True)
         # Only the owner may reach job directories: during a run the engine's files are there
-        # before the host has made them inert (jobdir.reclaim).
+        # before the host has made them inert (handover.reclaim).
         for d in (self.jobs_dir, self.meta_dir):
             if d.stat().st_mode & 0o077:
                 d.chmod(0o700)

@@ -3,7 +3,7 @@ transient (docs/architecture.md, "The queue's contract").
 
 An infrastructure error before a task's container started sends the task back to the queue with
 a backoff, and so does a worker that died before its container started; both count toward one
-limit of attempts, after which the task fails. The job runner (run/job.py) requeues with `INFRA`,
+limit of attempts, after which the task fails. The job runner (run/claimed.py) requeues with `INFRA`,
 recovery (recovery/claims.py) requeues a dead worker's task with it, recovery/records.py clamps a
 backoff longer than its cap (a clock that went back), and `run --once` waits for a backoff at most
 that cap.

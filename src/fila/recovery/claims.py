@@ -142,8 +142,8 @@ def _settle_reaped(
         return
     evidence, work = _work_evidence(root, rec)
     # A running record carries an error only when its run failed and the cycle kept the task
-    # fenced because the container could not be removed (cycle._Run.fence_off: `begin` clears
-    # `error`): that failure, not a lost worker, is what a person must read.
+    # fenced because the container could not be removed (run/claimed.py, JobRun.fence_off: `begin`
+    # clears `error`): that failure, not a lost worker, is what a person must read.
     lost = f"the worker was lost while the container ran: {why}"
     failed = rec.error.message if rec.error is not None else None
     what = f"its run failed and its container could not be removed then: {failed}" if failed else lost
@@ -200,7 +200,7 @@ def _work_evidence(root: Root, rec: Record) -> tuple[dict[str, Any], str]:
     """What work/ holds, as DIFF.patch evidence when it can be read safely."""
     from ..engines import get_engine, scanner_for
     from ..queue.policy import load_policy
-    from ..workspace import diff, secretscan, snapshot
+    from ..workspace import diff, overlay, secretscan
 
     job = root.job_dir(rec.id)
     if not (job / "input").is_dir() or not (job / "work").is_dir():
@@ -214,7 +214,7 @@ def _work_evidence(root: Root, rec: Record) -> tuple[dict[str, Any], str]:
             else secretscan.Scanner(secretscan.known(policy))
         )
         with lease.job_lock(root, rec.id):
-            ov = snapshot.job_overlay(root, rec.id)  # the overlay strategy: work/ is its layers
+            ov = overlay.job_overlay(root, rec.id)  # the overlay strategy: work/ is its layers
             d = diff.compute_diff(job, policy=policy, scratch=root.meta(rec.id) / "scratch",
                                   layers=ov.layers() if ov is not None else None,
                                   credentials=scanner)  # fmt: skip

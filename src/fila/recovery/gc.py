@@ -122,6 +122,6 @@ def collect(root: Root, older_than_s: float, *, dry_run: bool = False, now: date
 
 def _size(path: Path) -> int:
     """Disk use, counted iteratively: an engine's tree may be deeper than Python's recursion."""
-    from ..workspace.jobdir import usage
+    from ..workspace.handover import usage
 
     return usage(path, max_bytes=1 << 62, max_files=1 << 62)[0]

@@ -46,7 +46,7 @@ from ..core.faults import crash_point
 from ..core.layout import Root
 from ..core.models import Policy, Record
 from ..queue import store as queue
-from ..workspace import jobdir, secretscan, snapshot
+from ..workspace import jobdir, overlay, secretscan
 from ..workspace.fswalk import escape_name, walk
 from ..workspace.hardgit import Git, tail
 from ..workspace.safedir import ABSENT, SafeDir, State
@@ -318,7 +318,7 @@ class _Plan:
         base, after = self.staging / "base", self.staging / "after"
         base.mkdir()
         bad = []
-        ov = snapshot.job_overlay(self.root, self.tid)  # the overlay strategy: input/ is the snapshot
+        ov = overlay.job_overlay(self.root, self.tid)  # the overlay strategy: input/ is the snapshot
         inp_dir = ov.lower if ov is not None else self.root.job_dir(self.tid) / "input"
         with SafeDir(inp_dir) as inp, SafeDir(base) as bdir:
             for p in self.paths:
@@ -359,9 +359,9 @@ class _Plan:
                          sorted(found ^ expect))  # fmt: skip
         diffs = []
         try:
-            ov = snapshot.job_overlay(self.root, self.tid)  # work/ read from its layers, no mount
+            ov = overlay.job_overlay(self.root, self.tid)  # work/ read from its layers, no mount
             job_work = self.root.job_dir(self.tid) / "work"
-            work: SafeDir | snapshot.MergedView = snapshot.MergedView(ov) if ov else SafeDir(job_work)
+            work: SafeDir | overlay.MergedView = overlay.MergedView(ov) if ov else SafeDir(job_work)
         except FilaError as e:
             raise refuse(f"the job's work/ cannot be read: {e}", self.tid) from None
         with work, SafeDir(after) as adir:

@@ -1,7 +1,7 @@
 """Groups of tasks that ran the same input on different engines, and how they compare.
 
 `fila submit --engine claude --engine codex ...` queues one task per engine with the same `group`
-(`group_tasks`, queued by cycle.submit_group); `compare` puts the members side by side (status,
+(`group_tasks`, queued by intake.submit_group); `compare` puts the members side by side (status,
 files touched, +/- lines, duration, requests, tokens, cost, the check); `supersede_others` marks
 every other member when a person applies one. A superseded member is `rejected` with a decision
 `superseded` (who, when, which member won): the state machine keeps its table, and a superseded
@@ -41,7 +41,7 @@ def members(root: Root, group: str) -> list[Record]:
 
 def group_tasks(task: Task, engines: list[str], *, models: dict[str, str] | None = None) -> list[Task]:
     """One task per engine on the same prompt, targets and policy, in one group (queued by
-    `cycle.submit_group`). The group id is the task's `group`, else its `id`, else a new id; members
+    `intake.submit_group`). The group id is the task's `group`, else its `id`, else a new id; members
     are `<group>.<engine>`; `models` gives an engine its own model (a model name is one vendor's)."""
     if len(set(engines)) != len(engines):
         dup = next(e for e in engines if engines.count(e) > 1)

@@ -3,7 +3,7 @@ second container of the shell image with network none runs the check command on 
 job's work/, so what the check writes (caches, build output) never reaches the diff or what
 `fila apply` verifies. Its result goes into the record; `fila compare` shows it per member.
 
-The job runner (run/job.py) calls `run_check` with its state of the claimed task, which this
+The job runner (run/attempts.py) calls `run_check` with its state of the claimed task, which this
 module knows only by the `Job` protocol: the runner imports this module, not the other way round.
 """
 

@@ -32,8 +32,8 @@ from ..queue.policy import denied_by
 from . import fswalk
 from .fastimport import CHUNK, Found, Importers, git_mode
 from .fswalk import Entry, Tree, escape_name
+from .overlay import Layers
 from .secretscan import Scanner
-from .snapshot import Layers
 
 _MAX_WARNINGS = 100
 _SPECIAL_NAMES = {b".gitattributes", b".gitmodules"}  # change what git does in the project

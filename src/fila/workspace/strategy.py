@@ -3,7 +3,7 @@
 
 - The copy (`CopyWorkspace`, on the job directory jobdir.prepare makes): input/ and work/ are the
   job's own copies, bind-mounted; the diff compares the two trees.
-- The overlay (`OverlayWorkspace`, on what snapshot.prepare_job makes): input/ is a shared snapshot's
+- The overlay (`OverlayWorkspace`, on what overlay.prepare_job makes): input/ is a shared snapshot's
   tree, and work/ an overlay of it whose upper layer, under the job's meta directory, takes every
   write; the diff reads that layer (`layers`).
 """
@@ -14,8 +14,8 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 
 from ..core.mounts import Bind, Mount
-from . import jobdir
-from .snapshot import Layers, Overlay
+from . import handover
+from .overlay import Layers, Overlay
 
 
 class JobWorkspace(ABC):
@@ -38,13 +38,13 @@ class JobWorkspace(ABC):
         """What the diff reads for work/: the overlay's layers, or None for the job's own copies."""
 
     def usage(self, *, max_bytes: int, max_files: int) -> tuple[int, int]:
-        return jobdir.usage(self._job_dir, max_bytes=max_bytes, max_files=max_files)
+        return handover.usage(self._job_dir, max_bytes=max_bytes, max_files=max_files)
 
     def hand_over(self, uid: int, gid: int) -> None:
-        jobdir.hand_over(self._job_dir, uid, gid)
+        handover.hand_over(self._job_dir, uid, gid)
 
     def reclaim(self, owner: tuple[int, int] | None) -> list[str]:
-        return jobdir.reclaim(self._job_dir, owner=owner)
+        return handover.reclaim(self._job_dir, owner=owner)
 
 
 class CopyWorkspace(JobWorkspace):
@@ -85,11 +85,11 @@ class OverlayWorkspace(JobWorkspace):
     def usage(self, *, max_bytes: int, max_files: int) -> tuple[int, int]:
         """The job directory and the upper layer, where what the engine writes lands."""
         used, files = super().usage(max_bytes=max_bytes, max_files=max_files)
-        more = jobdir.usage(self.overlay.upper, max_bytes=max_bytes - used, max_files=max_files - files)
+        more = handover.usage(self.overlay.upper, max_bytes=max_bytes - used, max_files=max_files - files)
         return used + more[0], files + more[1]
 
     def reclaim(self, owner: tuple[int, int] | None) -> list[str]:
-        return super().reclaim(owner) + jobdir.reclaim_tree(self.overlay.upper, owner=owner)
+        return super().reclaim(owner) + handover.reclaim_tree(self.overlay.upper, owner=owner)
 
     def layers(self) -> Layers:
         return self.overlay.layers()

@@ -18,7 +18,7 @@ from .service import not_own
 
 # Measured on Podman 4.3 (Debian 12), kernel 6.18, rootless without a mount program: the upper
 # layer takes deletions as character devices 0/0 and opaque directories as user.overlay.opaque,
-# as snapshot.Layers reads them; an older Podman was not measured.
+# as overlay.Layers reads them; an older Podman was not measured.
 MIN_OVERLAY_VERSION = (4, 3)
 
 
