@@ -21,6 +21,10 @@ removes it. Nothing under `<key>/` is written after it is published.
 
 A job on the overlay strategy gets its snapshot, its upper layer and its view of work/ from
 workspace/overlay.py.
+
+One module on purpose (about 600 lines): building, reusing, linking and collecting a snapshot
+share the stat pass, its cache and the snapshot lock; a cut between them would make their
+internals public to one another.
 """
 
 from __future__ import annotations
