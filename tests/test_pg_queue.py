@@ -76,13 +76,13 @@ def test_migrate_creates_the_schema_once_and_refuses_a_newer_one(pg_cluster: Any
     url = pg_cluster.new_database()
     assert migrate.migrate(url) == (0, migrate.latest())
     assert migrate.migrate(url) == (migrate.latest(), migrate.latest())  # a no-op
-    assert sql(url, "SELECT version FROM fila_schema") == [(1,)]
+    assert sql(url, "SELECT version FROM fila_schema ORDER BY version") == [(1,), (2,)]
     with PgQueue(url) as queue:  # the allowed counterpart: the schema this fila knows
         queue.enqueue("t1", task())
     sql(url, "INSERT INTO fila_schema (version, name) VALUES (%s, 'from_the_future')", migrate.latest() + 1)
     with pytest.raises(SchemaMismatch) as err:
         migrate.migrate(url)
-    assert f"schema version {migrate.latest() + 1}" in str(err.value) and "up to 1" in str(err.value)
+    assert f"schema version {migrate.latest() + 1}" in str(err.value) and "up to 2" in str(err.value)
     assert "upgrade fila" in (err.value.hint or "") and err.value.exit_code == 4
     with pytest.raises(SchemaMismatch):
         PgQueue(url)
@@ -101,8 +101,12 @@ def test_runners_migrating_together_apply_each_migration_once(pg_cluster: Any) -
         t.start()
     for t in threads:
         t.join(30)
-    assert sorted(results) == [(0, 1), (1, 1), (1, 1), (1, 1)]  # one created it, the others found it
-    assert sql(url, "SELECT version, name FROM fila_schema") == [(1, "init")]
+    assert len(results) == 4 and {after for _, after in results} == {2}
+    assert [before for before, _ in results].count(0) == 1  # one created it, the others found it
+    assert sql(url, "SELECT version, name FROM fila_schema ORDER BY version") == [
+        (1, "init"),
+        (2, "record_ids_and_claim_nonce"),
+    ]
 
 
 # -- the queue URL and its errors ---------------------------------------------------------------
@@ -138,7 +142,7 @@ def test_the_password_comes_only_from_libpq_and_no_error_shows_it(
     embedded = f"postgresql://{role}:{secret}@/{url.split('///')[1].split('?')[0]}?host={pg_cluster.sock}"
     with pytest.raises(QueueUrlInvalid) as bad:
         PgQueue(embedded)
-    assert secret not in str(bad.value) + (bad.value.hint or "") and ":***@" in str(bad.value)
+    assert secret not in str(bad.value) + (bad.value.hint or "") and f"{role}@" in str(bad.value)
     assert "PGPASSWORD" in (bad.value.hint or "") and bad.value.exit_code == 2
     with pytest.raises(QueueUrlInvalid):
         PgQueue(url + f"&password={secret}")
@@ -160,6 +164,29 @@ def test_the_password_comes_only_from_libpq_and_no_error_shows_it(
     with pytest.raises(QueueUnreachable) as down:
         PgQueue(gone)
     assert f"{tmp_path}/nowhere" in str(down.value) and "pg_isready" in (down.value.hint or "")
+
+
+def test_no_message_quotes_a_refused_url_whatever_its_password_holds() -> None:
+    from fila.queue.pg.conninfo import parse
+
+    # The allowed counterpart: a URL without a password parses, with its other parameters.
+    assert parse("postgresql://fila@db.example/q?sslmode=require")["sslmode"] == "require"
+    refused = [
+        "postgresql://fila:hunter?2@db.example/q",  # '?' in the password
+        "postgresql://fila:hunter#2@db.example/q",  # '#' in the password
+        "postgresql://fila@db.example/q?pass%77ord=hunter2",  # the parameter's name percent-encoded
+        "postgresql://fila@db.example/q?password=hunter2&x",  # unreadable: libpq quotes the URL
+        "postgresql://fila:hun?ter2@[::1/q",  # unreadable
+        "postgresql://fila@db.example/q?sslpassword=hunter2",  # the client key's passphrase
+        "mysql://fila:hunter2@db.example/q",  # another scheme
+    ]
+    for url in refused:
+        with pytest.raises(QueueUrlInvalid) as bad:
+            parse(url)
+        text = str(bad.value) + (bad.value.hint or "")
+        assert "hunter" not in text and "hun?ter" not in text and "db.example/q?" not in text, text
+    with pytest.raises(QueueUrlInvalid, match=r"fila@db\.example:5432/q holds a sslpassword"):
+        parse(refused[-2])
 
 
 def test_the_url_is_masked_wherever_a_password_could_appear_and_psycopg_loads_only_when_used() -> None:
@@ -316,8 +343,9 @@ def test_a_late_publish_with_an_old_token_changes_nothing(q: PgQueue, pg_url: st
     assert rec is not None and rec.status == S.needs_review and rec.worker == "r2" and rec.exit_code == 0
     assert rec.attempts[-1].outcome == "success" and rec.attempts[-1].ended_at is not None
     assert q.task_blobs("t1")["DIFF.patch"] == diff.sha256 and q.blob(diff.sha256) == diff.data
-    assert q.publish("t1", new.token, S.failed, {}) is None  # published already: never twice
-    assert q.get("t1") == rec
+    # Published already: sent again (its reply lost), the record is returned, never written twice.
+    assert q.publish("t1", new.token, S.failed, {}) == rec == q.get("t1")
+    assert [e["event"] for e in q.events("t1")].count("published") == 1
 
 
 def test_an_expired_lease_is_requeued_within_the_budget_and_needs_a_human_beyond_it(q: PgQueue) -> None:
@@ -563,6 +591,209 @@ def test_events_are_append_only(q: PgQueue, pg_url: str) -> None:
     assert [e["event"] for e in q.events("t1")] == ["submitted", "note"]
 
 
+# -- what a runner may write ---------------------------------------------------------------------
+
+
+def test_a_runner_writes_only_its_results_and_only_into_its_own_tasks_record(q: PgQueue, pg_url: str) -> None:
+    from fila.queue.store import next_record
+
+    for tid in ("A", "B", "C"):
+        q.enqueue(tid, task())
+    a = q.claim("r1", ["shell"], 30)
+    assert a is not None and a.task_id == "A"
+    # Allowed: results of the run, in a checkpoint and in the publish.
+    assert q.checkpoint("A", a.token, event="image", timings={"pull": 1.0}).timings == {"pull": 1.0}
+    before = {tid: (q.get(tid), q.events(tid)) for tid in ("A", "B", "C")}
+    # Refused: the queue's own fields, whichever way they come; nothing written anywhere.
+    forged = [
+        {"id": "B"},
+        {"status": "needs_review"},
+        {"submitted_at": "1999-01-01T00:00:00+00:00"},
+        {"decision": {"action": "applied", "by": "alice", "at": "2026-01-01T00:00:00+00:00"}},
+        {"attempts": []},
+        {"container_started": True, "container": "c1"},
+        {"worker": "r9"},
+        {"attempt": 7},
+        {"task": None},
+    ]
+    for fields in forged:
+        with pytest.raises(InvalidTransition, match=sorted(fields)[0]):
+            q.checkpoint("A", a.token, **fields)
+        with pytest.raises(InvalidTransition, match=sorted(fields)[0]):
+            q.publish("A", a.token, S.needs_review, fields)
+    assert {tid: (q.get(tid), q.events(tid)) for tid in ("A", "B", "C")} == before
+    assert q.task_state("A")["state"] == "running" and q.task_state("B")["state"] == "queued"
+    # The shared record builder refuses them too (the file queue's writes go through it).
+    with pytest.raises(InvalidTransition, match=r"\bid is the queue's"):
+        next_record("A", q.get("A"), S.running, "2026-01-01T00:00:00+00:00", changes={"id": "B"})
+    # And the schema: a record stored under another task's id.
+    import psycopg
+
+    with pytest.raises(psycopg.errors.CheckViolation):
+        sql(pg_url, "UPDATE fila_records SET record = jsonb_set(record, '{id}', '\"B\"') WHERE id = 'A'")
+    rec = q.publish("A", a.token, S.needs_review, {"exit_code": 0})
+    assert rec is not None and rec.id == "A" and rec.decision is None
+    b = q.claim("r2", ["shell"], 30)  # the other tasks are claimed as before
+    assert b is not None and b.task_id == "B"
+
+
+def test_a_sweep_decides_every_row_it_can_and_leaves_the_one_it_cannot(
+    q: PgQueue, pg_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    for tid in ("bad", "good"):
+        q.enqueue(tid, task(), max_tries=5)
+    bad = q.claim("r1", ["shell"], 0.05)
+    good = q.claim("r2", ["shell"], 0.05)
+    assert bad is not None and good is not None and bad.task_id == "bad"
+    # A record changed outside fila so that no decision can be written from it.
+    sql(
+        pg_url,
+        "UPDATE fila_records SET record = jsonb_set(record, '{status}', '\"applied\"') WHERE id = 'bad'",
+    )
+    expire(q, "bad")
+    expire(q, "good")
+    with caplog.at_level("ERROR", logger="fila.queue.pg.store"):
+        assert q.sweep(policy=NOW) == [("good", S.queued)]  # decided, though the other one fails
+    assert q.task_state("bad")["state"] == "running" and q.task_state("bad")["token"] == bad.token
+    assert "task bad left running" in caplog.text  # reported, not silently skipped
+    assert q.get("good").status == S.queued and q.claim("r3", ["shell"], 30) is not None
+
+
+def test_a_database_at_schema_version_1_upgrades_with_its_tasks(pg_cluster: Any) -> None:
+    url = pg_cluster.new_database()
+    first = migrate.migrations()[0]
+    sql(url, migrate.VERSION_TABLE)
+    sql(url, first.sql)
+    sql(url, "INSERT INTO fila_schema (version, name) VALUES (1, %s)", first.name)
+    sql(
+        url,
+        "INSERT INTO fila_tasks (id, state, task, engine) VALUES ('t1', 'queued', %s, 'shell')",
+        json.dumps(task().model_copy(update={"id": "t1"}).model_dump(mode="json", exclude_none=True)),
+    )
+    sql(
+        url,
+        "INSERT INTO fila_records (id, record) VALUES ('t1', %s)",
+        json.dumps({"id": "t1", "status": "queued"}),
+    )
+    with pytest.raises(SchemaMismatch, match="fila needs 2"):
+        PgQueue(url)
+    assert migrate.migrate(url) == (1, 2)
+    with PgQueue(url) as queue:
+        assert queue.get("t1").status == S.queued
+
+
+# -- lost replies, bad documents, database errors -------------------------------------------------
+
+
+@pytest.fixture
+def lossy(pg_cluster: Any, pg_url: str) -> Iterator[tuple[PgQueue, Any]]:
+    """A queue reached through a proxy that drops COMMIT replies on request."""
+    from tests.support.pgproxy import Proxy
+
+    px = Proxy(str(pg_cluster.sock))
+    with PgQueue(px.url(pg_url, str(pg_cluster.sock)), reconnect_s=10) as queue:
+        yield queue, px
+    px.close()
+
+
+def test_a_claim_whose_commit_reply_is_lost_returns_its_own_task_not_a_second(
+    lossy: tuple[PgQueue, Any], pg_url: str
+) -> None:
+    pq, px = lossy
+    for tid in ("A", "B", "C"):
+        pq.enqueue(tid, task())
+    first = pq.claim("r1", ["shell"], 30)  # the allowed counterpart: a claim that is answered
+    assert first is not None and first.task_id == "A"
+    px.drop_commits = 1
+    lease = pq.claim("r1", ["shell"], 30)
+    assert px.dropped == 1 and lease is not None and lease.task_id == "B"
+    assert (pq.task_state("B")["token"], pq.task_state("C")["state"]) == (lease.token, "queued")
+    assert [e["event"] for e in pq.events("B")].count("claimed") == 1
+    pq.renew("B", lease.token, 30)
+
+
+def test_repeated_writes_after_a_lost_reply_are_recognised_as_done(lossy: tuple[PgQueue, Any]) -> None:
+    from fila.core.models import Decision
+
+    pq, px = lossy
+    pq.enqueue("A", task())
+    lease = pq.claim("r1", ["shell"], 30)
+    assert lease is not None
+    px.drop_commits = 1
+    assert pq.mark_started("A", lease.token, container="c1").container_started
+    assert [e["event"] for e in pq.events("A")].count("container started") == 1
+    rec = pq.publish("A", lease.token, S.needs_review, {"exit_code": 0})
+    assert rec is not None
+    # Sent again by its caller (after QueueUnreachable, say): the same record, not "discarded".
+    assert pq.publish("A", lease.token, S.needs_review, {"exit_code": 0}) == rec
+    assert "result discarded" not in [e["event"] for e in pq.events("A")]
+    d = Decision(action="applied", by="alice", at="2026-01-01T00:00:00+00:00")
+    px.drop_commits = 1
+    applied = pq.decide("A", S.applied, d, expect={S.needs_review})
+    assert applied.status == S.applied and px.dropped == 2
+    assert pq.decide("A", S.applied, d, expect={S.needs_review}) == applied  # the same decision
+    other = Decision(action="rejected", by="bob", at="2026-01-01T00:00:01+00:00")
+    with pytest.raises(InvalidTransition):  # another decision is refused, as before
+        pq.decide("A", S.rejected, other, expect={S.needs_review})
+    assert [e["event"] for e in pq.events("A")].count("decided") == 1
+
+
+def test_a_task_whose_stored_document_does_not_validate_fails_and_the_next_is_claimed(
+    q: PgQueue, pg_url: str
+) -> None:
+    from fila.core.errors import InvalidInput
+    from fila.core.models import Limits
+
+    q.enqueue("poison", task())
+    q.enqueue("good", task())
+    # Refused at enqueue: a task built without validation, or whose engine is not a name.
+    unchecked = Task.model_construct(
+        engine="shell", targets=["a.txt"], command="true", policy="default", prompt="",
+        limits=Limits.model_construct(memory="0"),
+    )  # fmt: skip
+    with pytest.raises(InvalidInput, match="does not validate"):
+        q.enqueue("unchecked", unchecked)
+    with pytest.raises(InvalidInput, match="engine name"):
+        q.enqueue("long", task("x" * 4000))
+    # A document changed in the database after it was queued.
+    sql(pg_url, 'UPDATE fila_tasks SET task = task || \'{"limits": {"memory": "0"}}\' WHERE id = \'poison\'')
+    lease = q.claim("r1", ["shell"], 30)
+    assert lease is not None and lease.task_id == "good"
+    rec = q.get("poison")
+    assert rec.status == S.failed and rec.error is not None and "does not validate" in rec.error.message
+    assert q.task_state("poison")["state"] == "failed" and q.task_state("poison")["runner"] is None
+
+
+def test_a_database_error_that_another_try_cannot_fix_is_raised_at_once(q: PgQueue, pg_url: str) -> None:
+    from fila.queue.pg.errors import QueueFailed
+
+    q.enqueue("t1", task())  # the allowed counterpart
+    sql(pg_url, "ALTER TABLE fila_events ADD CONSTRAINT short CHECK (octet_length(event) < 20)")
+    lease = q.claim("r1", ["shell"], 30)
+    assert lease is not None
+    t0 = time.monotonic()
+    with pytest.raises(QueueFailed, match="refused the operation") as err:
+        q.checkpoint("t1", lease.token, event="x" * 30)
+    assert time.monotonic() - t0 < 2 and "check constraint" in str(err.value)
+    assert err.value.exit_code == 3 and q.task_state("t1")["state"] == "running"
+
+
+def test_a_publish_replaces_the_blobs_of_an_earlier_attempt(q: PgQueue) -> None:
+    q.enqueue("t1", task())
+    a = q.claim("r1", ["shell"], 30)
+    assert a is not None
+    err = ErrorInfo(kind=ErrorKind.infra, message="boom")
+    first = [Blob.of("DIFF.patch", b"attempt 1 diff\n"), Blob.of("log", b"attempt 1 log\n")]
+    assert q.publish("t1", a.token, S.failed, {"error": err}, first) is not None
+    assert sorted(q.task_blobs("t1")) == ["DIFF.patch", "log"]
+    q.retry("t1", by="alice")
+    b = q.claim("r2", ["shell"], 30)
+    assert b is not None
+    log = Blob.of("log", b"attempt 2 log\n")
+    assert q.publish("t1", b.token, S.failed, {"error": err}, [log]) is not None
+    assert q.task_blobs("t1") == {"log": log.sha256}  # attempt 1's diff is not named any more
+
+
 # -- fila queue init ----------------------------------------------------------------------------
 
 
@@ -574,14 +805,14 @@ def test_fila_queue_init_creates_then_reports_and_refuses_a_newer_schema(
     url = pg_cluster.new_database()
     res = fila(tmp_path, "queue", "init", "--queue", url)
     assert res.exit_code == 0, res.output
-    assert "created the queue schema, version 1," in res.stdout and "postgres@" in res.stdout
+    assert "created the queue schema, version 2," in res.stdout and "postgres@" in res.stdout
     res = fila(tmp_path, "queue", "init", "--queue", url, "--json")
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
-    assert (doc["schema"], doc["version_before"], doc["version"]) == ("current", 1, 1)
-    sql(url, "INSERT INTO fila_schema (version, name) VALUES (2, 'from_the_future')")
+    assert (doc["schema"], doc["version_before"], doc["version"]) == ("current", 2, 2)
+    sql(url, "INSERT INTO fila_schema (version, name) VALUES (3, 'from_the_future')")
     res = fila(tmp_path, "queue", "init", "--queue", url)
-    assert res.exit_code == 4 and "schema version 2" in res.output and "upgrade fila" in res.output
+    assert res.exit_code == 4 and "schema version 3" in res.output and "upgrade fila" in res.output
     res = fila(
         tmp_path, "queue", "init", "--queue", url.replace("user=postgres", "user=postgres&password=pw9")
     )

@@ -60,6 +60,9 @@ CLAIM_SEP = "~"
 # Fields that belong to one run: entering `queued` clears them, so a requeued or retried record
 # never carries a previous run's container, exit code or diff as if they were current.
 RUN_FIELDS = ("worker", "container", "exit_code", "diffstat", "patch_sha256", "patch_path", "diagnosis")
+# Fields only next_record sets: a change naming one could write a record under another task's id,
+# skip the transition check or rewrite the task's history.
+FIXED_FIELDS = frozenset({"id", "status", "updated_at", "submitted_at"})
 OUTCOME_OF = {
     S.needs_review: "success",
     S.failed: "failed",
@@ -217,6 +220,12 @@ def next_record(
     PostgreSQL queue (queue/pg/records.py) write what it returns, each in its own way."""
     changes = changes or {}
     frm = cur.status if cur else None
+    fixed = sorted(FIXED_FIELDS & changes.keys())
+    if fixed:
+        raise InvalidTransition(
+            f"refused to write task {task_id}: {', '.join(fixed)} is the queue's to set, not a change's",
+            task_id=task_id,
+        )
     if to not in ALLOWED[frm] or (expect is not None and frm not in expect):
         raise InvalidTransition(
             f"task {task_id} is {frm or 'unknown'}; it cannot become {to}",

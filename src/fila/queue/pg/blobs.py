@@ -42,7 +42,10 @@ def check(blob: Blob, *, task_id: str | None = None) -> None:
 
 
 def put(cur: Any, task_id: str, attempt: int, blobs: list[Blob]) -> None:
-    """Store `blobs` (already checked) and name them for the task, inside the caller's transaction."""
+    """Store `blobs` (already checked) and make them the task's whole blob set, inside the
+    caller's transaction: an earlier attempt's blobs are no longer named, so none of them passes
+    for this attempt's (their bytes stay, shared by content)."""
+    cur.execute("DELETE FROM fila_task_blobs WHERE task_id = %s", (task_id,))
     for b in blobs:
         cur.execute(
             "INSERT INTO fila_blobs (sha256, size, data) VALUES (%s, %s, %s) ON CONFLICT (sha256) DO NOTHING",

@@ -5,7 +5,8 @@ A queue URL is `postgresql://[user@]host[:port]/dbname[?param=value...]` (libpq'
 password never travels in it: libpq reads it from `PGPASSWORD`, the password file (`PGPASSFILE`,
 default ~/.pgpass, which libpq ignores unless it is 0600) or a service file (`PGSERVICEFILE`,
 `?service=NAME`). A URL that embeds one is refused, and every message shows the queue through
-`describe` (user, host, port, database, never a password) or `mask`.
+`describe` (user, host, port, database, never a password), never by the URL itself; `mask`
+hides what a server's or driver's message might still hold.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from typing import Any
 from .errors import QueueAuthFailed, QueueUnreachable, QueueUrlInvalid
 
 SCHEMES = ("postgresql://", "postgres://")
+SECRET_PARAMS = frozenset({"password", "sslpassword"})  # libpq's names, after percent-decoding
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]{0,30}://")
 _USERINFO_PW = re.compile(r"^(?P<scheme>[a-z]+://)(?P<user>[^:@/?#]*):(?P<pw>[^@/?#]*)@", re.IGNORECASE)
-_PARAM_PW = re.compile(r"(?i)(password\s*=\s*)('(?:[^'\\]|\\.)*'|[^\s&]*)")
+_PARAM_PW = re.compile(r"(?i)((?:ssl)?password\s*=\s*)('(?:[^'\\]|\\.)*'|[^\s&]*)")
 PASSWORD_HINT = (
     "put the password in PGPASSWORD or in a 0600 password file (~/.pgpass, or the file PGPASSFILE "
     "names), or use ?service=NAME with PGSERVICEFILE"
@@ -31,28 +34,38 @@ def mask(text: str) -> str:
     return _PARAM_PW.sub(lambda m: f"{m[1]}***", text)
 
 
+def _scheme(url: str) -> str:
+    """The URL's scheme alone (what a message may show of a URL that is refused): any other part
+    could hold a password that libpq or a pattern would read differently."""
+    m = _SCHEME.match(url)
+    return m[0] if m else "(no scheme)"
+
+
 def parse(url: str) -> dict[str, str]:
-    """The libpq parameters of a queue URL. Refuses (QueueUrlInvalid, the URL masked) another
-    scheme, a URL libpq cannot read, and a URL that embeds a password."""
+    """The libpq parameters of a queue URL. Refuses (QueueUrlInvalid) another scheme, a URL
+    libpq cannot read, and a URL that embeds a password. No message quotes the URL: a refused
+    one shows its scheme, a readable one its `describe`."""
     from psycopg import ProgrammingError
     from psycopg.conninfo import conninfo_to_dict
 
     if not url.startswith(SCHEMES):
         raise QueueUrlInvalid(
-            f"the queue URL {mask(url)!r} is not a PostgreSQL URL",
+            f"the queue URL (scheme {_scheme(url)}) is not a PostgreSQL URL",
             hint="give postgresql://USER@HOST[:PORT]/DBNAME",
         )
     try:
         params = {k: str(v) for k, v in conninfo_to_dict(url).items() if v is not None}
-    except ProgrammingError as e:
+    except ProgrammingError:
+        # libpq's own message quotes the URL, password included: it is dropped.
         raise QueueUrlInvalid(
-            f"the queue URL {mask(url)!r} cannot be read: {mask(str(e))}",
-            hint="give postgresql://USER@HOST[:PORT]/DBNAME",
+            f"the queue URL ({_scheme(url)}...) cannot be read as a libpq URI",
+            hint="give postgresql://USER@HOST[:PORT]/DBNAME; percent-encode any special character",
         ) from None
-    if "password" in params:
+    secret = sorted(SECRET_PARAMS & params.keys())
+    if secret:
         raise QueueUrlInvalid(
-            f"the queue URL {mask(url)!r} holds a password; fila never takes one from a URL "
-            "(it would show in process lists, shell history and logs)",
+            f"the queue URL for {describe(params)} holds a {' and a '.join(secret)}; fila never "
+            "takes one from a URL (it would show in process lists, shell history and logs)",
             hint=PASSWORD_HINT,
         )
     return params

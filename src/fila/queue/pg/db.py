@@ -3,7 +3,8 @@
 A `Database` holds a psycopg pool for one queue URL, checked at open (a clear error for a wrong
 URL, credentials or schema version). Each operation is one transaction, run again (up to
 `reconnect_s`) when the connection breaks (a restart, a killed server), so every operation must be
-safe to repeat: `again` tells it that an earlier try may have committed. LISTEN/NOTIFY wakes
+safe to repeat: `again` tells it that an earlier try may have committed. Other database errors
+are not retried: they would fail the same way again. LISTEN/NOTIFY wakes
 waiting runners early; it is a hint only, never the guarantee (see `wait_for_work`).
 
 Every writer (store.py) locks the task's row first, then writes its record and events through
@@ -17,15 +18,38 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any, Self, TypeVar
 
-from ...core.errors import NotFound
+from ...core.errors import InvalidTransition, NotFound
 from ...core.models import Record, Status
 from . import blobs as blobstore
 from . import conninfo, migrate, records
-from .errors import QueueUnreachable
+from .errors import QueueFailed, QueueUnreachable
 
 S = Status
 T = TypeVar("T")
 CHANNEL = "fila_queued"  # NOTIFY payload: the task id (a hint only; the poll is the guarantee)
+
+
+# SQLSTATEs after which the same transaction may succeed on another try: the server went away
+# (57P01 admin shutdown, 57P02 crash shutdown, 57P03 cannot connect now), a serialization
+# failure, a deadlock. Class 08 (connection exceptions) is matched by its prefix.
+RETRY_SQLSTATES = frozenset({"57P01", "57P02", "57P03", "40001", "40P01"})
+
+
+def retryable(err: BaseException) -> bool:
+    """Whether a failed transaction is worth running again: its connection broke (or none came
+    within the wait), or the server answered with one of RETRY_SQLSTATES or class 08."""
+    import psycopg
+    from psycopg_pool import PoolTimeout
+
+    if isinstance(err, PoolTimeout):
+        return True
+    if not isinstance(err, psycopg.Error):
+        return False
+    state = err.sqlstate
+    if state is not None:
+        return state.startswith("08") or state in RETRY_SQLSTATES
+    # No SQLSTATE: the client's side of a broken connection (closed socket, lost server).
+    return isinstance(err, psycopg.OperationalError)
 
 
 class Database:
@@ -66,8 +90,10 @@ class Database:
     # -- one transaction, run again when the connection breaks --------------------------------
 
     def _tx(self, fn: Callable[[Any, bool], T]) -> T:
-        """`fn(conn, again)` in one transaction; on a broken connection (OperationalError, or no
-        connection within the wait) it runs again, `again` True, until `reconnect_s` has passed."""
+        """`fn(conn, again)` in one transaction; on a broken connection, a server going away, a
+        serialization failure or deadlock, or no connection within the wait (`retryable`), it runs
+        again, `again` True, until `reconnect_s` has passed. Any other database error (a full
+        disk, a statement timeout, a value the schema refuses) is raised at once as QueueFailed."""
         import psycopg
         from psycopg_pool import PoolTimeout
 
@@ -78,13 +104,19 @@ class Database:
                 wait = max(0.1, deadline - time.monotonic())
                 with self.pool.connection(timeout=wait) as conn, conn.transaction():
                     return fn(conn, again)
-            except (psycopg.OperationalError, PoolTimeout) as e:
+            except (psycopg.Error, PoolTimeout) as e:
+                said = conninfo.mask(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+                if not retryable(e):
+                    raise QueueFailed(
+                        f"the queue database {self.where} refused the operation: {said}",
+                        hint="nothing of this operation was written; the database's log says more",
+                    ) from None
                 if time.monotonic() + delay > deadline:
                     raise QueueUnreachable(
-                        f"the queue database {self.where} did not answer for {self.reconnect_s:g} s: "
-                        f"{conninfo.mask(str(e).strip() or type(e).__name__)}",
-                        hint="check that PostgreSQL runs there (pg_isready); nothing was lost: "
-                        "the operation can be repeated",
+                        f"the queue database {self.where} did not answer for {self.reconnect_s:g} s: {said}",
+                        hint="check that PostgreSQL runs there (pg_isready); the last try may have "
+                        "been applied before its reply was lost: look at the task's state before "
+                        "repeating it",
                     ) from None
                 time.sleep(delay)
                 delay, again = min(1.0, delay * 2), True
@@ -169,11 +201,14 @@ class Database:
             return
         import psycopg
 
+        conn = None
         try:
             conn = conninfo.connect(self.url, autocommit=True, timeout=5)
             conn.execute(f"LISTEN {CHANNEL}")
             self._listener = conn
         except (psycopg.Error, QueueUnreachable):
+            if conn is not None:  # connected, but LISTEN failed: not kept, so closed here
+                conn.close()
             self._listener = None
 
     def wait_for_work(self, timeout: float) -> bool:
@@ -214,17 +249,22 @@ class Database:
             (task_id, event, Jsonb(data)),
         )
 
-    def _write(self, conn: Any, rec: Record, event: str, data: dict[str, Any]) -> None:
-        """Upsert the record and append its event (the caller holds the task's row)."""
+    def _write(self, conn: Any, task_id: str, rec: Record, event: str, data: dict[str, Any]) -> None:
+        """Upsert task `task_id`'s record and append its event (the caller holds the task's row).
+        A record that names another task is refused (the schema refuses it too)."""
         from psycopg.types.json import Jsonb
 
+        if rec.id != task_id:
+            raise InvalidTransition(
+                f"refused to write a record of task {rec.id!r} as task {task_id}'s", task_id=task_id
+            )
         if rec.error is not None and rec.status in (S.failed, S.needs_human, S.queued):
             data = {**data, "error": rec.error.model_dump(mode="json")}
         conn.execute(
             "WITH r AS (INSERT INTO fila_records (id, record) VALUES (%(id)s, %(rec)s) "
             "ON CONFLICT (id) DO UPDATE SET record = excluded.record, updated_at = now()) "
             "INSERT INTO fila_events (task_id, event, data) VALUES (%(id)s, %(event)s, %(data)s)",
-            {"id": rec.id, "rec": Jsonb(rec.model_dump(mode="json")), "event": event, "data": Jsonb(data)},
+            {"id": task_id, "rec": Jsonb(rec.model_dump(mode="json")), "event": event, "data": Jsonb(data)},
         )
 
     def _move(self, conn: Any, task_id: str, to: Status, tries: int, not_before: datetime | None) -> None:

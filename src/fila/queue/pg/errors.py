@@ -13,6 +13,11 @@ class QueueUnreachable(InfraError):
     wait). Exit 3, like a container engine that does not answer: nothing was changed."""
 
 
+class QueueFailed(InfraError):
+    """The database answered and refused an operation for a reason another try would not change
+    (a full disk, a statement timeout, a value the schema refuses): nothing of it was written."""
+
+
 class QueueAuthFailed(QueueUnreachable):
     """The server answered and refused the credentials or the database name."""
 

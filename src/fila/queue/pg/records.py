@@ -8,8 +8,22 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-from ...core.models import Record, Status
+from pydantic import ValidationError
+
+from ...core.errors import InvalidTransition
+from ...core.models import ErrorInfo, ErrorKind, Record, Status
 from ..store import claim_changes, next_record
+
+# The record fields a runner's checkpoint or publish may set: what its run found. The rest are
+# the queue's (id, status, times, the task, its attempts, worker and container, a person's
+# decision), set by the claim, mark_started, a sweep or a decision.
+RESULT_FIELDS = frozenset(
+    {
+        "engine", "model", "image", "policy", "exit_code", "error", "timings", "diffstat",
+        "patch_sha256", "patch_path", "log_path", "warnings", "diagnosis", "egress", "backend",
+        "waived", "engine_report", "check", "workspace", "credentials_in_diff",
+    }
+)  # fmt: skip
 
 
 def iso(at: datetime) -> str:
@@ -34,3 +48,25 @@ def started(task_id: str, cur: Record, at: datetime, *, runner: str, engine: str
         expect={Status.queued},
         changes=claim_changes(cur, attempt, engine, runner, iso(at)),
     )
+
+
+def result_fields(task_id: str, fields: dict[str, Any]) -> dict[str, Any]:
+    """`fields` when each is one of RESULT_FIELDS; InvalidTransition (nothing written) naming
+    the others."""
+    other = sorted(fields.keys() - RESULT_FIELDS)
+    if other:
+        raise InvalidTransition(
+            f"task {task_id}: a runner cannot set {', '.join(other)} of its record; the queue sets them",
+            task_id=task_id,
+        )
+    return dict(fields)
+
+
+def invalid(task_id: str, cur: Record, at: datetime, err: ValidationError) -> Record:
+    """queued -> failed for a claimed task whose stored document does not validate: its first
+    problem in the error."""
+    first = err.errors()[0] if err.errors() else {}
+    where = ".".join(str(x) for x in first.get("loc", ())) or "task"
+    msg = f"the queued task does not validate: {where}: {first.get('msg', err)}"
+    error = ErrorInfo(kind=ErrorKind.invalid, message=msg)
+    return transition(task_id, cur, Status.failed, at, expect={Status.queued}, changes={"error": error})

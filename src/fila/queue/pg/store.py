@@ -19,20 +19,25 @@ retry budget (`max_tries`) allows; after the mark, or with the budget spent, it 
 `needs_human`, never silently run again.
 
 Connections, the retry of a transaction whose connection broke, reads and wake-ups are db.py's:
-every operation here is safe to repeat. A claim whose commit was cut off leaves the task running
-under a token nobody holds: its lease expires and the sweep requeues it (its container never
-started).
+every operation here is safe to repeat. A claim whose commit reply was lost finds its own task
+again by the random nonce it stored with it; a publish, a decision or the started mark sent again
+returns what the first one wrote. Runners set only their results in a record (RESULT_FIELDS);
+the queue's own fields are the queue's.
 """
 
 from __future__ import annotations
 
+import logging
+import secrets
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from ...core.errors import DuplicateId, InvalidTransition, NotFound
+from pydantic import ValidationError
+
+from ...core.errors import DuplicateId, FilaError, InvalidInput, InvalidTransition, NotFound
 from ...core.models import Decision, ErrorInfo, ErrorKind, Record, Status, Task
 from ...core.states import valid_id
 from ..retry import INFRA, RetryPolicy
@@ -40,9 +45,10 @@ from ..store import LeaseLost
 from . import blobs as blobstore
 from . import records
 from .blobs import Blob
-from .db import CHANNEL, Database
+from .db import CHANNEL, Database, retryable
 
 S = Status
+log = logging.getLogger(__name__)
 OUTCOMES = {S.needs_review, S.failed, S.needs_human}
 # The row a lease holds: its id, its token, still running, not expired on the database's clock.
 HELD = "id = %s AND token = %s AND state = 'running' AND lease_expires_at > now()"
@@ -58,6 +64,24 @@ class Lease:
     attempt: int
     task: Task
     expires_at: datetime
+
+
+CLAIM_SQL = """
+WITH pick AS (
+    SELECT id FROM fila_tasks
+    WHERE state = 'queued' AND engine = ANY(%(engines)s) AND (not_before IS NULL OR not_before <= now())
+    ORDER BY submitted_at, id
+    LIMIT 1
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE fila_tasks t
+SET state = 'running', runner = %(runner)s, token = nextval('fila_token_seq'), claim_nonce = %(nonce)s,
+    lease_expires_at = now() + %(ttl)s, attempt = t.attempt + 1, started = false,
+    not_before = NULL, claimed_at = now(), updated_at = now()
+FROM pick WHERE t.id = pick.id
+RETURNING t.id, t.token, t.attempt, t.task, t.lease_expires_at, now(),
+    (SELECT record FROM fila_records r WHERE r.id = t.id)
+"""
 
 
 def _seconds(value: float) -> timedelta:
@@ -82,6 +106,15 @@ class PgQueue(Database):
             raise InvalidId(f"task id {task_id!r} is not [A-Za-z0-9._-]{{1,128}}")
         task = task.model_copy(update={"id": task_id})
         doc = task.model_dump(mode="json", exclude_none=True)
+        try:  # again: a Task built without validation (model_construct) is not stored as valid
+            task = Task.model_validate(doc)
+        except ValidationError as e:
+            raise InvalidInput(f"task {task_id} does not validate: {e}", task_id=task_id) from None
+        if not valid_id(task.engine):  # the engine names a claimable set (and an index entry)
+            raise InvalidInput(
+                f"task {task_id}: engine name {task.engine[:80]!r} is not [A-Za-z0-9._-]{{1,128}}",
+                task_id=task_id,
+            )
         budget = max_tries if max_tries is not None else (INFRA.attempts or 1)
 
         def run(conn: Any, again: bool) -> Record:
@@ -101,7 +134,7 @@ class PgQueue(Database):
                 )
             at = row[0]
             rec = records.transition(task_id, None, S.queued, at, task=task)
-            self._write(conn, rec, "submitted", {"from": None, "to": "queued"})
+            self._write(conn, task_id, rec, "submitted", {"from": None, "to": "queued"})
             if notify:
                 conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, task_id))
             return rec
@@ -113,45 +146,57 @@ class PgQueue(Database):
     def claim(self, runner: str, engines: Iterable[str], ttl: float) -> Lease | None:
         """The oldest queued task this runner can run (its engine is in `engines`, its backoff
         over), claimed in one statement that skips rows other runners hold: running, this
-        runner's, a new token, a lease of `ttl` seconds on the database's clock. None: no task."""
-        engines = sorted(set(engines))
+        runner's, a new token, a lease of `ttl` seconds on the database's clock. None: no task.
 
-        def run(conn: Any, _again: bool) -> Lease | None:
-            row = conn.execute(
-                """
-                WITH pick AS (
-                    SELECT id FROM fila_tasks
-                    WHERE state = 'queued' AND engine = ANY(%(engines)s)
-                      AND (not_before IS NULL OR not_before <= now())
-                    ORDER BY submitted_at, id
-                    LIMIT 1
-                    FOR UPDATE SKIP LOCKED
-                )
-                UPDATE fila_tasks t
-                SET state = 'running', runner = %(runner)s, token = nextval('fila_token_seq'),
-                    lease_expires_at = now() + %(ttl)s, attempt = t.attempt + 1, started = false,
-                    not_before = NULL, claimed_at = now(), updated_at = now()
-                FROM pick WHERE t.id = pick.id
-                RETURNING t.id, t.token, t.attempt, t.task, t.lease_expires_at, now(),
-                    (SELECT record FROM fila_records r WHERE r.id = t.id)
-                """,
-                {"engines": engines, "runner": runner, "ttl": _seconds(ttl)},
-            ).fetchone()
-            if row is None:
-                return None
-            tid, token, attempt, doc, expires, at, cur = row
-            task = Task.model_validate(doc)
-            cur = Record.model_validate(cur)
-            rec = records.started(tid, cur, at, runner=runner, engine=task.engine, attempt=attempt)
-            self._write(
-                conn,
-                rec,
-                "claimed",
-                {"from": "queued", "to": "running", "runner": runner, "token": token, "attempt": attempt},
-            )
-            return Lease(tid, token, runner, attempt, task, expires)
+        The call's random nonce is stored with the claim: when the commit's reply was lost and
+        the transaction runs again, the task this call claimed is found by it and its lease
+        returned, never a second task claimed. A task whose stored document no longer validates
+        fails (queued -> failed, the reason in its error) and the next one is claimed."""
+        engines = sorted(set(engines))
+        nonce = secrets.token_hex(16)
+
+        def run(conn: Any, again: bool) -> Lease | None:
+            if again:
+                row = conn.execute(
+                    "SELECT id, token, attempt, task, lease_expires_at FROM fila_tasks "
+                    "WHERE state = 'running' AND runner = %s AND claim_nonce = %s",
+                    (runner, nonce),
+                ).fetchone()
+                if row is not None:  # this call's claim, its commit's reply lost
+                    tid, token, attempt, doc, expires = row
+                    return Lease(tid, token, runner, attempt, Task.model_validate(doc), expires)
+            while True:
+                row = conn.execute(
+                    CLAIM_SQL, {"engines": engines, "runner": runner, "ttl": _seconds(ttl), "nonce": nonce}
+                ).fetchone()
+                if row is None:
+                    return None
+                tid, token, attempt, doc, expires, at, cur = row
+                cur = Record.model_validate(cur)
+                try:
+                    task = Task.model_validate(doc)
+                except ValidationError as e:
+                    self._refuse_claimed(conn, tid, cur, at, e)
+                    continue
+                rec = records.started(tid, cur, at, runner=runner, engine=task.engine, attempt=attempt)
+                data = {"from": "queued", "to": "running", "runner": runner, "token": token}
+                self._write(conn, tid, rec, "claimed", {**data, "attempt": attempt})
+                return Lease(tid, token, runner, attempt, task, expires)
 
         return self._tx(run)
+
+    def _refuse_claimed(
+        self, conn: Any, task_id: str, cur: Record, at: datetime, err: ValidationError
+    ) -> None:
+        """A just-claimed task whose stored document does not validate (queued by an older fila,
+        or changed in the database): failed, in the claim's transaction, with the first problem."""
+        rec = records.invalid(task_id, cur, at, err)
+        conn.execute(
+            "UPDATE fila_tasks SET state = 'failed', runner = NULL, claim_nonce = NULL, "
+            "lease_expires_at = NULL, attempt = attempt - 1, updated_at = now() WHERE id = %s",
+            (task_id,),
+        )
+        self._write(conn, task_id, rec, "rejected", {"from": "queued", "to": "failed"})
 
     def claim_wait(
         self, runner: str, engines: Iterable[str], ttl: float, *, poll_s: float, timeout: float
@@ -199,8 +244,9 @@ class PgQueue(Database):
     def checkpoint(self, task_id: str, token: int, *, event: str = "checkpoint", **fields: Any) -> Record:
         """running -> running with new fields of the record (the image, timings...), only while
         `token` holds the lease (LeaseLost otherwise)."""
+        changes = records.result_fields(task_id, fields)
         return self._running_change(
-            task_id, token, None, fields, event, {"token": token, "fields": sorted(fields)}
+            task_id, token, None, changes, event, {"token": token, "fields": sorted(fields)}
         )
 
     def _running_change(
@@ -218,13 +264,16 @@ class PgQueue(Database):
 
         def run(conn: Any, _again: bool) -> Record:
             row = conn.execute(
-                f"UPDATE fila_tasks SET {sets} WHERE {HELD} RETURNING now()", (task_id, token)
+                f"SELECT started, now() FROM fila_tasks WHERE {HELD} FOR UPDATE", (task_id, token)
             ).fetchone()
             if row is None:
                 raise LeaseLost(f"task {task_id}: token {token} no longer holds its lease")
             cur = self._record(conn, task_id)
-            rec = records.transition(task_id, cur, S.running, row[0], expect={S.running}, changes=changes)
-            self._write(conn, rec, event, log)
+            if also_set and row[0] and all(getattr(cur, k) == v for k, v in changes.items()):
+                return cur  # the started mark, made already (its reply lost): not logged twice
+            conn.execute(f"UPDATE fila_tasks SET {sets} WHERE id = %s", (task_id,))
+            rec = records.transition(task_id, cur, S.running, row[1], expect={S.running}, changes=changes)
+            self._write(conn, task_id, rec, event, log)
             return rec
 
         return self._tx(run)
@@ -245,11 +294,12 @@ class PgQueue(Database):
         (BlobMismatch: nothing written)."""
         if status not in OUTCOMES:
             raise InvalidTransition(f"publish takes an outcome ({', '.join(sorted(OUTCOMES))}), not {status}")
+        changes = records.result_fields(task_id, fields)
         items = list(blobs)
         for b in items:
             blobstore.check(b, task_id=task_id)
 
-        def run(conn: Any, again: bool) -> Record | None:
+        def run(conn: Any, _again: bool) -> Record | None:
             row = conn.execute(
                 "SELECT state, token, attempt, now(), coalesce(lease_expires_at > now(), false) "
                 "FROM fila_tasks WHERE id = %s FOR UPDATE",
@@ -258,7 +308,9 @@ class PgQueue(Database):
             if row is None:
                 raise NotFound(f"no task {task_id!r} in the queue database {self.where}")
             state, cur_token, attempt, at, live = row
-            if cur_token == token and state != S.running and again:  # our publish, its commit cut off
+            if cur_token == token and state != S.running:
+                # Only a publish keeps the token while the task leaves running: this one's, sent
+                # again after its reply was lost (within this call or by the caller).
                 return self._record(conn, task_id)
             if state != S.running or cur_token != token or not live:
                 why = "lease expired" if state == S.running and cur_token == token else "lease lost"
@@ -271,13 +323,14 @@ class PgQueue(Database):
                 return None
             blobstore.put(conn, task_id, attempt, items)
             cur = self._record(conn, task_id)
-            rec = records.transition(task_id, cur, status, at, expect={S.running}, changes=dict(fields))
+            rec = records.transition(task_id, cur, status, at, expect={S.running}, changes=changes)
             conn.execute(
                 "UPDATE fila_tasks SET state = %s, lease_expires_at = NULL, updated_at = now() WHERE id = %s",
                 (str(status), task_id),
             )
             self._write(
                 conn,
+                task_id,
                 rec,
                 "published",
                 {
@@ -333,7 +386,13 @@ class PgQueue(Database):
     def sweep(self, *, policy: RetryPolicy = INFRA, limit: int = 100) -> list[tuple[str, Status]]:
         """Decide the tasks whose lease expired on the database's clock (rows other sweepers hold
         are skipped): requeued with a new token while the container had not started and the retry
-        budget allows (backoff from `policy`), otherwise needs_human. (task id, new status) each."""
+        budget allows (backoff from `policy`), otherwise needs_human. (task id, new status) each.
+
+        Each row is decided in its own savepoint. A row whose decision cannot be written (its
+        record does not allow it) is left as it is and logged as an error: writing any other
+        state would make its row and its record disagree, and its expired lease already fences
+        its runner off, so it waits for a person without blocking the other rows."""
+        import psycopg
 
         def run(conn: Any, _again: bool) -> list[tuple[str, Status]]:
             rows = conn.execute(
@@ -343,41 +402,42 @@ class PgQueue(Database):
                 (limit,),
             ).fetchall()
             out = []
-            for tid, runner, started, tries, budget, expired, at in rows:
-                cur = self._record(conn, tid)
-                lapsed = f"runner {runner}'s lease expired at {records.iso(expired)}"
-                if not started and not RetryPolicy(budget, 0, 0).gives_up(tries + 1):
-                    until = at + _seconds(policy.backoff(tries + 1))
-                    err = ErrorInfo(kind=ErrorKind.infra, message=f"{lapsed} before its container started")
-                    self._settle(
-                        conn,
-                        tid,
-                        cur,
-                        S.queued,
-                        at,
-                        tries + 1,
-                        "lost",
-                        {"error": err, "not_before": until.timestamp()},
-                        not_before=until,
-                    )
-                    out.append((tid, S.queued))
-                    continue
-                if started:
-                    what = f"{lapsed} while its container ran"
-                    err = ErrorInfo(kind=ErrorKind.interrupted, message=what)
-                else:
-                    what = f"{lapsed} before its container started, and its {budget} tries are spent"
-                    err = ErrorInfo(kind=ErrorKind.infra, message=what)
-                diagnosis = (
-                    f"{what[0].upper()}{what[1:]} (attempt {cur.attempt}). Nothing was run again: "
-                    f"`fila retry {tid}` runs it from a clean copy, `fila reject {tid}` drops it."
-                )
-                changes = {"error": err, "diagnosis": diagnosis}
-                self._settle(conn, tid, cur, S.needs_human, at, tries, "lost", changes)
-                out.append((tid, S.needs_human))
+            for row in rows:
+                try:
+                    with conn.transaction():
+                        out.append((row[0], self._sweep_one(conn, row, policy)))
+                except (FilaError, ValidationError, psycopg.Error) as e:
+                    if isinstance(e, psycopg.Error) and retryable(e):
+                        raise
+                    log.error("sweep: task %s left running (lease lapsed), cannot decide it: %s", row[0], e)
             return out
 
         return self._tx(run)
+
+    def _sweep_one(self, conn: Any, row: tuple[Any, ...], policy: RetryPolicy) -> Status:
+        """One expired lease decided (see sweep): the status it is left in."""
+        tid, runner, started, tries, budget, expired, at = row
+        cur = self._record(conn, tid)
+        lapsed = f"runner {runner}'s lease expired at {records.iso(expired)}"
+        if not started and not RetryPolicy(budget, 0, 0).gives_up(tries + 1):
+            until = at + _seconds(policy.backoff(tries + 1))
+            err = ErrorInfo(kind=ErrorKind.infra, message=f"{lapsed} before its container started")
+            changes = {"error": err, "not_before": until.timestamp()}
+            self._settle(conn, tid, cur, S.queued, at, tries + 1, "lost", changes, not_before=until)
+            return S.queued
+        if started:
+            what = f"{lapsed} while its container ran"
+            err = ErrorInfo(kind=ErrorKind.interrupted, message=what)
+        else:
+            what = f"{lapsed} before its container started, and its {budget} tries are spent"
+            err = ErrorInfo(kind=ErrorKind.infra, message=what)
+        diagnosis = (
+            f"{what[0].upper()}{what[1:]} (attempt {cur.attempt}). Nothing was run again: "
+            f"`fila retry {tid}` runs it from a clean copy, `fila reject {tid}` drops it."
+        )
+        changes = {"error": err, "diagnosis": diagnosis}
+        self._settle(conn, tid, cur, S.needs_human, at, tries, "lost", changes)
+        return S.needs_human
 
     def retry(self, task_id: str, *, by: str, reason: str | None = None) -> Record:
         """A person's requeue of a task that failed or needs a human (a new token)."""
@@ -402,9 +462,8 @@ class PgQueue(Database):
                 changes={"decision": decision},
             )
             self._move(conn, task_id, S.queued, row[0], None)
-            self._write(
-                conn, rec, "retried", {"from": str(cur.status), "to": "queued", "by": by, "reason": reason}
-            )
+            data = {"from": str(cur.status), "to": "queued", "by": by, "reason": reason}
+            self._write(conn, task_id, rec, "retried", data)
             conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, task_id))
             return rec
 
@@ -422,12 +481,14 @@ class PgQueue(Database):
             if row is None:
                 raise NotFound(f"no task {task_id!r} in the queue database {self.where}")
             cur = self._record(conn, task_id)
+            if cur.status == to and cur.decision == decision:
+                return cur  # this decision, recorded already (its reply lost): the same answer
             rec = records.transition(task_id, cur, to, row[0], expect=expect, changes={"decision": decision})
             conn.execute(
                 "UPDATE fila_tasks SET state = %s, updated_at = now() WHERE id = %s", (str(to), task_id)
             )
             data = {"from": str(cur.status), "to": str(to), "by": decision.by, "reason": decision.reason}
-            self._write(conn, rec, "decided", data)
+            self._write(conn, task_id, rec, "decided", data)
             return rec
 
         return self._tx(run)
@@ -450,6 +511,7 @@ class PgQueue(Database):
         self._move(conn, task_id, to, tries, not_before if to == S.queued else None)
         self._write(
             conn,
+            task_id,
             rec,
             "requeued" if to == S.queued else "lease lost",
             {"from": "running", "to": str(to), "tries": tries, "outcome": outcome},
