@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from ...core.errors import InvalidTransition
 from ...core.models import ErrorInfo, ErrorKind, Record, Status
-from ..store import claim_changes, next_record
+from ..records import claim_changes, next_record
 
 # The record fields a runner's checkpoint or publish may set: what its run found. The rest are
 # the queue's (id, status, times, the task, its attempts, worker and container, a person's
