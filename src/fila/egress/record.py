@@ -137,7 +137,7 @@ def _count(rec: EgressRecord, item: EgressRequest) -> None:
 def scrub_messages(rec: EgressRecord | None) -> list[str]:
     """A warning per route whose upstream sent the injected credential back: the engine never saw
     it (the gateway replaced it, or refused the answer), but that upstream reflects credentials."""
-    from ..workspace.fswalk import inert
+    from ..core.text import inert
 
     out = []
     for name, s in sorted((rec.routes if rec else {}).items()):
@@ -171,7 +171,7 @@ def budget_message(rec: EgressRecord | None) -> str | None:
 
 def lines(rec: EgressRecord | None) -> list[str]:
     """The egress section as text lines (show, review, REVIEW.html); engine-chosen text escaped."""
-    from ..workspace.fswalk import inert
+    from ..core.text import inert
 
     if rec is None:
         return []
