@@ -72,17 +72,7 @@ def reclaim(job_dir: Path, *, owner: tuple[int, int] | None = None) -> list[str]
     work = job_dir / "work"
     if work.is_symlink() or not work.is_dir():
         return warnings  # the diff refuses it, and says so
-    try:
-        return warnings + _make_inert(work, owner)
-    except (OSError, FilaError) as err:
-        # Whatever is left may be live (a .git/config with core.fsmonitor, a setuid file): no
-        # diff may come from it, so work/ goes. The task fails with this message.
-        with contextlib.suppress(OSError, subprocess.CalledProcessError):
-            fsutil.remove_tree(work)
-        raise FilaError(
-            f"work/ could not be made safe after the run ({err}); it was removed, no diff is taken",
-            path=job_dir,
-        ) from None
+    return warnings + _inert_or_removed(work, owner, whiteouts=False, shown=job_dir)
 
 
 def reclaim_tree(upper: Path, *, owner: tuple[int, int] | None = None) -> list[str]:
@@ -90,14 +80,22 @@ def reclaim_tree(upper: Path, *, owner: tuple[int, int] | None = None) -> list[s
     under the job's meta directory): made inert the same way, or removed with an error."""
     if upper.is_symlink() or not upper.is_dir():
         return []  # the diff refuses it, and says so
+    return _inert_or_removed(upper, owner, whiteouts=True, shown=upper)
+
+
+def _inert_or_removed(
+    tree: Path, owner: tuple[int, int] | None, *, whiteouts: bool, shown: Path
+) -> list[str]:
+    """`tree` made inert, or removed with the error that fails the task: whatever is left may be
+    live (a .git/config with core.fsmonitor, a setuid file), and no diff may come from it."""
     try:
-        return _make_inert(upper, owner, whiteouts=True)
+        return _make_inert(tree, owner, whiteouts=whiteouts)
     except (OSError, FilaError) as err:
         with contextlib.suppress(OSError, subprocess.CalledProcessError):
-            fsutil.remove_tree(upper)
+            fsutil.remove_tree(tree)
         raise FilaError(
             f"work/ could not be made safe after the run ({err}); it was removed, no diff is taken",
-            path=upper,
+            path=shown,
         ) from None
 
 
