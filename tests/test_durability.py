@@ -26,6 +26,7 @@ from fila.core.faults import POINTS
 from fila.core.layout import Root
 from fila.core.models import Status
 from fila.queue import store as queue
+from fila.sandbox.fake import FakeBackend
 from tests.support.cli import CLI
 from tests.support.cli import fila_process as fila
 from tests.support.containers import Starts, containers_left, volumes_left
@@ -33,76 +34,111 @@ from tests.support.crash import EXPECTED, assert_one_state_each
 from tests.support.marks import quick_for
 
 S = Status
-pytestmark = pytest.mark.docker
 
 
 def test_every_crash_point_is_named_and_tested() -> None:
     assert set(EXPECTED) | {"during_hand_back"} == set(POINTS)
 
 
-@pytest.mark.slow
-# The quick tier's points differ in kind: before the container, container created, container
-# running, diff written.
-@pytest.mark.parametrize(
-    "point", quick_for(EXPECTED, "after_claim", "after_checkpoint", "during_run", "after_diff")
-)
-def test_sigkill_at_each_point_then_recovery_keeps_every_invariant(
+class DockerSide:
+    """What a crash left on Docker: the containers and work volumes of the root, and the starts
+    counted from the daemon's event stream."""
+
+    env: dict[str, str] = {}  # noqa: RUF012 (the real daemon: nothing to add)
+
+    def __init__(self, client: docker.DockerClient, root: Root, starts: Starts) -> None:
+        self.client, self.root, self.starts = client, root, starts
+
+    def left(self) -> list[str]:
+        return containers_left(self.client, self.root) + volumes_left(self.client, self.root)
+
+    def count(self) -> int:
+        return self.starts.count()
+
+
+class FakeSide:
+    """The same on the fake backend (boxes are files with fila's labels, each start a line of the
+    backend's event log), for every fila process of the test (FILA_BACKEND=fake)."""
+
+    def __init__(self, boxes: Path, root: Root) -> None:
+        self.boxes, self.root = boxes, root
+        self.env = {"FILA_BACKEND": "fake", "FILA_FAKE_DIR": str(boxes)}
+
+    def left(self) -> list[str]:
+        return [b.name for b in FakeBackend(self.boxes).find(root=str(self.root.path))]
+
+    def count(self) -> int:
+        return sum(e["event"] == "start" for e in FakeBackend(self.boxes).events())
+
+
+# The points that differ in kind run on Docker: before the container, container created, container
+# running, diff written (the quick tier's), and the one inside Docker's own removal. The others are
+# the same path at another step (an exited box, a record half-written): the fake backend, whose
+# boxes recovery finds and removes by the same labels.
+KINDS = ("after_claim", "after_checkpoint", "during_run", "after_diff")
+ON_DOCKER = (*KINDS, "during_removal")
+
+
+@pytest.mark.docker
+@pytest.mark.parametrize("point", quick_for(ON_DOCKER, *KINDS))
+def test_sigkill_at_each_kind_of_point_then_recovery_keeps_every_invariant_on_docker(
     proj: Root, docker_client: docker.DockerClient, started_containers: Starts, point: str
 ) -> None:
+    crash_recover_and_run_again(proj, point, DockerSide(docker_client, proj, started_containers))
+
+
+@pytest.mark.parametrize("point", [p for p in EXPECTED if p not in ON_DOCKER])
+def test_sigkill_at_every_other_point_then_recovery_keeps_every_invariant(
+    root: Root, tmp_path: Path, point: str
+) -> None:
+    crash_recover_and_run_again(root, point, FakeSide(tmp_path / "boxes", root))
+
+
+def crash_recover_and_run_again(proj: Root, point: str, side: DockerSide | FakeSide) -> None:
+    env = side.env
     cmd = (
         "echo world >> greeting.txt; sleep 3"
         if point in ("after_container_start", "during_run")
         else "echo world >> greeting.txt"
     )
-    fila(
-        proj,
-        "submit",
-        "--id",
-        "t1",
-        "--engine",
-        "shell",
-        "--command",
-        cmd,
-        "--target",
-        "greeting.txt",
-        check=True,
-    )
-    crashed = fila(proj, "run", "--once", crash=point)
+    fila(proj, "submit", "--id", "t1", "--engine", "shell", "--command", cmd, "--target", "greeting.txt",
+         check=True, env_extra=env)  # fmt: skip
+    crashed = fila(proj, "run", "--once", crash=point, env_extra=env)
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr
-    if point == "during_removal":  # the exited container and its work volume are still there
-        assert containers_left(docker_client, proj) and volumes_left(docker_client, proj)
-    rep = json.loads(fila(proj, "recover", "--json", check=True).stdout)
-    assert rep["docker"] == "ok"
-    assert containers_left(docker_client, proj) == [], "recovery removes what the crash left"
-    assert volumes_left(docker_client, proj) == [], "and the work volume of an overlay job"
+    if point == "during_removal":  # the exited container (and an overlay's work volume) are still there
+        assert side.left()
+    rep = json.loads(fila(proj, "recover", "--json", check=True, env_extra=env).stdout)
+    assert rep["docker"] == "ok", rep
+    assert side.left() == [], "recovery removes what the crash left (containers, work volumes)"
     assert assert_one_state_each(proj, ["t1"]) == {"t1": EXPECTED[point]}
     rec = queue.get_record(proj, "t1")
-    ran_before = started_containers.count()
+    ran_before = side.count()
     assert ran_before <= 1
     events = [e["event"] for e in queue.read_events(proj, "t1")]
     assert "recovered" in events, "every reconciliation is an event in the task's log"
 
     # Whatever the crash left, the next worker neither loses the task nor silently reruns it.
-    fila(proj, "run", "--once")
+    fila(proj, "run", "--once", env_extra=env)
     after = queue.get_record(proj, "t1")
     if EXPECTED[point] == S.queued:
         assert after.status == S.needs_review
         assert after.attempt == (1 if point == "after_claim" else 2), "a begun attempt counts"
-        assert started_containers.count() == 1, "exactly one run in total"
+        assert side.count() == 1, "exactly one run in total"
     else:
         assert after.status == rec.status, "a started task is never rerun without a person"
-        assert started_containers.count() == ran_before
+        assert side.count() == ran_before
     if EXPECTED[point] == S.needs_human:
         assert rec.diagnosis and "Nothing was run again" in rec.diagnosis
-        fila(proj, "retry", "t1", "--by", "tester", check=True)
-        fila(proj, "run", "--once", check=True)
+        fila(proj, "retry", "t1", "--by", "tester", check=True, env_extra=env)
+        fila(proj, "run", "--once", check=True, env_extra=env)
         assert queue.get_record(proj, "t1").status == S.needs_review
-        assert started_containers.count() == ran_before + 1, "one more run per retry"
+        assert side.count() == ran_before + 1, "one more run per retry"
     if EXPECTED[point] == S.needs_review:
         assert (proj.path / after.patch_path).read_text().count("+world") == 1  # type: ignore[operator]
-    assert containers_left(docker_client, proj) == []
+    assert side.left() == []
 
 
+@pytest.mark.docker
 def test_sigkill_during_a_hand_back_loses_nothing(
     proj: Root,
     docker_client: docker.DockerClient,
@@ -139,6 +175,7 @@ def test_sigkill_during_a_hand_back_loses_nothing(
     assert data["status"] == "queued"
 
 
+@pytest.mark.docker
 def test_sigkill_of_a_busy_worker_with_two_jobs_settles_both(
     proj: Root, docker_client: docker.DockerClient
 ) -> None:
@@ -219,6 +256,7 @@ def expire_lease(root: Root, tid: str) -> None:
     os.utime(claim, (old, old))
 
 
+@pytest.mark.docker
 @pytest.mark.parametrize("docker_at_recovery", ["down", "up"])
 def test_a_zombie_worker_never_starts_its_engine_after_recovery_took_its_task(
     proj: Root, docker_client: docker.DockerClient, started_containers: Starts, docker_at_recovery: str
@@ -273,6 +311,7 @@ def test_a_zombie_worker_never_starts_its_engine_after_recovery_took_its_task(
     assert "+world" not in (proj.path / "greeting.txt").read_text()
 
 
+@pytest.mark.docker
 def test_a_zombie_worker_never_wipes_a_later_attempts_finished_job_directory(
     proj: Root, docker_client: docker.DockerClient, started_containers: Starts
 ) -> None:
@@ -312,6 +351,7 @@ def test_a_zombie_worker_never_wipes_a_later_attempts_finished_job_directory(
     assert containers_left(docker_client, proj) == []
 
 
+@pytest.mark.docker
 def test_a_job_directory_rm_cannot_remove_fails_that_task_only_and_the_run_goes_on(
     proj: Root, docker_client: docker.DockerClient, started_containers: Starts
 ) -> None:

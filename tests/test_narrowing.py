@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -85,8 +84,9 @@ policy_strategy = st.fixed_dictionaries(
 )  # fmt: skip
 
 
-def _root() -> Root:
-    return make_root(Path(tempfile.mkdtemp(prefix="fila-narrow-")))
+@pytest.fixture(scope="module")
+def bare_root(tmp_path_factory: pytest.TempPathFactory) -> Root:
+    return make_root(tmp_path_factory.mktemp("narrow"))
 
 
 def _job_spec(root: Root, policy: Policy, task: Task) -> sandbox.RunSpec:
@@ -152,7 +152,6 @@ def _assert_within(kw: dict[str, Any], policy: Policy) -> dict[str, int]:
     return got
 
 
-ROOT = _root()
 DEFAULT = Policy.model_validate(SHIPPED)
 
 
@@ -163,11 +162,13 @@ DEFAULT = Policy.model_validate(SHIPPED)
 @example(limits={"pids": True})  # JSON true is not 1
 @example(limits={"memory": "9999999999999g"})
 @example(limits={"memory": "64m", "cpus": 0.5, "pids": 50})
-def test_generated_limits_are_refused_or_reach_docker_above_zero_and_within_the_policy(limits: dict) -> None:
+def test_generated_limits_are_refused_or_reach_docker_above_zero_and_within_the_policy(
+    bare_root: Root, limits: dict
+) -> None:
     # Allowed counterpart first: a real narrowing reaches Docker as asked.
     ok = _accepted_task({"engine": "shell", "targets": ["a"], "limits": {"memory": "64m", "pids": 50}})
     assert ok is not None
-    got = _assert_within(sandbox.create_kwargs(_job_spec(ROOT, DEFAULT, ok), "n"), DEFAULT)
+    got = _assert_within(sandbox.create_kwargs(_job_spec(bare_root, DEFAULT, ok), "n"), DEFAULT)
     assert got["memory"] == 64 << 20 and got["pids"] == 50 and got["nano_cpus"] == 1_000_000_000
 
     task = _accepted_task({"engine": "shell", "targets": ["a"], "limits": limits})
@@ -175,7 +176,7 @@ def test_generated_limits_are_refused_or_reach_docker_above_zero_and_within_the_
         event("refused: invalid task file")
         return
     try:
-        spec = _job_spec(ROOT, DEFAULT, task)
+        spec = _job_spec(bare_root, DEFAULT, task)
     except InvalidPolicy as e:  # asks for more than the policy: refused, never clipped
         assert "above" in str(e) and "limits." in str(e)
         event("refused: above the policy")
@@ -197,18 +198,18 @@ def test_generated_limits_are_refused_or_reach_docker_above_zero_and_within_the_
 @example(data={**SHIPPED, "network": "host"}, limits={})
 @example(data={**SHIPPED, "cpus": 0.001}, limits={})
 def test_generated_policy_files_load_only_when_every_container_limit_is_real(
-    data: dict, limits: dict
+    bare_root: Root, data: dict, limits: dict
 ) -> None:
     """A policy file is input too: loaded (as a worker does) it is refused, or every container it
     runs is limited by exactly its fields (never weaker), and narrowing stays within them."""
-    pfile = ROOT.policies_dir / "gen.json"
+    pfile = bare_root.policies_dir / "gen.json"
     pfile.write_text(json.dumps(SHIPPED))  # allowed counterpart: the shipped policy loads
-    shipped, _ = load_policy(ROOT, "gen")
+    shipped, _ = load_policy(bare_root, "gen")
     assert shipped == DEFAULT
 
     pfile.write_text(json.dumps({k: v for k, v in data.items() if v is not None}, allow_nan=True))
     try:
-        policy, _ = load_policy(ROOT, "gen")
+        policy, _ = load_policy(bare_root, "gen")
     except InvalidPolicy as e:
         assert any(k in str(e) for k in data) or "JSON" in str(e), str(e)  # names the field
         event("policy refused")
@@ -221,32 +222,34 @@ def test_generated_policy_files_load_only_when_every_container_limit_is_real(
     )
     assert policy.runtime is None or re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", policy.runtime)
     plain = Task(engine="shell", targets=["a"])
-    got = _assert_within(sandbox.create_kwargs(_job_spec(ROOT, policy, plain), "n"), policy)
+    got = _assert_within(sandbox.create_kwargs(_job_spec(bare_root, policy, plain), "n"), policy)
     assert got == _caps(policy), "without a narrowing the container gets exactly the policy's fields"
     task = _accepted_task({"engine": "shell", "targets": ["a"], "limits": limits})
     if task is None:
         return
     try:
-        spec = _job_spec(ROOT, policy, task)
+        spec = _job_spec(bare_root, policy, task)
     except InvalidPolicy:
         return
     _assert_within(sandbox.create_kwargs(spec, "n"), policy)
 
 
-def test_the_last_check_before_docker_refuses_a_limit_the_models_did_not_see() -> None:
+def test_the_last_check_before_docker_refuses_a_limit_the_models_did_not_see(
+    bare_root: Root,
+) -> None:
     """Defence in depth: a policy or task built in code skips validation (model_construct); what
     would reach Docker as 0 or above the policy is still refused."""
     task = Task(engine="shell", targets=["a"])
-    _assert_within(sandbox.create_kwargs(_job_spec(ROOT, DEFAULT, task), "n"), DEFAULT)  # allowed
+    _assert_within(sandbox.create_kwargs(_job_spec(bare_root, DEFAULT, task), "n"), DEFAULT)  # allowed
     weak = DEFAULT.model_copy(update={"memory": "0"})
     with pytest.raises(InvalidPolicy, match="container memory would be 0"):
-        sandbox.create_kwargs(_job_spec(ROOT, weak, task), "n")
+        sandbox.create_kwargs(_job_spec(bare_root, weak, task), "n")
     tiny = DEFAULT.model_copy(update={"cpus": 1e-12})
     with pytest.raises(InvalidPolicy, match="container cpus would be 0"):
-        sandbox.create_kwargs(_job_spec(ROOT, tiny, task), "n")
+        sandbox.create_kwargs(_job_spec(bare_root, tiny, task), "n")
     no_tmp = DEFAULT.model_copy(update={"tmpfs": DEFAULT.tmpfs.model_copy(update={"tmp": "0"})})
     with pytest.raises(InvalidPolicy, match="tmpfs /tmp would be 0"):
-        sandbox.create_kwargs(_job_spec(ROOT, no_tmp, task), "n")
+        sandbox.create_kwargs(_job_spec(bare_root, no_tmp, task), "n")
     sneaky = Task.model_construct(
         engine="shell",
         targets=["a"],

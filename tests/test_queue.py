@@ -16,6 +16,7 @@ from fila.core.errors import DuplicateId, InvalidId, InvalidTransition
 from fila.core.layout import Root
 from fila.core.models import Status
 from fila.queue import store as queue
+from tests.support.cli import CLI
 from tests.support.project import shell_task
 
 
@@ -132,6 +133,42 @@ def test_several_worker_processes_claim_each_task_exactly_once(root: Root, tmp_p
     claimed = [t for out in outs for t in json.loads(out.read_text())]
     assert sorted(claimed) == ids, "every task claimed once, none twice, none lost"
     assert sum(1 for out in outs if json.loads(out.read_text())) >= 2, "workers really competed"
+
+
+def test_several_fila_worker_processes_run_each_task_exactly_once(root: Root, tmp_path: Path) -> None:
+    """The whole worker (claim, job directory, run, diff, record) in three processes with two slots
+    each, on the fake backend: runs are counted from the backend's own event log, one line per
+    start, not from fila's records, so a second run that fila failed to record would be seen."""
+    from fila.core.models import Task
+    from fila.run.intake import submit as do_submit
+    from fila.sandbox.fake import FakeBackend
+
+    n = 200
+    for i in range(n):  # through the library: 200 CLI start-ups would dominate the test
+        do_submit(
+            root, Task(id=f"t{i:03d}", engine="shell", command="echo x > out.txt", targets=["greeting.txt"])
+        )
+    boxes = tmp_path / "boxes"
+    env = {**os.environ, "FILA_ROOT": str(root.path), "FILA_BACKEND": "fake", "FILA_FAKE_DIR": str(boxes)}
+    logs = [tmp_path / f"w{k}.log" for k in range(3)]
+    procs = []
+    for log in logs:
+        with open(log, "wb") as out:
+            cmd = [*CLI, "worker", "--once", "--concurrency", "2"]
+            procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=out))
+    codes = [p.wait(timeout=300) for p in procs]
+    assert codes == [0, 0, 0], [log.read_text()[-2000:] for log in logs]
+    recs = queue.all_records(root)
+    assert len(recs) == n and all(r.status == Status.needs_review and r.attempt == 1 for r in recs)
+    assert all("+x" in (root.path / r.patch_path).read_text() for r in recs if r.patch_path)
+    by_worker: dict[str, int] = {}
+    for r in recs:
+        (a,) = r.attempts
+        by_worker[a.worker or ""] = by_worker.get(a.worker or "", 0) + 1
+    assert len(by_worker) == 3, f"every worker took a share: {by_worker}"
+    started = [e["job"] for e in FakeBackend(boxes).events() if e["event"] == "start"]
+    assert sorted(started) == sorted(r.id for r in recs), "each task's box started exactly once"
+    assert FakeBackend(boxes).find(root=str(root.path)) == [], "no box left"
 
 
 def test_a_claim_starts_with_a_fresh_heartbeat(root: Root) -> None:

@@ -22,8 +22,10 @@ def matrix_beyond(values: Iterable[Any], *default: Any) -> list[Any]:
     and `scripts/test --all` for every value: the values left out carry the `matrix` mark. What the
     left-out runs add is today's CLI meeting a case whose handling is fila's (the timeout, the
     error class of a cut stream, the log cap) or whose classification every run proves on the
-    CLI's captured output (tests/fixtures/engines/<engine>/quota.log); it changes with the image."""
+    CLI's captured output (tests/fixtures/engines/<engine>/quota.log); it changes with the image.
+    A tuple value is a row of several parameters."""
     chosen = set(default)
     missing = chosen - set(values)
     assert not missing, f"matrix_beyond: {sorted(missing)} are not among the values"
-    return [v if v in chosen else pytest.param(v, marks=pytest.mark.matrix) for v in values]
+    left_out = lambda v: pytest.param(*v if isinstance(v, tuple) else (v,), marks=pytest.mark.matrix)  # noqa: E731
+    return [v if v in chosen else left_out(v) for v in values]

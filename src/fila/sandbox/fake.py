@@ -29,7 +29,8 @@ Boxes (the fake's containers) are files, one JSON per box under `state` (FILA_FA
 command's process for another process's `fila recover` to find by label and remove (the process
 group is killed), exactly what the crash tests need of a container engine. A box records the
 process it stands for (pid and start time, so a reused pid is never killed); a box whose process
-is gone reads as exited.
+is gone reads as exited. Each start is also a line of `state/events`, as each container start is
+an event of Docker's stream: tests count runs there, independently of fila's records.
 
 Images are a fixed set of tags (every engine's `fila/<engine>:latest` and the gateway's), each
 with a stable made-up id; nothing is built or pulled. `network: allowlist` is refused before
@@ -75,6 +76,7 @@ from .fake_job import Act, Capture, Command, Script, Scripted, alive, start_time
 __all__ = ["NOT_A_SANDBOX", "Act", "FakeBackend", "Script"]
 
 STATE_ENV = "FILA_FAKE_DIR"
+EVENTS = "events"  # one line per box started (`FakeBackend.events`)
 NOT_A_SANDBOX = "not a sandbox: the fake backend ran the command on the host, without a container or limits"
 _KILL_WAIT_S = 30.0
 
@@ -152,6 +154,25 @@ class FakeBackend(Backend):
         tmp = self.state / f".{data['id']}.{secrets.token_hex(4)}.tmp"
         tmp.write_text(json.dumps(data))
         os.replace(tmp, self._path(data["id"]))
+
+    def _event(self, kind: str, box: dict[str, Any]) -> None:
+        """One line appended to the state's event log, as Docker's event stream has one per
+        container start: a test counts runs from it, not from fila's records. One write() of
+        less than PIPE_BUF with O_APPEND: lines of several processes never interleave."""
+        line = json.dumps({"event": kind, "job": box["labels"][JOB_LABEL], "box": box["id"]}) + "\n"
+        fd = os.open(self.state / EVENTS, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+
+    def events(self) -> list[dict[str, str]]:
+        """Every event of this state directory (all processes that shared it), oldest first."""
+        try:
+            text = (self.state / EVENTS).read_text()
+        except FileNotFoundError:
+            return []
+        return [json.loads(line) for line in text.splitlines()]
 
     def _load(self, path: Path) -> dict[str, Any] | None:
         try:
@@ -268,6 +289,7 @@ class FakeBackend(Backend):
         try:
             if before_start is not None:
                 before_start(box["id"])
+            self._event("start", box)
             result = self._execute(spec, act, box, heartbeat, heartbeat_s)
         except BaseException:
             self._drop(box["id"])  # never started, or stopped: like a container, it goes
