@@ -20,6 +20,7 @@ import time
 import urllib.parse
 import uuid
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -259,9 +260,14 @@ def env(
         client = _client(docker_client, net, session, upstreams)
         yield Env(docker_client, upstreams, net, subnet, client, tmp, session)
     finally:
-        for c in docker_client.containers.list(all=True, filters={"label": f"{LABEL}.session={session}"}):
+        # About forty gateways by now: removed four at a time (one by one took about 11 s).
+        def remove(c: Any) -> None:
             with contextlib.suppress(NotFound, APIError):
                 c.remove(force=True)
+
+        left = docker_client.containers.list(all=True, filters={"label": f"{LABEL}.session={session}"})
+        with ThreadPoolExecutor(max_workers=4) as pool:
+            list(pool.map(remove, left))
         with contextlib.suppress(NotFound, APIError):
             docker_client.networks.get(net).remove()
 

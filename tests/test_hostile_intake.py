@@ -589,10 +589,8 @@ def test_a_worker_settles_the_same_poison_runs_the_valid_task_and_stops_promptly
         wait_for(lambda: in_entries(proj) == [], 30, "in/ to be empty")
         assert w.poll() is None, "the worker keeps running"
         assert_settled(proj, expect)
-        t0 = time.monotonic()
         w.send_signal(signal.SIGTERM)
-        assert w.wait(timeout=15) == 0
-        assert time.monotonic() - t0 < 15
+        assert w.wait(timeout=15) == 0  # promptly: an idle worker has nothing to finish
     text = log.read_text(errors="replace")
     assert "Traceback" not in text and "fila bug" not in text, text
     assert "is not a task file name: rejected" in text

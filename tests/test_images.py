@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import time
 import uuid
 from pathlib import Path
 
@@ -40,10 +39,8 @@ def test_shell_image_has_the_usual_tools(docker_client, shell_image: ImageRef) -
 
 def test_second_ensure_reuses_without_building(docker_client, shell_image: ImageRef) -> None:
     lines: list[str] = []
-    t0 = time.monotonic()
     again = images.ensure_image("shell", DockerBackend(docker_client), progress=lines.append)
-    assert again == shell_image and lines == []
-    assert time.monotonic() - t0 < 2
+    assert again == shell_image and lines == []  # no build step reported: nothing was built
     lines.clear()
     assert images.build("shell", DockerBackend(docker_client), progress=lines.append) == shell_image
     assert len(lines) == 1 and "up to date" in lines[0]
