@@ -30,6 +30,15 @@ mitmproxy does all the HTTP and TLS work. This addon decides, per request, wheth
   the events around it, a key split across strings the client puts in another order than they
   came (OpenAI chunks whose `index` values go out of order). A route name that is not configured is a
   denied request, never a route of the totals.
+- Learning (config `learn`, set only from the operator's policy file): a name no entry lists,
+  on one of `learn.ports`, is let through the proxy door instead of refused "not in allowlist",
+  and its line says `learned: true`. Nothing else changes: the same `_check_destination` still
+  refuses IP literals, reserved names and every address `address_problem` refuses (private,
+  loopback, link-local and metadata, the host's own), and the DNS door still refuses the engine's
+  lookups. Each name asked to be learned counts against `budget.max_requests` (shared with the
+  route calls, which fila requires of a learning policy) before it is looked up, whether it then
+  passes or not: past it, 429 and no lookup. A refused one tells the engine "destination refused"
+  (the address it resolved to is the log's only). Learned lines are written past LOG_CAP.
 - The proxy door adds no credential (a tunnel carries the engine's own TLS, a plain request its
   own headers): there is nothing of fila's to scrub in what comes back through it.
 
@@ -44,7 +53,8 @@ The container (images/gateway, run as any non-root uid, read-only root, tmpfs /t
   "format": "...{key}...", "secret": file name, "paths": null | ["METHOD /path"]}},
   "budget": {"max_requests", "max_tokens"}, "upstream_ca": path | null, "clients": [CIDR] | null
   (optional: who may connect; fila gives the job network), "host_addresses": [IP] (optional: the
-  host's own addresses, never connected to)};
+  host's own addresses, never connected to), "learn": null | {"ports": [port]} (optional: let
+  unlisted names through on these ports, logged as learned)};
 - /run/fila-gateway/secrets/<secret> (ro): one credential per file, read once at start;
 - /var/log/fila-gateway/ (rw): egress.jsonl (one line per decision, fields in `Gateway.write`),
   summary.json (`Gateway._summarize`) and `ready`, written once both listeners are bound;
@@ -127,16 +137,30 @@ METERED = re.compile(r"(/messages|/chat/completions|/responses|:generateContent|
 CREDENTIAL_HEADERS = ("authorization", "x-api-key", "x-goog-api-key", "api-key", "proxy-authorization")
 CREDENTIAL_QUERY = ("key",)
 
-# Names that are never the public internet, listed or not (defence in depth: the policy check
-# on the host refuses them too).
-RESERVED_SUFFIXES = (".localhost", ".internal", ".local", ".localdomain", ".home.arpa", ".lan")
-RESERVED_NAMES = ("localhost", "localhost.localdomain", "ip6-localhost", "ip6-loopback")
+# Names that are never the public internet, listed or learned (defence in depth: the policy check
+# on the host refuses the same names, fila.egress.config `_PRIVATE_NAMES` / `_PRIVATE_SUFFIXES`; a
+# test keeps the two lists equal). A suffix is refused bare too (`arpa`, `internal`).
+RESERVED_SUFFIXES = (".localhost", ".local", ".internal", ".localdomain", ".lan", ".home.arpa", ".arpa")
+RESERVED_NAMES = (
+    "localhost",
+    "localhost.localdomain",
+    "ip6-localhost",
+    "ip6-loopback",
+    "metadata",
+    "metadata.google.internal",
+    "metadata.goog",
+    "instance-data",
+)
 _HOSTNAME = re.compile(
     r"^(?=.{1,253}$)[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?(\.[a-z0-9_]([a-z0-9_-]{0,61}[a-z0-9_])?)*$"
 )
 # Every form inet_aton() accepts as an address: 127.1, 2130706433, 0x7f000001, 0177.0.0.1.
 _NUMERIC_HOST = re.compile(r"^((0x[0-9a-f]*)|[0-9]+)(\.((0x[0-9a-f]*)|[0-9]+))*$")
 _ROUTE_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
+LEARN_BUDGET = "learning budget max_requests spent"
+# What the engine reads when a name it asked to learn is refused: the reason (which address the
+# name resolved to, whether it resolved) is the log's, not the engine's (no internal DNS map).
+LEARN_REFUSED = "destination refused"
 
 logger = logging.getLogger("fila_gateway")
 
@@ -247,6 +271,18 @@ def load_config(path: Path = CONFIG_PATH) -> dict[str, Any]:
         host_addrs = {ipaddress.ip_address(a) for a in raw.get("host_addresses") or []}
     except (TypeError, ValueError) as e:
         raise ConfigError(f"host_addresses: {e}") from e
+    learn = raw.get("learn")
+    if learn is not None:
+        ports = learn.get("ports") if isinstance(learn, dict) else None
+        if (
+            not isinstance(ports, list)
+            or not ports
+            or not all(isinstance(p, int) and not isinstance(p, bool) and 0 < p < 65536 for p in ports)
+        ):
+            raise ConfigError('learn must be null or {"ports": [port, ...]}')
+        if budget.get("max_requests") is None:
+            raise ConfigError("learn needs budget.max_requests (learning is never unbounded)")
+        learn = {"ports": sorted(set(ports))}
     ca = raw.get("upstream_ca")
     if ca is not None and not (isinstance(ca, str) and Path(ca).is_file()):
         raise ConfigError(f"upstream_ca {ca!r} is not a readable file in the gateway")
@@ -259,6 +295,7 @@ def load_config(path: Path = CONFIG_PATH) -> dict[str, Any]:
         "budget": {"max_requests": budget.get("max_requests"), "max_tokens": budget.get("max_tokens")},
         "upstream_ca": ca,
         "clients": clients,
+        "learn": learn,
     }
 
 
@@ -279,7 +316,7 @@ def host_problem(host: str) -> str | None:
         return "ip literal"
     if not _HOSTNAME.match(host):
         return "invalid host"
-    if host in RESERVED_NAMES or host.endswith(RESERVED_SUFFIXES):
+    if host in RESERVED_NAMES or host.endswith(RESERVED_SUFFIXES) or "." + host in RESERVED_SUFFIXES:
         return "reserved name"
     return None
 
@@ -1269,6 +1306,8 @@ class Gateway:
             "scrubbed": None,
         }
         line.update(fields)
+        if not line.get("learned"):
+            line.pop("learned", None)  # only a learned line carries the field (`learned: true`)
         for k in ("host", "path", "reason", "route", "method"):
             if isinstance(line[k], str):
                 # What a line quotes (an upstream's unreadable answer, a malformed head) is scrubbed
@@ -1283,9 +1322,11 @@ class Gateway:
         if self._log is None:
             return
         text = json.dumps(line) + "\n"
-        # Past the cap only route calls are still written (their usage is the record's), up to a
-        # last margin; everything else is counted per kind in summary.json.
-        room = LOG_CAP if line["door"] != "route" or not line["allowed"] else LOG_CAP + LOG_CAP // 4
+        # Past the cap only route calls (their usage is the record's) and learned requests (what
+        # `fila policy suggest` proposes) are still written, up to a last margin: both are bounded
+        # by max_requests. Everything else is counted per kind in summary.json.
+        kept = line["allowed"] and (line["door"] == "route" or line.get("learned"))
+        room = LOG_CAP + LOG_CAP // 4 if kept else LOG_CAP
         if self._log_bytes + len(text) > room:
             kind = f"{line['door']} {'allowed' if line['allowed'] else 'denied'}: {line['reason']}"
             sup = self.totals["suppressed"]
@@ -1307,6 +1348,7 @@ class Gateway:
             return
         self._summary_at = now
         doc = {**self.totals, "requests": self.requests, "tokens": self.tokens, "in_flight": self.in_flight}
+        doc["learning"] = bool(self.config and self.config.get("learn"))
         with contextlib.suppress(OSError):
             tmp = LOG_DIR / ".summary.tmp"
             tmp.write_text(json.dumps(doc))
@@ -1353,6 +1395,7 @@ class Gateway:
             usage=usage,
             budget=budget_key,
             scrubbed=scrubbed,
+            learned=bool(m.get("fila_learned")),
         )
         # Only a configured route has totals (fila_route is set once the name is found).
         if route := m.get("fila_route") if m.get("fila_door") == "route" else None:
@@ -1380,23 +1423,47 @@ class Gateway:
 
     # -- door "proxy": CONNECT
 
-    async def _check_destination(self, host: str, port: int) -> tuple[str | None, str | None]:
-        """(reason it is refused, None) or (None, the checked address to connect to)."""
+    async def _check_destination(self, host: str, port: int) -> tuple[str | None, str | None, bool]:
+        """(reason it is refused, None, whether it was asked to be learned) or (None, the checked
+        address to connect to, whether it is learned: no entry lists it and the config's `learn`
+        let it through). Learning skips the allowlist lookup only: every other check below is the
+        one a listed name gets. A name to learn is counted against max_requests before it is
+        looked up, whatever comes of it: past the budget no lookup is made (the gateway's resolver
+        is no free channel out for names that do not resolve or are refused)."""
         assert self.config is not None
         if problem := host_problem(host):
-            return problem, None
+            return problem, None, False
+        learned = False
         if not matching_entries(self.config["allow"], host, port):
-            return "not in allowlist", None
+            learn = self.config.get("learn")
+            if learn is None or port not in learn["ports"]:
+                return "not in allowlist", None, False
+            learned = True
+            limit = self.config["budget"]["max_requests"]
+            if limit is not None and self.requests >= limit:
+                return LEARN_BUDGET, None, True
+            self.requests += 1
         try:
             addrs = await resolve(host + ".", port)  # absolute: no resolv.conf search domain
         except OSError as e:
-            return f"does not resolve ({e.strerror or e})", None
+            return f"does not resolve ({e.strerror or e})", None, learned
         if not addrs:
-            return "does not resolve", None
+            return "does not resolve", None, learned
         for a in addrs:
             if problem := address_problem(a, self.config["allow_private"], self.config["host_addrs"]):
-                return problem, None
-        return None, addrs[0]
+                return problem, None, learned
+        return None, addrs[0], learned
+
+    def _refuse_destination(self, flow: http.HTTPFlow, reason: str, learning: bool) -> None:
+        """The refusal of `_check_destination`; for a name asked to be learned the engine reads a
+        generic reason (LEARN_REFUSED), the log line keeps the detail."""
+        if reason == LEARN_BUDGET:
+            flow.metadata["fila_budget"] = "max_requests"
+            return self.refuse(flow, 429, reason, budget="max_requests")
+        if learning:
+            flow.response = _json_response(403, LEARN_REFUSED)
+            return self.record(flow, allowed=False, reason=reason, status=403)
+        return self.refuse(flow, 403, reason)
 
     @fail_closed(_deny_http)
     async def http_connect(self, flow: http.HTTPFlow) -> None:
@@ -1412,13 +1479,19 @@ class Gateway:
             # Inside a tunnel the gateway sees no method (and no Host header): a method-limited
             # entry is reachable by plain HTTP only.
             return self.refuse(flow, 405, "method-limited entry: plain HTTP only, no CONNECT")
-        reason, addr = await self._check_destination(host, port)
+        reason, addr, learned = await self._check_destination(host, port)
         if reason:
-            return self.refuse(flow, 403, reason)
+            return self._refuse_destination(flow, reason, learned)
         # Pin: the tunnel opens to the address just checked, not to a second lookup of the name.
         # The client's TLS (and its SNI) passes through untouched.
         flow.request.data.host = addr
-        self.tunnels[flow.client_conn.id] = {"host": host, "port": port, "in": 0, "out": 0}
+        self.tunnels[flow.client_conn.id] = {
+            "host": host,
+            "port": port,
+            "in": 0,
+            "out": 0,
+            "learned": learned,
+        }
 
     def next_layer(self, nextlayer: layer.NextLayer) -> None:
         # After a CONNECT on the proxy port: once the first client bytes are a clean ClientHello for
@@ -1501,7 +1574,7 @@ class Gateway:
         if t is not None:
             self.write(
                 door="proxy", method="CONNECT", host=t["host"], port=t["port"], allowed=True,
-                reason=reason, status=status, bytes_in=t["in"], bytes_out=t["out"],
+                reason=reason, status=status, bytes_in=t["in"], bytes_out=t["out"], learned=t["learned"],
             )  # fmt: skip
 
     def http_connect_error(self, flow: http.HTTPFlow) -> None:
@@ -1511,7 +1584,7 @@ class Gateway:
             msg = flow.response.get_text(strict=False) or ""
             self.write(
                 door="proxy", method="CONNECT", host=t["host"], port=t["port"], allowed=True,
-                reason=f"upstream: {msg[:200]}", status=flow.response.status_code,
+                reason=f"upstream: {msg[:200]}", status=flow.response.status_code, learned=t["learned"],
             )  # fmt: skip
 
     def client_disconnected(self, client: Any) -> None:
@@ -1520,7 +1593,7 @@ class Gateway:
         if t is not None:
             self.write(
                 door="proxy", method="CONNECT", host=t["host"], port=t["port"], allowed=True,
-                status=200, bytes_in=t["in"], bytes_out=t["out"],
+                status=200, bytes_in=t["in"], bytes_out=t["out"], learned=t["learned"],
             )  # fmt: skip
 
     def tcp_end(self, flow: tcp.TCPFlow) -> None:
@@ -1583,11 +1656,12 @@ class Gateway:
         methods = [e["methods"] for e in entries]
         if entries and None not in methods and req.method not in {x for m in methods for x in m}:
             return self.refuse(flow, 405, "method not allowed")
-        reason, addr = await self._check_destination(host, port)
+        reason, addr, learned = await self._check_destination(host, port)
         if reason:
-            return self.refuse(flow, 403, reason)
+            return self._refuse_destination(flow, reason, learned)
         req.data.host = addr  # pinned, as for CONNECT; the Host header keeps the name
         flow.metadata["fila_meter"] = None
+        flow.metadata["fila_learned"] = learned
 
     # -- door "route"
 

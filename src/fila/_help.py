@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "1cf8d7e4287b8571628ebcd8594b82f14ad812e2d059c41d8ff14e52fb5e00f1"
+CLI_SHA256 = "6d84d4fa58915356638dfddccea27e1713281b5a9ea161e1c366c3bbcb8f5d41"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 
@@ -48,4 +48,5 @@ Commands:
   doctor   Check this host: the container engine, runtimes, images built,...
   schema   Print the JSON Schema of a file format (the one fila validates...
   images   Build and list engine images.
+  policy   Learn, then lock: propose a policy from what runs did.
 """

@@ -2,8 +2,8 @@
 
 This module holds the app, the one error handler and the list of commands; the commands live by
 role in `tasks` (submit, run, worker), `review` (the gate), `upkeep` (recovery, status, doctor,
-gc) and `prepare` (init, images, schema), with what they share in `common` and the lazy build in
-`lazy` (docs/architecture.md, layers).
+gc), `prepare` (init, images, schema) and `policy` (policy suggest), with what they share in
+`common` and the lazy build in `lazy` (docs/architecture.md, layers).
 
 Errors are caught in one place (`_Group.invoke`, below): a `FilaError` prints what failed and what to do
 next, and exits with its code. Exit codes (also in `fila --help` and the README):
@@ -27,7 +27,7 @@ import typer
 from typer.core import TyperGroup
 
 from ..core.errors import EXIT_INTERRUPTED, FilaError
-from . import prepare, review, tasks, upkeep
+from . import policy, prepare, review, tasks, upkeep
 from .common import safe
 from .lazy import Commands, lazy_command
 
@@ -99,6 +99,13 @@ images_app = typer.Typer(
     cls=_Group, help="Build and list engine images.", no_args_is_help=True, rich_markup_mode=None
 )
 app.add_typer(images_app, name="images")
+policy_app = typer.Typer(
+    cls=_Group,
+    help="Learn, then lock: propose a policy from what runs did.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+app.add_typer(policy_app, name="policy")
 
 # Registration order is the order `fila --help` lists the commands in.
 for callback, name in (
@@ -126,6 +133,7 @@ for callback, name in (
     app.command(name)(callback)
 del callback, name
 images_app.command("build")(prepare.images_build)
+policy_app.command("suggest")(policy.suggest)
 
 
 def main() -> None:

@@ -93,5 +93,15 @@ def lazy_command(typer_app: typer.Typer) -> TyperGroup:
         builders[sub.name] = functools.partial(
             tm.get_group_from_info, sub, **kw, suggest_commands=typer_app.suggest_commands
         )
+        # The listing reads a sub-group's name and short help only: the group without its commands.
+        info = sub.typer_instance.info if sub.typer_instance else None
+        if info is not None and isinstance(info.help, str):
+            summaries[sub.name] = functools.partial(
+                info.cls or TyperGroup,
+                name=sub.name,
+                help=inspect.cleandoc(info.help),
+                hidden=bool(info.hidden) if isinstance(info.hidden, bool) else False,
+                rich_markup_mode=typer_app.rich_markup_mode,
+            )
     group.commands = Commands(builders, summaries)
     return group

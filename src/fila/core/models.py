@@ -243,12 +243,19 @@ class Egress(BaseModel):
     allow_private: list[str] = Field(
         default_factory=list, description="CIDRs of private addresses allowed (internal mirrors)"
     )
-    max_requests: Count | None = Field(default=None, description="route requests per job")
+    max_requests: Count | None = Field(
+        default=None, description="route requests per job (learning: learned connections too); learn needs it"
+    )
     max_tokens: Count | None = Field(default=None, description="input + output tokens per job")
     egress_network: str = Field(
         default="fila-egress",
         pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$",
         description="Docker network the gateway reaches upstreams on",
+    )
+    learn: bool = Field(
+        default=False,
+        description="let unlisted public hosts on ports 80 and 443 through and log them as learned "
+        "(`fila policy suggest` proposes the allowlist); needs max_requests",
     )
 
 
@@ -449,6 +456,7 @@ class EgressRequest(BaseModel):
         "status, header, body, trailer; how: :base64, :url, :json; body:split: spread over stream "
         "events), or refused:compressed (the answer refused whole)",
     )
+    learned: bool = Field(default=False, description="allowed only because the policy was learning")
 
 
 class RouteSummary(BaseModel):
@@ -475,6 +483,10 @@ class EgressRecord(BaseModel):
     in_flight: int = Field(
         default=0,
         description="route calls unfinished when the log ended (the gateway died: may be unmetered)",
+    )
+    learning: bool = Field(default=False, description="the policy was learning (egress.learn)")
+    learned: list[str] = Field(
+        default_factory=list, description="host:port the gateway let through only because it was learning"
     )
 
 

@@ -31,6 +31,8 @@ from pathlib import Path
 from ..core.errors import InvalidPolicy
 from ..core.models import EgressRecord, Policy, Route
 from .record import budget_message as budget_message
+from .record import learned_text as learned_text
+from .record import learning_messages as learning_messages
 from .record import lines as lines
 from .record import read_log
 from .record import scrub_messages as scrub_messages
@@ -49,6 +51,9 @@ UPSTREAM_CA_PATH = "/etc/fila-gateway/upstream-ca.pem"
 SECRETS_PATH = "/run/fila-gateway/secrets"
 LOG_PATH = "/var/log/fila-gateway"
 READY_TIMEOUT_S = 20.0
+# The usual ports a learning gateway lets an unlisted name through on (docs/security.md, "Learn,
+# then lock"); any other port stays "not in allowlist" while learning.
+LEARN_PORTS = (80, 443)
 GATEWAY_MEMORY = 256 << 20
 GATEWAY_PIDS = 128
 
@@ -81,8 +86,19 @@ KNOWN_ROUTES: dict[str, KnownRoute] = {
 }
 
 # Names that resolve to this machine, the local network or a cloud's metadata service: never
-# allowed, whatever they resolve to today (the gateway also checks every address it resolves).
-_PRIVATE_NAMES = {"localhost", "metadata", "metadata.google.internal", "metadata.goog", "instance-data"}
+# allowed, whatever they resolve to today (the gateway also checks every address it resolves, and
+# refuses these same names, learning or not: its RESERVED_NAMES / RESERVED_SUFFIXES; a test keeps
+# the lists equal).
+_PRIVATE_NAMES = {
+    "localhost",
+    "localhost.localdomain",
+    "ip6-localhost",
+    "ip6-loopback",
+    "metadata",
+    "metadata.google.internal",
+    "metadata.goog",
+    "instance-data",
+}
 _PRIVATE_SUFFIXES = (".localhost", ".local", ".internal", ".localdomain", ".lan", ".home.arpa", ".arpa")
 
 
@@ -122,7 +138,14 @@ def validate(policy: Policy, *, path: Path | str | None = None) -> None:
                 'use "network": "allowlist", or remove egress',
             )
         return
-    if eg is None or (not eg.allow and not eg.routes):
+    if eg is not None and eg.learn and eg.max_requests is None:
+        raise _bad(
+            "egress.max_requests",
+            "a learning policy (egress.learn) needs a bound: learned connections count against it",
+            path,
+            'e.g. "max_requests": 500 beside "learn": true',
+        )
+    if eg is None or (not eg.allow and not eg.routes and not eg.learn):
         raise _bad(
             "egress",
             "network allowlist needs at least one egress.allow entry or egress.routes route",
@@ -350,6 +373,7 @@ def prepare_gateway_dir(
         "upstream_ca": UPSTREAM_CA_PATH if cas else None,
         "clients": clients,
         "host_addresses": host_addresses(),
+        "learn": {"ports": list(LEARN_PORTS)} if eg.learn else None,
     }
     (state / "config.json").write_text(json.dumps(config, indent=2))
     os.chmod(state / "config.json", 0o644)
@@ -389,7 +413,12 @@ def remove_dir(state: Path) -> None:
 
 def collect(gw: Gateway) -> EgressRecord:
     log = gw.dir / "log"
-    return read_log(log / "egress.jsonl", summary=log / "summary.json", routes=gw.routes)
+    rec = read_log(log / "egress.jsonl", summary=log / "summary.json", routes=gw.routes)
+    # Whether the job was learning is the host's own config (written by prepare_gateway_dir), not
+    # anything the gateway or the engine said.
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        rec.learning = bool(json.loads((gw.dir / "config.json").read_text()).get("learn"))
+    return rec
 
 
 # -- crash recovery ------------------------------------------------------------------------------

@@ -72,12 +72,16 @@ def read_log(
                 pending[item.id] = len(items)
             items.append(item)
     rec.in_flight = len(pending)
+    learned: dict[str, None] = {}
     for item in items:
+        if item.learned and item.allowed and item.door == "proxy" and item.host and item.port:
+            learned[f"{item.host}:{item.port}"] = None
         _count(rec, item)
         if len(rec.requests) < keep:
             rec.requests.append(item)
         else:
             rec.dropped += 1
+    rec.learned = list(learned)
     if summary is not None:
         _apply_summary(rec, summary)
     if routes is not None:
@@ -111,6 +115,7 @@ def _apply_summary(rec: EgressRecord, path: Path) -> None:
     rec.in_flight = max(rec.in_flight, in_flight)
     if isinstance(b := doc.get("budget_exhausted"), str) and rec.budget_exhausted is None:
         rec.budget_exhausted = b
+    rec.learning = rec.learning or doc.get("learning") is True
 
 
 def _count(rec: EgressRecord, item: EgressRequest) -> None:
@@ -160,6 +165,33 @@ def scrub_messages(rec: EgressRecord | None) -> list[str]:
     return out
 
 
+def learned_text(rec: EgressRecord, nothing: str = "nothing") -> str:
+    """What a learning run learned, for the record, show, review and REVIEW.html: the host:port
+    list, and when log lines were dropped (a flood past the gateway's log cap, the record's read
+    cap) that the list may be incomplete; never `nothing` for a log that was not read whole."""
+    text = ", ".join(rec.learned)
+    if rec.dropped:
+        lost = f"incomplete: {rec.dropped} log lines dropped"
+        return f"{text} ({lost})" if text else lost
+    return text or nothing
+
+
+def learning_messages(rec: EgressRecord | None) -> list[str]:
+    """A warning when the job's policy was learning (egress.learn): its allowlist was not enforced
+    for public hosts on the usual ports; what it let through is listed, for `fila policy suggest`."""
+    from ..core.text import inert
+
+    if rec is None or not rec.learning:
+        return []
+    what = learned_text(rec, "nothing beyond the allowlist")
+    return [
+        inert(
+            f"the policy was learning: unlisted public hosts were let through the gateway; learned: {what} "
+            "(fila policy suggest ID proposes the allowlist)"
+        )
+    ]
+
+
 def budget_message(rec: EgressRecord | None) -> str | None:
     if rec is None or rec.budget_exhausted is None:
         return None
@@ -179,6 +211,11 @@ def lines(rec: EgressRecord | None) -> list[str]:
         f"egress    {rec.allowed} allowed, {rec.denied} denied"
         + (f", {rec.dropped} dropped" if rec.dropped else "")
     ]
+    if rec.learning:
+        learned = learned_text(rec)
+        out.append(
+            inert(f"learning  the policy was learning: unlisted hosts were let through; learned: {learned}")
+        )
     if rec.budget_exhausted:
         out.append(f"budget    {inert(rec.budget_exhausted)} exhausted: it ended the run")
     if rec.in_flight:
@@ -196,7 +233,7 @@ def lines(rec: EgressRecord | None) -> list[str]:
         )
     for r in rec.requests:
         where = f"/{r.route}{r.path or ''}" if r.route else f"{r.host}:{r.port}"
-        verdict = "allowed" if r.allowed else f"DENIED ({r.reason})"
+        verdict = ("LEARNED" if r.learned else "allowed") if r.allowed else f"DENIED ({r.reason})"
         size = f" in {r.bytes_in or 0} B out {r.bytes_out or 0} B" if r.allowed else ""
         out.append(
             inert(f"  {r.door or '?'} {r.method or '-'} {where} {r.status if r.status is not None else '-'} "

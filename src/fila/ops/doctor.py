@@ -98,15 +98,22 @@ def run(
 def _policies(root: Root) -> Check:
     from ..queue.policy import load_policy, policy_names
 
-    bad, good = [], []
+    bad, good, learning = [], [], []
     for name in policy_names(root):
         try:
-            load_policy(root, name)
+            p, _ = load_policy(root, name)
             good.append(name)
         except FilaError as e:
             bad.append(f"{name}: {e}")
+            continue
+        if p.egress is not None and p.egress.learn:
+            # Not a failure (the operator chose it), but never a surprise: a learning policy lets
+            # unlisted public hosts through (README, "Learn, then lock").
+            learning.append(f"{name} (max_requests {p.egress.max_requests})")
     detail = f"valid: {', '.join(good) or 'none'}" + (f"; INVALID: {'; '.join(bad)}" if bad else "")
-    return Check("policies", not bad, detail, {"valid": good, "invalid": bad})
+    if learning:
+        detail += f"; LEARNING (unlisted hosts let through): {', '.join(learning)}"
+    return Check("policies", not bad, detail, {"valid": good, "invalid": bad, "learning": learning})
 
 
 def _runtimes(backend: Backend, root: Root) -> Check:

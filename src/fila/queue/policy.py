@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import functools
 import hashlib
@@ -16,7 +17,7 @@ from ..assets import shipped_dir
 from ..core import untrusted
 from ..core.errors import InvalidPolicy, InvalidTaskFile, UnknownPolicy
 from ..core.layout import Root
-from ..core.models import Limits, Policy, PolicyRef, Task, parse_size, published_schema, valid_id
+from ..core.models import Limits, Policy, PolicyRef, Record, Task, parse_size, published_schema, valid_id
 
 
 @functools.cache
@@ -262,3 +263,112 @@ def denied_by(rel: str, is_dir: bool, deny: list[str]) -> str | None:
             if res.include:
                 return deny[res.index]
     return None
+
+
+# -- learn, then lock (README, "Learn, then lock") ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Suggestion:
+    """`fila policy suggest`: the policy the runs' gateways would have let do what they did."""
+
+    name: str  # the policy the runs ran under
+    path: Path
+    old_text: str
+    new_text: str  # the policy document with the smallest allowlist and learning off
+    allow: list[dict[str, Any]]
+    learned: list[str]  # host:port the runs reached only because the policy was learning
+    unused: list[str]  # entries (and routes) of the current policy no run used
+    notes: list[str]  # what makes the suggestion less than certain
+
+    def diff(self, new_name: str | None = None) -> str:
+        from ..egress.suggest import unified
+
+        return unified(self.old_text, self.new_text, f"policies/{self.name}.json",
+                       f"policies/{new_name or self.name}.json")  # fmt: skip
+
+
+def suggest(root: Root, records: list[Record], *, wildcards: bool = False) -> Suggestion:
+    """The smallest allowlist for `records` (runs under one policy), as that policy's new text.
+    Refused when the runs ran under different policies or have no egress record."""
+    import json
+
+    from ..egress import config as egress
+    from ..egress import suggest as sg
+
+    names = sorted({r.policy.name for r in records if r.policy})
+    if len(names) != 1:
+        raise InvalidPolicy(
+            f"the runs ran under {len(names)} policies ({', '.join(names) or 'none recorded'}); "
+            "suggest reads runs of one policy",
+            hint="give the ids of runs under one policy",
+        )
+    name = names[0]
+    egress_recs = [e for r in records for e in _egress_of(r)]
+    missing = [r.id for r in records if not _egress_of(r)]
+    if missing:
+        raise InvalidPolicy(
+            f"no gateway record for {', '.join(missing)}: only runs under network allowlist that "
+            "reached the gateway can be read",
+            hint='run the task under a policy with "network": "allowlist" (and "learn": true to learn)',
+        )
+    path = policy_path(root, name)
+    doc, raw = _read(path, "policy")
+    used = sg.used_hosts(egress_recs)
+    allow = sg.entries_for(used, wildcards=wildcards, listed=sg.listed_names(doc))
+    new_doc = sg.locked_document(doc, allow)
+    notes = sg.method_notes(used)
+    changed = [r.id for r in records if r.policy and r.policy.sha256 != hashlib.sha256(raw).hexdigest()]
+    if changed:
+        notes.append(
+            f"policies/{name}.json changed since run {', '.join(changed)}: the diff is against today's"
+        )
+    if dropped := sum(e.dropped for e in egress_recs):
+        notes.append(f"{dropped} gateway log lines were not kept in the records: hosts may be missing")
+    if not any(e.learning for e in egress_recs):
+        notes.append(f"policy {name!r} was not learning in these runs: only listed hosts can appear")
+    # What the engine reached is the engine's doing: the proposal is checked as any policy file is.
+    validate_document("policy", new_doc, path=f"the suggestion for {path}")
+    egress.validate(Policy.model_validate(new_doc), path=f"the suggestion for {path}")
+    learned = [f"{h}:{p}" for (h, p), u in sorted(used.items()) if u.learned]
+    old_text = raw.decode("utf-8", errors="replace")
+    return Suggestion(name, path, old_text, json.dumps(new_doc, indent=2) + "\n", allow, learned,
+                      sg.unused_entries(doc, used, egress_recs), notes)  # fmt: skip
+
+
+def _egress_of(rec: Record) -> list[Any]:
+    found = [a.egress for a in rec.attempts if a.egress is not None]
+    return found or ([rec.egress] if rec.egress is not None else [])
+
+
+def write_suggested(root: Root, name: str, s: Suggestion, *, force: bool = False) -> Path:
+    """policies/<name>.json holding the suggestion; never over an existing file, nor under a
+    shipped policy's name (it would shadow that policy), without `force`. The temporary file is
+    created anew (O_EXCL, O_NOFOLLOW): a link planted at its name is never written through."""
+    from ..core.errors import Refused
+
+    if not valid_id(name):
+        raise InvalidPolicy(f"{name!r} is not a policy name", hint="letters, digits, . _ - (like a task id)")
+    root.policies_dir.mkdir(parents=True, exist_ok=True)
+    dst = root.policies_dir / f"{name}.json"
+    if os.path.lexists(dst) and not force:
+        raise Refused(f"policy {name!r} exists already", path=dst, hint="choose another name, or add --force")
+    if os.path.lexists(shipped_dir("policies") / f"{name}.json") and not force:
+        raise Refused(
+            f"policy {name!r} is a shipped policy's name: {dst} would replace it for this root",
+            path=dst,
+            hint="choose another name, or add --force",
+        )
+    tmp = dst.with_name(f".{name}.json.tmp")
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)  # a leftover of an interrupted write (or a planted link): removed, not followed
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(s.new_text)
+        os.replace(tmp, dst)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    return dst

@@ -319,7 +319,8 @@ def _egress_summary(rec: EgressRecord) -> str:
         for name, s in sorted(rec.routes.items())
     )
     budget = f"; budget {inert(rec.budget_exhausted)} exhausted" if rec.budget_exhausted else ""
-    return f"egress {rec.allowed} allowed, {rec.denied} denied{routes}{budget}"
+    learning = f"; LEARNING, learned {inert(egress.learned_text(rec))}" if rec.learning else ""
+    return f"egress {rec.allowed} allowed, {rec.denied} denied{routes}{budget}{learning}"
 
 
 def _file_kind(f: patch.FilePatch) -> str:

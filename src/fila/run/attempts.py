@@ -154,6 +154,7 @@ def run_engines(
         if budget:
             warnings.append(budget)
         warnings += egress.scrub_messages(result.egress)  # the engine never saw it; the upstream echoes
+        warnings += egress.learning_messages(result.egress)  # egress.learn: said plainly, with what
         diff_fields: dict[str, Any] = {}
         diff_error: str | None = None
         try:

@@ -162,6 +162,7 @@ def check_task(root: Root, task: Task, *, tags_of: Callable[[str], list[str]] | 
                 field=field,
             )
         chain.append((name, fb.image_tag()))
+    _learns_alone(task, policy, chain)
     stray = sorted(set(task.options or {}) - {n for n, _i in chain})
     if stray:  # an option for an engine that never runs would be ignored in silence
         raise InvalidTaskFile(
@@ -177,6 +178,27 @@ def check_task(root: Root, task: Task, *, tags_of: Callable[[str], list[str]] | 
             field="check",
         )
     return Checked(task, engine, policy, ref, eff, project, targets, image, tuple(chain))
+
+
+def _learns_alone(task: Task, policy: Policy, chain: list[tuple[str, str]]) -> None:
+    """A learning policy (egress.learn) runs one engine per task: what a run learned is that
+    engine's, and `fila policy suggest` reads one run's hosts (README, "Learn, then lock")."""
+    if policy.egress is None or not policy.egress.learn:
+        return
+    if task.group is not None:
+        raise InvalidTaskFile(
+            f"policy {task.policy!r} is learning (egress.learn): a compare group runs several engines, "
+            "and one engine learns at a time",
+            field="group",
+            hint="learn with one engine, lock with `fila policy suggest`, then compare under the new policy",
+        )
+    if len(chain) > 1:
+        raise InvalidTaskFile(
+            f"policy {task.policy!r} is learning (egress.learn): a fallback chain "
+            f"({', '.join(n for n, _i in chain)}) runs several engines, and one engine learns at a time",
+            field="fallback",
+            hint='set "fallback": [] in the task, or learn under a policy without fallback',
+        )
 
 
 def chain_routes(task: Task, policy: Policy) -> list[str]:
