@@ -23,6 +23,7 @@ def _cases() -> dict[str, Callable[[Ctx], list[Row]]]:
     from bench.engine_startup import engine_startup
     from bench.large_project import large_project
     from bench.per_task import per_task
+    from bench.pg_queue import pg_queue
     from bench.queue_rate import queue_case
     from bench.scale import scale
     from bench.startup import startup
@@ -34,6 +35,7 @@ def _cases() -> dict[str, Callable[[Ctx], list[Row]]]:
         "throughput": throughput,
         "scale": scale,
         "queue": queue_case,
+        "pg-queue": pg_queue,
         "cycle-fake": cycle_fake,
         "large-project": large_project,
         "ci-single": ci_single,
@@ -47,6 +49,7 @@ CASES = (
     "throughput",
     "scale",
     "queue",
+    "pg-queue",
     "cycle-fake",
     "large-project",
     "ci-single",

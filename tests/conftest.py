@@ -99,3 +99,22 @@ def pg_cluster() -> Iterator[Any]:
 
     with cluster() as c:
         yield c
+
+
+@pytest.fixture
+def pg_url(pg_cluster: Any) -> str:
+    """A fresh database of the session's cluster, migrated to the schema this fila knows."""
+    from fila.queue.pg import migrate
+
+    url = pg_cluster.new_database()
+    migrate.migrate(url)
+    return url
+
+
+@pytest.fixture
+def q(pg_url: str) -> Iterator[Any]:
+    """The PostgreSQL queue (queue/pg/store.PgQueue) on that database."""
+    from fila.queue.pg.store import PgQueue
+
+    with PgQueue(pg_url, reconnect_s=20) as queue:
+        yield queue

@@ -22,6 +22,16 @@ RootOpt = Annotated[
         "--root", envvar="FILA_ROOT", help="queue root (default: current directory)", show_default=False
     ),
 ]
+QueueOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--queue",
+        envvar="FILA_QUEUE",
+        help="a PostgreSQL queue URL (postgresql://user@host/db, no password: libpq's PGPASSWORD or "
+        "~/.pgpass); default: the file queue under --root",
+        show_default=False,
+    ),
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="machine-readable output on stdout")]
 ByOpt = Annotated[
     str | None,

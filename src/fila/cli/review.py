@@ -9,24 +9,42 @@ model).
 from __future__ import annotations
 
 import sys
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
 from ..core.layout import Root
 from ..core.states import Status
-from .common import ByOpt, JsonOpt, ReasonOpt, RootOpt, print_json, record_json, safe, summary_line, to_stderr
+from .common import (
+    ByOpt,
+    JsonOpt,
+    QueueOpt,
+    ReasonOpt,
+    RootOpt,
+    print_json,
+    record_json,
+    safe,
+    summary_line,
+    to_stderr,
+)
 
 
 def ls_cmd(
     root: RootOpt = None,
     status: Annotated[Status | None, typer.Option(help="only tasks in this status")] = None,
     json_: JsonOpt = False,
+    queue_url: QueueOpt = None,
 ) -> None:
-    """List tasks with their status, newest last."""
+    """List tasks with their status, newest last (--queue: of that PostgreSQL queue)."""
     from ..queue.store import listing
 
-    recs, dropped = listing(Root.at(root).require(), status)
+    if queue_url:
+        from ..queue.pg.db import Database
+
+        with Database(queue_url) as db:
+            recs, dropped = db.listing(status), []
+    else:
+        recs, dropped = listing(Root.at(root).require(), status)
     if json_:
         print_json(
             [
@@ -49,20 +67,30 @@ def ls_cmd(
         typer.echo(f"{safe(d)}  queued  (dropped in fila/in, not yet claimed)")
 
 
-def show(task_id: str, root: RootOpt = None, json_: JsonOpt = False) -> None:
-    """Show a task's record: status, engine, image, policy, timings, diffstat, error."""
+def show(task_id: str, root: RootOpt = None, json_: JsonOpt = False, queue_url: QueueOpt = None) -> None:
+    """Show a task's record: status, engine, image, policy, timings, diffstat, error (--queue: from
+    that PostgreSQL queue, its patch and log named by their blobs)."""
     from ..queue.store import get_record
     from ..review.report import attempt_lines, project_path
     from ..workspace.fswalk import escape_name
 
-    r = Root.at(root).require()
-    rec = get_record(r, task_id)
+    blobs: dict[str, str] | None = None
+    if queue_url:
+        from ..queue.pg.db import Database
+
+        with Database(queue_url) as db:
+            rec, blobs = db.get(task_id), db.task_blobs(task_id)
+        project = (rec.task.project if rec.task else None) or "(the submitting host's queue root)"
+    else:
+        r = Root.at(root).require()
+        rec = get_record(r, task_id)
+        project = project_path(r, rec)
     if json_:
         print_json(record_json(rec))
         return
     lines = [
         f"id:        {rec.id}",
-        f"project:   {escape_name(project_path(r, rec))}",
+        f"project:   {escape_name(project)}",
         f"status:    {rec.status}",
         f"engine:    {rec.engine or '-'}" + (f" (model {rec.model})" if rec.model else ""),
     ]
@@ -92,10 +120,14 @@ def show(task_id: str, root: RootOpt = None, json_: JsonOpt = False) -> None:
             + (f", {s.binary} binary" if s.binary else "")
         )
         lines += [f"           {safe(p)}" for p in s.paths]
-    if rec.patch_path:
-        lines.append(f"patch:     {r.path / rec.patch_path} (sha256 {rec.patch_sha256})")
-    if rec.log_path:
-        lines.append(f"log:       {r.path / rec.log_path}")
+    if blobs is not None:
+        for name in sorted(blobs):
+            lines.append(f"blob:      {name} sha256 {blobs[name]}")
+    else:
+        if rec.patch_path:
+            lines.append(f"patch:     {r.path / rec.patch_path} (sha256 {rec.patch_sha256})")
+        if rec.log_path:
+            lines.append(f"log:       {r.path / rec.log_path}")
     for w in rec.warnings:
         lines.append(f"warning:   {safe(w)}")
     from ..egress.record import lines as egress_lines
@@ -115,16 +147,33 @@ def logs(
         bool, typer.Option("--follow", "-f", help="keep printing while the task is queued or running")
     ] = False,
     events: Annotated[bool, typer.Option("--events", help="the task's event log (JSON lines)")] = False,
+    queue_url: QueueOpt = None,
 ) -> None:
     """Print a task's engine output (fila/logs/ID.log), or with --events its event log.
 
     On a terminal, control characters from the engine are shown escaped; piped, the bytes are
     written as they are. --follow is progress for long work: it ends when the task is decided.
+    --queue: the log its runner published (a blob, checked against its sha256), or with --events
+    the queue's events of the task; --follow is the file queue's only.
     """
     from ..queue.store import log_chunks
 
     tty = sys.stdout.isatty()
-    for data in log_chunks(Root.at(root).require(), task_id, events=events, follow=follow):
+    if queue_url:
+        if follow:
+            from ..core.errors import InvalidInput
+
+            raise InvalidInput("--follow reads a file queue's log; with --queue the log is published "
+                               "whole when the task ends", hint="run it again once `fila ls --queue` "
+                               "shows the task decided or ready for review")  # fmt: skip
+        from ..queue.pg.store import PgQueue
+        from ..review.remote import queued_log
+
+        with PgQueue(queue_url) as db:
+            chunks: Any = [queued_log(db, task_id, events=events)]
+    else:
+        chunks = log_chunks(Root.at(root).require(), task_id, events=events, follow=follow)
+    for data in chunks:
         if tty:
             from ..workspace.fswalk import inert
 
@@ -134,19 +183,28 @@ def logs(
             sys.stdout.flush()
 
 
-def diff(task_id: str, root: RootOpt = None) -> None:
+def diff(task_id: str, root: RootOpt = None, queue_url: QueueOpt = None) -> None:
     """Print the task's DIFF.patch, exactly as `fila apply` would apply it.
 
     The patch is checked against the sha256 in the record first. On a terminal, control
     characters are escaped (a hostile line could otherwise hide itself with escape sequences);
-    piped, the bytes are written unchanged, e.g. for `git apply`.
+    piped, the bytes are written unchanged, e.g. for `git apply`. --queue: the patch is the
+    task's DIFF.patch blob in that PostgreSQL queue, checked the same way.
     """
     from ..queue.store import get_record
     from ..review.patch import policy_for, read_reviewed
 
-    r = Root.at(root).require()
-    rec = get_record(r, task_id)
-    data = read_reviewed(r, rec, policy_for(r, rec))
+    if queue_url:
+        from ..queue.pg.store import PgQueue
+        from ..review.remote import queued_patch
+
+        with PgQueue(queue_url) as db:
+            rec = db.get(task_id)
+            data = queued_patch(db, rec)
+    else:
+        r = Root.at(root).require()
+        rec = get_record(r, task_id)
+        data = read_reviewed(r, rec, policy_for(r, rec))
     if rec.credentials_in_diff is not None:  # on stderr: the patch on stdout stays a patch
         from ..workspace.secretscan import diff_warning
 
@@ -233,6 +291,7 @@ def apply_cmd(
         ),
     ] = False,
     json_: JsonOpt = False,
+    queue_url: QueueOpt = None,
 ) -> None:
     """Apply the task's DIFF.patch to the project and record the decision (status applied).
 
@@ -244,12 +303,31 @@ def apply_cmd(
     route's key, an engine's secret; DIFF.patch has a marker in its place) is refused unless
     --allow-credential. What lands equals the job's work/ byte for byte, modes 0644/0755, but
     for that marker.
+
+    --queue: a task of that PostgreSQL queue, applied to this root (the project) with the same
+    checks, its patch and inputs read from the database; the decision is recorded there, once
+    for every reviewer.
     """
-    from ..core.errors import InvalidInput
+    import contextlib
+
     from ..queue.store import get_record
-    from ..review.apply import apply
 
     r = Root.at(root)
+    with contextlib.ExitStack() as stack:
+        db = None
+        if queue_url:
+            from ..queue.pg.store import PgQueue
+
+            db = stack.enter_context(PgQueue(queue_url))
+        res = _apply(r, task_id, db, yes, get_record, three_way=three_way, by=by, reason=reason,
+                     allow_git_metadata=allow_git_metadata, allow_credential=allow_credential)  # fmt: skip
+    _print_applied(task_id, res, json_)
+
+
+def _apply(r: Root, task_id: str, db: Any, yes: bool, get_record: Any, **options: Any) -> Any:
+    from ..core.errors import InvalidInput
+    from ..review.apply import apply
+
     if not yes:
         if not sys.stdin.isatty():
             raise InvalidInput(
@@ -259,15 +337,21 @@ def apply_cmd(
         from ..review.report import project_path
         from ..workspace.fswalk import escape_name
 
-        rec = get_record(r.require(), task_id)
+        rec = db.get(task_id) if db is not None else get_record(r.require(), task_id)
         typer.echo(summary_line(rec), err=True)
-        where = escape_name(project_path(r, rec))
+        where = escape_name(str(r.path) if db is not None else project_path(r, rec))
         typer.echo(f"project: {where}", err=True)
         if not typer.confirm(f"apply task {safe(task_id)} to {where}?", default=False, err=True):
             to_stderr("fila: nothing applied")
             raise typer.Exit(1)
-    res = apply(r, task_id, by=by, reason=reason, three_way=three_way, allow_git_metadata=allow_git_metadata,
-                allow_credential=allow_credential)  # fmt: skip
+    if db is not None:
+        from ..review.remote import apply_queued
+
+        return apply_queued(r, db, task_id, **options)
+    return apply(r, task_id, **options)
+
+
+def _print_applied(task_id: str, res: Any, json_: bool) -> None:
     d = res.record.decision
     if json_:
         print_json(
@@ -340,12 +424,21 @@ def reject(
     reason: ReasonOpt = None,
     by: ByOpt = None,
     json_: JsonOpt = False,
+    queue_url: QueueOpt = None,
 ) -> None:
     """Reject a task (ready for review, failed or needing a person) and record why. The project
-    is not touched; `fila gc` removes the job directory later."""
+    is not touched; `fila gc` removes the job directory later. --queue: the decision is recorded
+    in that PostgreSQL queue, once for every reviewer."""
     from ..review.decision import reject as do_reject
 
-    rec = do_reject(Root.at(root), task_id, by=by, reason=reason)
+    if queue_url:
+        from ..queue.pg.store import PgQueue
+        from ..review.remote import reject_queued
+
+        with PgQueue(queue_url) as db:
+            rec = reject_queued(db, task_id, by=by, reason=reason)
+    else:
+        rec = do_reject(Root.at(root), task_id, by=by, reason=reason)
     d = rec.decision
     if json_:
         print_json(

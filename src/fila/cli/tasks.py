@@ -15,7 +15,7 @@ import typer
 
 from ..core.errors import FilaError
 from ..core.layout import Root
-from .common import JsonOpt, RootOpt, print_json, record_json, summary_line, to_stderr
+from .common import JsonOpt, QueueOpt, RootOpt, print_json, record_json, summary_line, to_stderr
 
 if TYPE_CHECKING:  # pydantic's import costs a third of `fila --help`; commands import it lazily
     from ..core.models import Record
@@ -64,6 +64,7 @@ def submit(
     ] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="with --run: no progress on stderr")] = False,
     root: RootOpt = None,
+    queue_url: QueueOpt = None,
     json_: JsonOpt = False,
 ) -> None:
     """Queue a task and print its id on stdout (a group: one id a line).
@@ -72,6 +73,10 @@ def submit(
     override its fields. The task is checked now (engine, policy, limits, targets), so a bad
     task is refused here rather than failing later. With --run (CI, one process): the task is
     queued as above, then claimed and run like `fila run --once` would, other queued tasks left.
+
+    With --queue URL (or FILA_QUEUE) the task goes to that PostgreSQL queue, its targets with it
+    (checked against this root's policy and limits; a content the database has is not sent
+    again); --run then waits until a runner has published its record.
     """
     from ..core.errors import InvalidInput
     from ..core.models import Task
@@ -108,6 +113,11 @@ def submit(
         raise InvalidInput("--model ENGINE=MODEL and a repeated --model are for a group (--engine repeated)",
                            hint="one engine takes one --model MODEL")  # fmt: skip
     validate_document("task", data, path=task_file if task_file not in (None, "-") else "options")
+    if queue_url:
+        if engine and len(engine) > 1:
+            raise InvalidInput("a compare group (--engine repeated) is not supported with --queue yet")
+        _submit_remote(Root.at(root), queue_url, Task.model_validate(data), wait=run_now, json_=json_)
+        return
     if engine and len(engine) > 1:
         from ..review.groups import group_tasks
         from ..run.intake import submit_group
@@ -127,6 +137,33 @@ def submit(
     rec = do_submit(Root.at(root), Task.model_validate(data))
     if run_now:
         _process(root, once=True, only={rec.id}, json_=json_, quiet=quiet)
+    if json_:
+        print_json({"id": rec.id, "status": rec.status})
+    else:
+        typer.echo(rec.id)
+
+
+def _submit_remote(root: Root, url: str, task: Any, *, wait: bool, json_: bool) -> None:
+    """`fila submit --queue URL`: the task and its targets into the database in one transaction;
+    `wait`: then the record, once a runner published it (exit 0 ready for review, 1 otherwise)."""
+    import time
+
+    from ..core.models import Status
+    from ..queue.pg.store import PgQueue
+    from ..queue.store import new_task_id
+    from ..run.remote_inputs import pack
+
+    root.require()
+    packed = pack(root, task)
+    tid = task.id or new_task_id()
+    with PgQueue(url) as q:
+        rec = q.enqueue(tid, task, inputs=packed.manifest, files=packed.files)
+        if wait:
+            while rec.status in (Status.queued, Status.running):
+                time.sleep(0.5)
+                rec = q.get(tid)
+            typer.echo(json.dumps(record_json(rec)) if json_ else summary_line(rec))
+            raise typer.Exit(0 if rec.status == Status.needs_review else 1)
     if json_:
         print_json({"id": rec.id, "status": rec.status})
     else:
@@ -164,14 +201,92 @@ def worker(
         bool, typer.Option("--json", help="one JSON object per processed task on stdout")
     ] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="no progress on stderr")] = False,
+    queue_url: QueueOpt = None,
+    host_id: Annotated[
+        str | None,
+        typer.Option(
+            "--host-id", help="with --queue: this runner's name in the database (default: host-pid)"
+        ),
+    ] = None,
+    engine: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--engine", help="with --queue: claim only these engines (default: those with an image)"
+        ),
+    ] = None,
+    policy: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--policy", help="with --queue: claim only tasks of these policies (default: any in --root)"
+        ),
+    ] = None,
+    lease: Annotated[
+        float,
+        typer.Option(
+            "--lease", min=3.0, help="with --queue: seconds of a claim's lease, renewed every third"
+        ),
+    ] = 30.0,
 ) -> None:
     """Keep processing tasks; wake within a second when a task appears (inotify).
 
     Recovery runs in the background at start and every 30 s. SIGTERM: no new claims, jobs not
     yet started go back to the queue, running ones get --grace seconds. Ctrl-C: running
     containers are removed and their tasks recorded (needs_human). Exit codes as `run --once`.
+
+    With --queue URL (or FILA_QUEUE): a runner of that PostgreSQL queue, --root its own local
+    directory (policies, job roots); it claims the tasks of the engines it has (and of the
+    --policy names, when given), one at a time.
     """
+    if queue_url:
+        if concurrency > 1:
+            from ..core.errors import InvalidInput
+
+            raise InvalidInput(
+                "--concurrency with --queue is not supported yet: a runner of a queue database runs "
+                "one task at a time",
+                hint="start one `fila worker --queue` process per slot, each with its own --root",
+            )
+        _process_remote(root, queue_url, once=once, json_=json_, quiet=quiet, poll=poll,
+                        host_id=host_id, engines=engine, policies=policy, lease=lease)  # fmt: skip
     _process(root, once=once, json_=json_, quiet=quiet, concurrency=concurrency, poll=poll, grace=grace)
+
+
+def _process_remote(
+    root: Path | None,
+    url: str,
+    *,
+    once: bool,
+    json_: bool,
+    quiet: bool,
+    poll: float,
+    host_id: str | None,
+    engines: list[str] | None,
+    lease: float,
+    policies: list[str] | None = None,
+) -> None:
+    """A runner of the PostgreSQL queue (run/remote.py); exits with its code (never returns)."""
+    from ..run.remote import RemoteWorker
+
+    def on_record(rec: Record) -> None:
+        typer.echo(json.dumps(record_json(rec)) if json_ else summary_line(rec))
+
+    w = RemoteWorker(
+        Root.at(root),
+        url,
+        host_id=host_id,
+        engines=engines,
+        policies=policies,
+        once=once,
+        lease_s=lease,
+        poll_s=poll,
+        on_record=on_record,
+        progress=(lambda _m: None) if quiet else to_stderr,
+    )
+    code = w.run()
+    if w.infra_error is not None:
+        e = w.infra_error
+        to_stderr(f"fila: error: {e}" + (f"\nfila: hint: {e.hint}" if e.hint else ""))
+    raise typer.Exit(code)
 
 
 def _process(

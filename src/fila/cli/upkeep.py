@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from ..core.layout import Root
-from .common import ByOpt, JsonOpt, ReasonOpt, RootOpt, print_json, safe, to_stderr
+from .common import ByOpt, JsonOpt, QueueOpt, ReasonOpt, RootOpt, print_json, safe, to_stderr
 
 
 def recover(
@@ -39,12 +39,21 @@ def retry(
     by: ByOpt = None,
     reason: ReasonOpt = None,
     json_: JsonOpt = False,
+    queue_url: QueueOpt = None,
 ) -> None:
-    """Queue a failed or needs_human task again: a person's decision to run it once more."""
+    """Queue a failed or needs_human task again: a person's decision to run it once more
+    (--queue: in that PostgreSQL queue, where any runner may claim it)."""
     from ..queue.store import retry as do_retry
     from ..review.decision import check_reason, decider
 
-    rec = do_retry(Root.at(root).require(), task_id, by=decider(by), reason=check_reason(reason))
+    who, why = decider(by), check_reason(reason)
+    if queue_url:
+        from ..queue.pg.store import PgQueue
+
+        with PgQueue(queue_url) as db:
+            rec = db.retry(task_id, by=who, reason=why)
+    else:
+        rec = do_retry(Root.at(root).require(), task_id, by=who, reason=why)
     if json_:
         print_json({"id": rec.id, "status": rec.status})
         return
@@ -68,10 +77,23 @@ def rearm(
     typer.echo(safe(f"circuit breaker rearmed by {st.rearmed_by}"))
 
 
-def status(root: RootOpt = None, json_: JsonOpt = False) -> None:
-    """Queue counts per state, running jobs (age, heartbeat), the breaker, stale claims."""
-    from ..ops.status import gather, render
+def status(root: RootOpt = None, json_: JsonOpt = False, queue_url: QueueOpt = None) -> None:
+    """Queue counts per state, running jobs (age, heartbeat), the breaker, stale claims.
+    --queue: that PostgreSQL queue's counts, its runners (engines, slots, last heartbeat), and
+    the queued tasks no live runner can take."""
+    from ..ops.status import gather, gather_queue, render, render_queue
 
+    if queue_url:
+        from ..queue.pg.db import Database
+        from ..run.remote import LIVE_S
+
+        with Database(queue_url) as db:
+            d = gather_queue(db, live_s=LIVE_S)
+        if json_:
+            print_json(d)
+        else:
+            typer.echo("\n".join(safe(line) for line in render_queue(d).split("\n")))
+        return
     d = gather(Root.at(root))
     if json_:
         print_json(d)

@@ -98,3 +98,42 @@ def render(d: dict[str, Any]) -> str:
     if d["tombstones"]:
         lines.append("publishing or interrupted: " + ", ".join(t["file"] for t in d["tombstones"]))
     return "\n".join(lines)
+
+
+def gather_queue(db: Any, *, live_s: float) -> dict[str, Any]:
+    """`fila status --queue URL`: task counts, the runners the queue knows (live: seen within
+    `live_s` seconds on the database's clock, not stopped), and the queued tasks no live runner
+    can take (their engine on no live runner, or on none that takes their policy: `fila worker
+    --policy`), which wait until one that can starts."""
+    runners = db.runners(live_s)
+    live = [r for r in runners if r["live"]]
+    stuck = []
+    for tid, eng, pol in db.queued():
+        with_engine = [r for r in live if eng in r["engines"]]
+        if not with_engine:
+            stuck.append({"id": tid, "engine": eng, "policy": pol, "why": f"no live runner has engine {eng}"})
+        elif not any(r.get("policies") is None or pol in r["policies"] for r in with_engine):
+            why = f"no live runner with engine {eng} takes policy {pol}"
+            stuck.append({"id": tid, "engine": eng, "policy": pol, "why": why})
+    counts: dict[str, int] = {}
+    for state, by_engine in db.counts().items():
+        counts[state] = sum(by_engine.values())
+    return {"queue": db.where, "counts": counts, "runners": runners, "unrunnable": stuck, "live_s": live_s}
+
+
+def render_queue(d: dict[str, Any]) -> str:
+    lines = [f"queue {d['queue']}", "  " + "  ".join(f"{k} {v}" for k, v in sorted(d["counts"].items()))]
+    live = [r for r in d["runners"] if r["live"]]
+    lines.append(f"runners:  {len(live)} live of {len(d['runners'])} known")
+    for r in d["runners"]:
+        state = (
+            "live" if r["live"] else ("stopped" if r["stopped_at"] else f"not seen for {d['live_s']:.0f}s")
+        )
+        lines.append(
+            f"  {r['id']}  {state}  engines {', '.join(r['engines'])}"
+            + (f"  policies {', '.join(r['policies'])}" if r.get("policies") is not None else "")
+            + f"  slots {r['slots']}  seen {r['seen_s']:.0f}s ago"
+        )
+    for t in d["unrunnable"]:
+        lines.append(f"waiting:  {t['id']} (engine {t['engine']}): {t['why']}")
+    return "\n".join(lines)

@@ -45,7 +45,6 @@ from ..core.errors import CredentialInDiff, FilaError
 from ..core.faults import crash_point
 from ..core.layout import Root
 from ..core.models import Policy, Record
-from ..queue import store as queue
 from ..workspace import jobdir, overlay, secretscan
 from ..workspace.fswalk import escape_name, walk
 from ..workspace.hardgit import Git, tail
@@ -80,18 +79,21 @@ class Applied:
 
 def apply(root: Root, task_id: str, *, by: str | None = None, reason: str | None = None,
           three_way: bool = False, allow_git_metadata: bool = False,
-          allow_credential: bool = False) -> Applied:  # fmt: skip
+          allow_credential: bool = False, book: decision.Book = decision.FILE) -> Applied:  # fmt: skip
     """Apply a task's DIFF.patch to its project and record the decision (see the module doc).
     A member of a compare group is applied only if no other member was, and the others are then
-    marked superseded, under the group's lock (two people cannot land two members)."""
+    marked superseded, under the group's lock (two people cannot land two members).
+
+    `book`: where the record is read and the decision written (decision.Book); the job directory
+    and its manifest are always the root's (review/remote.py lays them out for a queue URL)."""
     from . import groups as compare
 
-    rec = queue.get_record(root.require(), task_id)
+    rec = book.get(root.require(), task_id)
     group = rec.task.group if rec.task else None
-    if group is None:
+    if group is None or book is not decision.FILE:  # groups are the file queue's (cli refuses them)
         return _apply_one(root, task_id, by=by, reason=reason, three_way=three_way,
                           allow_git_metadata=allow_git_metadata,
-                          allow_credential=allow_credential)  # fmt: skip
+                          allow_credential=allow_credential, book=book)  # fmt: skip
     with compare.group_lock(root, group):
         compare.check_not_decided(root, rec)
         res = _apply_one(root, task_id, by=by, reason=reason, three_way=three_way,
@@ -104,18 +106,19 @@ def apply(root: Root, task_id: str, *, by: str | None = None, reason: str | None
 
 
 def _apply_one(root: Root, task_id: str, *, by: str | None, reason: str | None,
-               three_way: bool, allow_git_metadata: bool, allow_credential: bool) -> Applied:  # fmt: skip
+               three_way: bool, allow_git_metadata: bool, allow_credential: bool,
+               book: decision.Book = decision.FILE) -> Applied:  # fmt: skip
     who, why = decision.decider(by), decision.check_reason(reason)
-    queue.get_record(root.require(), task_id)  # NotFound before any lock file is made
+    book.get(root.require(), task_id)  # NotFound before any lock file is made
     with decision.lock(root, task_id):
-        rec = queue.get_record(root, task_id)
+        rec = book.get(root, task_id)
         decision.check_undecided(rec, "apply")
         policy = patch.policy_for(root, rec)
         data = patch.read_reviewed(root, rec, policy)
         staging = root.meta(task_id) / "apply"
         marker = landing.read_marker(root, task_id)
         if marker is not None:
-            return _resume(root, rec, marker, staging, who, why)
+            return _resume(root, rec, marker, staging, who, why, book)
         _check_credentials(rec, allow_credential)
         try:
             pt = patch.parse(data)
@@ -138,7 +141,7 @@ def _apply_one(root: Root, task_id: str, *, by: str | None, reason: str | None,
                     plan.merge()
                 ops = plan.ops()
                 landing.write_marker(root, task_id, rec.patch_sha256, project, ops, plan.merged)
-                queue.log_event(
+                book.log(
                     root,
                     task_id,
                     "apply started",
@@ -153,12 +156,18 @@ def _apply_one(root: Root, task_id: str, *, by: str | None, reason: str | None,
             if landing.read_marker(root, task_id) is None:
                 shutil.rmtree(staging, ignore_errors=True)
             raise
-        new = decision.record(root, task_id, "apply", by=who, reason=why,
-                              expect=decision.DECIDABLE["apply"])  # fmt: skip
+        new = book.decide(root, task_id, "apply", by=who, reason=why,
+                          expect=decision.DECIDABLE["apply"])  # fmt: skip
         landing.clear(root, task_id)
         return Applied(new, project, written, deleted, [escape_name(p) for p in plan.merged],
                        [escape_name(p) for p in plan.moved_untouched],
                        credential_markers=plan.markers)  # fmt: skip
+
+
+def patch_git(where: Path) -> Git:
+    """git for applying patches, as step 4 runs it: none of the host's or the project's
+    configuration, attributes overridden, hooks off; its private state under `where`."""
+    return Git(where, purpose="applying patches", config=_GIT_CONFIG, attributes=_ATTRIBUTES)
 
 
 def _check_credentials(rec: Record, allowed: bool) -> None:
@@ -463,7 +472,7 @@ def _what(want: State, cur: State) -> str:
 
 
 def _resume(root: Root, rec: Record, marker: dict[str, Any], staging: Path, who: str,
-            why: str | None) -> Applied:  # fmt: skip
+            why: str | None, book: decision.Book) -> Applied:  # fmt: skip
     """Finish an apply that was interrupted after its marker was written."""
     tid = rec.id
     if marker.get("patch_sha256") != rec.patch_sha256:
@@ -488,9 +497,9 @@ def _resume(root: Root, rec: Record, marker: dict[str, Any], staging: Path, who:
                 odd,
                 hint=f"inspect them; the intended contents are in {staging}/after",
             )
-        queue.log_event(root, tid, "apply resumed", by=who, files=len(ops))
+        book.log(root, tid, "apply resumed", by=who, files=len(ops))
         written, deleted = landing.land(proj, ops, staging, tid, root, resuming=True)
-    new = decision.record(root, tid, "apply", by=who, reason=why, expect=decision.DECIDABLE["apply"])
+    new = book.decide(root, tid, "apply", by=who, reason=why, expect=decision.DECIDABLE["apply"])
     landing.clear(root, tid)
     merged = [escape_name(p) for p in marker.get("merged", [])]
     return Applied(new, project, written, deleted, merged, [], resumed=True)

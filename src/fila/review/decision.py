@@ -12,6 +12,7 @@ import getpass
 import os
 import unicodedata
 from collections.abc import Iterator
+from typing import Any, Protocol
 
 from ..core.errors import InvalidInput, InvalidTransition
 from ..core.fsutil import file_lock
@@ -99,6 +100,36 @@ def record(root: Root, task_id: str, action: str, *, by: str, reason: str | None
         decision=decision,
         log={"decision": decision.model_dump(mode="json")},
     )
+
+
+class Book(Protocol):
+    """Where a task's record and its decision live, for `apply` (review/apply.py): the file queue
+    under the root (FILE), or a PostgreSQL queue (review/remote.py), which records a decision once
+    for every host that reaches it."""
+
+    def get(self, root: Root, task_id: str) -> Record: ...
+
+    def log(self, root: Root, task_id: str, event: str, **data: Any) -> None: ...
+
+    def decide(self, root: Root, task_id: str, action: str, *, by: str, reason: str | None,
+               expect: set[Status]) -> Record: ...  # fmt: skip
+
+
+class FileBook:
+    """The file queue under the root: its records, its event logs, `record` for the decision."""
+
+    def get(self, root: Root, task_id: str) -> Record:
+        return queue.get_record(root, task_id)
+
+    def log(self, root: Root, task_id: str, event: str, **data: Any) -> None:
+        queue.log_event(root, task_id, event, **data)
+
+    def decide(self, root: Root, task_id: str, action: str, *, by: str, reason: str | None,
+               expect: set[Status]) -> Record:  # fmt: skip
+        return record(root, task_id, action, by=by, reason=reason, expect=expect)
+
+
+FILE = FileBook()
 
 
 def reject(root: Root, task_id: str, *, by: str | None = None, reason: str | None = None) -> Record:

@@ -92,6 +92,7 @@ def run_engines(
             container_id: str, engine_name: str = name, image_ref: ImageRef = image_ref, marks: dict = marks
         ) -> None:
             run.hooks.before_start()
+            run.hooks.starting(container_id)
             # The flag first: if the checkpoint's outcome is unknown, assume it started.
             run.container_started = True
             run.checkpoint(

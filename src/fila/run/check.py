@@ -33,6 +33,9 @@ class Gate(Protocol):
     def before_start(self) -> None:
         """Last chance to stop before the container starts (a draining worker stops here)."""
 
+    def starting(self, container: str) -> None:
+        """The container is about to start (a runner of the PostgreSQL queue marks it started)."""
+
 
 class Job(Protocol):
     """What the check needs of the claimed job it runs in: where it is, whose claim it runs
@@ -107,6 +110,7 @@ def run_check(
 
     def before_start(container_id: str) -> None:
         job.hooks.before_start()
+        job.hooks.starting(container_id)
         job.checkpoint(container=container_id, event="check started")
         job.fence()
 

@@ -41,6 +41,11 @@ class Hooks:
         """Last chance to stop before the side-effect boundary; a draining worker stops here."""
         self.check()
 
+    def starting(self, container: str) -> None:
+        """The container `container` starts as soon as this returns (after before_start): the
+        side-effect boundary. A runner of the PostgreSQL queue marks the task started in the
+        database here (run/remote.py); raising stops the job before its container starts."""
+
     def timings(self) -> dict[str, float]:
         """Seconds this task cost before `run_one` (the process's start-up, the claim), first in
         the record's `timings`."""

@@ -58,6 +58,27 @@ def put(cur: Any, task_id: str, attempt: int, blobs: list[Blob]) -> None:
         )
 
 
+def put_missing(cur: Any, blobs: list[Blob]) -> tuple[int, int]:
+    """Store the blobs (already checked) whose content the database does not hold yet, inside
+    the caller's transaction: (how many were sent, their bytes). A content present already is
+    not sent again."""
+    wanted = {b.sha256: b for b in blobs}
+    if not wanted:
+        return 0, 0
+    rows = cur.execute("SELECT sha256 FROM fila_blobs WHERE sha256 = ANY(%s)", (list(wanted),)).fetchall()
+    have = {r[0] for r in rows}
+    sent = size = 0
+    for sha, b in wanted.items():
+        if sha in have:
+            continue
+        cur.execute(
+            "INSERT INTO fila_blobs (sha256, size, data) VALUES (%s, %s, %s) ON CONFLICT (sha256) DO NOTHING",
+            (sha, len(b.data), b.data),
+        )
+        sent, size = sent + 1, size + len(b.data)
+    return sent, size
+
+
 def read(conn: Any, sha256: str) -> bytes | None:
     """The bytes stored under `sha256`, checked; None when there is none; BlobMismatch when what
     the database returns does not hash to its name."""

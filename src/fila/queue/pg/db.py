@@ -55,7 +55,13 @@ def retryable(err: BaseException) -> bool:
 class Database:
     """One queue database, shared by this process's threads (a pool of `max_size` connections)."""
 
-    def __init__(self, url: str, *, max_size: int = 4, reconnect_s: float = 30.0) -> None:
+    def __init__(
+        self, url: str, *, max_size: int = 4, reconnect_s: float = 30.0, io_timeout_s: float | None = None
+    ) -> None:
+        """`io_timeout_s` (a runner's connections): no statement runs longer on the server
+        (statement_timeout), and over TCP a peer that stops acknowledging or answering keepalives
+        breaks the connection within about that long (tcp_user_timeout, keepalives), so a call
+        on a silently partitioned network returns with an error instead of blocking for ever."""
         from psycopg_pool import ConnectionPool
 
         self.params = conninfo.parse(url)
@@ -64,12 +70,24 @@ class Database:
         self.reconnect_s = reconnect_s
         with conninfo.connect(url) as conn:  # a clear error for a wrong URL, credentials or schema
             migrate.check(conn, self.where)
+        kwargs: dict[str, Any] = {"autocommit": True, "connect_timeout": 10}
+        configure = None
+        if io_timeout_s is not None:
+            ms = max(1000, int(io_timeout_s * 1000))
+            idle = max(1, int(io_timeout_s / 3))
+            kwargs.update(tcp_user_timeout=ms, keepalives=1, keepalives_idle=idle,
+                          keepalives_interval=idle, keepalives_count=3)  # fmt: skip
+
+            def configure(conn: Any) -> None:  # a SET, not `options`: the URL's own options stay
+                conn.execute(f"SET statement_timeout = {ms}")
+
         self.pool = ConnectionPool(
             url,
             min_size=1,
             max_size=max_size,
             open=False,
-            kwargs={"autocommit": True, "connect_timeout": 10},
+            kwargs=kwargs,
+            configure=configure,
             name="fila-queue",
         )
         self.pool.open(wait=False)
@@ -172,6 +190,37 @@ class Database:
         for state, engine, n in rows:
             out.setdefault(state, {})[engine] = n
         return out
+
+    def runners(self, live_s: float) -> list[dict[str, Any]]:
+        """The runners the queue knows, each with `live`: not stopped and seen within `live_s`
+        seconds on the database's clock; `seen_s` ago on that clock too; `policies` the ones it
+        takes (None: any)."""
+        rows = self._tx(
+            lambda conn, _again: conn.execute(
+                "SELECT id, engines, policies, images, slots, started_at, seen_at, stopped_at, "
+                "extract(epoch FROM now() - seen_at), "
+                "stopped_at IS NULL AND seen_at > now() - make_interval(secs => %s) "
+                "FROM fila_runners ORDER BY id",
+                (live_s,),
+            ).fetchall()
+        )
+        keys = ("id", "engines", "policies", "images", "slots", "started_at", "seen_at", "stopped_at",
+                "seen_s", "live")  # fmt: skip
+        out = [dict(zip(keys, r, strict=True)) for r in rows]
+        for r in out:
+            r["seen_s"] = float(r["seen_s"])
+            for k in ("started_at", "seen_at", "stopped_at"):
+                r[k] = records.iso(r[k]) if r[k] is not None else None
+        return out
+
+    def queued(self) -> list[tuple[str, str, str]]:
+        """(task id, engine, policy) of every queued task, oldest first."""
+        return self._tx(
+            lambda conn, _again: conn.execute(
+                "SELECT id, engine, coalesce(task->>'policy', 'default') FROM fila_tasks "
+                "WHERE state = 'queued' ORDER BY submitted_at, id"
+            ).fetchall()
+        )
 
     def task_blobs(self, task_id: str) -> dict[str, str]:
         """name -> sha256 of the blobs the task's publish named."""

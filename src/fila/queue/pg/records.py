@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ...core.errors import InvalidTransition
-from ...core.models import ErrorInfo, ErrorKind, Record, Status
+from ...core.models import Attempt, ErrorInfo, ErrorKind, Record, Status
 from ..records import claim_changes, next_record
 
 # The record fields a runner's checkpoint or publish may set: what its run found. The rest are
@@ -48,6 +48,20 @@ def started(task_id: str, cur: Record, at: datetime, *, runner: str, engine: str
         expect={Status.queued},
         changes=claim_changes(cur, attempt, engine, runner, iso(at)),
     )
+
+
+def this_claim(cur: Record, ran: list[Attempt], run: int, runner: str, at: datetime) -> list[Attempt]:
+    """The record's attempts with claim `run`'s replaced by `ran` (a runner's view of the engines
+    it ran): numbered after the earlier claims' attempts, each under claim `run` and `runner`,
+    and closed at `at` when the runner left one open."""
+    earlier = [a for a in cur.attempts if a.run != run]
+    out = []
+    for i, a in enumerate(ran):
+        own = {"number": len(earlier) + i + 1, "run": run, "worker": runner}
+        if a.ended_at is None:
+            own["ended_at"] = iso(at)
+        out.append(a.model_copy(update=own))
+    return [*earlier, *out]
 
 
 def result_fields(task_id: str, fields: dict[str, Any]) -> dict[str, Any]:

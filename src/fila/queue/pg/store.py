@@ -38,7 +38,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from ...core.errors import DuplicateId, FilaError, InvalidInput, InvalidTransition, NotFound
-from ...core.models import Decision, ErrorInfo, ErrorKind, Record, Status, Task
+from ...core.models import Attempt, Decision, ErrorInfo, ErrorKind, Record, Status, Task
 from ...core.states import valid_id
 from ..retry import INFRA, RetryPolicy
 from ..store import LeaseLost
@@ -50,6 +50,9 @@ from .db import CHANNEL, Database, retryable
 S = Status
 log = logging.getLogger(__name__)
 OUTCOMES = {S.needs_review, S.failed, S.needs_human}
+# The blob that names a task's targets (path, kind, mode, sha256 of each): sent with the task,
+# read by the runner that claims it, and published again with its outcome.
+INPUTS = "input.manifest"
 # The row a lease holds: its id, its token, still running, not expired on the database's clock.
 HELD = "id = %s AND token = %s AND state = 'running' AND lease_expires_at > now()"
 
@@ -70,6 +73,7 @@ CLAIM_SQL = """
 WITH pick AS (
     SELECT id FROM fila_tasks
     WHERE state = 'queued' AND engine = ANY(%(engines)s) AND (not_before IS NULL OR not_before <= now())
+      AND (%(policies)s::text[] IS NULL OR coalesce(task->>'policy', 'default') = ANY(%(policies)s))
     ORDER BY submitted_at, id
     LIMIT 1
     FOR UPDATE SKIP LOCKED
@@ -84,6 +88,10 @@ RETURNING t.id, t.token, t.attempt, t.task, t.lease_expires_at, now(),
 """
 
 
+def runner_of(rec: Record) -> str:
+    return rec.worker or "unknown"
+
+
 def _seconds(value: float) -> timedelta:
     return timedelta(seconds=value)
 
@@ -94,10 +102,22 @@ class PgQueue(Database):
     # -- submit ---------------------------------------------------------------------------------
 
     def enqueue(
-        self, task_id: str, task: Task, *, max_tries: int | None = None, notify: bool = True
+        self,
+        task_id: str,
+        task: Task,
+        *,
+        max_tries: int | None = None,
+        notify: bool = True,
+        inputs: Blob | None = None,
+        files: Iterable[Blob] = (),
     ) -> Record:
         """Queue a validated task: its row, its record (queued) and its `submitted` event. An id
-        that exists is refused (DuplicateId); `notify` wakes waiting runners (a hint)."""
+        that exists is refused (DuplicateId); `notify` wakes waiting runners (a hint).
+
+        `inputs` (the targets' manifest, named INPUTS) and `files` (the bytes it names) travel in
+        the same transaction: each is checked against its sha256 first (BlobMismatch: nothing
+        written), and a content the database holds already is not sent again (the `submitted`
+        event counts what was sent)."""
         from psycopg.types.json import Jsonb
 
         if not valid_id(task_id):
@@ -116,6 +136,9 @@ class PgQueue(Database):
                 task_id=task_id,
             )
         budget = max_tries if max_tries is not None else (INFRA.attempts or 1)
+        uploads = [*([inputs] if inputs is not None else []), *files]
+        for b in uploads:
+            blobstore.check(b, task_id=task_id)
 
         def run(conn: Any, again: bool) -> Record:
             row = conn.execute(
@@ -134,7 +157,15 @@ class PgQueue(Database):
                 )
             at = row[0]
             rec = records.transition(task_id, None, S.queued, at, task=task)
-            self._write(conn, task_id, rec, "submitted", {"from": None, "to": "queued"})
+            data: dict[str, Any] = {"from": None, "to": "queued"}
+            if inputs is not None:
+                sent, size = blobstore.put_missing(conn, uploads)
+                conn.execute(
+                    "INSERT INTO fila_task_blobs (task_id, name, sha256, attempt) VALUES (%s, %s, %s, 0)",
+                    (task_id, INPUTS, inputs.sha256),
+                )
+                data["inputs"] = {"blobs": len({b.sha256 for b in uploads}), "sent": sent, "bytes_sent": size}
+            self._write(conn, task_id, rec, "submitted", data)
             if notify:
                 conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, task_id))
             return rec
@@ -143,16 +174,20 @@ class PgQueue(Database):
 
     # -- claim and lease ------------------------------------------------------------------------
 
-    def claim(self, runner: str, engines: Iterable[str], ttl: float) -> Lease | None:
-        """The oldest queued task this runner can run (its engine is in `engines`, its backoff
-        over), claimed in one statement that skips rows other runners hold: running, this
-        runner's, a new token, a lease of `ttl` seconds on the database's clock. None: no task.
+    def claim(
+        self, runner: str, engines: Iterable[str], ttl: float, *, policies: Iterable[str] | None = None
+    ) -> Lease | None:
+        """The oldest queued task this runner can run (its engine is in `engines`, its policy in
+        `policies` unless that is None, its backoff over), claimed in one statement that skips
+        rows other runners hold: running, this runner's, a new token, a lease of `ttl` seconds
+        on the database's clock. None: no task.
 
         The call's random nonce is stored with the claim: when the commit's reply was lost and
         the transaction runs again, the task this call claimed is found by it and its lease
         returned, never a second task claimed. A task whose stored document no longer validates
         fails (queued -> failed, the reason in its error) and the next one is claimed."""
         engines = sorted(set(engines))
+        pols = sorted(set(policies)) if policies is not None else None
         nonce = secrets.token_hex(16)
 
         def run(conn: Any, again: bool) -> Lease | None:
@@ -167,7 +202,14 @@ class PgQueue(Database):
                     return Lease(tid, token, runner, attempt, Task.model_validate(doc), expires)
             while True:
                 row = conn.execute(
-                    CLAIM_SQL, {"engines": engines, "runner": runner, "ttl": _seconds(ttl), "nonce": nonce}
+                    CLAIM_SQL,
+                    {
+                        "engines": engines,
+                        "policies": pols,
+                        "runner": runner,
+                        "ttl": _seconds(ttl),
+                        "nonce": nonce,
+                    },
                 ).fetchone()
                 if row is None:
                     return None
@@ -199,7 +241,14 @@ class PgQueue(Database):
         self._write(conn, task_id, rec, "rejected", {"from": "queued", "to": "failed"})
 
     def claim_wait(
-        self, runner: str, engines: Iterable[str], ttl: float, *, poll_s: float, timeout: float
+        self,
+        runner: str,
+        engines: Iterable[str],
+        ttl: float,
+        *,
+        poll_s: float,
+        timeout: float,
+        policies: Iterable[str] | None = None,
     ) -> Lease | None:
         """`claim`, waiting up to `timeout` seconds for a task: woken early by a NOTIFY, and at the
         latest every `poll_s` seconds whether or not a notification arrived."""
@@ -207,7 +256,7 @@ class PgQueue(Database):
         end = time.monotonic() + timeout
         while True:
             self._listen()  # before the claim: a task queued after it empties the wait at once
-            lease = self.claim(runner, engines, ttl)
+            lease = self.claim(runner, engines, ttl, policies=policies)
             left = end - time.monotonic()
             if lease is not None or left <= 0:
                 return lease
@@ -287,11 +336,18 @@ class PgQueue(Database):
         status: Status,
         fields: dict[str, Any],
         blobs: Iterable[Blob] = (),
+        *,
+        ran: list[Attempt] | None = None,
     ) -> Record | None:
         """The runner's outcome (needs_review, failed, needs_human) with its blobs, in one
         transaction, only while `token` holds the lease. A stale token writes nothing but a
         `result discarded` event and returns None. Every blob's sha256 is checked first
-        (BlobMismatch: nothing written)."""
+        (BlobMismatch: nothing written).
+
+        `ran`: the engines this claim ran, in order (a fallback after the engine's quota adds
+        one), as the runner saw them. They replace this claim's open attempt in the record; the
+        queue's parts of each (its number, the claim it ran under, the runner) are the queue's,
+        set here, and the earlier claims' attempts stay as they are."""
         if status not in OUTCOMES:
             raise InvalidTransition(f"publish takes an outcome ({', '.join(sorted(OUTCOMES))}), not {status}")
         changes = records.result_fields(task_id, fields)
@@ -323,7 +379,10 @@ class PgQueue(Database):
                 return None
             blobstore.put(conn, task_id, attempt, items)
             cur = self._record(conn, task_id)
-            rec = records.transition(task_id, cur, status, at, expect={S.running}, changes=changes)
+            now = changes
+            if ran:
+                now = {**changes, "attempts": records.this_claim(cur, ran, attempt, runner_of(cur), at)}
+            rec = records.transition(task_id, cur, status, at, expect={S.running}, changes=now)
             conn.execute(
                 "UPDATE fila_tasks SET state = %s, lease_expires_at = NULL, updated_at = now() WHERE id = %s",
                 (str(status), task_id),
@@ -492,6 +551,58 @@ class PgQueue(Database):
             return rec
 
         return self._tx(run)
+
+    # -- runners --------------------------------------------------------------------------------
+
+    def runner_up(
+        self,
+        runner: str,
+        engines: Iterable[str],
+        *,
+        images: dict[str, str],
+        slots: int,
+        policies: Iterable[str] | None = None,
+    ) -> None:
+        """A runner starts: its row written (again) with what it can take (`policies` None: any
+        policy); seen now."""
+        from psycopg.types.json import Jsonb
+
+        pols = sorted(set(policies)) if policies is not None else None
+        self._tx(
+            lambda conn, _again: conn.execute(
+                "INSERT INTO fila_runners (id, engines, images, slots, policies) VALUES (%s, %s, %s, %s, %s) "
+                "ON CONFLICT (id) DO UPDATE SET engines = EXCLUDED.engines, images = EXCLUDED.images, "
+                "slots = EXCLUDED.slots, policies = EXCLUDED.policies, started_at = now(), "
+                "seen_at = now(), stopped_at = NULL",
+                (runner, sorted(set(engines)), Jsonb(images), slots, pols),
+            )
+        )
+
+    def runner_beat(self, runner: str) -> None:
+        """The runner's heartbeat: seen now (the database's clock)."""
+        self._tx(
+            lambda conn, _again: conn.execute(
+                "UPDATE fila_runners SET seen_at = now(), stopped_at = NULL WHERE id = %s", (runner,)
+            )
+        )
+
+    def runner_down(self, runner: str) -> None:
+        """The runner stops: it takes nothing more (its row stays, for `fila status`)."""
+        self._tx(
+            lambda conn, _again: conn.execute(
+                "UPDATE fila_runners SET seen_at = now(), stopped_at = now() WHERE id = %s", (runner,)
+            )
+        )
+
+    def note(self, task_id: str, event: str, data: dict[str, Any]) -> None:
+        """An event in the task's log that changes nothing else (a reviewer's `apply started`)."""
+
+        def run(conn: Any, _again: bool) -> None:
+            if conn.execute("SELECT 1 FROM fila_tasks WHERE id = %s", (task_id,)).fetchone() is None:
+                raise NotFound(f"no task {task_id!r} in the queue database {self.where}")
+            self._event(conn, task_id, event, data)
+
+        self._tx(run)
 
     def _settle(
         self,

@@ -1,0 +1,201 @@
+"""Review from anywhere (docs/scale-out.md): the decision on a task of a PostgreSQL queue, taken
+from the reviewer's own queue root with the same checks as on the file queue.
+
+The task's job directory stays on its runner. `apply` lays out in the reviewer's root what
+review/apply.py reads, each piece checked on its way out of the database: `sandbox/jobs/<id>/
+input` from the task's input manifest and blobs (each against its sha256 and size),
+`DIFF.patch` from its blob (against the sha256 the record names), `work/` as input/ with that
+patch applied (the runner's work/ does not travel; the patch's sha256 is what ties the review to
+what lands), and `sandbox/meta/<id>/manifest.json` naming the reviewer's root as the project.
+apply then runs its recipe unchanged: the paths' checks, moved base against the reviewer's
+files or `--3way`, the landing and its marker (an interrupted apply is finished by running it
+again). The decision is written to the database (QueueBook), once for everyone: a task another
+reviewer decided meanwhile is refused naming who decided, and the copy is removed once the
+decision is recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from ..core import fsutil
+from ..core.errors import InvalidInput, InvalidTransition, NotFound, Refused
+from ..core.layout import Root
+from ..core.models import Decision, Record, Status, now_iso
+from ..queue.pg.inputs import check_limits, read_manifest, unpack
+from ..queue.pg.store import INPUTS, PgQueue
+from ..workspace import jobdir
+from . import decision, landing, patch
+from .apply import Applied, apply, patch_git
+
+# Written last when the copy is complete: a job directory without it is not this module's.
+MARK = "remote.json"
+
+
+def queued_patch(db: PgQueue, rec: Record) -> bytes:
+    """The task's DIFF.patch blob, which must be the patch its record names (sha256)."""
+    sha = db.task_blobs(rec.id).get("DIFF.patch")
+    if sha is None or not rec.patch_sha256:
+        raise NotFound(
+            f"task {rec.id} has no DIFF.patch in the queue database {db.where} (status {rec.status})",
+            task_id=rec.id,
+            hint="`fila show ID --queue URL` tells why; a failed task may have no diff",
+        )
+    if sha != rec.patch_sha256:
+        raise Refused(
+            f"task {rec.id}: the DIFF.patch blob is sha256 {sha}, its record names {rec.patch_sha256}",
+            task_id=rec.id,
+            hint="nothing was written; the database's copy changed after the runner published it",
+        )
+    return db.blob(sha)  # checked against its sha256 on the way out
+
+
+def queued_log(db: PgQueue, task_id: str, *, events: bool = False) -> bytes:
+    """The engine's log its runner published (the `log` blob, checked against its sha256), or
+    with `events` the queue's events of the task as JSON lines."""
+    if events:
+        return b"".join(json.dumps(e, default=str).encode() + b"\n" for e in db.events(task_id))
+    rec = db.get(task_id)  # NotFound for an unknown id
+    sha = db.task_blobs(task_id).get("log")
+    if sha is None:
+        raise NotFound(
+            f"task {task_id} has no log in the queue database {db.where} (status {rec.status})",
+            task_id=task_id,
+            hint="a runner publishes the log when the task ends; `--events` shows where it is",
+        )
+    return db.blob(sha)
+
+
+def decide(db: PgQueue, task_id: str, action: str, *, by: str, reason: str | None) -> Record:
+    """The decision written to the database once; a task decided meanwhile (by anyone, from any
+    host) is refused naming who decided (decision.check_undecided)."""
+    to = Status.applied if action == "apply" else Status.rejected
+    made = Decision(action=to.value, by=by, at=now_iso(), reason=reason)
+    try:
+        return db.decide(task_id, to, made, expect=decision.DECIDABLE[action])
+    except InvalidTransition:
+        decision.check_undecided(db.get(task_id), action)
+        raise
+
+
+class QueueBook:
+    """decision.Book for a PostgreSQL queue: the record from the database (its patch named where
+    `apply` finds the copy), events and the decision written there."""
+
+    def __init__(self, db: PgQueue) -> None:
+        self.db = db
+
+    def get(self, root: Root, task_id: str) -> Record:
+        rec = self.db.get(task_id)
+        if not rec.patch_path:
+            return rec
+        local = (root.job_dir(task_id) / "DIFF.patch").relative_to(root.path)
+        return rec.model_copy(update={"patch_path": local.as_posix()})
+
+    def log(self, root: Root, task_id: str, event: str, **data: Any) -> None:
+        self.db.note(task_id, event, {**data, "reviewer_root": str(root.path)})
+
+    def decide(self, root: Root, task_id: str, action: str, *, by: str, reason: str | None,
+               expect: set[Status]) -> Record:  # fmt: skip
+        return decide(self.db, task_id, action, by=by, reason=reason)
+
+
+def apply_queued(root: Root, db: PgQueue, task_id: str, **options: Any) -> Applied:
+    """`fila apply ID --queue URL`: the task's patch landed in the reviewer's root (its project)
+    with apply's checks, the decision recorded in the database. `options` are apply's."""
+    root.require()
+    rec = db.get(task_id)
+    decision.check_undecided(rec, "apply")  # decided elsewhere: refused before anything is copied
+    if rec.task is not None and rec.task.group:
+        raise InvalidInput(
+            f"task {task_id} is a member of compare group {rec.task.group}; groups are decided on "
+            "the file queue only for now",
+            task_id=task_id,
+            hint="apply its patch by hand (`fila diff ID --queue URL | git apply`), "
+            "then `fila reject` the others",
+        )
+    _lay_out(root, db, rec)
+    try:
+        res = apply(root, task_id, book=QueueBook(db), **options)
+    except BaseException:
+        if landing.read_marker(root, task_id) is None:  # nothing landed: no copy left behind
+            _drop(root, task_id)
+        raise
+    _drop(root, task_id)
+    return res
+
+
+def reject_queued(db: PgQueue, task_id: str, *, by: str | None, reason: str | None) -> Record:
+    """`fila reject ID --queue URL`: the decision in the database, once for everyone."""
+    who, why = decision.decider(by), decision.check_reason(reason)
+    decision.check_undecided(db.get(task_id), "reject")
+    return decide(db, task_id, "reject", by=who, reason=why)
+
+
+def _lay_out(root: Root, db: PgQueue, rec: Record) -> None:
+    """The copy apply reads (see the module doc), made afresh unless an interrupted apply of
+    this task left its marker (then the copy it staged is finished as it is)."""
+    tid = rec.id
+    job, meta = root.job_dir(tid), root.meta(tid)
+    ours = (meta / MARK).is_file()
+    if ours and landing.read_marker(root, tid) is not None:
+        return
+    if not ours and (job.exists() or meta.exists()):
+        raise InvalidInput(
+            f"task id {tid} of the queue database {db.where} is also a job of this root ({job})",
+            task_id=tid,
+            hint="apply it from another queue root, or `fila gc` this root's decided jobs first",
+        )
+    for d in (job, meta):
+        if d.exists():
+            fsutil.remove_tree(d)
+    data = queued_patch(db, rec)  # refused before anything is laid out
+    sha = db.task_blobs(tid).get(INPUTS)
+    if sha is None:
+        raise NotFound(f"task {tid} has no {INPUTS} in the queue database {db.where}", task_id=tid)
+    manifest = db.blob(sha)
+    targets, entries = read_manifest(manifest)
+    policy = patch.policy_for(root, rec)
+    check_limits(entries, policy.max_work_files, policy.max_work_bytes)  # before anything is written
+    meta.mkdir(parents=True)
+    (job / "input").mkdir(parents=True)
+    try:
+        unpack(db, manifest, job / "input", max_files=policy.max_work_files,
+               max_bytes=policy.max_work_bytes)  # fmt: skip
+        (job / "DIFF.patch").write_bytes(data)
+        shutil.copytree(job / "input", job / "work", symlinks=True)
+        if data:
+            _patch_work(meta, job, tid)
+        assert rec.task is not None
+        project = jobdir.project_of(root, rec.task.model_copy(update={"project": None}), policy)
+        doc = {"project": str(project), "targets": targets, "entries": entries}
+        fsutil.atomic_write(meta / "manifest.json", json.dumps(doc).encode())
+        fsutil.atomic_write(
+            meta / MARK, json.dumps({"queue": db.where, "patch_sha256": rec.patch_sha256}).encode()
+        )
+    except BaseException:
+        _drop(root, tid)
+        raise
+
+
+def _patch_work(meta: Path, job: Path, tid: str) -> None:
+    home = meta / "prep"
+    home.mkdir(exist_ok=True)
+    res = patch_git(home).run(
+        ["apply", "--whitespace=nowarn", str(job / "DIFF.patch")], work_tree=job / "work", check=False
+    )
+    if res.returncode != 0:
+        raise landing.refuse(
+            "the patch does not apply to the task's inputs as the database holds them: "
+            + res.stderr.decode(errors="replace")[-400:],
+            tid,
+        )
+
+
+def _drop(root: Root, task_id: str) -> None:
+    for d in (root.job_dir(task_id), root.meta(task_id)):
+        if d.exists():
+            fsutil.remove_tree(d)

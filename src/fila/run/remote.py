@@ -1,0 +1,398 @@
+"""A runner of the PostgreSQL queue: `fila worker --queue URL` (docs/scale-out.md,
+docs/architecture.md "The PostgreSQL queue").
+
+It claims from the database only tasks of the engines this host has, lays the task's targets
+out from their blobs (run/remote_inputs.py) in a job root of its own under its local root
+(`<root>/remote/<id>.<token>`, a queue root with this host's policies: secrets stay here), and
+runs the task there through the one run path (job.run_one), exactly as a file-queue worker does.
+The database is told what only the queue may record, through the lease's token:
+
+- `mark_started` just before the container starts (the hooks' `starting`): from then on a
+  lost lease sends the task to needs_human, never silently run again;
+- the lease renewed from a heartbeat thread; a renewal refused (LeaseLost) or not answered
+  before the lease runs out stops the job at its next check (the container is stopped) and
+  nothing is published;
+- the outcome (RESULT_FIELDS of the local record) and the blobs a reviewer needs (DIFF.patch, the
+  log, the input manifest, the job's events) in one publish, which a stale token cannot make;
+- a task handed back before its container started goes back to the queue (`hand_back`).
+
+The job root's own file queue is this runner's journal of the job (its record, claim and events);
+the database's record is the one reviewers read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ..core import fsutil
+from ..core.errors import EXIT_DOCKER, EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED, FilaError, InfraError
+from ..core.layout import Root
+from ..core.models import ErrorInfo, ErrorKind, Record, Status
+from ..engines import engine_names, get_engine
+from ..queue import store as queue
+from ..queue.pg.blobs import Blob
+from ..queue.pg.records import RESULT_FIELDS
+from ..queue.pg.store import INPUTS, OUTCOMES, Lease, PgQueue
+from ..queue.policy import load_policy
+from ..queue.retry import INFRA
+from . import job as cycle
+from .claimed import Hooks, Interrupted
+from .remote_inputs import unpack
+
+if TYPE_CHECKING:
+    from ..sandbox import Backend
+
+LEASE_S = 30.0  # a claim's lease on the database's clock; renewed every LEASE_S / 3
+BEAT_S = 10.0  # a runner's heartbeat in the runners table, between claims
+LIVE_S = 60.0  # a runner not seen for this long is not live (`fila status --queue`)
+IO_TIMEOUT_S = 120.0  # the longest a runner's database call may block (statement, TCP)
+DOWN_MAX_S = 30.0  # the longest wait between tries while the database does not answer
+
+
+def default_host_id() -> str:
+    return f"{socket.gethostname()[:60]}-{os.getpid()}"
+
+
+class LeaseHooks(Hooks):
+    """The run path's hooks for one database lease: the started mark before the container, and
+    a stop at the next check once the lease is lost or the runner is stopping."""
+
+    def __init__(self, q: PgQueue, lease: Lease, cancel: threading.Event, ttl: float) -> None:
+        """`ttl`: the lease's length; the lease counts as lost once `ttl` (less a tenth) has passed
+        on this host's monotonic clock since the claim or the last renewal that succeeded was
+        sent (`renewed`), whether or not a renewal is still waiting for its answer: a renewal
+        blocked on a silent network cannot keep a container running past the lease."""
+        self.q, self.lease, self.cancel = q, lease, cancel
+        self.lost = threading.Event()
+        self.marked = False
+        self.ttl = ttl
+        self.valid_until = time.monotonic() + self.ttl * 0.9
+
+    def renewed(self, sent: float) -> None:
+        """A renewal sent at monotonic time `sent` succeeded: the lease holds until sent + ttl."""
+        self.valid_until = max(self.valid_until, sent + self.ttl * 0.9)
+
+    def check(self) -> None:
+        if not self.lost.is_set() and time.monotonic() >= self.valid_until:
+            self.lost.set()
+        if self.lost.is_set():
+            raise queue.LeaseLost(f"task {self.lease.task_id}: token {self.lease.token} lost its lease")
+        if self.cancel.is_set():
+            raise Interrupted("the runner is stopping")
+
+    def starting(self, container: str) -> None:
+        """The started mark, once per claim: a fallback engine's or the check's container later
+        in the same run crosses no new boundary (the lease is checked all the same)."""
+        self.check()
+        if self.marked:
+            return
+        try:
+            self.q.mark_started(self.lease.task_id, self.lease.token, container=container)
+        except queue.LeaseLost:
+            self.lost.set()
+            raise
+        self.marked = True
+
+
+class Renewer(threading.Thread):
+    """Renews one lease every `every` seconds; sets `hooks.lost` when the database refuses it, or
+    when no renewal succeeded before the last granted lease ran out (measured on this host's
+    monotonic clock from the moment the renewal was sent: an under-estimate of the database's)."""
+
+    def __init__(self, q: PgQueue, hooks: LeaseHooks, ttl: float, claim: queue.Claim | None) -> None:
+        super().__init__(name=f"fila-lease-{hooks.lease.task_id}", daemon=True)
+        self.q, self.hooks, self.ttl, self.claim = q, hooks, ttl, claim
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        lease = self.hooks.lease
+        while not self.stop.wait(self.ttl / 3):
+            if self.claim is not None:
+                queue.heartbeat(self.claim)
+            sent = time.monotonic()
+            try:
+                self.q.renew(lease.task_id, lease.token, self.ttl)
+                self.hooks.renewed(sent)
+                self.q.runner_beat(lease.runner)
+            except queue.LeaseLost:
+                self.hooks.lost.set()
+                return
+            except FilaError:
+                if time.monotonic() >= self.hooks.valid_until:
+                    self.hooks.lost.set()
+                    return
+
+
+def images_of(backend: Backend, engines: list[str]) -> dict[str, str]:
+    """engine -> its image as this host has it (tag and id), for the queue's runners table."""
+    out = {}
+    for name in engines:
+        with contextlib.suppress(FilaError):
+            tag = get_engine(name).image_tag()
+            ref = backend.image(tag)
+            out[name] = f"{tag} {ref.id}" if ref is not None and ref.id else tag
+    return out
+
+
+def engines_here(backend: Backend) -> list[str]:
+    """The engines whose image this host's container engine has."""
+    out = []
+    for name in engine_names():
+        with contextlib.suppress(FilaError):
+            if backend.image(get_engine(name).image_tag()) is not None:
+                out.append(name)
+    return out
+
+
+class RemoteWorker:
+    """Claims and runs tasks of one queue database from the local root `root`."""
+
+    def __init__(
+        self,
+        root: Root,
+        url: str,
+        *,
+        host_id: str | None = None,
+        engines: list[str] | None = None,
+        policies: list[str] | None = None,
+        once: bool = False,
+        backend: Backend | None = None,
+        lease_s: float = LEASE_S,
+        poll_s: float = 1.0,
+        reconnect_s: float = 30.0,
+        keep: bool = False,
+        on_record: Callable[[Record], None] = lambda _r: None,
+        progress: Callable[[str], None] = lambda _m: None,
+    ) -> None:
+        from ..sandbox import get_backend, root_backend
+
+        self.root, self.url, self.once = root.require(), url, once
+        self.id = host_id or default_host_id()
+        self.owns_backend = backend is None
+        self.backend = backend or get_backend(root_backend(root))
+        self.engines = engines
+        self.policies = sorted(set(policies)) if policies else None  # None: any policy of the root
+        self.lease_s, self.poll_s, self.keep = lease_s, poll_s, keep
+        self.reconnect_s = reconnect_s
+        self.on_record, self.progress = on_record, progress
+        self.cancel = threading.Event()
+        self.records: list[Record] = []
+        self.infra_error: FilaError | None = None
+        self.interrupted = False
+        self.beat: PgQueue | None = None
+
+    def _on_signal(self, sig: int, _frame: Any) -> None:
+        self.interrupted = sig == signal.SIGINT
+        self.cancel.set()
+
+    def run(self) -> int:
+        """Claim and run until the queue has nothing for this host (`once`) or a signal; the exit
+        code as `fila run --once`'s."""
+        self.backend.ping()
+        for name in self.engines or ():
+            get_engine(name)  # UnknownEngine names the valid ones
+        for name in self.policies or ():
+            load_policy(self.root, name)  # a policy this root cannot load is refused before a claim
+        engines = self.engines or engines_here(self.backend)
+        if not engines:
+            raise InfraError(
+                f"{self.backend.name} has no engine image; this runner can claim nothing",
+                hint="`fila images build ENGINE`, or name the engines with --engine",
+            )
+        handlers: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():
+            handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            # The renewals' own connection, with a retry shorter than a renewal's interval: a
+            # database that stops answering is noticed within the lease, not after a long retry.
+            beat_s = max(1.0, self.lease_s / 3)
+            # Both bounded (io_timeout_s): a call on a silently partitioned network errs, never blocks.
+            with (
+                PgQueue(self.url, reconnect_s=self.reconnect_s, io_timeout_s=IO_TIMEOUT_S) as q,
+                PgQueue(self.url, max_size=1, reconnect_s=beat_s, io_timeout_s=max(2.0, beat_s)) as beat,
+            ):
+                self.beat = beat
+                self.progress(f"fila worker {self.id}: {q.where}, engines {', '.join(engines)}")
+                q.runner_up(self.id, engines, images=images_of(self.backend, engines), slots=1,
+                            policies=self.policies)  # fmt: skip
+                try:
+                    self._loop(q, engines)
+                finally:
+                    with contextlib.suppress(FilaError):
+                        q.runner_down(self.id)
+        finally:
+            for s, h in handlers.items():
+                signal.signal(s, h)
+            if self.owns_backend:
+                self.backend.close()
+        return self.exit_code()
+
+    def _loop(self, q: PgQueue, engines: list[str]) -> None:
+        """Sweep, claim, run, until there is nothing for this host (`once`) or a signal; the
+        runner's heartbeat in the runners table at most every BEAT_S seconds between claims (the
+        lease's renewals beat while a task runs)."""
+        beat_at = time.monotonic()
+        down_s = self.poll_s  # the wait after the database did not answer, doubled up to DOWN_MAX_S
+        while not self.cancel.is_set():
+            if time.monotonic() - beat_at >= BEAT_S:
+                with contextlib.suppress(FilaError):
+                    q.runner_beat(self.id)
+                beat_at = time.monotonic()
+            try:
+                for tid, st in q.sweep():
+                    self.progress(f"{tid}: lease expired: {st}")
+                if self.once:
+                    lease = q.claim(self.id, engines, self.lease_s, policies=self.policies)
+                else:
+                    lease = q.claim_wait(self.id, engines, self.lease_s, poll_s=self.poll_s,
+                                         timeout=self.poll_s, policies=self.policies)  # fmt: skip
+            except InfraError as e:  # QueueUnreachable, or a statement that timed out
+                if self.once:  # `--once` exits 3 (docs/scale-out.md); a long-running runner waits
+                    raise
+                self.progress(f"fila worker {self.id}: {e}; trying again in {down_s:g} s")
+                self.cancel.wait(down_s)
+                down_s = min(DOWN_MAX_S, down_s * 2)
+                continue
+            down_s = self.poll_s
+            if lease is None:
+                if self.once:
+                    break
+                continue
+            try:
+                rec = self.run_lease(q, lease)
+            except InfraError as e:
+                self.progress(f"{lease.task_id}: {e}")
+                self.infra_error = e
+                if self.once:
+                    break
+                self.cancel.wait(self.poll_s)
+                continue
+            if rec is not None:
+                self.records.append(rec)
+                self.on_record(rec)
+
+    def exit_code(self) -> int:
+        if self.interrupted:
+            return EXIT_INTERRUPTED
+        if self.once and self.infra_error is not None:
+            return EXIT_DOCKER
+        if self.once and any(r.status in (Status.failed, Status.needs_human) for r in self.records):
+            return EXIT_SOME_FAILED
+        return EXIT_OK
+
+    # -- one claim ------------------------------------------------------------------------------
+
+    def job_root(self, lease: Lease) -> Root:
+        """A fresh queue root for this claim, with this host's policies and backend config."""
+        path = self.root.path / "remote" / f"{lease.task_id}.{lease.token}"
+        if path.exists():
+            fsutil.remove_tree(path)
+        jr = Root(path).create()
+        for p in sorted(self.root.policies_dir.glob("*.json")):
+            if p.is_file() and not p.is_symlink():
+                shutil.copy2(p, jr.policies_dir / p.name)
+        config = self.root.fila / "config.json"
+        if config.is_file():
+            shutil.copy2(config, jr.fila / "config.json")
+        return jr.require()
+
+    def run_lease(self, q: PgQueue, lease: Lease) -> Record | None:
+        """Run one claimed task and publish its outcome; None when the lease was lost (nothing
+        published). InfraError after handing the task back when the host failed before its
+        container started."""
+        tid = lease.task_id
+        self.progress(f"{tid}: claimed (attempt {lease.attempt}, token {lease.token})")
+        hooks = LeaseHooks(q, lease, self.cancel, self.lease_s)
+        renewer = Renewer(self.beat or q, hooks, self.lease_s, None)
+        renewer.start()
+        jr: Root | None = None
+        try:
+            jr = self.job_root(lease)
+            try:
+                manifest = q.blob(q.task_blobs(tid)[INPUTS])
+                # The task's policy as this host has it, before anything is written: a manifest
+                # over its max_work_files / max_work_bytes is refused unread.
+                pol, _ref = load_policy(jr, lease.task.policy)
+                targets = unpack(q, manifest, jr.path, max_files=pol.max_work_files,
+                                 max_bytes=pol.max_work_bytes)  # fmt: skip
+            except KeyError:
+                return self._fail(q, lease, f"task {tid} has no {INPUTS} blob (queued without its targets)")
+            except InfraError:  # the database, not the task: its lease lapses, and a sweep requeues it
+                raise
+            except FilaError as e:
+                return self._fail(q, lease, f"{e}" + (f"; {e.hint}" if e.hint else ""))
+            except Exception as e:  # whatever a hostile manifest finds fails its own task, not this runner
+                return self._fail(q, lease, f"task {tid}: its targets could not be laid out: "
+                                            f"{type(e).__name__}: {e!s:.300}")  # fmt: skip
+            task = lease.task.model_copy(update={"id": tid, "project": None, "targets": targets})
+            queue.enqueue(jr, tid, task)
+            claim = cycle.next_claim(jr, self.id, only={tid})
+            if claim is None:
+                raise InfraError(f"task {tid}: its local copy in {jr.path} could not be claimed")
+            renewer.claim = claim
+            try:
+                rec = cycle.run_one(jr, claim, backend=self.backend, progress=self.progress, hooks=hooks)
+            except InfraError as e:
+                if not hooks.marked and not hooks.lost.is_set():
+                    q.hand_back(tid, lease.token, ErrorInfo(kind=ErrorKind.infra, message=str(e)),
+                                backoff_s=INFRA.backoff(1))  # fmt: skip
+                raise
+            if hooks.lost.is_set() or rec is None:
+                self.progress(f"{tid}: lease lost; nothing published")
+                return None
+            return self._publish(q, lease, jr, manifest, rec)
+        finally:
+            renewer.stop.set()
+            renewer.join(timeout=5)
+            if jr is not None and not self.keep and not hooks.lost.is_set():
+                with contextlib.suppress(FilaError, OSError):
+                    fsutil.remove_tree(jr.path)
+
+    def _fail(self, q: PgQueue, lease: Lease, msg: str) -> Record | None:
+        """A task this runner refuses before any container (its targets do not arrive intact)."""
+        error = ErrorInfo(kind=ErrorKind.invalid, message=msg)
+        return q.publish(
+            lease.task_id, lease.token, Status.failed, {"error": error, "backend": self.backend.name}
+        )
+
+    def _publish(self, q: PgQueue, lease: Lease, jr: Root, manifest: bytes, rec: Record) -> Record | None:
+        tid = lease.task_id
+        if rec.status == Status.queued:  # handed back before its container started
+            counted = rec.error is not None and rec.error.kind == ErrorKind.infra
+            q.hand_back(tid, lease.token, rec.error, counted=counted,
+                        backoff_s=INFRA.backoff(1) if counted else 0.0)  # fmt: skip
+            return None
+        if rec.status not in OUTCOMES:
+            raise AssertionError(f"task {tid}: the run path ended {rec.status}")
+        blobs = [Blob.of(INPUTS, manifest)]
+        fields = {k: getattr(rec, k) for k in RESULT_FIELDS if getattr(rec, k, None) is not None}
+        for name, rel, key in (
+            ("DIFF.patch", rec.patch_path, "patch_path"),
+            ("log", rec.log_path, "log_path"),
+        ):
+            path = jr.path / rel if rel else None
+            if path is not None and path.is_file():
+                blobs.append(Blob.of(name, path.read_bytes()))
+                fields[key] = name
+            else:
+                fields.pop(key, None)
+        if jr.events_path(tid).is_file():
+            blobs.append(Blob.of("events.jsonl", jr.events_path(tid).read_bytes()))
+        ran = [
+            a.model_copy(
+                update={"log_path": "log" if i == len(rec.attempts) - 1 and "log_path" in fields else None}
+            )
+            for i, a in enumerate(rec.attempts)
+        ]
+        out = q.publish(tid, lease.token, rec.status, fields, blobs, ran=ran)
+        if out is None:
+            self.progress(f"{tid}: the lease was lost before the publish; the result is discarded")
+        return out

@@ -1,0 +1,529 @@
+"""Runners of the PostgreSQL queue (docs/scale-out.md): `fila submit --queue` sends a task and its
+targets, `fila worker --queue` on a "host" (its own local root, host id and container engine
+state) claims it, runs it through the one run path and publishes its record and blobs, and `ls`,
+`show` and `diff --queue` read them back from anywhere. Real PostgreSQL (tests/support/pg.py),
+the fake backend for the cycle (no containers), and one test with Docker. Each refused case
+shows its allowed counterpart first."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fila.core.layout import Root
+from fila.core.models import ImageRef, Status, Task
+from fila.queue.pg.store import INPUTS, PgQueue
+from fila.queue.retry import RetryPolicy
+from tests.support.pg_runner import events, fila, host_env, start_worker
+from tests.support.project import make_project, make_root
+
+S = Status
+BIG = {"max_files": 1000, "max_bytes": 1 << 20}  # unpack's limits where they are not the point
+NOW = RetryPolicy(attempts=None, base=0.0, cap=0.0, jitter=False)  # a sweep's requeue without backoff
+
+
+@pytest.fixture
+def sub(tmp_path: Path) -> Root:
+    """The submitting host's queue root, its project holding greeting.txt and src/."""
+    return make_project(tmp_path / "submitter", {"src/a.py": "x = 1\n", "src/b.py": "y = 2\n"})
+
+
+def submit(url: str, sub: Root, tid: str, command: str, *targets: str) -> None:
+    flags = [x for t in targets or ("greeting.txt",) for x in ("-t", t)]
+    res = fila("submit", "--queue", url, "--root", str(sub.path), "--id", tid, "--engine", "shell",
+               "--command", command, *flags)  # fmt: skip
+    assert res.exit_code == 0, res.output
+    assert res.output.strip() == tid
+
+
+def test_a_task_submitted_to_the_database_is_run_by_a_runner_and_reviewed_from_anywhere(
+    pg_url: str, q: PgQueue, sub: Root, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    submit(pg_url, sub, "t1", "echo bye >> greeting.txt; echo 3 > src/c.py", "greeting.txt", "src")
+    assert q.get("t1").status == S.queued
+    sent = events(q, "t1", "submitted")[0]["inputs"]
+    assert sent == {"blobs": 4, "sent": 4, "bytes_sent": sent["bytes_sent"]} and sent["bytes_sent"] > 0
+    # The same contents again under another id: the database has them, nothing is sent again.
+    submit(pg_url, sub, "t2", "true", "greeting.txt", "src")
+    assert events(q, "t2", "submitted")[0]["inputs"] == {"blobs": 4, "sent": 0, "bytes_sent": 0}
+
+    runner = make_root(tmp_path / "runner")
+    for k, v in host_env(tmp_path, "h1").items():
+        monkeypatch.setenv(k, v)
+    res = fila("worker", "--queue", pg_url, "--root", str(runner.path), "--host-id", "h1", "--once")
+    assert res.exit_code == 0, res.output
+    rec = q.get("t1")
+    assert rec.status == S.needs_review and rec.worker == "h1" and rec.container_started
+    assert rec.diffstat is not None and rec.diffstat.files == 2
+    [ran] = rec.attempts  # the runner's view of its engine, the queue's number, claim and runner
+    assert (ran.number, ran.run, ran.worker, ran.engine, ran.outcome) == (1, 1, "h1", "shell", "success")
+    assert ran.ended_at is not None and ran.exit_code == 0 and ran.log_path == "log"
+    t2 = q.get("t2")
+    assert t2.status == S.needs_review and t2.diffstat is not None and t2.diffstat.files == 0
+    blobs = q.task_blobs("t1")
+    assert set(blobs) == {"DIFF.patch", "log", INPUTS, "events.jsonl"}
+    patch = q.blob(blobs["DIFF.patch"])
+    assert hashlib.sha256(patch).hexdigest() == rec.patch_sha256 and b"+bye" in patch
+    assert (runner.path / "remote").exists() and not any((runner.path / "remote").iterdir())
+    assert not (sub.path / "greeting.txt").read_text().endswith("bye\n")  # the project is untouched
+
+    # Review from anywhere: no root, only the URL.
+    monkeypatch.chdir(tmp_path)
+    listed = fila("ls", "--queue", pg_url)
+    assert (
+        listed.exit_code == 0 and "t1  needs_review" in listed.output and "t2  needs_review" in listed.output
+    )
+    shown = fila("show", "t1", "--queue", pg_url)
+    assert shown.exit_code == 0, shown.output
+    assert f"blob:      DIFF.patch sha256 {rec.patch_sha256}" in shown.output
+    diff = fila("diff", "t1", "--queue", pg_url)
+    assert diff.exit_code == 0 and diff.stdout_bytes == patch
+    # A DIFF.patch blob that is not the patch the record names (changed in the database) is refused.
+    import psycopg
+
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute("UPDATE fila_task_blobs SET sha256 = %s WHERE task_id = 't1' AND name = 'DIFF.patch'",
+                     (blobs[INPUTS],))  # fmt: skip
+    swapped = fila("diff", "t1", "--queue", pg_url)
+    assert swapped.exit_code != 0 and f"its record names {rec.patch_sha256}" in swapped.output
+
+
+def test_submit_run_returns_once_a_polling_runner_published_and_the_runner_stops_on_sigterm(
+    pg_url: str, q: PgQueue, sub: Root, tmp_path: Path
+) -> None:
+    runner = make_root(tmp_path / "h1")
+    p = start_worker(pg_url, runner.path, "h1", "--poll", "0.2", env=host_env(tmp_path, "h1"))
+    try:
+        for tid, command, code, status in [("w-ok", "echo w >> greeting.txt", 0, "needs_review"),
+                                           ("w-bad", "exit 3", 1, "failed")]:  # fmt: skip
+            res = fila("submit", "--root", str(sub.path), "--id", tid, "--engine", "shell", "--command",
+                       command, "-t", "greeting.txt", "--run", env={"FILA_QUEUE": pg_url})  # fmt: skip
+            assert res.exit_code == code and res.output.startswith(f"{tid}  {status}"), res.output
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(10) == 0, (tmp_path / "h1.err").read_text()
+    finally:
+        p.kill()
+    assert q.get("w-bad").exit_code == 3
+
+
+def test_a_queue_url_with_a_password_or_an_unmigrated_database_is_refused_with_what_to_do(
+    pg_url: str, pg_cluster: Any, tmp_path: Path
+) -> None:
+    assert fila("ls", "--queue", pg_url).exit_code == 0  # the allowed counterpart: migrated, no password
+    bare = pg_cluster.new_database()
+    res = fila("ls", "--queue", bare)
+    assert res.exit_code != 0 and "has schema version 0" in res.output and "fila queue init" in res.output
+    nowhere = f"postgresql:///fila?host={tmp_path / 'no-server'}&user=fila"
+    res = fila("ls", "--queue", nowhere)
+    assert res.exit_code == 3 and f"fila@{tmp_path / 'no-server'}:5432/fila does not answer" in res.output
+    res = fila("ls", "--queue", "postgresql://fila:s3cret@localhost/fila")
+    assert res.exit_code != 0 and "password" in res.output and "s3cret" not in res.output
+    runner = make_root(tmp_path / "h1")
+    res = fila("worker", "--queue", bare, "--root", str(runner.path), "--once", env={"FILA_BACKEND": "fake",
+               "FILA_FAKE_DIR": str(tmp_path / "boxes")})  # fmt: skip
+    assert res.exit_code != 0 and "has schema version 0" in res.output
+
+
+def test_a_targets_upload_over_the_policy_limits_is_refused_and_nothing_is_written(
+    pg_url: str, q: PgQueue, sub: Root
+) -> None:
+    submit(pg_url, sub, "ok", "true", "src")  # the allowed counterpart: within the limits
+    policy = sub.policies_dir / "default.json"
+    doc = json.loads(policy.read_text())
+    policy.write_text(json.dumps({**doc, "max_work_bytes": 8}))
+    res = fila("submit", "--queue", pg_url, "--root", str(sub.path), "--id", "big", "--engine", "shell",
+               "--command", "true", "-t", "src")  # fmt: skip
+    assert res.exit_code != 0 and "max_work_bytes 8" in res.output, res.output
+    assert [r.id for r in q.listing()] == ["ok"]
+    assert not list(sub.jobs_dir.iterdir()) and not list(sub.meta_dir.iterdir())  # no scratch left
+
+
+def test_a_manifest_that_escapes_the_job_or_a_tampered_blob_fails_the_task_and_lays_nothing_out(
+    pg_url: str, q: PgQueue, sub: Root, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fila.core.errors import InvalidInput
+    from fila.queue.pg.errors import BlobMismatch
+    from fila.run.remote_inputs import read_manifest, unpack
+
+    def manifest(*entries: dict[str, Any]) -> bytes:
+        return json.dumps({"version": 1, "targets": ["a"], "entries": list(entries)}).encode()
+
+    data = b"hello\n"
+    sha = hashlib.sha256(data).hexdigest()
+
+    class Source:
+        def blob(self, sha256: str) -> bytes:
+            return {sha: data}[sha256]
+
+    good = {"path": "a/x.txt", "kind": "file", "size": 6, "sha256": sha, "mode": 0o644}
+    assert unpack(Source(), manifest(good), tmp_path / "ok", **BIG) == ["a"]  # the allowed counterpart
+    assert (tmp_path / "ok" / "a" / "x.txt").read_bytes() == data
+    for bad, why in [
+        ({**good, "path": "../x"}, "not a plain relative path"),
+        ({**good, "path": "/etc/x"}, "not a relative path"),
+        ({**good, "path": "policies/default.json"}, "keeps for itself"),
+    ]:
+        with pytest.raises(InvalidInput, match=why):
+            read_manifest(manifest(bad))
+    link = {"path": "a/l", "kind": "symlink", "size": 4, "sha256": sha, "mode": 0o777}
+    with pytest.raises(InvalidInput, match="under the symlink"):
+        read_manifest(manifest(link, {**good, "path": "a/l/x.txt"}))
+    with pytest.raises(InvalidInput, match="cannot be laid out"):  # a file where a directory must be
+        unpack(Source(), manifest({**good, "path": "a"}, good), tmp_path / "twice", **BIG)
+    with pytest.raises(BlobMismatch, match="the manifest says 7"):
+        unpack(Source(), manifest({**good, "size": 7}), tmp_path / "bad", **BIG)
+
+    # Through a runner: a task whose manifest was swapped in the database fails, no container.
+    import psycopg
+
+    submit(pg_url, sub, "swapped", "true")
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        greeting = hashlib.sha256(b"hello\n").hexdigest()
+        conn.execute("UPDATE fila_task_blobs SET sha256 = %s WHERE task_id = 'swapped'", (greeting,))
+    runner = make_root(tmp_path / "h1")
+    for k, v in host_env(tmp_path, "h1").items():
+        monkeypatch.setenv(k, v)
+    res = fila("worker", "--queue", pg_url, "--root", str(runner.path), "--host-id", "h1", "--once")
+    assert res.exit_code == 1, res.output
+    rec = q.get("swapped")
+    assert rec.status == S.failed and rec.error is not None and not rec.container_started
+    assert rec.error.kind == "invalid" and "the task's input manifest: not JSON" in rec.error.message
+
+
+def test_two_runner_hosts_drain_the_queue_and_each_task_runs_exactly_once(
+    pg_url: str, q: PgQueue, sub: Root, tmp_path: Path
+) -> None:
+    n = 6
+    for i in range(n):
+        submit(pg_url, sub, f"d{i}", f"echo {i} >> greeting.txt")
+    hosts = {h: make_root(tmp_path / h) for h in ("h1", "h2")}
+    procs = [start_worker(pg_url, r.path, h, "--once", env=host_env(tmp_path, h)) for h, r in hosts.items()]
+    for p in procs:
+        assert p.wait(120) == 0, (tmp_path / "h1.err").read_text() + (tmp_path / "h2.err").read_text()
+    ran: dict[str, str] = {}
+    for i in range(n):
+        rec = q.get(f"d{i}")
+        assert rec.status == S.needs_review and rec.attempt == 1
+        assert len(events(q, f"d{i}", "claimed")) == 1 and len(events(q, f"d{i}", "published")) == 1
+        assert len(events(q, f"d{i}", "container started")) == 1
+        assert f"+{i}\n".encode() in q.blob(q.task_blobs(f"d{i}")["DIFF.patch"])
+        ran[f"d{i}"] = rec.worker or ""
+    assert set(ran.values()) <= {"h1", "h2"}
+
+
+def _wait(pred: Any, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.05)
+
+
+def test_a_runner_killed_before_its_container_is_requeued_and_one_killed_after_goes_to_needs_human(
+    pg_url: str, q: PgQueue, sub: Root, tmp_path: Path
+) -> None:
+    from fila.sandbox.fake import FakeBackend
+
+    runner = make_root(tmp_path / "h1")
+    # Killed before the container started (the local record written, no container): the lease
+    # lapses, the sweep requeues the task within its budget, and another host runs it once.
+    submit(pg_url, sub, "early", "echo ran >> greeting.txt")
+    env = {**host_env(tmp_path, "h1"), "FILA_CRASH_AT": "after_begin"}
+    p = start_worker(pg_url, runner.path, "h1", "--once", "--lease", "3", env=env)
+    assert p.wait(60) == -signal.SIGKILL
+    assert q.task_state("early")["state"] == "running" and not q.task_state("early")["started"]
+    h2 = make_root(tmp_path / "h2")
+    _wait(lambda: q.task_state("early")["lease_expires_at"] <= q.clock(), 10)
+    assert q.sweep(policy=NOW) == [("early", S.queued)]  # no backoff, for the test's sake
+    p = start_worker(pg_url, h2.path, "h2", "--once", env=host_env(tmp_path, "h2"))
+    assert p.wait(60) == 0, (tmp_path / "h2.err").read_text()
+    rec = q.get("early")
+    assert rec.status == S.needs_review and rec.worker == "h2" and rec.attempt == 2
+    assert [e["to"] for e in events(q, "early", "requeued")] == ["queued"]
+    lost, ran = rec.attempts
+    assert (lost.run, lost.worker, lost.outcome) == (1, "h1", "lost")
+    assert (ran.number, ran.run, ran.worker, ran.outcome) == (2, 2, "h2", "success")
+
+    # Killed while its container ran: the lease lapses and the task waits for a person.
+    submit(pg_url, sub, "late", "sleep 60")
+    p = start_worker(pg_url, runner.path, "h1", "--once", "--lease", "3", env=host_env(tmp_path, "h1"))
+    try:
+        _wait(lambda: q.task_state("late")["started"])
+        os.kill(p.pid, signal.SIGKILL)
+        p.wait(30)
+    finally:
+        p.kill()
+        fake = FakeBackend(tmp_path / "h1.boxes")
+        for box in fake.find(job_id="late"):  # the container the killed runner left
+            fake.remove(box)
+    _wait(lambda: q.task_state("late")["lease_expires_at"] <= q.clock(), 10)
+    assert q.sweep() == [("late", S.needs_human)]
+    rec = q.get("late")
+    assert (
+        rec.status == S.needs_human
+        and rec.error is not None
+        and "while its container ran" in rec.error.message
+    )
+    assert events(q, "late", "published") == []  # nothing of the killed run was published
+
+
+def test_a_runner_renews_its_lease_and_one_that_loses_it_stops_its_container_and_publishes_nothing(
+    pg_url: str, q: PgQueue, pg_cluster: Any, sub: Root, tmp_path: Path
+) -> None:
+    from fila.sandbox.fake import FakeBackend
+    from tests.support.pgproxy import Proxy
+
+    runner = make_root(tmp_path / "h1")
+    # The allowed counterpart: a job that outlives its first lease (3 s) keeps it by renewal.
+    submit(pg_url, sub, "long", "sleep 4; echo done >> greeting.txt")
+    p = start_worker(pg_url, runner.path, "h1", "--once", "--lease", "3", env=host_env(tmp_path, "h1"))
+    assert p.wait(60) == 0, (tmp_path / "h1.err").read_text()
+    assert q.get("long").status == S.needs_review
+
+    # The lease taken while the container runs (it expired and a sweep decided): the runner's next
+    # renewal is refused, it stops its container and publishes nothing.
+    submit(pg_url, sub, "taken", "sleep 60")
+    p = start_worker(pg_url, runner.path, "h1", "--once", "--lease", "3", env=host_env(tmp_path, "h1"))
+    try:
+        _wait(lambda: q.task_state("taken")["started"])
+        import psycopg
+
+        with psycopg.connect(pg_url, autocommit=True) as conn:
+            conn.execute("UPDATE fila_tasks SET lease_expires_at = now() WHERE id = 'taken'")
+        assert q.sweep() == [("taken", S.needs_human)]
+        # Stopped at its next renewal (every 1 s) and check, not after the job's 60 s: the bound
+        # is half of that, so a loaded machine's slow second does not fail it.
+        assert p.wait(30) == 0, (tmp_path / "h1.err").read_text()
+    finally:
+        p.kill()
+    assert FakeBackend(tmp_path / "h1.boxes").find(job_id="taken") == []  # its container is gone
+    assert events(q, "taken", "published") == [] and q.get("taken").status == S.needs_human
+    assert "lease lost; nothing published" in (tmp_path / "h1.err").read_text()
+
+    # Cut off from the database while the container runs: no renewal succeeds within the lease,
+    # so the runner stops its container and publishes nothing; the lapsed lease is a person's.
+    submit(pg_url, sub, "cut", "sleep 60")
+    px = Proxy(str(pg_cluster.sock))
+    url = px.url(pg_url, str(pg_cluster.sock))
+    p = start_worker(url, runner.path, "h1", "--once", "--lease", "3", env=host_env(tmp_path, "h1"))
+    err = tmp_path / "h1.err"
+    try:
+        _wait(lambda: q.task_state("cut")["started"])
+        px.cut()
+        # Within the 3 s lease on the runner's own clock, then its next check; the bound is half
+        # the job's 60 s, far from the failure (a container run to its end), not a tight timing.
+        _wait(lambda: "lease lost; nothing published" in err.read_text(), 30)
+        assert FakeBackend(tmp_path / "h1.boxes").find(job_id="cut") == []  # its container is gone
+    finally:
+        p.kill()
+        p.wait(10)
+        px.close()
+    _wait(lambda: q.task_state("cut")["lease_expires_at"] <= q.clock(), 10)
+    assert q.sweep() == [("cut", S.needs_human)]
+    assert events(q, "cut", "published") == []
+
+
+@pytest.mark.docker
+def test_the_shell_engine_runs_in_docker_through_the_database(
+    pg_url: str, q: PgQueue, sub: Root, tmp_path: Path, shell_image: ImageRef, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    submit(pg_url, sub, "dk", "echo docker >> greeting.txt")
+    runner = make_root(tmp_path / "runner")
+    monkeypatch.delenv("FILA_BACKEND", raising=False)
+    res = fila("worker", "--queue", pg_url, "--root", str(runner.path), "--host-id", "d1", "--once",
+               "--engine", "shell")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    rec = q.get("dk")
+    assert rec.status == S.needs_review and rec.backend == "docker" and rec.container_started
+    assert b"+docker" in q.blob(q.task_blobs("dk")["DIFF.patch"])
+    assert subprocess.run(["docker", "ps", "-aq", "--filter", "label=fila.job=dk"],
+                          capture_output=True, text=True).stdout.strip() == ""  # fmt: skip
+
+
+def test_status_lists_the_runners_and_says_a_task_for_an_engine_no_live_runner_has_waits(
+    pg_url: str, q: PgQueue, sub: Root, tmp_path: Path
+) -> None:
+    runner = make_root(tmp_path / "h1")
+    p = start_worker(pg_url, runner.path, "h1", "--engine", "shell", "--policy", "default", "--poll", "0.2",
+                     env=host_env(tmp_path, "h1"))  # fmt: skip
+    try:
+        # The allowed counterpart: a task for an engine the runner has is taken.
+        submit(pg_url, sub, "sh", "echo w >> greeting.txt")
+        # An engine this runner does not have (queued as a host with that engine's policy would).
+        q.enqueue("cx", Task(engine="codex", targets=["greeting.txt"], prompt="tidy up"))
+        # A policy this runner does not take (--policy default): left for another runner.
+        q.enqueue("other", Task(engine="shell", command="true", targets=["greeting.txt"], policy="other"))
+        end = time.monotonic() + 20
+        while q.get("sh").status != S.needs_review and time.monotonic() < end:
+            time.sleep(0.1)
+        assert q.get("sh").status == S.needs_review
+        st = fila("status", "--queue", pg_url)
+        assert st.exit_code == 0, st.output
+        assert "runners:  1 live of 1 known" in st.output
+        assert "h1  live  engines shell  policies default  slots 1" in st.output
+        assert "waiting:  cx (engine codex): no live runner has engine codex" in st.output
+        assert (
+            "waiting:  other (engine shell): no live runner with engine shell takes policy other" in st.output
+        )
+        assert q.get("other").status == S.queued
+        assert "waiting:  sh" not in st.output and q.get("cx").status == S.queued
+        doc = json.loads(fila("status", "--queue", pg_url, "--json").output)
+        [h1] = doc["runners"]
+        assert h1["live"] and h1["engines"] == ["shell"] and "shell" in h1["images"]
+        assert h1["policies"] == ["default"]
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(10) == 0, (tmp_path / "h1.err").read_text()
+    finally:
+        p.kill()
+    st = fila("status", "--queue", pg_url)  # a stopped runner is known, not live
+    assert "runners:  0 live of 1 known" in st.output and "h1  stopped" in st.output
+    assert q.get("cx").status == S.queued
+
+
+def test_a_hostile_or_oversized_manifest_fails_its_own_task_and_the_runner_goes_on(
+    pg_url: str, q: PgQueue, sub: Root, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fila.core.errors import InvalidInput
+    from fila.queue.pg.blobs import Blob
+    from fila.run.remote_inputs import unpack
+
+    runner = make_root(tmp_path / "h1")
+    default = json.loads((runner.policies_dir / "default.json").read_text())
+    small = {**default, "max_work_files": 3, "max_work_bytes": 64}
+    (runner.policies_dir / "small.json").write_text(json.dumps(small))
+    ok, fifty, nul = Blob.of("file", b"hello\n"), Blob.of("file", b"x" * 50), Blob.of("file", b"evil\x00t")
+
+    def entry(path: str, blob: Blob, kind: str = "file") -> dict[str, Any]:
+        return {"path": path, "kind": kind, "size": len(blob.data), "sha256": blob.sha256, "mode": 0o644}
+
+    def man(*entries: dict[str, Any]) -> bytes:
+        return json.dumps({"version": 1, "targets": ["."], "entries": list(entries)}).encode()
+
+    # Each distinct blob is fetched once, and a manifest over the limits fetches and writes nothing.
+    fetched: list[str] = []
+
+    class Source:
+        def blob(self, sha256: str) -> bytes:
+            fetched.append(sha256)
+            return {b.sha256: b.data for b in (ok, fifty)}[sha256]
+
+    two = man(entry("a", ok), entry("b", ok))
+    assert unpack(Source(), two, tmp_path / "two", max_files=3, max_bytes=64) == ["a", "b"]
+    assert fetched == [ok.sha256] and (tmp_path / "two" / "b").read_bytes() == b"hello\n"
+    (tmp_path / "over").mkdir()
+    with pytest.raises(InvalidInput, match="over the policy's max_work_files 3"):
+        unpack(Source(), man(*(entry(f"f{i}", ok) for i in range(4))), tmp_path / "over", max_files=3,
+               max_bytes=64)  # fmt: skip
+    with pytest.raises(InvalidInput, match="100 bytes in all, over the policy's max_work_bytes 64"):
+        unpack(Source(), man(entry("a", fifty), entry("b", fifty)), tmp_path / "over", max_files=3,
+               max_bytes=64)  # fmt: skip
+    assert fetched == [ok.sha256] and list((tmp_path / "over").iterdir()) == []
+
+    # Through a runner: the allowed counterparts run, every hostile manifest fails its own task.
+    submit(pg_url, sub, "good", "echo ok >> greeting.txt")
+    surrogate = json.dumps({"version": 1, "targets": ["."], "entries": [entry("a\ud800", ok)]}).encode()
+    cases: dict[str, tuple[str, bytes, list[Blob], str]] = {
+        "fits": ("small", two, [ok], ""),
+        "nul-link": ("default", man(entry("l", nul, "symlink")), [nul], "NUL byte"),
+        "surrogate": ("default", surrogate, [ok], "cannot be encoded"),
+        "control": ("default", man(entry("a\x1b[2Jb", ok)), [ok], "control character"),
+        "bidi": ("default", man(entry("evil\u202etxt.sh", ok)), [ok], "bidi override"),
+        "deep": ("default", b"[" * 200_000 + b"]" * 200_000, [], "nested too deeply"),
+        "many": ("small", man(*(entry(f"f{i}", ok) for i in range(300))), [ok], "max_work_files 3"),
+        "big": ("small", man(entry("a", fifty), entry("b", fifty)), [fifty], "max_work_bytes 64"),
+    }
+    for tid, (policy, manifest, files, _why) in cases.items():
+        task = Task(engine="shell", command="echo ran >> a", targets=["."], policy=policy)
+        q.enqueue(tid, task, inputs=Blob.of(INPUTS, manifest), files=files)
+    for k, v in host_env(tmp_path, "h1").items():
+        monkeypatch.setenv(k, v)
+    res = fila("worker", "--queue", pg_url, "--root", str(runner.path), "--host-id", "h1", "--once")
+    assert res.exit_code == 1, res.output  # --once: 1 when a task failed; the runner itself went on
+    assert q.get("good").status == S.needs_review and q.get("fits").status == S.needs_review
+    for tid, (_policy, _manifest, _files, why) in cases.items():
+        if not why:
+            continue
+        rec = q.get(tid)
+        assert rec.status == S.failed and rec.error is not None and not rec.container_started, tid
+        assert rec.error.kind == "invalid" and why in rec.error.message, (tid, rec.error.message)
+    assert not (runner.path / "remote").exists() or list((runner.path / "remote").iterdir()) == []
+
+
+def test_a_lease_runs_out_on_the_runners_clock_while_its_renewal_hangs_on_a_silent_network(
+    q: PgQueue, pg_url: str, pg_cluster: Any
+) -> None:
+    import threading
+
+    from fila.queue.store import LeaseLost
+    from fila.run.remote import LeaseHooks, Renewer
+    from tests.support.pgproxy import Proxy
+
+    ttl = 2.0
+    q.enqueue("t", Task(engine="shell", command="true", targets=["a"]))
+    lease = q.claim("h1", ["shell"], ttl)
+    assert lease is not None
+    px = Proxy(str(pg_cluster.sock))
+    # No io_timeout_s: the renewal's call blocks for as long as the network is silent.
+    beat = PgQueue(px.url(pg_url, str(pg_cluster.sock)), max_size=1, reconnect_s=1)
+    hooks = LeaseHooks(q, lease, threading.Event(), ttl)
+    renewer = Renewer(beat, hooks, ttl, None)
+    renewer.start()
+    try:
+        time.sleep(ttl * 1.5)  # the allowed counterpart: renewed past its first lease, still held
+        hooks.check()
+        assert q.task_state("t")["lease_expires_at"] > q.clock()
+        px.freeze()  # packets dropped, no reset: the next renewal never returns
+        t0 = time.monotonic()
+        with pytest.raises(LeaseLost):
+            while True:
+                hooks.check()
+                assert time.monotonic() - t0 < 30, "the lease never ran out on the runner's side"
+                time.sleep(0.05)
+        assert renewer.is_alive()  # still blocked in renew(): the deadline did not wait for it
+        assert time.monotonic() - t0 <= ttl + 5  # at most a lease after the last renewal, with room
+    finally:
+        renewer.stop.set()
+        px.cut()  # the blocked renewal errs and its thread ends
+        renewer.join(10)
+        beat.close()
+        px.close()
+
+
+def test_a_long_running_runner_outlasts_a_database_outage_and_claims_again_after_it(
+    pg_url: str, q: PgQueue, pg_cluster: Any, sub: Root, tmp_path: Path
+) -> None:
+    import threading
+
+    from fila.run.remote import RemoteWorker
+    from fila.sandbox.fake import FakeBackend
+    from tests.support.pgproxy import Proxy
+
+    px = Proxy(str(pg_cluster.sock))
+    said: list[str] = []
+    w = RemoteWorker(make_root(tmp_path / "h1"), px.url(pg_url, str(pg_cluster.sock)), host_id="h1",
+                     engines=["shell"], backend=FakeBackend(tmp_path / "h1.boxes"), poll_s=0.2,
+                     reconnect_s=1.0, progress=said.append)  # fmt: skip
+    codes: list[int] = []
+    t = threading.Thread(target=lambda: codes.append(w.run()), daemon=True)
+    t.start()
+    try:
+        submit(pg_url, sub, "before", "echo 1 >> greeting.txt")  # the allowed counterpart
+        _wait(lambda: q.get("before").status == S.needs_review, 60)
+        px.cut()  # the database does not answer for longer than the runner's reconnect_s
+        _wait(lambda: sum("did not answer" in m for m in said) >= 2, 60)
+        assert t.is_alive() and not codes  # it waits; it did not exit
+        px.heal()
+        submit(pg_url, sub, "after", "echo 2 >> greeting.txt")
+        _wait(lambda: q.get("after").status == S.needs_review, 60)
+    finally:
+        w.cancel.set()
+        t.join(30)
+        px.close()
+    assert codes == [0] and [r.id for r in w.records] == ["before", "after"]
