@@ -361,7 +361,7 @@ def test_a_job_stopped_before_its_container_starts_goes_back_to_the_queue(
     from fila.run import job as cycle
 
     class Draining(cycle.Hooks):
-        def before_start(self) -> None:
+        def before_start(self, container: str) -> None:
             raise cycle.Interrupted("the worker is stopping")
 
     submit(proj, "t0", "true")

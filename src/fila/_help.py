@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "363f12399e2340bee5bac5408dcfd05947b4c0214dbcf1c7ef4aff3c135ec48f"
+CLI_SHA256 = "8d9933e602574496f9ca18e9331122ce7c57c2b3d87bfb9cdd3e38b281291892"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 

@@ -8,12 +8,14 @@ model).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 if TYPE_CHECKING:  # pydantic's import costs a third of `fila --help`; commands import it lazily
+    from ..core.errors import FilaError
     from ..core.models import Record
 
 RootOpt = Annotated[
@@ -47,6 +49,17 @@ def print_json(data: Any) -> None:
 def to_stderr(msg: str) -> None:
     # Progress and failures of running tasks quote their fields and errors: escaped per line.
     typer.echo("\n".join(safe(line) for line in msg.split("\n")), err=True)
+
+
+def print_error(e: FilaError) -> None:
+    """What failed and what to do next, on stderr, escaped line by line: a worker's own infra error
+    (an error raised out of a command is the app's handler's, in the same form)."""
+    to_stderr(f"fila: error: {e}" + (f"\nfila: hint: {e.hint}" if e.hint else ""))
+
+
+def record_printer(json_: bool) -> Callable[[Record], None]:
+    """How a worker prints each record it settles: one JSON object, or the summary line."""
+    return lambda rec: typer.echo(json.dumps(record_json(rec)) if json_ else summary_line(rec))
 
 
 def safe(text: str) -> str:

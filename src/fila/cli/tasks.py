@@ -6,7 +6,6 @@ is run and reported exactly as a worker would (docs/architecture.md, the cycle).
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
@@ -15,10 +14,10 @@ import typer
 
 from ..core.errors import FilaError
 from ..core.layout import Root
-from .common import JsonOpt, QueueOpt, RootOpt, print_json, record_json, summary_line, to_stderr
+from .common import JsonOpt, QueueOpt, RootOpt, print_error, print_json, record_printer, to_stderr
 
 if TYPE_CHECKING:  # pydantic's import costs a third of `fila --help`; commands import it lazily
-    from ..core.models import Record
+    pass
 
 
 def submit(
@@ -162,7 +161,7 @@ def _submit_remote(root: Root, url: str, task: Any, *, wait: bool, json_: bool) 
             while rec.status in (Status.queued, Status.running):
                 time.sleep(0.5)
                 rec = q.get(tid)
-            typer.echo(json.dumps(record_json(rec)) if json_ else summary_line(rec))
+            record_printer(json_)(rec)
             raise typer.Exit(0 if rec.status == Status.needs_review else 1)
     if json_:
         print_json({"id": rec.id, "status": rec.status})
@@ -267,9 +266,6 @@ def _process_remote(
     """A runner of the PostgreSQL queue (run/remote.py); exits with its code (never returns)."""
     from ..run.remote import RemoteWorker
 
-    def on_record(rec: Record) -> None:
-        typer.echo(json.dumps(record_json(rec)) if json_ else summary_line(rec))
-
     w = RemoteWorker(
         Root.at(root),
         url,
@@ -279,13 +275,12 @@ def _process_remote(
         once=once,
         lease_s=lease,
         poll_s=poll,
-        on_record=on_record,
+        on_record=record_printer(json_),
         progress=(lambda _m: None) if quiet else to_stderr,
     )
     code = w.run()
     if w.infra_error is not None:
-        e = w.infra_error
-        to_stderr(f"fila: error: {e}" + (f"\nfila: hint: {e.hint}" if e.hint else ""))
+        print_error(w.infra_error)
     raise typer.Exit(code)
 
 
@@ -303,16 +298,13 @@ def _process(
     """Run a worker (`only`: just these tasks) and exit with its code (never returns)."""
     from ..run.worker import Worker
 
-    def on_record(rec: Record) -> None:
-        typer.echo(json.dumps(record_json(rec)) if json_ else summary_line(rec))
-
     w = Worker(
         Root.at(root),
         once=once,
         concurrency=concurrency,
         poll_s=poll,
         grace_s=grace,
-        on_record=on_record,
+        on_record=record_printer(json_),
         progress=(lambda _m: None) if quiet else to_stderr,
         only=only,
     )
@@ -321,7 +313,7 @@ def _process(
         to_stderr("fila: nothing queued")
     for e in (w.infra_error, w.crash):
         if isinstance(e, FilaError):
-            to_stderr(f"fila: error: {e}" + (f"\nfila: hint: {e.hint}" if e.hint else ""))
+            print_error(e)
     if once and w.breaker_tripped:
         to_stderr(
             "fila: error: the circuit breaker is open; `fila status` shows why, `fila rearm` "

@@ -91,8 +91,7 @@ def run_engines(
         def before_start(
             container_id: str, engine_name: str = name, image_ref: ImageRef = image_ref, marks: dict = marks
         ) -> None:
-            run.hooks.before_start()
-            run.hooks.starting(container_id)
+            run.hooks.before_start(container_id)
             # The flag first: if the checkpoint's outcome is unknown, assume it started.
             run.container_started = True
             run.checkpoint(

@@ -30,11 +30,9 @@ HEARTBEAT_S = 1.0  # how often the sandbox calls back while the check runs: the 
 
 
 class Gate(Protocol):
-    def before_start(self) -> None:
-        """Last chance to stop before the container starts (a draining worker stops here)."""
-
-    def starting(self, container: str) -> None:
-        """The container is about to start (a runner of the PostgreSQL queue marks it started)."""
+    def before_start(self, container: str) -> None:
+        """Last chance to stop before the container starts (a draining worker stops here, a runner
+        of the PostgreSQL queue marks the task started)."""
 
 
 class Job(Protocol):
@@ -109,8 +107,7 @@ def run_check(
     )
 
     def before_start(container_id: str) -> None:
-        job.hooks.before_start()
-        job.hooks.starting(container_id)
+        job.hooks.before_start(container_id)
         job.checkpoint(container=container_id, event="check started")
         job.fence()
 

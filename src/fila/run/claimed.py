@@ -37,14 +37,11 @@ class Hooks:
     def check(self) -> None:
         """Raise Interrupted (worker stopping) or LeaseLost (claim reaped) to stop the job."""
 
-    def before_start(self) -> None:
-        """Last chance to stop before the side-effect boundary; a draining worker stops here."""
+    def before_start(self, container: str) -> None:
+        """The container `container` starts as soon as this returns: the side-effect boundary, and
+        the last chance to stop before it. A draining worker stops here (run/worker.py); a runner
+        of the PostgreSQL queue marks the task started in the database here (run/remote.py)."""
         self.check()
-
-    def starting(self, container: str) -> None:
-        """The container `container` starts as soon as this returns (after before_start): the
-        side-effect boundary. A runner of the PostgreSQL queue marks the task started in the
-        database here (run/remote.py); raising stops the job before its container starts."""
 
     def timings(self) -> dict[str, float]:
         """Seconds this task cost before `run_one` (the process's start-up, the claim), first in

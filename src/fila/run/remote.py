@@ -7,7 +7,7 @@ out from their blobs (run/remote_inputs.py) in a job root of its own under its l
 runs the task there through the one run path (job.run_one), exactly as a file-queue worker does.
 The database is told what only the queue may record, through the lease's token:
 
-- `mark_started` just before the container starts (the hooks' `starting`): from then on a
+- `mark_started` just before the container starts (the hooks' `before_start`): from then on a
   lost lease sends the task to needs_human, never silently run again;
 - the lease renewed from a heartbeat thread; a renewal refused (LeaseLost) or not answered
   before the lease runs out stops the job at its next check (the container is stopped) and
@@ -88,7 +88,7 @@ class LeaseHooks(Hooks):
         if self.cancel.is_set():
             raise Interrupted("the runner is stopping")
 
-    def starting(self, container: str) -> None:
+    def before_start(self, container: str) -> None:
         """The started mark, once per claim: a fallback engine's or the check's container later
         in the same run crosses no new boundary (the lease is checked all the same)."""
         self.check()

@@ -93,7 +93,7 @@ class _Job(cycle.Hooks):
     def timings(self) -> dict[str, float]:
         return self.before
 
-    def before_start(self) -> None:
+    def before_start(self, container: str) -> None:
         self.check()
         if self.worker.draining:
             raise cycle.Interrupted("the worker is stopping; handed back before its container started")
