@@ -26,7 +26,7 @@ from fila.egress import config as egress
 from fila.sandbox.docker import egress as docker_egress
 from fila.sandbox.docker.backend import DockerBackend
 from fila.workspace.strategy import CopyWorkspace
-from tests.support.cli import fila, run_once_console
+from tests.support.cli import FILA_SCRIPT, fila, run_once_console
 from tests.support.project import make_project, make_root, record
 from tests.upstreams import Upstreams
 from tests.upstreams.fixtures import create_on_free_subnet
@@ -97,11 +97,14 @@ def run_once(root: Path, env: dict[str, str], **kw: Any) -> subprocess.Completed
 
 def leftovers(client: docker.DockerClient, root: Path, tid: str) -> list[str]:
     """Everything of the job that must be gone: containers (engine and gateway), its network,
-    the gateway's directory with the secrets."""
-    f = {"label": [f"fila.job={tid}"]}
-    out = [f"container {c.name}" for c in client.containers.list(all=True, filters=f)]
-    out += [f"network {n.name}" for n in client.networks.list(filters=f)]
-    if (root / "sandbox" / "meta" / tid / "egress").exists():
+    the gateway's directory with the secrets; a spare gateway the job took (or the worker kept)
+    is found by its spare label, its directory and lock under sandbox/spares."""
+    out = []
+    for f in ({"label": [f"fila.job={tid}"]}, {"label": ["fila.spare", f"fila.root={root}"]}):
+        out += [f"container {c.name}" for c in client.containers.list(all=True, filters=f)]
+        out += [f"network {n.name}" for n in client.networks.list(filters=f)]
+    spares = root / "sandbox" / "spares"
+    if (root / "sandbox" / "meta" / tid / "egress").exists() or (spares.is_dir() and any(spares.iterdir())):
         out.append("the gateway directory")
     return out
 
@@ -188,8 +191,15 @@ def test_engine_reaches_the_listed_host_and_the_model_route_never_an_unlisted_ho
     assert len(got) == 1 and got[0]["headers"].get("x-api-key") == secret, got
     # ...which the engine never held: its inspect, environment, files, log, the record, REVIEW.html.
     engine = watch.seen["engine"]
-    assert engine["HostConfig"]["NetworkMode"].startswith("fila-net-"), engine["HostConfig"]
-    assert list(engine["NetworkSettings"]["Networks"]) == [engine["HostConfig"]["NetworkMode"]]
+    mode = engine["HostConfig"]["NetworkMode"]
+    if mode.startswith("container:"):  # the namespace of a spare gateway's holder, on the job network
+        holder = watch.seen["netns"]
+        assert mode == f"container:{holder['Id']}", (mode, holder["Id"])
+        nets = list(holder["NetworkSettings"]["Networks"])
+    else:
+        nets = list(engine["NetworkSettings"]["Networks"])
+        assert nets == [mode], (nets, mode)
+    assert len(nets) == 1 and nets[0].startswith("fila-net-"), nets
     assert "ANTHROPIC_API_KEY=fila-placeholder" in engine["Config"]["Env"]
     # The engine's work/: the job's own copy, or the upper layer of its overlay on a snapshot.
     works = [proj / "sandbox" / "jobs" / tid / "work", proj / "sandbox" / "meta" / tid / "overlay" / "upper"]
@@ -457,13 +467,67 @@ def test_a_killed_run_leaves_gateway_and_network_that_recover_removes(
     res = run_once(proj, {"FILA_CRASH_AT": point})
     assert res.returncode == -9, (res.returncode, res.stderr)
     left = leftovers(docker_client, proj, tid)
-    # What the crash left: the engine, the gateway, the job network and the secrets directory.
+    # What the crash left: the engine, the gateway (a spare the job took, with the holder of the
+    # engine's network namespace), the job network and the secrets directory.
     assert any(x.startswith("network fila-net-") for x in left) and "the gateway directory" in left, left
-    assert sum(x.startswith("container ") for x in left) == 2, left
+    assert sum(x.startswith("container ") for x in left) == 3 and any(x.endswith("-netns") for x in left), (
+        left
+    )
     rec = fila(proj, "recover")  # the worker is dead: its lock is free, no TTL to wait out
     assert rec.exit_code == 0, rec.output
     assert leftovers(docker_client, proj, tid) == []
     assert record(proj, tid)["status"] in ("needs_human", "queued")
+
+
+def untaken_spare(root: Path) -> bool:
+    """Whether a spare gateway of `root` listens and no job took it yet (no config written)."""
+    d = root / "sandbox" / "spares"
+    return d.is_dir() and any(
+        (s / "log" / "listening").exists() and not (s / "conf" / "config.json").exists()
+        for s in d.iterdir()
+        if s.is_dir()
+    )
+
+
+def test_a_worker_keeps_a_spare_gateway_and_a_killed_one_leaves_nothing_after_recover(
+    proj: Path, upstreams: Upstreams, docker_client: docker.DockerClient
+) -> None:
+    """A long-running worker makes the next spare once a job took one; stopped, it removes it
+    itself; SIGKILLed with a spare up, `fila recover` removes the spare (its lock is free)."""
+    write_policy(proj, "spare", egress=egress_for(upstreams, allow_private=[upstreams.subnet]))
+
+    def worker_with_a_spare() -> tuple[subprocess.Popen[str], str]:
+        tid = submit_task(proj, "spare", "true")
+        w = subprocess.Popen(
+            [FILA_SCRIPT, "worker", "--root", str(proj), "--quiet"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        deadline = time.monotonic() + 90
+        while not (record(proj, tid)["status"] == "needs_review" and untaken_spare(proj)):
+            assert w.poll() is None and time.monotonic() < deadline, (w.poll(), record(proj, tid)["status"])
+            time.sleep(0.2)
+        rec = record(proj, tid)
+        # The job took the spare the worker made for the queued task: no gateway start of its own.
+        assert "gateway_take" in rec["timings"] and "gateway_start" not in rec["timings"], rec["timings"]
+        return w, tid
+
+    # The allowed counterpart: SIGTERM, and the worker removes its spare itself.
+    w, tid = worker_with_a_spare()
+    w.terminate()
+    assert w.wait(timeout=60) == 0, w.stderr.read() if w.stderr else ""
+    assert leftovers(docker_client, proj, tid) == []
+    # SIGKILL: the spare (gateway, holder, network, directory and lock) stays until `fila recover`.
+    w, tid = worker_with_a_spare()
+    w.kill()
+    w.wait(timeout=30)
+    left = leftovers(docker_client, proj, tid)
+    assert sum(x.startswith("container fila-gw-spare-") for x in left) >= 2, left
+    assert any(x.startswith("network fila-net-spare-") for x in left) and "the gateway directory" in left, (
+        left
+    )
+    rec = fila(proj, "recover", "--json")
+    assert rec.exit_code == 0, rec.output
+    assert leftovers(docker_client, proj, tid) == []
 
 
 # -- gVisor ----------------------------------------------------------------------------------------
@@ -694,8 +758,8 @@ def test_the_gateway_files_are_private_and_outside_the_job_directory(tmp_path: P
     assert stat.S_IMODE(state.stat().st_mode) == 0o700 and stat.S_IMODE(secret.stat().st_mode) == 0o600
     assert stat.S_IMODE((state / "secrets").stat().st_mode) == 0o700
     assert (secret.stat().st_uid, (state / "log").stat().st_uid) == (uid, uid)  # the gateway's user
-    config = json.loads((state / "config.json").read_text())
-    assert key not in (state / "config.json").read_text()
+    config = json.loads((state / "conf" / "config.json").read_text())
+    assert key not in (state / "conf" / "config.json").read_text()
     want = {"upstream": "https://api.openai.com", "header": "authorization", "format": "Bearer {key}"}
     # paths null: the gateway's default for the known route (its model calls only).
     assert config["routes"]["openai"] == want | {"secret": "openai", "paths": None}
@@ -721,7 +785,7 @@ def test_a_route_paths_override_reaches_the_gateway_config(tmp_path: Path) -> No
         egress.prepare_gateway_dir(tmp_path / "egress", policy, "job", uid, gid, clients=["10.213.9.0/24"])
     finally:
         del os.environ[KEY_VAR]
-    config = json.loads((tmp_path / "egress" / "config.json").read_text())
+    config = json.loads((tmp_path / "egress" / "conf" / "config.json").read_text())
     assert config["routes"]["openai"]["paths"] == paths
 
 

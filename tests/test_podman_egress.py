@@ -99,20 +99,23 @@ def test_an_allowlist_engine_is_on_the_job_network_only_with_the_gateway_as_reso
 def test_the_gateway_and_job_network_request_keep_dockers_guarantees(tmp_path: Path) -> None:
     net = job_network_spec("fila-net-t1-abcd", {"fila": "1"})
     assert net["internal"] is True and net["dns_enabled"] is False and net["ipv6_enabled"] is False
-    common = dict(job_id="t1", name="gw", job_net="fila-net-t1-abcd", egress_net="fila-egress",
-                  state=tmp_path, labels={"fila.root": "/q"}, uid=1000, gid=1000, rootless=True)  # fmt: skip
-    full = gateway_spec(**common, ca=True)
+    common = dict(name="gw", job_net="fila-net-t1-abcd", egress_net="fila-egress", state=tmp_path,
+                  labels={"fila.root": "/q", "fila.job": "t1"}, uid=1000, gid=1000,
+                  rootless=True)  # fmt: skip
+    full = gateway_spec(**common)
     assert full["Networks"] == {"fila-net-t1-abcd": {}, "fila-egress": {}}
     assert full["sysctl"]["net.ipv4.ip_forward"] == "0"
     assert full["read_only_filesystem"] and full["cap_drop"] == ["ALL"] and full["no_new_privileges"]
     assert full["userns"] == {"nsmode": "keep-id"} and full["user"] == "1000:1000"
     assert full["labels"]["fila.role"] == "gateway" and full["labels"]["fila.job"] == "t1"
     assert set(full["resource_limits"]) == {"memory", "pids"}
-    assert any(m["destination"] == "/etc/fila-gateway/upstream-ca.pem" for m in full["mounts"])
+    # Its config (and upstream CA) directory read-only; it loads the config once it is written.
+    conf = [m for m in full["mounts"] if m["destination"] == "/etc/fila-gateway"]
+    assert conf and conf[0]["source"] == str(tmp_path / "conf") and "ro" in conf[0]["options"], conf
+    assert full["env"]["FILA_GATEWAY_WAIT"] == "1"
     # The gateway's limits are left out only where the job's policy waived the same ones.
-    part = gateway_spec(**common, ca=False, waive=frozenset({"memory"}))
+    part = gateway_spec(**common, waive=frozenset({"memory"}))
     assert set(part["resource_limits"]) == {"pids"}
-    assert not any(m["destination"] == "/etc/fila-gateway/upstream-ca.pem" for m in part["mounts"])
 
 
 # -- the upstreams, in the user's rootless Podman --------------------------------------------------
@@ -272,14 +275,17 @@ def _submit(q: Path, command: str, env: dict[str, str]) -> str:
 def _leftovers(q: Path, tid: str) -> list[str]:
     from fila.sandbox.podman.backend import PodmanBackend
 
+    out = []
     with PodmanBackend().client() as c:
-        flt = json.dumps({"label": [f"fila.job={tid}"]})
-        out = [
-            f"container {x['Names']}"
-            for x in c.api.containers(all=True, filters={"label": f"fila.job={tid}"})
-        ]
-        out += [f"network {n['name']}" for n in _libpod(c, "GET", "/libpod/networks/json", filters=flt) or []]
-    if (q / "sandbox" / "meta" / tid / "egress").exists():
+        # The job's own, and a spare gateway the job took (or its worker kept), by their labels.
+        for labels in ([f"fila.job={tid}"], ["fila.spare", f"fila.root={q}"]):
+            out += [f"container {x['Names']}" for x in c.api.containers(all=True, filters={"label": labels})]
+            flt = json.dumps({"label": labels})
+            out += [
+                f"network {n['name']}" for n in _libpod(c, "GET", "/libpod/networks/json", filters=flt) or []
+            ]
+    spares = q / "sandbox" / "spares"
+    if (q / "sandbox" / "meta" / tid / "egress").exists() or (spares.is_dir() and any(spares.iterdir())):
         out.append("the gateway directory")
     return out
 
@@ -448,7 +454,8 @@ def test_on_podman_a_killed_worker_leaves_its_gateway_and_network_and_recover_re
                          env=run_env, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert res.returncode == -9, res.stdout + res.stderr  # SIGKILLed with its containers running
     left = _leftovers(proj, tid)
-    # The counterpart: the crash left the engine, the gateway, the job network and the secrets.
+    # The counterpart: the crash left the engine, the gateway (the spare the job took), the job
+    # network and the secrets.
     assert sum(x.startswith("container") for x in left) == 2, left
     assert sum(x.startswith("network") for x in left) == 1 and "the gateway directory" in left, left
     code, out = _cli("recover", "--root", str(proj))

@@ -150,7 +150,7 @@ def test_a_task_needs_only_its_engines_keys_and_its_gateway_gets_only_their_rout
     egress.prepare_gateway_dir(
         state, checked.policy, "job", os.getuid(), os.getgid(), clients=["10.0.0.0/24"]
     )
-    assert list(json.loads((state / "config.json").read_text())["routes"]) == ["openai"]
+    assert list(json.loads((state / "conf" / "config.json").read_text())["routes"]) == ["openai"]
     assert sorted(p.name for p in (state / "secrets").iterdir()) == ["openai"]
     assert [c.label for c in secretscan.known(checked.policy)] == ["route openai"]
     # With both keys set, a chain from claude to codex gets both routes; each attempt's gateway its own.

@@ -57,8 +57,14 @@ The container (images/gateway, run as any non-root uid, read-only root, tmpfs /t
   unlisted names through on these ports, logged as learned)};
 - /run/fila-gateway/secrets/<secret> (ro): one credential per file, read once at start;
 - /var/log/fila-gateway/ (rw): egress.jsonl (one line per decision, fields in `Gateway.write`),
-  summary.json (`Gateway._summarize`) and `ready`, written once both listeners are bound;
-- ports 3128 (proxy) and 8080 (routes); entrypoint.sh starts mitmdump.
+  summary.json (`Gateway._summarize`) and `ready`, written once both listeners are bound and the
+  config is loaded;
+- ports 3128 (proxy) and 8080 (routes); entrypoint.sh starts mitmdump;
+- FILA_GATEWAY_WAIT=1 (a spare, started before its job: mitmdump's start-up is most of a gateway's
+  cost): with no config.json yet it binds its listeners, writes `listening`, refuses every client
+  and request, and loads config.json (the host mounts /etc/fila-gateway as a directory and writes
+  the secrets first, then the config, renamed into place) as soon as it appears; a bad one makes
+  it exit. A spare serves one job at most: the host removes it after that job.
 """
 
 from __future__ import annotations
@@ -98,6 +104,10 @@ ROUTE_PORT = int(os.environ.get("FILA_GATEWAY_ROUTE_PORT", "8080"))
 SINK_PORT = int(os.environ.get("FILA_GATEWAY_SINK_PORT", "3127"))  # entrypoint.sh's reverse target
 DNS_PORT = int(os.environ.get("FILA_GATEWAY_DNS_PORT", "53"))
 SYSTEM_CA = "/etc/ssl/certs/ca-certificates.crt"
+# A spare (FILA_GATEWAY_WAIT=1): started before any job, it listens and refuses everything until
+# the host writes its config, looked for every CONFIG_POLL_S.
+WAIT = os.environ.get("FILA_GATEWAY_WAIT") == "1"
+CONFIG_POLL_S = 0.01
 
 MAX_HEADER_BYTES = 32 * 1024  # mitmproxy reads headers without a limit; refuse what no API needs
 MAX_BODY_SCAN = 8 * 1024 * 1024  # a non-streamed JSON body kept for reading its usage
@@ -236,6 +246,17 @@ def _route(name: str, raw: Any) -> dict[str, Any]:
         "key": key,
         "paths": rules,
     }
+
+
+def _new_totals() -> dict[str, Any]:
+    return {"allowed": 0, "denied": 0, "routes": {}, "budget_exhausted": None, "suppressed": {}}
+
+
+def _mark(path: Path) -> None:
+    """A marker file for the host (`listening`, `ready`), written whole."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(_now() + "\n")
+    tmp.replace(path)
 
 
 def load_config(path: Path = CONFIG_PATH) -> dict[str, Any]:
@@ -1202,28 +1223,37 @@ class Gateway:
         self.in_flight = 0
         self._log_bytes = 0
         # Totals that never depend on the log fitting its cap (summary.json, rewritten atomically).
-        self.totals: dict[str, Any] = {
-            "allowed": 0, "denied": 0, "routes": {}, "budget_exhausted": None, "suppressed": {},
-        }  # fmt: skip
+        self.totals: dict[str, Any] = _new_totals()
         self._summary_at = 0.0
         self.needles = Needles(())  # the route credentials, in every form a response must not carry
+        self._waiting: asyncio.Task[None] | None = None  # a spare's wait for its config
 
     # -- lifecycle
 
     def load(self, loader: Any) -> None:
+        if WAIT and not CONFIG_PATH.exists():
+            return  # a spare: its config arrives once a job takes it (`running` waits for it)
+        self._configure()
+
+    def _configure(self) -> bool:
+        """Read the config and the credentials, open the log. False (logged as an error) when the
+        config is bad: at start-up that makes mitmdump exit (errorcheck); a spare exits itself."""
         try:
             self.config = load_config()
         except ConfigError as e:
             # An error logged at start-up makes mitmdump exit (errorcheck): no gateway without policy.
             logger.error(f"fila_gateway: {e}")
-            return
+            return False
         self.needles = Needles(r["key"] for r in self.config["routes"].values())
+        # A spare's refusals before its job (nobody's: its job network was empty) are not the job's.
+        self.totals = _new_totals()
         LOG_DIR.mkdir(parents=True, exist_ok=True)
         self._log = open(LOG_DIR / "egress.jsonl", "a", buffering=1, encoding="utf-8")  # noqa: SIM115
         self._log_bytes = self._log.tell()
+        return True
 
     async def running(self) -> None:
-        if self.config is None:
+        if self.config is None and not WAIT:
             return
         # The reverse listener's nominal target: mitmproxy connects there when a route client
         # connects (eager strategy), and never sends a request there (the addon sends each to its
@@ -1241,19 +1271,38 @@ class Gateway:
             logger.warning(
                 f"fila_gateway: no DNS door on port {DNS_PORT} ({e.strerror}); lookups go unlogged"
             )
+        if self.config is None:
+            # A spare: everything is refused ("gateway has no config", "client not on the job
+            # network") until the host writes config.json, which is looked for every 10 ms.
+            _mark(LOG_DIR / "listening")
+            self._waiting = asyncio.create_task(self._await_config())
+            return
+        self._serve()
+
+    async def _await_config(self) -> None:
+        while not CONFIG_PATH.exists():
+            await asyncio.sleep(CONFIG_POLL_S)
+        if not self._configure():
+            ctx.master.shutdown()  # a spare given a bad config serves no one: the host sees it exit
+            return
+        self._serve()
+
+    def _serve(self) -> None:
+        """Configured and listening: the upstream CA set, then `ready` written for the host."""
+        assert self.config is not None
         # mitmproxy's own TLS to a route upstream: the configured CA, else the system bundle (which
         # holds the build-time extra CA), never certifi's copy.
         ctx.options.update(ssl_verify_upstream_trusted_ca=self.config["upstream_ca"] or SYSTEM_CA)
         ps = ctx.master.addons.get("proxyserver")
         ports = {addr[1] for addr in ps.listen_addrs()} if ps else set()
         if {PROXY_PORT, ROUTE_PORT} <= ports:
-            tmp = LOG_DIR / ".ready.tmp"
-            tmp.write_text(_now() + "\n")
-            tmp.replace(LOG_DIR / "ready")
+            _mark(LOG_DIR / "ready")
         else:
             logger.error(f"fila_gateway: listeners {sorted(ports)} lack {PROXY_PORT} or {ROUTE_PORT}")
 
     def done(self) -> None:
+        if self._waiting is not None:
+            self._waiting.cancel()
         if self._sink is not None:
             self._sink.close()
         if self._dns is not None:

@@ -62,6 +62,12 @@ class Root:
         return self.path / "sandbox" / "meta"
 
     @property
+    def spares_dir(self) -> Path:
+        """Spare gateways' directories and the locks that say their worker lives (never mounted
+        but into the spare itself: sandbox/gateways.py)."""
+        return self.path / "sandbox" / "spares"
+
+    @property
     def policies_dir(self) -> Path:
         return self.path / "policies"
 
@@ -118,11 +124,20 @@ class Root:
                 f"{self.path} is not a fila queue root (no fila/in, fila/out)",
                 hint="run `fila init` there, or pass --root DIR / set FILA_ROOT",
             )
-        for d in (self.run_dir, self.rejected_dir, self.state_dir, self.meta_dir, self.jobs_dir):
+        dirs = (
+            self.run_dir,
+            self.rejected_dir,
+            self.state_dir,
+            self.meta_dir,
+            self.jobs_dir,
+            self.spares_dir,
+        )
+        for d in dirs:
             d.mkdir(parents=True, exist_ok=True)
         # Only the owner may reach job directories: during a run the engine's files are there
-        # before the host has made them inert (handover.reclaim).
-        for d in (self.jobs_dir, self.meta_dir):
+        # before the host has made them inert (handover.reclaim); a spare gateway's directory gets
+        # a job's secrets.
+        for d in (self.jobs_dir, self.meta_dir, self.spares_dir):
             if d.stat().st_mode & 0o077:
                 d.chmod(0o700)
         return self

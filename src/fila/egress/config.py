@@ -25,7 +25,7 @@ import secrets as _secrets
 import shutil
 import stat
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..core.errors import InvalidPolicy
@@ -42,12 +42,18 @@ ROLE_LABEL = "fila.role"
 ROLE_GATEWAY = "gateway"
 ROLE_JOB_NET = "job-net"
 ROLE_EGRESS_NET = "egress-net"
+ROLE_NETNS = "netns"
 DEFAULT_EGRESS_NETWORK = "fila-egress"
 PROXY_PORT = 3128
 ROUTE_PORT = 8080
 PLACEHOLDER_KEY = "fila-placeholder"
-CONFIG_PATH = "/etc/fila-gateway/config.json"
-UPSTREAM_CA_PATH = "/etc/fila-gateway/upstream-ca.pem"
+CONF_DIR = "/etc/fila-gateway"  # mounted read-only from the gateway directory's conf/
+CONFIG_PATH = f"{CONF_DIR}/config.json"
+UPSTREAM_CA_PATH = f"{CONF_DIR}/upstream-ca.pem"
+# Set on every gateway fila starts: it binds its listeners before its config is there and loads
+# the config as soon as it appears (a spare waits for its job; images/gateway/fila_gateway.py).
+WAIT_ENV = {"FILA_GATEWAY_WAIT": "1"}
+SPARE_LABEL = "fila.spare"
 SECRETS_PATH = "/run/fila-gateway/secrets"
 LOG_PATH = "/var/log/fila-gateway"
 READY_TIMEOUT_S = 20.0
@@ -290,12 +296,25 @@ def resolve_routes(policy: Policy) -> list[Resolved]:
 
 @dataclass
 class Gateway:
+    """A job's gateway, or a spare one (`job_id` empty until a job takes it: egress/pool.py)."""
+
     job_id: str
     network: str
     container: str
     ip: str
     dir: Path
     routes: list[str]
+    subnets: list[str] = field(default_factory=list)  # the job network's: the gateway's only clients
+    spare: str | None = None  # the spare's id when it came from a pool (its lock, its labels)
+    # A spare's network namespace holder on the job network (Docker): the engine joins its
+    # namespace, set up before the job, instead of the daemon attaching it to the network at start.
+    netns: str | None = None
+    # Its directory is removed already (a spare after its job): `dir` may be the next attempt's.
+    dir_gone: bool = False
+    timings: dict[str, float] = field(default_factory=dict)  # gateway_start/_take, _ready, _remove
+    # Called once the gateway, its network and its directory are gone (a pool's spare lets go of
+    # its lock, which until then tells recovery its owner is alive).
+    released: Callable[[], None] | None = field(default=None, repr=False)
 
     def engine_env(self) -> dict[str, str]:
         proxy = f"http://{self.ip}:{PROXY_PORT}"
@@ -330,28 +349,37 @@ def _write_private(path: Path, data: bytes, uid: int, gid: int) -> None:
         os.close(fd)
 
 
-def prepare_gateway_dir(
-    state: Path, policy: Policy, job_id: str, uid: int, gid: int, *, clients: list[str]
-) -> list[Resolved]:
-    """state/ (0700, the host's): config.json, upstream-ca.pem, secrets/ and log/ (the gateway's).
-    `clients`: the job network's subnets, the only peers the gateway serves (its key and budget are
-    this job's: an engine of another job reaching it through a broad allow_private is refused)."""
-    assert policy.egress is not None
-    routes = resolve_routes(policy)
+def make_gateway_dir(state: Path, uid: int, gid: int) -> None:
+    """state/ (0700, the host's), made empty before the gateway starts: conf/ (config.json and
+    upstream-ca.pem, mounted read-only at CONF_DIR), secrets/ and log/ (the gateway's uid's)."""
     if state.exists():
         remove_dir(state)
     state.mkdir(mode=0o700, parents=True)
     os.chmod(state, 0o700)
-    sdir, ldir = state / "secrets", state / "log"
-    for d in (sdir, ldir):
+    (state / "conf").mkdir(mode=0o755)
+    os.chmod(state / "conf", 0o755)
+    for d in (state / "secrets", state / "log"):
         d.mkdir(mode=0o700)
         if (uid, gid) != (os.getuid(), os.getgid()):
             os.chown(d, uid, gid)
+
+
+def write_gateway_config(
+    state: Path, policy: Policy, job_id: str, uid: int, gid: int, *, clients: list[str]
+) -> list[Resolved]:
+    """The job's secrets, upstream CA and config into a gateway directory made by
+    make_gateway_dir; the config last, renamed into place whole, since a started gateway loads it
+    the moment it appears. `clients`: the job network's subnets, the only peers the gateway serves
+    (its key and budget are this job's: an engine of another job reaching it through a broad
+    allow_private is refused)."""
+    assert policy.egress is not None
+    routes = resolve_routes(policy)
+    sdir, conf = state / "secrets", state / "conf"
     cas = [r.ca_file for r in routes if r.ca_file]
     if cas:
         bundle = b"".join(Path(c).read_bytes().rstrip(b"\n") + b"\n" for c in dict.fromkeys(cas))
-        (state / "upstream-ca.pem").write_bytes(bundle)
-        os.chmod(state / "upstream-ca.pem", 0o644)
+        (conf / "upstream-ca.pem").write_bytes(bundle)
+        os.chmod(conf / "upstream-ca.pem", 0o644)
     for r in routes:
         _write_private(sdir / r.name, r.key.encode(), uid, gid)
     eg = policy.egress
@@ -375,9 +403,19 @@ def prepare_gateway_dir(
         "host_addresses": host_addresses(),
         "learn": {"ports": list(LEARN_PORTS)} if eg.learn else None,
     }
-    (state / "config.json").write_text(json.dumps(config, indent=2))
-    os.chmod(state / "config.json", 0o644)
+    tmp = conf / ".config.json.tmp"
+    tmp.write_text(json.dumps(config, indent=2))
+    os.chmod(tmp, 0o644)
+    tmp.replace(conf / "config.json")
     return routes
+
+
+def prepare_gateway_dir(
+    state: Path, policy: Policy, job_id: str, uid: int, gid: int, *, clients: list[str]
+) -> list[Resolved]:
+    """make_gateway_dir, then write_gateway_config: a gateway directory ready before its start."""
+    make_gateway_dir(state, uid, gid)
+    return write_gateway_config(state, policy, job_id, uid, gid, clients=clients)
 
 
 def host_addresses() -> list[str]:
@@ -399,6 +437,14 @@ def host_addresses() -> list[str]:
     return sorted(out)
 
 
+def move_dir(src: Path, dst: Path) -> None:
+    """A gateway directory moved whole (one rename, same filesystem) to `dst`, whatever was
+    there removed first (an earlier attempt's)."""
+    dst.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    remove_dir(dst)
+    os.rename(src, dst)
+
+
 def remove_dir(state: Path) -> None:
     """The job's gateway directory, secrets included; never following a link out of it."""
     with contextlib.suppress(FileNotFoundError):
@@ -414,10 +460,10 @@ def remove_dir(state: Path) -> None:
 def collect(gw: Gateway) -> EgressRecord:
     log = gw.dir / "log"
     rec = read_log(log / "egress.jsonl", summary=log / "summary.json", routes=gw.routes)
-    # Whether the job was learning is the host's own config (written by prepare_gateway_dir), not
+    # Whether the job was learning is the host's own config (written by write_gateway_config), not
     # anything the gateway or the engine said.
     with contextlib.suppress(OSError, ValueError, AttributeError):
-        rec.learning = bool(json.loads((gw.dir / "config.json").read_text()).get("learn"))
+        rec.learning = bool(json.loads((gw.dir / "conf" / "config.json").read_text()).get("learn"))
     return rec
 
 

@@ -158,7 +158,8 @@ def sweep_scratch(root: Root, dk: Engine, rep: Report) -> None:
 
 def _sweep_egress(root: Root, backend: Backend, rep: Report) -> None:
     """Job networks and gateway directories (secrets) of jobs no live worker holds: after the
-    containers, so their gateways are gone and the networks can be removed."""
+    containers, so their gateways are gone and the networks can be removed. Then spare gateways
+    (taken by a job or not) whose worker is gone."""
     try:
         removed = backend.sweep_egress(
             root.path, root.meta_dir, lambda tid, worker: _has_claim(root, tid, worker)
@@ -173,6 +174,13 @@ def _sweep_egress(root: Root, backend: Backend, rep: Report) -> None:
         return
     for what in removed:
         rep.add(root, None, "egress removed", f"{what}: no live worker holds its task")
+    try:
+        spares = backend.sweep_spares(root.path, root.spares_dir)
+    except (InfraError, OSError) as e:
+        rep.add(root, None, "error", f"could not sweep spare gateways: {e}")
+        return
+    for what in spares:
+        rep.add(root, None, "egress removed", f"{what}: the worker that kept it is gone")
 
 
 def _has_claim(root: Root, tid: str, worker: str | None) -> bool:

@@ -123,6 +123,7 @@ def run_engines(
             run.removals.append(result.removal)
         run.lap("run")
         run.split_run(t, marks.get("start"), result.duration_s)
+        run.add_parts(result.gateway_timings)
         queue.log_event(
             root,
             tid,

@@ -98,19 +98,30 @@ class JobRun:
         left after the diff counts as the container's `remove` (and `run`); a failed removal
         raises what the backend's run raises for it (InfraError)."""
         while self.removals:
-            self.removals.pop(0).wait()
+            removal = self.removals.pop(0)
+            removal.wait()
             now = time.monotonic()
             for phase in ("run", "remove"):
                 self.timings[phase] = round(self.timings.get(phase, 0.0) + now - self.mark, 3)
             self.mark = now
+            self.add_parts(removal.timings)
+            self.removal_warnings += removal.warnings
+
+    def add_parts(self, parts: dict[str, float]) -> None:
+        """Seconds inside a phase the record also shows on their own (the gateway's start or take,
+        ready and removal, inside `create` and `remove`): not added to `total` again."""
+        for k, v in parts.items():
+            self.timings[k] = round(self.timings.get(k, 0.0) + v, 3)
 
     def settle_removals(self) -> None:
         """await_removal on a path that failed already (a bug, a lost lease), whatever way the
         job ended and before its directory is free again: a removal that failed too becomes a
         warning of the record it publishes (recovery removes what is left by its labels)."""
         while self.removals:
+            removal = self.removals.pop(0)
             try:
-                self.removals.pop(0).wait()
+                removal.wait()
+                self.removal_warnings += removal.warnings
             except Exception as e:
                 self.removal_failed = True
                 self.removal_warnings.append(f"{e}; `fila recover` removes what is left")

@@ -46,6 +46,7 @@ from ..core.models import ErrorKind, Record, Status
 from ..queue import breaker, lease, retry
 from ..queue import store as queue
 from . import job as cycle
+from . import spares
 
 if TYPE_CHECKING:
     from ..sandbox import Backend
@@ -229,6 +230,7 @@ class Worker:
         if self.once:
             self.backend.ping()  # an engine that does not answer: fail before claiming
         lock = lease.WorkerLock(self.root, self.id).acquire()
+        pool = spares.keep(self.root, self.backend, once=self.once, only=self.only)
         handlers: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
             handlers = {
@@ -272,6 +274,10 @@ class Worker:
                 t.join(timeout=30)
             for sig, h in handlers.items():
                 signal.signal(sig, h)
+            if pool is not None:  # the spares not taken go with the worker; recovery's otherwise
+                for left in pool.close() + pool.errors:
+                    self.progress(f"fila worker: {left}")
+                self.backend.gateways = None
             if self.owns_backend:
                 self.backend.close()
             lock.release()

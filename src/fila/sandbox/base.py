@@ -19,11 +19,14 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..core.models import EgressRecord, ImageRef, Limits, Policy
 from ..core.mounts import Workspace
 from ..core.output import RunOutput
+
+if TYPE_CHECKING:
+    from .gateways import GatewayPool
 
 LABEL = "fila"
 JOB_LABEL = "fila.job"
@@ -81,6 +84,8 @@ class Removal:
         self.name = name
         self.error: BaseException | None = None
         self.seconds = 0.0  # how long the removal took, wherever it was awaited
+        self.timings: dict[str, float] = {}  # its parts the record shows (gateway_remove)
+        self.warnings: list[str] = []  # what it left for recovery without failing (a gateway)
         self._done = threading.Event()
         threading.Thread(target=self._remove, args=(remove,), name=f"fila-remove-{name}", daemon=True).start()
 
@@ -122,6 +127,9 @@ class RunResult:
     output: RunOutput = field(default_factory=RunOutput)
     # defer_removal: the container's removal, still running; awaited before anything is published
     removal: Removal | None = None
+    # The job's gateway: gateway_start (made for the job) or gateway_take (a spare), gateway_ready;
+    # gateway_remove is the removal's (Removal.timings, or here when removed inside `run`).
+    gateway_timings: dict[str, float] = field(default_factory=dict)
     # Why the caller ended the run early (a heartbeat raised StopRun): the container was stopped as
     # at its timeout, and what it produced is kept. None: it exited by itself, or timed out.
     stopped: str | None = None
@@ -277,6 +285,25 @@ class Runner(Connection):
         self, root: Path, meta_dir: Path, has_claim: Callable[[str, str | None], bool]
     ) -> list[str]:
         """Remove job networks, gateways and gateway directories of jobs no live worker holds."""
+
+    # Spare gateways (sandbox/gateways.py) this backend keeps for a worker, once it was asked to.
+    gateways: GatewayPool | None = None
+
+    def spare_gateways(self, directory: Path, labels: dict[str, str], *, refill: bool) -> GatewayPool | None:
+        """The pool of spare gateways kept in `directory` (made on the first call), or None where
+        this backend starts no gateway. The worker that asked closes it (`GatewayPool.close`)."""
+        return None
+
+    def sweep_spares(self, root: Path, directory: Path) -> list[str]:
+        """Remove the spare gateways of `directory` whose maker is gone (taken by a job or not):
+        their containers and networks (by label, `root`'s), directories and locks; what was
+        removed, described."""
+        from .gateways import abandoned, clear_temp, forget
+
+        gone = sorted(abandoned(directory, set()))
+        for spare in gone:
+            forget(directory, spare)
+        return [f"spare gateway directory {directory / s}" for s in gone] + clear_temp(directory)
 
     def sweep_volumes(self, root: str) -> list[tuple[str, str | None]]:
         """Remove fila's volumes of this queue root that no container uses (a process killed

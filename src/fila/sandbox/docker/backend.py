@@ -10,6 +10,7 @@ the job's Workspace), `container` (create, start, wait with the host's timeout, 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import threading
@@ -23,6 +24,7 @@ from docker.errors import APIError, NotFound
 
 from ...core.errors import EngineUnavailable, InfraError
 from ...core.models import ImageRef, Policy
+from ...egress.config import Gateway
 from ..base import (
     JOB_LABEL,
     LABEL,
@@ -35,6 +37,7 @@ from ..base import (
     RunSpec,
     run_as,
 )
+from ..gateways import GatewayPool
 from . import images as docker_images
 from .client import DOCKER_ERRORS, docker_client
 from .container import remove_volume, run
@@ -219,6 +222,7 @@ class DockerBackend(Backend):
                 heartbeat=heartbeat,
                 heartbeat_s=heartbeat_s,
                 defer_removal=spec.defer_removal,
+                spares=self.gateways,
             )
         result.backend, result.waived = self.name, waived
         return result
@@ -335,6 +339,45 @@ class DockerBackend(Backend):
                 return docker_egress.sweep(c, root, meta_dir, has_claim)
             except DOCKER_ERRORS as e:
                 raise InfraError(f"{self.name} failed while sweeping job networks: {e}") from e
+
+    def spare_gateways(self, directory: Path, labels: dict[str, str], *, refill: bool) -> GatewayPool | None:
+        if self.gateways is None:
+            self.gateways = GatewayPool(self._spare, self._remove_gateway, directory, labels, refill=refill)
+        return self.gateways
+
+    def _spare(self, spare: str, network: str, state: Path, labels: dict[str, str]) -> Gateway:
+        uid, gid = run_as()
+        with self.client() as c:
+            return self.spare_maker()(
+                c,
+                ident=f"spare-{spare}",
+                egress_network=network,
+                state=state,
+                labels=labels,
+                uid=uid,
+                gid=gid,
+            )
+
+    def spare_maker(self) -> Callable[..., Gateway]:
+        """How this engine makes a started spare: with the holder of the engine's namespace."""
+        from . import egress as docker_egress
+
+        return functools.partial(docker_egress.create, netns=True)
+
+    def _remove_gateway(self, gw: Gateway) -> None:
+        from . import egress as docker_egress
+
+        with self.client() as c:
+            docker_egress.stop(c, gw)
+
+    def sweep_spares(self, root: Path, directory: Path) -> list[str]:
+        from . import egress as docker_egress
+
+        with self.client() as c:
+            try:
+                return docker_egress.sweep_spares(c, root, directory)
+            except DOCKER_ERRORS as e:
+                raise InfraError(f"{self.name} failed while sweeping spare gateways: {e}") from e
 
     def sweep_volumes(self, root: str) -> list[tuple[str, str | None]]:
         """The daemon refuses to remove a volume a container uses (409), also an exited one's: a

@@ -24,6 +24,7 @@ from docker.models.containers import Container
 from ...core.errors import EngineUnavailable, ImageMissing, InfraError
 from ...core.faults import crash_point
 from ...core.models import now_iso
+from ...egress.config import move_dir
 from ..base import Removal, RunResult, RunSpec, call_heartbeat, container_name, note_left, run_as
 from . import images as docker_images
 from .client import DOCKER_ERRORS, docker_client, fresh_client
@@ -32,6 +33,7 @@ from .spec import create_kwargs, docker_runtime, has_volume, work_volume
 
 if TYPE_CHECKING:
     from ...egress.config import Gateway
+    from ..gateways import GatewayPool
 
 _KILL_WAIT_S = 30.0  # after SIGKILL the daemon reports the exit promptly; longer means it is stuck
 PUMP_WAIT_S = 10.0  # after the exit, how long the output stream may take to end before it is cut
@@ -48,6 +50,7 @@ def run(
     adapt: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     create: Callable[[docker.DockerClient, dict[str, Any]], Container] | None = None,
     defer_removal: bool = False,
+    spares: GatewayPool | None = None,
 ) -> RunResult:
     """Create, start, wait (with the host's timeout), and always remove the job's container.
     `adapt` maps create_kwargs' request to another engine speaking the Docker API (Podman), and
@@ -59,7 +62,10 @@ def run(
     `heartbeat()` runs every `heartbeat_s` while the container runs.
     `defer_removal`: once the container has exited, its removal runs in the background on a
     connection of its own (`RunResult.removal`, for the caller to await), while work/ is handed
-    back and the caller diffs it: reading work/ needs the container stopped, not gone.
+    back and the caller diffs it: reading work/ needs the container stopped, not gone; a job's
+    gateway goes in the same removal, beside the container, its network once both are gone.
+    `spares`: where a `network: allowlist` job takes a started gateway (sandbox/gateways.py)
+    instead of starting its own.
     """
     client = client or docker_client()
     name = container_name(spec.job_id)
@@ -79,7 +85,7 @@ def run(
         if spec.policy.runtime:
             _check_runtime(client, spec)
         if spec.policy.network == "allowlist":
-            gateway = _start_gateway(client, spec, uid, gid)
+            gateway = start_gateway(client, spec, uid, gid, spares)
             kwargs = create_kwargs(spec, name, gateway)
             if adapt is not None:
                 kwargs = adapt(kwargs)
@@ -95,17 +101,25 @@ def run(
             raise docker_error(spec, "creating the container", e) from e
         if before_start is not None:
             before_start(container.id)
-        result = _execute(client, spec, container, heartbeat, heartbeat_s)
-        # With a gateway, its network can go only once the job's container is gone: removed now.
-        if defer_removal and gateway is None:
-            removal = result.removal = Removal(name, lambda: remove_exited(client, spec, name))
-        else:
-            remove_exited(client, spec, name, fresh=False)
+        started = None
+        if spares is not None and spec.policy.egress is not None:
+            network = spec.policy.egress.egress_network
+            started = lambda: spares.replace(network)  # noqa: E731
+        result = _execute(client, spec, container, heartbeat, heartbeat_s, started)
         if gateway is not None:
             from . import egress
 
-            gw, gateway = gateway, None
-            result.egress, left = egress.finish(client, gw)
+            result.egress, left = egress.read(client, gateway)
+            result.gateway_timings = dict(gateway.timings)
+        if defer_removal:
+            removal = result.removal = _removal(client, spec, name, gateway, spares)
+            gateway = None  # the removal's now
+        else:
+            remove_exited(client, spec, name, fresh=False)
+            if gateway is not None:
+                gw, gateway = gateway, None
+                left += egress.remove(client, gw)
+                result.gateway_timings["gateway_remove"] = gw.timings.get("gateway_remove", 0.0)
         result.warnings += spec.workspace.reclaim(owner) + left
         return result
     except BaseException as exc:
@@ -135,6 +149,7 @@ def _execute(
     container: Container,
     heartbeat: Callable[[], None] | None,
     heartbeat_s: float,
+    started: Callable[[], None] | None = None,
 ) -> RunResult:
     cid = container.id
     step = "starting the container"
@@ -142,6 +157,8 @@ def _execute(
     try:
         started_at, t0 = now_iso(), time.monotonic()
         container.start()
+        if started is not None:
+            started()
         step = "streaming the container's output"
         pump = LogPump(
             lambda: log_frames(client, cid, opened=pump.sockets.append),
@@ -378,12 +395,77 @@ def _check_runtime(client: docker.DockerClient, spec: RunSpec) -> None:
         )
 
 
-def _start_gateway(client: docker.DockerClient, spec: RunSpec, uid: int, gid: int) -> Gateway:
+def _removal(
+    client: docker.DockerClient, spec: RunSpec, name: str, gateway: Gateway | None, spares: GatewayPool | None
+) -> Removal:
+    """The exited container's removal in the background. With a gateway made for the job, the
+    gateway is removed beside it, its network once the engine's container is off it. A pool's
+    spare has its directory (secrets) removed here and goes back to the pool to be killed and
+    removed off the job's path (egress.forget_secrets, GatewayPool.discard). What of a gateway
+    cannot be removed is a warning (recovery sweeps it), as inside `run`."""
+    if gateway is None:
+        return Removal(name, lambda: remove_exited(client, spec, name))
+    from . import egress
+
+    gw = gateway
+    timings: dict[str, float] = {}
+    warnings: list[str] = []
+
+    def both() -> None:
+        failed: list[BaseException] = []
+
+        def engine() -> None:
+            try:
+                remove_exited(client, spec, name)
+            except BaseException as e:
+                failed.append(e)
+
+        beside = threading.Thread(target=engine, name=f"fila-remove-{name}-engine", daemon=True)
+        beside.start()
+        try:
+            if spares is not None and gw.spare is not None:
+                warnings.extend(egress.forget_secrets(gw))
+                beside.join()  # its network goes once the engine's container is off it
+                spares.discard(gw)
+            else:
+                own = fresh_client(client)
+                try:
+                    warnings.extend(egress.remove(own, gw, before_network=beside.join))
+                finally:
+                    own.close()
+        except DOCKER_ERRORS as e:
+            warnings.append(
+                f"could not remove the job's gateway {gw.container}: {e}; `fila recover` removes it"
+            )
+        finally:
+            beside.join()
+            timings["gateway_remove"] = gw.timings.get("gateway_remove", 0.0)
+        if failed:
+            raise failed[0]
+
+    removal = Removal(name, both)
+    removal.timings, removal.warnings = timings, warnings
+    return removal
+
+
+def start_gateway(
+    client: docker.DockerClient,
+    spec: RunSpec,
+    uid: int,
+    gid: int,
+    spares: GatewayPool | None,
+    *,
+    start: Callable[..., Gateway] | None = None,
+) -> Gateway:
+    """A spare from `spares` made the job's, or (none there, or it failed) one started for it by
+    `start` (egress.start; Podman's on Podman)."""
     from . import egress
 
     if spec.egress_dir is None:
         raise InfraError("network allowlist needs RunSpec.egress_dir", task_id=spec.job_id)
-    return egress.start(
+    if spares is not None and (gw := take_spare(client, spec, uid, gid, spares)) is not None:
+        return gw
+    return (start or egress.start)(
         client,
         job_id=spec.job_id,
         policy=spec.policy,
@@ -392,6 +474,34 @@ def _start_gateway(client: docker.DockerClient, spec: RunSpec, uid: int, gid: in
         uid=uid,
         gid=gid,
     )
+
+
+def take_spare(
+    client: docker.DockerClient, spec: RunSpec, uid: int, gid: int, spares: GatewayPool
+) -> Gateway | None:
+    """The pool's spare for the job's egress network, configured for the job and ready; None
+    when there is none or it failed (it is then removed, and the job starts its own). Its
+    `timings`: gateway_take (the wait for it), gateway_ready."""
+    from . import egress
+
+    assert spec.policy.egress is not None
+    t = time.monotonic()
+    spare = spares.take(spec.policy.egress.egress_network)
+    if spare is None:
+        return None
+    spare.timings["gateway_take"] = round(time.monotonic() - t, 3)
+    try:
+        if spec.egress_dir is not None:
+            # Its directory becomes the job's (the one the quota watch reads, and recovery sweeps
+            # by the job's claim); the running gateway's mounts follow the directory itself.
+            move_dir(spare.dir, spec.egress_dir)
+            spare.dir = spec.egress_dir
+        return egress.configure(client, spare, job_id=spec.job_id, policy=spec.policy, uid=uid, gid=gid)
+    except (InfraError, OSError) as e:  # a spare that died meanwhile
+        spares.errors.append(f"spare gateway {spare.container} failed for {spec.job_id}: {e}")
+        with contextlib.suppress(InfraError):
+            egress.stop(client, spare)  # configure removed it already, unless the move failed
+        return None
 
 
 def stop_gateway_after_failure(client: docker.DockerClient, gateway: Gateway, exc: BaseException) -> None:

@@ -17,7 +17,7 @@ from docker.models.networks import Network
 from ...core.errors import InfraError, InvalidPolicy
 from ...core.models import EgressRecord, Policy
 from ...egress.config import (
-    CONFIG_PATH,
+    CONF_DIR,
     DEFAULT_EGRESS_NETWORK,
     GATEWAY_IMAGE,
     GATEWAY_MEMORY,
@@ -28,18 +28,24 @@ from ...egress.config import (
     ROLE_GATEWAY,
     ROLE_JOB_NET,
     ROLE_LABEL,
+    ROLE_NETNS,
     SECRETS_PATH,
-    UPSTREAM_CA_PATH,
+    SPARE_LABEL,
+    WAIT_ENV,
     Gateway,
     collect,
     job_labels,
+    make_gateway_dir,
     network_name,
-    prepare_gateway_dir,
     remove_dir,
     sweep_dirs,
+    write_gateway_config,
 )
 
-__all__ = ["collect", "died", "ensure_egress_network", "gateway_files", "start", "stop", "sweep"]
+__all__ = [
+    "collect", "configure", "create", "died", "ensure_egress_network", "forget_secrets", "read", "remove",
+    "start", "stop", "sweep", "sweep_spares",
+]  # fmt: skip
 
 
 def _docker_errors() -> tuple[type[BaseException], ...]:
@@ -79,28 +85,26 @@ def ensure_egress_network(client: docker.DockerClient, name: str) -> None:
 
 
 def _gateway_kwargs(
-    job_id: str, name: str, net: str, state: Path, labels: dict[str, str], uid: int, gid: int, ca: bool
+    name: str, net: str, state: Path, labels: dict[str, str], uid: int, gid: int
 ) -> dict[str, Any]:
     from docker.types import LogConfig, Mount
 
     mounts = [
-        Mount(CONFIG_PATH, str(state / "config.json"), type="bind", read_only=True),
+        Mount(CONF_DIR, str(state / "conf"), type="bind", read_only=True),
         Mount(SECRETS_PATH, str(state / "secrets"), type="bind", read_only=True),
         Mount(LOG_PATH, str(state / "log"), type="bind", read_only=False),
     ]
-    if ca:
-        mounts.append(Mount(UPSTREAM_CA_PATH, str(state / "upstream-ca.pem"), type="bind", read_only=True))
     return dict(
         image=GATEWAY_IMAGE,
         name=name,
         user=f"{uid}:{gid}",
-        labels=job_labels(job_id, ROLE_GATEWAY, labels),
+        labels={**labels, ROLE_LABEL: ROLE_GATEWAY},
         mounts=mounts,
         network=net,
         hostname="gateway",
         read_only=True,
         tmpfs={"/tmp": f"rw,nosuid,nodev,noexec,size={64 << 20},mode=1777"},
-        environment={"HOME": "/tmp"},
+        environment={"HOME": "/tmp", **WAIT_ENV},
         # On two networks with forwarding inherited from the host (1): it must never route packets
         # between the job network and the egress network, whatever an engine sends it.
         # ip_unprivileged_port_start: the DNS door (port 53) binds as uid 65534, with no capability;
@@ -117,6 +121,149 @@ def _gateway_kwargs(
     )
 
 
+def create(
+    client: docker.DockerClient,
+    *,
+    ident: str,
+    egress_network: str,
+    state: Path,
+    labels: dict[str, str],
+    uid: int,
+    gid: int,
+    launch: bool = True,
+    netns: bool = False,
+) -> Gateway:
+    """A gateway not yet any job's: its job network (internal, no address on the bridge), its
+    empty directory, its container on both networks, started when `launch` (a spare: it listens
+    and refuses everything until `configure` writes a job's config). `labels` say whose it is (a
+    job's, or a pool's spare). `netns` (a started spare): also a holder of a network namespace on
+    the job network for the engine to join (`Gateway.netns`). On any failure what was made is
+    removed before the error is raised."""
+    from docker.errors import ImageNotFound
+
+    from ...core.errors import ImageMissing
+
+    gw = Gateway("", network_name(ident), f"fila-gw-{ident[:90]}-{_secrets.token_hex(4)}", "", state, [])
+    job = labels.get("fila.job")
+    step = "creating the job network"
+    try:
+        ensure_egress_network(client, egress_network)
+        net = client.networks.create(
+            gw.network,
+            driver="bridge",
+            internal=True,
+            enable_ipv6=False,
+            # Without this the bridge holds an address, and through it the host's services.
+            options={"com.docker.network.bridge.inhibit_ipv4": "true"},
+            labels={**labels, ROLE_LABEL: ROLE_JOB_NET},
+        )
+        net.reload()
+        ipam = (net.attrs.get("IPAM") or {}).get("Config") or []
+        gw.subnets = [c["Subnet"] for c in ipam if c.get("Subnet")]
+        if not gw.subnets:  # a gateway that would serve no one
+            raise InfraError(f"the job network {gw.network} has no subnet", task_id=job)
+        step = "making the gateway's directory"
+        make_gateway_dir(state, uid, gid)
+        step = "creating the gateway container"
+        try:
+            client.containers.create(**_gateway_kwargs(gw.container, gw.network, state, labels, uid, gid))
+        except ImageNotFound as e:
+            raise ImageMissing(
+                f"image {GATEWAY_IMAGE} is not present (network allowlist needs it)",
+                hint="build it with `fila images build gateway`",
+                task_id=job,
+            ) from e
+        step = f"attaching the gateway to {egress_network}"
+        client.networks.get(egress_network).connect(gw.container)
+        if launch:
+            step = "starting the gateway"
+            client.api.start(gw.container)
+        if netns:
+            step = "starting the job network's namespace holder"
+            gw.netns = _start_netns(client, gw, labels)
+        return gw
+    except BaseException as exc:
+        raise _undone(client, gw, exc, step, job) from None
+
+
+def _start_netns(client: docker.DockerClient, gw: Gateway, labels: dict[str, str]) -> str:
+    """The engine's network namespace, made before its job: a container that only sleeps, on the
+    job network alone, with the gateway as its resolver, hardened as the engine is. The engine
+    joins it (`container:` network mode); it is removed with the gateway, never shared by jobs."""
+    from docker.types import LogConfig
+
+    ip = client.api.inspect_container(gw.container)["NetworkSettings"]["Networks"][gw.network]["IPAddress"]
+    name = f"{gw.container}-netns"
+    client.containers.create(
+        image=GATEWAY_IMAGE,
+        name=name,
+        entrypoint=["sleep", "infinity"],
+        user="65534:65534",
+        labels={**labels, ROLE_LABEL: ROLE_NETNS},
+        network=gw.network,
+        dns=[ip],
+        hostname="fila",
+        read_only=True,
+        cap_drop=["ALL"],
+        security_opt=["no-new-privileges:true"],
+        privileged=False,
+        init=True,
+        mem_limit=16 << 20,
+        memswap_limit=16 << 20,
+        pids_limit=8,
+        log_config=LogConfig(type=LogConfig.types.NONE),
+    )
+    client.api.start(name)
+    return name
+
+
+def configure(
+    client: docker.DockerClient,
+    gw: Gateway,
+    *,
+    job_id: str,
+    policy: Policy,
+    uid: int,
+    gid: int,
+    launch: bool = False,
+    ready_timeout_s: float = READY_TIMEOUT_S,
+) -> Gateway:
+    """Make `gw` the job's: its secrets and config written (the config last: a started gateway
+    loads it the moment it appears), started when `launch`, then waited for until ready. On any
+    failure the gateway is removed before the error is raised."""
+    gw.job_id = job_id
+    step = "writing the gateway's configuration"
+    try:
+        routes = write_gateway_config(gw.dir, policy, job_id, uid, gid, clients=gw.subnets)
+        gw.routes = [r.name for r in routes]
+        if launch:
+            step = "starting the gateway"
+            client.api.start(gw.container)
+        step = "waiting for the gateway"
+        t = time.monotonic()
+        gw.ip = wait_ready(client, gw, ready_timeout_s)
+        gw.timings["gateway_ready"] = round(time.monotonic() - t, 3)
+        return gw
+    except BaseException as exc:
+        raise _undone(client, gw, exc, step, job_id) from None
+
+
+def _undone(
+    client: docker.DockerClient, gw: Gateway, exc: BaseException, step: str, job_id: str | None
+) -> BaseException:
+    """What to raise after a failed step, once what was made of `gw` is removed: a Docker error
+    as an InfraError naming the step, anything else as it is."""
+    try:
+        stop(client, gw)
+    except Exception as e:  # the original error matters more; say what is left
+        exc.add_note(f"fila: could not remove the gateway {gw.container}: {e}")
+    if isinstance(exc, _docker_errors()):
+        err = InfraError(f"{step} failed: {exc}", task_id=job_id)
+        err.__cause__ = exc
+        return err
+    return exc
+
+
 def start(
     client: docker.DockerClient,
     *,
@@ -127,69 +274,34 @@ def start(
     uid: int,
     gid: int,
     ready_timeout_s: float = READY_TIMEOUT_S,
+    make: Callable[..., Gateway] | None = None,
 ) -> Gateway:
-    """Create the job network, write the gateway's files, start it and wait until it is ready.
-    On any failure what was made is removed before the error is raised."""
-    from docker.errors import ImageNotFound
-
-    from ...core.errors import ImageMissing
-
+    """A job's own gateway, made for it now (no spare to take): created (by `make`, Podman's
+    `create` on Podman), configured, started, ready. Its `timings`: gateway_start (the network and
+    the container), gateway_ready."""
     assert policy.egress is not None
-    gw = Gateway(
-        job_id, network_name(job_id), f"fila-gw-{job_id[:90]}-{_secrets.token_hex(4)}", "", state, []
+    t = time.monotonic()
+    gw = (make or create)(
+        client,
+        ident=job_id,
+        egress_network=policy.egress.egress_network,
+        state=state,
+        labels=job_labels(job_id, ROLE_GATEWAY, labels),
+        uid=uid,
+        gid=gid,
+        launch=False,
     )
-    step = "creating the job network"
-    try:
-        ensure_egress_network(client, policy.egress.egress_network)
-        net = client.networks.create(
-            gw.network,
-            driver="bridge",
-            internal=True,
-            enable_ipv6=False,
-            # Without this the bridge holds an address, and through it the host's services.
-            options={"com.docker.network.bridge.inhibit_ipv4": "true"},
-            labels=job_labels(job_id, ROLE_JOB_NET, labels),
-        )
-        net.reload()
-        subnets = [c["Subnet"] for c in (net.attrs.get("IPAM") or {}).get("Config") or [] if c.get("Subnet")]
-        step = "writing the gateway's configuration"
-        ca = gateway_files(gw, policy, uid, gid, subnets)
-        step = "creating the gateway container"
-        kwargs = _gateway_kwargs(job_id, gw.container, gw.network, state, labels, uid, gid, ca)
-        try:
-            client.containers.create(**kwargs)
-        except ImageNotFound as e:
-            raise ImageMissing(
-                f"image {GATEWAY_IMAGE} is not present (network allowlist needs it)",
-                hint="build it with `fila images build gateway`",
-                task_id=job_id,
-            ) from e
-        step = f"attaching the gateway to {policy.egress.egress_network}"
-        client.networks.get(policy.egress.egress_network).connect(gw.container)
-        step = "starting the gateway"
-        client.api.start(gw.container)
-        step = "waiting for the gateway"
-        gw.ip = wait_ready(client, gw, ready_timeout_s)
-        return gw
-    except BaseException as exc:
-        try:
-            stop(client, gw)
-        except Exception as e:  # the original error matters more; say what is left
-            exc.add_note(f"fila: could not remove the gateway of {job_id}: {e}")
-        if isinstance(exc, _docker_errors()):
-            raise InfraError(f"{step} failed: {exc}", task_id=job_id) from exc
-        raise
-
-
-def gateway_files(gw: Gateway, policy: Policy, uid: int, gid: int, subnets: list[str]) -> bool:
-    """Write the gateway's files for the job network's subnets (its only clients) and note its
-    routes on `gw`; True when a route needs an upstream CA mounted. Docker's and Podman's start
-    share it: a job network without a subnet would leave the gateway serving no one."""
-    if not subnets:
-        raise InfraError(f"the job network {gw.network} has no subnet", task_id=gw.job_id)
-    routes = prepare_gateway_dir(gw.dir, policy, gw.job_id, uid, gid, clients=subnets)
-    gw.routes = [r.name for r in routes]
-    return any(r.ca_file for r in routes)
+    gw.timings["gateway_start"] = round(time.monotonic() - t, 3)
+    return configure(
+        client,
+        gw,
+        job_id=job_id,
+        policy=policy,
+        uid=uid,
+        gid=gid,
+        launch=True,
+        ready_timeout_s=ready_timeout_s,
+    )
 
 
 def wait_ready(client: docker.DockerClient, gw: Gateway, timeout_s: float) -> str:
@@ -216,7 +328,12 @@ def wait_ready(client: docker.DockerClient, gw: Gateway, timeout_s: float) -> st
                 task_id=gw.job_id,
                 hint="the host may be overloaded; the task is retried with backoff",
             )
-        time.sleep(0.05)
+        # The marker is looked for every 10 ms (a spare is ready within a few), the container's
+        # state every 100 ms.
+        for _ in range(10):
+            time.sleep(0.01)
+            if ready.exists():
+                break
 
 
 def _log_tail(client: docker.DockerClient, gw: Gateway, n: int = 2000) -> str:
@@ -244,25 +361,60 @@ def died(client: docker.DockerClient, gw: Gateway) -> str | None:
     )
 
 
-def finish(client: docker.DockerClient, gw: Gateway) -> tuple[EgressRecord, list[str]]:
-    """After the engine's container is gone: the gateway's log read into the record's egress
-    section, then the gateway, its network and secrets removed. Returns the section and what the
-    record must warn of (a gateway that died during the run, one left for `fila recover`)."""
-    record, left = collect(gw), []
-    if dead := died(client, gw):
-        left.append(dead)
+def read(client: docker.DockerClient, gw: Gateway) -> tuple[EgressRecord, list[str]]:
+    """After the engine's run: the gateway's log read into the record's egress section, and what
+    the record must warn of (a gateway that died during the run)."""
+    record = collect(gw)
+    return record, [dead] if (dead := died(client, gw)) else []
+
+
+def remove(
+    client: docker.DockerClient, gw: Gateway, *, before_network: Callable[[], None] | None = None
+) -> list[str]:
+    """stop(), with what could not be removed returned as the record's warnings: the run itself
+    is complete, and `fila recover` sweeps what is left."""
     try:
-        stop(client, gw)
-    except InfraError as e:  # the run itself is complete: say what is left, keep the result
-        left.append(f"{e}; `fila recover` removes it")
-    return record, left
+        stop(client, gw, before_network=before_network)
+    except InfraError as e:
+        return [f"{e}; `fila recover` removes it"]
+    return []
 
 
-def stop(client: docker.DockerClient, gw: Gateway) -> None:
+def forget_secrets(gw: Gateway) -> list[str]:
+    """What a job taking a pool's spare waits for at its end: the gateway's directory (the
+    job's secrets and log, read already) removed. The gateway itself is killed and removed after
+    the record, off the job's path (GatewayPool.discard): it holds the job's key in memory until
+    then, reachable by no one (its job network holds only the engine's exited container, and the
+    egress network passes nothing between containers). What could not be done is returned as the
+    record's warning. Its seconds are `gw.timings["gateway_remove"]`."""
+    t = time.monotonic()
+    try:
+        remove_dir(gw.dir)
+        gw.dir_gone = True  # the path is free: a fallback attempt's gateway may use it next
+    except OSError as e:
+        return [f"could not remove {gw.dir}: {e}; `fila recover` removes it"]
+    finally:
+        gw.timings["gateway_remove"] = round(time.monotonic() - t, 3)
+    return []
+
+
+def finish(client: docker.DockerClient, gw: Gateway) -> tuple[EgressRecord, list[str]]:
+    """After the engine's container is gone: read(), then remove()."""
+    record, left = read(client, gw)
+    return record, left + remove(client, gw)
+
+
+def stop(
+    client: docker.DockerClient, gw: Gateway, *, before_network: Callable[[], None] | None = None
+) -> None:
     """Remove the gateway, the job network and the gateway's directory (secrets included). The
-    log is read first by the caller (`collect`)."""
+    log is read first by the caller (`collect`). `before_network`: waited for between the
+    gateway's removal and its network's (the engine's container, removed beside it, must be off
+    the network first). Its seconds are `gw.timings["gateway_remove"]`; once all is gone a
+    spare's lock is let go (`gw.released`)."""
     from docker.errors import APIError, NotFound
 
+    t = time.monotonic()
     errors = []
     try:
         client.api.remove_container(gw.container, force=True, v=True)
@@ -271,6 +423,16 @@ def stop(client: docker.DockerClient, gw: Gateway) -> None:
     except APIError as e:
         if not (e.status_code == 409 and "already in progress" in str(e)):
             errors.append(f"gateway {gw.container}: {e}")
+    for box in [gw.netns] if gw.netns else []:
+        try:
+            client.api.remove_container(box, force=True, v=True)
+        except NotFound:
+            pass
+        except APIError as e:
+            if not (e.status_code == 409 and "already in progress" in str(e)):
+                errors.append(f"namespace holder {box}: {e}")
+    if before_network is not None:
+        before_network()
     try:
         client.api.remove_network(gw.network)
     except NotFound:
@@ -278,11 +440,15 @@ def stop(client: docker.DockerClient, gw: Gateway) -> None:
     except APIError as e:
         errors.append(f"network {gw.network}: {e}")
     try:
-        remove_dir(gw.dir)
+        if not gw.dir_gone:
+            remove_dir(gw.dir)
     except OSError as e:
         errors.append(f"{gw.dir}: {e}")
+    gw.timings["gateway_remove"] = round(time.monotonic() - t, 3)
     if errors:
-        raise InfraError("could not remove " + "; ".join(errors), task_id=gw.job_id)
+        raise InfraError("could not remove " + "; ".join(errors), task_id=gw.job_id or None)
+    if gw.released is not None:
+        gw.released()
 
 
 def sweep(
@@ -324,3 +490,28 @@ def _not_found() -> tuple[type[BaseException], ...]:
     from docker.errors import NotFound
 
     return (NotFound,)
+
+
+def sweep_spares(client: docker.DockerClient, root: Path, directory: Path) -> list[str]:
+    """Remove the spare gateways of `root` (taken by a job or not) whose maker no longer holds
+    their lock (sandbox/gateways.py): their containers, job networks, directories and locks."""
+    from ..gateways import abandoned, clear_temp, forget
+
+    flt = {"label": ["fila=1", SPARE_LABEL, f"fila.root={root}"]}
+    boxes = client.api.containers(all=True, filters=flt)
+    nets = client.api.networks(filters=flt)
+    listed = {(x.get("Labels") or {}).get(SPARE_LABEL, "") for x in [*boxes, *nets]}
+    removed = []
+    for spare in sorted(abandoned(directory, listed)):
+        for box in boxes:
+            if (box.get("Labels") or {}).get(SPARE_LABEL) == spare:
+                with contextlib.suppress(*_not_found()):
+                    client.api.remove_container(box["Id"], force=True, v=True)
+                    removed.append(f"spare gateway {box['Names'][0].lstrip('/')}")
+        for net in nets:
+            if (net.get("Labels") or {}).get(SPARE_LABEL) == spare:
+                with contextlib.suppress(*_not_found()):
+                    client.api.remove_network(net["Id"])
+                    removed.append(f"network {net['Name']}")
+        forget(directory, spare)
+    return removed + clear_temp(directory)

@@ -128,8 +128,14 @@ def create_kwargs(spec: RunSpec, name: str, gateway: Gateway | None = None) -> d
         kwargs["runtime"] = docker_runtime(p)
     if p.network == "allowlist" and gateway is not None:  # without one: no network at all
         # The job network only: the gateway is the engine's proxy, resolver and model routes.
-        kwargs["network_mode"] = gateway.network
-        kwargs["dns"] = [gateway.ip]
+        if gateway.netns is not None and not p.runtime:
+            # The namespace its holder has on the job network (its resolver is the gateway too):
+            # joined, not made at the start. Not with another runtime (gVisor's netstack).
+            kwargs["network_mode"] = f"container:{gateway.netns}"
+            del kwargs["hostname"]  # the holder's ("fila"): Docker refuses one with this mode
+        else:
+            kwargs["network_mode"] = gateway.network
+            kwargs["dns"] = [gateway.ip]
         # The gateway's values win: a real key forwarded by an adapter never replaces the placeholder.
         kwargs["environment"] = {**kwargs["environment"], **gateway.engine_env()}
     _check_limits(kwargs, p)

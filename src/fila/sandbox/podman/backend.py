@@ -22,6 +22,7 @@ request), `overlay` (the overlay strategy on this host) and `egress` (the job ne
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import re
 import shutil
@@ -41,12 +42,14 @@ from ...core.errors import EngineUnavailable, InfraError, InvalidInput, InvalidP
 from ...core.models import Policy
 from ...core.mounts import overlay_of
 from ...core.untrusted import read_capped
+from ...egress.config import Gateway
 from ...engines.base import JOB_MOUNT
 from ..base import JOB_LABEL, ROOT_LABEL, WAIVABLE, Box, RunResult, RunSpec, note_left
 from ..docker import images as docker_images
 from ..docker.backend import DockerBackend
 from ..docker.container import run
 from ..docker.spec import VOLUME_LABEL
+from ..gateways import GatewayPool
 from . import service
 from .overlay import job_scratch, overlay_why
 from .service import ERRORS, PodmanClient, check_runtime, not_own, podman_exe, socket_from_env, start_service
@@ -146,6 +149,10 @@ class PodmanBackend(DockerBackend):
         return bool(self.info().get("host", {}).get("security", {}).get("rootless"))
 
     def unenforceable(self, policy: Policy) -> list[str]:
+        return self._unenforced()
+
+    def _unenforced(self) -> list[str]:
+        """What this host's Podman ignores, whatever the policy: each job that runs waived it."""
         host = self.info().get("host", {})
         if not self.rootless:
             return []
@@ -316,6 +323,7 @@ class PodmanBackend(DockerBackend):
                     before_start=before_start,
                     heartbeat=heartbeat,
                     heartbeat_s=heartbeat_s,
+                    spares=self.gateways,
                 )
             else:
                 result = run(
@@ -348,6 +356,18 @@ class PodmanBackend(DockerBackend):
         # Podman names local images with their registry (docker.io/fila/shell:latest, localhost/x).
         return sorted(
             {re.sub(r"^(?:docker\.io/(?:library/)?|localhost/)", "", t) for t in super().tags(image)}
+        )
+
+    def spare_gateways(self, directory: Path, labels: dict[str, str], *, refill: bool) -> GatewayPool | None:
+        return super().spare_gateways(directory, labels, refill=refill) if self.allowlist else None
+
+    def spare_maker(self) -> Callable[..., Gateway]:
+        """Podman's gateway, with the limits this host cannot enforce waived as every job that
+        runs here has waived them (PodmanBackend.check)."""
+        from . import egress as podman_egress
+
+        return functools.partial(
+            podman_egress.create, rootless=self.rootless, waive=frozenset(self._unenforced())
         )
 
     def sweep_egress(

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import secrets as _secrets
 from collections.abc import Callable
@@ -41,7 +42,7 @@ from docker.models.containers import Container
 from ...core.errors import ImageMissing, InfraError, InvalidPolicy
 from ...core.models import Policy
 from ...egress.config import (
-    CONFIG_PATH,
+    CONF_DIR,
     DEFAULT_EGRESS_NETWORK,
     GATEWAY_IMAGE,
     GATEWAY_MEMORY,
@@ -53,9 +54,9 @@ from ...egress.config import (
     ROLE_JOB_NET,
     ROLE_LABEL,
     SECRETS_PATH,
-    UPSTREAM_CA_PATH,
+    WAIT_ENV,
     Gateway,
-    job_labels,
+    make_gateway_dir,
     network_name,
     sweep_dirs,
 )
@@ -63,8 +64,9 @@ from ..base import RunResult, RunSpec, run_as
 from ..docker import container as docker_container
 from ..docker import egress as docker_egress
 from ..docker.spec import create_kwargs
+from ..gateways import GatewayPool
 
-__all__ = ["gateway_spec", "run", "start", "sweep"]
+__all__ = ["create", "gateway_spec", "run", "start", "sweep"]
 
 _ERRORS = (DockerException,)
 
@@ -127,7 +129,6 @@ def job_network_spec(name: str, labels: dict[str, str]) -> dict[str, Any]:
 
 def gateway_spec(
     *,
-    job_id: str,
     name: str,
     job_net: str,
     egress_net: str,
@@ -135,34 +136,27 @@ def gateway_spec(
     labels: dict[str, str],
     uid: int,
     gid: int,
-    ca: bool,
     rootless: bool,
     waive: frozenset[str] = frozenset(),
 ) -> dict[str, Any]:
     """The gateway's SpecGenerator: Docker's gateway (docker_egress._gateway_kwargs) in Podman's
     words. keep-id: the gateway runs with fila's own uid, the owner of its 0700 secrets and log."""
     mounts = [
-        {"destination": CONFIG_PATH, "source": str(state / "config.json"), "type": "bind",
-         "options": ["rbind", "ro"]},
+        {"destination": CONF_DIR, "source": str(state / "conf"), "type": "bind", "options": ["rbind", "ro"]},
         {"destination": SECRETS_PATH, "source": str(state / "secrets"), "type": "bind",
          "options": ["rbind", "ro"]},
         {"destination": LOG_PATH, "source": str(state / "log"), "type": "bind", "options": ["rbind", "rw"]},
         {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
          "options": ["rw", "nosuid", "nodev", "noexec", f"size={64 << 20}", "mode=1777"]},
     ]  # fmt: skip
-    if ca:
-        mounts.append(
-            {"destination": UPSTREAM_CA_PATH, "source": str(state / "upstream-ca.pem"), "type": "bind",
-             "options": ["rbind", "ro"]}
-        )  # fmt: skip
     spec: dict[str, Any] = {
         "image": GATEWAY_IMAGE,
         "name": name,
         "user": f"{uid}:{gid}",
-        "labels": job_labels(job_id, ROLE_GATEWAY, labels),
+        "labels": {**labels, ROLE_LABEL: ROLE_GATEWAY},
         "mounts": mounts,
         "hostname": "gateway",
-        "env": {"HOME": "/tmp"},
+        "env": {"HOME": "/tmp", **WAIT_ENV},
         "read_only_filesystem": True,
         "cap_drop": ["ALL"],
         "no_new_privileges": True,
@@ -191,6 +185,72 @@ def gateway_spec(
     return spec
 
 
+def create(
+    client: docker.DockerClient,
+    *,
+    ident: str,
+    egress_network: str,
+    state: Path,
+    labels: dict[str, str],
+    uid: int,
+    gid: int,
+    rootless: bool,
+    waive: frozenset[str] = frozenset(),
+    launch: bool = True,
+) -> Gateway:
+    """Docker's egress.create with Podman's own API: the job network, the gateway's empty
+    directory, the gateway on both networks, started when `launch` (a spare)."""
+    gw = Gateway("", network_name(ident), f"fila-gw-{ident[:90]}-{_secrets.token_hex(4)}", "", state, [])
+    job = labels.get("fila.job")
+    step = "creating the job network"
+    try:
+        ensure_egress_network(client, egress_network)
+        net = _call(
+            client,
+            "POST",
+            "/libpod/networks/create",
+            job_network_spec(gw.network, {**labels, ROLE_LABEL: ROLE_JOB_NET}),
+        )
+        gw.subnets = [s["subnet"] for s in net.get("subnets") or [] if s.get("subnet")]
+        if not gw.subnets:  # a gateway that would serve no one
+            raise InfraError(f"the job network {gw.network} has no subnet", task_id=job)
+        step = "making the gateway's directory"
+        make_gateway_dir(state, uid, gid)
+        step = "creating the gateway container"
+        body = gateway_spec(
+            name=gw.container,
+            job_net=gw.network,
+            egress_net=egress_network,
+            state=state,
+            labels=labels,
+            uid=uid,
+            gid=gid,
+            rootless=rootless,
+            waive=waive,
+        )
+        try:
+            _call(client, "POST", "/libpod/containers/create", body)
+        except NotFound as e:  # Podman: "<image>: image not known"
+            raise ImageMissing(
+                f"image {GATEWAY_IMAGE} is not in this user's Podman storage (network allowlist needs it)",
+                hint="build it with `fila images build gateway`, or load Docker's: "
+                "`docker save fila/gateway:latest | podman load` as this user",
+                task_id=job,
+            ) from e
+        if launch:
+            step = "starting the gateway"
+            client.api.start(gw.container)
+        return gw
+    except BaseException as exc:
+        try:
+            docker_egress.stop(client, gw)
+        except Exception as e:  # the original error matters more; say what is left
+            exc.add_note(f"fila: could not remove the gateway {gw.container}: {e}")
+        if isinstance(exc, (*_ERRORS, OSError)) and not isinstance(exc, InfraError):
+            raise InfraError(f"{step} failed: {exc}", task_id=job) from exc
+        raise
+
+
 def start(
     client: docker.DockerClient,
     *,
@@ -204,62 +264,19 @@ def start(
     waive: frozenset[str] = frozenset(),
     ready_timeout_s: float = READY_TIMEOUT_S,
 ) -> Gateway:
-    """Create the job network, write the gateway's files, start it and wait until it is ready.
-    On any failure what was made is removed before the error is raised."""
-    assert policy.egress is not None
-    gw = Gateway(
-        job_id, network_name(job_id), f"fila-gw-{job_id[:90]}-{_secrets.token_hex(4)}", "", state, []
+    """The job's own gateway, made for it now: Docker's start with Podman's `create` (Podman's
+    Docker-compatible start, inspect and logs serve the rest)."""
+    return docker_egress.start(
+        client,
+        job_id=job_id,
+        policy=policy,
+        state=state,
+        labels=labels,
+        uid=uid,
+        gid=gid,
+        ready_timeout_s=ready_timeout_s,
+        make=functools.partial(create, rootless=rootless, waive=waive),
     )
-    egress_net = policy.egress.egress_network
-    step = "creating the job network"
-    try:
-        ensure_egress_network(client, egress_net)
-        net = _call(
-            client,
-            "POST",
-            "/libpod/networks/create",
-            job_network_spec(gw.network, job_labels(job_id, ROLE_JOB_NET, labels)),
-        )
-        subnets = [s["subnet"] for s in net.get("subnets") or [] if s.get("subnet")]
-        step = "writing the gateway's configuration"
-        ca = docker_egress.gateway_files(gw, policy, uid, gid, subnets)
-        step = "creating the gateway container"
-        body = gateway_spec(
-            job_id=job_id,
-            name=gw.container,
-            job_net=gw.network,
-            egress_net=egress_net,
-            state=state,
-            labels=labels,
-            uid=uid,
-            gid=gid,
-            ca=ca,
-            rootless=rootless,
-            waive=waive,
-        )
-        try:
-            _call(client, "POST", "/libpod/containers/create", body)
-        except NotFound as e:  # Podman: "<image>: image not known"
-            raise ImageMissing(
-                f"image {GATEWAY_IMAGE} is not in this user's Podman storage (network allowlist needs it)",
-                hint="build it with `fila images build gateway`, or load Docker's: "
-                "`docker save fila/gateway:latest | podman load` as this user",
-                task_id=job_id,
-            ) from e
-        step = "starting the gateway"
-        client.api.start(gw.container)
-        step = "waiting for the gateway"
-        # Podman's Docker-compatible inspect and logs serve the wait as they do Docker's.
-        gw.ip = docker_egress.wait_ready(client, gw, ready_timeout_s)
-        return gw
-    except BaseException as exc:
-        try:
-            docker_egress.stop(client, gw)
-        except Exception as e:  # the original error matters more; say what is left
-            exc.add_note(f"fila: could not remove the gateway of {job_id}: {e}")
-        if isinstance(exc, (*_ERRORS, OSError)) and not isinstance(exc, InfraError):
-            raise InfraError(f"{step} failed: {exc}", task_id=job_id) from exc
-        raise
 
 
 def run(
@@ -272,23 +289,16 @@ def run(
     before_start: Callable[[str], None] | None = None,
     heartbeat: Callable[[], None] | None = None,
     heartbeat_s: float = 5.0,
+    spares: GatewayPool | None = None,
 ) -> RunResult:
-    """The job with its gateway: start the gateway, run the engine on the job network (Docker's
-    container.run, every other step of the run as on Docker), then read the gateway's log into the record and
-    remove the gateway, its network and its secrets; on a failure remove them before raising."""
-    if spec.egress_dir is None:
-        raise InfraError("network allowlist needs RunSpec.egress_dir", task_id=spec.job_id)
+    """The job with its gateway: take the pool's spare (`spares`) or start one for the job, run the
+    engine on the job network (Docker's container.run, every other step of the run as on Docker),
+    then read the gateway's log into the record and remove the gateway, its network and its
+    secrets (a spare: its secrets now, the rest off the job's path); on a failure remove them
+    before raising."""
     uid, gid = run_as()
-    gw = start(
-        client,
-        job_id=spec.job_id,
-        policy=spec.policy,
-        state=spec.egress_dir,
-        labels=spec.labels,
-        uid=uid,
-        gid=gid,
-        rootless=rootless,
-        waive=waive,
+    gw = docker_container.start_gateway(
+        client, spec, uid, gid, spares, start=functools.partial(start, rootless=rootless, waive=waive)
     )
 
     def on_job_network(c: docker.DockerClient, kwargs: dict[str, Any]) -> Container:
@@ -305,14 +315,28 @@ def run(
             heartbeat=heartbeat,
             heartbeat_s=heartbeat_s,
             create=on_job_network,
+            spares=spares,  # the next spare is made once the engine runs (GatewayPool.replace)
         )
     except BaseException as exc:
         # Docker's own path for a failed run: what cannot be removed is carried on the error
         # (note_left), so the cycle keeps the task fenced instead of publishing it as over.
         docker_container.stop_gateway_after_failure(client, gw, exc)
         raise
-    result.egress, left = docker_egress.finish(client, gw)
+    # The engine's container is gone already (removed inside docker_container.run). A pool's spare
+    # leaves the job's path as on Docker (docker_container's removal): its directory (the job's
+    # secrets, its log read) removed now, the gateway itself killed and removed off the path
+    # (GatewayPool.discard), serving no one meanwhile: its job network holds no container, and
+    # another gateway reaching it on the egress network is not one of its clients. That removal
+    # takes seconds where Podman's storage driver is vfs (it deletes the container's copy of the
+    # image: docs/benchmarks.md, "egress").
+    result.egress, left = docker_egress.read(client, gw)
+    if spares is not None and gw.spare is not None:
+        left += docker_egress.forget_secrets(gw)
+        spares.discard(gw)
+    else:
+        left += docker_egress.remove(client, gw)
     result.warnings += left
+    result.gateway_timings = dict(gw.timings)
     return result
 
 
