@@ -24,6 +24,7 @@ def _cases() -> dict[str, Callable[[Ctx], list[Row]]]:
     from bench.large_project import large_project
     from bench.per_task import per_task
     from bench.pg_queue import pg_queue
+    from bench.pg_task import pg_task
     from bench.queue_rate import queue_case
     from bench.scale import scale
     from bench.startup import startup
@@ -36,6 +37,7 @@ def _cases() -> dict[str, Callable[[Ctx], list[Row]]]:
         "scale": scale,
         "queue": queue_case,
         "pg-queue": pg_queue,
+        "pg-task": pg_task,
         "cycle-fake": cycle_fake,
         "large-project": large_project,
         "ci-single": ci_single,
@@ -50,6 +52,7 @@ CASES = (
     "scale",
     "queue",
     "pg-queue",
+    "pg-task",
     "cycle-fake",
     "large-project",
     "ci-single",

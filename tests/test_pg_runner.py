@@ -3,13 +3,14 @@ targets, `fila worker --queue` on a "host" (its own local root, host id and cont
 state) claims it, runs it through the one run path and publishes its record and blobs, and `ls`,
 `show` and `diff --queue` read them back from anywhere. Real PostgreSQL (tests/support/pg.py),
 the fake backend for the cycle (no containers), and one test with Docker. Each refused case
-shows its allowed counterpart first."""
+shows its allowed counterpart first. The cycle, `submit --run` and a runner killed before and
+after its container started are tests/test_queue_acceptance.py's, the same tests the file queue
+passes."""
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import signal
 import subprocess
 import time
@@ -21,13 +22,11 @@ import pytest
 from fila.core.layout import Root
 from fila.core.models import ImageRef, Status, Task
 from fila.queue.pg.store import INPUTS, PgQueue
-from fila.queue.retry import RetryPolicy
 from tests.support.pg_runner import events, fila, host_env, start_worker
 from tests.support.project import make_project, make_root
 
 S = Status
 BIG = {"max_files": 1000, "max_bytes": 1 << 20}  # unpack's limits where they are not the point
-NOW = RetryPolicy(attempts=None, base=0.0, cap=0.0, jitter=False)  # a sweep's requeue without backoff
 
 
 @pytest.fixture
@@ -94,24 +93,6 @@ def test_a_task_submitted_to_the_database_is_run_by_a_runner_and_reviewed_from_a
                      (blobs[INPUTS],))  # fmt: skip
     swapped = fila("diff", "t1", "--queue", pg_url)
     assert swapped.exit_code != 0 and f"its record names {rec.patch_sha256}" in swapped.output
-
-
-def test_submit_run_returns_once_a_polling_runner_published_and_the_runner_stops_on_sigterm(
-    pg_url: str, q: PgQueue, sub: Root, tmp_path: Path
-) -> None:
-    runner = make_root(tmp_path / "h1")
-    p = start_worker(pg_url, runner.path, "h1", "--poll", "0.2", env=host_env(tmp_path, "h1"))
-    try:
-        for tid, command, code, status in [("w-ok", "echo w >> greeting.txt", 0, "needs_review"),
-                                           ("w-bad", "exit 3", 1, "failed")]:  # fmt: skip
-            res = fila("submit", "--root", str(sub.path), "--id", tid, "--engine", "shell", "--command",
-                       command, "-t", "greeting.txt", "--run", env={"FILA_QUEUE": pg_url})  # fmt: skip
-            assert res.exit_code == code and res.output.startswith(f"{tid}  {status}"), res.output
-        p.send_signal(signal.SIGTERM)
-        assert p.wait(10) == 0, (tmp_path / "h1.err").read_text()
-    finally:
-        p.kill()
-    assert q.get("w-bad").exit_code == 3
 
 
 def test_a_queue_url_with_a_password_or_an_unmigrated_database_is_refused_with_what_to_do(
@@ -226,54 +207,6 @@ def _wait(pred: Any, timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def test_a_runner_killed_before_its_container_is_requeued_and_one_killed_after_goes_to_needs_human(
-    pg_url: str, q: PgQueue, sub: Root, tmp_path: Path
-) -> None:
-    from fila.sandbox.fake import FakeBackend
-
-    runner = make_root(tmp_path / "h1")
-    # Killed before the container started (the local record written, no container): the lease
-    # lapses, the sweep requeues the task within its budget, and another host runs it once.
-    submit(pg_url, sub, "early", "echo ran >> greeting.txt")
-    env = {**host_env(tmp_path, "h1"), "FILA_CRASH_AT": "after_begin"}
-    p = start_worker(pg_url, runner.path, "h1", "--once", "--lease", "3", env=env)
-    assert p.wait(60) == -signal.SIGKILL
-    assert q.task_state("early")["state"] == "running" and not q.task_state("early")["started"]
-    h2 = make_root(tmp_path / "h2")
-    _wait(lambda: q.task_state("early")["lease_expires_at"] <= q.clock(), 10)
-    assert q.sweep(policy=NOW) == [("early", S.queued)]  # no backoff, for the test's sake
-    p = start_worker(pg_url, h2.path, "h2", "--once", env=host_env(tmp_path, "h2"))
-    assert p.wait(60) == 0, (tmp_path / "h2.err").read_text()
-    rec = q.get("early")
-    assert rec.status == S.needs_review and rec.worker == "h2" and rec.attempt == 2
-    assert [e["to"] for e in events(q, "early", "requeued")] == ["queued"]
-    lost, ran = rec.attempts
-    assert (lost.run, lost.worker, lost.outcome) == (1, "h1", "lost")
-    assert (ran.number, ran.run, ran.worker, ran.outcome) == (2, 2, "h2", "success")
-
-    # Killed while its container ran: the lease lapses and the task waits for a person.
-    submit(pg_url, sub, "late", "sleep 60")
-    p = start_worker(pg_url, runner.path, "h1", "--once", "--lease", "3", env=host_env(tmp_path, "h1"))
-    try:
-        _wait(lambda: q.task_state("late")["started"])
-        os.kill(p.pid, signal.SIGKILL)
-        p.wait(30)
-    finally:
-        p.kill()
-        fake = FakeBackend(tmp_path / "h1.boxes")
-        for box in fake.find(job_id="late"):  # the container the killed runner left
-            fake.remove(box)
-    _wait(lambda: q.task_state("late")["lease_expires_at"] <= q.clock(), 10)
-    assert q.sweep() == [("late", S.needs_human)]
-    rec = q.get("late")
-    assert (
-        rec.status == S.needs_human
-        and rec.error is not None
-        and "while its container ran" in rec.error.message
-    )
-    assert events(q, "late", "published") == []  # nothing of the killed run was published
-
-
 def test_a_runner_renews_its_lease_and_one_that_loses_it_stops_its_container_and_publishes_nothing(
     pg_url: str, q: PgQueue, pg_cluster: Any, sub: Root, tmp_path: Path
 ) -> None:
@@ -331,20 +264,56 @@ def test_a_runner_renews_its_lease_and_one_that_loses_it_stops_its_container_and
 
 
 @pytest.mark.docker
-def test_the_shell_engine_runs_in_docker_through_the_database(
-    pg_url: str, q: PgQueue, sub: Root, tmp_path: Path, shell_image: ImageRef, monkeypatch: pytest.MonkeyPatch
+def test_the_shell_engine_runs_in_docker_through_the_database_with_the_runners_spare_gateway(
+    pg_url: str,
+    q: PgQueue,
+    sub: Root,
+    tmp_path: Path,
+    shell_image: ImageRef,
+    gateway_image: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    submit(pg_url, sub, "dk", "echo docker >> greeting.txt")
-    runner = make_root(tmp_path / "runner")
-    monkeypatch.delenv("FILA_BACKEND", raising=False)
-    res = fila("worker", "--queue", pg_url, "--root", str(runner.path), "--host-id", "d1", "--once",
-               "--engine", "shell")  # fmt: skip
-    assert res.exit_code == 0, res.output
-    rec = q.get("dk")
-    assert rec.status == S.needs_review and rec.backend == "docker" and rec.container_started
-    assert b"+docker" in q.blob(q.task_blobs("dk")["DIFF.patch"])
-    assert subprocess.run(["docker", "ps", "-aq", "--filter", "label=fila.job=dk"],
-                          capture_output=True, text=True).stdout.strip() == ""  # fmt: skip
+    """An allowlist task on a Docker runner: the runner keeps a spare gateway for the policies it
+    takes, the job takes it (gateway_take), and nothing of the job or the spare is left."""
+    import docker
+
+    client = docker.from_env()
+    net = client.networks.create(
+        f"fila-test-egress-{tmp_path.name[-8:]}", internal=True, labels={"fila": "1"}
+    )
+    try:
+        runner = make_root(tmp_path / "runner")
+        egress = {"allow": [{"host": "allowed.test", "port": 443}], "egress_network": net.name}
+        policy = {
+            "network": "allowlist",
+            "max_timeout_ms": 60_000,
+            "default_timeout_ms": 30_000,
+            "egress": egress,
+        }
+        for root in (sub, runner):
+            (root.policies_dir / "allow.json").write_text(json.dumps(policy))
+        res = fila("submit", "--queue", pg_url, "--root", str(sub.path), "--id", "dk", "--engine", "shell",
+                   "--command", "echo docker >> greeting.txt", "-t", "greeting.txt",
+                   "--policy", "allow")  # fmt: skip
+        assert res.exit_code == 0, res.output
+        monkeypatch.delenv("FILA_BACKEND", raising=False)
+        res = fila("worker", "--queue", pg_url, "--root", str(runner.path), "--host-id", "d1", "--once",
+                   "--engine", "shell", "--policy", "allow")  # fmt: skip
+        assert res.exit_code == 0, res.output
+        rec = q.get("dk")
+        assert rec.status == S.needs_review and rec.backend == "docker" and rec.container_started
+        assert "gateway_take" in rec.timings and "gateway_start" not in rec.timings, rec.timings
+        assert b"+docker" in q.blob(q.task_blobs("dk")["DIFF.patch"])
+        left = subprocess.run(["docker", "ps", "-aq", "--filter", "label=fila.job=dk"],
+                              capture_output=True, text=True).stdout.strip()  # fmt: skip
+        left += subprocess.run(["docker", "ps", "-aq", "--filter", f"label=fila.root={runner.path}"],
+                               capture_output=True, text=True).stdout.strip()  # fmt: skip
+        assert left == "" and not any(runner.spares_dir.iterdir())
+    finally:
+        net.reload()
+        for cid in net.attrs.get("Containers") or {}:
+            client.api.remove_container(cid, force=True)
+        net.remove()
 
 
 def test_status_lists_the_runners_and_says_a_task_for_an_engine_no_live_runner_has_waits(

@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "8d9933e602574496f9ca18e9331122ce7c57c2b3d87bfb9cdd3e38b281291892"
+CLI_SHA256 = "3ada25010e3f74360a55f51bd7bddaf2065a85a1bb4bb88198719ef6b0bac0dd"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 

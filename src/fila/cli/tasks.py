@@ -145,7 +145,6 @@ def submit(
 def _submit_remote(root: Root, url: str, task: Any, *, wait: bool, json_: bool) -> None:
     """`fila submit --queue URL`: the task and its targets into the database in one transaction;
     `wait`: then the record, once a runner published it (exit 0 ready for review, 1 otherwise)."""
-    import time
 
     from ..core.models import Status
     from ..queue.pg.store import PgQueue
@@ -158,9 +157,7 @@ def _submit_remote(root: Root, url: str, task: Any, *, wait: bool, json_: bool) 
     with PgQueue(url) as q:
         rec = q.enqueue(tid, task, inputs=packed.manifest, files=packed.files)
         if wait:
-            while rec.status in (Status.queued, Status.running):
-                time.sleep(0.5)
-                rec = q.get(tid)
+            rec = q.wait_settled(tid)
             record_printer(json_)(rec)
             raise typer.Exit(0 if rec.status == Status.needs_review else 1)
     if json_:

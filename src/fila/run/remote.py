@@ -39,11 +39,12 @@ from ..core.models import ErrorInfo, ErrorKind, Record, Status
 from ..engines import engine_names, get_engine
 from ..queue import store as queue
 from ..queue.pg.blobs import Blob
-from ..queue.pg.records import RESULT_FIELDS
+from ..queue.pg.records import RESULT_FIELDS, on_db_clock
 from ..queue.pg.store import INPUTS, OUTCOMES, Lease, PgQueue
-from ..queue.policy import load_policy
+from ..queue.policy import load_policy, policy_names
 from ..queue.retry import INFRA
 from . import job as cycle
+from . import spares
 from .claimed import Hooks, Interrupted
 from .remote_inputs import unpack
 
@@ -207,6 +208,13 @@ class RemoteWorker:
                 f"{self.backend.name} has no engine image; this runner can claim nothing",
                 hint="`fila images build ENGINE`, or name the engines with --engine",
             )
+        # Spare gateways of an earlier runner process on this root that died with them up; then
+        # this runner's own, for the allowlist policies it takes.
+        for what in self.backend.sweep_spares(self.root.path, self.root.spares_dir):
+            self.progress(f"fila worker {self.id}: removed {what} (its runner is gone)")
+        pool = spares.keep(
+            self.root, self.backend, once=self.once, policies=self.policies or policy_names(self.root)
+        )
         handlers: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
             handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -231,6 +239,7 @@ class RemoteWorker:
         finally:
             for s, h in handlers.items():
                 signal.signal(s, h)
+            spares.close(pool, self.backend, self.progress)
             if self.owns_backend:
                 self.backend.close()
         return self.exit_code()
@@ -392,6 +401,9 @@ class RemoteWorker:
             )
             for i, a in enumerate(rec.attempts)
         ]
+        # This host's clock may be off (the lease never depends on it); the record's times are
+        # the database's, so the attempts' are moved onto its clock as measured at the claim.
+        ran = on_db_clock(ran, lease.clock_offset_s)
         out = q.publish(tid, lease.token, rec.status, fields, blobs, ran=ran)
         if out is None:
             self.progress(f"{tid}: the lease was lost before the publish; the result is discarded")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from ..core.errors import FilaError
@@ -26,28 +27,47 @@ if TYPE_CHECKING:
 PEEK = 64
 
 
-def keep(root: Root, backend: Backend, *, once: bool, only: set[str] | None = None) -> GatewayPool | None:
+def keep(
+    root: Root,
+    backend: Backend,
+    *,
+    once: bool,
+    only: set[str] | None = None,
+    policies: list[str] | None = None,
+) -> GatewayPool | None:
     """The backend's pool for this worker (None where the backend starts no gateway), asked in
-    the background for the networks its queued tasks (`only` these ids, when given) need."""
+    the background for the networks its queued tasks (`only` these ids, when given) need, or, for
+    a runner of the PostgreSQL queue (whose tasks are not in `root`), those of `policies`."""
     pool = backend.spare_gateways(root.spares_dir, {"fila.root": str(root.path)}, refill=not once)
     if pool is None:
         return None
 
     def want() -> None:
-        for network in networks(root, only):
+        for network in networks(root, only, policies=policies):
             pool.want(network)
 
     threading.Thread(target=want, name="fila-spares", daemon=True).start()
     return pool
 
 
-def networks(root: Root, only: set[str] | None = None) -> list[str]:
+def close(pool: GatewayPool | None, backend: Backend, progress: Callable[[str], None]) -> None:
+    """The spares not taken go with the worker (recovery's otherwise); what could not be made or
+    removed is said."""
+    if pool is None:
+        return
+    for left in pool.close() + pool.errors:
+        progress(f"fila worker: {left}")
+    backend.gateways = None
+
+
+def networks(root: Root, only: set[str] | None = None, *, policies: list[str] | None = None) -> list[str]:
     """The egress networks of the allowlist policies named by the queued tasks (the first PEEK,
-    or those `only` names), in queue order. A task or policy that cannot be read is skipped here:
-    its claim says why."""
-    names: list[str] = []
+    or those `only` names), in queue order, or of `policies`. A task or policy that cannot be
+    read is skipped here: its claim says why."""
+    names: list[str] = list(policies or [])
     with contextlib.suppress(OSError):
-        for path in queue.queued_files(root)[:PEEK] if only is None else [root.queued_path(t) for t in only]:
+        queued = [] if policies is not None else queue.queued_files(root)[:PEEK]
+        for path in queued if only is None else [root.queued_path(t) for t in only]:
             with contextlib.suppress(OSError, ValueError, AttributeError):
                 name = json.loads(path.read_bytes()).get("policy", "default")
                 if isinstance(name, str) and name not in names:

@@ -274,10 +274,7 @@ class Worker:
                 t.join(timeout=30)
             for sig, h in handlers.items():
                 signal.signal(sig, h)
-            if pool is not None:  # the spares not taken go with the worker; recovery's otherwise
-                for left in pool.close() + pool.errors:
-                    self.progress(f"fila worker: {left}")
-                self.backend.gateways = None
+            spares.close(pool, self.backend, self.progress)
             if self.owns_backend:
                 self.backend.close()
             lock.release()
@@ -412,6 +409,10 @@ class Worker:
             if self.once and isinstance(e, ImageMissing):
                 # An engine's image not built yet is that task's wait (requeued with backoff, and
                 # failed once retry.INFRA gives up): the run goes on, the other tasks still run.
+                # The attempt that gave up left the task failed: its record is this run's.
+                rec = queue.read_record(self.root, tid)
+                if rec is not None and rec.status not in (Status.queued, Status.running):
+                    job.result = rec
                 return
             if self.once:
                 self.infra_error = self.infra_error or e

@@ -27,6 +27,9 @@ from .errors import QueueFailed, QueueUnreachable
 S = Status
 T = TypeVar("T")
 CHANNEL = "fila_queued"  # NOTIFY payload: the task id (a hint only; the poll is the guarantee)
+# NOTIFY payload: the task id of a record that left queued and running (an outcome, a decision);
+# a hint for `wait_settled`, which polls all the same.
+SETTLED = "fila_settled"
 
 
 # SQLSTATEs after which the same transaction may succeed on another try: the server went away
@@ -280,6 +283,39 @@ class Database:
             self._listener = None
             return False
 
+    def wait_settled(self, task_id: str, *, poll_s: float = 0.5) -> Record:
+        """The task's record once it is neither queued nor running (`submit --run`): woken by
+        the NOTIFY its publish sends, and looked at every `poll_s` seconds whether or not one
+        came (a notification is a hint: lost on reconnect and through poolers)."""
+        import psycopg
+
+        listener = None
+        try:
+            try:  # before the first look: a publish after it wakes the wait
+                listener = conninfo.connect(self.url, autocommit=True, timeout=5)
+                listener.execute(f"LISTEN {SETTLED}")
+            except (psycopg.Error, QueueUnreachable):
+                if listener is not None:
+                    listener.close()
+                listener = None
+            while True:
+                rec = self.get(task_id)
+                if rec.status not in (S.queued, S.running):
+                    return rec
+                if listener is None:
+                    time.sleep(poll_s)
+                    continue
+                try:
+                    for n in listener.notifies(timeout=poll_s):
+                        if n.payload == task_id:
+                            break
+                except psycopg.Error:
+                    listener.close()
+                    listener = None
+        finally:
+            if listener is not None:
+                listener.close()
+
     # -- inside a transaction -------------------------------------------------------------------
 
     def _record(self, conn: Any, task_id: str) -> Record:
@@ -315,6 +351,8 @@ class Database:
             "INSERT INTO fila_events (task_id, event, data) VALUES (%(id)s, %(event)s, %(data)s)",
             {"id": task_id, "rec": Jsonb(rec.model_dump(mode="json")), "event": event, "data": Jsonb(data)},
         )
+        if rec.status not in (S.queued, S.running):
+            conn.execute("SELECT pg_notify(%s, %s)", (SETTLED, task_id))
 
     def _move(self, conn: Any, task_id: str, to: Status, tries: int, not_before: datetime | None) -> None:
         """The row's side of an owner change: a new token; queued clears the run's columns."""

@@ -5,7 +5,7 @@ database's clock, passed in by the caller."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from pydantic import ValidationError
@@ -48,6 +48,21 @@ def started(task_id: str, cur: Record, at: datetime, *, runner: str, engine: str
         expect={Status.queued},
         changes=claim_changes(cur, attempt, engine, runner, iso(at)),
     )
+
+
+def on_db_clock(ran: list[Attempt], offset_s: float) -> list[Attempt]:
+    """A runner's attempts with their times (written on its own wall clock) moved by `offset_s`,
+    the database's clock less the runner's (Lease.clock_offset_s): a runner whose clock is off
+    publishes times on the database's clock, as the rest of the record is. Durations are kept."""
+
+    def moved(at: str | None) -> str | None:
+        if at is None:
+            return None
+        return iso(datetime.fromisoformat(at) + timedelta(seconds=offset_s))
+
+    return [
+        a.model_copy(update={"started_at": moved(a.started_at), "ended_at": moved(a.ended_at)}) for a in ran
+    ]
 
 
 def this_claim(cur: Record, ran: list[Attempt], run: int, runner: str, at: datetime) -> list[Attempt]:

@@ -4,6 +4,8 @@
 Every writer locks the task's row first (`FOR UPDATE`, or the UPDATE itself) and then touches its
 record, events and blobs in the same transaction, so a task's four tables always agree. Only the
 database's clock (`now()`) sets and judges a lease; runners never compare their own clock with it.
+A claim measures how far the runner's wall clock is from the database's (Lease.clock_offset_s)
+only so that the times a runner publishes (its attempts') are on the database's clock too.
 
 Fencing: a claim draws a token from `fila_token_seq`; so does every later change of owner (a
 requeue, a sweep's decision, a person's retry). Renew, checkpoints, the started mark, hand back
@@ -31,7 +33,7 @@ import logging
 import secrets
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -67,6 +69,10 @@ class Lease:
     attempt: int
     task: Task
     expires_at: datetime
+    # The database's clock less this host's wall clock at the claim (to within the claim's round
+    # trip): what turns the times this host writes into the database's in a publish. Never used
+    # to judge the lease.
+    clock_offset_s: float = 0.0
 
 
 CLAIM_SQL = """
@@ -189,16 +195,18 @@ class PgQueue(Database):
         engines = sorted(set(engines))
         pols = sorted(set(policies)) if policies is not None else None
         nonce = secrets.token_hex(16)
+        claimed_at: list[datetime] = []  # the database's clock at the claim that holds
 
         def run(conn: Any, again: bool) -> Lease | None:
             if again:
                 row = conn.execute(
-                    "SELECT id, token, attempt, task, lease_expires_at FROM fila_tasks "
+                    "SELECT id, token, attempt, task, lease_expires_at, claimed_at FROM fila_tasks "
                     "WHERE state = 'running' AND runner = %s AND claim_nonce = %s",
                     (runner, nonce),
                 ).fetchone()
                 if row is not None:  # this call's claim, its commit's reply lost
-                    tid, token, attempt, doc, expires = row
+                    tid, token, attempt, doc, expires, at = row
+                    claimed_at[:] = [at]
                     return Lease(tid, token, runner, attempt, Task.model_validate(doc), expires)
             while True:
                 row = conn.execute(
@@ -223,9 +231,15 @@ class PgQueue(Database):
                 rec = records.started(tid, cur, at, runner=runner, engine=task.engine, attempt=attempt)
                 data = {"from": "queued", "to": "running", "runner": runner, "token": token}
                 self._write(conn, tid, rec, "claimed", {**data, "attempt": attempt})
+                claimed_at[:] = [at]
                 return Lease(tid, token, runner, attempt, task, expires)
 
-        return self._tx(run)
+        sent = time.time()
+        lease = self._tx(run)
+        if lease is None or not claimed_at:
+            return lease
+        here = (sent + time.time()) / 2  # this host's wall clock halfway through the call
+        return replace(lease, clock_offset_s=claimed_at[0].timestamp() - here)
 
     def _refuse_claimed(
         self, conn: Any, task_id: str, cur: Record, at: datetime, err: ValidationError
