@@ -11,24 +11,20 @@ process, so `runuser` costs neither. The user, its processes and its files are r
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import pwd
-import secrets
 import shutil
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
-from bench.common import REPO, Ctx, Row, alternate, fila_cmd, median, paired_ratio, run, sync
+from bench.common import Ctx, Row, alternate, fila_cmd, median, paired_ratio, run, sync
 from bench.filaside import Failures, ensure_image, init_root, submit_noops
 from bench.floor import FloorSpec, floor_task, new_job
 from bench.projects import make_project
+from bench.rootless import WAIVED, podman_user
 
 TARGET = 1.0  # not copying twice should beat a loop that does
 
@@ -123,9 +119,7 @@ def _row(
 
 # --- rootless Podman, as an ordinary user ---------------------------------------------------------
 
-# Rootless Podman on cgroup v1 cannot enforce these: fila refuses the policy unless it waives them,
-# and leaves them out of the container once waived; the floor leaves them out too.
-WAIVED = ["memory", "pids", "cpus"]
+# The limits rootless Podman on cgroup v1 cannot enforce (rootless.WAIVED): the floor leaves them out too.
 _WAIVED_FLAGS = ("--memory", "--memory-swap", "--cpus", "--pids-limit")
 
 
@@ -162,117 +156,9 @@ def podman_run_args(docker_argv: list[str]) -> list[str]:
     return out
 
 
-@dataclass
-class _User:
-    name: str
-    uid: int
-    home: Path
-    env: dict[str, str]  # what each command as the user runs with (env -i)
-
-    def argv(self, *cmd: str) -> list[str]:
-        return [
-            "runuser",
-            "-u",
-            self.name,
-            "--",
-            "env",
-            "-i",
-            *(f"{k}={v}" for k, v in self.env.items()),
-            *cmd,
-        ]
-
-    def py(self, *args: str, **kw: object) -> subprocess.CompletedProcess[str]:
-        """bench.per_task's user side (`as_user`), in the user's Python, in the user's home."""
-        code = "import sys; from bench.per_task import as_user; as_user(sys.argv[1:])"
-        argv = self.argv(self.env["FILA_BENCH_PYTHON"], "-c", code, *args)
-        p = subprocess.run(argv, capture_output=True, text=True, cwd=self.home, check=False, **kw)  # type: ignore[call-overload]
-        if p.returncode != 0:
-            raise RuntimeError(f"bench as {self.name}: {' '.join(args)[:200]} exited {p.returncode}: "
-                               f"{(p.stdout + p.stderr)[-2000:]}")  # fmt: skip
-        return p
-
-
-def _readable(p: Path) -> bool:
-    """o+r on it, o+x on every directory above it (what an ordinary user needs to import it)."""
-    p = p.resolve()
-    return bool(os.stat(p).st_mode & 0o004) and all(os.stat(d).st_mode & 0o001 for d in p.parents)
-
-
-def _python_for_others(tmp: Path) -> tuple[str, str]:
-    """(a Python of this version an ordinary user may run, PYTHONPATH with fila, its packages and
-    bench/): this checkout's when readable by others, else a 0755 copy under `tmp`."""
-    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
-    cands = (Path(sys.executable), Path(f"/usr/bin/python{version}"))
-    python = next((str(c) for c in cands if c.exists() and _readable(c)), None)
-    if python is None:
-        raise SystemExit(f"bench: --backend podman needs a Python {version} an ordinary user may run")
-    import fila
-
-    src = Path(fila.__file__).parent.parent
-    site = next(Path(p) for p in sys.path if p.endswith("site-packages") and p.startswith(sys.prefix))
-    if (
-        _readable(src / "fila" / "__init__.py")
-        and _readable(site)
-        and _readable(REPO / "bench" / "__init__.py")
-    ):
-        return python, f"{src}:{site}:{REPO}"
-    base = tmp / "runtime"
-    for name, frm in (("src/fila", src / "fila"), ("site", site), ("repo/bench", REPO / "bench"),
-                      ("src/policies", REPO / "policies"), ("src/images", REPO / "images")):  # fmt: skip
-        if frm.exists():
-            shutil.copytree(frm, base / name, symlinks=True, ignore=shutil.ignore_patterns("__pycache__"))
-    subprocess.run(["chmod", "-R", "a+rX", str(base)], check=True)
-    return python, f"{base / 'src'}:{base / 'site'}:{base / 'repo'}"
-
-
-@contextlib.contextmanager
-def podman_user(ctx: Ctx) -> Iterator[_User]:
-    """A throwaway ordinary user for the run (as the Podman tests make one), and everything it
-    left removed afterwards: its processes (its Podman service, conmon), its home (Podman's
-    storage) and runtime directory."""
-    if os.getuid() != 0:
-        raise SystemExit("bench: --backend podman runs as root (it makes an ordinary user to run Podman as)")
-    if shutil.which("podman") is None:
-        raise SystemExit("bench: --backend podman needs podman (scripts/podman-up installs it)")
-    os.chmod(ctx.tmp, 0o711)  # the user reaches its own directory below the bench's
-    python, path = _python_for_others(ctx.tmp)
-    name = f"filabench{secrets.token_hex(3)}"
-    subprocess.run(["useradd", "--create-home", "--shell", "/bin/sh", "--user-group", name],
-                   check=True, capture_output=True)  # fmt: skip
-    pw = pwd.getpwnam(name)
-    try:
-        env = {
-            "PATH": "/usr/local/bin:/usr/bin:/bin:/usr/sbin:/sbin",
-            "HOME": pw.pw_dir,
-            "PYTHONPATH": path,
-            "PYTHONDONTWRITEBYTECODE": "1",
-            "FILA_BACKEND": "podman",
-            "FILA_BENCH_PYTHON": python,
-        }
-        yield _User(name, pw.pw_uid, Path(pw.pw_dir), env)
-    finally:
-        _end_user(name, pw.pw_uid)
-        shutil.rmtree(pw.pw_dir, ignore_errors=True)
-        shutil.rmtree(f"/tmp/podman-run-{pw.pw_uid}", ignore_errors=True)
-
-
-def _end_user(name: str, uid: int) -> None:
-    """Kill the processes of the user made here (only theirs) and remove the user: userdel refuses
-    while one is left, and a SIGKILL is not instant, so until it succeeds (10 s at most)."""
-    for _ in range(50):
-        pids = subprocess.run(["pgrep", "-u", str(uid)], capture_output=True, text=True).stdout.split()
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError, ValueError):
-                os.kill(int(pid), 9)
-        if subprocess.run(["userdel", name], capture_output=True, check=False).returncode in (0, 6):
-            return  # 6: no such user
-        time.sleep(0.2)
-    print(f"bench: could not remove the user {name}: `userdel {name}` as root", file=sys.stderr)
-
-
 def per_task_podman(ctx: Ctx, *, tasks: int = 10, files: int = 100) -> list[Row]:
     reps = ctx.reps_or(7, 2)
-    with podman_user(ctx) as user:
+    with podman_user(ctx, "bench.per_task") as user:
         mine = ctx.mkdtemp("podman")
         os.chown(mine, user.uid, user.uid)
         project = make_project(mine / "project", files - 1, seed=1).path
@@ -323,7 +209,7 @@ def _fila_as_user(*args: str) -> subprocess.CompletedProcess[bytes]:
 
 
 def as_user(argv: list[str]) -> None:
-    """The user's side of per_task_podman (run by `_User.py`, as the ordinary user):
+    """The user's side of per_task_podman (run by `rootless.User.py`, as the ordinary user):
     `image ROOT`: a queue root on Podman and `fila images build shell` in it;
     `prepare ROOT PROJECT N`: a queue root on Podman whose policy waives the limits rootless
     Podman cannot enforce and lists PROJECT, with N no-op tasks queued (not timed);
