@@ -414,10 +414,12 @@ def test_atexit_callbacks_run_and_a_live_thread_keeps_pythons_exit(tmp_path: Pat
     prelude = f"atexit.register(lambda: open({str(called)!r}, 'w').close())"
     code, _out, err, _mods = _console(["schema", "task"], prelude=prelude)
     assert code == 0 and "FAST 0" in err and called.exists()
-    # A non-daemon thread still working: Python's own exit, which waits for it.
+    # A non-daemon thread still working: Python's own exit, which waits for it. The thread works
+    # until the main thread has ended (no sleep that a loaded machine could outlast before the exit).
     prelude = (
-        "import threading, time\n"
-        f"threading.Thread(target=lambda: (time.sleep(0.5), open({str(done)!r}, 'w').close())).start()"
+        "import threading\n"
+        "threading.Thread(target=lambda: (threading.main_thread().join(), "
+        f"open({str(done)!r}, 'w').close())).start()"
     )
     code, _out, err, _mods = _console(["schema", "task"], prelude=prelude)
     assert code == 0 and "FAST" not in err and done.exists()
