@@ -6,7 +6,9 @@ network shared only with the gateway, so both paths start in the same place:
   `http://<gateway>:8080/anthropic/v1/messages` (the gateway adds the key, TLS to the upstream);
 - static: GET https://allowed.test/ direct vs through the proxy (CONNECT, the tunnel relayed raw).
 A new connection per request on both sides (the worst case for the gateway: a TLS handshake to the
-upstream every time). The timing loop runs inside the client (no `docker exec` per request) and
+upstream every time), and the model call again on one kept-alive connection a side, as an engine's
+SDK makes its calls (the whole answer, and its head: the first byte the engine reads). The
+timing loop runs inside the client (no `docker exec` per request) and
 alternates A B A B; the result is the median added time per request and the median paired ratio.
 
     .venv/bin/python -m bench.gateway_latency [--reps N] [--ca-file FILE]
@@ -66,14 +68,36 @@ def static_gateway():
     c = http.client.HTTPSConnection(gw, 3128, context=ctx, timeout=20)
     c.set_tunnel("allowed.test", 443)
     return call(c, "GET", "/")
+kept = {}
+def kept_call(side, make):
+    # One connection per side, reused for every call as an SDK does (HTTP keep-alive); the time to
+    # the answer's head (its first byte) and to its end.
+    conn = kept.get(side) or kept.setdefault(side, make())
+    t = time.perf_counter()
+    conn.request("POST", PATHS[side], body=body, headers=hdrs)
+    r = conn.getresponse(); head = time.perf_counter() - t
+    r.read()
+    if r.status != 200:
+        raise SystemExit(f"keep-alive {side}: HTTP {r.status}")
+    return time.perf_counter() - t, head
+PATHS = {"gateway": "/anthropic/v1/messages", "direct": "/v1/messages"}
+def kept_gateway():
+    return kept_call("gateway", lambda: http.client.HTTPConnection(gw, 8080, timeout=20))
+def kept_direct():
+    make = lambda: http.client.HTTPSConnection("model.test", 443, context=ctx, timeout=20)
+    return kept_call("direct", make)
 out = {}
-for name, a, b in (("model", model_gateway, model_direct), ("static", static_gateway, static_direct)):
+for name, a, b in (("model", model_gateway, model_direct), ("static", static_gateway, static_direct),
+                   ("kept", kept_gateway, kept_direct)):
     xs, ys = [], []
     for i in range(warmup + reps):
         x, y = a(), b()
         if i >= warmup:
             xs.append(x); ys.append(y)
     out[name] = {"gateway": xs, "direct": ys}
+kx, ky = out["kept"]["gateway"], out["kept"]["direct"]
+out["kept"] = {"gateway": [x[0] for x in kx], "direct": [y[0] for y in ky]}
+out["kept_head"] = {"gateway": [x[1] for x in kx], "direct": [y[1] for y in ky]}
 print(json.dumps(out))
 """.replace('"CA"', repr(CA_IN_CONTAINER))
 
@@ -146,7 +170,7 @@ def measure(reps: int, warmup: int = 3, ca_file: Path | None = None, log: Any = 
         (tmp / "ups").mkdir()
         (tmp / "ups").chmod(0o755)
         with start_upstreams(client, tmp / "ups") as ups:
-            ups.set_script([{"protocol": "anthropic", "reply": {"text": "ok"}}] * (2 * (reps + warmup) + 4))
+            ups.set_script([{"protocol": "anthropic", "reply": {"text": "ok"}}] * (4 * (reps + warmup) + 4))
             net = client.networks.create(
                 f"fila-bench-jobnet-{session}",
                 driver="bridge",
@@ -181,7 +205,12 @@ def measure(reps: int, warmup: int = 3, ca_file: Path | None = None, log: Any = 
 
 def rows(samples: dict[str, Any]) -> list[Row]:
     out = []
-    for case, label in (("model", "POST /v1/messages (route)"), ("static", "GET https:// (CONNECT)")):
+    for case, label in (
+        ("model", "POST /v1/messages (route), a new connection each"),
+        ("static", "GET https:// (CONNECT), a new connection each"),
+        ("kept", "POST /v1/messages (route), one kept-alive connection a side, whole answer"),
+        ("kept_head", "POST /v1/messages (route), one kept-alive connection a side, to the answer's head"),
+    ):
         xs, ys = samples[case]["gateway"], samples[case]["direct"]
         added = median([x - y for x, y in zip(xs, ys, strict=True)])
         out.append(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,23 @@ from tests.support.containers import Starts
 from tests.support.engines import E2E_ENGINES, engine_policy
 from tests.support.project import make_project, make_root
 from tests.upstreams.fixtures import Upstreams, upstreams  # noqa: F401  (the `upstreams` fixture, for every test)
+
+# scripts/test runs a tier in two processes side by side: FILA_TEST_PART=main keeps the tests of
+# Docker, =side the rest (no container, rootless Podman's own service, PostgreSQL's own cluster).
+SIDE_FILES = ("test_podman", "test_pg_", "test_queue_acceptance")
+
+
+def _on_the_side(item: pytest.Item) -> bool:
+    return item.path.name.startswith(SIDE_FILES) or item.get_closest_marker("docker") is None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    part = os.environ.get("FILA_TEST_PART")
+    if part not in ("main", "side"):
+        return
+    keep = [i for i in items if _on_the_side(i) == (part == "side")]
+    config.hook.pytest_deselected(items=[i for i in items if _on_the_side(i) != (part == "side")])
+    items[:] = keep
 
 
 @pytest.fixture
