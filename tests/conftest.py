@@ -30,8 +30,17 @@ def _on_the_side(item: pytest.Item) -> bool:
     return item.path.name.startswith(SIDE_FILES) or item.get_closest_marker("docker") is None
 
 
+_PART = pytest.StashKey[str | None]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Taken out of the environment: a pytest a test starts (the Podman user's run, a collection it
+    # counts) selects its own tests, whatever part this process runs.
+    config.stash[_PART] = os.environ.pop("FILA_TEST_PART", None)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    part = os.environ.get("FILA_TEST_PART")
+    part = config.stash.get(_PART, None)
     if part not in ("main", "side"):
         return
     keep = [i for i in items if _on_the_side(i) == (part == "side")]
