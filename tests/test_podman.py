@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from fila.ops.doctor import storage_note
 from fila.sandbox.base import RunSpec
 from fila.sandbox.docker import backend as dk
 from fila.sandbox.docker.container import docker_error
@@ -170,6 +171,15 @@ def test_the_cycle_on_podman_refuses_an_unwaived_policy_and_records_a_waived_one
     monkeypatch.chdir(q)  # `fila images build` takes the backend of the root it is run in
     code, out = _cli("images", "build", "shell")
     assert code == 0 and "fila/shell:latest" in out, out
+    # The doctor names Podman's storage driver as `podman info` does, and warns only of vfs.
+    code, out = _cli("doctor", "--no-self-test", "--json", "--root", str(q))
+    engine = next(c for c in json.loads(out)["checks"] if c["name"] == "engine")
+    driver = subprocess.run(["podman", "info", "--format", "{{.Store.GraphDriverName}}"],
+                            capture_output=True, text=True, timeout=60).stdout.strip()  # fmt: skip
+    assert code == 0 and engine["data"]["storage"] == driver != "", out
+    assert ("SLOW STORAGE" in engine["detail"]) == (driver == "vfs"), engine
+    assert storage_note({"name": "podman", "storage": "overlay"}) is None
+    assert "fuse-overlayfs" in (storage_note({"name": "podman", "storage": "vfs"}) or "")
     code, tid = _cli("submit", "--root", str(q), "--engine", "shell", "--command",
                      "sed -i s/hello/world/ greeting.txt", "--target", "greeting.txt")  # fmt: skip
     assert code == 0

@@ -75,6 +75,9 @@ def run(
         backend = backend or get_backend(root_backend(root))
         v = backend.describe()
         detail = f"{v['name']} {v.get('version')} (API {v.get('api')}) answers"
+        slow = storage_note(v)
+        if slow:
+            detail += f"; SLOW STORAGE: {slow}"
         rep.checks.append(Check("engine", True, detail, v))
         answered = True
     except FilaError as e:
@@ -93,6 +96,22 @@ def run(
             backend.close()
     rep.seconds = round(time.monotonic() - t0, 2)
     return rep
+
+
+def storage_note(described: dict[str, Any]) -> str | None:
+    """What a storage driver that copies every image costs, or None. Not a failure (jobs run, and
+    the sandbox holds), but every container's creation copies its image: on rootless Podman with
+    vfs a spare gateway takes ~12 s to make and a job created meanwhile waits for it
+    (docs/benchmarks.md, "egress")."""
+    driver = described.get("storage")
+    if driver != "vfs":
+        return None
+    return (
+        f"{described.get('name', 'the engine')} stores images with vfs, which copies the whole image "
+        "for every container (seconds per job and per spare gateway); configure overlay "
+        "(kernel overlayfs, or fuse-overlayfs for rootless Podman) in storage.conf, then "
+        "`podman system reset` (it removes local images)"
+    )
 
 
 def _policies(root: Root) -> Check:

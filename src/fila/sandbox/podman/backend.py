@@ -389,7 +389,8 @@ class PodmanBackend(DockerBackend):
 
     def describe(self) -> dict[str, Any]:
         d = super().describe()
-        host = self.info().get("host", {})
+        info = self.info()
+        host = info.get("host", {})
         return {
             **d,
             "name": self.name,
@@ -397,6 +398,7 @@ class PodmanBackend(DockerBackend):
             "rootless": self.rootless,
             "cgroup": host.get("cgroupVersion"),
             "controllers": host.get("cgroupControllers") or [],
+            "storage": (info.get("store") or {}).get("graphDriverName"),
         }
 
     def test_upstream(
