@@ -22,8 +22,10 @@ from tests.support.project import make_project, make_root
 from tests.upstreams.fixtures import Upstreams, upstreams  # noqa: F401  (the `upstreams` fixture, for every test)
 
 # scripts/test runs a tier in two processes side by side: FILA_TEST_PART=main keeps the tests of
-# Docker, =side the rest (no container, rootless Podman's own service, PostgreSQL's own cluster).
-SIDE_FILES = ("test_podman", "test_pg_", "test_queue_acceptance")
+# Docker, =side the rest (no container, rootless Podman's own service, PostgreSQL's own cluster)
+# and the gateway's own tests (test_gateway: ~40 gateways, each its own network, nothing timed),
+# which bring the two processes nearer in length.
+SIDE_FILES = ("test_podman", "test_pg_", "test_queue_acceptance", "test_gateway")
 
 
 def _on_the_side(item: pytest.Item) -> bool:
