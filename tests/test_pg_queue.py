@@ -32,7 +32,7 @@ from fila.queue.pg.errors import (
 from fila.queue.pg.store import PgQueue
 from fila.queue.retry import RetryPolicy
 from fila.queue.store import LeaseLost
-from tests.support.pg import FAKETIME_LIB
+from tests.support.pg import FAKETIME_LIB, tamper_blob
 
 S = Status
 NOW = RetryPolicy(attempts=None, base=0.0, cap=0.0, jitter=False)  # a sweep's requeue without backoff
@@ -564,8 +564,7 @@ def test_a_blob_whose_sha256_does_not_match_is_refused_on_write_and_on_read(q: P
     with pytest.raises(psycopg.errors.CheckViolation):
         sql(pg_url, "INSERT INTO fila_blobs (sha256, size, data) VALUES (%s, 3, 'abc')", bad.sha256)
     # ...and bytes changed behind fila's back are refused on the way out.
-    sql(pg_url, "ALTER TABLE fila_blobs DROP CONSTRAINT fila_blobs_hash")
-    sql(pg_url, "UPDATE fila_blobs SET data = 'tampered' WHERE sha256 = %s", good.sha256)
+    tamper_blob(pg_url, good.sha256, b"what the runner saw\n", b"tampered")
     with pytest.raises(BlobMismatch, match="other bytes"):
         q.blob(good.sha256)
 

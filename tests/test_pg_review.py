@@ -13,6 +13,7 @@ import pytest
 
 from fila.core.models import Status
 from fila.queue.pg.store import PgQueue
+from tests.support.pg import tamper_blob
 from tests.support.pg_runner import events, fila, host_env
 from tests.support.project import GREETING, make_project, make_root
 
@@ -72,13 +73,7 @@ def test_a_queued_task_is_applied_from_another_root_once_for_everyone(
         assert not bob.job_dir("t2").exists()
         # A DIFF.patch blob altered in the database is refused before anything is laid out.
         sha = q.task_blobs("t2")["DIFF.patch"]
-        import psycopg
-
-        with psycopg.connect(pg_url, autocommit=True) as conn:
-            conn.execute("ALTER TABLE fila_blobs DROP CONSTRAINT fila_blobs_hash")
-            data = q.blob(sha)
-            conn.execute("UPDATE fila_blobs SET data = %s WHERE sha256 = %s",
-                         (data.replace(b"+other", b"+OTHER"), sha))  # fmt: skip
+        tamper_blob(pg_url, sha, b"+other", b"+OTHER")
         res = fila(
             "apply", "t2", "--queue", pg_url, "--root", str(bob.path), "--yes", "--3way", "--by", "bob"
         )

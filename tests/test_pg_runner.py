@@ -53,12 +53,17 @@ def test_a_task_submitted_to_the_database_is_run_by_a_runner_and_reviewed_from_a
     # The same contents again under another id: the database has them, nothing is sent again.
     submit(pg_url, sub, "t2", "true", "greeting.txt", "src")
     assert events(q, "t2", "submitted")[0]["inputs"] == {"blobs": 4, "sent": 0, "bytes_sent": 0}
+    submit(pg_url, sub, "bad", "exit 3")  # an engine that fails: its error says where its log is
 
     runner = make_root(tmp_path / "runner")
     for k, v in host_env(tmp_path, "h1").items():
         monkeypatch.setenv(k, v)
     res = fila("worker", "--queue", pg_url, "--root", str(runner.path), "--host-id", "h1", "--once")
-    assert res.exit_code == 0, res.output
+    assert res.exit_code == 1, res.output  # bad failed
+    bad = q.get("bad")  # the runner's job root is gone: the log is the published one, read by its id
+    assert bad.status == S.failed and bad.error is not None and bad.error.kind == "engine_error"
+    assert bad.error.message.endswith("; see `fila logs bad --queue URL`"), bad.error.message
+    assert bad.attempts[-1].error == bad.error and "remote" not in bad.model_dump_json()
     rec = q.get("t1")
     assert rec.status == S.needs_review and rec.worker == "h1" and rec.container_started
     assert rec.diffstat is not None and rec.diffstat.files == 2

@@ -4,14 +4,16 @@ driver (tests/support/queues.py) that hides only where the commands run. Real `f
 the fake backend (no containers) and a real PostgreSQL server (tests/support/pg.py). Each refused
 case shows its allowed counterpart first.
 
-Cost: about 40 s for both queues together, 28 s of it the PostgreSQL side's (two leases of 3 s
+Cost: about 70 s for both queues together, 45 s of it the PostgreSQL side's (two leases of 3 s
 lapse, and each command is a process that loads the database driver); most of the rest is fila's
-start-up, one process per command.
+start-up, one process per command. The compare group's test is about 28 s of it (10 s file, 15 s
+PostgreSQL: some twenty commands each).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import signal
 import subprocess
 from collections.abc import Iterator
@@ -194,3 +196,83 @@ def test_a_task_for_an_engine_no_worker_has_is_not_run(queue: Driver) -> None:
         assert {a["outcome"] for a in rec["attempts"]} <= {"requeued", "handed back"}
         assert "image fila/codex:latest is not built" in rec["attempts"][0]["error"]["message"]
     assert queue.starts() == 1
+
+
+def test_a_group_is_queued_whole_compared_reviewed_and_applying_one_member_supersedes_the_others(
+    queue: Driver,
+) -> None:
+    # `--engine` repeated: one task per engine, ids GROUP.ENGINE, queued whole or not at all.
+    group = ("--engine", "shell", "--engine", "codex", "--policy", "openai", "--command", "true",
+             "--prompt", "tidy up", "-t", "greeting.txt")  # fmt: skip
+    # --run returns once every member has its record, with run --once's exit codes:
+    # here 2, as both are invalid (the fake backend runs no network allowlist, which policy
+    # openai asks for).
+    with queue.runs_submitted():
+        ran = queue.submit_task("w", *group, "--run")
+    assert ran.returncode == 2, out(ran)
+    assert sorted(ln.split()[:2] for ln in ran.stdout.splitlines()) == [["w.codex", "failed"],
+                                                                        ["w.shell", "failed"]]  # fmt: skip
+    res = queue.submit_task("g", *group)
+    assert res.returncode == 0 and res.stdout.split() == ["g.shell", "g.codex"], out(res)
+    assert [queue.state(t) for t in ("g.shell", "g.codex")] == ["queued", "queued"]
+    # h.shell is taken: the group h is refused whole, h.codex (queued first) with it.
+    assert queue.submit("h.shell", "true").returncode == 0
+    again = queue.submit_task("h", "--engine", "codex", "--engine", "shell", *group[4:])
+    assert again.returncode == 4 and "h.shell" in again.stderr, out(again)
+    assert queue.fila("show", "h.codex").returncode == 5  # nothing of the refused group was queued
+    cmp = queue.fila("compare", "g", "--json")
+    assert cmp.returncode == 0, out(cmp)
+    assert [(r["id"], r["status"]) for r in json.loads(cmp.stdout)["rows"]] == [
+        ("g.codex", "queued"), ("g.shell", "queued")]  # fmt: skip
+
+    # A group of shell tasks given as task files with the same `group`; one fails, one waits.
+    members = {"p1": "echo first >> greeting.txt", "p2": "echo second >> greeting.txt", "p3": "exit 3"}
+    for tid, command in members.items():
+        doc = {"engine": "shell", "command": command, "targets": ["greeting.txt"], "group": "pick",
+               "check": "grep -q first greeting.txt"}  # fmt: skip
+        assert queue.submit_file(tid, doc).returncode == 0
+    queue.run_once()  # g's members fail here, as w's did
+    assert queue.submit_file("p4", {**doc, "command": "echo fourth >> greeting.txt"}).returncode == 0
+    assert [queue.state(t) for t in ("p1", "p2", "p3", "p4")] == ["needs_review", "needs_review",
+                                                                  "failed", "queued"]  # fmt: skip
+    table = queue.fila("compare", "pick")
+    assert table.returncode == 0, out(table)
+    lines = table.stdout.splitlines()
+    assert lines[0] == "group pick: 4 tasks on greeting.txt" and lines[1].split()[-1] == "check"
+    rows = {ln.split()[0]: ln for ln in lines[2:6]}
+    assert "needs_review" in rows["p1"] and "+1 -0" in rows["p1"], table.stdout
+    assert rows["p1"].rstrip().endswith("passed") and "failed (1)" in rows["p2"], table.stdout
+    assert "failed" in rows["p3"] and "queued" in rows["p4"], table.stdout
+    page = queue.fila("compare", "pick", "--html")
+    assert page.returncode == 0 and "<td>p2</td>" in page.stdout, out(page)
+    for name, said in (("nope", "no task in group 'nope'"), ("p1", "'p1' is a task of group 'pick'")):
+        bad = queue.fila("compare", name)
+        assert bad.returncode == 5 and said in bad.stderr, out(bad)
+
+    # `fila review`: the verified diff, as text, JSON and a REVIEW.html the reviewer can open.
+    rv = queue.fila("review", "p1", "--no-pager")
+    assert rv.returncode == 0 and "+first" in rv.stdout and "task      p1  (needs_review)" in rv.stdout, out(
+        rv
+    )
+    doc = json.loads(queue.fila("review", "p1", "--json").stdout)
+    assert doc["verified"] and [f["path"] for f in doc["files"]] == ["greeting.txt"]
+    page = queue.fila("review", "p1", "--html")
+    assert page.returncode == 0 and page.stdout.strip() == str(queue.review_html("p1")), out(page)
+    assert "+first" in queue.review_html("p1").read_text()
+
+    # Applying p1 supersedes p2 and the failed p3; p4, still queued, is named and left.
+    res = queue.fila("apply", "p1", "--yes", "--by", "alice", "--json")
+    assert res.returncode == 0, out(res)
+    got = json.loads(res.stdout)
+    assert (got["superseded"], got["not_superseded"]) == (["p2", "p3"], ["p4"])
+    for tid in ("p2", "p3"):
+        rec = queue.record(tid)
+        assert rec["status"] == "rejected" and rec["decision"]["action"] == "superseded"
+        assert rec["decision"]["reason"] == "group pick: p1 was applied"
+    bad = queue.fila("apply", "p2", "--yes", "--by", "bob")
+    assert bad.returncode == 4 and "p2 was already superseded by alice" in bad.stderr, out(bad)
+    assert queue.run_once().returncode == 0 and queue.state("p4") == "needs_review"
+    bad = queue.fila("apply", "p4", "--yes", "--by", "bob")
+    assert bad.returncode == 4 and "whose member p1 was applied by alice" in bad.stderr, out(bad)
+    assert (queue.reviewer.path / "greeting.txt").read_text() == GREETING + "first\n"
+    assert queue.fila("reject", "p4", "--by", "bob").returncode == 0  # a person may still drop it

@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "3ada25010e3f74360a55f51bd7bddaf2065a85a1bb4bb88198719ef6b0bac0dd"
+CLI_SHA256 = "6d564ba43c39245f25edcda5e5ead7c1d1400288ec54cc0e93cc149353790c1b"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 

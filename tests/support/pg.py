@@ -151,3 +151,16 @@ def cluster() -> Iterator[Cluster]:
     finally:
         c.stop("immediate")
         shutil.rmtree(base, ignore_errors=True)
+
+
+def tamper_blob(url: str, sha: str, old: bytes, new: bytes) -> None:
+    """Blob `sha`'s bytes changed behind fila's back (`old` replaced by `new`), its hash check
+    constraint dropped first: what a reader must refuse (BlobMismatch, exit 4)."""
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("ALTER TABLE fila_blobs DROP CONSTRAINT IF EXISTS fila_blobs_hash")
+        row = conn.execute("SELECT data FROM fila_blobs WHERE sha256 = %s", (sha,)).fetchone()
+        data = bytes(row[0]) if row is not None else b""
+        assert old in data, f"blob {sha} has no {old!r}"
+        conn.execute("UPDATE fila_blobs SET data = %s WHERE sha256 = %s", (data.replace(old, new), sha))

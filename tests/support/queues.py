@@ -61,6 +61,7 @@ class Driver(abc.ABC):
     """What a test does with a queue, the same on both (see the module docstring)."""
 
     name: str
+    base: Path  # the test's directory
     project: Root  # the submitter's project: the targets are read here
     reviewer: Root  # where `fila apply` lands a patch
 
@@ -108,6 +109,17 @@ class Driver(abc.ABC):
     ) -> subprocess.CompletedProcess[str]:
         """`fila submit` of a shell task on `target`; `extra` are more of submit's options."""
         return self.submit_task(tid, "--engine", "shell", "--command", command, "-t", target, *extra)
+
+    def submit_file(self, tid: str, doc: dict[str, Any]) -> subprocess.CompletedProcess[str]:
+        """`fila submit --id TID FILE` of the task document `doc` (written under the test's
+        directory), e.g. one member of a group of shell tasks."""
+        path = self.base / f"{tid}.task.json"
+        path.write_text(json.dumps(doc))
+        return self.submit_task(tid, str(path))
+
+    @abc.abstractmethod
+    def review_html(self, tid: str) -> Path:
+        """Where `fila review TID --html` writes REVIEW.html."""
 
     def record(self, tid: str) -> dict[str, Any]:
         """The task's record, as `fila show --json` prints it."""
@@ -177,6 +189,9 @@ class FileDriver(Driver):
     def runs_submitted(self) -> Iterator[None]:
         yield  # `fila submit --run` runs its task in the submitting process itself
 
+    def review_html(self, tid: str) -> Path:
+        return self.project.job_dir(tid) / "REVIEW.html"  # in the job directory
+
     def settle(self, tid: str) -> None:
         res = self.fila("recover", "--json")
         assert res.returncode == 0, res.stdout + res.stderr
@@ -242,17 +257,18 @@ class PgDriver(Driver):
         finally:
             w.stop()
 
+    def review_html(self, tid: str) -> Path:
+        return self.reviewer.fila / "reviews" / tid / "REVIEW.html"  # no job directory here
+
     def runs_submitted(self) -> contextlib.AbstractContextManager[None]:
         return self.runner()  # `fila submit --queue --run` waits for a runner's publish
 
     def settle(self, tid: str) -> None:
         """The killed runner's lease lapses on the database's clock, and the sweep every runner makes
         before it claims (PgQueue.sweep) decides the task: here alone, so the test sees the decision
-        before any claim, and without the backoff a requeue waits (`fila worker --queue --once`
-        does not wait for one, where `fila run --once` does). The box the killed runner left on its
-        host is removed here, as its operator would remove the container by its labels: nothing
-        on a runner host settles the job root a killed runner left (`fila recover` on it waits for
-        the claim's heartbeat to go stale: the runner's host id names no process it can check)."""
+        before any claim, and without the backoff a requeue waits. Then `fila recover` on each
+        runner host removes what the killed runner left there (its job root, whose lock nobody
+        holds, and the box in it), as its operator would, or its next start does."""
         from fila.queue.retry import RetryPolicy
 
         now = RetryPolicy(attempts=None, base=0.0, cap=0.0, jitter=False)
@@ -260,9 +276,12 @@ class PgDriver(Driver):
                  f"{tid}'s lease to lapse")  # fmt: skip
         decided = self.db.sweep(policy=now)
         assert [t for t, _st in decided] == [tid], decided
-        for fake in self._fakes():
-            for box in fake.find(job_id=tid):
-                fake.remove(box)
+        hosts = [p for p in sorted(self.base.glob("h*")) if (p / "fila").is_dir()]
+        for path in hosts:
+            root, env = self.host(path.name)
+            res = _run([*CLI, "recover", "--root", str(root.path), "--json"], env)
+            assert res.returncode == 0, res.stdout + res.stderr
+        assert hosts and not [p for h in hosts for p in (h / "remote").glob(f"{tid}.*")]
 
     def state(self, tid: str) -> str:
         return self.db.get(tid).status.value

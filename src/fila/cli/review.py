@@ -9,6 +9,7 @@ model).
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Annotated, Any
 
 import typer
@@ -225,26 +226,46 @@ def review(
     html: Annotated[
         bool,
         typer.Option(
-            "--html", help="write a self-contained REVIEW.html in the job directory; print its path"
+            "--html",
+            help="write a self-contained REVIEW.html in the job directory (--queue: at --out, else "
+            "<root>/fila/reviews/ID/REVIEW.html); print its path",
         ),
     ] = False,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="with --html --queue: where REVIEW.html is written")
+    ] = None,
     no_pager: Annotated[bool, typer.Option("--no-pager", help="print, do not page")] = False,
     json_: JsonOpt = False,
+    queue_url: QueueOpt = None,
 ) -> None:
     """Show what a decision is about: engine, model, policy, timings, files, warnings, and the
     diff, read from DIFF.patch after checking its sha256 (refused when it changed).
 
     Colors and the pager ($PAGER, default less -R) only on a terminal. Control characters in
-    names and contents are shown escaped.
+    names and contents are shown escaped. --queue: a task of that PostgreSQL queue, its
+    DIFF.patch blob checked against the sha256 its record names, judged by this root's policy.
     """
     import os
 
     from ..review import report as rv
 
     r = Root.at(root)
-    got = rv.load(r, task_id)
-    if html:
-        path = rv.write_html(r, got)
+    if out is not None and not (html and queue_url):
+        from ..core.errors import InvalidInput
+
+        raise InvalidInput("--out is for --html with --queue", hint="on the file queue REVIEW.html "
+                           "goes in the job directory")  # fmt: skip
+    if queue_url:
+        from ..queue.pg.store import PgQueue
+        from ..review.remote import review_html, review_queued
+
+        with PgQueue(queue_url) as db:
+            got = review_queued(r, db, task_id)
+            path = review_html(r, db, got, out) if html else None
+    else:
+        got = rv.load(r, task_id)
+        path = rv.write_html(r, got) if html else None
+    if path is not None:
         if json_:
             print_json({"id": task_id, "html": str(path)})
         else:
@@ -403,12 +424,21 @@ def compare(
     root: RootOpt = None,
     json_: JsonOpt = False,
     html_: Annotated[bool, typer.Option("--html", help="one self-contained HTML page on stdout")] = False,
+    queue_url: QueueOpt = None,
 ) -> None:
     """Show a group's tasks side by side: status, files touched, +/- lines, duration, requests,
-    tokens, cost, and the check when the task names one."""
+    tokens, cost, and the check when the task names one (--queue: from that PostgreSQL queue's
+    records)."""
     from ..review import groups as cmp
 
-    c = cmp.compare(Root.at(root), group)
+    if queue_url:
+        from ..queue.pg.store import PgQueue
+        from ..review.remote import compare_queued
+
+        with PgQueue(queue_url) as db:
+            c = compare_queued(db, group)
+    else:
+        c = cmp.compare(Root.at(root), group)
     if json_:
         print_json(cmp.to_json(c))
     elif html_:

@@ -112,16 +112,15 @@ def submit(
         raise InvalidInput("--model ENGINE=MODEL and a repeated --model are for a group (--engine repeated)",
                            hint="one engine takes one --model MODEL")  # fmt: skip
     validate_document("task", data, path=task_file if task_file not in (None, "-") else "options")
+    per_engine = dict(m.split("=", 1) for m in model or [] if "=" in m)
     if queue_url:
-        if engine and len(engine) > 1:
-            raise InvalidInput("a compare group (--engine repeated) is not supported with --queue yet")
-        _submit_remote(Root.at(root), queue_url, Task.model_validate(data), wait=run_now, json_=json_)
+        _submit_remote(Root.at(root), queue_url, Task.model_validate(data), wait=run_now, json_=json_,
+                       engines=engine if engine and len(engine) > 1 else None, models=per_engine)  # fmt: skip
         return
     if engine and len(engine) > 1:
         from ..review.groups import group_tasks
         from ..run.intake import submit_group
 
-        per_engine = dict(m.split("=", 1) for m in model or [] if "=" in m)
         recs = submit_group(Root.at(root), group_tasks(Task.model_validate(data), engine, models=per_engine))
         if run_now:
             _process(root, once=True, only={r.id for r in recs}, json_=json_, quiet=quiet)
@@ -142,28 +141,60 @@ def submit(
         typer.echo(rec.id)
 
 
-def _submit_remote(root: Root, url: str, task: Any, *, wait: bool, json_: bool) -> None:
-    """`fila submit --queue URL`: the task and its targets into the database in one transaction;
-    `wait`: then the record, once a runner published it (exit 0 ready for review, 1 otherwise)."""
+def _submit_remote(
+    root: Root,
+    url: str,
+    task: Any,
+    *,
+    wait: bool,
+    json_: bool,
+    engines: list[str] | None = None,
+    models: dict[str, str] | None = None,
+) -> None:
+    """`fila submit --queue URL`: the task (with `engines`: a compare group's members, ids
+    GROUP.ENGINE, review/groups.group_tasks) and its targets into the database in one
+    transaction, the targets sent once; `wait`: then each record, once a runner published it
+    with the exit codes of the file queue's `--run` (`run --once`'s: 0 all ready for review, 1
+    one failed or needs a person, else 2 one was invalid)."""
 
-    from ..core.models import Status
+    from ..core.models import ErrorKind, Status
     from ..queue.pg.store import PgQueue
     from ..queue.store import new_task_id
+    from ..run.intake import check_task
     from ..run.remote_inputs import pack
 
     root.require()
-    packed = pack(root, task)
-    tid = task.id or new_task_id()
-    with PgQueue(url) as q:
-        rec = q.enqueue(tid, task, inputs=packed.manifest, files=packed.files)
-        if wait:
-            rec = q.wait_settled(tid)
-            record_printer(json_)(rec)
-            raise typer.Exit(0 if rec.status == Status.needs_review else 1)
-    if json_:
-        print_json({"id": rec.id, "status": rec.status})
+    if engines:
+        from ..review.groups import group_tasks
+
+        tasks = group_tasks(task, engines, models=models)
+        for t in tasks:  # each member against this root's policy, as submit_group does
+            check_task(root, t)
     else:
-        typer.echo(rec.id)
+        tasks = [task.model_copy(update={"id": task.id or new_task_id()})]
+    packed = pack(root, tasks[0])
+    with PgQueue(url) as q:
+        recs = q.enqueue_group([(t.id, t) for t in tasks], inputs=packed.manifest, files=packed.files)
+        if wait:
+            done = [q.wait_settled(r.id) for r in recs]
+            for rec in done:
+                record_printer(json_)(rec)
+            # run --once's codes (run/worker.py): 1 when one failed or needs a person, else 2
+            # when one was invalid, else 0.
+            invalid = [r.status == Status.failed and r.error is not None and r.error.kind == ErrorKind.invalid
+                       for r in done]  # fmt: skip
+            bad = [r.status in (Status.failed, Status.needs_human) for r in done]
+            raise typer.Exit(1 if any(b and not i for b, i in zip(bad, invalid, strict=True))
+                             else 2 if any(invalid) else 0)  # fmt: skip
+    if engines and json_:
+        print_json({"group": tasks[0].group,
+                    "tasks": [{"id": r.id, "engine": r.task.engine if r.task else None, "status": r.status}
+                              for r in recs]})  # fmt: skip
+    elif json_:
+        print_json({"id": recs[0].id, "status": recs[0].status})
+    else:
+        for r in recs:
+            typer.echo(r.id)
 
 
 def run_cmd(
@@ -231,19 +262,12 @@ def worker(
 
     With --queue URL (or FILA_QUEUE): a runner of that PostgreSQL queue, --root its own local
     directory (policies, job roots); it claims the tasks of the engines it has (and of the
-    --policy names, when given), one at a time.
+    --policy names, when given), --concurrency at a time. SIGTERM or Ctrl-C stop its jobs at once.
     """
     if queue_url:
-        if concurrency > 1:
-            from ..core.errors import InvalidInput
-
-            raise InvalidInput(
-                "--concurrency with --queue is not supported yet: a runner of a queue database runs "
-                "one task at a time",
-                hint="start one `fila worker --queue` process per slot, each with its own --root",
-            )
         _process_remote(root, queue_url, once=once, json_=json_, quiet=quiet, poll=poll,
-                        host_id=host_id, engines=engine, policies=policy, lease=lease)  # fmt: skip
+                        host_id=host_id, engines=engine, policies=policy, lease=lease,
+                        concurrency=concurrency)  # fmt: skip
     _process(root, once=once, json_=json_, quiet=quiet, concurrency=concurrency, poll=poll, grace=grace)
 
 
@@ -259,6 +283,7 @@ def _process_remote(
     engines: list[str] | None,
     lease: float,
     policies: list[str] | None = None,
+    concurrency: int = 1,
 ) -> None:
     """A runner of the PostgreSQL queue (run/remote.py); exits with its code (never returns)."""
     from ..run.remote import RemoteWorker
@@ -270,6 +295,7 @@ def _process_remote(
         engines=engines,
         policies=policies,
         once=once,
+        concurrency=concurrency,
         lease_s=lease,
         poll_s=poll,
         on_record=record_printer(json_),

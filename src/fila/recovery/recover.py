@@ -24,7 +24,11 @@ What it settles, each step an event in the task's log (and in fila/state/recover
 - a file in fila/in/ for a task that is already past queued: a duplicate, kept in fila/rejected/;
 - temp files of atomic writes older than the lease TTL;
 - fila's containers of this root whose worker holds no claim file of their task: removed;
-- a rootless overlay scratch left in sandbox/meta/<id>/ of a task with no claim: emptied (backend).
+- a rootless overlay scratch left in sandbox/meta/<id>/ of a task with no claim: emptied (backend);
+- on a PostgreSQL runner's root, the job roots (`remote/<id>.<token>`) whose lock file nobody holds:
+  each recovered as a root of its own (its claim's worker counts as gone), its containers,
+  gateway and networks removed, then the job root (`recover_job_roots`, remote_jobs.py says who
+  may remove a job root and when). The queue database decides their tasks, by their leases.
 
 One recovery at a time per root (a flock); it is safe while workers run.
 
@@ -47,6 +51,7 @@ from ..core.errors import FilaError
 from ..core.layout import Root
 from ..queue import lease
 from ..queue import store as queue
+from . import remote_jobs
 from .base import Engine, Report
 from .claims import settle_claim
 from .records import settle_task
@@ -107,10 +112,9 @@ def recover(
         sweep_temp_files(root, ttl, rep)
         sweep_containers(root, dk, rep)
         sweep_scratch(root, dk, rep)
+        _job_roots(root, dk, rep)
         lease.forget_dead_workers(root)
-        rep.docker = dk.error or ("ok" if dk.used else "not needed")
-        rep.backend = dk.backend.name if dk.used and dk.backend is not None else ""
-        dk.close()
+        _engine_used(dk, rep)
     return rep
 
 
@@ -119,3 +123,75 @@ def _record_ids(root: Root) -> set[str]:
     with os.scandir(root.out_dir) as it:
         names = [e.name for e in it if e.name.endswith(".json") and not e.name.startswith(".")]
     return {n[: -len(".json")] for n in names if queue.valid_id(n[: -len(".json")])}
+
+
+def recover_job_roots(root: Root, *, backend: Backend | None = None, wait: bool = True) -> Report:
+    """Only the job roots of a PostgreSQL runner's root that nobody holds (a runner's start:
+    those of an earlier runner process on this root that died with its jobs), under the root's
+    recovery lock; see `_job_roots`."""
+    rep = Report()
+    with _recovery_lock(root, wait) as got:
+        if not got:
+            rep.skipped = True
+            return rep
+        dk = Engine(root, backend, True)
+        _job_roots(root, dk, rep)
+        _engine_used(dk, rep)
+    return rep
+
+
+def _engine_used(dk: Engine, rep: Report) -> None:
+    """What the pass asked of the container engine, in the report; its connection closed."""
+    rep.docker = dk.error or ("ok" if dk.used else "not needed")
+    rep.backend = dk.backend.name if dk.used and dk.backend is not None else ""
+    dk.close()
+
+
+def _job_roots(root: Root, dk: Engine, rep: Report) -> None:
+    """Each job root under `root/remote/` whose lock is free (its runner is gone): recovered as a
+    queue root of its own with its claim's worker counted gone (its containers and gateway
+    stopped and removed, its job networks and directories), then removed once the container
+    engine confirms that no container of it is left and its recovery had no error. Held locks
+    are never touched, nor a directory without its lock file, nor a link; without the container
+    engine (`--no-docker`, or it does not answer) a job root is kept for a later pass.
+    Nothing is decided in the queue database: the claim's lease does (docs/scale-out.md)."""
+    for name in remote_jobs.names(root):
+        with remote_jobs.free(root, name) as free:
+            if not free:
+                continue
+            try:
+                _job_root(root, name, dk, rep)
+            except (FilaError, OSError, ValueError) as e:  # one job root must not stop the others
+                rep.add(root, None, "error", f"could not recover the job root {name}: {e}")
+
+
+def _job_root(root: Root, name: str, dk: Engine, rep: Report) -> None:
+    path = remote_jobs.jobs_dir(root) / name
+    if path.is_symlink():  # a runner makes a directory there, never a link: not followed, not removed
+        rep.add(root, None, "job root kept", f"{path}: a symbolic link, not a runner's job root")
+        return
+    if path.is_dir():
+        if not dk.enabled:
+            rep.add(root, None, "job root kept", f"{path}: its containers cannot be checked (--no-docker)")
+            return
+        backend = dk.get()
+        if backend is None:
+            rep.add(root, None, "job root kept", f"{path}: the container engine does not answer ({dk.error})")
+            return
+        jr = Root(path)
+        removed: list[str] = []
+        failed: list[str] = []
+        if jr.in_dir.is_dir() and jr.out_dir.is_dir():  # else made only in part: no container ran there
+            sub = recover(jr, backend=backend, alive=lambda _w: "gone")
+            removed = sub.containers_removed
+            rep.containers_removed += removed
+            failed = [a.detail for a in sub.actions if a.action == "error"]
+        left = backend.find(root=str(path))
+        if left or failed:
+            what = f"{len(left)} of its containers are still there" if left else failed[0]
+            rep.add(root, None, "job root kept", f"{path}: {what}; a later recovery tries again")
+            return
+        fsutil.remove_tree(path)
+        rep.add(root, None, "job root removed", f"{path}: its runner is gone; {len(removed)} containers "
+                "removed; the queue database decides its task by its lease")  # fmt: skip
+    remote_jobs.forget(root, name)

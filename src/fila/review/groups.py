@@ -1,9 +1,11 @@
 """Groups of tasks that ran the same input on different engines, and how they compare.
 
 `fila submit --engine claude --engine codex ...` queues one task per engine with the same `group`
-(`group_tasks`, queued by intake.submit_group); `compare` puts the members side by side (status,
+(`group_tasks`, queued by intake.submit_group, or by PgQueue.enqueue_group in one transaction on a
+PostgreSQL queue); `comparison` puts the members' records side by side, from either queue (status,
 files touched, +/- lines, duration, requests, tokens, cost, the check); `supersede_others` marks
-every other member when a person applies one. A superseded member is `rejected` with a decision
+every other member when a person applies one on the file queue (a PostgreSQL queue's
+PgQueue.decide_group does it in the decision's transaction). A superseded member is `rejected` with a decision
 `superseded` (who, when, which member won): the state machine keeps its table, and a superseded
 task can never be applied.
 
@@ -20,23 +22,37 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..core.errors import InvalidTaskFile, InvalidTransition, NotFound
+from ..core.errors import InvalidTaskFile, NotFound
 from ..core.layout import Root
 from ..core.models import Decision, Record, Status, Task, now_iso
 from ..queue import store as queue
+from ..queue.pg.records import check_group
 
 # -- groups ---------------------------------------------------------------------------------------
 
 
 def members(root: Root, group: str) -> list[Record]:
-    """The group's tasks, by id. NotFound when none has that group."""
-    found = [r for r in queue.all_records(root.require()) if r.task is not None and r.task.group == group]
+    """The group's tasks, by id. NotFound when none has that group (see no_group)."""
+    recs = queue.all_records(root.require())
+    found = [r for r in recs if r.task is not None and r.task.group == group]
     if not found:
-        raise NotFound(
-            f"no task in group {group!r}",
-            hint="`fila submit --engine A --engine B ...` makes a group; `fila ls` lists tasks",
-        )
+        raise no_group(group, next((r for r in recs if r.id == group), None))
     return sorted(found, key=lambda r: r.id)
+
+
+def no_group(group: str, same_id: Record | None, where: str = "") -> NotFound:
+    """The error for a group no task has (`where`: " in the queue database ..."); `same_id` is
+    the task whose id is `group`, if any: a member's id given for its group is named as such."""
+    if same_id is not None and same_id.task is not None and same_id.task.group:
+        return NotFound(
+            f"{group!r} is a task of group {same_id.task.group!r}, not a group{where}",
+            task_id=group,
+            hint=f"`fila compare {same_id.task.group}` compares its group; `fila show {group}` the task",
+        )
+    return NotFound(
+        f"no task in group {group!r}{where}",
+        hint="`fila submit --engine A --engine B ...` makes a group; `fila ls` lists tasks",
+    )
 
 
 def group_tasks(task: Task, engines: list[str], *, models: dict[str, str] | None = None) -> list[Task]:
@@ -83,15 +99,7 @@ def check_not_decided(root: Root, rec: Record) -> None:
     """Refuse to apply a member when another member of its group was applied already."""
     if rec.task is None or rec.task.group is None or rec.status != Status.needs_review:
         return  # not a member, or decided itself: the apply's own check says what was decided
-    for other in members(root, rec.task.group):
-        if other.id != rec.id and other.status == Status.applied:
-            d = other.decision
-            raise InvalidTransition(
-                f"task {rec.id} is in group {rec.task.group!r}, whose member {other.id} was applied"
-                + (f" by {d.by} at {d.at}" if d else ""),
-                task_id=rec.id,
-                hint="one member of a group lands; `fila compare GROUP` shows them",
-            )
+    check_group(rec, members(root, rec.task.group))
 
 
 @dataclass
@@ -211,8 +219,15 @@ def _row(rec: Record) -> Row:
 
 
 def compare(root: Root, group: str) -> Comparison:
-    recs = members(root, group)
-    first = recs[0].task
+    """The file queue's group, compared (comparison)."""
+    return comparison(group, members(root, group))
+
+
+def comparison(group: str, recs: list[Record]) -> Comparison:
+    """The members' records side by side, from either queue (the file queue's `members`, or a
+    PostgreSQL queue's review/remote.queued_members): one table, one renderer."""
+    recs = sorted(recs, key=lambda r: r.id)
+    first = recs[0].task if recs else None
     return Comparison(
         group=group,
         prompt=first.prompt if first else None,

@@ -11,7 +11,12 @@ apply then runs its recipe unchanged: the paths' checks, moved base against the 
 files or `--3way`, the landing and its marker (an interrupted apply is finished by running it
 again). The decision is written to the database (QueueBook), once for everyone: a task another
 reviewer decided meanwhile is refused naming who decided, and the copy is removed once the
-decision is recorded.
+decision is recorded. A compare group's member is decided with the supersedes of the other
+members in one transaction (PgQueue.decide_group).
+
+`fila review --queue` and `fila compare --queue` read the same pieces without laying anything
+out: report.of on the record and the checked DIFF.patch blob, groups.comparison on the members'
+records.
 """
 
 from __future__ import annotations
@@ -26,9 +31,10 @@ from ..core.errors import InvalidInput, InvalidTransition, NotFound, Refused
 from ..core.layout import Root
 from ..core.models import Decision, Record, Status, now_iso
 from ..queue.pg.inputs import check_limits, read_manifest, unpack
-from ..queue.pg.store import INPUTS, PgQueue
+from ..queue.pg.records import check_group
+from ..queue.pg.store import INPUTS, GroupDecision, PgQueue
 from ..workspace import jobdir
-from . import decision, landing, patch
+from . import decision, groups, landing, patch, report
 from .apply import Applied, apply, patch_git
 
 # Written last when the copy is complete: a job directory without it is not this module's.
@@ -65,6 +71,30 @@ def queued_log(db: PgQueue, task_id: str, *, events: bool = False) -> bytes:
     return b"" if sha is None else db.blob(sha)
 
 
+def review_queued(root: Root, db: PgQueue, task_id: str) -> report.Review:
+    """`fila review ID --queue URL`: the file queue's review (review/report.py) of the task's
+    record and its DIFF.patch blob, checked against the sha256 its record names and against its
+    own (Refused or BlobMismatch: nothing shown). The policy judging it is this root's copy of
+    the task's policy (the defaults without one), and the project shown is this root, where
+    `fila apply --queue` would land it."""
+    rec = db.get(task_id)
+    data = queued_patch(db, rec) if rec.patch_sha256 else None
+    here = (root.path / "fila").is_dir()
+    project = str(root.path) if here else "(the queue root `fila apply --queue` runs from)"
+    return report.of(rec, patch.policy_for(root, rec), data, project, root=root if here else None,
+                     project_dir=root.path if here else None)  # fmt: skip
+
+
+def review_html(root: Root, db: PgQueue, rv: report.Review, out: Path | None) -> Path:
+    """REVIEW.html of a queued task: at `out`, else `<root>/fila/reviews/<id>/REVIEW.html` (a
+    PostgreSQL queue's task has no job directory on the reviewer's host; this root's fila/ is
+    its own, and `fila gc` leaves it). The log's end is the runner's published log blob."""
+    if out is None:
+        out = root.require().fila / "reviews" / rv.record.id / "REVIEW.html"
+    tail = queued_log(db, rv.record.id)[-report.LOG_TAIL_BYTES :]
+    return report.write_html_at(out, rv, tail)
+
+
 def decide(db: PgQueue, task_id: str, action: str, *, by: str, reason: str | None) -> Record:
     """The decision written to the database once; a task decided meanwhile (by anyone, from any
     host) is refused naming who decided (decision.check_undecided)."""
@@ -79,10 +109,13 @@ def decide(db: PgQueue, task_id: str, action: str, *, by: str, reason: str | Non
 
 class QueueBook:
     """decision.Book for a PostgreSQL queue: the record from the database (its patch named where
-    `apply` finds the copy), events and the decision written there."""
+    `apply` finds the copy), events and the decision written there. An `apply` goes through
+    PgQueue.decide_group: the decision and the supersedes of the other members of its compare
+    group in ONE transaction (what it superseded and left is kept in `group`)."""
 
     def __init__(self, db: PgQueue) -> None:
         self.db = db
+        self.group: GroupDecision | None = None
 
     def get(self, root: Root, task_id: str) -> Record:
         rec = self.db.get(task_id)
@@ -96,31 +129,66 @@ class QueueBook:
 
     def decide(self, root: Root, task_id: str, action: str, *, by: str, reason: str | None,
                expect: set[Status]) -> Record:  # fmt: skip
-        return decide(self.db, task_id, action, by=by, reason=reason)
+        if action != "apply":
+            return decide(self.db, task_id, action, by=by, reason=reason)
+        made = Decision(action=Status.applied.value, by=by, at=now_iso(), reason=reason)
+        try:
+            self.group = self.db.decide_group(
+                task_id, made, expect=decision.DECIDABLE["apply"], supersede=decision.DECIDABLE["reject"]
+            )
+        except InvalidTransition:
+            # Superseded or decided meanwhile: say by whom. Still undecided: another member won,
+            # and the error raised names it, who and when.
+            decision.check_undecided(self.db.get(task_id), action)
+            raise
+        return self.group.record
+
+
+def queued_members(db: PgQueue, group: str) -> list[Record]:
+    """The group's members in the database, by id; NotFound for a group no task has (a member's
+    id given instead is named as such, groups.no_group)."""
+    found = db.group_records(group)
+    if found:
+        return found
+    try:
+        same = db.get(group)
+    except NotFound:
+        same = None
+    raise groups.no_group(group, same, f" in the queue database {db.where}")
+
+
+def compare_queued(db: PgQueue, group: str) -> groups.Comparison:
+    """`fila compare GROUP --queue URL`: the file queue's table (groups.comparison) from the
+    members' records in the database."""
+    return groups.comparison(group, queued_members(db, group))
 
 
 def apply_queued(root: Root, db: PgQueue, task_id: str, **options: Any) -> Applied:
     """`fila apply ID --queue URL`: the task's patch landed in the reviewer's root (its project)
-    with apply's checks, the decision recorded in the database. `options` are apply's."""
+    with apply's checks, the decision recorded in the database. `options` are apply's.
+
+    A member of a compare group: refused before anything is copied when another member was
+    applied already; otherwise it lands as any task does, and its decision and the supersedes
+    of the other members are one transaction (QueueBook.decide, PgQueue.decide_group), so of
+    two reviewers applying two members at once exactly one is recorded; the other is refused
+    naming the member that won (its copy landed in that reviewer's checkout first, as for two
+    applies of one task: docs/scale-out.md)."""
     root.require()
     rec = db.get(task_id)
     decision.check_undecided(rec, "apply")  # decided elsewhere: refused before anything is copied
     if rec.task is not None and rec.task.group:
-        raise InvalidInput(
-            f"task {task_id} is a member of compare group {rec.task.group}; groups are decided on "
-            "the file queue only for now",
-            task_id=task_id,
-            hint="apply its patch by hand (`fila diff ID --queue URL | git apply`), "
-            "then `fila reject` the others",
-        )
+        check_group(rec, db.group_records(rec.task.group))
     _lay_out(root, db, rec)
+    book = QueueBook(db)
     try:
-        res = apply(root, task_id, book=QueueBook(db), **options)
+        res = apply(root, task_id, book=book, **options)
     except BaseException:
         if landing.read_marker(root, task_id) is None:  # nothing landed: no copy left behind
             _drop(root, task_id)
         raise
     _drop(root, task_id)
+    if book.group is not None:
+        res.superseded, res.undecided = book.group.superseded, book.group.undecided
     return res
 
 

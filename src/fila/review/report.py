@@ -145,20 +145,32 @@ def load(root: Root, task_id: str) -> Review:
 
     root.require()
     rec = queue.get_record(root, task_id)
-    rv = Review(record=rec, policy=patch.policy_for(root, rec), project=project_path(root, rec))
+    policy = patch.policy_for(root, rec)
+    data, gone = None, []
     if rec.patch_path and rec.patch_sha256:
         try:
-            rv.data = patch.read_reviewed(root, rec, rv.policy)
+            data = patch.read_reviewed(root, rec, policy)
         except NotFound:
             if rec.status not in (Status.applied, Status.rejected):
                 raise
-            rv.warnings.append("DIFF.patch is gone: `fila gc` removed the decided job's directory")
+            gone.append("DIFF.patch is gone: `fila gc` removed the decided job's directory")
+    return of(rec, policy, data, project_path(root, rec), root=root, notes=gone)
+
+
+def of(rec: Record, policy: Policy, data: bytes | None, project: str, *, root: Root | None,
+       notes: list[str] | None = None, project_dir: Path | None = None) -> Review:  # fmt: skip
+    """The review of `rec` with its patch `data` (verified by the caller against the record's
+    sha256; None: no DIFF.patch): from the file queue's job directory (`load`: the project is
+    the job's manifest's) or from a PostgreSQL queue's blobs (review/remote.review_queued: the
+    project is `project_dir`, the reviewer's root, where `apply --queue` lands; None when there
+    is none, and then no path is judged against fila's reserved directories)."""
+    rv = Review(record=rec, policy=policy, data=data, project=project)
     if rv.data is not None:
         try:
             rv.patch = patch.parse(rv.data)
         except patch.PatchError as e:
             rv.parse_error = str(e)
-    rv.warnings = _warnings(root, rv) + rv.warnings
+    rv.warnings = _warnings(root, rv, project_dir) + list(notes or [])
     return rv
 
 
@@ -179,7 +191,7 @@ def category(path: str) -> str | None:
     return None
 
 
-def _warnings(root: Root, rv: Review) -> list[str]:
+def _warnings(root: Root | None, rv: Review, project_dir: Path | None = None) -> list[str]:
     rec, out = rv.record, []
     if rec.status != Status.needs_review:
         d = rec.decision
@@ -192,11 +204,13 @@ def _warnings(root: Root, rv: Review) -> list[str]:
         out.append(f"the patch is {len(rv.data)} bytes, above the policy's max_diff_bytes "
                    f"({rv.policy.max_diff_bytes})")  # fmt: skip
     reserved, policies = [], None
+    project = project_dir
     try:
-        project = Path(jobdir.read_manifest(root, rec.id)["project"])
+        if project is None and root is not None:
+            project = Path(jobdir.read_manifest(root, rec.id)["project"])
     except (OSError, ValueError, KeyError):
         project = None
-    if project is not None:
+    if project is not None and root is not None:
         rel = {}
         for key, d in (("fila", root.fila), ("sandbox", root.path / "sandbox"),
                        ("policies", root.policies_dir)):  # fmt: skip
@@ -507,6 +521,12 @@ def write_html(root: Root, rv: Review) -> Path:
     A rename replaces whatever is at that name; nothing there is written through."""
     job = root.job_dir(rv.record.id)
     job.mkdir(parents=True, exist_ok=True)
-    dest = job / "REVIEW.html"
-    fsutil.atomic_write(dest, render_html(rv, log_tail(root, rv.record)))
+    return write_html_at(job / "REVIEW.html", rv, log_tail(root, rv.record))
+
+
+def write_html_at(dest: Path, rv: Review, tail: bytes) -> Path:
+    """REVIEW.html at `dest` (its directory made), with `tail` as the log's end: replaced by a
+    rename, never written through."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    fsutil.atomic_write(dest, render_html(rv, tail))
     return dest

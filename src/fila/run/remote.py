@@ -13,11 +13,20 @@ The database is told what only the queue may record, through the lease's token:
   before the lease runs out stops the job at its next check (the container is stopped) and
   nothing is published;
 - the outcome (RESULT_FIELDS of the local record) and the blobs a reviewer needs (DIFF.patch, the
-  log, the input manifest, the job's events) in one publish, which a stale token cannot make;
+  log, the input manifest, the job's events) in one publish, which a stale token cannot make
+  (run/remote_publish.py);
 - a task handed back before its container started goes back to the queue (`hand_back`).
 
 The job root's own file queue is this runner's journal of the job (its record, claim and events);
 the database's record is the one reviewers read.
+
+Up to `concurrency` claims run at once, each in a thread of its own with its own lease, renewer
+and job root. Each job root is guarded by a lock the runner takes before it exists and lets go
+only after the job root is removed (or kept, its containers stopped); at start, and in every
+`fila recover --root`, the job roots whose lock nobody holds (an earlier runner process on this
+root died with them) are recovered: containers, gateway and job root removed
+(recovery/remote_jobs.py says who may remove a job root, and when). Nothing is published for
+them: the database's lease decides their tasks.
 """
 
 from __future__ import annotations
@@ -38,15 +47,16 @@ from ..core.layout import Root
 from ..core.models import ErrorInfo, ErrorKind, Record, Status
 from ..engines import engine_names, get_engine
 from ..queue import store as queue
-from ..queue.pg.blobs import Blob
-from ..queue.pg.records import RESULT_FIELDS, on_db_clock
-from ..queue.pg.store import INPUTS, OUTCOMES, Lease, PgQueue
+from ..queue.pg.store import INPUTS, Lease, PgQueue
 from ..queue.policy import load_policy, policy_names
 from ..queue.retry import INFRA
+from ..recovery import remote_jobs
+from ..recovery.recover import recover_job_roots
 from . import job as cycle
 from . import spares
 from .claimed import Hooks, Interrupted
 from .remote_inputs import unpack
+from .remote_publish import publish, refuse
 
 if TYPE_CHECKING:
     from ..sandbox import Backend
@@ -153,8 +163,20 @@ def engines_here(backend: Backend) -> list[str]:
     return out
 
 
+class _Slot:
+    """One claim running in a thread of its own: what it ended with, for the main loop."""
+
+    def __init__(self, lease: Lease) -> None:
+        self.lease = lease
+        self.record: Record | None = None
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.thread: threading.Thread | None = None
+
+
 class RemoteWorker:
-    """Claims and runs tasks of one queue database from the local root `root`."""
+    """Claims and runs tasks of one queue database from the local root `root`, up to
+    `concurrency` at once."""
 
     def __init__(
         self,
@@ -165,6 +187,7 @@ class RemoteWorker:
         engines: list[str] | None = None,
         policies: list[str] | None = None,
         once: bool = False,
+        concurrency: int = 1,
         backend: Backend | None = None,
         lease_s: float = LEASE_S,
         poll_s: float = 1.0,
@@ -176,6 +199,7 @@ class RemoteWorker:
         from ..sandbox import get_backend, root_backend
 
         self.root, self.url, self.once = root.require(), url, once
+        self.concurrency = max(1, concurrency)
         self.id = host_id or default_host_id()
         self.owns_backend = backend is None
         self.backend = backend or get_backend(root_backend(root))
@@ -184,15 +208,19 @@ class RemoteWorker:
         self.lease_s, self.poll_s, self.keep = lease_s, poll_s, keep
         self.reconnect_s = reconnect_s
         self.on_record, self.progress = on_record, progress
-        self.cancel = threading.Event()
+        self.cancel = threading.Event()  # a signal: every job stops at its next check
+        self.wake = threading.Event()  # a job ended, or a signal: the main loop looks again
         self.records: list[Record] = []
         self.infra_error: FilaError | None = None
+        self.crash: BaseException | None = None  # a fila bug in a job, raised once the others end
+        self.stop_claiming = False
         self.interrupted = False
         self.beat: PgQueue | None = None
 
     def _on_signal(self, sig: int, _frame: Any) -> None:
         self.interrupted = sig == signal.SIGINT
         self.cancel.set()
+        self.wake.set()
 
     def run(self) -> int:
         """Claim and run until the queue has nothing for this host (`once`) or a signal; the exit
@@ -208,28 +236,34 @@ class RemoteWorker:
                 f"{self.backend.name} has no engine image; this runner can claim nothing",
                 hint="`fila images build ENGINE`, or name the engines with --engine",
             )
-        # Spare gateways of an earlier runner process on this root that died with them up; then
-        # this runner's own, for the allowlist policies it takes.
+        # Spare gateways of an earlier runner process on this root that died with them up, and its
+        # job roots (containers, gateway, directory) whose lock nobody holds; then this runner's
+        # own spares, for the allowlist policies it takes.
         for what in self.backend.sweep_spares(self.root.path, self.root.spares_dir):
             self.progress(f"fila worker {self.id}: removed {what} (its runner is gone)")
+        for a in recover_job_roots(self.root, backend=self.backend).actions:
+            self.progress(f"fila worker {self.id}: {a.action}: {a.detail}")
         pool = spares.keep(
             self.root, self.backend, once=self.once, policies=self.policies or policy_names(self.root)
         )
         handlers: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
             handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        n = self.concurrency
         try:
-            # The renewals' own connection, with a retry shorter than a renewal's interval: a
+            # The renewals' own connections, with a retry shorter than a renewal's interval: a
             # database that stops answering is noticed within the lease, not after a long retry.
             beat_s = max(1.0, self.lease_s / 3)
             # Both bounded (io_timeout_s): a call on a silently partitioned network errs, never blocks.
             with (
-                PgQueue(self.url, reconnect_s=self.reconnect_s, io_timeout_s=IO_TIMEOUT_S) as q,
-                PgQueue(self.url, max_size=1, reconnect_s=beat_s, io_timeout_s=max(2.0, beat_s)) as beat,
+                PgQueue(
+                    self.url, max_size=n + 3, reconnect_s=self.reconnect_s, io_timeout_s=IO_TIMEOUT_S
+                ) as q,
+                PgQueue(self.url, max_size=n, reconnect_s=beat_s, io_timeout_s=max(2.0, beat_s)) as beat,
             ):
                 self.beat = beat
-                self.progress(f"fila worker {self.id}: {q.where}, engines {', '.join(engines)}")
-                q.runner_up(self.id, engines, images=images_of(self.backend, engines), slots=1,
+                self.progress(f"fila worker {self.id}: {q.where}, engines {', '.join(engines)}, slots {n}")
+                q.runner_up(self.id, engines, images=images_of(self.backend, engines), slots=n,
                             policies=self.policies)  # fmt: skip
                 try:
                     self._loop(q, engines)
@@ -242,51 +276,120 @@ class RemoteWorker:
             spares.close(pool, self.backend, self.progress)
             if self.owns_backend:
                 self.backend.close()
+        if self.crash is not None:
+            raise self.crash
         return self.exit_code()
 
     def _loop(self, q: PgQueue, engines: list[str]) -> None:
-        """Sweep, claim, run, until there is nothing for this host (`once`) or a signal; the
-        runner's heartbeat in the runners table at most every BEAT_S seconds between claims (the
-        lease's renewals beat while a task runs)."""
+        """Sweep, claim, run, until there is nothing for this host (`once`) or a signal, and every
+        job started has ended; the runner's heartbeat in the runners table at most every BEAT_S
+        seconds between claims (the leases' renewals beat while tasks run)."""
+        active: list[_Slot] = []
+        try:
+            self._claims(q, engines, active)
+        except BaseException:
+            # The database did not answer a `--once` runner, or a bug: the jobs stop as on a signal
+            # (containers stopped, nothing published for a lost lease) before this ends the runner.
+            self.cancel.set()
+            raise
+        finally:
+            for slot in active:
+                if slot.thread is not None:
+                    slot.thread.join()
+            self._collect(active)
+
+    def _claims(self, q: PgQueue, engines: list[str], active: list[_Slot]) -> None:
         beat_at = time.monotonic()
         down_s = self.poll_s  # the wait after the database did not answer, doubled up to DOWN_MAX_S
-        while not self.cancel.is_set():
+        while True:
+            self._collect(active)
+            if self.cancel.is_set() or self.stop_claiming:
+                if not active:
+                    return
+                self._wait(self.poll_s)
+                continue
             if time.monotonic() - beat_at >= BEAT_S:
                 with contextlib.suppress(FilaError):
                     q.runner_beat(self.id)
                 beat_at = time.monotonic()
+            if len(active) >= self.concurrency:
+                self._wait(self.poll_s)
+                continue
             try:
                 for tid, st in q.sweep():
                     self.progress(f"{tid}: lease expired: {st}")
-                if self.once:
+                if self.once or active:  # a job that ends wakes this loop: never blocked on a claim
                     lease = q.claim(self.id, engines, self.lease_s, policies=self.policies)
                 else:
                     lease = q.claim_wait(self.id, engines, self.lease_s, poll_s=self.poll_s,
                                          timeout=self.poll_s, policies=self.policies)  # fmt: skip
+                wait = None
+                if lease is None and self.once and not active:
+                    wait = q.backoff_left(engines, policies=self.policies)
             except InfraError as e:  # QueueUnreachable, or a statement that timed out
                 if self.once:  # `--once` exits 3 (docs/scale-out.md); a long-running runner waits
-                    raise
+                    if not active:
+                        raise
+                    self.progress(f"fila worker {self.id}: {e}")
+                    self.infra_error, self.stop_claiming = self.infra_error or e, True
+                    continue
                 self.progress(f"fila worker {self.id}: {e}; trying again in {down_s:g} s")
                 self.cancel.wait(down_s)
                 down_s = min(DOWN_MAX_S, down_s * 2)
                 continue
             down_s = self.poll_s
-            if lease is None:
-                if self.once:
-                    break
+            if lease is not None:
+                active.append(self._start(q, lease))
                 continue
+            if active:
+                self._wait(self.poll_s)
+            elif self.once:
+                if wait is None:  # nothing queued that this runner could ever claim
+                    return
+                # A task of its engines waits out its backoff: `--once` waits for it, as `fila run
+                # --once` does (the database's clock says how long; 0: another runner holds it).
+                self.cancel.wait(min(max(wait, 0.05), DOWN_MAX_S))
+
+    def _wait(self, timeout: float) -> None:
+        self.wake.wait(timeout)
+        self.wake.clear()
+
+    def _start(self, q: PgQueue, lease: Lease) -> _Slot:
+        slot = _Slot(lease)
+
+        def run() -> None:
             try:
-                rec = self.run_lease(q, lease)
-            except InfraError as e:
-                self.progress(f"{lease.task_id}: {e}")
+                slot.record = self.run_lease(q, lease)
+            except BaseException as e:  # reported by the main loop; a thread cannot raise to it
+                slot.error = e
+            finally:
+                slot.done.set()
+                self.wake.set()
+
+        slot.thread = threading.Thread(target=run, name=f"fila-job-{lease.task_id}", daemon=True)
+        slot.thread.start()
+        return slot
+
+    def _collect(self, active: list[_Slot]) -> None:
+        """The jobs that ended: their records said (in this thread, one at a time), their errors
+        noted. An InfraError (the host, not the task: handed back or left to its lease) ends a
+        `--once` runner's claims; a bug ends every runner's claims and is raised once the other
+        jobs have ended."""
+        for slot in [s for s in active if s.done.is_set()]:
+            active.remove(slot)
+            e = slot.error
+            if isinstance(e, InfraError):
+                self.progress(f"{slot.lease.task_id}: {e}")
                 self.infra_error = e
                 if self.once:
-                    break
-                self.cancel.wait(self.poll_s)
-                continue
-            if rec is not None:
-                self.records.append(rec)
-                self.on_record(rec)
+                    self.stop_claiming = True
+                else:
+                    self.cancel.wait(self.poll_s)
+            elif e is not None:
+                self.crash, self.stop_claiming = self.crash or e, True
+            elif slot.record is not None:
+                self.records.append(slot.record)
+                self.on_record(slot.record)
 
     def exit_code(self) -> int:
         if self.interrupted:
@@ -299,12 +402,11 @@ class RemoteWorker:
 
     # -- one claim ------------------------------------------------------------------------------
 
-    def job_root(self, lease: Lease) -> Root:
-        """A fresh queue root for this claim, with this host's policies and backend config."""
-        path = self.root.path / "remote" / f"{lease.task_id}.{lease.token}"
-        if path.exists():
-            fsutil.remove_tree(path)
-        jr = Root(path).create()
+    def job_root(self, held: remote_jobs.Held) -> Root:
+        """A fresh queue root for this claim at `held.path`, with this host's policies and backend
+        config. The caller holds its lock (remote_jobs.take refused a directory there already):
+        only the lock's holder, or recovery once the lock is free, may write in or remove it."""
+        jr = Root(held.path).create()
         for p in sorted(self.root.policies_dir.glob("*.json")):
             if p.is_file() and not p.is_symlink():
                 shutil.copy2(p, jr.policies_dir / p.name)
@@ -316,15 +418,22 @@ class RemoteWorker:
     def run_lease(self, q: PgQueue, lease: Lease) -> Record | None:
         """Run one claimed task and publish its outcome; None when the lease was lost (nothing
         published). InfraError after handing the task back when the host failed before its
-        container started."""
+        container started.
+
+        The job root's lock is taken before the job root is made and let go last, after the job
+        root is removed, or kept when the lease was lost (its containers stopped by then: the run
+        path stops them before it returns) or with `keep`; a job root kept is removed by the next
+        recovery of this root (a runner's start, `fila recover --root`)."""
         tid = lease.task_id
         self.progress(f"{tid}: claimed (attempt {lease.attempt}, token {lease.token})")
         hooks = LeaseHooks(q, lease, self.cancel, self.lease_s)
         renewer = Renewer(self.beat or q, hooks, self.lease_s, None)
         renewer.start()
         jr: Root | None = None
+        held: remote_jobs.Held | None = None
         try:
-            jr = self.job_root(lease)
+            held = remote_jobs.take(self.root, remote_jobs.job_name(tid, lease.token))
+            jr = self.job_root(held)
             try:
                 manifest = q.blob(q.task_blobs(tid)[INPUTS])
                 # The task's policy as this host has it, before anything is written: a manifest
@@ -333,14 +442,15 @@ class RemoteWorker:
                 targets = unpack(q, manifest, jr.path, max_files=pol.max_work_files,
                                  max_bytes=pol.max_work_bytes)  # fmt: skip
             except KeyError:
-                return self._fail(q, lease, f"task {tid} has no {INPUTS} blob (queued without its targets)")
+                why = f"task {tid} has no {INPUTS} blob (queued without its targets)"
+                return refuse(q, lease, self.backend.name, why)
             except InfraError:  # the database, not the task: its lease lapses, and a sweep requeues it
                 raise
             except FilaError as e:
-                return self._fail(q, lease, f"{e}" + (f"; {e.hint}" if e.hint else ""))
+                return refuse(q, lease, self.backend.name, f"{e}" + (f"; {e.hint}" if e.hint else ""))
             except Exception as e:  # whatever a hostile manifest finds fails its own task, not this runner
-                return self._fail(q, lease, f"task {tid}: its targets could not be laid out: "
-                                            f"{type(e).__name__}: {e!s:.300}")  # fmt: skip
+                why = f"task {tid}: its targets could not be laid out: {type(e).__name__}: {e!s:.300}"
+                return refuse(q, lease, self.backend.name, why)
             task = lease.task.model_copy(update={"id": tid, "project": None, "targets": targets})
             queue.enqueue(jr, tid, task)
             claim = cycle.next_claim(jr, self.id, only={tid})
@@ -357,54 +467,12 @@ class RemoteWorker:
             if hooks.lost.is_set() or rec is None:
                 self.progress(f"{tid}: lease lost; nothing published")
                 return None
-            return self._publish(q, lease, jr, manifest, rec)
+            return publish(q, lease, jr, manifest, rec, self.progress)
         finally:
             renewer.stop.set()
             renewer.join(timeout=5)
             if jr is not None and not self.keep and not hooks.lost.is_set():
-                with contextlib.suppress(FilaError, OSError):
+                with contextlib.suppress(FilaError, OSError):  # else left to recovery, lock free
                     fsutil.remove_tree(jr.path)
-
-    def _fail(self, q: PgQueue, lease: Lease, msg: str) -> Record | None:
-        """A task this runner refuses before any container (its targets do not arrive intact)."""
-        error = ErrorInfo(kind=ErrorKind.invalid, message=msg)
-        return q.publish(
-            lease.task_id, lease.token, Status.failed, {"error": error, "backend": self.backend.name}
-        )
-
-    def _publish(self, q: PgQueue, lease: Lease, jr: Root, manifest: bytes, rec: Record) -> Record | None:
-        tid = lease.task_id
-        if rec.status == Status.queued:  # handed back before its container started
-            counted = rec.error is not None and rec.error.kind == ErrorKind.infra
-            q.hand_back(tid, lease.token, rec.error, counted=counted,
-                        backoff_s=INFRA.backoff(1) if counted else 0.0)  # fmt: skip
-            return None
-        if rec.status not in OUTCOMES:
-            raise AssertionError(f"task {tid}: the run path ended {rec.status}")
-        blobs = [Blob.of(INPUTS, manifest)]
-        fields = {k: getattr(rec, k) for k in RESULT_FIELDS if getattr(rec, k, None) is not None}
-        for name, rel, key in (
-            ("DIFF.patch", rec.patch_path, "patch_path"),
-            ("log", rec.log_path, "log_path"),
-        ):
-            path = jr.path / rel if rel else None
-            if path is not None and path.is_file():
-                blobs.append(Blob.of(name, path.read_bytes()))
-                fields[key] = name
-            else:
-                fields.pop(key, None)
-        if jr.events_path(tid).is_file():
-            blobs.append(Blob.of("events.jsonl", jr.events_path(tid).read_bytes()))
-        ran = [
-            a.model_copy(
-                update={"log_path": "log" if i == len(rec.attempts) - 1 and "log_path" in fields else None}
-            )
-            for i, a in enumerate(rec.attempts)
-        ]
-        # This host's clock may be off (the lease never depends on it); the record's times are
-        # the database's, so the attempts' are moved onto its clock as measured at the claim.
-        ran = on_db_clock(ran, lease.clock_offset_s)
-        out = q.publish(tid, lease.token, rec.status, fields, blobs, ran=ran)
-        if out is None:
-            self.progress(f"{tid}: the lease was lost before the publish; the result is discarded")
-        return out
+            if held is not None:
+                held.release()

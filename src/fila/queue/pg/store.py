@@ -33,7 +33,7 @@ import logging
 import secrets
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -48,6 +48,7 @@ from . import blobs as blobstore
 from . import records
 from .blobs import Blob
 from .db import CHANNEL, Database, retryable
+from .records import check_group
 
 S = Status
 log = logging.getLogger(__name__)
@@ -73,6 +74,16 @@ class Lease:
     # trip): what turns the times this host writes into the database's in a publish. Never used
     # to judge the lease.
     clock_offset_s: float = 0.0
+
+
+@dataclass
+class GroupDecision:
+    """What `decide_group` wrote: the applied record, the members it superseded, and those it
+    left because they were still queued or running."""
+
+    record: Record
+    superseded: list[str] = field(default_factory=list)
+    undecided: list[str] = field(default_factory=list)
 
 
 CLAIM_SQL = """
@@ -124,29 +135,32 @@ class PgQueue(Database):
         the same transaction: each is checked against its sha256 first (BlobMismatch: nothing
         written), and a content the database holds already is not sent again (the `submitted`
         event counts what was sent)."""
+        return self.enqueue_group(
+            [(task_id, task)], max_tries=max_tries, notify=notify, inputs=inputs, files=files
+        )[0]
+
+    def enqueue_group(
+        self,
+        tasks: list[tuple[str, Task]],
+        *,
+        max_tries: int | None = None,
+        notify: bool = True,
+        inputs: Blob | None = None,
+        files: Iterable[Blob] = (),
+    ) -> list[Record]:
+        """Queue several validated tasks (a compare group's members, review/groups.group_tasks)
+        as `enqueue` queues one, all in ONE transaction: every id is free and every task valid,
+        or nothing is written (DuplicateId names the first id in use). `inputs` and `files` are
+        sent once (content-addressed) and named by every member as its INPUTS."""
         from psycopg.types.json import Jsonb
 
-        if not valid_id(task_id):
-            from ...core.errors import InvalidId
-
-            raise InvalidId(f"task id {task_id!r} is not [A-Za-z0-9._-]{{1,128}}")
-        task = task.model_copy(update={"id": task_id})
-        doc = task.model_dump(mode="json", exclude_none=True)
-        try:  # again: a Task built without validation (model_construct) is not stored as valid
-            task = Task.model_validate(doc)
-        except ValidationError as e:
-            raise InvalidInput(f"task {task_id} does not validate: {e}", task_id=task_id) from None
-        if not valid_id(task.engine):  # the engine names a claimable set (and an index entry)
-            raise InvalidInput(
-                f"task {task_id}: engine name {task.engine[:80]!r} is not [A-Za-z0-9._-]{{1,128}}",
-                task_id=task_id,
-            )
+        checked = [self._checked(task_id, task) for task_id, task in tasks]
         budget = max_tries if max_tries is not None else (INFRA.attempts or 1)
         uploads = [*([inputs] if inputs is not None else []), *files]
         for b in uploads:
-            blobstore.check(b, task_id=task_id)
+            blobstore.check(b, task_id=tasks[0][0] if tasks else None)
 
-        def run(conn: Any, again: bool) -> Record:
+        def one(conn: Any, again: bool, task_id: str, task: Task, doc: dict[str, Any]) -> Record:
             row = conn.execute(
                 "INSERT INTO fila_tasks (id, state, task, engine, max_tries) "
                 "VALUES (%s, 'queued', %s, %s, %s) ON CONFLICT (id) DO NOTHING RETURNING submitted_at",
@@ -159,7 +173,7 @@ class PgQueue(Database):
                 raise DuplicateId(
                     f"task id {task_id!r} exists already in the queue database {self.where}",
                     task_id=task_id,
-                    hint="choose another id, or omit it to get a new one",
+                    hint="choose another id, or omit it to get a new one; nothing of this submit was queued",
                 )
             at = row[0]
             rec = records.transition(task_id, None, S.queued, at, task=task)
@@ -176,7 +190,26 @@ class PgQueue(Database):
                 conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, task_id))
             return rec
 
-        return self._tx(run)
+        return self._tx(lambda conn, again: [one(conn, again, t, task, doc) for t, task, doc in checked])
+
+    def _checked(self, task_id: str, task: Task) -> tuple[str, Task, dict[str, Any]]:
+        """The task as stored (id set, validated again) and its JSON document; nothing written."""
+        if not valid_id(task_id):
+            from ...core.errors import InvalidId
+
+            raise InvalidId(f"task id {task_id!r} is not [A-Za-z0-9._-]{{1,128}}")
+        task = task.model_copy(update={"id": task_id})
+        doc = task.model_dump(mode="json", exclude_none=True)
+        try:  # again: a Task built without validation (model_construct) is not stored as valid
+            task = Task.model_validate(doc)
+        except ValidationError as e:
+            raise InvalidInput(f"task {task_id} does not validate: {e}", task_id=task_id) from None
+        if not valid_id(task.engine):  # the engine names a claimable set (and an index entry)
+            raise InvalidInput(
+                f"task {task_id}: engine name {task.engine[:80]!r} is not [A-Za-z0-9._-]{{1,128}}",
+                task_id=task_id,
+            )
+        return task_id, task, doc
 
     # -- claim and lease ------------------------------------------------------------------------
 
@@ -275,6 +308,22 @@ class PgQueue(Database):
             if lease is not None or left <= 0:
                 return lease
             self.wait_for_work(min(poll_s, left))
+
+    def backoff_left(self, engines: Iterable[str], *, policies: Iterable[str] | None = None) -> float | None:
+        """Seconds (on the database's clock) until the first queued task a runner of `engines`
+        (and `policies`, unless None) could claim ends its backoff: 0 when one is claimable now,
+        None when no such task is queued (`fila worker --queue --once` waits for it, as `fila run
+        --once` waits for a backoff on the file queue)."""
+        pols = sorted(set(policies)) if policies is not None else None
+        row = self._tx(
+            lambda conn, _again: conn.execute(
+                "SELECT extract(epoch FROM min(coalesce(not_before, now())) - now()) FROM fila_tasks "
+                "WHERE state = 'queued' AND engine = ANY(%s) "
+                "AND (%s::text[] IS NULL OR coalesce(task->>'policy', 'default') = ANY(%s))",
+                (sorted(set(engines)), pols, pols),
+            ).fetchone()
+        )
+        return None if row is None or row[0] is None else max(0.0, float(row[0]))
 
     def renew(self, task_id: str, token: int, ttl: float) -> datetime:
         """Extend the lease to now() + `ttl` on the database's clock; LeaseLost when the task is
@@ -565,6 +614,91 @@ class PgQueue(Database):
             return rec
 
         return self._tx(run)
+
+    def group_records(self, group: str) -> list[Record]:
+        """The records of a compare group's members (tasks whose `group` is `group`), by id;
+        an empty list when no task has that group."""
+        rows = self._tx(
+            lambda conn, _again: conn.execute(
+                "SELECT r.record FROM fila_records r JOIN fila_tasks t USING (id) "
+                "WHERE t.task->>'group' = %s ORDER BY t.id",
+                (group,),
+            ).fetchall()
+        )
+        return [Record.model_validate(r[0]) for r in rows]
+
+    def decide_group(
+        self, task_id: str, decision: Decision, *, expect: set[Status], supersede: set[Status]
+    ) -> GroupDecision:
+        """A person's `applied` of a task, and of the other members of its compare group: the
+        decision and every supersede in ONE transaction (a task in no group: as `decide`).
+
+        The transaction locks every member's row (`FOR UPDATE`, in id order, so two deciders of
+        one group queue behind each other and never deadlock) before it reads a record. Then:
+        a member other than this one already `applied` refuses the decision (InvalidTransition
+        naming that member, who and when: nothing written); this task must be in `expect`
+        (InvalidTransition otherwise); every other member in `supersede` becomes `rejected` with
+        a decision `superseded` (who, when, "group G: ID was applied"), and members still queued
+        or running are left as they are and named in `undecided` (a person rejects them when they
+        end; the member applied first wins: records.check_group refuses theirs). Two reviewers who
+        apply two members at once: the second transaction waits for the first's locks, then finds
+        the first's member applied and changes nothing. Sent again after a lost reply, it
+        returns what the first one wrote."""
+        if decision.action != S.applied.value:
+            raise InvalidTransition(
+                f"only an applied decision supersedes, not {decision.action}", task_id=task_id
+            )
+
+        def run(conn: Any, _again: bool) -> GroupDecision:
+            row = conn.execute("SELECT task->>'group', now() FROM fila_tasks WHERE id = %s",
+                               (task_id,)).fetchone()  # fmt: skip
+            if row is None:
+                raise NotFound(f"no task {task_id!r} in the queue database {self.where}")
+            group, at = row
+            ids = [task_id]
+            if group is not None:
+                ids = [r[0] for r in conn.execute(
+                    "SELECT id FROM fila_tasks WHERE task->>'group' = %s ORDER BY id FOR UPDATE", (group,)
+                ).fetchall()]  # fmt: skip
+            else:
+                conn.execute("SELECT 1 FROM fila_tasks WHERE id = %s FOR UPDATE", (task_id,))
+            recs = {i: self._record(conn, i) for i in ids}
+            cur = recs[task_id]
+            if cur.status == S.applied and cur.decision == decision:  # ours, its reply lost
+                mine = f"group {group}: {task_id} was applied"
+                done = [i for i, r in recs.items() if r.decision and r.decision.reason == mine]
+                left = [i for i, r in recs.items() if r.status in (S.queued, S.running)]
+                return GroupDecision(cur, done, left)
+            check_group(cur, [r for i, r in recs.items() if i != task_id])
+            rec = records.transition(
+                task_id, cur, S.applied, at, expect=expect, changes={"decision": decision}
+            )
+            self._decided(conn, task_id, cur, rec, "decided", decision)
+            out = GroupDecision(rec)
+            for i, other in recs.items():
+                if i == task_id:
+                    continue
+                if other.status in (S.queued, S.running):
+                    out.undecided.append(i)
+                    continue
+                if other.status not in supersede:
+                    continue  # decided before: its history stays
+                d = Decision(action="superseded", by=decision.by, at=records.iso(at),
+                             reason=f"group {group}: {task_id} was applied")  # fmt: skip
+                new = records.transition(i, other, S.rejected, at, expect=supersede, changes={"decision": d})
+                self._decided(conn, i, other, new, "superseded", d)
+                out.superseded.append(i)
+            return out
+
+        return self._tx(run)
+
+    def _decided(self, conn: Any, task_id: str, cur: Record, rec: Record, event: str, d: Decision) -> None:
+        """A person's decision written: the row's state, the record, the event (in `conn`'s
+        transaction)."""
+        conn.execute("UPDATE fila_tasks SET state = %s, updated_at = now() WHERE id = %s",
+                     (str(rec.status), task_id))  # fmt: skip
+        data = {"from": str(cur.status), "to": str(rec.status), "by": d.by, "reason": d.reason}
+        self._write(conn, task_id, rec, event, data)
 
     # -- runners --------------------------------------------------------------------------------
 
