@@ -7,6 +7,9 @@ Each refused case follows its allowed counterpart."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -14,7 +17,7 @@ import pytest
 from fila.core.models import Status
 from fila.queue.pg.store import PgQueue
 from tests.support.pg import tamper_blob
-from tests.support.pg_runner import events, fila, host_env
+from tests.support.pg_runner import CLI, events, fila, host_env
 from tests.support.project import GREETING, make_project, make_root
 
 S = Status
@@ -25,7 +28,8 @@ def test_a_queued_task_is_applied_from_another_root_once_for_everyone(
 ) -> None:
     sub = make_project(tmp_path / "submitter")
     for tid, command in [("t1", "echo bye >> greeting.txt"), ("t2", "echo other >> greeting.txt"),
-                         ("t3", "echo x >> greeting.txt; exit 3")]:  # fmt: skip
+                         ("t3", "echo x >> greeting.txt; exit 3"),
+                         ("t4", "echo four >> greeting.txt")]:  # fmt: skip
         res = fila("submit", "--queue", pg_url, "--root", str(sub.path), "--id", tid, "--engine", "shell",
                    "--command", command, "-t", "greeting.txt")  # fmt: skip
         assert res.exit_code == 0, res.output
@@ -38,6 +42,7 @@ def test_a_queued_task_is_applied_from_another_root_once_for_everyone(
     q = PgQueue(pg_url)
     try:
         assert [q.get(t).status for t in ("t1", "t2", "t3")] == [S.needs_review, S.needs_review, S.failed]
+        assert q.get("t4").status == S.needs_review
 
         # Alice applies t1 in her checkout: it lands there only, and the database records it.
         res = fila("apply", "t1", "--queue", pg_url, "--root", str(alice.path), "--yes", "--by", "alice")
@@ -90,5 +95,33 @@ def test_a_queued_task_is_applied_from_another_root_once_for_everyone(
         assert log.exit_code == 0 and log.stdout_bytes == q.blob(q.task_blobs("t3")["log"])
         ev = fila("logs", "t1", "--queue", pg_url, "--events")
         assert ev.exit_code == 0 and '"event": "decided"' in ev.output
+
+        # A review names the policy that judged the patch when this root cannot load the task's:
+        # bob's root has `default`, erin's is unreadable.
+        erin = make_project(tmp_path / "erin")
+        (erin.policies_dir / "default.json").write_text("{")
+        res = fila("review", "t4", "--queue", pg_url, "--root", str(bob.path), "--no-pager")
+        assert res.exit_code == 0 and "cannot be loaded" not in res.output, res.output
+        res = fila("review", "t4", "--queue", pg_url, "--root", str(erin.path), "--no-pager")
+        assert res.exit_code == 0, res.output
+        assert "policy 'default' cannot be loaded from this root" in res.output
+        assert "judged by fila's built-in defaults" in res.output
+
+        # Dave's apply of t4 lands and dies before its decision; bob rejects t4 from another host
+        # meanwhile; dave's rerun is refused and takes the landing back.
+        dave = make_project(tmp_path / "dave")
+        cut = subprocess.run([*CLI, "apply", "t4", "--queue", pg_url, "--root", str(dave.path), "--yes",
+                              "--by", "dave"], env={**os.environ, "FILA_CRASH_AT": "apply_before_record"},
+                             capture_output=True, text=True)  # fmt: skip
+        assert cut.returncode == -signal.SIGKILL, cut.stderr
+        assert (dave.path / "greeting.txt").read_text() == GREETING + "four\n"
+        res = fila("reject", "t4", "--queue", pg_url, "--by", "bob", "-m", "no")
+        assert res.exit_code == 0, res.output
+        res = fila("apply", "t4", "--queue", pg_url, "--root", str(dave.path), "--yes", "--by", "dave")
+        assert res.exit_code == 4, res.output
+        assert "rolled back 1 file: greeting.txt; task t4 was already rejected by bob" in res.output
+        assert (dave.path / "greeting.txt").read_text() == GREETING
+        assert not dave.job_dir("t4").exists() and not dave.meta("t4").exists()
+        assert q.get("t4").status == S.rejected
     finally:
         q.close()

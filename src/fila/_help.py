@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "6d564ba43c39245f25edcda5e5ead7c1d1400288ec54cc0e93cc149353790c1b"
+CLI_SHA256 = "008f88bfa4d9dec2b39c44af4f1298cfc7138e30eb3af1c018c7c4e733ab8745"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 

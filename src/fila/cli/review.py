@@ -261,7 +261,7 @@ def review(
 
         with PgQueue(queue_url) as db:
             got = review_queued(r, db, task_id)
-            path = review_html(r, db, got, out) if html else None
+            path = review_html(r, db, task_id, got, out) if html else None
     else:
         got = rv.load(r, task_id)
         path = rv.write_html(r, got) if html else None

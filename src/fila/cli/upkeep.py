@@ -65,12 +65,21 @@ def rearm(
     by: ByOpt = None,
     reason: ReasonOpt = None,
     json_: JsonOpt = False,
+    queue_url: QueueOpt = None,
 ) -> None:
-    """Close the circuit breaker so workers claim again; the rearm is recorded."""
+    """Close the circuit breaker so workers claim again; the rearm is recorded (--queue: that
+    PostgreSQL queue's breaker, shared by all its runners)."""
     from ..queue.breaker import rearm as do_rearm
     from ..review.decision import check_reason, decider
 
-    st = do_rearm(Root.at(root).require(), by=decider(by), reason=check_reason(reason))
+    who, why = decider(by), check_reason(reason)
+    if queue_url:
+        from ..queue.pg.breaker import PgBreaker
+
+        with PgBreaker(queue_url) as db:
+            st = db.rearm(by=who, reason=why)
+    else:
+        st = do_rearm(Root.at(root).require(), by=who, reason=why)
     if json_:
         print_json(st.model_dump())
         return
@@ -84,10 +93,10 @@ def status(root: RootOpt = None, json_: JsonOpt = False, queue_url: QueueOpt = N
     from ..ops.status import gather, gather_queue, render, render_queue
 
     if queue_url:
-        from ..queue.pg.db import Database
+        from ..queue.pg.breaker import PgBreaker
         from ..run.remote import LIVE_S
 
-        with Database(queue_url) as db:
+        with PgBreaker(queue_url) as db:
             d = gather_queue(db, live_s=LIVE_S)
         if json_:
             print_json(d)

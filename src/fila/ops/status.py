@@ -104,7 +104,8 @@ def gather_queue(db: Any, *, live_s: float) -> dict[str, Any]:
     """`fila status --queue URL`: task counts, the runners the queue knows (live: seen within
     `live_s` seconds on the database's clock, not stopped), and the queued tasks no live runner
     can take (their engine on no live runner, or on none that takes their policy: `fila worker
-    --policy`), which wait until one that can starts."""
+    --policy`), which wait until one that can starts; and the queue's circuit breaker
+    (`db` is a queue/pg/breaker.PgBreaker)."""
     runners = db.runners(live_s)
     live = [r for r in runners if r["live"]]
     stuck = []
@@ -118,11 +119,18 @@ def gather_queue(db: Any, *, live_s: float) -> dict[str, Any]:
     counts: dict[str, int] = {}
     for state, by_engine in db.counts().items():
         counts[state] = sum(by_engine.values())
-    return {"queue": db.where, "counts": counts, "runners": runners, "unrunnable": stuck, "live_s": live_s}
+    return {"queue": db.where, "counts": counts, "breaker": db.breaker().model_dump(), "runners": runners,
+            "unrunnable": stuck, "live_s": live_s}  # fmt: skip
 
 
 def render_queue(d: dict[str, Any]) -> str:
     lines = [f"queue {d['queue']}", "  " + "  ".join(f"{k} {v}" for k, v in sorted(d["counts"].items()))]
+    br = d["breaker"]
+    if br["open"]:
+        lines.append(f"breaker:  OPEN since {br['tripped_at']} by {br['tripped_by']} ({br['reason']}); "
+                     "`fila rearm --queue URL` lets runners claim again")  # fmt: skip
+    else:
+        lines.append(f"breaker:  closed ({br['consecutive']} of {br['threshold']} consecutive failures)")
     live = [r for r in d["runners"] if r["live"]]
     lines.append(f"runners:  {len(live)} live of {len(d['runners'])} known")
     for r in d["runners"]:

@@ -23,7 +23,10 @@ The recipe (each step refuses with the reason, and nothing is written before the
  7. A durable marker (`sandbox/meta/<id>/applying.json`) lists every path with its state before
     and after. Files are then written by temp file + rename (deletions first), never through a
     symlink; any failure restores what was already written from `staging/before`.
- 8. The decision is recorded (`applied`, by, at, reason); the marker and staging go.
+ 8. The decision is recorded (`applied`, by, at, reason); the marker and staging go. A decision
+    refused there (decided meanwhile elsewhere: a PostgreSQL queue's other reviewer, another
+    member of the group) takes the landing back from `staging/before` (landing.roll_back) and
+    says so; the project is then as it was.
 
 A crash during 7 or 8 (fault points `apply_after_write`, `apply_before_record`) leaves the
 marker: `fila apply ID` again finds every path either as it was or as it should become, finishes
@@ -41,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..core.errors import CredentialInDiff, FilaError
+from ..core.errors import CredentialInDiff, FilaError, InvalidTransition
 from ..core.faults import crash_point
 from ..core.layout import Root
 from ..core.models import Policy, Record
@@ -90,10 +93,17 @@ def apply(root: Root, task_id: str, *, by: str | None = None, reason: str | None
 
     rec = book.get(root.require(), task_id)
     group = rec.task.group if rec.task else None
-    if group is None or book is not decision.FILE:  # groups are the file queue's (cli refuses them)
+    if group is None:
         return _apply_one(root, task_id, by=by, reason=reason, three_way=three_way,
                           allow_git_metadata=allow_git_metadata,
                           allow_credential=allow_credential, book=book)  # fmt: skip
+    if book is not decision.FILE:
+        # A queue's group: its decision and supersedes are one database transaction (the book's);
+        # the root's group lock keeps two members from landing in this one checkout at once.
+        with compare.group_lock(root, group):
+            return _apply_one(root, task_id, by=by, reason=reason, three_way=three_way,
+                              allow_git_metadata=allow_git_metadata,
+                              allow_credential=allow_credential, book=book)  # fmt: skip
     with compare.group_lock(root, group):
         compare.check_not_decided(root, rec)
         res = _apply_one(root, task_id, by=by, reason=reason, three_way=three_way,
@@ -156,12 +166,38 @@ def _apply_one(root: Root, task_id: str, *, by: str | None, reason: str | None,
             if landing.read_marker(root, task_id) is None:
                 shutil.rmtree(staging, ignore_errors=True)
             raise
-        new = book.decide(root, task_id, "apply", by=who, reason=why,
-                          expect=decision.DECIDABLE["apply"])  # fmt: skip
+        new = _decide(root, task_id, book, who, why)
         landing.clear(root, task_id)
         return Applied(new, project, written, deleted, [escape_name(p) for p in plan.merged],
                        [escape_name(p) for p in plan.moved_untouched],
                        credential_markers=plan.markers)  # fmt: skip
+
+
+def _decide(root: Root, tid: str, book: decision.Book, who: str, why: str | None) -> Record:
+    """Step 8: the decision, after the landing. Refused there (InvalidTransition: another
+    reviewer decided meanwhile, another member of the group won, a reject from another host),
+    the landing is taken back (landing.roll_back: the touched paths from their before-states,
+    marker and staging dropped) and the refusal says so; nothing of the patch stays."""
+    try:
+        return book.decide(root, tid, "apply", by=who, reason=why, expect=decision.DECIDABLE["apply"])
+    except InvalidTransition as e:
+        raise rolled_back(root, tid, book, e, who) from None
+
+
+def rolled_back(root: Root, tid: str, book: decision.Book, err: FilaError, who: str) -> FilaError:
+    """`err` (a refused decision) after the landing of `tid` was taken back from this root's
+    marker, its message naming the files put back; the same error type, so the same exit."""
+    names = landing.roll_back(root, tid)
+    if not names:
+        return err
+    book.log(root, tid, "apply rolled back", by=who, files=names, reason=err.message)
+    shown = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
+    return type(err)(
+        f"rolled back {len(names)} file{'s' if len(names) != 1 else ''}: {shown}; {err.message}",
+        hint="the project is as it was before this apply",
+        task_id=err.task_id,
+        path=err.path,
+    )
 
 
 def patch_git(where: Path) -> Git:
@@ -499,7 +535,7 @@ def _resume(root: Root, rec: Record, marker: dict[str, Any], staging: Path, who:
             )
         book.log(root, tid, "apply resumed", by=who, files=len(ops))
         written, deleted = landing.land(proj, ops, staging, tid, root, resuming=True)
-    new = book.decide(root, tid, "apply", by=who, reason=why, expect=decision.DECIDABLE["apply"])
+    new = _decide(root, tid, book, who, why)
     landing.clear(root, tid)
     merged = [escape_name(p) for p in marker.get("merged", [])]
     return Applied(new, project, written, deleted, merged, [], resumed=True)

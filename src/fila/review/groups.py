@@ -27,6 +27,7 @@ from ..core.layout import Root
 from ..core.models import Decision, Record, Status, Task, now_iso
 from ..queue import store as queue
 from ..queue.pg.records import check_group
+from ..workspace.fswalk import inert
 
 # -- groups ---------------------------------------------------------------------------------------
 
@@ -301,8 +302,9 @@ code,pre{font:12px/1.35 ui-monospace,Menlo,Consolas,monospace}
 
 def render_html(c: Comparison) -> str:
     """One self-contained page: no external asset can load and no script runs (CSP), every
-    value escaped (it holds engine-written paths and messages)."""
-    h = lambda s: html.escape(str(s), quote=True)  # noqa: E731
+    value made inert (control, format and bidi characters escaped, as the text table and
+    REVIEW.html do: it holds engine-written paths, models and messages), then HTML-escaped."""
+    h = lambda s: html.escape(inert(str(s)), quote=True)  # noqa: E731
     title = f"fila compare: group {c.group}"
     parts = [
         "<!doctype html>",

@@ -199,6 +199,43 @@ def clear(root: Root, task_id: str) -> None:
     shutil.rmtree(root.meta(task_id) / "apply", ignore_errors=True)
 
 
+def roll_back(root: Root, task_id: str) -> list[str]:
+    """Take a landing back after its decision was refused (a race lost, a crash then another
+    member applied, a reject from another host meanwhile): every path its marker lists that holds
+    its `after` state gets its `before` state again from `staging/before` (content and permission
+    bits), then the marker and staging go. Returns the escaped names put back; a path in neither
+    state is left as it is and refuses (ApplyRefused listing it, marker kept) so nothing a person
+    wrote since is overwritten. Directories the landing created stay (they may hold other files).
+    No marker: nothing to do. The caller logs it where its decisions go (decision.Book)."""
+    marker = read_marker(root, task_id)
+    if marker is None:
+        return []
+    ops = [Op.from_json(o) for o in marker["ops"]]
+    staging = root.meta(task_id) / "apply"
+    undo: list[tuple[str, Any]] = []
+    odd: list[str] = []
+    with SafeDir(Path(marker["project"])) as proj:
+        for op in ops:
+            cur = proj.state(op.path, max_bytes=_ANY)
+            if done(cur, op.before):
+                continue
+            if done(cur, op.after):
+                undo.append(("restore", op))
+            else:
+                odd.append(op.path)
+        if odd:
+            raise refuse("the decision was refused and these files are neither as they were nor "
+                         "as the patch made them, so fila leaves them", task_id, odd,
+                         hint=f"put them back by hand (their earlier contents are in {staging}/before), "
+                         f"then delete {marker_path(root, task_id)}")  # fmt: skip
+        problems = _rollback(proj, list(reversed(undo)), staging)
+    if problems:
+        raise refuse("the decision was refused and putting files back failed: " + "; ".join(problems),
+                     task_id, hint=f"their earlier contents are in {staging}/before")  # fmt: skip
+    clear(root, task_id)
+    return [escape_name(op.path) for _w, op in undo]
+
+
 def forget_untouched_interrupted(root: Root, task_id: str) -> None:
     """Before a reject: drop an interrupted apply's marker if it wrote nothing; refuse otherwise."""
     marker = read_marker(root, task_id)

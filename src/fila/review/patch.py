@@ -402,12 +402,30 @@ def git_repositories(pt: Patch, exists: Callable[[str], bool] | None = None) -> 
 
 
 def policy_for(root: Root, rec: Record) -> Policy:
-    """The task's policy as it is now; the defaults when it cannot be loaded any more."""
-    name = rec.policy.name if rec.policy else (rec.task.policy if rec.task else "default")
+    """The task's policy as it is now; the defaults when it cannot be loaded any more
+    (policy_note says so for the review)."""
     try:
-        return load_policy(root, name)[0]
+        return load_policy(root, _policy_name(rec))[0]
     except FilaError:
         return Policy(max_timeout_ms=1, default_timeout_ms=1)
+
+
+def policy_note(root: Root, rec: Record) -> str | None:
+    """The review's warning when this root cannot load the task's policy (a reviewer's root of a
+    PostgreSQL queue that lacks it, or a policy removed since): its checks then use fila's
+    built-in defaults (no deny list, the default limits), and the review names both. None when
+    the task's own policy judges it."""
+    name = _policy_name(rec)
+    try:
+        load_policy(root, name)
+    except FilaError as e:
+        return (f"policy {name!r} cannot be loaded from this root ({e.message}): the patch's paths "
+                "were judged by fila's built-in defaults (no deny list), not by that policy")  # fmt: skip
+    return None
+
+
+def _policy_name(rec: Record) -> str:
+    return rec.policy.name if rec.policy else (rec.task.policy if rec.task and rec.task.policy else "default")
 
 
 def read_reviewed(root: Root, rec: Record, policy: Policy) -> bytes:

@@ -10,9 +10,9 @@ what lands), and `sandbox/meta/<id>/manifest.json` naming the reviewer's root as
 apply then runs its recipe unchanged: the paths' checks, moved base against the reviewer's
 files or `--3way`, the landing and its marker (an interrupted apply is finished by running it
 again). The decision is written to the database (QueueBook), once for everyone: a task another
-reviewer decided meanwhile is refused naming who decided, and the copy is removed once the
-decision is recorded. A compare group's member is decided with the supersedes of the other
-members in one transaction (PgQueue.decide_group).
+reviewer decided meanwhile is refused naming who decided, its landing rolled back in this root,
+and the copy is removed once the decision is recorded or refused. A compare group's member is
+decided with the supersedes of the other members in one transaction (PgQueue.decide_group).
 
 `fila review --queue` and `fila compare --queue` read the same pieces without laying anything
 out: report.of on the record and the checked DIFF.patch blob, groups.comparison on the members'
@@ -27,15 +27,18 @@ from pathlib import Path
 from typing import Any
 
 from ..core import fsutil
-from ..core.errors import InvalidInput, InvalidTransition, NotFound, Refused
+from ..core.errors import FilaError, InvalidId, InvalidInput, InvalidTransition, NotFound, Refused
 from ..core.layout import Root
 from ..core.models import Decision, Record, Status, now_iso
+from ..core.states import valid_id
 from ..queue.pg.inputs import check_limits, read_manifest, unpack
 from ..queue.pg.records import check_group
 from ..queue.pg.store import INPUTS, GroupDecision, PgQueue
 from ..workspace import jobdir
+from ..workspace.fswalk import escape_name
+from ..workspace.safedir import SafeDir
 from . import decision, groups, landing, patch, report
-from .apply import Applied, apply, patch_git
+from .apply import Applied, apply, patch_git, rolled_back
 
 # Written last when the copy is complete: a job directory without it is not this module's.
 MARK = "remote.json"
@@ -75,23 +78,29 @@ def review_queued(root: Root, db: PgQueue, task_id: str) -> report.Review:
     """`fila review ID --queue URL`: the file queue's review (review/report.py) of the task's
     record and its DIFF.patch blob, checked against the sha256 its record names and against its
     own (Refused or BlobMismatch: nothing shown). The policy judging it is this root's copy of
-    the task's policy (the defaults without one), and the project shown is this root, where
-    `fila apply --queue` would land it."""
+    the task's policy (the built-in defaults without one, and the review's warnings say so), and
+    the project shown is this root, where `fila apply --queue` would land it."""
     rec = db.get(task_id)
     data = queued_patch(db, rec) if rec.patch_sha256 else None
     here = (root.path / "fila").is_dir()
     project = str(root.path) if here else "(the queue root `fila apply --queue` runs from)"
+    note = patch.policy_note(root, rec)
     return report.of(rec, patch.policy_for(root, rec), data, project, root=root if here else None,
-                     project_dir=root.path if here else None)  # fmt: skip
+                     notes=[note] if note else None, project_dir=root.path if here else None)  # fmt: skip
 
 
-def review_html(root: Root, db: PgQueue, rv: report.Review, out: Path | None) -> Path:
-    """REVIEW.html of a queued task: at `out`, else `<root>/fila/reviews/<id>/REVIEW.html` (a
-    PostgreSQL queue's task has no job directory on the reviewer's host; this root's fila/ is
-    its own, and `fila gc` leaves it). The log's end is the runner's published log blob."""
+def review_html(root: Root, db: PgQueue, task_id: str, rv: report.Review, out: Path | None) -> Path:
+    """REVIEW.html of a queued task: at `out`, else `<root>/fila/reviews/<task_id>/REVIEW.html`
+    (a PostgreSQL queue's task has no job directory on the reviewer's host; this root's fila/ is
+    its own, and `fila gc` leaves it). The path is built from the id the person asked for, once
+    it is a valid id, never from the database's record; the log's end is the runner's published
+    log blob."""
+    if not valid_id(task_id) or rv.record.id != task_id:
+        raise InvalidId(f"task id {task_id!r} is not [A-Za-z0-9._-]{{1,128}}, or not its record's id",
+                        task_id=None)  # fmt: skip
     if out is None:
-        out = root.require().fila / "reviews" / rv.record.id / "REVIEW.html"
-    tail = queued_log(db, rv.record.id)[-report.LOG_TAIL_BYTES :]
+        out = root.require().fila / "reviews" / task_id / "REVIEW.html"
+    tail = queued_log(db, task_id)[-report.LOG_TAIL_BYTES :]
     return report.write_html_at(out, rv, tail)
 
 
@@ -171,13 +180,32 @@ def apply_queued(root: Root, db: PgQueue, task_id: str, **options: Any) -> Appli
     applied already; otherwise it lands as any task does, and its decision and the supersedes
     of the other members are one transaction (QueueBook.decide, PgQueue.decide_group), so of
     two reviewers applying two members at once exactly one is recorded; the other is refused
-    naming the member that won (its copy landed in that reviewer's checkout first, as for two
-    applies of one task: docs/scale-out.md)."""
+    naming the member that won, and its landing is taken back (apply.rolled_back).
+
+    Run again after an interrupted apply of this root (its marker and copy here): finished as
+    the file queue does while the task is undecided; taken back and refused when the task was
+    decided since by anyone else (another member won, a reject from another host); finished
+    (marker and copy dropped, exit 0) when the database says this decider applied this patch,
+    its reply lost (_recorded, _finish). Each database step is its own transaction (db.get,
+    group_records, decide_group); the landing and its rollback are files, between them."""
     root.require()
     rec = db.get(task_id)
-    decision.check_undecided(rec, "apply")  # decided elsewhere: refused before anything is copied
-    if rec.task is not None and rec.task.group:
-        check_group(rec, db.group_records(rec.task.group))
+    who = decision.decider(options.get("by"))
+    marker = landing.read_marker(root, task_id) if (root.meta(task_id) / MARK).is_file() else None
+    if marker is not None and _recorded(root, rec, marker, who):
+        return _finish(root, db, rec, marker)
+    try:
+        decision.check_undecided(rec, "apply")  # decided elsewhere: refused before anything is copied
+        if rec.task is not None and rec.task.group:
+            check_group(rec, db.group_records(rec.task.group))
+    except FilaError as e:
+        if marker is None:
+            raise
+        # An apply of ours landed here and was cut off before its decision; the task was decided
+        # since (another member won, a reject from another host): the landing is taken back.
+        err = rolled_back(root, task_id, QueueBook(db), e, who)
+        _drop(root, task_id)
+        raise err from None
     _lay_out(root, db, rec)
     book = QueueBook(db)
     try:
@@ -189,6 +217,44 @@ def apply_queued(root: Root, db: PgQueue, task_id: str, **options: Any) -> Appli
     _drop(root, task_id)
     if book.group is not None:
         res.superseded, res.undecided = book.group.superseded, book.group.undecided
+    return res
+
+
+def _recorded(root: Root, rec: Record, marker: dict[str, Any], who: str) -> bool:
+    """Did this decider's apply of this patch land here and its decision commit, only its reply
+    lost (the database says applied by `who`, the marker names the same patch, and every path
+    the marker lists holds its state after the patch)?"""
+    d = rec.decision
+    if rec.status != Status.applied or d is None or d.by != who:
+        return False
+    if not rec.patch_sha256 or marker.get("patch_sha256") != rec.patch_sha256:
+        return False
+    with SafeDir(Path(marker["project"])) as proj:
+        return all(
+            landing.done(proj.state(o.path, max_bytes=1 << 62), o.after)
+            for o in (landing.Op.from_json(x) for x in marker["ops"])
+        )
+
+
+def _finish(root: Root, db: PgQueue, rec: Record, marker: dict[str, Any]) -> Applied:
+    """The end of an apply whose decision committed and whose reply was lost: the marker and
+    the copy go, and what the decision superseded (PgQueue.decide_group's reason names this
+    task) and left undecided is read back from the database."""
+    ops = [landing.Op.from_json(x) for x in marker["ops"]]
+    landing.clear(root, rec.id)
+    _drop(root, rec.id)
+    db.note(rec.id, "apply finished", {"by": rec.decision.by if rec.decision else None,
+                                       "reviewer_root": str(root.path)})  # fmt: skip
+    res = Applied(rec, Path(marker["project"]), resumed=True,
+                  written=[escape_name(o.path) for o in ops if o.after.kind in ("file", "symlink")],
+                  deleted=[escape_name(o.path) for o in ops if o.after.kind not in ("file", "symlink")],
+                  merged=[escape_name(p) for p in marker.get("merged", [])])  # fmt: skip
+    group = rec.task.group if rec.task else None
+    if group:
+        mine = f"group {group}: {rec.id} was applied"
+        others = [r for r in db.group_records(group) if r.id != rec.id]
+        res.superseded = [r.id for r in others if r.decision is not None and r.decision.reason == mine]
+        res.undecided = [r.id for r in others if r.status in (Status.queued, Status.running)]
     return res
 
 

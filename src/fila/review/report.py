@@ -154,7 +154,8 @@ def load(root: Root, task_id: str) -> Review:
             if rec.status not in (Status.applied, Status.rejected):
                 raise
             gone.append("DIFF.patch is gone: `fila gc` removed the decided job's directory")
-    return of(rec, policy, data, project_path(root, rec), root=root, notes=gone)
+    note = patch.policy_note(root, rec)
+    return of(rec, policy, data, project_path(root, rec), root=root, notes=[*gone, *([note] if note else [])])
 
 
 def of(rec: Record, policy: Policy, data: bytes | None, project: str, *, root: Root | None,

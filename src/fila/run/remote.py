@@ -42,7 +42,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ..core import fsutil
-from ..core.errors import EXIT_DOCKER, EXIT_INTERRUPTED, EXIT_OK, EXIT_SOME_FAILED, FilaError, InfraError
+from ..core.errors import (
+    EXIT_BREAKER,
+    EXIT_DOCKER,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    EXIT_SOME_FAILED,
+    FilaError,
+    InfraError,
+)
 from ..core.layout import Root
 from ..core.models import ErrorInfo, ErrorKind, Record, Status
 from ..engines import engine_names, get_engine
@@ -214,6 +222,7 @@ class RemoteWorker:
         self.infra_error: FilaError | None = None
         self.crash: BaseException | None = None  # a fila bug in a job, raised once the others end
         self.stop_claiming = False
+        self.breaker_tripped = False  # the queue's circuit breaker found open (said once)
         self.interrupted = False
         self.beat: PgQueue | None = None
 
@@ -318,6 +327,19 @@ class RemoteWorker:
             try:
                 for tid, st in q.sweep():
                     self.progress(f"{tid}: lease expired: {st}")
+                # The claim statement refuses while the breaker is open; this says so, once.
+                br = q.breaker()
+                if br.open:
+                    if not self.breaker_tripped:
+                        self.breaker_tripped = True
+                        self.progress(f"fila worker {self.id}: circuit breaker open: {br.reason}; "
+                                      "run `fila rearm --queue URL`")  # fmt: skip
+                    if self.once:
+                        self.stop_claiming = True
+                    else:
+                        self._wait(self.poll_s)
+                    continue
+                self.breaker_tripped = False
                 if self.once or active:  # a job that ends wakes this loop: never blocked on a claim
                     lease = q.claim(self.id, engines, self.lease_s, policies=self.policies)
                 else:
@@ -394,6 +416,8 @@ class RemoteWorker:
     def exit_code(self) -> int:
         if self.interrupted:
             return EXIT_INTERRUPTED
+        if self.once and self.breaker_tripped:
+            return EXIT_BREAKER
         if self.once and self.infra_error is not None:
             return EXIT_DOCKER
         if self.once and any(r.status in (Status.failed, Status.needs_human) for r in self.records):

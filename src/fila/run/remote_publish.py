@@ -59,10 +59,22 @@ def publish(
     # This host's clock may be off (the lease never depends on it); the record's times are
     # the database's, so the attempts' are moved onto its clock as measured at the claim.
     ran = on_db_clock(ran, lease.clock_offset_s)
-    out = q.publish(tid, lease.token, rec.status, fields, blobs, ran=ran)
+    out = q.publish(tid, lease.token, rec.status, fields, blobs, ran=ran, threshold=threshold(jr, lease))
     if out is None:
         progress(f"{tid}: the lease was lost before the publish; the result is discarded")
     return out
+
+
+def threshold(jr: Root, lease: Lease) -> int | None:
+    """The task's policy's max_consecutive_failures as this host has it (the breaker's threshold
+    when this outcome is a failure); None (the default) when the policy does not load."""
+    from ..core.errors import FilaError
+    from ..queue.policy import load_policy
+
+    try:
+        return load_policy(jr, lease.task.policy)[0].max_consecutive_failures
+    except FilaError:
+        return None
 
 
 def no_local_paths(rec: Record, jr: Root, tid: str) -> Record:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any, Self, TypeVar
 
-from ...core.errors import InvalidTransition, NotFound
+from ...core.errors import InvalidTransition, NotFound, Refused
 from ...core.models import Record, Status
 from . import blobs as blobstore
 from . import conninfo, migrate, records
@@ -324,7 +324,14 @@ class Database:
             raise NotFound(
                 f"no task {task_id!r} in the queue database {self.where}", hint="`fila ls` lists tasks"
             )
-        return Record.model_validate(row[0])
+        rec = Record.model_validate(row[0])
+        if rec.id != task_id:  # a row altered in the database: its id names paths and blobs
+            raise Refused(
+                f"task {task_id!r}: its record in the queue database {self.where} names id {rec.id!r}",
+                task_id=task_id,
+                hint="nothing was read further; the row was changed outside fila",
+            )
+        return rec
 
     def _event(self, conn: Any, task_id: str, event: str, data: dict[str, Any]) -> None:
         from psycopg.types.json import Jsonb

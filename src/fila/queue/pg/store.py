@@ -45,9 +45,10 @@ from ...core.states import valid_id
 from ..retry import INFRA, RetryPolicy
 from ..store import LeaseLost
 from . import blobs as blobstore
-from . import records
+from . import breaker, records
 from .blobs import Blob
-from .db import CHANNEL, Database, retryable
+from .breaker import PgBreaker
+from .db import CHANNEL, retryable
 from .records import check_group
 
 S = Status
@@ -86,10 +87,11 @@ class GroupDecision:
     undecided: list[str] = field(default_factory=list)
 
 
-CLAIM_SQL = """
+CLAIM_SQL = f"""
 WITH pick AS (
     SELECT id FROM fila_tasks
     WHERE state = 'queued' AND engine = ANY(%(engines)s) AND (not_before IS NULL OR not_before <= now())
+      AND {breaker.CLOSED}
       AND (%(policies)s::text[] IS NULL OR coalesce(task->>'policy', 'default') = ANY(%(policies)s))
     ORDER BY submitted_at, id
     LIMIT 1
@@ -105,6 +107,11 @@ RETURNING t.id, t.token, t.attempt, t.task, t.lease_expires_at, now(),
 """
 
 
+def _same(a: Decision | None, b: Decision) -> bool:
+    """The same person's same decision, whatever its time (a retry's clock is later)."""
+    return a is not None and (a.action, a.by, a.reason) == (b.action, b.by, b.reason)
+
+
 def runner_of(rec: Record) -> str:
     return rec.worker or "unknown"
 
@@ -113,7 +120,7 @@ def _seconds(value: float) -> timedelta:
     return timedelta(seconds=value)
 
 
-class PgQueue(Database):
+class PgQueue(PgBreaker):
     """One queue database, shared by this process's threads: the operations that change it."""
 
     # -- submit ---------------------------------------------------------------------------------
@@ -161,6 +168,8 @@ class PgQueue(Database):
             blobstore.check(b, task_id=tasks[0][0] if tasks else None)
 
         def one(conn: Any, again: bool, task_id: str, task: Task, doc: dict[str, Any]) -> Record:
+            if task.group is not None:
+                self._group_open(conn, task_id, task.group)
             row = conn.execute(
                 "INSERT INTO fila_tasks (id, state, task, engine, max_tries) "
                 "VALUES (%s, 'queued', %s, %s, %s) ON CONFLICT (id) DO NOTHING RETURNING submitted_at",
@@ -191,6 +200,26 @@ class PgQueue(Database):
             return rec
 
         return self._tx(lambda conn, again: [one(conn, again, t, task, doc) for t, task, doc in checked])
+
+    def _group_open(self, conn: Any, task_id: str, group: str) -> None:
+        """Refuse (InvalidTransition, in the submit's transaction: nothing written) a task that
+        joins a compare group one of whose members was applied already: it would run and could
+        never be applied (records.check_group). A decide_group committing at the same moment can
+        still be missed; that member is then refused when applied (check_group), as before."""
+        row = conn.execute(
+            "SELECT t.id, r.record->'decision'->>'by', r.record->'decision'->>'at' FROM fila_tasks t "
+            "JOIN fila_records r USING (id) WHERE t.task->>'group' = %s AND t.state = 'applied' "
+            "ORDER BY t.id LIMIT 1",
+            (group,),
+        ).fetchone()
+        if row is not None:
+            raise InvalidTransition(
+                f"task {task_id} joins group {group!r}, whose member {row[0]} was applied"
+                + (f" by {row[1]} at {row[2]}" if row[1] else ""),
+                task_id=task_id,
+                hint="one member of a group lands; submit it in a new group (or none); nothing "
+                "of this submit was queued",
+            )
 
     def _checked(self, task_id: str, task: Task) -> tuple[str, Task, dict[str, Any]]:
         """The task as stored (id set, validated again) and its JSON document; nothing written."""
@@ -401,6 +430,7 @@ class PgQueue(Database):
         blobs: Iterable[Blob] = (),
         *,
         ran: list[Attempt] | None = None,
+        threshold: int | None = None,
     ) -> Record | None:
         """The runner's outcome (needs_review, failed, needs_human) with its blobs, in one
         transaction, only while `token` holds the lease. A stale token writes nothing but a
@@ -410,7 +440,11 @@ class PgQueue(Database):
         `ran`: the engines this claim ran, in order (a fallback after the engine's quota adds
         one), as the runner saw them. They replace this claim's open attempt in the record; the
         queue's parts of each (its number, the claim it ran under, the runner) are the queue's,
-        set here, and the earlier claims' attempts stay as they are."""
+        set here, and the earlier claims' attempts stay as they are.
+
+        The outcome is counted by the queue's circuit breaker in the same transaction
+        (pg/breaker.count; `threshold`: the task's policy's max_consecutive_failures as the runner
+        has it, else the default); a stale token's publish counts nothing."""
         if status not in OUTCOMES:
             raise InvalidTransition(f"publish takes an outcome ({', '.join(sorted(OUTCOMES))}), not {status}")
         changes = records.result_fields(task_id, fields)
@@ -462,6 +496,7 @@ class PgQueue(Database):
                     "blobs": {b.name: b.sha256 for b in items},
                 },
             )
+            breaker.count(conn, rec, runner=runner_of(cur), threshold=threshold)
             return rec
 
         return self._tx(run)
@@ -498,7 +533,9 @@ class PgQueue(Database):
             if counted and RetryPolicy(budget, 0, 0).gives_up(tries):
                 msg = f"{error.message if error else 'handed back'} (gave up after {tries} attempts)"
                 err = ErrorInfo(kind=error.kind if error else ErrorKind.infra, message=msg)
-                return self._settle(conn, task_id, cur, S.failed, at, tries, outcome, {"error": err})
+                rec = self._settle(conn, task_id, cur, S.failed, at, tries, outcome, {"error": err})
+                breaker.count(conn, rec, runner=runner_of(cur), threshold=None)  # as the file queue's
+                return rec
             until = at + _seconds(backoff_s)
             changes = {"error": error, "not_before": until.timestamp() if backoff_s > 0 else None}
             return self._settle(conn, task_id, cur, S.queued, at, tries, outcome, changes, not_before=until)
@@ -594,14 +631,23 @@ class PgQueue(Database):
     def decide(self, task_id: str, to: Status, decision: Decision, *, expect: set[Status]) -> Record:
         """A person's final decision (applied or rejected), recorded once for everyone: refused
         (InvalidTransition) unless the task is in `expect` (review/decision.py's DECIDABLE), so a
-        second decision, from any host, changes nothing."""
+        second decision, from any host, changes nothing. `applied` of a compare group's member is
+        refused: it goes through decide_group, which supersedes the other members in the same
+        transaction (one transaction: the row lock, the check, the record, the event)."""
         if to not in (S.applied, S.rejected):
             raise InvalidTransition(f"a decision makes a task applied or rejected, not {to}", task_id=task_id)
 
         def run(conn: Any, _again: bool) -> Record:
-            row = conn.execute("SELECT now() FROM fila_tasks WHERE id = %s FOR UPDATE", (task_id,)).fetchone()
+            row = conn.execute("SELECT now(), task->>'group' FROM fila_tasks WHERE id = %s FOR UPDATE",
+                               (task_id,)).fetchone()  # fmt: skip
             if row is None:
                 raise NotFound(f"no task {task_id!r} in the queue database {self.where}")
+            if to == S.applied and row[1] is not None:
+                raise InvalidTransition(
+                    f"task {task_id} is a member of group {row[1]!r}: its apply is decided with the "
+                    "supersedes of the other members (PgQueue.decide_group), not alone",
+                    task_id=task_id,
+                )
             cur = self._record(conn, task_id)
             if cur.status == to and cur.decision == decision:
                 return cur  # this decision, recorded already (its reply lost): the same answer
@@ -617,15 +663,15 @@ class PgQueue(Database):
 
     def group_records(self, group: str) -> list[Record]:
         """The records of a compare group's members (tasks whose `group` is `group`), by id;
-        an empty list when no task has that group."""
-        rows = self._tx(
-            lambda conn, _again: conn.execute(
-                "SELECT r.record FROM fila_records r JOIN fila_tasks t USING (id) "
-                "WHERE t.task->>'group' = %s ORDER BY t.id",
-                (group,),
-            ).fetchall()
+        an empty list when no task has that group. Each record's id must be its row's (Refused,
+        as db.py's _record: a record's id names paths and blobs)."""
+        sql = (
+            "SELECT t.id FROM fila_tasks t JOIN fila_records r USING (id) "
+            "WHERE t.task->>'group' = %s ORDER BY t.id"
         )
-        return [Record.model_validate(r[0]) for r in rows]
+        return self._tx(
+            lambda conn, _again: [self._record(conn, r[0]) for r in conn.execute(sql, (group,)).fetchall()]
+        )
 
     def decide_group(
         self, task_id: str, decision: Decision, *, expect: set[Status], supersede: set[Status]
@@ -643,7 +689,8 @@ class PgQueue(Database):
         end; the member applied first wins: records.check_group refuses theirs). Two reviewers who
         apply two members at once: the second transaction waits for the first's locks, then finds
         the first's member applied and changes nothing. Sent again after a lost reply, it
-        returns what the first one wrote."""
+        returns what the first one wrote (recognised by action, who and reason: the `at` of the
+        decision, like the supersedes', is the database's clock at the commit, not the caller's)."""
         if decision.action != S.applied.value:
             raise InvalidTransition(
                 f"only an applied decision supersedes, not {decision.action}", task_id=task_id
@@ -664,16 +711,15 @@ class PgQueue(Database):
                 conn.execute("SELECT 1 FROM fila_tasks WHERE id = %s FOR UPDATE", (task_id,))
             recs = {i: self._record(conn, i) for i in ids}
             cur = recs[task_id]
-            if cur.status == S.applied and cur.decision == decision:  # ours, its reply lost
+            made = decision.model_copy(update={"at": records.iso(at)})
+            if cur.status == S.applied and _same(cur.decision, made):  # ours, its reply lost
                 mine = f"group {group}: {task_id} was applied"
                 done = [i for i, r in recs.items() if r.decision and r.decision.reason == mine]
                 left = [i for i, r in recs.items() if r.status in (S.queued, S.running)]
                 return GroupDecision(cur, done, left)
             check_group(cur, [r for i, r in recs.items() if i != task_id])
-            rec = records.transition(
-                task_id, cur, S.applied, at, expect=expect, changes={"decision": decision}
-            )
-            self._decided(conn, task_id, cur, rec, "decided", decision)
+            rec = records.transition(task_id, cur, S.applied, at, expect=expect, changes={"decision": made})
+            self._decided(conn, task_id, cur, rec, "decided", made)
             out = GroupDecision(rec)
             for i, other in recs.items():
                 if i == task_id:
