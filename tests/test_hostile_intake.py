@@ -630,7 +630,7 @@ def assert_refused(root: Root, refused: dict[str, str]) -> None:
         rec = queue.read_record(root, tid)
         assert rec is not None and rec.status == S.failed, rec
         assert rec.error is not None and rec.error.kind == "invalid", rec.error
-        assert "Docker refused this task" in rec.error.message and words in rec.error.message, rec.error
+        assert "docker refused this task" in rec.error.message and words in rec.error.message, rec.error
         assert not rec.container_started
 
 

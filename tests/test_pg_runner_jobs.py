@@ -5,8 +5,9 @@ runner's; `--once` waits out a backoff of a task it could claim; `--concurrency 
 at once. Real PostgreSQL (tests/support/pg.py), the fake backend, and one test with Docker. Each
 refused case shows its allowed counterpart first.
 
-Cost in the default run: about 7 s for the fake backend's cases (a 1.5 s backoff waited out, two
-rounds of 1 s tasks two at a time, a runner process stopped by SIGTERM) and about 8-10 s for the
+Cost in the default run: about 8 s for the fake backend's cases (a 1.5 s backoff waited out, two
+rounds of 1 s tasks two at a time, a runner process stopped by SIGTERM, two short runs whose
+second cannot remove its box) and about 8-10 s for the
 Docker case (a runner process, two runners and a recovery in this process, a 3 s lease that
 lapses)."""
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from datetime import datetime
 from pathlib import Path
@@ -26,6 +28,7 @@ from fila.core.models import ImageRef, Status, Task
 from fila.queue.pg.store import PgQueue
 from tests.support.pg_runner import events, fila, host_env, start_worker
 from tests.support.project import make_project, make_root
+from tests.support.queues import wait_for
 
 S = Status
 
@@ -94,6 +97,59 @@ def test_a_free_job_root_is_recovered_with_its_container_and_a_held_one_is_never
     assert len(recover_job_roots(runner, backend=fake).containers_removed) == 1
     assert [p.name for p in remote_jobs.jobs_dir(runner).iterdir()] == ["v1.2"] and fake.find() == []
     assert (mine / "fila" / "in").is_dir()
+
+
+def test_a_job_whose_container_could_not_be_removed_keeps_its_job_root_for_recovery(
+    pg_url: str, q: PgQueue, sub: Root, tmp_path: Path
+) -> None:
+    from fila.core.errors import InfraError
+    from fila.recovery import remote_jobs
+    from fila.recovery.recover import recover
+    from fila.run.remote import RemoteWorker
+    from fila.sandbox.fake import FakeBackend
+    from fila.sandbox.fake_job import Act
+
+    runner = make_root(tmp_path / "h1")
+    # The engine cannot remove f's box after its run: the run path fences the job off.
+    stuck = {"f": Act(files={"greeting.txt": "changed"}, error=InfraError("timed out"), error_at="remove")}
+
+    def once() -> RemoteWorker:
+        return RemoteWorker(runner, pg_url, host_id="h1", engines=["shell"], once=True,
+                            backend=FakeBackend(tmp_path / "boxes", script=stuck), poll_s=0.2)  # fmt: skip
+
+    # The allowed counterpart: a job whose box goes leaves nothing in remote/.
+    submit(pg_url, sub, "ok", "echo ok >> greeting.txt")
+    w = once()
+    assert w.run() == 0 and [r.id for r in w.records] == ["ok"]
+    assert list((runner.path / "remote").iterdir()) == []
+    submit(pg_url, sub, "f", "echo f >> greeting.txt")
+    w = once()
+    assert w.run() == 3 and isinstance(w.infra_error, InfraError), w.infra_error
+    # Its job root stays, its lock free, beside the box that names it (never an orphan's label).
+    jr = runner.path / "remote" / f"f.{q.task_state('f')['token']}"
+    boxes = FakeBackend(tmp_path / "boxes")
+    assert jr.is_dir() and [b.labels["fila.root"] for b in boxes.find()] == [str(jr)]
+    with remote_jobs.free(runner, jr.name) as nonce:
+        assert nonce is not None and remote_jobs.proven(jr, nonce)
+    rep = recover(runner, backend=boxes)
+    assert [a.action for a in rep.actions if a.task_id is None] == ["job root removed"], rep.to_dict()
+    assert boxes.find() == [] and list((runner.path / "remote").iterdir()) == []
+    # A long-running runner recovers what it kept while it runs, not only at its next start.
+    submit(pg_url, sub, "g", "echo g >> greeting.txt")
+    said: list[str] = []
+    slow = FakeBackend(tmp_path / "boxes", script={"g": stuck["f"]})
+    w = RemoteWorker(runner, pg_url, host_id="h1", engines=["shell"], poll_s=0.2, recover_every_s=0.3,
+                     backend=slow, progress=said.append)  # fmt: skip
+    t = threading.Thread(target=w.run, daemon=True)
+    t.start()
+    try:
+        wait_for(lambda: any("job root removed" in m for m in said), 20, "the kept job root's recovery")
+        assert boxes.find() == [] and list((runner.path / "remote").iterdir()) == []
+    finally:
+        w.cancel.set()
+        w.wake.set()
+        t.join(20)
+    assert not t.is_alive()
 
 
 def test_once_waits_out_the_backoff_of_a_task_it_can_claim_and_leaves_those_it_cannot(

@@ -111,7 +111,7 @@ def test_a_removal_that_fails_behind_the_diff_is_the_needs_human_it_always_was(
     assert rec is not None and rec.status == S.needs_human, rec
     assert rec.error is not None and rec.error.kind == "infra"
     assert "removing container fila-t2-" in rec.error.message and "(injected)" in rec.error.message
-    assert rec.diagnosis and "Docker failed while the container ran" in rec.diagnosis
+    assert rec.diagnosis and "docker failed while the container ran" in rec.diagnosis
     assert rec.patch_path is None, "no diff is offered for review from a job whose container may be left"
     assert left(docker_client, proj) == ([], [])
     assert not queue.claim_files(proj, "t2")

@@ -27,6 +27,7 @@ import docker
 import pytest
 from docker.errors import APIError, NotFound
 
+from fila.core.fsutil import pid_alive
 from fila.sandbox.docker.backend import DockerBackend
 from fila.sandbox.images import ensure_image
 
@@ -293,7 +294,7 @@ def _sweep_dead_sessions(client: docker.DockerClient) -> None:
         pid = labels.get(f"{LABEL}.pid", "")
         # Only this host's sessions (pids of another host or pid namespace mean nothing here).
         host = labels.get(f"{LABEL}.host", socket.gethostname())
-        if host != socket.gethostname() or not pid.isdigit() or _alive(int(pid)):
+        if host != socket.gethostname() or not pid.isdigit() or pid_alive(int(pid)):
             continue
         _remove_session(client, net, labels.get(f"{LABEL}.session", ""))
 
@@ -310,16 +311,6 @@ def _remove_session(client: docker.DockerClient, net: Any, session: str) -> None
             with contextlib.suppress(NotFound, APIError):
                 net.disconnect(c, force=True)
         net.remove()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _start_server(

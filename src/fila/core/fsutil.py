@@ -198,3 +198,19 @@ def remove_tree(path: Path) -> None:
             hint="remove it by hand (an immutable file: `chattr -i`; a rootless overlay's scratch: "
             "`podman unshare rm -rf DIR`), then `fila retry ID`",
         )
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` exists on this host (this process counts as alive; a process of
+    another user too): whose temporary file may be cleared is decided by it."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    except (OverflowError, ValueError):
+        return False
+    return True

@@ -25,10 +25,12 @@ What it settles, each step an event in the task's log (and in fila/state/recover
 - temp files of atomic writes older than the lease TTL;
 - fila's containers of this root whose worker holds no claim file of their task: removed;
 - a rootless overlay scratch left in sandbox/meta/<id>/ of a task with no claim: emptied (backend);
-- on a PostgreSQL runner's root, the job roots (`remote/<id>.<token>`) whose lock file nobody holds:
-  each recovered as a root of its own (its claim's worker counts as gone), its containers,
-  gateway and networks removed, then the job root (`recover_job_roots`, remote_jobs.py says who
-  may remove a job root and when). The queue database decides their tasks, by their leases.
+- on a root marked as a PostgreSQL runner's, the job roots (`remote/<id>.<token>`) whose lock file
+  nobody holds and whose mark is their lock's: each recovered as a root of its own (its claim's
+  worker counts as gone; never waiting for its recovery lock), its containers, gateway and
+  networks removed, then the job root (`recover_job_roots`, remote_jobs.py says who may remove a
+  job root and when); what a runner did not make is left and said. The queue database decides
+  their tasks, by their leases.
 
 One recovery at a time per root (a flock); it is safe while workers run.
 
@@ -148,50 +150,67 @@ def _engine_used(dk: Engine, rep: Report) -> None:
 
 
 def _job_roots(root: Root, dk: Engine, rep: Report) -> None:
-    """Each job root under `root/remote/` whose lock is free (its runner is gone): recovered as a
-    queue root of its own with its claim's worker counted gone (its containers and gateway
-    stopped and removed, its job networks and directories), then removed once the container
-    engine confirms that no container of it is left and its recovery had no error. Held locks
-    are never touched, nor a directory without its lock file, nor a link; without the container
-    engine (`--no-docker`, or it does not answer) a job root is kept for a later pass.
-    Nothing is decided in the queue database: the claim's lease does (docs/scale-out.md)."""
-    for name in remote_jobs.names(root):
-        with remote_jobs.free(root, name) as free:
-            if not free:
-                continue
-            try:
-                _job_root(root, name, dk, rep)
-            except (FilaError, OSError, ValueError) as e:  # one job root must not stop the others
-                rep.add(root, None, "error", f"could not recover the job root {name}: {e}")
-
-
-def _job_root(root: Root, name: str, dk: Engine, rep: Report) -> None:
-    path = remote_jobs.jobs_dir(root) / name
-    if path.is_symlink():  # a runner makes a directory there, never a link: not followed, not removed
-        rep.add(root, None, "job root kept", f"{path}: a symbolic link, not a runner's job root")
+    """Each job root under `root/remote/` whose lock is free (its runner is gone), on a root marked
+    as a PostgreSQL runner's only: recovered as a queue root of its own with its claim's worker
+    counted gone (its containers and gateway stopped and removed, its job networks and
+    directories), then removed once the container engine confirms that no container of it is
+    left and its recovery had no error. Held locks are never touched; nor what the runner did not
+    make (a directory without its lock file, a link, a job root whose mark is not its lock's: kept
+    and said); without the container engine (`--no-docker`, or it does not answer) a job root is
+    kept for a later pass. Nothing is decided in the queue database: the claim's lease does
+    (docs/scale-out.md)."""
+    if not remote_jobs.marked(root):
         return
-    if path.is_dir():
-        if not dk.enabled:
-            rep.add(root, None, "job root kept", f"{path}: its containers cannot be checked (--no-docker)")
+    notes: list[str] = []
+    for name in remote_jobs.names(root, notes):
+        try:
+            with remote_jobs.free(root, name) as nonce:
+                if nonce is not None:
+                    _job_root(root, name, nonce, dk, rep)
+        except (FilaError, OSError, ValueError) as e:  # one job root must not stop the others
+            rep.add(root, None, "job root kept", f"could not recover the job root {name}: {e}")
+    for note in notes:
+        rep.add(root, None, "job root kept", note)
+
+
+def _job_root(root: Root, name: str, nonce: str, dk: Engine, rep: Report) -> None:
+    path = remote_jobs.jobs_dir(root) / name
+    if not (path.exists() or path.is_symlink()):  # its runner died before making it, or removed it
+        remote_jobs.forget(root, name)
+        return
+    if not remote_jobs.proven(path, nonce):
+        if remote_jobs.clear_unmade(path):  # its runner died while making it: nothing in it yet
+            remote_jobs.forget(root, name)
+            rep.add(root, None, "job root removed", f"{path}: its runner died while making it")
             return
-        backend = dk.get()
-        if backend is None:
-            rep.add(root, None, "job root kept", f"{path}: the container engine does not answer ({dk.error})")
-            return
-        jr = Root(path)
-        removed: list[str] = []
-        failed: list[str] = []
-        if jr.in_dir.is_dir() and jr.out_dir.is_dir():  # else made only in part: no container ran there
-            sub = recover(jr, backend=backend, alive=lambda _w: "gone")
-            removed = sub.containers_removed
-            rep.containers_removed += removed
-            failed = [a.detail for a in sub.actions if a.action == "error"]
-        left = backend.find(root=str(path))
-        if left or failed:
-            what = f"{len(left)} of its containers are still there" if left else failed[0]
-            rep.add(root, None, "job root kept", f"{path}: {what}; a later recovery tries again")
-            return
-        fsutil.remove_tree(path)
-        rep.add(root, None, "job root removed", f"{path}: its runner is gone; {len(removed)} containers "
-                "removed; the queue database decides its task by its lease")  # fmt: skip
+        rep.add(root, None, "job root kept", f"{path}: not the job root its lock's runner made (a "
+                "link, another user's, or its mark is not the lock's): left as it is; "
+                "docs/scale-out.md says how to remove one by hand")  # fmt: skip
+        return
+    if not dk.enabled:
+        rep.add(root, None, "job root kept", f"{path}: its containers cannot be checked (--no-docker)")
+        return
+    backend = dk.get()
+    if backend is None:
+        rep.add(root, None, "job root kept", f"{path}: the container engine does not answer ({dk.error})")
+        return
+    jr = Root(path)
+    removed: list[str] = []
+    failed: list[str] = []
+    if jr.in_dir.is_dir() and jr.out_dir.is_dir():  # else made only in part: no container ran there
+        # Never blocks (a recovery of the job root already running: a later pass decides it).
+        sub = recover(jr, backend=backend, alive=lambda _w: "gone", wait=False)
+        removed = sub.containers_removed
+        rep.containers_removed += removed
+        failed = [a.detail for a in sub.actions if a.action == "error"]
+        if sub.skipped:
+            failed.append("another recovery of it is running")
+    left = backend.find(root=str(path))
+    if left or failed:
+        what = f"{len(left)} of its containers are still there" if left else failed[0]
+        rep.add(root, None, "job root kept", f"{path}: {what}; a later recovery tries again")
+        return
+    fsutil.remove_tree(path)
+    rep.add(root, None, "job root removed", f"{path}: its runner is gone; {len(removed)} containers "
+            "removed; the queue database decides its task by its lease")  # fmt: skip
     remote_jobs.forget(root, name)

@@ -5,25 +5,31 @@ A runner of the PostgreSQL queue (run/remote.py) runs each claim in a job root o
 its container with that job root's labels. Who may remove a job root, and when:
 
 - **The runner that made it, while it lives.** Before the job root exists, the runner takes its
-  lock, `<root>/remote/.<id>.<token>.lock` (hidden, beside it): an exclusive flock, taken on a
-  temporary name and only then linked to its own (never over an existing one), so nobody ever
-  sees the lock free while its taker lives; a directory of that name there already is refused
-  (not made by this lock's holder). It holds the lock for the job's whole life and lets it go
-  (`Held.release`) only after it removed the job root (the lock file unlinked while still held,
-  then closed), or kept it with its containers stopped (a lost lease: what it holds is evidence,
-  until the next recovery; the lock file stays, free, and marks the job root as a runner's).
-- **Nobody else.** A directory under `remote/` without its lock file is not a job root of this
-  fila's (a project's own `remote/` directory, if a runner's `--root` is a project): never
-  touched.
+  lock, `<root>/remote/.<id>.<token>.lock` (hidden, beside it): an exclusive flock on a file
+  with no name yet (O_TMPFILE) that holds a random mark, linked to its name only once locked and
+  never over an existing one, so nobody ever sees the lock free while its taker lives. The
+  runner then makes the job root (0700) and writes the same mark inside it
+  (`<job root>/fila/state/job-root`): a lock and a directory that were not made together never
+  match. It holds the lock for the job's whole life and lets it go (`Held.release`) only after
+  it removed the job root (the lock file unlinked while still held, then closed), or kept it
+  (containers it could not confirm gone, a lost lease: what it holds is for recovery; the lock
+  file stays, free).
+- **Nobody else.** What the runner did not make is never touched: a directory without its lock
+  file, a lock or job root that is a link, a directory or another user's, a job root whose mark
+  differs from its lock's (a project's own `remote/`, names planted there). Such a job root is
+  left as it is and said in recovery's report; docs/scale-out.md says how a person removes one.
 - **Recovery, once nobody holds the lock** (recover.py: at a runner's start and in every `fila
-  recover --root`). The kernel drops a flock when its process dies, however it dies (SIGKILL
-  included), so on this host a free lock proves the job's runner is gone; a runner's root is a
-  local directory (over NFS a flock proves nothing). Recovery takes the free lock itself
-  (`free`, never blocking) and holds it while it stops and removes the job root's containers,
-  gateway and networks and then the job root; a held lock (a live runner's job, on this root or
-  from another process) is skipped. The job root goes only once the container engine has
-  confirmed that no container of it is left; until then it and its lock file stay, for a later
-  pass. One recovery at a time per root (the root's recovery lock) decides each job root once.
+  recover --root`), and only on a root marked as a runner's (`mark`: `<root>/fila/state/pg-runner`,
+  written by `fila worker --queue` at its start and by `take`): a file queue root or a project
+  never gets this pass. The kernel drops a flock when its process dies, however it dies
+  (SIGKILL included), so on this host a free lock proves the job's runner is gone; a runner's
+  root is a local directory (over NFS a flock proves nothing). Recovery takes the free lock
+  itself (`free`, never blocking) and holds it while it stops and removes the job root's
+  containers, gateway and networks and then the job root; a held lock (a live runner's job, on
+  this root or from another process) is skipped. The job root goes only once the container
+  engine has confirmed that no container of it is left; until then it and its lock file stay,
+  for a later pass. One recovery at a time per root (the root's recovery lock) decides each job
+  root once.
 
 Nothing here publishes or decides anything in the queue database: the claim's lease does
 (a sweep requeues the task within its retry budget before its started mark, needs_human after).
@@ -32,18 +38,33 @@ Nothing here publishes or decides anything in the queue database: the claim's le
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
+import hmac
 import os
+import re
+import secrets
+import stat
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
-from ..core.errors import InfraError
-from ..core.fsutil import file_lock
+from ..core import fsutil
+from ..core.errors import FilaError, InfraError
 from ..core.layout import Root
 from ..core.states import valid_id
 
 JOBS = "remote"  # the directory of a runner's job roots, under its root
+MARK = "pg-runner"  # <root>/fila/state/pg-runner: this root is a PostgreSQL runner's
+PROOF = "job-root"  # <job root>/fila/state/job-root: the mark of the lock that made it
+_MARK_TEXT = (
+    "This queue root is a PostgreSQL runner's (`fila worker --queue`): recovery removes the job "
+    "roots in remote/ whose runner is gone (docs/scale-out.md).\n"
+)
+_NONCE = re.compile(rb"[0-9a-f]{32}")
+# A lock file not linked yet, where O_TMPFILE is not supported: `.<name>.lock.<pid>.<thread>.tmp`.
+_TEMP = re.compile(r"\.(?P<name>.+)\.lock\.(?P<pid>[0-9]+)\.[0-9]+\.tmp")
+_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 def jobs_dir(root: Root) -> Path:
@@ -64,10 +85,54 @@ def lock_path(root: Root, name: str) -> Path:
     return jobs_dir(root) / f".{name}.lock"
 
 
+def _mine(st: os.stat_result, kind: int) -> bool:
+    return stat.S_IFMT(st.st_mode) == kind and st.st_uid == os.getuid()
+
+
+def mark(root: Root) -> None:
+    """Mark `root` as a PostgreSQL runner's, so recovery recovers its job roots (idempotent).
+    InfraError when something other than this user's regular file is at the mark's name."""
+    path = root.state_dir / MARK
+    root.state_dir.mkdir(parents=True, exist_ok=True)
+    for _ in range(2):
+        with contextlib.suppress(FileNotFoundError):
+            if _mine(os.lstat(path), stat.S_IFREG):
+                return
+            raise InfraError(
+                f"{path} is not a regular file of this user's: this root cannot be marked as a "
+                "PostgreSQL runner's, so its job roots would never be recovered",
+                hint=f"remove {path}; `fila worker --queue` writes it again",
+            )
+        fsutil.create_exclusive(path, _MARK_TEXT)
+    raise InfraError(f"{path} could not be written")  # removed twice meanwhile: not fila's doing
+
+
+def marked(root: Root) -> bool:
+    """Whether `root` is a PostgreSQL runner's (`mark`): only then does recovery touch remote/."""
+    try:
+        return _mine(os.lstat(root.state_dir / MARK), stat.S_IFREG)
+    except OSError:
+        return False
+
+
+def _own_jobs_dir(root: Root) -> Path:
+    """remote/, made if missing (0700); InfraError when it is a link, a file or another user's."""
+    d = jobs_dir(root)
+    with contextlib.suppress(FileExistsError):
+        d.mkdir(mode=0o700)
+    st = os.lstat(d)
+    if not _mine(st, stat.S_IFDIR):
+        raise InfraError(
+            f"{d} is not a directory of this user's (a link, a file, or another user's): no job "
+            "root is made there",
+            hint="move it away: a runner's --root keeps remote/ for its job roots and makes it again",
+        )
+    return d
+
+
 class Held:
-    """A job root's lock while its runner holds it (`path`: the job root, not made yet when the
-    lock is taken); `release` once the job root is removed, or kept with its containers stopped
-    (idempotent)."""
+    """A job root's lock while its runner holds it (`path`: the job root); `release` once the job
+    root is removed, or kept for recovery (idempotent)."""
 
     def __init__(self, lock: Path, fd: int, path: Path) -> None:
         self.lock, self.path, self._fd = lock, path, fd
@@ -85,26 +150,19 @@ class Held:
 
 
 def take(root: Root, name: str) -> Held:
-    """The lock of job root `name`, taken before the job root exists. InfraError when a lock of
-    that name exists already (a job root of the same claim, which no runner makes twice), or a
-    directory of that name without it (not a runner's: left as it is)."""
-    d = jobs_dir(root)
-    d.mkdir(parents=True, exist_ok=True)
-    lock = lock_path(root, name)
-    tmp = d / f"{lock.name}.{os.getpid()}.{threading.get_ident()}.tmp"
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    """The lock of job root `name` (`<id>.<token>`), then the job root itself, empty but for its
+    mark (0700), for the runner to lay out. InfraError when `name` is not a job root's name, when
+    remote/ is not a directory of this user's, when a lock of that name exists already (a job root
+    of the same claim, which no runner makes twice), or a directory of that name without it (not
+    a runner's: left as it is)."""
+    if not is_job_name(name):
+        raise InfraError(f"{name!r} is not a job root's name (<task id>.<token>)")
+    mark(root)
+    d = _own_jobs_dir(root)
+    lock, path = d / f".{name}.lock", d / name
+    nonce = secrets.token_hex(16)
+    fd = _locked(d, name, nonce.encode())
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)  # held before it has its name: never seen free while we live
-        try:
-            os.link(tmp, lock)  # unlike a rename, never replaces a lock someone holds
-        except FileExistsError:
-            raise InfraError(
-                f"the job root lock {lock} exists already: another process made this claim's job root",
-                hint=f"`fila recover --root {root.path}` removes it once nobody holds it",
-            ) from None
-        finally:
-            os.unlink(tmp)
-        path = d / name
         if path.exists() or path.is_symlink():
             lock.unlink()
             raise InfraError(
@@ -112,39 +170,209 @@ def take(root: Root, name: str) -> Held:
                 "left as it is and this claim is not run there",
                 hint="move it away: the runner's --root keeps remote/ for its job roots",
             )
+        try:
+            _make(path, nonce)
+        except BaseException:
+            with contextlib.suppress(OSError, FilaError):  # what this holder made, and its lock
+                fsutil.remove_tree(path)
+                lock.unlink()
+            raise
     except BaseException:
         os.close(fd)
         raise
     return Held(lock, fd, path)
 
 
-def names(root: Root) -> list[str]:
+def _locked(d: Path, name: str, nonce: bytes) -> int:
+    """A file holding `nonce`, flocked before it has a name, linked at `.<name>.lock` in `d`."""
+    dfd = os.open(d, _DIR)
+    try:
+        try:
+            fd = os.open(".", os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise
+            return _locked_named(dfd, d, name, nonce)
+        linked = False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            os.write(fd, nonce)
+            try:  # linkat(AT_SYMLINK_FOLLOW) through /proc gives the unnamed file its name
+                os.link(f"/proc/self/fd/{fd}", f".{name}.lock", dst_dir_fd=dfd)
+                linked = True
+            except FileExistsError:
+                raise _exists(d, name) from None
+            except FileNotFoundError:  # no /proc here
+                pass
+        finally:
+            if not linked:
+                os.close(fd)
+        return fd if linked else _locked_named(dfd, d, name, nonce)
+    finally:
+        os.close(dfd)
+
+
+def _locked_named(dfd: int, d: Path, name: str, nonce: bytes) -> int:
+    """`_locked` where the file system has no O_TMPFILE: a temp name of this process's (cleared
+    only once this pid is gone), retried when it vanished before it was linked."""
+    tmp = f".{name}.lock.{os.getpid()}.{threading.get_ident()}.tmp"
+    for _ in range(3):
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        fd = os.open(tmp, flags, 0o600, dir_fd=dfd)
+        linked = False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held before it has its name
+            os.write(fd, nonce)
+            try:
+                os.link(tmp, f".{name}.lock", src_dir_fd=dfd, dst_dir_fd=dfd, follow_symlinks=False)
+                linked = True
+            except FileExistsError:
+                raise _exists(d, name) from None
+            except FileNotFoundError:  # removed before it was linked: made again
+                pass
+        finally:
+            if not linked:
+                os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=dfd)
+        if linked:
+            return fd
+    raise InfraError(f"the job root lock {d / f'.{name}.lock'} could not be made: its temp file vanished")
+
+
+def _exists(d: Path, name: str) -> InfraError:
+    return InfraError(
+        f"the job root lock {d / f'.{name}.lock'} exists already: another process made this claim's job root",
+        hint=f"`fila recover --root {d.parent}` removes it once nobody holds it",
+    )
+
+
+def _make(path: Path, nonce: str) -> None:
+    """The job root, made by its lock's holder: 0700, with the lock's mark inside."""
+    path.mkdir(mode=0o700)
+    (path / "fila" / "state").mkdir(parents=True)
+    fd = os.open(path / "fila" / "state" / PROOF, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(nonce)
+
+
+def names(root: Root, notes: list[str] | None = None) -> list[str]:
     """The job roots under `root`, by their lock files (a job root may be gone already, or not
-    made yet); temp locks of a killed taker that nobody holds are removed here."""
+    made yet); temp locks of a taker that is gone are removed here. What looks like a job root's
+    lock but is not a regular file, and what could not be read, is described in `notes` and left
+    as it is; names that are neither a lock nor a temp lock are not looked at."""
+    notes = [] if notes is None else notes
+    d = jobs_dir(root)
+    try:
+        st = os.lstat(d)
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        notes.append(f"{d}: {e.strerror or e}")
+        return []
+    if not _mine(st, stat.S_IFDIR):
+        notes.append(f"{d} is not a directory of this user's (a link, a file, or another user's): "
+                     "no job root under it is recovered")  # fmt: skip
+        return []
     found: set[str] = set()
-    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-        for p in jobs_dir(root).iterdir():
-            if not p.name.startswith("."):
-                continue
-            if p.name.endswith(".tmp"):
-                _clear_temp(p)
-            elif p.name.endswith(".lock") and is_job_name(p.name[1 : -len(".lock")]):
-                found.add(p.name[1 : -len(".lock")])
+    try:
+        with os.scandir(d) as it:
+            entries = [e for e in it if e.name.startswith(".")]
+    except OSError as e:
+        notes.append(f"{d} could not be listed: {e.strerror or e}")
+        return []
+    for e in entries:
+        try:
+            temp = _TEMP.fullmatch(e.name)
+            if temp is not None and is_job_name(temp["name"]):
+                _clear_temp(d, e.name, int(temp["pid"]))
+            elif e.name.endswith(".lock") and is_job_name(e.name[1 : -len(".lock")]):
+                if not _mine(e.stat(follow_symlinks=False), stat.S_IFREG):
+                    notes.append(f"{e.path}: not a regular file of this user's, so not a job root's "
+                                 "lock: it and its job root are left as they are")  # fmt: skip
+                    continue
+                found.add(e.name[1 : -len(".lock")])
+        except OSError as err:  # one entry must not stop the others
+            notes.append(f"{e.path}: {err.strerror or err}")
     return sorted(found)
 
 
 @contextlib.contextmanager
-def free(root: Root, name: str) -> Iterator[bool]:
-    """Job root `name`'s lock for the block when nobody holds it (yields True: the caller may
-    remove the job root, then `forget` it); False when a live process holds it, or when there
-    is no lock file (released meanwhile with its job root removed; or never a runner's)."""
+def free(root: Root, name: str) -> Iterator[str | None]:
+    """Job root `name`'s lock for the block when nobody holds it: yields its mark (the caller
+    checks it against the job root's with `proven`, may remove the job root, then `forget`s it);
+    None when a live process holds it, or when there is no lock file (released meanwhile with its
+    job root removed). FilaError when the lock is not a runner's (not a regular file of this
+    user's holding a mark): the caller leaves it and its job root as they are."""
     lock = lock_path(root, name)
-    with contextlib.ExitStack() as stack:
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        fd = -1
+    except OSError as e:
+        raise FilaError(f"{lock}: not a job root's lock ({e.strerror or e}): left as it is") from None
+    if fd < 0:
+        yield None
+        return
+    try:
         try:
-            held = stack.enter_context(file_lock(lock, wait=False, create=False))
-        except FileNotFoundError:
-            held = False
-        yield held
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            taken = True
+        except BlockingIOError:
+            taken = False
+        if not taken:
+            yield None
+            return
+        data = os.pread(fd, 64, 0) if _mine(os.fstat(fd), stat.S_IFREG) else b""
+        if not _NONCE.fullmatch(data):
+            raise FilaError(f"{lock} does not hold a runner's mark: not a job root's lock, so it and "
+                            "its job root are left as they are")  # fmt: skip
+        yield data.decode()
+    finally:
+        os.close(fd)
+
+
+def proven(path: Path, nonce: str) -> bool:
+    """Whether the job root `path` is the one its lock's holder made: a directory of this user's
+    (no link on the way: each step opened without following one) whose mark is `nonce`."""
+    fds: list[int] = []
+    try:
+        fds.append(os.open(path, _DIR))
+        if not _mine(os.fstat(fds[-1]), stat.S_IFDIR):
+            return False
+        for part in ("fila", "state"):
+            fds.append(os.open(part, _DIR, dir_fd=fds[-1]))
+        fds.append(os.open(PROOF, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=fds[-1]))
+        if not _mine(os.fstat(fds[-1]), stat.S_IFREG):
+            return False
+        return hmac.compare_digest(os.pread(fds[-1], 64, 0), nonce.encode())
+    except OSError:
+        return False
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def clear_unmade(path: Path) -> bool:
+    """A job root whose runner died while making it (`_make`: the directories before the mark)
+    is removed when that is all it holds: only empty directories go, none through a link. True
+    when `path` is gone."""
+    with contextlib.suppress(OSError):
+        top = os.open(path, _DIR)
+        try:
+            with contextlib.suppress(OSError):
+                fila = os.open("fila", _DIR, dir_fd=top)
+                try:
+                    os.rmdir("state", dir_fd=fila)
+                finally:
+                    os.close(fila)
+            with contextlib.suppress(OSError):
+                os.rmdir("fila", dir_fd=top)
+        finally:
+            os.close(top)
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
+    return not (path.exists() or path.is_symlink())
 
 
 def forget(root: Root, name: str) -> None:
@@ -153,7 +381,21 @@ def forget(root: Root, name: str) -> None:
         lock_path(root, name).unlink()
 
 
-def _clear_temp(p: Path) -> None:
-    with contextlib.suppress(FileNotFoundError), file_lock(p, wait=False, create=False) as held:
-        if held:
-            p.unlink()
+def _clear_temp(d: Path, name: str, pid: int) -> None:
+    """A temp lock (`_locked_named`) of a process that is gone and that nobody holds: removed.
+    Only this user's regular files; a live pid's is its taker's, between its open and its link."""
+    p = d / name
+    st = os.lstat(p)
+    if not _mine(st, stat.S_IFREG) or fsutil.pid_alive(pid):
+        return
+    with contextlib.suppress(FileNotFoundError):
+        fd = os.open(p, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            same = os.fstat(fd)
+            if (same.st_dev, same.st_ino) == (st.st_dev, st.st_ino):
+                p.unlink()
+        except BlockingIOError:
+            pass
+        finally:
+            os.close(fd)

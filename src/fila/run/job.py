@@ -180,7 +180,9 @@ def run_one(
             # task must still run. The task's record says why; the run goes on.
             return run.finish(
                 Status.failed,
-                error=ErrorInfo(kind=ErrorKind.invalid, message=f"Docker refused this task: {refusal}"),
+                error=ErrorInfo(
+                    kind=ErrorKind.invalid, message=f"{backend.name} refused this task: {refusal}"
+                ),
             )
         if not run.container_started:
             run.requeue(e, outcome="requeued")
@@ -191,7 +193,7 @@ def run_one(
         return run.finish(
             Status.needs_human,
             error=ErrorInfo(kind=ErrorKind.infra, message=str(e)),
-            diagnosis=f"Docker failed while the container ran: {e}. work/ may hold "
+            diagnosis=f"{backend.name} failed while the container ran: {e}. work/ may hold "
             f"a partial change. {RETRY_HINT}",
         )
     except (FilaError, OSError) as e:

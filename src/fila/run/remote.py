@@ -22,9 +22,10 @@ the database's record is the one reviewers read.
 
 Up to `concurrency` claims run at once, each in a thread of its own with its own lease, renewer
 and job root. Each job root is guarded by a lock the runner takes before it exists and lets go
-only after the job root is removed (or kept, its containers stopped); at start, and in every
-`fila recover --root`, the job roots whose lock nobody holds (an earlier runner process on this
-root died with them) are recovered: containers, gateway and job root removed
+only after the job root is removed (or kept, its containers stopped or not confirmed removed);
+at start, every RECOVER_EVERY_S while it keeps one, and in every `fila recover --root`, the job
+roots whose lock nobody holds (an earlier runner process on this root died with them, or this
+runner kept them) are recovered: containers, gateway and job root removed
 (recovery/remote_jobs.py says who may remove a job root, and when). Nothing is published for
 them: the database's lease decides their tasks.
 """
@@ -64,7 +65,8 @@ from . import job as cycle
 from . import spares
 from .claimed import Hooks, Interrupted
 from .remote_inputs import unpack
-from .remote_publish import publish, refuse
+from .remote_publish import hand_back, publish, refuse
+from .worker import RECOVER_EVERY_S
 
 if TYPE_CHECKING:
     from ..sandbox import Backend
@@ -84,16 +86,19 @@ class LeaseHooks(Hooks):
     """The run path's hooks for one database lease: the started mark before the container, and
     a stop at the next check once the lease is lost or the runner is stopping."""
 
-    def __init__(self, q: PgQueue, lease: Lease, cancel: threading.Event, ttl: float) -> None:
+    def __init__(
+        self, q: PgQueue, lease: Lease, cancel: threading.Event, ttl: float, sent: float | None = None
+    ) -> None:
         """`ttl`: the lease's length; the lease counts as lost once `ttl` (less a tenth) has passed
-        on this host's monotonic clock since the claim or the last renewal that succeeded was
-        sent (`renewed`), whether or not a renewal is still waiting for its answer: a renewal
-        blocked on a silent network cannot keep a container running past the lease."""
+        on this host's monotonic clock since the claim (`sent`: when the claim was sent; now when
+        not known) or the last renewal that succeeded was sent (`renewed`), whether or not a
+        renewal is still waiting for its answer: a renewal blocked on a silent network, or a
+        claim whose answer came late, cannot keep a container running past the lease."""
         self.q, self.lease, self.cancel = q, lease, cancel
         self.lost = threading.Event()
         self.marked = False
         self.ttl = ttl
-        self.valid_until = time.monotonic() + self.ttl * 0.9
+        self.valid_until = (time.monotonic() if sent is None else sent) + self.ttl * 0.9
 
     def renewed(self, sent: float) -> None:
         """A renewal sent at monotonic time `sent` succeeded: the lease holds until sent + ttl."""
@@ -201,6 +206,7 @@ class RemoteWorker:
         poll_s: float = 1.0,
         reconnect_s: float = 30.0,
         keep: bool = False,
+        recover_every_s: float = RECOVER_EVERY_S,
         on_record: Callable[[Record], None] = lambda _r: None,
         progress: Callable[[str], None] = lambda _m: None,
     ) -> None:
@@ -214,6 +220,8 @@ class RemoteWorker:
         self.engines = engines
         self.policies = sorted(set(policies)) if policies else None  # None: any policy of the root
         self.lease_s, self.poll_s, self.keep = lease_s, poll_s, keep
+        self.kept: set[str] = set()  # job roots this runner kept, for its own recovery pass
+        self.recover_every_s = recover_every_s
         self.reconnect_s = reconnect_s
         self.on_record, self.progress = on_record, progress
         self.cancel = threading.Event()  # a signal: every job stops at its next check
@@ -248,6 +256,7 @@ class RemoteWorker:
         # Spare gateways of an earlier runner process on this root that died with them up, and its
         # job roots (containers, gateway, directory) whose lock nobody holds; then this runner's
         # own spares, for the allowlist policies it takes.
+        remote_jobs.mark(self.root)  # its job roots get recovery's pass (remote_jobs.py)
         for what in self.backend.sweep_spares(self.root.path, self.root.spares_dir):
             self.progress(f"fila worker {self.id}: removed {what} (its runner is gone)")
         for a in recover_job_roots(self.root, backend=self.backend).actions:
@@ -308,7 +317,7 @@ class RemoteWorker:
             self._collect(active)
 
     def _claims(self, q: PgQueue, engines: list[str], active: list[_Slot]) -> None:
-        beat_at = time.monotonic()
+        beat_at = kept_at = time.monotonic()
         down_s = self.poll_s  # the wait after the database did not answer, doubled up to DOWN_MAX_S
         while True:
             self._collect(active)
@@ -321,6 +330,9 @@ class RemoteWorker:
                 with contextlib.suppress(FilaError):
                     q.runner_beat(self.id)
                 beat_at = time.monotonic()
+            if self.kept and time.monotonic() - kept_at >= self.recover_every_s:
+                self._recover_kept()
+                kept_at = time.monotonic()
             if len(active) >= self.concurrency:
                 self._wait(self.poll_s)
                 continue
@@ -340,11 +352,13 @@ class RemoteWorker:
                         self._wait(self.poll_s)
                     continue
                 self.breaker_tripped = False
+                sent = time.monotonic()  # the lease is counted from here (LeaseHooks)
                 if self.once or active:  # a job that ends wakes this loop: never blocked on a claim
                     lease = q.claim(self.id, engines, self.lease_s, policies=self.policies)
                 else:
-                    lease = q.claim_wait(self.id, engines, self.lease_s, poll_s=self.poll_s,
-                                         timeout=self.poll_s, policies=self.policies)  # fmt: skip
+                    wait_s = min(self.poll_s, self.lease_s / 3)  # the claim sent within it
+                    lease = q.claim_wait(self.id, engines, self.lease_s, poll_s=wait_s,
+                                         timeout=wait_s, policies=self.policies)  # fmt: skip
                 wait = None
                 if lease is None and self.once and not active:
                     wait = q.backoff_left(engines, policies=self.policies)
@@ -361,7 +375,7 @@ class RemoteWorker:
                 continue
             down_s = self.poll_s
             if lease is not None:
-                active.append(self._start(q, lease))
+                active.append(self._start(q, lease, sent))
                 continue
             if active:
                 self._wait(self.poll_s)
@@ -372,16 +386,30 @@ class RemoteWorker:
                 # --once` does (the database's clock says how long; 0: another runner holds it).
                 self.cancel.wait(min(max(wait, 0.05), DOWN_MAX_S))
 
+    def _recover_kept(self) -> None:
+        """The job roots this runner kept (a job fenced off, a lost lease, a container the engine
+        did not confirm removed) are recovered while it runs, every `recover_every_s`, not only at
+        its next start: their locks are free once their jobs ended (remote_jobs.py)."""
+        try:
+            rep = recover_job_roots(self.root, backend=self.backend, wait=False)
+        except (FilaError, OSError) as e:  # tried again at the next round
+            self.progress(f"fila worker {self.id}: recovery of its kept job roots failed: {e}")
+            return
+        for a in rep.actions:
+            if a.detail.split(":", 1)[0] in self.kept:
+                self.progress(f"fila worker {self.id}: {a.action}: {a.detail}")
+        self.kept.difference_update([p for p in list(self.kept) if not os.path.lexists(p)])
+
     def _wait(self, timeout: float) -> None:
         self.wake.wait(timeout)
         self.wake.clear()
 
-    def _start(self, q: PgQueue, lease: Lease) -> _Slot:
+    def _start(self, q: PgQueue, lease: Lease, sent: float | None = None) -> _Slot:
         slot = _Slot(lease)
 
         def run() -> None:
             try:
-                slot.record = self.run_lease(q, lease)
+                slot.record = self.run_lease(q, lease, sent)
             except BaseException as e:  # reported by the main loop; a thread cannot raise to it
                 slot.error = e
             finally:
@@ -428,7 +456,7 @@ class RemoteWorker:
 
     def job_root(self, held: remote_jobs.Held) -> Root:
         """A fresh queue root for this claim at `held.path`, with this host's policies and backend
-        config. The caller holds its lock (remote_jobs.take refused a directory there already):
+        config. The caller holds its lock (remote_jobs.take made it, empty but for its mark):
         only the lock's holder, or recovery once the lock is free, may write in or remove it."""
         jr = Root(held.path).create()
         for p in sorted(self.root.policies_dir.glob("*.json")):
@@ -439,22 +467,25 @@ class RemoteWorker:
             shutil.copy2(config, jr.fila / "config.json")
         return jr.require()
 
-    def run_lease(self, q: PgQueue, lease: Lease) -> Record | None:
+    def run_lease(self, q: PgQueue, lease: Lease, sent: float | None = None) -> Record | None:
         """Run one claimed task and publish its outcome; None when the lease was lost (nothing
         published). InfraError after handing the task back when the host failed before its
         container started.
 
         The job root's lock is taken before the job root is made and let go last, after the job
-        root is removed, or kept when the lease was lost (its containers stopped by then: the run
-        path stops them before it returns) or with `keep`; a job root kept is removed by the next
-        recovery of this root (a runner's start, `fila recover --root`)."""
+        root is removed, or kept: when the lease was lost (its containers stopped by then: the run
+        path stops them before it returns), when the run path fenced the job off (a container it
+        could not confirm removed), when the container engine does not confirm that none of its
+        containers is left, or with `keep`; a job root kept is removed by the next recovery of
+        this root (a runner's start, `fila recover --root`)."""
         tid = lease.task_id
         self.progress(f"{tid}: claimed (attempt {lease.attempt}, token {lease.token})")
-        hooks = LeaseHooks(q, lease, self.cancel, self.lease_s)
+        hooks = LeaseHooks(q, lease, self.cancel, self.lease_s, sent)
         renewer = Renewer(self.beat or q, hooks, self.lease_s, None)
         renewer.start()
         jr: Root | None = None
         held: remote_jobs.Held | None = None
+        ended = False  # the run path returned a record: its containers removed
         try:
             held = remote_jobs.take(self.root, remote_jobs.job_name(tid, lease.token))
             jr = self.job_root(held)
@@ -467,14 +498,14 @@ class RemoteWorker:
                                  max_bytes=pol.max_work_bytes)  # fmt: skip
             except KeyError:
                 why = f"task {tid} has no {INPUTS} blob (queued without its targets)"
-                return refuse(q, lease, self.backend.name, why)
+                return refuse(q, lease, jr, self.backend.name, why)
             except InfraError:  # the database, not the task: its lease lapses, and a sweep requeues it
                 raise
             except FilaError as e:
-                return refuse(q, lease, self.backend.name, f"{e}" + (f"; {e.hint}" if e.hint else ""))
+                return refuse(q, lease, jr, self.backend.name, f"{e}" + (f"; {e.hint}" if e.hint else ""))
             except Exception as e:  # whatever a hostile manifest finds fails its own task, not this runner
                 why = f"task {tid}: its targets could not be laid out: {type(e).__name__}: {e!s:.300}"
-                return refuse(q, lease, self.backend.name, why)
+                return refuse(q, lease, jr, self.backend.name, why)
             task = lease.task.model_copy(update={"id": tid, "project": None, "targets": targets})
             queue.enqueue(jr, tid, task)
             claim = cycle.next_claim(jr, self.id, only={tid})
@@ -485,9 +516,10 @@ class RemoteWorker:
                 rec = cycle.run_one(jr, claim, backend=self.backend, progress=self.progress, hooks=hooks)
             except InfraError as e:
                 if not hooks.marked and not hooks.lost.is_set():
-                    q.hand_back(tid, lease.token, ErrorInfo(kind=ErrorKind.infra, message=str(e)),
-                                backoff_s=INFRA.backoff(1))  # fmt: skip
+                    hand_back(q, lease, jr, ErrorInfo(kind=ErrorKind.infra, message=str(e)), counted=True,
+                              backoff_s=INFRA.backoff(1))  # fmt: skip
                 raise
+            ended = rec is not None
             if hooks.lost.is_set() or rec is None:
                 self.progress(f"{tid}: lease lost; nothing published")
                 return None
@@ -495,8 +527,15 @@ class RemoteWorker:
         finally:
             renewer.stop.set()
             renewer.join(timeout=5)
-            if jr is not None and not self.keep and not hooks.lost.is_set():
-                with contextlib.suppress(FilaError, OSError):  # else left to recovery, lock free
-                    fsutil.remove_tree(jr.path)
+            # The job root goes only after a run that ended with its record, or one that never
+            # reached its started mark, and once the engine confirms no container of it is left:
+            # else (fenced off, lease lost, the engine not answering) it is kept, its lock let go,
+            # for recovery to remove its containers and then it (remote_jobs.py).
+            if jr is not None and not self.keep and not hooks.lost.is_set() and (ended or not hooks.marked):
+                with contextlib.suppress(FilaError, OSError):
+                    if self.backend.find(root=str(jr.path)) == []:
+                        fsutil.remove_tree(jr.path)
+            if jr is not None and not self.keep and jr.path.exists():
+                self.kept.add(str(jr.path))
             if held is not None:
                 held.release()

@@ -1,12 +1,23 @@
 """What a runner of the PostgreSQL queue writes into the database at a claim's end (run/remote.py,
 docs/scale-out.md): the outcome of the run path with the blobs a reviewer needs, in one publish
 that a stale token cannot make; a hand back when the run path handed the task back before its
-container started; a refusal when the task's targets did not arrive intact."""
+container started; a refusal when the task's targets did not arrive intact.
+
+Every string it writes there goes through one redaction (`Redact`): the runner's root and the job
+root (`<root>/remote/<id>.<token>`) are local to this host, gone after the publish, and not for
+every reader of the database to learn. DIFF.patch and the log are published as the job wrote them
+(their sha256 is what a reviewer checks)."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 from collections.abc import Callable
+from enum import Enum
+from typing import Any, TypeVar
+
+from pydantic import BaseModel
 
 from ..core.layout import Root
 from ..core.models import ErrorInfo, ErrorKind, Record, Status
@@ -14,28 +25,111 @@ from ..queue.pg.blobs import Blob
 from ..queue.pg.records import RESULT_FIELDS, on_db_clock
 from ..queue.pg.store import INPUTS, OUTCOMES, Lease, PgQueue
 from ..queue.retry import INFRA
+from ..recovery.remote_jobs import JOBS
+
+M = TypeVar("M", bound=BaseModel)
 
 
-def refuse(q: PgQueue, lease: Lease, backend: str, msg: str) -> Record | None:
-    """A task this runner refuses before any container (its targets do not arrive intact)."""
-    error = ErrorInfo(kind=ErrorKind.invalid, message=msg)
+class Redact:
+    """The job root `jr` of task `tid`, and the runner's root above it (remote_jobs.jobs_dir:
+    `<root>/remote/<id>.<token>`), in any string this runner publishes: the task's log by the
+    command that shows the published one (`fila logs ID --queue URL`: never the URL, which may
+    carry credentials, and a reader has their own), the job root by `<job>`, the runner's root by
+    `<runner>` (only when the job root is where a runner makes it: no other directory is taken
+    for a runner's root). Each path as given and as its realpath, raw and as JSON escapes it (the events
+    blob's lines), matched only where its last name ends (`.../g.1` is not `.../g.10`)."""
+
+    JOB, RUNNER = "<job>", "<runner>"
+
+    def __init__(self, jr: Root, tid: str) -> None:
+        words: dict[str, str] = {}
+        for path, word in (
+            (jr.log_path(tid), f"`fila logs {tid} --queue URL`"),
+            (jr.path, self.JOB),
+            *([(jr.path.parent.parent, self.RUNNER)] if jr.path.parent.name == JOBS else []),
+        ):
+            for p in (str(path), os.path.realpath(path)):
+                if len(p.rstrip("/")) <= 1:  # a root of "/" names nothing of its own
+                    continue
+                p = p.rstrip("/")
+                for form in (p, json.dumps(p)[1:-1]):
+                    words.setdefault(form, word)
+        self.words = words
+        needles = sorted(words, key=len, reverse=True)  # the longest first: the log before its job root
+        self.where = re.compile("(?:" + "|".join(re.escape(n) for n in needles) + r")(?![\w-]|\.\w)")
+
+    def text(self, s: str) -> str:
+        """`s` with the paths replaced; `s` itself when it names none."""
+        out = self.where.sub(lambda m: self.words[m.group(0)], s)
+        return s if out == s else out
+
+    def model(self, m: M) -> M:
+        """`m` with every string in it redacted, however deep (fields, lists, dicts' keys and
+        values, a model's extra fields); `m` itself when none changes. Enums are kept."""
+        return self._value(m)
+
+    def _value(self, v: Any) -> Any:
+        if isinstance(v, Enum):
+            return v
+        if isinstance(v, str):
+            return self.text(v)
+        if isinstance(v, BaseModel):
+            changes = {}
+            for name in [*type(v).model_fields, *(v.model_extra or {})]:
+                old = getattr(v, name)
+                new = self._value(old)
+                if new is not old:
+                    changes[name] = new
+            return v.model_copy(update=changes) if changes else v
+        if isinstance(v, list | tuple):
+            items = [self._value(x) for x in v]
+            return type(v)(items) if any(a is not b for a, b in zip(items, v, strict=True)) else v
+        if isinstance(v, dict):
+            pairs = [(self._value(k), self._value(x)) for k, x in v.items()]
+            changed = any(a is not k or b is not x for (a, b), (k, x) in zip(pairs, v.items(), strict=True))
+            return dict(pairs) if changed else v
+        return v
+
+    def jsonl(self, data: bytes) -> bytes:
+        """A JSON lines blob (the job's events) with the paths replaced in its text, as JSON
+        writes them; a line that names none is kept byte for byte."""
+        text = data.decode("utf-8", errors="surrogateescape")
+        out = self.text(text)
+        return data if out is text else out.encode("utf-8", errors="surrogateescape")
+
+
+def refuse(q: PgQueue, lease: Lease, jr: Root, backend: str, msg: str) -> Record | None:
+    """A task this runner refuses before any container (its targets do not arrive intact), from
+    job root `jr`: its reason redacted (`Redact`)."""
+    error = ErrorInfo(kind=ErrorKind.invalid, message=Redact(jr, lease.task_id).text(msg))
     return q.publish(lease.task_id, lease.token, Status.failed, {"error": error, "backend": backend})
+
+
+def hand_back(
+    q: PgQueue, lease: Lease, jr: Root, error: ErrorInfo | None, *, counted: bool, backoff_s: float
+) -> Record | None:
+    """The task back to the queue before its container started (PgQueue.hand_back), from job root
+    `jr`: its error redacted (`Redact`; a FilaError's text names its `path=`)."""
+    if error is not None:
+        error = Redact(jr, lease.task_id).model(error)
+    return q.hand_back(lease.task_id, lease.token, error, counted=counted, backoff_s=backoff_s)
 
 
 def publish(
     q: PgQueue, lease: Lease, jr: Root, manifest: bytes, rec: Record, progress: Callable[[str], None]
 ) -> Record | None:
     """The local record `rec` of job root `jr` published under the lease's token (None: the
-    lease was lost first, nothing written), or handed back when the run path left it queued."""
+    lease was lost first, nothing written), or handed back when the run path left it queued.
+    Every string of the record and the events blob's text are redacted (`Redact`)."""
     tid = lease.task_id
+    redact = Redact(jr, tid)
     if rec.status == Status.queued:  # handed back before its container started
         counted = rec.error is not None and rec.error.kind == ErrorKind.infra
-        q.hand_back(tid, lease.token, rec.error, counted=counted,
-                    backoff_s=INFRA.backoff(1) if counted else 0.0)  # fmt: skip
+        hand_back(q, lease, jr, rec.error, counted=counted, backoff_s=INFRA.backoff(1) if counted else 0.0)
         return None
     if rec.status not in OUTCOMES:
         raise AssertionError(f"task {tid}: the run path ended {rec.status}")
-    rec = no_local_paths(rec, jr, tid)
+    rec = redact.model(rec)
     blobs = [Blob.of(INPUTS, manifest)]
     fields = {k: getattr(rec, k) for k in RESULT_FIELDS if getattr(rec, k, None) is not None}
     for name, rel, key in (
@@ -49,7 +143,7 @@ def publish(
         else:
             fields.pop(key, None)
     if jr.events_path(tid).is_file():
-        blobs.append(Blob.of("events.jsonl", jr.events_path(tid).read_bytes()))
+        blobs.append(Blob.of("events.jsonl", redact.jsonl(jr.events_path(tid).read_bytes())))
     ran = [
         a.model_copy(
             update={"log_path": "log" if i == len(rec.attempts) - 1 and "log_path" in fields else None}
@@ -75,20 +169,3 @@ def threshold(jr: Root, lease: Lease) -> int | None:
         return load_policy(jr, lease.task.policy)[0].max_consecutive_failures
     except FilaError:
         return None
-
-
-def no_local_paths(rec: Record, jr: Root, tid: str) -> Record:
-    """The record with every path into the job root (`see .../remote/<id>.<token>/fila/logs/...`
-    in an error) replaced by the command that shows the published log: the job root is gone
-    after the publish, and it is on the runner's host, not the reader's. The queue's URL is not
-    written in (it may carry credentials, and a reviewer has their own)."""
-    where = re.compile(re.escape(str(jr.path)) + r"/[^\s;,)'\"]*")
-    say = f"`fila logs {tid} --queue URL`"
-
-    def fixed(err: ErrorInfo | None) -> ErrorInfo | None:
-        if err is None or not where.search(err.message):
-            return err
-        return err.model_copy(update={"message": where.sub(say, err.message)})
-
-    attempts = [a.model_copy(update={"error": fixed(a.error)}) for a in rec.attempts]
-    return rec.model_copy(update={"error": fixed(rec.error), "attempts": attempts})

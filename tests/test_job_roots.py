@@ -1,0 +1,230 @@
+"""A PostgreSQL runner's job roots on its disk (recovery/remote_jobs.py, docs/scale-out.md "Running
+it"): recovery removes a job root whose runner is gone, and nothing it did not make, whatever is
+planted in `remote/` (links, directories and files named like its locks and temp files, a job root
+whose fila/ links to a root's own queue); only on a root marked as a runner's; never blocking.
+`take` refuses what it cannot own with an InfraError. The lease of a claim counts from when the
+claim was sent. No container and no database: the fake backend, plain files.
+
+Cost in the default run: about 1 s (a `fila recover` in this process, one short child process)."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from fila.core.errors import InfraError
+from fila.core.layout import Root
+from fila.core.models import Task
+from fila.queue import store as queue
+from fila.recovery import remote_jobs
+from fila.recovery.base import Report
+from fila.recovery.recover import recover, recover_job_roots
+from fila.run import job as cycle
+from fila.sandbox.fake import FakeBackend
+from tests.support.pg_runner import fila
+from tests.support.project import make_root
+
+
+def job_root(runner: Root, fake: FakeBackend, name: str) -> Path:
+    """A job root as a runner that died left it: made by `take`, laid out, a box of it still
+    there, its lock let go (as the kernel lets go a killed process's)."""
+    held = remote_jobs.take(runner, name)
+    jr = Root(held.path).create()
+    fake.leave(name.split(".")[0], root=str(jr.path), worker="h1")
+    held.release()
+    return jr.path
+
+
+def in_time(fn: Callable[[], Report], timeout: float = 10.0) -> Report:
+    """`fn()` in a thread: it must return within `timeout` (a recovery never blocks)."""
+    out: list[Report] = []
+    t = threading.Thread(target=lambda: out.append(fn()), daemon=True)
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), "the recovery blocked"
+    return out[0]
+
+
+def dead_pid() -> int:
+    p = subprocess.Popen([sys.executable, "-c", "pass"])
+    p.wait()
+    return p.pid
+
+
+def listing(d: Path) -> list[str]:
+    return sorted(p.name for p in d.iterdir())
+
+
+def test_a_free_job_root_is_recovered_and_nothing_planted_beside_it_is_touched(tmp_path: Path) -> None:
+    runner = make_root(tmp_path / "runner")
+    fake = FakeBackend(tmp_path / "boxes")
+    remote = remote_jobs.jobs_dir(runner)
+    # A live claim of the runner root's own queue: no job root's recovery may settle it.
+    (runner.path / "greeting.txt").write_text("hi\n")
+    queue.enqueue(runner, "t1", Task(engine="shell", targets=["greeting.txt"], command="sleep 100"))
+    claim = cycle.next_claim(runner, "w-live")
+    assert claim is not None
+
+    # The allowed counterpart first: a genuine job root whose runner is gone goes, with its box.
+    gone = job_root(runner, fake, "g.1")
+    rep = in_time(lambda: recover_job_roots(runner, backend=fake))
+    assert [a.action for a in rep.actions] == ["job root removed"], rep.to_dict()
+    assert not gone.exists() and fake.find() == [] and listing(remote) == []
+
+    # Planted: names like its temp files and locks that are directories, links, a FIFO; a
+    # project's own directory beside an empty lock; one beside a lock holding a mark its
+    # directory lacks; a job root whose fila/ links to the root's own queue, the lock's mark
+    # written there; a temp lock of a live process (this one).
+    outside = tmp_path / "outside"
+    outside.write_text("not fila's")
+    (remote / ".notes.tmp").mkdir()
+    os.symlink(outside, remote / ".x.tmp")
+    (remote / ".draft.tmp").write_text("a project's")
+    os.mkfifo(remote / ".pipe.tmp")
+    os.symlink(outside, remote / ".l.1.lock")
+    (remote / ".d.1.lock").mkdir()
+    (remote / "v1.2" / "src").mkdir(parents=True)
+    (remote / ".v1.2.lock").write_text("")
+    (remote / "v1.3" / "src").mkdir(parents=True)
+    (remote / ".v1.3.lock").write_text("ab" * 16)
+    (remote / "x.5").mkdir()
+    os.symlink("../../fila", remote / "x.5" / "fila")
+    (remote / ".x.5.lock").write_text("cd" * 16)
+    (runner.state_dir / remote_jobs.PROOF).write_text("cd" * 16)
+    live_temp = remote / f".t.8.lock.{os.getpid()}.1.tmp"
+    live_temp.write_text("")
+    planted = listing(remote)
+    dead_temp = remote / f".t.9.lock.{dead_pid()}.1.tmp"  # a taker that is gone: its temp goes
+    dead_temp.write_text("")
+    gone = job_root(runner, fake, "g.2")  # and a genuine one among them, still recovered
+
+    rep = in_time(lambda: recover(runner, backend=fake, alive=lambda _w: "alive"))
+    removed = [a.detail for a in rep.actions if a.action == "job root removed"]
+    assert removed and all(d.startswith(f"{gone}:") for d in removed), rep.to_dict()
+    kept = " ".join(a.detail for a in rep.actions if a.action == "job root kept")
+    for name in (".l.1.lock", ".d.1.lock", ".v1.2.lock", "v1.3", "x.5"):
+        assert f"{remote / name}" in kept, (name, kept)
+    assert listing(remote) == planted and fake.find() == [] and outside.read_text() == "not fila's"
+    assert [c.name for c, _ in queue.claims(runner)] == [claim.name]
+    assert queue.get_record(runner, "t1").status == "queued"
+    # `fila recover --root` there exits cleanly, quickly, and says what it kept.
+    t0 = time.monotonic()
+    res = fila(
+        "recover",
+        "--root",
+        str(runner.path),
+        env={"FILA_BACKEND": "fake", "FILA_FAKE_DIR": str(tmp_path / "boxes")},
+    )
+    assert res.exit_code == 0 and "v1.3" in res.output, res.output
+    assert time.monotonic() - t0 < 10 and listing(remote) == planted
+
+
+def test_only_a_root_marked_as_a_runners_gets_the_job_root_pass(tmp_path: Path) -> None:
+    runner = make_root(tmp_path / "runner")
+    fake = FakeBackend(tmp_path / "boxes")
+    jr = job_root(runner, fake, "a.1")
+    mark = runner.state_dir / remote_jobs.MARK
+    assert mark.is_file()  # `take` marks its root, as `fila worker --queue` does at its start
+    mark.unlink()  # a file queue root or a project: its remote/ is its own
+    assert recover(runner, backend=fake).actions == [] and jr.is_dir() and len(fake.find()) == 1
+    remote_jobs.mark(runner)
+    assert [a.action for a in recover(runner, backend=fake).actions] == ["job root removed"]
+    assert not jr.exists() and fake.find() == []
+
+
+def test_a_job_root_its_runner_died_making_goes_and_one_being_recovered_elsewhere_waits(
+    tmp_path: Path,
+) -> None:
+    runner = make_root(tmp_path / "runner")
+    fake = FakeBackend(tmp_path / "boxes")
+    # Killed between its directories and its mark: only empty directories, removed as such.
+    held = remote_jobs.take(runner, "m.1")
+    (held.path / "fila" / "state" / remote_jobs.PROOF).unlink()
+    held.release()
+    rep = recover_job_roots(runner, backend=fake)
+    assert [a.action for a in rep.actions] == ["job root removed"], rep.to_dict()
+    assert listing(remote_jobs.jobs_dir(runner)) == []
+    # A job root whose own recovery is running (its recovery lock held): kept, never waited for.
+    jr = job_root(runner, fake, "r.1")
+    with open(jr / "fila" / "state" / ".recovery.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        rep = in_time(lambda: recover_job_roots(runner, backend=fake))
+        assert [a.action for a in rep.actions] == ["job root kept"] and jr.is_dir(), rep.to_dict()
+    assert [a.action for a in recover_job_roots(runner, backend=fake).actions] == ["job root removed"]
+
+
+def test_take_holds_a_marked_lock_and_refuses_what_it_cannot_own(tmp_path: Path) -> None:
+    runner = make_root(tmp_path / "runner")
+    held = remote_jobs.take(runner, "t.1")
+    mark = held.lock.read_text()
+    assert (held.path / "fila" / "state" / remote_jobs.PROOF).read_text() == mark and len(mark) == 32
+    assert oct(held.path.stat().st_mode & 0o777) == "0o700"
+    with pytest.raises(InfraError, match="exists already"):
+        remote_jobs.take(runner, "t.1")
+    shutil.rmtree(held.path)  # removed by its holder: the lock goes with it
+    held.release()
+    assert listing(remote_jobs.jobs_dir(runner)) == []
+    with pytest.raises(InfraError, match="not a job root's name"):
+        remote_jobs.take(runner, "../t.1")
+    # remote/ a file, or a link out of the root: refused, nothing made through it.
+    (runner.path / "remote").rmdir()
+    (runner.path / "remote").write_text("a file")
+    with pytest.raises(InfraError, match="not a directory of this user's"):
+        remote_jobs.take(runner, "t.2")
+    (runner.path / "remote").unlink()
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", runner.path / "remote")
+    with pytest.raises(InfraError, match="not a directory of this user's"):
+        remote_jobs.take(runner, "t.2")
+    assert listing(tmp_path / "elsewhere") == []
+    rep = recover(runner, backend=FakeBackend(tmp_path / "boxes"))
+    assert [a.action for a in rep.actions] == ["job root kept"], rep.to_dict()
+
+
+def test_take_without_o_tmpfile_survives_its_temp_vanishing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runner = make_root(tmp_path / "runner")
+    remote = remote_jobs.jobs_dir(runner)
+    # A file system without O_TMPFILE: a named temp lock. Its own temp is left to it by recovery
+    # (its pid lives); one that vanishes between its open and its flock is made again.
+    monkeypatch.setattr(os, "O_TMPFILE", os.O_DIRECTORY)  # open(dir, O_RDWR | O_DIRECTORY): EISDIR
+    real, seen = fcntl.flock, []
+
+    def racing(fd: int, op: int) -> None:
+        if not seen:
+            [temp] = [p for p in remote.iterdir() if p.name.endswith(".tmp")]
+            seen.append(remote_jobs.names(runner))
+            assert temp.exists()  # recovery leaves a live taker's temp alone
+            temp.unlink()  # as a clearer that did not check would
+        real(fd, op)
+
+    monkeypatch.setattr(remote_jobs.fcntl, "flock", racing)
+    held = remote_jobs.take(runner, "t.7")
+    assert seen == [[]] and listing(remote) == [".t.7.lock", "t.7"]
+    monkeypatch.undo()
+    assert remote_jobs.names(runner) == ["t.7"]
+    held.release()
+
+
+def test_a_lease_counts_from_when_its_claim_was_sent() -> None:
+    from fila.queue.pg.store import Lease
+    from fila.run.remote import LeaseHooks
+
+    task = Task(engine="shell", command="true", targets=["a"])
+    lease = Lease(task_id="t", token=1, runner="h1", attempt=1, task=task, expires_at=datetime.now(UTC))
+    # The allowed counterpart: a claim sent just now holds; one whose answer came a lease late does not.
+    LeaseHooks(None, lease, threading.Event(), 10.0, time.monotonic()).check()  # type: ignore[arg-type]
+    late = LeaseHooks(None, lease, threading.Event(), 10.0, time.monotonic() - 9.5)  # type: ignore[arg-type]
+    with pytest.raises(queue.LeaseLost):
+        late.check()
