@@ -196,3 +196,30 @@ def test_the_backends_reach_the_job_directory_only_through_the_workspace_seam() 
         )
     }
     assert reach == set()
+
+
+def _reach(graph: dict[str, set[str]], start: str) -> set[str]:
+    """Every fila module `start` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for t in graph.get(todo.pop(), ()):
+            if t not in seen:
+                seen.add(t)
+                todo.append(t)
+    return seen
+
+
+def test_the_file_queue_never_imports_the_postgresql_queue() -> None:
+    """fila.queue.pg is imported only with a queue URL (its __init__): the file queue's worker,
+    store, breaker, review and compare group rules reach none of it, by any import."""
+    graph = imports()
+    file_queue = ["fila.run.worker", "fila.queue.store", "fila.queue.breaker", "fila.review.apply",
+                  "fila.review.groups", "fila.review.decision"]  # fmt: skip
+    assert all(graph[m] for m in file_queue), "the graph reads their imports"
+    # A planted import of the PostgreSQL queue's records (where check_group once was) is found.
+    planted = {**graph, "fila.review.groups": graph["fila.review.groups"] | {"fila.queue.pg.records"}}
+    assert "fila.queue.pg.records" in _reach(planted, "fila.review.groups")
+    assert {m: sorted(t for t in _reach(graph, m) if t.startswith("fila.queue.pg")) for m in file_queue} == {
+        m: [] for m in file_queue
+    }

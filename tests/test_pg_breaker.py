@@ -9,26 +9,22 @@ from __future__ import annotations
 import json
 import signal
 import time
-from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
 
 import pytest
 
 from fila.core.models import ErrorInfo, ErrorKind, Status, Task
+from fila.queue.pg.records import iso
 from fila.queue.pg.store import PgQueue
+from fila.run import remote_publish
 from tests.support.pg_runner import events, fila, host_env, start_worker
 from tests.support.policy import edit_policy
 from tests.support.project import make_project, make_root
+from tests.support.queues import wait_for
 
 S = Status
 INFRA = {"error": ErrorInfo(kind=ErrorKind.infra, message="the engine's image would not start")}
-
-
-def wait_for(pred: Callable[[], bool], timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.05)
 
 
 def task() -> Task:
@@ -71,6 +67,7 @@ def test_failures_from_two_hosts_open_the_breaker_no_host_claims_until_rearm(q: 
         st = q.breaker()
         assert st.open and st.consecutive == 3 and st.threshold == 3 and st.tripped_by == "h2"
         assert st.reason is not None and last in st.reason and st.recent[-1] == last
+        assert st.tripped_at is not None and st.tripped_at == iso(datetime.fromisoformat(st.tripped_at))
         # While open the claim statement itself refuses, for every host; the queued tasks wait.
         queued = {r.id for r in q.listing(S.queued)}
         assert queued and all(h.claim(name, ["shell"], 30) is None for name, h in hosts.items())
@@ -110,6 +107,23 @@ def test_a_hand_back_counts_nothing_until_its_retries_run_out_and_the_task_fails
     assert (st.consecutive, st.recent, st.threshold) == (1, ["spent"], 5)
 
 
+def test_a_given_up_hand_back_counts_against_its_policys_threshold(q: PgQueue, tmp_path: Path) -> None:
+    # A runner's hand back (run/remote_publish.py) passes the task's policy's threshold, as its
+    # publish does: here 2, so the second task that gives up opens the breaker, not the fifth.
+    runner = make_root(tmp_path / "runner")
+    edit_policy(runner, "default", to="strict", max_consecutive_failures=2)
+    for tid in ("s1", "s2"):
+        q.enqueue(tid, task().model_copy(update={"policy": "strict"}), max_tries=1)
+    for n, tid in enumerate(("s1", "s2"), 1):
+        lease = q.claim("h1", ["shell"], 30)
+        assert lease is not None and lease.task_id == tid
+        rec = remote_publish.hand_back(q, lease, runner, INFRA["error"], counted=True, backoff_s=0.0)
+        assert rec is not None and rec.status == S.failed
+        st = q.breaker()
+        assert (st.consecutive, st.threshold, st.open) == (n, 2, n == 2)
+    assert st.tripped_by == "h1" and st.reason is not None and "max_consecutive_failures 2" in st.reason
+
+
 def test_breaker_events_are_append_only(q: PgQueue, pg_url: str) -> None:
     import psycopg
 
@@ -118,6 +132,14 @@ def test_breaker_events_are_append_only(q: PgQueue, pg_url: str) -> None:
         assert conn.execute("SELECT count(*) FROM fila_breaker_events").fetchone() == (1,)
         with pytest.raises(psycopg.Error, match="append-only"):
             conn.execute("DELETE FROM fila_breaker_events")
+
+
+def expire(pg_url: str, tid: str) -> None:
+    """Task `tid`'s lease ended now on the database's clock, as if its runner had gone."""
+    import psycopg
+
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        conn.execute("UPDATE fila_tasks SET lease_expires_at = now() WHERE id = %s", (tid,))
 
 
 def test_a_runner_trips_it_at_its_policys_threshold_says_so_and_exits_6_with_once(
@@ -135,6 +157,11 @@ def test_a_runner_trips_it_at_its_policys_threshold_says_so_and_exits_6_with_onc
         res = fila("submit", "--queue", pg_url, "--root", str(sub.path), "--id", tid, "--engine", "shell",
                    "--command", command, "--policy", pol, "-t", "greeting.txt")  # fmt: skip
         assert res.exit_code == 0, res.output
+    # Two tasks no runner here takes (engine `ghost`), claimed now: their leases, expired by hand
+    # below, show the long-running runner's polls (its sweep says "lease expired" for each).
+    for tid in ("g1", "g2"):
+        q.enqueue(tid, Task(engine="ghost", targets=["a.txt"], command="true"))
+        assert q.claim("elsewhere", ["ghost"], 300) is not None
     for k, v in host_env(tmp_path, "h1").items():
         monkeypatch.setenv(k, v)
     worker = ["worker", "--queue", pg_url, "--root", str(runner.path), "--host-id", "h1", "--once"]
@@ -155,7 +182,12 @@ def test_a_runner_trips_it_at_its_policys_threshold_says_so_and_exits_6_with_onc
     try:
         err = tmp_path / "h2.err"
         wait_for(lambda: "circuit breaker open" in err.read_text())
-        time.sleep(0.6)  # three more polls
+        # Two more polls at least: g2's sweep comes a poll after g1's, whose breaker check it follows.
+        for ghost in ("g1", "g2"):
+            expire(pg_url, ghost)
+            wait_for(
+                lambda ghost=ghost: f"{ghost}: lease expired" in err.read_text(), what=f"{ghost}'s sweep"
+            )
         assert err.read_text().count("circuit breaker open") == 1 and q.get("after").status == S.queued
         assert fila("rearm", "--queue", pg_url, "--by", "ana").exit_code == 0
         wait_for(lambda: q.get("after").status == S.needs_review)

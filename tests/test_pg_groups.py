@@ -188,19 +188,23 @@ def test_a_groups_targets_go_once_and_its_decision_sent_again_returns_what_the_f
         with pytest.raises(InvalidTransition, match="whose member c1 was applied by alice"):
             q.decide_group("c2", stale, expect={S.needs_review}, supersede={S.needs_review})
 
-        # A group member is applied only through decide_group (it supersedes the others);
-        # PgQueue.decide rejects it as it rejects any task.
-        with pytest.raises(InvalidTransition, match=r"group 'again'.*decide_group"):
-            q.decide("c2", S.applied, stale, expect={S.needs_review})
+        # PgQueue.decide rejects a group member as it rejects any task; it applies none: a
+        # member is applied only through decide_group (which supersedes the others).
         assert q.decide("c2", S.rejected, stale, expect={S.needs_review}).status == S.rejected
+        lease = q.claim("h1", ["shell"], 30)
+        assert lease is not None and lease.task_id == "c3"
+        assert q.publish("c3", lease.token, S.needs_review, {}) is not None
+        with pytest.raises(InvalidTransition, match=r"group 'again'.*decide_group"):
+            q.decide("c3", S.applied, stale, expect={S.needs_review})
+        assert q.get("c3").status == S.needs_review
 
-        # Joining a group one of whose members was applied: refused, naming it, nothing queued;
-        # the same task in a new group is queued.
+        # The same task in a new group is queued; joining a group one of whose members was
+        # applied is refused, naming it, and nothing of its batch is queued.
         late = q.get("c3").task.model_copy(update={"id": None})
-        with pytest.raises(InvalidTransition, match="joins group 'again', whose member c1 was applied"):
-            q.enqueue_group([("c5", late.model_copy(update={"group": "fresh"})), ("c4", late)])
-        assert [r.id for r in q.group_records("again")] == ["c1", "c2", "c3"] and not q.group_records("fresh")
         assert q.enqueue("c4", late.model_copy(update={"group": "fresh"})).status == S.queued
+        with pytest.raises(InvalidTransition, match="joins group 'again', whose member c1 was applied"):
+            q.enqueue_group([("c6", late.model_copy(update={"group": "new"})), ("c5", late)])
+        assert [r.id for r in q.group_records("again")] == ["c1", "c2", "c3"] and not q.group_records("new")
 
         # A record whose id is not its row's (altered in the database) is refused, never read as
         # the task asked for (its id would name REVIEW.html's directory and the blobs).

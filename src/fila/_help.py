@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "008f88bfa4d9dec2b39c44af4f1298cfc7138e30eb3af1c018c7c4e733ab8745"
+CLI_SHA256 = "7839f374d5710a269c54a99534b597f34e74d533e1a23f284e53e2935b3253d7"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 

@@ -17,7 +17,7 @@ from ..core.layout import Root
 from .common import JsonOpt, QueueOpt, RootOpt, print_error, print_json, record_printer, to_stderr
 
 if TYPE_CHECKING:  # pydantic's import costs a third of `fila --help`; commands import it lazily
-    pass
+    from ..core.models import Record
 
 
 def submit(
@@ -124,21 +124,12 @@ def submit(
         recs = submit_group(Root.at(root), group_tasks(Task.model_validate(data), engine, models=per_engine))
         if run_now:
             _process(root, once=True, only={r.id for r in recs}, json_=json_, quiet=quiet)
-        if json_:
-            print_json({"group": recs[0].task.group if recs[0].task else None,
-                  "tasks": [{"id": r.id, "engine": r.task.engine if r.task else None, "status": r.status}
-                            for r in recs]})  # fmt: skip
-        else:
-            for r in recs:
-                typer.echo(r.id)
+        _print_queued(recs, group=True, json_=json_)
         return
     rec = do_submit(Root.at(root), Task.model_validate(data))
     if run_now:
         _process(root, once=True, only={rec.id}, json_=json_, quiet=quiet)
-    if json_:
-        print_json({"id": rec.id, "status": rec.status})
-    else:
-        typer.echo(rec.id)
+    _print_queued([rec], group=False, json_=json_)
 
 
 def _submit_remote(
@@ -151,43 +142,24 @@ def _submit_remote(
     engines: list[str] | None = None,
     models: dict[str, str] | None = None,
 ) -> None:
-    """`fila submit --queue URL`: the task (with `engines`: a compare group's members, ids
-    GROUP.ENGINE, review/groups.group_tasks) and its targets into the database in one
-    transaction, the targets sent once; `wait`: then each record, once a runner published it
-    with the exit codes of the file queue's `--run` (`run --once`'s: 0 all ready for review, 1
-    one failed or needs a person, else 2 one was invalid)."""
+    """`fila submit --queue URL` (run/remote_submit.py); `wait`: each record once a runner
+    published it, and `run --once`'s exit code (run/worker.run_exit_code)."""
+    from ..run.remote_submit import submit_remote
 
-    from ..core.models import ErrorKind, Status
-    from ..queue.pg.store import PgQueue
-    from ..queue.store import new_task_id
-    from ..run.intake import check_task
-    from ..run.remote_inputs import pack
+    recs = submit_remote(root, url, task, engines=engines, models=models, wait=wait)
+    if wait:
+        from ..run.worker import run_exit_code
 
-    root.require()
-    if engines:
-        from ..review.groups import group_tasks
+        for rec in recs:
+            record_printer(json_)(rec)
+        raise typer.Exit(run_exit_code(recs))
+    _print_queued(recs, group=bool(engines), json_=json_)
 
-        tasks = group_tasks(task, engines, models=models)
-        for t in tasks:  # each member against this root's policy, as submit_group does
-            check_task(root, t)
-    else:
-        tasks = [task.model_copy(update={"id": task.id or new_task_id()})]
-    packed = pack(root, tasks[0])
-    with PgQueue(url) as q:
-        recs = q.enqueue_group([(t.id, t) for t in tasks], inputs=packed.manifest, files=packed.files)
-        if wait:
-            done = [q.wait_settled(r.id) for r in recs]
-            for rec in done:
-                record_printer(json_)(rec)
-            # run --once's codes (run/worker.py): 1 when one failed or needs a person, else 2
-            # when one was invalid, else 0.
-            invalid = [r.status == Status.failed and r.error is not None and r.error.kind == ErrorKind.invalid
-                       for r in done]  # fmt: skip
-            bad = [r.status in (Status.failed, Status.needs_human) for r in done]
-            raise typer.Exit(1 if any(b and not i for b, i in zip(bad, invalid, strict=True))
-                             else 2 if any(invalid) else 0)  # fmt: skip
-    if engines and json_:
-        print_json({"group": tasks[0].group,
+
+def _print_queued(recs: list[Record], *, group: bool, json_: bool) -> None:
+    """What `submit` prints of the tasks it queued: the ids, a line each, or JSON."""
+    if group and json_:
+        print_json({"group": recs[0].task.group if recs[0].task else None,
                     "tasks": [{"id": r.id, "engine": r.task.engine if r.task else None, "status": r.status}
                               for r in recs]})  # fmt: skip
     elif json_:

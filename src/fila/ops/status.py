@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..core.layout import Root
 from ..core.models import Status
 from ..queue import breaker, lease
 from ..queue import store as queue
+
+if TYPE_CHECKING:  # fila.queue.pg is imported only with a queue URL
+    from ..queue.pg.breaker import PgBreaker
 
 
 def _age(iso: str | None, now: float) -> float | None:
@@ -100,12 +103,11 @@ def render(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def gather_queue(db: Any, *, live_s: float) -> dict[str, Any]:
+def gather_queue(db: PgBreaker, *, live_s: float) -> dict[str, Any]:
     """`fila status --queue URL`: task counts, the runners the queue knows (live: seen within
     `live_s` seconds on the database's clock, not stopped), and the queued tasks no live runner
     can take (their engine on no live runner, or on none that takes their policy: `fila worker
-    --policy`), which wait until one that can starts; and the queue's circuit breaker
-    (`db` is a queue/pg/breaker.PgBreaker)."""
+    --policy`), which wait until one that can starts; and the queue's circuit breaker."""
     runners = db.runners(live_s)
     live = [r for r in runners if r["live"]]
     stuck = []

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -27,6 +28,7 @@ from ..core.layout import Root
 from ..core.models import ErrorKind, Policy, Record, Status, now_iso
 
 DEFAULT_THRESHOLD = Policy.model_fields["max_consecutive_failures"].default
+RECENT = 20  # the counted failures' ids kept
 
 
 class BreakerState(BaseModel):
@@ -103,48 +105,78 @@ def author_chosen(rec: Record) -> bool:
     )
 
 
-def _threshold(root: Root, rec: Record) -> int:
+def threshold(root: Root, policy: str | None) -> int:
+    """`max_consecutive_failures` of policy `policy` ("default" when None) under `root`: the
+    threshold a failure of a task of that policy counts against, on either queue (the file queue's
+    worker and a PostgreSQL runner read it from their own root); the default when the policy
+    does not load."""
     from .policy import load_policy
 
     try:
-        return load_policy(root, rec.task.policy if rec.task else "default")[0].max_consecutive_failures
+        return load_policy(root, policy or "default")[0].max_consecutive_failures
     except Exception:  # a policy that no longer loads must not stop the count
         return DEFAULT_THRESHOLD
 
 
-def record(root: Root, rec: Record, *, worker: str) -> BreakerState:
-    """Count one outcome; opens the breaker at the threshold. Returns the new state."""
+@dataclass(frozen=True)
+class Step:
+    """One outcome counted (`step`): the breaker's new state, whether it changed (to be
+    written) and whether it opened at this outcome (a `tripped` event, `trip_data`)."""
+
+    state: BreakerState
+    changed: bool = False
+    tripped: bool = False
+
+
+def step(st: BreakerState, rec: Record, *, threshold: int, by: str, at: str) -> Step:
+    """The counting rules, the same for both queues and pure (each store reads and writes the
+    state under its own lock): outcome `rec` (`verdict`) counted on state `st`. A success resets
+    the count, a failure adds one (its id kept among the last RECENT) and opens the breaker when
+    the count reaches `threshold` (the failing task's policy's); `by` (the worker or runner) and
+    `at` (its clock, as the records write it) name the trip. `st` itself is not changed."""
     v = verdict(rec)
+    if v is None:
+        return Step(st)
+    if v == "success":
+        if not (st.consecutive or st.recent):
+            return Step(st)
+        return Step(st.model_copy(update={"consecutive": 0, "recent": []}), changed=True)
+    new = st.model_copy(
+        update={
+            "consecutive": st.consecutive + 1,
+            "recent": [*st.recent, rec.id][-RECENT:],
+            "threshold": threshold,
+        }
+    )
+    if new.open or new.consecutive < new.threshold:
+        return Step(new, changed=True)
+    new.open, new.tripped_at, new.tripped_by = True, at, by
+    new.reason = (
+        f"{new.consecutive} consecutive tasks failed or need a person "
+        f"(max_consecutive_failures {new.threshold}); last: {rec.id}"
+    )
+    return Step(new, changed=True, tripped=True)
+
+
+def trip_data(st: BreakerState) -> dict[str, object]:
+    """What a `tripped` event records besides who tripped it: the count, its threshold, its tasks."""
+    return {"consecutive": st.consecutive, "threshold": st.threshold, "tasks": st.recent}
+
+
+def record(root: Root, rec: Record, *, worker: str) -> BreakerState:
+    """Count one outcome (`step`); opens the breaker at the threshold. Returns the new state."""
+    v = verdict(rec)
+    if v is None:
+        return read(root)
+    # Only a failure is counted against a threshold: a success reads no policy.
+    limit = threshold(root, rec.task.policy if rec.task else None) if v == "failure" else DEFAULT_THRESHOLD
     with _locked(root):
-        st = read(root)
-        if v is None:
-            return st
-        if v == "success":
-            if st.consecutive or st.recent:
-                st.consecutive, st.recent = 0, []
-                _write(root, st)
-            return st
-        st.consecutive += 1
-        st.recent = [*st.recent, rec.id][-20:]
-        st.threshold = _threshold(root, rec)
-        if not st.open and st.consecutive >= st.threshold:
-            st.open, st.tripped_at, st.tripped_by = True, now_iso(), worker
-            st.reason = (
-                f"{st.consecutive} consecutive tasks failed or need a person "
-                f"(max_consecutive_failures {st.threshold}); last: {rec.id}"
-            )
-            _write(root, st)
-            _event(
-                root,
-                "tripped",
-                worker=worker,
-                consecutive=st.consecutive,
-                threshold=st.threshold,
-                tasks=st.recent,
-            )
-        else:
-            _write(root, st)
-        return st
+        done = step(read(root), rec, threshold=limit, by=worker, at=now_iso())
+        if done.changed:
+            _write(root, done.state)
+        if done.tripped:
+            _event(root, "tripped", worker=worker, **trip_data(done.state))
+        return done.state
 
 
 def rearm(root: Root, *, by: str, reason: str | None = None) -> BreakerState:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -313,3 +313,36 @@ def all_records(root: Root) -> list[Record]:
         with contextlib.suppress(FileNotFoundError, ValueError):
             recs.append(Record.model_validate_json(p.read_bytes()))
     return recs
+
+
+# -- compare groups: the supersede an apply writes, and reading it back ---------------------------
+
+
+def superseded_reason(group: str, winner: str) -> str:
+    """The reason of the `superseded` decision an apply of `winner` gives the other members of
+    its compare group (both queues write it; `superseded_by` reads it back)."""
+    return f"group {group}: {winner} was applied"
+
+
+def superseded_by(members: list[Record], group: str, winner: str) -> list[str]:
+    """The ids of the `members` the apply of `winner` superseded: the answer an apply whose reply
+    was lost gives again, read from the records (docs/scale-out.md)."""
+    why = ("superseded", superseded_reason(group, winner))
+    return [r.id for r in members if r.decision and (r.decision.action, r.decision.reason) == why]
+
+
+def check_group(rec: Record, others: Iterable[Record]) -> None:
+    """Refuse to apply `rec` when another member of its group was applied already, naming that
+    member, who applied it and when: both queues' rule (review/groups.py for the file queue,
+    PgQueue.decide_group and review/remote.py for the database)."""
+    if rec.task is None or rec.task.group is None or rec.status != Status.needs_review:
+        return  # not a member, or decided itself: the decision's own check says what was decided
+    for other in others:
+        if other.id != rec.id and other.status == Status.applied:
+            d = other.decision
+            raise InvalidTransition(
+                f"task {rec.id} is in group {rec.task.group!r}, whose member {other.id} was applied"
+                + (f" by {d.by} at {d.at}" if d else ""),
+                task_id=rec.id,
+                hint="one member of a group lands; `fila compare GROUP` shows them",
+            )

@@ -518,14 +518,13 @@ def _resume(root: Root, rec: Record, marker: dict[str, Any], staging: Path, who:
     project = Path(marker["project"])
     with SafeDir(staging / "after") as adir:
         for op in ops:
-            if op.after.kind in ("file", "symlink") and adir.state(op.path, max_bytes=1 << 62) != op.after:
+            if (
+                op.after.kind in ("file", "symlink")
+                and adir.state(op.path, max_bytes=landing.ANY_SIZE) != op.after
+            ):
                 raise refuse("the staged copy of an interrupted apply is damaged", tid, [op.path])
     with SafeDir(project) as proj:
-        odd = []
-        for op in ops:
-            cur = proj.state(op.path, max_bytes=1 << 62)
-            if not landing.done(cur, op.after) and cur not in (op.before, ABSENT):
-                odd.append(op.path)
+        odd = [op.path for op in ops if landing.classify(proj, op) == "other"]
         if odd:
             raise refuse(
                 "an interrupted apply left files that are neither as they were nor as the patch makes them",

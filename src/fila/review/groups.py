@@ -26,7 +26,7 @@ from ..core.errors import InvalidTaskFile, NotFound
 from ..core.layout import Root
 from ..core.models import Decision, Record, Status, Task, now_iso
 from ..queue import store as queue
-from ..queue.pg.records import check_group
+from ..queue.records import check_group, superseded_reason
 from ..workspace.fswalk import inert
 
 # -- groups ---------------------------------------------------------------------------------------
@@ -129,9 +129,7 @@ def supersede_others(root: Root, winner: Record, *, by: str) -> Superseded:
                 continue
             if cur.status not in decision.DECIDABLE["reject"]:
                 continue  # rejected or superseded before: history stays
-            d = Decision(
-                action="superseded", by=by, at=now_iso(), reason=f"group {group}: {winner.id} was applied"
-            )
+            d = Decision(action="superseded", by=by, at=now_iso(), reason=superseded_reason(group, winner.id))
             queue.set_status(
                 root,
                 m.id,

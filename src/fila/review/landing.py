@@ -20,7 +20,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from ..core import fsutil
 from ..core.errors import ApplyRefused, FilaError
@@ -32,7 +32,7 @@ from ..workspace.safedir import SafeDir, State
 
 MARKER = "applying.json"
 _MAX_LISTED = 20
-_ANY = 1 << 62  # sizes were checked when staged; the landing only re-reads its own copies
+ANY_SIZE = 1 << 62  # sizes were checked when staged; the landing only re-reads its own copies
 
 
 @dataclass
@@ -71,6 +71,23 @@ def done(cur: State, want: State) -> bool:
     return cur == want or (cur.kind in ("absent", "dir") and want.kind in ("absent", "dir"))
 
 
+Where = Literal["after", "before", "absent", "other"]
+
+
+def classify(proj: SafeDir, op: Op) -> Where:
+    """Where `op.path` stands in the project now: in its `after` state ("after"), in its
+    `before` state ("before"), missing though it was a file or symlink before ("absent"), or
+    anything else ("other": someone else wrote it). A directory and no entry count as the same
+    state (`done`): the landing makes and removes directories itself. The landing, its resume,
+    its rollback and a lost reply's check (review/remote.py) all decide from this answer."""
+    cur = proj.state(op.path, max_bytes=ANY_SIZE)
+    if done(cur, op.after):
+        return "after"
+    if done(cur, op.before):
+        return "before"
+    return "absent" if cur.kind == "absent" else "other"
+
+
 def land(proj: SafeDir, ops: list[Op], staging: Path, tid: str, root: Root, *,
          resuming: bool = False) -> tuple[list[str], list[str]]:  # fmt: skip
     """Write every op's `after` state; on any failure, put back what was written and re-raise.
@@ -88,10 +105,11 @@ def land(proj: SafeDir, ops: list[Op], staging: Path, tid: str, root: Root, *,
     try:
         with SafeDir(staging / "after") as adir:
             for op in dels:
-                cur = proj.state(op.path, max_bytes=_ANY)
-                if done(cur, op.after):
+                where = classify(proj, op)
+                if where == "after":
                     continue
-                _expect(cur, op, tid)
+                if where != "before":
+                    raise _changed(proj, op, tid)
                 proj.unlink(op.path)
                 undo.append(("restore", op))
                 deleted.append(escape_name(op.path))
@@ -101,11 +119,11 @@ def land(proj: SafeDir, ops: list[Op], staging: Path, tid: str, root: Root, *,
                 if proj.rmdir(d):
                     undo.append(("mkdir", d))
             for op in puts:
-                cur = proj.state(op.path, max_bytes=_ANY)
-                if done(cur, op.after):
+                where = classify(proj, op)
+                if where == "after":
                     continue
-                if cur.kind != "absent":
-                    _expect(cur, op, tid)
+                if where == "other":
+                    raise _changed(proj, op, tid)
                 made: list[str] = []
                 try:
                     _put(adir, proj, op.path, op.after, made)
@@ -131,17 +149,17 @@ def land(proj: SafeDir, ops: list[Op], staging: Path, tid: str, root: Root, *,
     return written, deleted
 
 
-def _expect(cur: State, op: Op, tid: str) -> None:
-    if cur != op.before and not (cur.kind == "dir" and op.before.kind == "dir"):
-        raise refuse(f"{escape_name(op.path)} changed while being applied "
-                     f"(expected {op.before.show()}, found {cur.show()})", tid)  # fmt: skip
+def _changed(proj: SafeDir, op: Op, tid: str) -> ApplyRefused:
+    cur = proj.state(op.path, max_bytes=ANY_SIZE)
+    return refuse(f"{escape_name(op.path)} changed while being applied "
+                  f"(expected {op.before.show()}, found {cur.show()})", tid)  # fmt: skip
 
 
 def _put(src: SafeDir, dst: SafeDir, rel: str, state: State, made: list[str],
          perm: int | None = None) -> None:  # fmt: skip
     """Copy `rel` from staging into the project; the copy must be `state` (it is compared after
     writing: a failure then rolls back)."""
-    if src.copy_to(rel, dst, max_bytes=_ANY, made=made, mode=perm) != state:
+    if src.copy_to(rel, dst, max_bytes=ANY_SIZE, made=made, mode=perm) != state:
         raise FilaError(
             f"the staged copy of {escape_name(rel)} is not what was checked", path=escape_name(rel)
         )
@@ -216,12 +234,10 @@ def roll_back(root: Root, task_id: str) -> list[str]:
     odd: list[str] = []
     with SafeDir(Path(marker["project"])) as proj:
         for op in ops:
-            cur = proj.state(op.path, max_bytes=_ANY)
-            if done(cur, op.before):
-                continue
-            if done(cur, op.after):
+            where = classify(proj, op)
+            if where == "after":
                 undo.append(("restore", op))
-            else:
+            elif where != "before":
                 odd.append(op.path)
         if odd:
             raise refuse("the decision was refused and these files are neither as they were nor "
@@ -243,7 +259,7 @@ def forget_untouched_interrupted(root: Root, task_id: str) -> None:
         return
     ops = [Op.from_json(o) for o in marker["ops"]]
     with SafeDir(Path(marker["project"])) as proj:
-        landed = [op.path for op in ops if proj.state(op.path, max_bytes=_ANY) != op.before]
+        landed = [op.path for op in ops if proj.state(op.path, max_bytes=ANY_SIZE) != op.before]
     if landed:
         raise refuse("an interrupted apply already wrote some files of this task", task_id,
                      landed, hint="run `fila apply ID` to finish it; a task cannot be rejected "

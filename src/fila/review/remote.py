@@ -31,9 +31,10 @@ from ..core.errors import FilaError, InvalidId, InvalidInput, InvalidTransition,
 from ..core.layout import Root
 from ..core.models import Decision, Record, Status, now_iso
 from ..core.states import valid_id
+from ..queue.pg.groups import GroupDecision
 from ..queue.pg.inputs import check_limits, read_manifest, unpack
-from ..queue.pg.records import check_group
-from ..queue.pg.store import INPUTS, GroupDecision, PgQueue
+from ..queue.pg.store import INPUTS, PgQueue
+from ..queue.records import check_group, superseded_by
 from ..workspace import jobdir
 from ..workspace.fswalk import escape_name
 from ..workspace.safedir import SafeDir
@@ -95,9 +96,8 @@ def review_html(root: Root, db: PgQueue, task_id: str, rv: report.Review, out: P
     its own, and `fila gc` leaves it). The path is built from the id the person asked for, once
     it is a valid id, never from the database's record; the log's end is the runner's published
     log blob."""
-    if not valid_id(task_id) or rv.record.id != task_id:
-        raise InvalidId(f"task id {task_id!r} is not [A-Za-z0-9._-]{{1,128}}, or not its record's id",
-                        task_id=None)  # fmt: skip
+    if not valid_id(task_id):
+        raise InvalidId(f"task id {task_id!r} is not [A-Za-z0-9._-]{{1,128}}", task_id=None)
     if out is None:
         out = root.require().fila / "reviews" / task_id / "REVIEW.html"
     tail = queued_log(db, task_id)[-report.LOG_TAIL_BYTES :]
@@ -230,16 +230,13 @@ def _recorded(root: Root, rec: Record, marker: dict[str, Any], who: str) -> bool
     if not rec.patch_sha256 or marker.get("patch_sha256") != rec.patch_sha256:
         return False
     with SafeDir(Path(marker["project"])) as proj:
-        return all(
-            landing.done(proj.state(o.path, max_bytes=1 << 62), o.after)
-            for o in (landing.Op.from_json(x) for x in marker["ops"])
-        )
+        return all(landing.classify(proj, landing.Op.from_json(x)) == "after" for x in marker["ops"])
 
 
 def _finish(root: Root, db: PgQueue, rec: Record, marker: dict[str, Any]) -> Applied:
     """The end of an apply whose decision committed and whose reply was lost: the marker and
-    the copy go, and what the decision superseded (PgQueue.decide_group's reason names this
-    task) and left undecided is read back from the database."""
+    the copy go, and what the decision superseded (queue/records.superseded_by: the reason
+    names this task) and left undecided is read back from the database."""
     ops = [landing.Op.from_json(x) for x in marker["ops"]]
     landing.clear(root, rec.id)
     _drop(root, rec.id)
@@ -251,9 +248,8 @@ def _finish(root: Root, db: PgQueue, rec: Record, marker: dict[str, Any]) -> App
                   merged=[escape_name(p) for p in marker.get("merged", [])])  # fmt: skip
     group = rec.task.group if rec.task else None
     if group:
-        mine = f"group {group}: {rec.id} was applied"
         others = [r for r in db.group_records(group) if r.id != rec.id]
-        res.superseded = [r.id for r in others if r.decision is not None and r.decision.reason == mine]
+        res.superseded = superseded_by(others, group, rec.id)
         res.undecided = [r.id for r in others if r.status in (Status.queued, Status.running)]
     return res
 

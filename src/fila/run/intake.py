@@ -272,15 +272,22 @@ def submit(root: Root, task: Task) -> Record:
     return queue.enqueue(root, task.id or queue.new_task_id(), task)
 
 
-def submit_group(root: Root, tasks: list[Task]) -> list[Record]:
-    """Queue a compare group's members (compare.group_tasks): every member is checked (engine
-    options, image, policy) and every id is free before any is queued."""
-    root.require()
+def check_group(root: Root, tasks: list[Task], *, in_use: Callable[[str], str | None] | None = None) -> None:
+    """A compare group's members (review/groups.group_tasks) before any is queued: every one
+    checked against `root`'s policy (engine options, image, policy) and, with `in_use` (where a
+    queue holds an id, or None), its id free. Both queues' submits use it (docs/scale-out.md)."""
     for t in tasks:
         assert t.id is not None
-        where = queue.id_in_use(root, t.id)
+        where = in_use(t.id) if in_use else None
         if where:
             raise DuplicateId(f"task id {t.id!r} exists already ({where})", task_id=t.id,
                               hint="choose another group id (--id)")  # fmt: skip
         check_task(root, Task.model_validate(t.model_dump()))
+
+
+def submit_group(root: Root, tasks: list[Task]) -> list[Record]:
+    """Queue a compare group's members: every member is checked and every id is free
+    (check_group) before any is queued."""
+    root.require()
+    check_group(root, tasks, in_use=lambda tid: queue.id_in_use(root, tid))
     return [submit(root, t) for t in tasks]

@@ -26,7 +26,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..core.errors import (
@@ -491,21 +491,44 @@ class Worker:
                 return
 
     def exit_code(self) -> int:
-        if self.interrupted:
-            return EXIT_INTERRUPTED
-        if self.once and self.breaker_tripped:
-            return EXIT_BREAKER
-        if self.once and self.infra_error is not None:
-            return EXIT_DOCKER
-        if self.crash is not None:
-            return EXIT_SOME_FAILED
-        if not self.once:
-            return EXIT_OK
-        if any(r.status in (Status.failed, Status.needs_human) and not _invalid(r) for r in self.records):
-            return EXIT_SOME_FAILED
-        if any(_invalid(r) for r in self.records):
-            return EXIT_INVALID
+        return run_exit_code(
+            self.records,
+            once=self.once,
+            interrupted=self.interrupted,
+            breaker_tripped=self.breaker_tripped,
+            infra_error=self.infra_error is not None,
+            crash=self.crash is not None,
+        )
+
+
+def run_exit_code(
+    records: Iterable[Record],
+    *,
+    once: bool = True,
+    interrupted: bool = False,
+    breaker_tripped: bool = False,
+    infra_error: bool = False,
+    crash: bool = False,
+) -> int:
+    """The one exit rule of `fila run` and `fila worker` on either queue, and of `submit --run`
+    (README, "Exit codes"; docs/scale-out.md): 130 interrupted; with `once`, 6 the breaker open and
+    3 Docker or an image missing; 1 a fila bug in a job; else, without `once`, 0. With `once`, of
+    the `records`: 1 when one failed or needs a person other than as invalid, else 2 when one was
+    refused as invalid, else 0 (a failure a person must look at outranks a task file to fix)."""
+    if interrupted:
+        return EXIT_INTERRUPTED
+    if once and breaker_tripped:
+        return EXIT_BREAKER
+    if once and infra_error:
+        return EXIT_DOCKER
+    if crash:
+        return EXIT_SOME_FAILED
+    if not once:
         return EXIT_OK
+    recs = list(records)
+    if any(r.status in (Status.failed, Status.needs_human) and not _invalid(r) for r in recs):
+        return EXIT_SOME_FAILED
+    return EXIT_INVALID if any(_invalid(r) for r in recs) else EXIT_OK
 
 
 def _invalid(rec: Record) -> bool:

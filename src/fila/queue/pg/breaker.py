@@ -4,7 +4,7 @@ docs/architecture.md "The queue's contract").
 
 The state is the single row of `fila_breaker` (migration 0005), the file queue's BreakerState in
 columns; its trips and rearms go to the append-only `fila_breaker_events`. What counts, and how,
-is queue/breaker.py's `verdict`, applied here to the record a publish writes, in the publish's
+is queue/breaker.py's `step`, applied here to the record a publish writes, in the publish's
 own transaction (`count`): an outcome is counted exactly when it is written, and a publish
 refused for a stale token counts nothing. The threshold is the failing task's policy's
 `max_consecutive_failures` as its runner has it (published with the outcome), else the default.
@@ -17,15 +17,16 @@ Nothing reopens it but a person: `fila rearm --queue URL` (`rearm`).
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any
 
 from ...core.models import Record
-from ..breaker import DEFAULT_THRESHOLD, BreakerState, verdict
+from ..breaker import DEFAULT_THRESHOLD, BreakerState, step, trip_data, verdict
 from .db import Database
+from .records import iso
 
 # The claim statement's condition: no claim while the breaker is open.
 CLOSED = "NOT EXISTS (SELECT 1 FROM fila_breaker WHERE open)"
-RECENT = 20  # the counted failures' ids kept, as the file queue keeps them
 COLUMNS = (
     "open, consecutive, threshold, recent, tripped_at, tripped_by, reason, rearmed_at, rearmed_by, updated_at"
 )
@@ -33,7 +34,8 @@ FIELDS = [c.strip() for c in COLUMNS.split(",")]
 
 
 def _iso(value: Any) -> Any:
-    return value.isoformat() if hasattr(value, "isoformat") else value
+    """A timestamp column as the records write it (records.iso: UTC, milliseconds)."""
+    return iso(value) if isinstance(value, datetime) else value
 
 
 def _state(row: tuple[Any, ...] | None) -> BreakerState:
@@ -68,36 +70,23 @@ def _event(conn: Any, event: str, data: dict[str, Any]) -> None:
     conn.execute("INSERT INTO fila_breaker_events (event, data) VALUES (%s, %s)", (event, Jsonb(data)))
 
 
-def count(conn: Any, rec: Record, *, runner: str, threshold: int | None) -> BreakerState:
-    """Count the outcome `rec` that `conn`'s transaction writes (queue/breaker.py's `verdict`):
-    a success resets the count, a failure adds one and opens the breaker at `threshold` (the
-    task's policy's, else the default). Returns the state as this transaction leaves it."""
-    v = verdict(rec)
-    if v is None:
-        return read_on(conn)
-    if v == "success":
-        # Most outcomes: nothing to reset, and no lock (publishes do not queue behind each other).
-        st = read_on(conn)
-        if st.consecutive or st.recent:
-            st = _locked(conn)
-            st.consecutive, st.recent = 0, []
-            _save(conn, st)
-        return st
-    st = _locked(conn)
-    st.consecutive += 1
-    st.recent = [*st.recent, rec.id][-RECENT:]
-    st.threshold = threshold if threshold is not None else DEFAULT_THRESHOLD
-    if not st.open and st.consecutive >= st.threshold:
-        st.open, st.tripped_by = True, runner
-        st.tripped_at = _iso(conn.execute("SELECT now()").fetchone()[0])
-        st.reason = (
-            f"{st.consecutive} consecutive tasks failed or need a person "
-            f"(max_consecutive_failures {st.threshold}); last: {rec.id}"
-        )
-        _event(conn, "tripped", {"runner": runner, "consecutive": st.consecutive,
-                                 "threshold": st.threshold, "tasks": st.recent})  # fmt: skip
-    _save(conn, st)
-    return st
+def count(conn: Any, rec: Record, *, runner: str, threshold: int | None, at: datetime) -> BreakerState:
+    """Count the outcome `rec` that `conn`'s transaction writes at `at` (the database's clock)
+    by the file queue's rules (queue/breaker.py's `step`): `threshold` is the task's policy's, else
+    the default. Returns the state as this transaction leaves it."""
+    limit = threshold if threshold is not None else DEFAULT_THRESHOLD
+    if verdict(rec) != "failure":
+        # What counts nothing, and a success with nothing to reset (most outcomes), take no lock:
+        # publishes do not queue behind each other.
+        seen = read_on(conn)
+        if not step(seen, rec, threshold=limit, by=runner, at=iso(at)).changed:
+            return seen
+    done = step(_locked(conn), rec, threshold=limit, by=runner, at=iso(at))
+    if done.changed:
+        _save(conn, done.state)
+    if done.tripped:
+        _event(conn, "tripped", {"runner": runner, **trip_data(done.state)})
+    return done.state
 
 
 def read_on(conn: Any) -> BreakerState:
@@ -127,7 +116,7 @@ class PgBreaker(Database):
 
         def run(conn: Any, _again: bool) -> BreakerState:
             was = _locked(conn)
-            at = _iso(conn.execute("SELECT now()").fetchone()[0])
+            at = iso(conn.execute("SELECT now()").fetchone()[0])
             st = BreakerState(rearmed_at=at, rearmed_by=by, threshold=was.threshold)
             _save(conn, st)
             _event(conn, "rearmed", {"by": by, "reason": reason, "was_open": was.open,

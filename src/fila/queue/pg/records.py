@@ -5,7 +5,6 @@ database's clock, passed in by the caller."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -100,20 +99,3 @@ def invalid(task_id: str, cur: Record, at: datetime, err: ValidationError) -> Re
     msg = f"the queued task does not validate: {where}: {first.get('msg', err)}"
     error = ErrorInfo(kind=ErrorKind.invalid, message=msg)
     return transition(task_id, cur, Status.failed, at, expect={Status.queued}, changes={"error": error})
-
-
-def check_group(rec: Record, others: Iterable[Record]) -> None:
-    """Refuse to apply `rec` when another member of its group was applied already, naming that
-    member, who applied it and when (review/groups.py for the file queue, PgQueue.decide_group and
-    review/remote.py for the database)."""
-    if rec.task is None or rec.task.group is None or rec.status != Status.needs_review:
-        return  # not a member, or decided itself: the decision's own check says what was decided
-    for other in others:
-        if other.id != rec.id and other.status == Status.applied:
-            d = other.decision
-            raise InvalidTransition(
-                f"task {rec.id} is in group {rec.task.group!r}, whose member {other.id} was applied"
-                + (f" by {d.by} at {d.at}" if d else ""),
-                task_id=rec.id,
-                hint="one member of a group lands; `fila compare GROUP` shows them",
-            )

@@ -1,5 +1,6 @@
 """The PostgreSQL queue's store: submit, claim, lease, publish, sweep, retry, read
-(docs/architecture.md, "The PostgreSQL queue"; the rules are "The queue's contract").
+(docs/architecture.md, "The PostgreSQL queue"; the rules are "The queue's contract"); a compare
+group's decision is groups.py's, the circuit breaker breaker.py's (PgQueue is both).
 
 Every writer locks the task's row first (`FOR UPDATE`, or the UPDATE itself) and then touches its
 record, events and blobs in the same transaction, so a task's four tables always agree. Only the
@@ -33,7 +34,7 @@ import logging
 import secrets
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -45,11 +46,11 @@ from ...core.states import valid_id
 from ..retry import INFRA, RetryPolicy
 from ..store import LeaseLost
 from . import blobs as blobstore
-from . import breaker, records
+from . import breaker, groups, records
 from .blobs import Blob
 from .breaker import PgBreaker
 from .db import CHANNEL, retryable
-from .records import check_group
+from .groups import PgGroups
 
 S = Status
 log = logging.getLogger(__name__)
@@ -57,6 +58,14 @@ OUTCOMES = {S.needs_review, S.failed, S.needs_human}
 # The blob that names a task's targets (path, kind, mode, sha256 of each): sent with the task,
 # read by the runner that claims it, and published again with its outcome.
 INPUTS = "input.manifest"
+# The queued tasks a runner of %(engines)s and %(policies)s (None: any policy) can take: what the
+# claim chooses from (once a task's backoff is over and the breaker closed) and what `backoff_left`
+# waits for, one text so that they never disagree (a `--once` runner would wait on a task its
+# claim never takes).
+CLAIMABLE = (
+    "state = 'queued' AND engine = ANY(%(engines)s) "
+    "AND (%(policies)s::text[] IS NULL OR coalesce(task->>'policy', 'default') = ANY(%(policies)s))"
+)
 # The row a lease holds: its id, its token, still running, not expired on the database's clock.
 HELD = "id = %s AND token = %s AND state = 'running' AND lease_expires_at > now()"
 
@@ -77,22 +86,10 @@ class Lease:
     clock_offset_s: float = 0.0
 
 
-@dataclass
-class GroupDecision:
-    """What `decide_group` wrote: the applied record, the members it superseded, and those it
-    left because they were still queued or running."""
-
-    record: Record
-    superseded: list[str] = field(default_factory=list)
-    undecided: list[str] = field(default_factory=list)
-
-
 CLAIM_SQL = f"""
 WITH pick AS (
     SELECT id FROM fila_tasks
-    WHERE state = 'queued' AND engine = ANY(%(engines)s) AND (not_before IS NULL OR not_before <= now())
-      AND {breaker.CLOSED}
-      AND (%(policies)s::text[] IS NULL OR coalesce(task->>'policy', 'default') = ANY(%(policies)s))
+    WHERE {CLAIMABLE} AND (not_before IS NULL OR not_before <= now()) AND {breaker.CLOSED}
     ORDER BY submitted_at, id
     LIMIT 1
     FOR UPDATE SKIP LOCKED
@@ -107,11 +104,6 @@ RETURNING t.id, t.token, t.attempt, t.task, t.lease_expires_at, now(),
 """
 
 
-def _same(a: Decision | None, b: Decision) -> bool:
-    """The same person's same decision, whatever its time (a retry's clock is later)."""
-    return a is not None and (a.action, a.by, a.reason) == (b.action, b.by, b.reason)
-
-
 def runner_of(rec: Record) -> str:
     return rec.worker or "unknown"
 
@@ -120,7 +112,7 @@ def _seconds(value: float) -> timedelta:
     return timedelta(seconds=value)
 
 
-class PgQueue(PgBreaker):
+class PgQueue(PgGroups, PgBreaker):
     """One queue database, shared by this process's threads: the operations that change it."""
 
     # -- submit ---------------------------------------------------------------------------------
@@ -169,7 +161,7 @@ class PgQueue(PgBreaker):
 
         def one(conn: Any, again: bool, task_id: str, task: Task, doc: dict[str, Any]) -> Record:
             if task.group is not None:
-                self._group_open(conn, task_id, task.group)
+                groups.check_joinable(conn, task_id, task.group)
             row = conn.execute(
                 "INSERT INTO fila_tasks (id, state, task, engine, max_tries) "
                 "VALUES (%s, 'queued', %s, %s, %s) ON CONFLICT (id) DO NOTHING RETURNING submitted_at",
@@ -200,26 +192,6 @@ class PgQueue(PgBreaker):
             return rec
 
         return self._tx(lambda conn, again: [one(conn, again, t, task, doc) for t, task, doc in checked])
-
-    def _group_open(self, conn: Any, task_id: str, group: str) -> None:
-        """Refuse (InvalidTransition, in the submit's transaction: nothing written) a task that
-        joins a compare group one of whose members was applied already: it would run and could
-        never be applied (records.check_group). A decide_group committing at the same moment can
-        still be missed; that member is then refused when applied (check_group), as before."""
-        row = conn.execute(
-            "SELECT t.id, r.record->'decision'->>'by', r.record->'decision'->>'at' FROM fila_tasks t "
-            "JOIN fila_records r USING (id) WHERE t.task->>'group' = %s AND t.state = 'applied' "
-            "ORDER BY t.id LIMIT 1",
-            (group,),
-        ).fetchone()
-        if row is not None:
-            raise InvalidTransition(
-                f"task {task_id} joins group {group!r}, whose member {row[0]} was applied"
-                + (f" by {row[1]} at {row[2]}" if row[1] else ""),
-                task_id=task_id,
-                hint="one member of a group lands; submit it in a new group (or none); nothing "
-                "of this submit was queued",
-            )
 
     def _checked(self, task_id: str, task: Task) -> tuple[str, Task, dict[str, Any]]:
         """The task as stored (id set, validated again) and its JSON document; nothing written."""
@@ -347,9 +319,8 @@ class PgQueue(PgBreaker):
         row = self._tx(
             lambda conn, _again: conn.execute(
                 "SELECT extract(epoch FROM min(coalesce(not_before, now())) - now()) FROM fila_tasks "
-                "WHERE state = 'queued' AND engine = ANY(%s) "
-                "AND (%s::text[] IS NULL OR coalesce(task->>'policy', 'default') = ANY(%s))",
-                (sorted(set(engines)), pols, pols),
+                f"WHERE {CLAIMABLE}",
+                {"engines": sorted(set(engines)), "policies": pols},
             ).fetchone()
         )
         return None if row is None or row[0] is None else max(0.0, float(row[0]))
@@ -444,7 +415,7 @@ class PgQueue(PgBreaker):
 
         The outcome is counted by the queue's circuit breaker in the same transaction
         (pg/breaker.count; `threshold`: the task's policy's max_consecutive_failures as the runner
-        has it, else the default); a stale token's publish counts nothing."""
+        has it, queue/breaker.threshold, else the default); a stale token's publish counts nothing."""
         if status not in OUTCOMES:
             raise InvalidTransition(f"publish takes an outcome ({', '.join(sorted(OUTCOMES))}), not {status}")
         changes = records.result_fields(task_id, fields)
@@ -496,7 +467,7 @@ class PgQueue(PgBreaker):
                     "blobs": {b.name: b.sha256 for b in items},
                 },
             )
-            breaker.count(conn, rec, runner=runner_of(cur), threshold=threshold)
+            breaker.count(conn, rec, runner=runner_of(cur), threshold=threshold, at=at)
             return rec
 
         return self._tx(run)
@@ -509,11 +480,16 @@ class PgQueue(PgBreaker):
         *,
         backoff_s: float = 0.0,
         counted: bool = True,
+        threshold: int | None = None,
     ) -> Record | None:
         """A claimed task whose container never started goes back to the queue (a new token, a
         backoff); a counted hand back spends one try of the budget, and the last one fails the task
         instead. None when the token is stale. Refused (InvalidTransition) once the task is marked
-        started: that task is for a person."""
+        started: that task is for a person.
+
+        A task that fails so is counted by the circuit breaker as `publish` counts a failure
+        (`threshold`: the task's policy's max_consecutive_failures as the runner has it, else the
+        default), as the file queue counts it."""
 
         def run(conn: Any, _again: bool) -> Record | None:
             row = conn.execute(
@@ -534,7 +510,7 @@ class PgQueue(PgBreaker):
                 msg = f"{error.message if error else 'handed back'} (gave up after {tries} attempts)"
                 err = ErrorInfo(kind=error.kind if error else ErrorKind.infra, message=msg)
                 rec = self._settle(conn, task_id, cur, S.failed, at, tries, outcome, {"error": err})
-                breaker.count(conn, rec, runner=runner_of(cur), threshold=None)  # as the file queue's
+                breaker.count(conn, rec, runner=runner_of(cur), threshold=threshold, at=at)
                 return rec
             until = at + _seconds(backoff_s)
             changes = {"error": error, "not_before": until.timestamp() if backoff_s > 0 else None}
@@ -660,91 +636,6 @@ class PgQueue(PgBreaker):
             return rec
 
         return self._tx(run)
-
-    def group_records(self, group: str) -> list[Record]:
-        """The records of a compare group's members (tasks whose `group` is `group`), by id;
-        an empty list when no task has that group. Each record's id must be its row's (Refused,
-        as db.py's _record: a record's id names paths and blobs)."""
-        sql = (
-            "SELECT t.id FROM fila_tasks t JOIN fila_records r USING (id) "
-            "WHERE t.task->>'group' = %s ORDER BY t.id"
-        )
-        return self._tx(
-            lambda conn, _again: [self._record(conn, r[0]) for r in conn.execute(sql, (group,)).fetchall()]
-        )
-
-    def decide_group(
-        self, task_id: str, decision: Decision, *, expect: set[Status], supersede: set[Status]
-    ) -> GroupDecision:
-        """A person's `applied` of a task, and of the other members of its compare group: the
-        decision and every supersede in ONE transaction (a task in no group: as `decide`).
-
-        The transaction locks every member's row (`FOR UPDATE`, in id order, so two deciders of
-        one group queue behind each other and never deadlock) before it reads a record. Then:
-        a member other than this one already `applied` refuses the decision (InvalidTransition
-        naming that member, who and when: nothing written); this task must be in `expect`
-        (InvalidTransition otherwise); every other member in `supersede` becomes `rejected` with
-        a decision `superseded` (who, when, "group G: ID was applied"), and members still queued
-        or running are left as they are and named in `undecided` (a person rejects them when they
-        end; the member applied first wins: records.check_group refuses theirs). Two reviewers who
-        apply two members at once: the second transaction waits for the first's locks, then finds
-        the first's member applied and changes nothing. Sent again after a lost reply, it
-        returns what the first one wrote (recognised by action, who and reason: the `at` of the
-        decision, like the supersedes', is the database's clock at the commit, not the caller's)."""
-        if decision.action != S.applied.value:
-            raise InvalidTransition(
-                f"only an applied decision supersedes, not {decision.action}", task_id=task_id
-            )
-
-        def run(conn: Any, _again: bool) -> GroupDecision:
-            row = conn.execute("SELECT task->>'group', now() FROM fila_tasks WHERE id = %s",
-                               (task_id,)).fetchone()  # fmt: skip
-            if row is None:
-                raise NotFound(f"no task {task_id!r} in the queue database {self.where}")
-            group, at = row
-            ids = [task_id]
-            if group is not None:
-                ids = [r[0] for r in conn.execute(
-                    "SELECT id FROM fila_tasks WHERE task->>'group' = %s ORDER BY id FOR UPDATE", (group,)
-                ).fetchall()]  # fmt: skip
-            else:
-                conn.execute("SELECT 1 FROM fila_tasks WHERE id = %s FOR UPDATE", (task_id,))
-            recs = {i: self._record(conn, i) for i in ids}
-            cur = recs[task_id]
-            made = decision.model_copy(update={"at": records.iso(at)})
-            if cur.status == S.applied and _same(cur.decision, made):  # ours, its reply lost
-                mine = f"group {group}: {task_id} was applied"
-                done = [i for i, r in recs.items() if r.decision and r.decision.reason == mine]
-                left = [i for i, r in recs.items() if r.status in (S.queued, S.running)]
-                return GroupDecision(cur, done, left)
-            check_group(cur, [r for i, r in recs.items() if i != task_id])
-            rec = records.transition(task_id, cur, S.applied, at, expect=expect, changes={"decision": made})
-            self._decided(conn, task_id, cur, rec, "decided", made)
-            out = GroupDecision(rec)
-            for i, other in recs.items():
-                if i == task_id:
-                    continue
-                if other.status in (S.queued, S.running):
-                    out.undecided.append(i)
-                    continue
-                if other.status not in supersede:
-                    continue  # decided before: its history stays
-                d = Decision(action="superseded", by=decision.by, at=records.iso(at),
-                             reason=f"group {group}: {task_id} was applied")  # fmt: skip
-                new = records.transition(i, other, S.rejected, at, expect=supersede, changes={"decision": d})
-                self._decided(conn, i, other, new, "superseded", d)
-                out.superseded.append(i)
-            return out
-
-        return self._tx(run)
-
-    def _decided(self, conn: Any, task_id: str, cur: Record, rec: Record, event: str, d: Decision) -> None:
-        """A person's decision written: the row's state, the record, the event (in `conn`'s
-        transaction)."""
-        conn.execute("UPDATE fila_tasks SET state = %s, updated_at = now() WHERE id = %s",
-                     (str(rec.status), task_id))  # fmt: skip
-        data = {"from": str(cur.status), "to": str(rec.status), "by": d.by, "reason": d.reason}
-        self._write(conn, task_id, rec, event, data)
 
     # -- runners --------------------------------------------------------------------------------
 

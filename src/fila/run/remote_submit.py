@@ -1,0 +1,42 @@
+"""`fila submit --queue URL` (docs/scale-out.md): a task, or a compare group's members, checked
+against the submitting root's policy and sent with its targets to the PostgreSQL queue in one
+transaction; with `wait`, each member's record once a runner has published it.
+
+The members are checked as the file queue's `submit_group` checks them (intake.check_group); the
+targets are read and checked as a job directory's copy reads them (remote_inputs.pack), and sent
+once for the whole group. The database refuses an id in use, for the whole group.
+"""
+
+from __future__ import annotations
+
+from ..core.layout import Root
+from ..core.models import Record, Task
+from ..queue.pg.store import PgQueue
+from ..queue.store import new_task_id
+from ..review.groups import group_tasks
+from .intake import check_group
+from .remote_inputs import pack
+
+
+def submit_remote(
+    root: Root,
+    url: str,
+    task: Task,
+    *,
+    engines: list[str] | None = None,
+    models: dict[str, str] | None = None,
+    wait: bool = False,
+) -> list[Record]:
+    """Queue `task` in the database at `url` (with `engines`: one member per engine, ids
+    GROUP.ENGINE, `models` an engine's own model) and return the queued records, in the members'
+    order; with `wait`, each member's record once it is neither queued nor running."""
+    root.require()
+    if engines:
+        tasks = group_tasks(task, engines, models=models)
+        check_group(root, tasks)  # the database refuses an id in use, in the same transaction
+    else:
+        tasks = [task.model_copy(update={"id": task.id or new_task_id()})]
+    packed = pack(root, tasks[0])  # checks the (first) task, as `submit` does
+    with PgQueue(url) as q:
+        recs = q.enqueue_group([(t.id, t) for t in tasks], inputs=packed.manifest, files=packed.files)
+        return [q.wait_settled(r.id) for r in recs] if wait else recs
