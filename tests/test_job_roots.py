@@ -2,10 +2,12 @@
 it"): recovery removes a job root whose runner is gone, and nothing it did not make, whatever is
 planted in `remote/` (links, directories and files named like its locks and temp files, a job root
 whose fila/ links to a root's own queue); only on a root marked as a runner's; never blocking.
-`take` refuses what it cannot own with an InfraError. The lease of a claim counts from when the
+`take` refuses what it cannot own with an InfraError, removes only what it made, and a root other
+users can write; a removal stopped part-way is finished. What a runner publishes names no place of
+this host; a log cut short does not name its own path. The lease of a claim counts from when the
 claim was sent. No container and no database: the fake backend, plain files.
 
-Cost in the default run: about 1 s (a `fila recover` in this process, one short child process)."""
+Cost in the default run: about 1.5 s (a `fila recover` in this process, one short child process)."""
 
 from __future__ import annotations
 
@@ -228,3 +230,147 @@ def test_a_lease_counts_from_when_its_claim_was_sent() -> None:
     late = LeaseHooks(None, lease, threading.Event(), 10.0, time.monotonic() - 9.5)  # type: ignore[arg-type]
     with pytest.raises(queue.LeaseLost):
         late.check()
+
+
+def test_a_runner_root_others_can_write_is_refused_and_remote_is_made_its_owners_alone(
+    tmp_path: Path,
+) -> None:
+    runner = make_root(tmp_path / "runner")
+    remote = remote_jobs.jobs_dir(runner)
+    # The allowed counterpart: a root only its user can write; a remote/ others could reach
+    # (a project's own, 0777) is tightened to 0700 at the runner's start, not refused.
+    runner.path.chmod(0o755)
+    remote.mkdir(exist_ok=True)
+    remote.chmod(0o777)
+    assert remote_jobs.prepare(runner) == remote and oct(remote.stat().st_mode & 0o777) == "0o700"
+    remote.chmod(0o750)
+    held = remote_jobs.take(runner, "t.1")
+    assert oct(remote.stat().st_mode & 0o777) == "0o700"
+    held.verify()  # still the directory take made
+    # Swapped for another directory (or a link) after take: nothing is written there.
+    held.path.rename(remote / "moved")
+    held.path.mkdir()
+    with pytest.raises(InfraError, match="no longer the directory this runner made"):
+        held.verify()
+    held.path.rmdir()
+    os.symlink(remote / "moved", held.path)
+    with pytest.raises(InfraError, match="no longer the directory this runner made"):
+        held.verify()
+    held.path.unlink()
+    (remote / "moved").rename(held.path)
+    held.verify()
+    remote_jobs.remove(held.path)
+    held.release()
+    assert listing(remote) == []
+    # A root group or others can write: refused, at the start and at every take.
+    runner.path.chmod(0o775)
+    for check in (lambda: remote_jobs.prepare(runner), lambda: remote_jobs.take(runner, "t.2")):
+        with pytest.raises(InfraError, match="can be written by another user"):
+            check()
+    assert listing(remote) == []
+    runner.path.chmod(0o700)
+
+
+def test_take_removes_only_what_it_made(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runner = make_root(tmp_path / "runner")
+    remote = remote_jobs.jobs_dir(runner)
+    real = remote_jobs._make
+
+    # A directory put at the job root's name just before take's mkdir (someone who can write
+    # remote/): take refuses and leaves it, and its own lock goes.
+    def racing(d: Path, name: str, nonce: str) -> tuple[int, int]:
+        (d / name).mkdir()
+        (d / name / "theirs.txt").write_text("not fila's")
+        return real(d, name, nonce)
+
+    monkeypatch.setattr(remote_jobs, "_make", racing)
+    with pytest.raises(InfraError, match="exists without its lock"):
+        remote_jobs.take(runner, "t.1")
+    assert listing(remote) == ["t.1"] and (remote / "t.1" / "theirs.txt").read_text() == "not fila's"
+    monkeypatch.undo()
+    # Its own directory, made in part when the mark cannot be written: removed, with its lock,
+    # and said as an InfraError (not an OSError).
+    shutil.rmtree(remote / "t.1")
+
+    def no_space(*_a: object, **_k: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(remote_jobs.os, "fdopen", no_space)
+    with pytest.raises(InfraError, match="could not be made: No space left"):
+        remote_jobs.take(runner, "t.2")
+    monkeypatch.undo()
+    assert listing(remote) == []
+    remote_jobs.take(runner, "t.3").release()  # the allowed counterpart: made, kept, its lock free
+    assert listing(remote) == [".t.3.lock", "t.3"]
+
+
+def test_a_removal_stopped_part_way_is_finished_and_a_mark_cut_short_is_cleared(tmp_path: Path) -> None:
+    runner = make_root(tmp_path / "runner")
+    fake = FakeBackend(tmp_path / "boxes")
+    remote = remote_jobs.jobs_dir(runner)
+    # The allowed counterpart: a job root removed by its holder goes, its lock with it.
+    held = remote_jobs.take(runner, "a.1")
+    Root(held.path).create()
+    remote_jobs.remove(held.path)
+    held.release()
+    assert listing(remote) == []
+    # A removal killed part-way, after `rm` took the mark (fila/) but not the rest: the job
+    # root is under its hidden name, its lock kept by release, and the next recovery finishes it.
+    held = remote_jobs.take(runner, "b.1")
+    jr = Root(held.path).create()
+    (jr.path / "src").mkdir()
+    (jr.path / "src" / "x").write_text("x")
+    os.rename(jr.path, remote_jobs.removing(jr.path))
+    shutil.rmtree(remote_jobs.removing(jr.path) / "fila")
+    held.release()
+    assert listing(remote) == [".b.1.lock", ".b.1.removing"]
+    rep = recover_job_roots(runner, backend=fake)
+    assert [a.action for a in rep.actions] == ["job root removed"], rep.to_dict()
+    assert listing(remote) == []
+    # Killed between the mark's creation and its write: an empty mark (a proper beginning of its
+    # lock's) is cleared with the empty directories; a mark that is not its lock's is kept.
+    for name in ("c.1", "c.2"):
+        held = remote_jobs.take(runner, name)
+        nonce = held.lock.read_text()
+        other = nonce[:5] + ("0" if nonce[5] != "0" else "1")  # not a beginning of it
+        (held.path / "fila" / "state" / remote_jobs.PROOF).write_text("" if name == "c.1" else other)
+        held.release()
+    rep = recover_job_roots(runner, backend=fake)
+    assert sorted(a.action for a in rep.actions) == ["job root kept", "job root removed"], rep.to_dict()
+    assert listing(remote) == [".c.2.lock", "c.2"]
+
+
+def test_what_a_runner_publishes_names_no_place_of_this_host(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fila.run.remote_publish import Redact
+
+    home, runtime = tmp_path / "home" / "u", tmp_path / "run" / "user" / "0"
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    runner = make_root(tmp_path / "runner")
+    jr = Root(remote_jobs.jobs_dir(runner) / "t.1")
+    r = Redact(jr, "t")
+    # The allowed counterpart: a path that only begins or ends like one of them is kept.
+    kept = f"{tmp_path}/srv{home} {home}2/x {runtime}.d"
+    assert r.text(kept) == kept
+    said = f"engine unavailable: path={runtime}/podman/podman.sock; see {home}/.config; {jr.path}/x"
+    assert (
+        r.text(said) == "engine unavailable: path=<runtime>/podman/podman.sock; see <home>/.config; <job>/x"
+    )
+    assert r.text(f"/tmp/podman-run-{os.getuid()}/podman") == "<runtime>/podman"
+
+
+def test_a_log_cut_short_says_so_without_naming_its_own_path(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from fila.sandbox.docker.container import cut_pump
+
+    log = tmp_path / "t.log"
+    log.write_bytes(b"out\n")
+    pump = SimpleNamespace(cut_off=lambda: None, join=lambda timeout: None)
+    warning = cut_pump(pump, SimpleNamespace(log_path=log))  # type: ignore[arg-type]
+    text = log.read_text()
+    assert text.startswith("out\n[fila: log incomplete") or text.startswith("out\n\n[fila: log incomplete")
+    assert "stdout and this log may miss the end" in text and str(log) not in text
+    assert str(log) in warning  # the record's warning names it (redacted when a runner publishes it)

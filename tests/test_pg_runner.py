@@ -178,7 +178,7 @@ def test_a_manifest_that_escapes_the_job_or_a_tampered_blob_fails_the_task_and_l
     for k, v in host_env(tmp_path, "h1").items():
         monkeypatch.setenv(k, v)
     res = fila("worker", "--queue", pg_url, "--root", str(runner.path), "--host-id", "h1", "--once")
-    assert res.exit_code == 1, res.output
+    assert res.exit_code == 2, res.output  # as `run --once`: the one task was invalid
     rec = q.get("swapped")
     assert rec.status == S.failed and rec.error is not None and not rec.container_started
     assert rec.error.kind == "invalid" and "the task's input manifest: not JSON" in rec.error.message
@@ -419,7 +419,9 @@ def test_a_hostile_or_oversized_manifest_fails_its_own_task_and_the_runner_goes_
     for k, v in host_env(tmp_path, "h1").items():
         monkeypatch.setenv(k, v)
     res = fila("worker", "--queue", pg_url, "--root", str(runner.path), "--host-id", "h1", "--once")
-    assert res.exit_code == 1, res.output  # --once: 1 when a task failed; the runner itself went on
+    # --once: 2, as `run --once`, when tasks were invalid and none failed otherwise (good and fits
+    # ran); the runner itself went on.
+    assert res.exit_code == 2, res.output
     assert q.get("good").status == S.needs_review and q.get("fits").status == S.needs_review
     for tid, (_policy, _manifest, _files, why) in cases.items():
         if not why:

@@ -1,14 +1,15 @@
 """A PostgreSQL runner's jobs (docs/scale-out.md, "Running it"): each claim's job root is held by a
 lock for the job's life, and the job roots of a runner that died are recovered (containers,
 gateway, directory) at the next runner's start and by `fila recover --root`, never a live
-runner's; `--once` waits out a backoff of a task it could claim; `--concurrency N` runs N claims
-at once. Real PostgreSQL (tests/support/pg.py), the fake backend, and one test with Docker. Each
+runner's; a runner whose remote/ is unusable refuses to start, and one whose remote/ breaks hands
+its claim back uncounted; `--once` waits out a backoff of a task it could claim; `--concurrency N`
+runs N claims at once. Real PostgreSQL (tests/support/pg.py), the fake backend, and one test with Docker. Each
 refused case shows its allowed counterpart first.
 
-Cost in the default run: about 8 s for the fake backend's cases (a 1.5 s backoff waited out, two
-rounds of 1 s tasks two at a time, a runner process stopped by SIGTERM, two short runs whose
-second cannot remove its box) and about 8-10 s for the
-Docker case (a runner process, two runners and a recovery in this process, a 3 s lease that
+Cost in the default run: about 9 s for the fake backend's cases (a 1.5 s backoff waited out, two
+jobs held at a file barrier until both run, then a third, a runner process stopped by SIGTERM,
+two short runs whose second cannot remove its box, four short `--once` runs) and about 8-10 s for
+the Docker case (a runner process, two runners and a recovery in this process, a 3 s lease that
 lapses)."""
 
 from __future__ import annotations
@@ -172,8 +173,8 @@ def test_once_waits_out_the_backoff_of_a_task_it_can_claim_and_leaves_those_it_c
     # A task of its engine handed back with a backoff (as after an infra error): waited for.
     submit(pg_url, sub, "b", "echo b >> greeting.txt")
     lease = q.claim("h0", ["shell"], 30)
+    t0 = time.monotonic()  # before the backoff starts: a run that waits it out takes >= 1.5 s
     assert lease is not None and q.hand_back("b", lease.token, None, backoff_s=1.5) is not None
-    t0 = time.monotonic()
     w = once()
     assert w.run() == 0, w.infra_error
     assert time.monotonic() - t0 >= 1.0  # it waited, rather than exit with b queued
@@ -204,8 +205,14 @@ def test_a_runner_with_concurrency_runs_that_many_claims_at_once_and_sigterm_sto
 
     runner = make_root(tmp_path / "h1")
     tids = [f"c{i}" for i in range(3)]
+    # A barrier: each job leaves its marker, then waits (at most 30 s) until two markers exist.
+    # The first two can end only once both have started, so they overlap whatever the load;
+    # the third finds two markers and does not wait.
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    wait_two = f"n=0; while set -- {gate}/*; [ $# -lt 2 ] && [ $n -lt 300 ]; do sleep 0.1; n=$((n+1)); done"
     for i, tid in enumerate(tids):
-        submit(pg_url, sub, tid, f"sleep 1; echo {i} >> greeting.txt")
+        submit(pg_url, sub, tid, f": > {gate}/{tid}; {wait_two}; echo {i} >> greeting.txt")
     said: list[str] = []
     w = RemoteWorker(runner, pg_url, host_id="h1", engines=["shell"], once=True, concurrency=2,
                      backend=FakeBackend(tmp_path / "h1.boxes"), poll_s=0.2,
@@ -216,7 +223,8 @@ def test_a_runner_with_concurrency_runs_that_many_claims_at_once_and_sigterm_sto
         assert q.get(tid).status == S.needs_review
         assert len(events(q, tid, "claimed")) == 1 and len(events(q, tid, "published")) == 1
     assert len({e["token"] for t in tids for e in events(q, t, "claimed")}) == 3
-    assert _overlap(q, tids) == 2  # two at once, never three
+    assert sorted(p.name for p in gate.iterdir()) == tids  # each passed the barrier
+    assert _overlap(q, tids) == 2  # two at once (the barrier), never three
     [row] = q.runners(60)
     assert row["slots"] == 2
     assert list((runner.path / "remote").iterdir()) == []  # every job root and lock gone
@@ -282,3 +290,44 @@ def test_a_runner_sigkilled_mid_job_leaves_its_container_to_the_next_runner_and_
     assert events(q, "k", "published") == []
     res = fila("retry", "k", "--queue", pg_url, "--by", "carol")
     assert res.exit_code == 0 and q.get("k").status == S.queued, res.output
+
+
+def test_a_runner_whose_remote_is_unusable_refuses_to_start_and_hands_a_claim_back_uncounted(
+    pg_url: str, q: PgQueue, sub: Root, tmp_path: Path
+) -> None:
+    from fila.run.remote import RemoteWorker
+    from fila.sandbox.fake import FakeBackend
+
+    runner = make_root(tmp_path / "h1")
+    remote = runner.path / "remote"
+    env = host_env(tmp_path, "h1")
+    args = ("worker", "--queue", pg_url, "--root", str(runner.path), "--once", "--engine", "shell")
+    # The allowed counterpart: remote/ usable, the task runs.
+    submit(pg_url, sub, "a", "echo a >> greeting.txt")
+    res = fila(*args, env=env)
+    assert res.exit_code == 0 and q.get("a").status == S.needs_review, res.output
+    # remote/ a project's file: the runner refuses to start (exit 3, what to do), nothing claimed.
+    submit(pg_url, sub, "r", "echo r >> greeting.txt")
+    remote.rmdir()
+    remote.write_text("a project's file")
+    res = fila(*args, env=env)
+    assert res.exit_code == 3 and "not a directory of this user's" in res.output, res.output
+    assert (q.task_state("r")["state"], q.task_state("r")["tries"]) == ("queued", 0)
+    # remote/ broken after the start (at the claim): the task is handed back uncounted, the
+    # `--once` runner stops with exit 3; its error names no path of this host.
+    remote.unlink()
+
+    def breaks(msg: str) -> None:
+        if "claimed" in msg and remote.is_dir():
+            remote.rmdir()
+            remote.write_text("a project's file")
+
+    w = RemoteWorker(runner, pg_url, host_id="h1", engines=["shell"], once=True,
+                     backend=FakeBackend(tmp_path / "h1.boxes"), poll_s=0.1, progress=breaks)  # fmt: skip
+    assert w.run() == 3 and w.records == [] and w.infra_error is not None
+    st, err = q.task_state("r"), q.get("r").error
+    assert (st["state"], st["tries"]) == ("queued", 0)
+    assert err is not None and err.kind == "infra" and err.message.startswith("<runner>/remote "), err
+    remote.unlink()
+    res = fila(*args, env=env)
+    assert res.exit_code == 0 and q.get("r").status == S.needs_review, res.output

@@ -154,7 +154,8 @@ def _job_roots(root: Root, dk: Engine, rep: Report) -> None:
     as a PostgreSQL runner's only: recovered as a queue root of its own with its claim's worker
     counted gone (its containers and gateway stopped and removed, its job networks and
     directories), then removed once the container engine confirms that no container of it is
-    left and its recovery had no error. Held locks are never touched; nor what the runner did not
+    left and its recovery had no error (`remote_jobs.remove`; the rest of a removal stopped
+    part-way, `.<name>.removing`, is finished). Held locks are never touched; nor what the runner did not
     make (a directory without its lock file, a link, a job root whose mark is not its lock's: kept
     and said); without the container engine (`--no-docker`, or it does not answer) a job root is
     kept for a later pass. Nothing is decided in the queue database: the claim's lease does
@@ -175,11 +176,13 @@ def _job_roots(root: Root, dk: Engine, rep: Report) -> None:
 
 def _job_root(root: Root, name: str, nonce: str, dk: Engine, rep: Report) -> None:
     path = remote_jobs.jobs_dir(root) / name
+    if remote_jobs.finish_removal(path):  # a removal (its runner's or a recovery's) stopped part-way
+        rep.add(root, None, "job root removed", f"{path}: the rest of a removal that was stopped part-way")
     if not (path.exists() or path.is_symlink()):  # its runner died before making it, or removed it
         remote_jobs.forget(root, name)
         return
     if not remote_jobs.proven(path, nonce):
-        if remote_jobs.clear_unmade(path):  # its runner died while making it: nothing in it yet
+        if remote_jobs.clear_unmade(path, nonce):  # its runner died while making it: nothing in it yet
             remote_jobs.forget(root, name)
             rep.add(root, None, "job root removed", f"{path}: its runner died while making it")
             return
@@ -192,7 +195,8 @@ def _job_root(root: Root, name: str, nonce: str, dk: Engine, rep: Report) -> Non
         return
     backend = dk.get()
     if backend is None:
-        rep.add(root, None, "job root kept", f"{path}: the container engine does not answer ({dk.error})")
+        engine = dk.backend.name if dk.backend is not None else "container"
+        rep.add(root, None, "job root kept", f"{path}: the {engine} engine does not answer ({dk.error})")
         return
     jr = Root(path)
     removed: list[str] = []
@@ -210,7 +214,7 @@ def _job_root(root: Root, name: str, nonce: str, dk: Engine, rep: Report) -> Non
         what = f"{len(left)} of its containers are still there" if left else failed[0]
         rep.add(root, None, "job root kept", f"{path}: {what}; a later recovery tries again")
         return
-    fsutil.remove_tree(path)
+    remote_jobs.remove(path)
     rep.add(root, None, "job root removed", f"{path}: its runner is gone; {len(removed)} containers "
             "removed; the queue database decides its task by its lease")  # fmt: skip
     remote_jobs.forget(root, name)

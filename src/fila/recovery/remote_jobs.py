@@ -8,12 +8,19 @@ its container with that job root's labels. Who may remove a job root, and when:
   lock, `<root>/remote/.<id>.<token>.lock` (hidden, beside it): an exclusive flock on a file
   with no name yet (O_TMPFILE) that holds a random mark, linked to its name only once locked and
   never over an existing one, so nobody ever sees the lock free while its taker lives. The
-  runner then makes the job root (0700) and writes the same mark inside it
-  (`<job root>/fila/state/job-root`): a lock and a directory that were not made together never
-  match. It holds the lock for the job's whole life and lets it go (`Held.release`) only after
-  it removed the job root (the lock file unlinked while still held, then closed), or kept it
-  (containers it could not confirm gone, a lost lease: what it holds is for recovery; the lock
-  file stays, free).
+  runner then makes the job root (0700; never over something at its name) and writes the same
+  mark inside it (`<job root>/fila/state/job-root`): a lock and a directory that were not made
+  together never match. It holds the lock for the job's whole life and lets it go
+  (`Held.release`) only after it removed the job root (the lock file unlinked while still held,
+  then closed), or kept it (containers it could not confirm gone, a lost lease: what it holds is
+  for recovery; the lock file stays, free). A removal, the runner's or recovery's, first renames
+  the job root to `.<id>.<token>.removing` (`remove`): one killed part-way leaves that hidden
+  name and the lock file, and the next recovery finishes it.
+- **Only this user reaches remote/.** A job root is laid out by its path, with the host's
+  policies, config and secrets: a runner refuses a root another user can write, and makes
+  remote/ 0700 (tightened when it was not) at its start and at every `take` (`prepare`); the
+  runner checks that the job root is still the directory it made before it writes there
+  (`Held.verify`).
 - **Nobody else.** What the runner did not make is never touched: a directory without its lock
   file, a lock or job root that is a link, a directory or another user's, a job root whose mark
   differs from its lock's (a project's own `remote/`, names planted there). Such a job root is
@@ -115,35 +122,81 @@ def marked(root: Root) -> bool:
         return False
 
 
-def _own_jobs_dir(root: Root) -> Path:
-    """remote/, made if missing (0700); InfraError when it is a link, a file or another user's."""
+def prepare(root: Root) -> Path:
+    """What a runner needs of its root before it claims anything (`fila worker --queue` at its
+    start, and `take`): the root marked (`mark`); a root no other user can write (who can, can put
+    a directory of theirs where remote/ is); remote/ a directory of this user's that only this
+    user can reach: made 0700 if missing, tightened to 0700 if group or others had a way in (as
+    Root.require does for the sandbox's directories), since a job root is laid out by its path
+    and its policies, config and secrets are the host's. remote/; InfraError saying what to do
+    when it cannot be so."""
+    try:
+        st = os.stat(root.path)
+    except OSError as e:
+        raise InfraError(f"{root.path}: {e.strerror or e}") from None
+    if st.st_mode & 0o022 or st.st_uid != os.getuid():
+        raise InfraError(
+            f"{root.path} (mode {stat.S_IMODE(st.st_mode):o}, uid {st.st_uid}) can be written by another "
+            "user: a runner lays its jobs out under it, with this host's policies, config and secrets",
+            hint=f"`chmod go-w {root.path}` (as its owner), or give the runner a --root of its own",
+        )
+    mark(root)
     d = jobs_dir(root)
     with contextlib.suppress(FileExistsError):
         d.mkdir(mode=0o700)
-    st = os.lstat(d)
-    if not _mine(st, stat.S_IFDIR):
-        raise InfraError(
-            f"{d} is not a directory of this user's (a link, a file, or another user's): no job "
-            "root is made there",
-            hint="move it away: a runner's --root keeps remote/ for its job roots and makes it again",
-        )
+    try:
+        fd = os.open(d, _DIR)  # never through a link: the mode is set on what was checked
+    except OSError:
+        fd = -1
+    try:
+        if fd < 0 or not _mine(os.fstat(fd), stat.S_IFDIR):
+            raise InfraError(
+                f"{d} is not a directory of this user's (a link, a file, or another user's): no job "
+                "root is made there",
+                hint="move it away: a runner's --root keeps remote/ for its job roots and makes it again",
+            )
+        if os.fstat(fd).st_mode & 0o077:
+            os.fchmod(fd, 0o700)
+    finally:
+        if fd >= 0:
+            os.close(fd)
     return d
 
 
-class Held:
-    """A job root's lock while its runner holds it (`path`: the job root); `release` once the job
-    root is removed, or kept for recovery (idempotent)."""
+def removing(path: Path) -> Path:
+    """Where job root `path` is while it is being removed (`remove`): `.<name>.removing` beside it."""
+    return path.with_name(f".{path.name}.removing")
 
-    def __init__(self, lock: Path, fd: int, path: Path) -> None:
-        self.lock, self.path, self._fd = lock, path, fd
+
+class Held:
+    """A job root's lock while its runner holds it (`path`: the job root, `made`: its device and
+    inode as `take` made it); `release` once the job root is removed, or kept for recovery
+    (idempotent)."""
+
+    def __init__(self, lock: Path, fd: int, path: Path, made: tuple[int, int]) -> None:
+        self.lock, self.path, self.made, self._fd = lock, path, made, fd
         self._done = threading.Lock()
 
+    def verify(self) -> None:
+        """InfraError unless `path` is still the directory `take` made (not a link, the same
+        device and inode): what the runner writes there goes nowhere else."""
+        try:
+            st = os.lstat(self.path)
+        except OSError as e:
+            raise InfraError(f"the job root {self.path}: {e.strerror or e}") from None
+        if not _mine(st, stat.S_IFDIR) or (st.st_dev, st.st_ino) != self.made:
+            raise InfraError(
+                f"the job root {self.path} is no longer the directory this runner made (replaced, or a "
+                "link): nothing is written there",
+                hint="someone else can write in remote/: give the runner a --root only its user can write",
+            )
+
     def release(self) -> None:
-        """The job root gone: its lock file unlinked while still held (nobody sees it free and
-        named), then closed. The job root kept: closed only, so the lock file, free now, still
-        marks it as a runner's for the next recovery."""
+        """The job root gone (and the rest of its removal, `removing`): its lock file unlinked
+        while still held (nobody sees it free and named), then closed. The job root kept: closed
+        only, so the lock file, free now, still marks it as a runner's for the next recovery."""
         if self._done.acquire(blocking=False):
-            if not (self.path.exists() or self.path.is_symlink()):
+            if not any(os.path.lexists(p) for p in (self.path, removing(self.path))):
                 with contextlib.suppress(FileNotFoundError):
                     self.lock.unlink()
             os.close(self._fd)
@@ -152,35 +205,35 @@ class Held:
 def take(root: Root, name: str) -> Held:
     """The lock of job root `name` (`<id>.<token>`), then the job root itself, empty but for its
     mark (0700), for the runner to lay out. InfraError when `name` is not a job root's name, when
-    remote/ is not a directory of this user's, when a lock of that name exists already (a job root
-    of the same claim, which no runner makes twice), or a directory of that name without it (not
-    a runner's: left as it is)."""
+    the root or remote/ is not fit for job roots (`prepare`), when a lock of that name exists
+    already (a job root of the same claim, which no runner makes twice), when something is at the
+    job root's name already (not a runner's: left as it is), or when it could not be made (what
+    this call made is removed, and only that)."""
     if not is_job_name(name):
         raise InfraError(f"{name!r} is not a job root's name (<task id>.<token>)")
-    mark(root)
-    d = _own_jobs_dir(root)
+    d = prepare(root)
     lock, path = d / f".{name}.lock", d / name
     nonce = secrets.token_hex(16)
     fd = _locked(d, name, nonce.encode())
     try:
-        if path.exists() or path.is_symlink():
-            lock.unlink()
+        made = _make(d, name, nonce)
+    except BaseException as e:
+        # Its lock goes with it; a job root made in part and not removable keeps its lock file
+        # (free once closed) for recovery (`clear_unmade`).
+        if not os.path.lexists(path) or isinstance(e, FileExistsError):
+            with contextlib.suppress(FileNotFoundError):
+                lock.unlink()
+        os.close(fd)
+        if isinstance(e, FileExistsError):
             raise InfraError(
                 f"{path} exists without its lock: it is not a job root this runner made, so it is "
                 "left as it is and this claim is not run there",
                 hint="move it away: the runner's --root keeps remote/ for its job roots",
-            )
-        try:
-            _make(path, nonce)
-        except BaseException:
-            with contextlib.suppress(OSError, FilaError):  # what this holder made, and its lock
-                fsutil.remove_tree(path)
-                lock.unlink()
-            raise
-    except BaseException:
-        os.close(fd)
+            ) from None
+        if isinstance(e, OSError):
+            raise InfraError(f"the job root {path} could not be made: {e.strerror or e}") from None
         raise
-    return Held(lock, fd, path)
+    return Held(lock, fd, path, made)
 
 
 def _locked(d: Path, name: str, nonce: bytes) -> int:
@@ -247,13 +300,38 @@ def _exists(d: Path, name: str) -> InfraError:
     )
 
 
-def _make(path: Path, nonce: str) -> None:
-    """The job root, made by its lock's holder: 0700, with the lock's mark inside."""
-    path.mkdir(mode=0o700)
-    (path / "fila" / "state").mkdir(parents=True)
-    fd = os.open(path / "fila" / "state" / PROOF, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(nonce)
+def _make(d: Path, name: str, nonce: str) -> tuple[int, int]:
+    """The job root `name` in `d`, made by its lock's holder: 0700, with the lock's mark inside,
+    each step through the directory just made (never through a name someone could swap). Its
+    device and inode. FileExistsError when the name is taken: nothing is touched then. A failure
+    after the directory was made removes it (only while it is the one made here) and raises."""
+    dfd = os.open(d, _DIR)
+    try:
+        os.mkdir(name, 0o700, dir_fd=dfd)
+        top = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+        fds: list[int] = []
+        try:
+            fds.append(os.open(name, _DIR, dir_fd=dfd))
+            if (os.fstat(fds[0]).st_dev, os.fstat(fds[0]).st_ino) != (top.st_dev, top.st_ino):
+                raise InfraError(f"{d / name} was replaced while it was being made")
+            for part in ("fila", "state"):
+                os.mkdir(part, dir_fd=fds[-1])
+                fds.append(os.open(part, _DIR, dir_fd=fds[-1]))
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            with os.fdopen(os.open(PROOF, flags, 0o600, dir_fd=fds[-1]), "w") as f:
+                f.write(nonce)
+            return top.st_dev, top.st_ino
+        except BaseException:
+            with contextlib.suppress(OSError, FilaError):
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                if (st.st_dev, st.st_ino) == (top.st_dev, top.st_ino) and _mine(st, stat.S_IFDIR):
+                    fsutil.remove_tree(d / name)
+            raise
+        finally:
+            for fd in fds:
+                os.close(fd)
+    finally:
+        os.close(dfd)
 
 
 def names(root: Root, notes: list[str] | None = None) -> list[str]:
@@ -353,16 +431,23 @@ def proven(path: Path, nonce: str) -> bool:
             os.close(fd)
 
 
-def clear_unmade(path: Path) -> bool:
-    """A job root whose runner died while making it (`_make`: the directories before the mark)
-    is removed when that is all it holds: only empty directories go, none through a link. True
-    when `path` is gone."""
+def clear_unmade(path: Path, nonce: str) -> bool:
+    """A job root whose runner died while making it (`_make`: the directories, then the mark) is
+    removed when that is all it holds: empty directories, and a mark of this user's that is a
+    proper beginning of its lock's `nonce` (killed between the mark's creation and its write);
+    nothing through a link. True when `path` is gone."""
     with contextlib.suppress(OSError):
         top = os.open(path, _DIR)
         try:
             with contextlib.suppress(OSError):
                 fila = os.open("fila", _DIR, dir_fd=top)
                 try:
+                    with contextlib.suppress(OSError):
+                        state = os.open("state", _DIR, dir_fd=fila)
+                        try:
+                            _clear_partial_mark(state, nonce)
+                        finally:
+                            os.close(state)
                     os.rmdir("state", dir_fd=fila)
                 finally:
                     os.close(fila)
@@ -373,6 +458,48 @@ def clear_unmade(path: Path) -> bool:
         with contextlib.suppress(OSError):
             os.rmdir(path)
     return not (path.exists() or path.is_symlink())
+
+
+def _clear_partial_mark(state: int, nonce: str) -> None:
+    fd = os.open(PROOF, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=state)
+    try:
+        st = os.fstat(fd)
+        data = os.pread(fd, 64, 0)
+    finally:
+        os.close(fd)
+    if _mine(st, stat.S_IFREG) and len(data) < len(nonce) and nonce.encode().startswith(data):
+        same = os.stat(PROOF, dir_fd=state, follow_symlinks=False)
+        if (same.st_dev, same.st_ino) == (st.st_dev, st.st_ino):
+            os.unlink(PROOF, dir_fd=state)
+
+
+def remove(path: Path) -> None:
+    """Job root `path` removed by the holder of its lock (its runner, or recovery holding the free
+    lock), once no container of it is left: renamed first, in one step, to `removing(path)`, then
+    removed there. `rm` walks a tree in directory order and may take the mark before the rest; a
+    removal stopped part-way so leaves only the hidden name, never a job root without its mark,
+    and its lock file stays (`Held.release`) for the next recovery to finish it
+    (`finish_removal`). FilaError when `path` is not a directory of this user's (left as it is),
+    or what is left could not be removed."""
+    with contextlib.suppress(FileNotFoundError):
+        if not _mine(os.lstat(path), stat.S_IFDIR):
+            raise FilaError(f"{path} is not a directory of this user's: not removed")
+        os.rename(path, removing(path))
+    finish_removal(path)
+
+
+def finish_removal(path: Path) -> bool:
+    """The rest of job root `path`'s removal (`remove`) stopped part-way, by the holder of its
+    lock: `removing(path)` removed when it is a directory of this user's (anything else there is
+    left as it is). True when there was one and it is gone."""
+    gone = removing(path)
+    try:
+        if not _mine(os.lstat(gone), stat.S_IFDIR):
+            return False
+    except FileNotFoundError:
+        return False
+    fsutil.remove_tree(gone)
+    return True
 
 
 def forget(root: Root, name: str) -> None:

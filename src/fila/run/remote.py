@@ -42,18 +42,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..core import fsutil
-from ..core.errors import (
-    EXIT_BREAKER,
-    EXIT_DOCKER,
-    EXIT_INTERRUPTED,
-    EXIT_OK,
-    EXIT_SOME_FAILED,
-    FilaError,
-    InfraError,
-)
+from ..core.errors import FilaError, InfraError
 from ..core.layout import Root
-from ..core.models import ErrorInfo, ErrorKind, Record, Status
+from ..core.models import ErrorInfo, ErrorKind, Record
 from ..engines import engine_names, get_engine
 from ..queue import store as queue
 from ..queue.pg.store import INPUTS, Lease, PgQueue
@@ -66,7 +57,7 @@ from . import spares
 from .claimed import Hooks, Interrupted
 from .remote_inputs import unpack
 from .remote_publish import hand_back, publish, refuse
-from .worker import RECOVER_EVERY_S
+from .worker import RECOVER_EVERY_S, run_exit_code
 
 if TYPE_CHECKING:
     from ..sandbox import Backend
@@ -228,6 +219,7 @@ class RemoteWorker:
         self.wake = threading.Event()  # a job ended, or a signal: the main loop looks again
         self.records: list[Record] = []
         self.infra_error: FilaError | None = None
+        self.infra_streak = 0  # jobs in a row that ended on a host failure (the wait doubles)
         self.crash: BaseException | None = None  # a fila bug in a job, raised once the others end
         self.stop_claiming = False
         self.breaker_tripped = False  # the queue's circuit breaker found open (said once)
@@ -256,7 +248,9 @@ class RemoteWorker:
         # Spare gateways of an earlier runner process on this root that died with them up, and its
         # job roots (containers, gateway, directory) whose lock nobody holds; then this runner's
         # own spares, for the allowlist policies it takes.
-        remote_jobs.mark(self.root)  # its job roots get recovery's pass (remote_jobs.py)
+        # Its job roots get recovery's pass; a root or remote/ it could not use refuses here, not
+        # at each claim (remote_jobs.py: who may reach remote/).
+        remote_jobs.prepare(self.root)
         for what in self.backend.sweep_spares(self.root.path, self.root.spares_dir):
             self.progress(f"fila worker {self.id}: removed {what} (its runner is gone)")
         for a in recover_job_roots(self.root, backend=self.backend).actions:
@@ -433,24 +427,27 @@ class RemoteWorker:
                 self.infra_error = e
                 if self.once:
                     self.stop_claiming = True
-                else:
-                    self.cancel.wait(self.poll_s)
+                else:  # the host is at fault: each failure in a row doubles the wait, to DOWN_MAX_S
+                    self.infra_streak += 1
+                    wait_s = min(DOWN_MAX_S, self.poll_s * 2 ** (self.infra_streak - 1))
+                    self.progress(f"fila worker {self.id}: claiming again in {wait_s:g} s")
+                    self.cancel.wait(wait_s)
             elif e is not None:
                 self.crash, self.stop_claiming = self.crash or e, True
             elif slot.record is not None:
+                self.infra_streak = 0
                 self.records.append(slot.record)
                 self.on_record(slot.record)
 
     def exit_code(self) -> int:
-        if self.interrupted:
-            return EXIT_INTERRUPTED
-        if self.once and self.breaker_tripped:
-            return EXIT_BREAKER
-        if self.once and self.infra_error is not None:
-            return EXIT_DOCKER
-        if self.once and any(r.status in (Status.failed, Status.needs_human) for r in self.records):
-            return EXIT_SOME_FAILED
-        return EXIT_OK
+        """`fila run --once`'s rule (worker.run_exit_code); a crash is raised before, never coded."""
+        return run_exit_code(
+            self.records,
+            once=self.once,
+            interrupted=self.interrupted,
+            breaker_tripped=self.breaker_tripped,
+            infra_error=self.infra_error is not None,
+        )
 
     # -- one claim ------------------------------------------------------------------------------
 
@@ -487,8 +484,27 @@ class RemoteWorker:
         held: remote_jobs.Held | None = None
         ended = False  # the run path returned a record: its containers removed
         try:
-            held = remote_jobs.take(self.root, remote_jobs.job_name(tid, lease.token))
-            jr = self.job_root(held)
+            name = remote_jobs.job_name(tid, lease.token)
+            try:
+                held = remote_jobs.take(self.root, name)
+                held.verify()  # still the directory take made: nothing of the host's goes elsewhere
+                jr = self.job_root(held)
+            except (FilaError, OSError) as e:
+                # This host's disk, not the task, and before any container: the task goes back
+                # uncounted (its tries are not this host's to spend) and this ends as an infra
+                # error does (`--once` stops claiming, a long-running runner waits).
+                err = e if isinstance(e, InfraError) else InfraError(f"task {tid}: its job root: {e}")
+                where = Root(held.path if held is not None else remote_jobs.jobs_dir(self.root) / name)
+                with contextlib.suppress(FilaError):
+                    hand_back(q, lease, where, ErrorInfo(kind=ErrorKind.infra, message=str(err)),
+                              counted=False, backoff_s=0.0)  # fmt: skip
+                if held is not None:  # made by this claim, no container ran there
+                    with contextlib.suppress(FilaError, OSError):
+                        held.verify()
+                        remote_jobs.remove(held.path)
+                if err is e:
+                    raise
+                raise err from e
             try:
                 manifest = q.blob(q.task_blobs(tid)[INPUTS])
                 # The task's policy as this host has it, before anything is written: a manifest
@@ -534,8 +550,12 @@ class RemoteWorker:
             if jr is not None and not self.keep and not hooks.lost.is_set() and (ended or not hooks.marked):
                 with contextlib.suppress(FilaError, OSError):
                     if self.backend.find(root=str(jr.path)) == []:
-                        fsutil.remove_tree(jr.path)
-            if jr is not None and not self.keep and jr.path.exists():
+                        remote_jobs.remove(jr.path)
+            if (
+                jr is not None
+                and not self.keep
+                and any(os.path.lexists(p) for p in (jr.path, remote_jobs.removing(jr.path)))
+            ):
                 self.kept.add(str(jr.path))
             if held is not None:
                 held.release()

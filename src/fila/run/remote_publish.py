@@ -21,6 +21,7 @@ from pydantic import BaseModel
 
 from ..core.layout import Root
 from ..core.models import ErrorInfo, ErrorKind, Record, Status
+from ..queue import breaker
 from ..queue.pg.blobs import Blob
 from ..queue.pg.records import RESULT_FIELDS, on_db_clock
 from ..queue.pg.store import INPUTS, OUTCOMES, Lease, PgQueue
@@ -36,10 +37,14 @@ class Redact:
     command that shows the published one (`fila logs ID --queue URL`: never the URL, which may
     carry credentials, and a reader has their own), the job root by `<job>`, the runner's root by
     `<runner>` (only when the job root is where a runner makes it: no other directory is taken
-    for a runner's root). Each path as given and as its realpath, raw and as JSON escapes it (the events
-    blob's lines), matched only where its last name ends (`.../g.1` is not `.../g.10`)."""
+    for a runner's root). This host's other known places too, which an error may name (an
+    EngineUnavailable's `path=`): the user's runtime directory ($XDG_RUNTIME_DIR, Podman's
+    /tmp/podman-run-UID, a CONTAINER_HOST socket's directory) by `<runtime>`, $HOME by `<home>`.
+    Each path as given and as its realpath, raw and as JSON escapes it (the events blob's lines),
+    longest first, matched only as a whole path: where its last name ends (`.../g.1` is not
+    `.../g.10`) and not inside a longer name (`/home/u` is not in `/srv/home/u`)."""
 
-    JOB, RUNNER = "<job>", "<runner>"
+    JOB, RUNNER, RUNTIME, HOME = "<job>", "<runner>", "<runtime>", "<home>"
 
     def __init__(self, jr: Root, tid: str) -> None:
         words: dict[str, str] = {}
@@ -47,6 +52,8 @@ class Redact:
             (jr.log_path(tid), f"`fila logs {tid} --queue URL`"),
             (jr.path, self.JOB),
             *([(jr.path.parent.parent, self.RUNNER)] if jr.path.parent.name == JOBS else []),
+            *((p, self.RUNTIME) for p in _runtime_dirs()),
+            *([(home, self.HOME)] if os.path.isabs(home := os.environ.get("HOME", "")) else []),
         ):
             for p in (str(path), os.path.realpath(path)):
                 if len(p.rstrip("/")) <= 1:  # a root of "/" names nothing of its own
@@ -56,7 +63,9 @@ class Redact:
                     words.setdefault(form, word)
         self.words = words
         needles = sorted(words, key=len, reverse=True)  # the longest first: the log before its job root
-        self.where = re.compile("(?:" + "|".join(re.escape(n) for n in needles) + r")(?![\w-]|\.\w)")
+        self.where = re.compile(
+            r"(?<![\w.-])(?:" + "|".join(re.escape(n) for n in needles) + r")(?![\w-]|\.\w)"
+        )
 
     def text(self, s: str) -> str:
         """`s` with the paths replaced; `s` itself when it names none."""
@@ -98,6 +107,18 @@ class Redact:
         return data if out is text else out.encode("utf-8", errors="surrogateescape")
 
 
+def _runtime_dirs() -> list[str]:
+    """This user's runtime directories as the container engines find them (Podman's rule for
+    its socket, sandbox/podman/service.py): $XDG_RUNTIME_DIR, /tmp/podman-run-UID, and the
+    directory of a unix socket named by $CONTAINER_HOST or $DOCKER_HOST."""
+    out = [d for d in (os.environ.get("XDG_RUNTIME_DIR"), f"/tmp/podman-run-{os.getuid()}") if d]
+    for var in ("CONTAINER_HOST", "DOCKER_HOST"):
+        host = os.environ.get(var, "")
+        if host.startswith("unix://"):
+            out.append(os.path.dirname(host.removeprefix("unix://")))
+    return [d for d in out if os.path.isabs(d)]  # "" would be the working directory's realpath
+
+
 def refuse(q: PgQueue, lease: Lease, jr: Root, backend: str, msg: str) -> Record | None:
     """A task this runner refuses before any container (its targets do not arrive intact), from
     job root `jr`: its reason redacted (`Redact`)."""
@@ -109,10 +130,14 @@ def hand_back(
     q: PgQueue, lease: Lease, jr: Root, error: ErrorInfo | None, *, counted: bool, backoff_s: float
 ) -> Record | None:
     """The task back to the queue before its container started (PgQueue.hand_back), from job root
-    `jr`: its error redacted (`Redact`; a FilaError's text names its `path=`)."""
+    `jr`: its error redacted (`Redact`; a FilaError's text names its `path=`). A hand back that
+    gives up fails the task, counted against its policy's threshold as a published failure is."""
     if error is not None:
         error = Redact(jr, lease.task_id).model(error)
-    return q.hand_back(lease.task_id, lease.token, error, counted=counted, backoff_s=backoff_s)
+    limit = breaker.threshold(jr, lease.task.policy)
+    return q.hand_back(
+        lease.task_id, lease.token, error, counted=counted, backoff_s=backoff_s, threshold=limit
+    )
 
 
 def publish(
@@ -153,19 +178,8 @@ def publish(
     # This host's clock may be off (the lease never depends on it); the record's times are
     # the database's, so the attempts' are moved onto its clock as measured at the claim.
     ran = on_db_clock(ran, lease.clock_offset_s)
-    out = q.publish(tid, lease.token, rec.status, fields, blobs, ran=ran, threshold=threshold(jr, lease))
+    limit = breaker.threshold(jr, lease.task.policy)  # the count's, should this be a failure
+    out = q.publish(tid, lease.token, rec.status, fields, blobs, ran=ran, threshold=limit)
     if out is None:
         progress(f"{tid}: the lease was lost before the publish; the result is discarded")
     return out
-
-
-def threshold(jr: Root, lease: Lease) -> int | None:
-    """The task's policy's max_consecutive_failures as this host has it (the breaker's threshold
-    when this outcome is a failure); None (the default) when the policy does not load."""
-    from ..core.errors import FilaError
-    from ..queue.policy import load_policy
-
-    try:
-        return load_policy(jr, lease.task.policy)[0].max_consecutive_failures
-    except FilaError:
-        return None

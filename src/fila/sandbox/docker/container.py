@@ -284,13 +284,15 @@ def cut_pump(pump: LogPump, spec: RunSpec) -> str:
     pump.join(timeout=PUMP_CUT_WAIT_S)
     what = (
         f"log incomplete: the container's output stream did not end within {PUMP_WAIT_S:g} s of its "
-        f"exit and was cut off; stdout and {spec.log_path} may miss the end of its output"
+        "exit and was cut off; stdout and {} may miss the end of its output"
     )
+    # The note in the log says "this log", never its path: a runner publishes the log byte for
+    # byte (no redaction), and the path is this host's.
     with open(spec.log_path, "ab") as f:  # the pump writes nothing more (cut_off)
-        f.write(f"\n[fila: {what}]\n".encode())
+        f.write(f"\n[fila: {what.format('this log')}]\n".encode())
         f.flush()
         os.fsync(f.fileno())
-    return what
+    return what.format(spec.log_path)
 
 
 def _over_disk_limits(spec: RunSpec) -> str | None:
