@@ -9,6 +9,7 @@ from typing import Any
 
 import docker
 import pytest
+from hypothesis import settings
 
 from fila.core.errors import EngineUnavailable
 from fila.core.layout import Root
@@ -20,6 +21,13 @@ from tests.support.containers import Starts
 from tests.support.engines import E2E_ENGINES, engine_policy
 from tests.support.project import make_project, make_root
 from tests.upstreams.fixtures import Upstreams, upstreams  # noqa: F401  (the `upstreams` fixture, for every test)
+
+# The property tests draw the same examples every run (derandomize): the suite never fails on a
+# draw it did not make before. FILA_HYPOTHESIS=explore draws new ones (`--hypothesis-seed=N`
+# replays one); what a draw finds is kept as an @example of its test.
+settings.register_profile("fila", derandomize=True, database=None)
+settings.register_profile("explore", database=None)
+settings.load_profile("explore" if os.environ.get("FILA_HYPOTHESIS") == "explore" else "fila")
 
 # scripts/test runs a tier in two processes side by side: FILA_TEST_PART=main keeps the tests of
 # Docker, =side the rest (no container, rootless Podman's own service, PostgreSQL's own cluster)

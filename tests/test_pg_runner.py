@@ -22,6 +22,7 @@ import pytest
 from fila.core.layout import Root
 from fila.core.models import ImageRef, Status, Task
 from fila.queue.pg.store import INPUTS, PgQueue
+from tests.support.pg import clear_backoff
 from tests.support.pg_runner import events, fila, host_env, start_worker
 from tests.support.project import make_project, make_root
 
@@ -438,7 +439,7 @@ def test_a_lease_runs_out_on_the_runners_clock_while_its_renewal_hangs_on_a_sile
     import threading
 
     from fila.queue.store import LeaseLost
-    from fila.run.remote import LeaseHooks, Renewer
+    from fila.run.lease_hooks import LeaseHooks, Renewer
     from tests.support.pgproxy import Proxy
 
     ttl = 2.0
@@ -503,3 +504,39 @@ def test_a_long_running_runner_outlasts_a_database_outage_and_claims_again_after
         t.join(30)
         px.close()
     assert codes == [0] and [r.id for r in w.records] == ["before", "after"]
+
+
+def test_a_host_whose_engine_fails_before_the_container_hands_the_task_back_uncounted(
+    pg_url: str, q: PgQueue, sub: Root, tmp_path: Path
+) -> None:
+    """A sick host spends none of a task's tries (they are not one host's to spend), however often
+    it claims it; a missing image counts, as on the file queue. Fake backend; about a second."""
+    from fila.core.errors import ImageMissing, InfraError
+    from fila.run.remote import RemoteWorker
+    from fila.sandbox.fake import FakeBackend
+    from fila.sandbox.fake_job import Act
+
+    runner = make_root(tmp_path / "h1")
+    submit(pg_url, sub, "t", "echo t >> greeting.txt")
+
+    def once(err: BaseException | None) -> RemoteWorker:
+        script = {"t": Act(files={"greeting.txt": "t\n"}, error=err, error_at="create")} if err else None
+        w = RemoteWorker(runner, pg_url, host_id="h1", engines=["shell"], once=True, poll_s=0.2,
+                         backend=FakeBackend(tmp_path / "boxes", script=script))  # fmt: skip
+        w.run()
+        return w
+
+    budget = q.task_state("t")["max_tries"]
+    for _ in range(budget + 1):  # more claims than the task has tries: none spent
+        w = once(InfraError("the engine did not answer (injected)"))
+        assert w.exit_code() == 3 and isinstance(w.infra_error, InfraError), w.infra_error
+        st = q.task_state("t")
+        assert (st["state"], st["tries"]) == ("queued", 0), st
+        clear_backoff(pg_url, "t")
+    # A missing image is the task's as much as the host's: it counts.
+    once(ImageMissing("image fila/shell:9.9 is not present in fake (injected)"))
+    assert q.task_state("t")["tries"] == 1
+    clear_backoff(pg_url, "t")
+    # A healthy host then runs it once.
+    w = once(None)
+    assert [(r.id, r.status) for r in w.records] == [("t", S.needs_review)], w.records

@@ -56,7 +56,7 @@ def wait(pred: Any, timeout: float = 30.0) -> None:
 def test_a_free_job_root_is_recovered_with_its_container_and_a_held_one_is_never_touched(
     tmp_path: Path,
 ) -> None:
-    from fila.recovery import remote_jobs
+    from fila.recovery import remote_jobs, runner_root
     from fila.recovery.recover import recover, recover_job_roots
     from fila.sandbox.fake import FakeBackend
 
@@ -65,7 +65,7 @@ def test_a_free_job_root_is_recovered_with_its_container_and_a_held_one_is_never
     jobs = {}
     for name in ("a.1", "b.2"):  # two job roots, each with the box of a container still there
         held = remote_jobs.take(runner, name)
-        jr = Root(remote_jobs.jobs_dir(runner) / name).create()
+        jr = Root(runner_root.jobs_dir(runner) / name).create()
         fake.leave(name.split(".")[0], root=str(jr.path), worker="h1")
         jobs[name] = (held, jr)
     # A second taker of the same claim's lock is refused (a lock is never replaced), and so is a
@@ -74,14 +74,15 @@ def test_a_free_job_root_is_recovered_with_its_container_and_a_held_one_is_never
 
     with pytest.raises(InfraError, match="exists already"):
         remote_jobs.take(runner, "a.1")
-    mine = remote_jobs.jobs_dir(runner) / "v1.2"
+    mine = runner_root.jobs_dir(runner) / "v1.2"
     (mine / "fila" / "in").mkdir(parents=True)
     with pytest.raises(InfraError, match="exists without its lock"):
         remote_jobs.take(runner, "v1.2")
 
     # The allowed counterpart: held locks (a live runner's jobs) are left alone, by a runner's
-    # start and by `fila recover`.
-    assert recover_job_roots(runner, backend=fake).actions == []
+    # start and by `fila recover`; the directory without its lock is only said, by its path.
+    kept = recover_job_roots(runner, backend=fake).actions
+    assert [(a.action, a.detail.split(":")[0]) for a in kept] == [("job root kept", str(mine))]
     assert recover(runner, backend=fake).containers_removed == []
     assert all(jr.path.is_dir() for _held, jr in jobs.values()) and len(fake.find()) == 2
 
@@ -90,13 +91,13 @@ def test_a_free_job_root_is_recovered_with_its_container_and_a_held_one_is_never
     jobs["a.1"][0].release()
     rep = recover(runner, backend=fake)
     assert len(rep.containers_removed) == 1, rep.to_dict()
-    assert [a.action for a in rep.actions if a.task_id is None] == ["job root removed"]
+    assert [a.action for a in rep.actions if a.task_id is None] == ["job root removed", "job root kept"]
     assert not jobs["a.1"][1].path.exists() and jobs["b.2"][1].path.is_dir()
     assert [b.labels["fila.job"] for b in fake.find()] == ["b"]
-    assert sorted(p.name for p in remote_jobs.jobs_dir(runner).iterdir()) == [".b.2.lock", "b.2", "v1.2"]
+    assert sorted(p.name for p in runner_root.jobs_dir(runner).iterdir()) == [".b.2.lock", "b.2", "v1.2"]
     jobs["b.2"][0].release()
     assert len(recover_job_roots(runner, backend=fake).containers_removed) == 1
-    assert [p.name for p in remote_jobs.jobs_dir(runner).iterdir()] == ["v1.2"] and fake.find() == []
+    assert [p.name for p in runner_root.jobs_dir(runner).iterdir()] == ["v1.2"] and fake.find() == []
     assert (mine / "fila" / "in").is_dir()
 
 

@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "7839f374d5710a269c54a99534b597f34e74d533e1a23f284e53e2935b3253d7"
+CLI_SHA256 = "2a7c3d9ffa3030fcdd7c27223ea00a7b3dc7f5932637209a270eba4297f1ffc8"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 

@@ -164,3 +164,11 @@ def tamper_blob(url: str, sha: str, old: bytes, new: bytes) -> None:
         data = bytes(row[0]) if row is not None else b""
         assert old in data, f"blob {sha} has no {old!r}"
         conn.execute("UPDATE fila_blobs SET data = %s WHERE sha256 = %s", (data.replace(old, new), sha))
+
+
+def clear_backoff(url: str, task_id: str) -> None:
+    """Task `task_id` claimable now: its backoff (`not_before`) cleared, as if it had passed."""
+    import psycopg
+
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute("UPDATE fila_tasks SET not_before = NULL WHERE id = %s", (task_id,))

@@ -143,12 +143,12 @@ def _submit_remote(
     models: dict[str, str] | None = None,
 ) -> None:
     """`fila submit --queue URL` (run/remote_submit.py); `wait`: each record once a runner
-    published it, and `run --once`'s exit code (run/worker.run_exit_code)."""
+    published it, and `run --once`'s exit code (run/slots.run_exit_code)."""
     from ..run.remote_submit import submit_remote
 
     recs = submit_remote(root, url, task, engines=engines, models=models, wait=wait)
     if wait:
-        from ..run.worker import run_exit_code
+        from ..run.slots import run_exit_code
 
         for rec in recs:
             record_printer(json_)(rec)

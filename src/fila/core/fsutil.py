@@ -8,8 +8,10 @@ import ctypes
 import errno
 import fcntl
 import os
+import stat
 import subprocess
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -17,21 +19,43 @@ from .errors import TreeNotRemoved
 
 
 @contextlib.contextmanager
-def file_lock(path: Path, *, wait: bool = True, create: bool = True) -> Iterator[bool]:
+def file_lock(
+    path: Path,
+    *,
+    wait: bool = True,
+    create: bool = True,
+    wait_s: float | None = None,
+    own: bool = False,
+    mode: int = 0o644,
+) -> Iterator[bool]:
     """fila's one file lock: an exclusive flock on `path` for the block. Yields True when held;
     with `wait=False`, False at once when another open file holds it (the block still runs, and
     the caller decides). flock is per open file, so it also serialises threads of one process;
     the kernel drops it when the process dies, however it dies. O_CLOEXEC: a child (git) never
     inherits it; O_NOFOLLOW: a link planted at the lock's name is refused, not followed.
-    `create=False`: FileNotFoundError when there is no lock file (a probe)."""
-    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | (os.O_CREAT if create else 0)
-    fd = os.open(path, flags, 0o644)
+    `create=False`: FileNotFoundError when there is no lock file (a probe). `wait_s`: wait at
+    most that long, then TimeoutError. `own`: PermissionError unless the lock is a regular file
+    of this user's (one another user planted, and holds, would stop whoever needs it). `mode`:
+    a new lock file's."""
+    flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | (os.O_CREAT if create else 0)
+    fd = os.open(path, flags, mode)
     try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
-        except BlockingIOError:
-            yield False
-            return
+        if own:
+            st = os.fstat(fd)
+            if not (stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid()):
+                raise PermissionError(f"{path} is not a regular file of this user's (uid {st.st_uid})")
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (fcntl.LOCK_NB if not wait or deadline is not None else 0))
+                break
+            except BlockingIOError:
+                if not wait:
+                    yield False
+                    return
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"{path} is held by another process (waited {wait_s:g} s)") from None
+                time.sleep(0.1)
         yield True
     finally:
         os.close(fd)

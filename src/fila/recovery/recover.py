@@ -49,11 +49,11 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from ..core import fsutil
-from ..core.errors import FilaError
+from ..core.errors import FilaError, InfraError
 from ..core.layout import Root
 from ..queue import lease
 from ..queue import store as queue
-from . import remote_jobs
+from . import remote_jobs, runner_root
 from .base import Engine, Report
 from .claims import settle_claim
 from .records import settle_task
@@ -65,10 +65,32 @@ if TYPE_CHECKING:
 
 
 @contextlib.contextmanager
-def _recovery_lock(root: Root, wait: bool) -> Iterator[bool]:
+def _recovery_lock(root: Root, wait: bool, wait_s: float | None = None) -> Iterator[bool]:
+    """The root's recovery lock (fila/state/.recovery.lock) for the block: True when held, False
+    at once when another holds it and `wait` is False. `wait_s`: wait at most that long, then
+    InfraError naming the lock (a runner's start says so rather than hangs). On a PostgreSQL
+    runner's root (runner_root.marked) the lock must be a regular file of this user's: one another
+    user planted, and holds, would stop every recovery of the root (InfraError saying so)."""
     root.state_dir.mkdir(parents=True, exist_ok=True)
-    with fsutil.file_lock(root.state_dir / ".recovery.lock", wait=wait) as held:
-        yield held
+    path = root.state_dir / ".recovery.lock"
+    held = contextlib.ExitStack()
+    try:  # only the lock's own errors here: the block's are the caller's
+        got = held.enter_context(
+            fsutil.file_lock(path, wait=wait, wait_s=wait_s, own=runner_root.marked(root), mode=0o600)
+        )
+    except PermissionError as e:
+        raise InfraError(
+            f"{e}: a lock another user holds would stop every recovery of this runner's root",
+            hint=f"remove {path} (fila makes it again) and `chmod go-w {root.state_dir}`",
+        ) from None
+    except TimeoutError:
+        raise InfraError(
+            f"another recovery holds {path} (waited {wait_s:g} s)",
+            hint="let it finish (`fila recover --root` may be running), or find who holds it: "
+            f"`fuser {path}`",
+        ) from None
+    with held:
+        yield got
 
 
 def recover(
@@ -127,12 +149,15 @@ def _record_ids(root: Root) -> set[str]:
     return {n[: -len(".json")] for n in names if queue.valid_id(n[: -len(".json")])}
 
 
-def recover_job_roots(root: Root, *, backend: Backend | None = None, wait: bool = True) -> Report:
+def recover_job_roots(
+    root: Root, *, backend: Backend | None = None, wait: bool = True, wait_s: float | None = None
+) -> Report:
     """Only the job roots of a PostgreSQL runner's root that nobody holds (a runner's start:
     those of an earlier runner process on this root that died with its jobs), under the root's
-    recovery lock; see `_job_roots`."""
+    recovery lock (`wait_s`: waited for at most that long, then InfraError naming it; see
+    `_recovery_lock`); see `_job_roots`."""
     rep = Report()
-    with _recovery_lock(root, wait) as got:
+    with _recovery_lock(root, wait, wait_s) as got:
         if not got:
             rep.skipped = True
             return rep
@@ -160,7 +185,7 @@ def _job_roots(root: Root, dk: Engine, rep: Report) -> None:
     and said); without the container engine (`--no-docker`, or it does not answer) a job root is
     kept for a later pass. Nothing is decided in the queue database: the claim's lease does
     (docs/scale-out.md)."""
-    if not remote_jobs.marked(root):
+    if not runner_root.marked(root):
         return
     notes: list[str] = []
     for name in remote_jobs.names(root, notes):
@@ -169,13 +194,14 @@ def _job_roots(root: Root, dk: Engine, rep: Report) -> None:
                 if nonce is not None:
                     _job_root(root, name, nonce, dk, rep)
         except (FilaError, OSError, ValueError) as e:  # one job root must not stop the others
-            rep.add(root, None, "job root kept", f"could not recover the job root {name}: {e}")
+            path = runner_root.jobs_dir(root) / name
+            rep.add(root, None, "job root kept", f"{path}: could not be recovered: {e}")
     for note in notes:
         rep.add(root, None, "job root kept", note)
 
 
 def _job_root(root: Root, name: str, nonce: str, dk: Engine, rep: Report) -> None:
-    path = remote_jobs.jobs_dir(root) / name
+    path = runner_root.jobs_dir(root) / name
     if remote_jobs.finish_removal(path):  # a removal (its runner's or a recovery's) stopped part-way
         rep.add(root, None, "job root removed", f"{path}: the rest of a removal that was stopped part-way")
     if not (path.exists() or path.is_symlink()):  # its runner died before making it, or removed it

@@ -16,15 +16,15 @@ its container with that job root's labels. Who may remove a job root, and when:
   for recovery; the lock file stays, free). A removal, the runner's or recovery's, first renames
   the job root to `.<id>.<token>.removing` (`remove`): one killed part-way leaves that hidden
   name and the lock file, and the next recovery finishes it.
-- **Only this user reaches remote/.** A job root is laid out by its path, with the host's
-  policies, config and secrets: a runner refuses a root another user can write, and makes
-  remote/ 0700 (tightened when it was not) at its start and at every `take` (`prepare`); the
-  runner checks that the job root is still the directory it made before it writes there
-  (`Held.verify`).
+- **Only this user reaches remote/** (runner_root.py: the root's checks, `prepare`).
 - **Nobody else.** What the runner did not make is never touched: a directory without its lock
   file, a lock or job root that is a link, a directory or another user's, a job root whose mark
-  differs from its lock's (a project's own `remote/`, names planted there). Such a job root is
-  left as it is and said in recovery's report; docs/scale-out.md says how a person removes one.
+  differs from its lock's (a project's own `remote/`, names planted there), and what git could
+  carry: a runner's remote/ and job roots are 0700 and its locks 0600, where git stores no
+  directory mode and only 0644/0755 files, so a checkout's remote/ with matching marks is not a
+  runner's. Such a job root is left as it is and said, by its path, in recovery's report (`names`:
+  a job root or the rest of a removal without its lock too); docs/scale-out.md says how a person
+  removes one.
 - **Recovery, once nobody holds the lock** (recover.py: at a runner's start and in every `fila
   recover --root`), and only on a root marked as a runner's (`mark`: `<root>/fila/state/pg-runner`,
   written by `fila worker --queue` at its start and by `take`): a file queue root or a project
@@ -60,22 +60,12 @@ from ..core import fsutil
 from ..core.errors import FilaError, InfraError
 from ..core.layout import Root
 from ..core.states import valid_id
+from .runner_root import DIR_FLAGS, jobs_dir, owned, prepare
 
-JOBS = "remote"  # the directory of a runner's job roots, under its root
-MARK = "pg-runner"  # <root>/fila/state/pg-runner: this root is a PostgreSQL runner's
 PROOF = "job-root"  # <job root>/fila/state/job-root: the mark of the lock that made it
-_MARK_TEXT = (
-    "This queue root is a PostgreSQL runner's (`fila worker --queue`): recovery removes the job "
-    "roots in remote/ whose runner is gone (docs/scale-out.md).\n"
-)
 _NONCE = re.compile(rb"[0-9a-f]{32}")
 # A lock file not linked yet, where O_TMPFILE is not supported: `.<name>.lock.<pid>.<thread>.tmp`.
 _TEMP = re.compile(r"\.(?P<name>.+)\.lock\.(?P<pid>[0-9]+)\.[0-9]+\.tmp")
-_DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
-
-
-def jobs_dir(root: Root) -> Path:
-    return root.path / JOBS
 
 
 def job_name(task_id: str, token: int) -> str:
@@ -90,77 +80,6 @@ def is_job_name(name: str) -> bool:
 
 def lock_path(root: Root, name: str) -> Path:
     return jobs_dir(root) / f".{name}.lock"
-
-
-def _mine(st: os.stat_result, kind: int) -> bool:
-    return stat.S_IFMT(st.st_mode) == kind and st.st_uid == os.getuid()
-
-
-def mark(root: Root) -> None:
-    """Mark `root` as a PostgreSQL runner's, so recovery recovers its job roots (idempotent).
-    InfraError when something other than this user's regular file is at the mark's name."""
-    path = root.state_dir / MARK
-    root.state_dir.mkdir(parents=True, exist_ok=True)
-    for _ in range(2):
-        with contextlib.suppress(FileNotFoundError):
-            if _mine(os.lstat(path), stat.S_IFREG):
-                return
-            raise InfraError(
-                f"{path} is not a regular file of this user's: this root cannot be marked as a "
-                "PostgreSQL runner's, so its job roots would never be recovered",
-                hint=f"remove {path}; `fila worker --queue` writes it again",
-            )
-        fsutil.create_exclusive(path, _MARK_TEXT)
-    raise InfraError(f"{path} could not be written")  # removed twice meanwhile: not fila's doing
-
-
-def marked(root: Root) -> bool:
-    """Whether `root` is a PostgreSQL runner's (`mark`): only then does recovery touch remote/."""
-    try:
-        return _mine(os.lstat(root.state_dir / MARK), stat.S_IFREG)
-    except OSError:
-        return False
-
-
-def prepare(root: Root) -> Path:
-    """What a runner needs of its root before it claims anything (`fila worker --queue` at its
-    start, and `take`): the root marked (`mark`); a root no other user can write (who can, can put
-    a directory of theirs where remote/ is); remote/ a directory of this user's that only this
-    user can reach: made 0700 if missing, tightened to 0700 if group or others had a way in (as
-    Root.require does for the sandbox's directories), since a job root is laid out by its path
-    and its policies, config and secrets are the host's. remote/; InfraError saying what to do
-    when it cannot be so."""
-    try:
-        st = os.stat(root.path)
-    except OSError as e:
-        raise InfraError(f"{root.path}: {e.strerror or e}") from None
-    if st.st_mode & 0o022 or st.st_uid != os.getuid():
-        raise InfraError(
-            f"{root.path} (mode {stat.S_IMODE(st.st_mode):o}, uid {st.st_uid}) can be written by another "
-            "user: a runner lays its jobs out under it, with this host's policies, config and secrets",
-            hint=f"`chmod go-w {root.path}` (as its owner), or give the runner a --root of its own",
-        )
-    mark(root)
-    d = jobs_dir(root)
-    with contextlib.suppress(FileExistsError):
-        d.mkdir(mode=0o700)
-    try:
-        fd = os.open(d, _DIR)  # never through a link: the mode is set on what was checked
-    except OSError:
-        fd = -1
-    try:
-        if fd < 0 or not _mine(os.fstat(fd), stat.S_IFDIR):
-            raise InfraError(
-                f"{d} is not a directory of this user's (a link, a file, or another user's): no job "
-                "root is made there",
-                hint="move it away: a runner's --root keeps remote/ for its job roots and makes it again",
-            )
-        if os.fstat(fd).st_mode & 0o077:
-            os.fchmod(fd, 0o700)
-    finally:
-        if fd >= 0:
-            os.close(fd)
-    return d
 
 
 def removing(path: Path) -> Path:
@@ -184,7 +103,7 @@ class Held:
             st = os.lstat(self.path)
         except OSError as e:
             raise InfraError(f"the job root {self.path}: {e.strerror or e}") from None
-        if not _mine(st, stat.S_IFDIR) or (st.st_dev, st.st_ino) != self.made:
+        if not owned(st, stat.S_IFDIR) or (st.st_dev, st.st_ino) != self.made:
             raise InfraError(
                 f"the job root {self.path} is no longer the directory this runner made (replaced, or a "
                 "link): nothing is written there",
@@ -238,7 +157,7 @@ def take(root: Root, name: str) -> Held:
 
 def _locked(d: Path, name: str, nonce: bytes) -> int:
     """A file holding `nonce`, flocked before it has a name, linked at `.<name>.lock` in `d`."""
-    dfd = os.open(d, _DIR)
+    dfd = os.open(d, DIR_FLAGS)
     try:
         try:
             fd = os.open(".", os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600, dir_fd=dfd)
@@ -305,18 +224,18 @@ def _make(d: Path, name: str, nonce: str) -> tuple[int, int]:
     each step through the directory just made (never through a name someone could swap). Its
     device and inode. FileExistsError when the name is taken: nothing is touched then. A failure
     after the directory was made removes it (only while it is the one made here) and raises."""
-    dfd = os.open(d, _DIR)
+    dfd = os.open(d, DIR_FLAGS)
     try:
         os.mkdir(name, 0o700, dir_fd=dfd)
         top = os.stat(name, dir_fd=dfd, follow_symlinks=False)
         fds: list[int] = []
         try:
-            fds.append(os.open(name, _DIR, dir_fd=dfd))
+            fds.append(os.open(name, DIR_FLAGS, dir_fd=dfd))
             if (os.fstat(fds[0]).st_dev, os.fstat(fds[0]).st_ino) != (top.st_dev, top.st_ino):
                 raise InfraError(f"{d / name} was replaced while it was being made")
             for part in ("fila", "state"):
                 os.mkdir(part, dir_fd=fds[-1])
-                fds.append(os.open(part, _DIR, dir_fd=fds[-1]))
+                fds.append(os.open(part, DIR_FLAGS, dir_fd=fds[-1]))
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
             with os.fdopen(os.open(PROOF, flags, 0o600, dir_fd=fds[-1]), "w") as f:
                 f.write(nonce)
@@ -324,7 +243,7 @@ def _make(d: Path, name: str, nonce: str) -> tuple[int, int]:
         except BaseException:
             with contextlib.suppress(OSError, FilaError):
                 st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                if (st.st_dev, st.st_ino) == (top.st_dev, top.st_ino) and _mine(st, stat.S_IFDIR):
+                if (st.st_dev, st.st_ino) == (top.st_dev, top.st_ino) and owned(st, stat.S_IFDIR):
                     fsutil.remove_tree(d / name)
             raise
         finally:
@@ -336,9 +255,10 @@ def _make(d: Path, name: str, nonce: str) -> tuple[int, int]:
 
 def names(root: Root, notes: list[str] | None = None) -> list[str]:
     """The job roots under `root`, by their lock files (a job root may be gone already, or not
-    made yet); temp locks of a taker that is gone are removed here. What looks like a job root's
-    lock but is not a regular file, and what could not be read, is described in `notes` and left
-    as it is; names that are neither a lock nor a temp lock are not looked at."""
+    made yet); temp locks of a taker that is gone are removed here. A remote/ group or others may
+    reach, a lock that is not a regular file of this user's 0600, a job root or `.removing` without
+    a lock file, and what could not be read, is described in `notes` (each by its path) and left
+    as it is; other names are not looked at."""
     notes = [] if notes is None else notes
     d = jobs_dir(root)
     try:
@@ -348,30 +268,44 @@ def names(root: Root, notes: list[str] | None = None) -> list[str]:
     except OSError as e:
         notes.append(f"{d}: {e.strerror or e}")
         return []
-    if not _mine(st, stat.S_IFDIR):
-        notes.append(f"{d} is not a directory of this user's (a link, a file, or another user's): "
-                     "no job root under it is recovered")  # fmt: skip
+    if not owned(st, stat.S_IFDIR) or st.st_mode & 0o077:
+        notes.append(f"{d} is not a runner's (a link, a file, another user's, or group or others may "
+                     "reach it: a runner keeps it 0700): no job root under it is recovered")  # fmt: skip
         return []
     found: set[str] = set()
     try:
         with os.scandir(d) as it:
-            entries = [e for e in it if e.name.startswith(".")]
+            every = list(it)
     except OSError as e:
         notes.append(f"{d} could not be listed: {e.strerror or e}")
         return []
+    entries = [e for e in every if e.name.startswith(".")]
     for e in entries:
         try:
             temp = _TEMP.fullmatch(e.name)
             if temp is not None and is_job_name(temp["name"]):
                 _clear_temp(d, e.name, int(temp["pid"]))
             elif e.name.endswith(".lock") and is_job_name(e.name[1 : -len(".lock")]):
-                if not _mine(e.stat(follow_symlinks=False), stat.S_IFREG):
-                    notes.append(f"{e.path}: not a regular file of this user's, so not a job root's "
-                                 "lock: it and its job root are left as they are")  # fmt: skip
+                lst = e.stat(follow_symlinks=False)
+                if not owned(lst, stat.S_IFREG) or lst.st_mode & 0o077:
+                    why = "a link, another user's, or not 0600 as a runner makes it"
+                    notes.append(f"{e.path}: not a runner's lock ({why}): it and its job root are left")
                     continue
                 found.add(e.name[1 : -len(".lock")])
         except OSError as err:  # one entry must not stop the others
             notes.append(f"{e.path}: {err.strerror or err}")
+    locks = {e.name[1 : -len(".lock")] for e in entries if e.name.endswith(".lock")}
+    for e in every:  # what has no lock file is no runner's to remove: said, left as it is
+        name = (
+            e.name[1 : -len(".removing")]
+            if e.name.startswith(".") and e.name.endswith(".removing")
+            else e.name
+        )
+        if not is_job_name(name) or name in locks:
+            continue
+        what = f"its removal ({e.path}) was" if name != e.name else "it is"
+        notes.append(f"{d / name}: {what} left without its lock file (not a runner's, or its lock was "
+                     "removed): left as it is; docs/scale-out.md says how to remove one by hand")  # fmt: skip
     return sorted(found)
 
 
@@ -401,7 +335,7 @@ def free(root: Root, name: str) -> Iterator[str | None]:
         if not taken:
             yield None
             return
-        data = os.pread(fd, 64, 0) if _mine(os.fstat(fd), stat.S_IFREG) else b""
+        data = os.pread(fd, 64, 0) if owned(os.fstat(fd), stat.S_IFREG) else b""
         if not _NONCE.fullmatch(data):
             raise FilaError(f"{lock} does not hold a runner's mark: not a job root's lock, so it and "
                             "its job root are left as they are")  # fmt: skip
@@ -412,16 +346,18 @@ def free(root: Root, name: str) -> Iterator[str | None]:
 
 def proven(path: Path, nonce: str) -> bool:
     """Whether the job root `path` is the one its lock's holder made: a directory of this user's
-    (no link on the way: each step opened without following one) whose mark is `nonce`."""
+    that only this user reaches, 0700 as `_make` makes it (no link on the way: each step opened
+    without following one) whose mark is `nonce`."""
     fds: list[int] = []
     try:
-        fds.append(os.open(path, _DIR))
-        if not _mine(os.fstat(fds[-1]), stat.S_IFDIR):
+        fds.append(os.open(path, DIR_FLAGS))
+        top = os.fstat(fds[-1])
+        if not owned(top, stat.S_IFDIR) or top.st_mode & 0o077:  # a runner makes it 0700; git cannot
             return False
         for part in ("fila", "state"):
-            fds.append(os.open(part, _DIR, dir_fd=fds[-1]))
+            fds.append(os.open(part, DIR_FLAGS, dir_fd=fds[-1]))
         fds.append(os.open(PROOF, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=fds[-1]))
-        if not _mine(os.fstat(fds[-1]), stat.S_IFREG):
+        if not owned(os.fstat(fds[-1]), stat.S_IFREG):
             return False
         return hmac.compare_digest(os.pread(fds[-1], 64, 0), nonce.encode())
     except OSError:
@@ -437,13 +373,13 @@ def clear_unmade(path: Path, nonce: str) -> bool:
     proper beginning of its lock's `nonce` (killed between the mark's creation and its write);
     nothing through a link. True when `path` is gone."""
     with contextlib.suppress(OSError):
-        top = os.open(path, _DIR)
+        top = os.open(path, DIR_FLAGS)
         try:
             with contextlib.suppress(OSError):
-                fila = os.open("fila", _DIR, dir_fd=top)
+                fila = os.open("fila", DIR_FLAGS, dir_fd=top)
                 try:
                     with contextlib.suppress(OSError):
-                        state = os.open("state", _DIR, dir_fd=fila)
+                        state = os.open("state", DIR_FLAGS, dir_fd=fila)
                         try:
                             _clear_partial_mark(state, nonce)
                         finally:
@@ -467,7 +403,7 @@ def _clear_partial_mark(state: int, nonce: str) -> None:
         data = os.pread(fd, 64, 0)
     finally:
         os.close(fd)
-    if _mine(st, stat.S_IFREG) and len(data) < len(nonce) and nonce.encode().startswith(data):
+    if owned(st, stat.S_IFREG) and len(data) < len(nonce) and nonce.encode().startswith(data):
         same = os.stat(PROOF, dir_fd=state, follow_symlinks=False)
         if (same.st_dev, same.st_ino) == (st.st_dev, st.st_ino):
             os.unlink(PROOF, dir_fd=state)
@@ -482,7 +418,7 @@ def remove(path: Path) -> None:
     (`finish_removal`). FilaError when `path` is not a directory of this user's (left as it is),
     or what is left could not be removed."""
     with contextlib.suppress(FileNotFoundError):
-        if not _mine(os.lstat(path), stat.S_IFDIR):
+        if not owned(os.lstat(path), stat.S_IFDIR):
             raise FilaError(f"{path} is not a directory of this user's: not removed")
         os.rename(path, removing(path))
     finish_removal(path)
@@ -494,7 +430,7 @@ def finish_removal(path: Path) -> bool:
     left as it is). True when there was one and it is gone."""
     gone = removing(path)
     try:
-        if not _mine(os.lstat(gone), stat.S_IFDIR):
+        if not owned(os.lstat(gone), stat.S_IFDIR):
             return False
     except FileNotFoundError:
         return False
@@ -513,7 +449,7 @@ def _clear_temp(d: Path, name: str, pid: int) -> None:
     Only this user's regular files; a live pid's is its taker's, between its open and its link."""
     p = d / name
     st = os.lstat(p)
-    if not _mine(st, stat.S_IFREG) or fsutil.pid_alive(pid):
+    if not owned(st, stat.S_IFREG) or fsutil.pid_alive(pid):
         return
     with contextlib.suppress(FileNotFoundError):
         fd = os.open(p, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)

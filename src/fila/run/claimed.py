@@ -40,7 +40,7 @@ class Hooks:
     def before_start(self, container: str) -> None:
         """The container `container` starts as soon as this returns: the side-effect boundary, and
         the last chance to stop before it. A draining worker stops here (run/worker.py); a runner
-        of the PostgreSQL queue marks the task started in the database here (run/remote.py)."""
+        of the PostgreSQL queue marks the task started in the database here (run/lease_hooks.py)."""
         self.check()
 
     def timings(self) -> dict[str, float]:

@@ -33,6 +33,7 @@ them: the database's lease decides their tasks.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import shutil
 import signal
@@ -40,9 +41,10 @@ import socket
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.errors import FilaError, InfraError
+from ..core.errors import FilaError, ImageMissing, InfraError
 from ..core.layout import Root
 from ..core.models import ErrorInfo, ErrorKind, Record
 from ..engines import engine_names, get_engine
@@ -50,14 +52,14 @@ from ..queue import store as queue
 from ..queue.pg.store import INPUTS, Lease, PgQueue
 from ..queue.policy import load_policy, policy_names
 from ..queue.retry import INFRA
-from ..recovery import remote_jobs
+from ..recovery import remote_jobs, runner_root
 from ..recovery.recover import recover_job_roots
 from . import job as cycle
 from . import spares
-from .claimed import Hooks, Interrupted
+from .lease_hooks import LeaseHooks, Renewer
 from .remote_inputs import unpack
 from .remote_publish import hand_back, publish, refuse
-from .worker import RECOVER_EVERY_S, run_exit_code
+from .slots import RECOVER_EVERY_S, Slot, SlotLoop
 
 if TYPE_CHECKING:
     from ..sandbox import Backend
@@ -67,83 +69,12 @@ BEAT_S = 10.0  # a runner's heartbeat in the runners table, between claims
 LIVE_S = 60.0  # a runner not seen for this long is not live (`fila status --queue`)
 IO_TIMEOUT_S = 120.0  # the longest a runner's database call may block (statement, TCP)
 DOWN_MAX_S = 30.0  # the longest wait between tries while the database does not answer
+START_RECOVERY_WAIT_S = 60.0  # a runner's start waits this long for another recovery of its root
+REFUSAL_CHARS = 400  # a refusal's reason, once redacted, is cut to this in the record
 
 
 def default_host_id() -> str:
     return f"{socket.gethostname()[:60]}-{os.getpid()}"
-
-
-class LeaseHooks(Hooks):
-    """The run path's hooks for one database lease: the started mark before the container, and
-    a stop at the next check once the lease is lost or the runner is stopping."""
-
-    def __init__(
-        self, q: PgQueue, lease: Lease, cancel: threading.Event, ttl: float, sent: float | None = None
-    ) -> None:
-        """`ttl`: the lease's length; the lease counts as lost once `ttl` (less a tenth) has passed
-        on this host's monotonic clock since the claim (`sent`: when the claim was sent; now when
-        not known) or the last renewal that succeeded was sent (`renewed`), whether or not a
-        renewal is still waiting for its answer: a renewal blocked on a silent network, or a
-        claim whose answer came late, cannot keep a container running past the lease."""
-        self.q, self.lease, self.cancel = q, lease, cancel
-        self.lost = threading.Event()
-        self.marked = False
-        self.ttl = ttl
-        self.valid_until = (time.monotonic() if sent is None else sent) + self.ttl * 0.9
-
-    def renewed(self, sent: float) -> None:
-        """A renewal sent at monotonic time `sent` succeeded: the lease holds until sent + ttl."""
-        self.valid_until = max(self.valid_until, sent + self.ttl * 0.9)
-
-    def check(self) -> None:
-        if not self.lost.is_set() and time.monotonic() >= self.valid_until:
-            self.lost.set()
-        if self.lost.is_set():
-            raise queue.LeaseLost(f"task {self.lease.task_id}: token {self.lease.token} lost its lease")
-        if self.cancel.is_set():
-            raise Interrupted("the runner is stopping")
-
-    def before_start(self, container: str) -> None:
-        """The started mark, once per claim: a fallback engine's or the check's container later
-        in the same run crosses no new boundary (the lease is checked all the same)."""
-        self.check()
-        if self.marked:
-            return
-        try:
-            self.q.mark_started(self.lease.task_id, self.lease.token, container=container)
-        except queue.LeaseLost:
-            self.lost.set()
-            raise
-        self.marked = True
-
-
-class Renewer(threading.Thread):
-    """Renews one lease every `every` seconds; sets `hooks.lost` when the database refuses it, or
-    when no renewal succeeded before the last granted lease ran out (measured on this host's
-    monotonic clock from the moment the renewal was sent: an under-estimate of the database's)."""
-
-    def __init__(self, q: PgQueue, hooks: LeaseHooks, ttl: float, claim: queue.Claim | None) -> None:
-        super().__init__(name=f"fila-lease-{hooks.lease.task_id}", daemon=True)
-        self.q, self.hooks, self.ttl, self.claim = q, hooks, ttl, claim
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        lease = self.hooks.lease
-        while not self.stop.wait(self.ttl / 3):
-            if self.claim is not None:
-                queue.heartbeat(self.claim)
-            sent = time.monotonic()
-            try:
-                self.q.renew(lease.task_id, lease.token, self.ttl)
-                self.hooks.renewed(sent)
-                self.q.runner_beat(lease.runner)
-            except queue.LeaseLost:
-                self.hooks.lost.set()
-                return
-            except FilaError:
-                if time.monotonic() >= self.hooks.valid_until:
-                    self.hooks.lost.set()
-                    return
 
 
 def images_of(backend: Backend, engines: list[str]) -> dict[str, str]:
@@ -167,18 +98,7 @@ def engines_here(backend: Backend) -> list[str]:
     return out
 
 
-class _Slot:
-    """One claim running in a thread of its own: what it ended with, for the main loop."""
-
-    def __init__(self, lease: Lease) -> None:
-        self.lease = lease
-        self.record: Record | None = None
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-        self.thread: threading.Thread | None = None
-
-
-class RemoteWorker:
+class RemoteWorker(SlotLoop[Slot]):
     """Claims and runs tasks of one queue database from the local root `root`, up to
     `concurrency` at once."""
 
@@ -203,8 +123,9 @@ class RemoteWorker:
     ) -> None:
         from ..sandbox import get_backend, root_backend
 
-        self.root, self.url, self.once = root.require(), url, once
-        self.concurrency = max(1, concurrency)
+        super().__init__(concurrency=concurrency, once=once, on_record=on_record)
+        runner_root.check_root(root)  # before require, which makes directories by path, through links
+        self.root, self.url = root.require(), url
         self.id = host_id or default_host_id()
         self.owns_backend = backend is None
         self.backend = backend or get_backend(root_backend(root))
@@ -214,16 +135,9 @@ class RemoteWorker:
         self.kept: set[str] = set()  # job roots this runner kept, for its own recovery pass
         self.recover_every_s = recover_every_s
         self.reconnect_s = reconnect_s
-        self.on_record, self.progress = on_record, progress
+        self.progress = progress
         self.cancel = threading.Event()  # a signal: every job stops at its next check
-        self.wake = threading.Event()  # a job ended, or a signal: the main loop looks again
-        self.records: list[Record] = []
-        self.infra_error: FilaError | None = None
         self.infra_streak = 0  # jobs in a row that ended on a host failure (the wait doubles)
-        self.crash: BaseException | None = None  # a fila bug in a job, raised once the others end
-        self.stop_claiming = False
-        self.breaker_tripped = False  # the queue's circuit breaker found open (said once)
-        self.interrupted = False
         self.beat: PgQueue | None = None
 
     def _on_signal(self, sig: int, _frame: Any) -> None:
@@ -250,10 +164,11 @@ class RemoteWorker:
         # own spares, for the allowlist policies it takes.
         # Its job roots get recovery's pass; a root or remote/ it could not use refuses here, not
         # at each claim (remote_jobs.py: who may reach remote/).
-        remote_jobs.prepare(self.root)
+        runner_root.prepare(self.root)
         for what in self.backend.sweep_spares(self.root.path, self.root.spares_dir):
             self.progress(f"fila worker {self.id}: removed {what} (its runner is gone)")
-        for a in recover_job_roots(self.root, backend=self.backend).actions:
+        # Bounded: a recovery lock held by someone else stops this start with a message, not a hang.
+        for a in recover_job_roots(self.root, backend=self.backend, wait_s=START_RECOVERY_WAIT_S).actions:
             self.progress(f"fila worker {self.id}: {a.action}: {a.detail}")
         pool = spares.keep(
             self.root, self.backend, once=self.once, policies=self.policies or policy_names(self.root)
@@ -296,29 +211,26 @@ class RemoteWorker:
         """Sweep, claim, run, until there is nothing for this host (`once`) or a signal, and every
         job started has ended; the runner's heartbeat in the runners table at most every BEAT_S
         seconds between claims (the leases' renewals beat while tasks run)."""
-        active: list[_Slot] = []
         try:
-            self._claims(q, engines, active)
+            self._claims(q, engines)
         except BaseException:
             # The database did not answer a `--once` runner, or a bug: the jobs stop as on a signal
             # (containers stopped, nothing published for a lost lease) before this ends the runner.
             self.cancel.set()
             raise
         finally:
-            for slot in active:
-                if slot.thread is not None:
-                    slot.thread.join()
-            self._collect(active)
+            self.join()
+            self._collect()
 
-    def _claims(self, q: PgQueue, engines: list[str], active: list[_Slot]) -> None:
+    def _claims(self, q: PgQueue, engines: list[str]) -> None:
         beat_at = kept_at = time.monotonic()
         down_s = self.poll_s  # the wait after the database did not answer, doubled up to DOWN_MAX_S
         while True:
-            self._collect(active)
+            self._collect()
             if self.cancel.is_set() or self.stop_claiming:
-                if not active:
+                if not self.active:
                     return
-                self._wait(self.poll_s)
+                self.wait(self.poll_s)
                 continue
             if time.monotonic() - beat_at >= BEAT_S:
                 with contextlib.suppress(FilaError):
@@ -327,8 +239,8 @@ class RemoteWorker:
             if self.kept and time.monotonic() - kept_at >= self.recover_every_s:
                 self._recover_kept()
                 kept_at = time.monotonic()
-            if len(active) >= self.concurrency:
-                self._wait(self.poll_s)
+            if len(self.active) >= self.concurrency:
+                self.wait(self.poll_s)
                 continue
             try:
                 for tid, st in q.sweep():
@@ -343,22 +255,22 @@ class RemoteWorker:
                     if self.once:
                         self.stop_claiming = True
                     else:
-                        self._wait(self.poll_s)
+                        self.wait(self.poll_s)
                     continue
                 self.breaker_tripped = False
                 sent = time.monotonic()  # the lease is counted from here (LeaseHooks)
-                if self.once or active:  # a job that ends wakes this loop: never blocked on a claim
+                if self.once or self.active:  # a job that ends wakes this loop: never blocked on a claim
                     lease = q.claim(self.id, engines, self.lease_s, policies=self.policies)
                 else:
                     wait_s = min(self.poll_s, self.lease_s / 3)  # the claim sent within it
                     lease = q.claim_wait(self.id, engines, self.lease_s, poll_s=wait_s,
                                          timeout=wait_s, policies=self.policies)  # fmt: skip
                 wait = None
-                if lease is None and self.once and not active:
+                if lease is None and self.once and not self.active:
                     wait = q.backoff_left(engines, policies=self.policies)
             except InfraError as e:  # QueueUnreachable, or a statement that timed out
                 if self.once:  # `--once` exits 3 (docs/scale-out.md); a long-running runner waits
-                    if not active:
+                    if not self.active:
                         raise
                     self.progress(f"fila worker {self.id}: {e}")
                     self.infra_error, self.stop_claiming = self.infra_error or e, True
@@ -369,10 +281,11 @@ class RemoteWorker:
                 continue
             down_s = self.poll_s
             if lease is not None:
-                active.append(self._start(q, lease, sent))
+                job = functools.partial(self.run_lease, q, lease, sent)
+                self.start(f"{lease.task_id}.{lease.token}", Slot(lease.task_id), job)
                 continue
-            if active:
-                self._wait(self.poll_s)
+            if self.active:
+                self.wait(self.poll_s)
             elif self.once:
                 if wait is None:  # nothing queued that this runner could ever claim
                     return
@@ -392,38 +305,22 @@ class RemoteWorker:
         for a in rep.actions:
             if a.detail.split(":", 1)[0] in self.kept:
                 self.progress(f"fila worker {self.id}: {a.action}: {a.detail}")
-        self.kept.difference_update([p for p in list(self.kept) if not os.path.lexists(p)])
+        gone = [
+            p
+            for p in list(self.kept)
+            if not any(os.path.lexists(x) for x in (p, remote_jobs.removing(Path(p))))
+        ]
+        self.kept.difference_update(gone)  # a removal stopped part-way is still this runner's to finish
 
-    def _wait(self, timeout: float) -> None:
-        self.wake.wait(timeout)
-        self.wake.clear()
-
-    def _start(self, q: PgQueue, lease: Lease, sent: float | None = None) -> _Slot:
-        slot = _Slot(lease)
-
-        def run() -> None:
-            try:
-                slot.record = self.run_lease(q, lease, sent)
-            except BaseException as e:  # reported by the main loop; a thread cannot raise to it
-                slot.error = e
-            finally:
-                slot.done.set()
-                self.wake.set()
-
-        slot.thread = threading.Thread(target=run, name=f"fila-job-{lease.task_id}", daemon=True)
-        slot.thread.start()
-        return slot
-
-    def _collect(self, active: list[_Slot]) -> None:
+    def _collect(self) -> None:
         """The jobs that ended: their records said (in this thread, one at a time), their errors
         noted. An InfraError (the host, not the task: handed back or left to its lease) ends a
         `--once` runner's claims; a bug ends every runner's claims and is raised once the other
         jobs have ended."""
-        for slot in [s for s in active if s.done.is_set()]:
-            active.remove(slot)
+        for slot in self.ended():
             e = slot.error
             if isinstance(e, InfraError):
-                self.progress(f"{slot.lease.task_id}: {e}")
+                self.progress(f"{slot.task_id}: {e}")
                 self.infra_error = e
                 if self.once:
                     self.stop_claiming = True
@@ -434,20 +331,9 @@ class RemoteWorker:
                     self.cancel.wait(wait_s)
             elif e is not None:
                 self.crash, self.stop_claiming = self.crash or e, True
-            elif slot.record is not None:
+            elif slot.result is not None:
                 self.infra_streak = 0
-                self.records.append(slot.record)
-                self.on_record(slot.record)
-
-    def exit_code(self) -> int:
-        """`fila run --once`'s rule (worker.run_exit_code); a crash is raised before, never coded."""
-        return run_exit_code(
-            self.records,
-            once=self.once,
-            interrupted=self.interrupted,
-            breaker_tripped=self.breaker_tripped,
-            infra_error=self.infra_error is not None,
-        )
+                self.record(slot.result)
 
     # -- one claim ------------------------------------------------------------------------------
 
@@ -494,7 +380,7 @@ class RemoteWorker:
                 # uncounted (its tries are not this host's to spend) and this ends as an infra
                 # error does (`--once` stops claiming, a long-running runner waits).
                 err = e if isinstance(e, InfraError) else InfraError(f"task {tid}: its job root: {e}")
-                where = Root(held.path if held is not None else remote_jobs.jobs_dir(self.root) / name)
+                where = Root(held.path if held is not None else runner_root.jobs_dir(self.root) / name)
                 with contextlib.suppress(FilaError):
                     hand_back(q, lease, where, ErrorInfo(kind=ErrorKind.infra, message=str(err)),
                               counted=False, backoff_s=0.0)  # fmt: skip
@@ -515,13 +401,27 @@ class RemoteWorker:
             except KeyError:
                 why = f"task {tid} has no {INPUTS} blob (queued without its targets)"
                 return refuse(q, lease, jr, self.backend.name, why)
-            except InfraError:  # the database, not the task: its lease lapses, and a sweep requeues it
-                raise
+            except (InfraError, MemoryError) as e:
+                # The database or this host (its disk full, its memory), not the task: the task
+                # goes back uncounted (when the database answers; else its lease lapses and a
+                # sweep requeues it) and this ends as an infra error does.
+                err = (
+                    e
+                    if isinstance(e, InfraError)
+                    else InfraError(f"task {tid}: laying out its targets: {e!r}")
+                )
+                with contextlib.suppress(FilaError):
+                    hand_back(q, lease, jr, ErrorInfo(kind=ErrorKind.infra, message=str(err)),
+                              counted=False, backoff_s=0.0)  # fmt: skip
+                if err is e:
+                    raise
+                raise err from e
             except FilaError as e:
-                return refuse(q, lease, jr, self.backend.name, f"{e}" + (f"; {e.hint}" if e.hint else ""))
+                why = f"{e}" + (f"; {e.hint}" if e.hint else "")
+                return refuse(q, lease, jr, self.backend.name, why, limit=REFUSAL_CHARS)
             except Exception as e:  # whatever a hostile manifest finds fails its own task, not this runner
-                why = f"task {tid}: its targets could not be laid out: {type(e).__name__}: {e!s:.300}"
-                return refuse(q, lease, jr, self.backend.name, why)
+                why = f"task {tid}: its targets could not be laid out: {type(e).__name__}: {e!s}"
+                return refuse(q, lease, jr, self.backend.name, why, limit=REFUSAL_CHARS)
             task = lease.task.model_copy(update={"id": tid, "project": None, "targets": targets})
             queue.enqueue(jr, tid, task)
             claim = cycle.next_claim(jr, self.id, only={tid})
@@ -531,9 +431,14 @@ class RemoteWorker:
             try:
                 rec = cycle.run_one(jr, claim, backend=self.backend, progress=self.progress, hooks=hooks)
             except InfraError as e:
+                # Before its container started: back to the queue. This host's failure (its engine
+                # not answering, a create refused) spends none of the task's tries, which are not one
+                # host's to spend: on a queue with several runners a sick one would fail every
+                # task it claims. A missing image counts, as on the file queue: the task may name a
+                # tag no runner has, and after its tries it fails with the command that builds it.
                 if not hooks.marked and not hooks.lost.is_set():
-                    hand_back(q, lease, jr, ErrorInfo(kind=ErrorKind.infra, message=str(e)), counted=True,
-                              backoff_s=INFRA.backoff(1))  # fmt: skip
+                    hand_back(q, lease, jr, ErrorInfo(kind=ErrorKind.infra, message=str(e)),
+                              counted=isinstance(e, ImageMissing), backoff_s=INFRA.backoff(1))  # fmt: skip
                 raise
             ended = rec is not None
             if hooks.lost.is_set() or rec is None:

@@ -26,13 +26,13 @@ from ..queue.pg.blobs import Blob
 from ..queue.pg.records import RESULT_FIELDS, on_db_clock
 from ..queue.pg.store import INPUTS, OUTCOMES, Lease, PgQueue
 from ..queue.retry import INFRA
-from ..recovery.remote_jobs import JOBS
+from ..recovery.runner_root import JOBS
 
 M = TypeVar("M", bound=BaseModel)
 
 
 class Redact:
-    """The job root `jr` of task `tid`, and the runner's root above it (remote_jobs.jobs_dir:
+    """The job root `jr` of task `tid`, and the runner's root above it (runner_root.jobs_dir:
     `<root>/remote/<id>.<token>`), in any string this runner publishes: the task's log by the
     command that shows the published one (`fila logs ID --queue URL`: never the URL, which may
     carry credentials, and a reader has their own), the job root by `<job>`, the runner's root by
@@ -119,10 +119,16 @@ def _runtime_dirs() -> list[str]:
     return [d for d in out if os.path.isabs(d)]  # "" would be the working directory's realpath
 
 
-def refuse(q: PgQueue, lease: Lease, jr: Root, backend: str, msg: str) -> Record | None:
+def refuse(
+    q: PgQueue, lease: Lease, jr: Root, backend: str, msg: str, *, limit: int | None = None
+) -> Record | None:
     """A task this runner refuses before any container (its targets do not arrive intact), from
-    job root `jr`: its reason redacted (`Redact`)."""
-    error = ErrorInfo(kind=ErrorKind.invalid, message=Redact(jr, lease.task_id).text(msg))
+    job root `jr`: its reason redacted (`Redact`), then cut to `limit` characters (cut after
+    redacting: a path cut first is no whole path, and its beginning would be published)."""
+    text = Redact(jr, lease.task_id).text(msg)
+    if limit is not None and len(text) > limit:
+        text = text[:limit] + " [cut]"
+    error = ErrorInfo(kind=ErrorKind.invalid, message=text)
     return q.publish(lease.task_id, lease.token, Status.failed, {"error": error, "backend": backend})
 
 

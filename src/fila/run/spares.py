@@ -8,7 +8,6 @@ as a job takes one; `once` (`fila run --once`, `submit --run`) makes only what i
 from __future__ import annotations
 
 import contextlib
-import json
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -16,7 +15,7 @@ from typing import TYPE_CHECKING
 from ..core.errors import FilaError
 from ..core.layout import Root
 from ..queue import store as queue
-from ..queue.policy import load_policy
+from ..queue.policy import load_json, load_policy
 
 if TYPE_CHECKING:
     from ..sandbox import Backend
@@ -68,8 +67,11 @@ def networks(root: Root, only: set[str] | None = None, *, policies: list[str] | 
     with contextlib.suppress(OSError):
         queued = [] if policies is not None else queue.queued_files(root)[:PEEK]
         for path in queued if only is None else [root.queued_path(t) for t in only]:
-            with contextlib.suppress(OSError, ValueError, AttributeError):
-                name = json.loads(path.read_bytes()).get("policy", "default")
+            # Through the one safe reader: a queued file is untrusted (a FIFO, a nesting deep
+            # enough to exhaust the recursion limit); its claim says what is wrong with it.
+            with contextlib.suppress(FilaError):
+                doc = load_json(path, "task")
+                name = doc.get("policy", "default") if isinstance(doc, dict) else None
                 if isinstance(name, str) and name not in names:
                     names.append(name)
     found: list[str] = []

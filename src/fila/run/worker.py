@@ -26,33 +26,22 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..core.errors import (
-    EXIT_BREAKER,
-    EXIT_DOCKER,
-    EXIT_INTERRUPTED,
-    EXIT_INVALID,
-    EXIT_OK,
-    EXIT_SOME_FAILED,
-    EngineUnavailable,
-    FilaError,
-    ImageMissing,
-    InfraError,
-)
+from ..core.errors import EngineUnavailable, ImageMissing, InfraError
 from ..core.layout import Root
-from ..core.models import ErrorKind, Record, Status
+from ..core.models import Record, Status
 from ..queue import breaker, lease, retry
 from ..queue import store as queue
 from . import job as cycle
 from . import spares
+from .slots import RECOVER_EVERY_S, Slot, SlotLoop
 
 if TYPE_CHECKING:
     from ..sandbox import Backend
 
 DEFAULT_GRACE_S = 60.0
-RECOVER_EVERY_S = 30.0
 # The probe of an unreachable daemon: 1, 2, 4 ... 30 s apart, for as long as it takes (see
 # queue/retry.py for why it is the same kind of policy as a task's).
 DAEMON_PROBE = retry.RetryPolicy(attempts=None, base=1.0, cap=30.0, jitter=False)
@@ -71,19 +60,15 @@ def process_age() -> float | None:
         return None
 
 
-class _Job(cycle.Hooks):
-    """One claimed task running in its own thread; the worker steers it through these hooks."""
+class _Job(cycle.Hooks, Slot):
+    """One claimed task running in its own slot; the worker steers it through these hooks."""
 
     def __init__(self, worker: Worker, claim: queue.Claim, before: dict[str, float] | None = None) -> None:
+        super().__init__(claim.task_id)
         self.worker, self.claim = worker, claim
         self.before = before or {}
         self.cancel = threading.Event()
         self.lost = threading.Event()  # set by the heartbeat thread when the claim file is gone
-        self.result: Record | None = None
-        self.error: BaseException | None = None
-        self.done = threading.Event()
-        self.started = time.monotonic()
-        self.thread = threading.Thread(target=self._run, name=f"fila-job-{claim.task_id}", daemon=True)
 
     def check(self) -> None:
         if self.lost.is_set():
@@ -99,23 +84,16 @@ class _Job(cycle.Hooks):
         if self.worker.draining:
             raise cycle.Interrupted("the worker is stopping; handed back before its container started")
 
-    def _run(self) -> None:
+    def run(self) -> Record | None:
+        """The job, in its slot's thread: the engine asked first (one that does not answer gets
+        the task handed back, never begun), then the one run path."""
         w = self.worker
         try:
-            try:
-                w.backend.ping()
-            except EngineUnavailable as e:
-                queue.hand_back(w.root, self.claim, log={"reason": e.message})  # never begun
-                self.error = e
-                return
-            self.result = cycle.run_one(
-                w.root, self.claim, backend=w.backend, progress=w.progress, hooks=self
-            )
-        except BaseException as e:  # reported by the main loop; a thread cannot raise to it
-            self.error = e
-        finally:
-            self.done.set()
-            w.wake.set()
+            w.backend.ping()
+        except EngineUnavailable as e:
+            queue.hand_back(w.root, self.claim, log={"reason": e.message})
+            raise
+        return cycle.run_one(w.root, self.claim, backend=w.backend, progress=w.progress, hooks=self)
 
 
 class _Watcher(threading.Thread):
@@ -158,7 +136,7 @@ class _Watcher(threading.Thread):
                 self.ino.close()
 
 
-class Worker:
+class Worker(SlotLoop[_Job]):
     def __init__(
         self,
         root: Root,
@@ -176,30 +154,24 @@ class Worker:
     ) -> None:
         from ..sandbox import get_backend, root_backend
 
-        self.root, self.once, self.concurrency = root, once, max(1, concurrency)
+        super().__init__(concurrency=concurrency, once=once, on_record=on_record)
+        self.root = root
         self.id = worker_id or queue.new_worker_id()
         self.owns_backend = backend is None
         self.backend = backend or get_backend(root_backend(root))
-        self.on_record, self.progress, self.poll_s = on_record, progress, poll_s
+        self.progress, self.poll_s = progress, poll_s
         self.grace_s, self.recover_every_s = grace_s, recover_every_s
         # These task ids only (`fila submit --run`): other queued tasks are left to other workers.
         self.only = only
         # `once` (CI): the first task's timings get the process's start-up (a long-running
         # worker's start is not a task's cost).
         self.first_claim = once
-        self.records: list[Record] = []
-        self.active: dict[str, _Job] = {}
-        self.wake = threading.Event()
         self.recover_now = threading.Event()
         self.stopped = threading.Event()
         self.recovering = threading.Event()
-        self.draining = self.cancelling = self.interrupted = False
-        self.stop_claiming = False
+        self.draining = self.cancelling = False
         self.stop_reason = "the worker is stopping"
         self.drain_deadline: float | None = None
-        self.infra_error: FilaError | None = None
-        self.crash: BaseException | None = None
-        self.breaker_tripped = False
         self.docker_bad = False
         self.docker_retry_at = 0.0
         self.docker_failures = 0  # failed probes since the daemon last answered
@@ -261,8 +233,7 @@ class Worker:
             self.request_stop(cancel=True, reason="the worker failed")
             for job in list(self.active.values()):
                 job.cancel.set()
-            for job in list(self.active.values()):
-                job.thread.join(timeout=120)
+            self.join(timeout=120)
             raise
         finally:
             self.stopped.set()
@@ -298,7 +269,7 @@ class Worker:
             if self.draining or self.cancelling or self.stop_claiming:
                 if not self.active:
                     return
-                self._wait(0.5)
+                self.wait(0.5)
                 continue
             if breaker.read(self.root).open:
                 if not self.breaker_tripped:
@@ -310,37 +281,33 @@ class Worker:
                 if self.once:
                     self.stop_claiming = True
                     continue
-                self._wait(self.poll_s)
+                self.wait(self.poll_s)
                 continue
             self.breaker_tripped = False
             if not self._docker_ready():
-                self._wait(min(self.poll_s, max(0.05, self.docker_retry_at - time.monotonic())))
+                self.wait(min(self.poll_s, max(0.05, self.docker_retry_at - time.monotonic())))
                 continue
             started = self._fill()
             if self.once and not self.active and not started and self.only:
                 if self._only_pending():
-                    self._wait(self.poll_s)
+                    self.wait(self.poll_s)
                 elif self.recovering.is_set():
-                    self._wait(0.1)
+                    self.wait(0.1)
                 else:
                     return
                 continue
             if self.once and not self.active and not started:
                 wake_at = cycle.earliest_backoff(self.root)
                 if wake_at is not None:
-                    self._wait(max(0.05, min(wake_at - time.time(), retry.INFRA.cap)))
+                    self.wait(max(0.05, min(wake_at - time.time(), retry.INFRA.cap)))
                 elif self.recovering.is_set():
-                    self._wait(0.1)
+                    self.wait(0.1)
                 else:
                     return
                 continue
             wake_at = cycle.earliest_backoff(self.root)
             timeout = self.poll_s if wake_at is None else min(self.poll_s, wake_at - time.time())
-            self._wait(max(0.05, timeout))
-
-    def _wait(self, timeout: float) -> None:
-        self.wake.wait(timeout)
-        self.wake.clear()
+            self.wait(max(0.05, timeout))
 
     def _only_pending(self) -> bool:
         """`only`: True while one of its tasks is queued (a backoff) or run by another worker
@@ -351,8 +318,7 @@ class Worker:
             if rec is None or rec.status in (Status.queued, Status.running):
                 pending = pending or rec is not None or (self.root.in_dir / f"{tid}.json").exists()
             elif all(r.id != tid for r in self.records):
-                self.records.append(rec)
-                self.on_record(rec)
+                self.record(rec)
         return pending
 
     def _fill(self) -> int:
@@ -372,8 +338,7 @@ class Worker:
                 threading.Thread(target=self._ask_overlay, name="fila-overlay-probe", daemon=True).start()
             self.first_claim = False
             job = _Job(self, claim, before)
-            self.active[claim.name] = job
-            job.thread.start()
+            self.start(claim.name, job, job.run)
             started += 1
         return started
 
@@ -382,18 +347,13 @@ class Worker:
             self.backend.overlay_unsupported()
 
     def _collect(self) -> None:
-        for name, job in list(self.active.items()):
-            if not job.done.is_set():
-                continue
-            job.thread.join()
-            del self.active[name]
+        for job in self.ended():
             if job.error is not None:
                 self._job_failed(job)
             rec = job.result
             if rec is None or rec.status in (Status.queued, Status.running):
                 continue
-            self.records.append(rec)
-            self.on_record(rec)
+            self.record(rec)
             st = breaker.record(self.root, rec, worker=self.id)
             if st.open and not self.breaker_tripped:
                 self.breaker_tripped = True
@@ -489,47 +449,3 @@ class Worker:
             self.recover_now.clear()
             if self.stopped.is_set():
                 return
-
-    def exit_code(self) -> int:
-        return run_exit_code(
-            self.records,
-            once=self.once,
-            interrupted=self.interrupted,
-            breaker_tripped=self.breaker_tripped,
-            infra_error=self.infra_error is not None,
-            crash=self.crash is not None,
-        )
-
-
-def run_exit_code(
-    records: Iterable[Record],
-    *,
-    once: bool = True,
-    interrupted: bool = False,
-    breaker_tripped: bool = False,
-    infra_error: bool = False,
-    crash: bool = False,
-) -> int:
-    """The one exit rule of `fila run` and `fila worker` on either queue, and of `submit --run`
-    (README, "Exit codes"; docs/scale-out.md): 130 interrupted; with `once`, 6 the breaker open and
-    3 Docker or an image missing; 1 a fila bug in a job; else, without `once`, 0. With `once`, of
-    the `records`: 1 when one failed or needs a person other than as invalid, else 2 when one was
-    refused as invalid, else 0 (a failure a person must look at outranks a task file to fix)."""
-    if interrupted:
-        return EXIT_INTERRUPTED
-    if once and breaker_tripped:
-        return EXIT_BREAKER
-    if once and infra_error:
-        return EXIT_DOCKER
-    if crash:
-        return EXIT_SOME_FAILED
-    if not once:
-        return EXIT_OK
-    recs = list(records)
-    if any(r.status in (Status.failed, Status.needs_human) and not _invalid(r) for r in recs):
-        return EXIT_SOME_FAILED
-    return EXIT_INVALID if any(_invalid(r) for r in recs) else EXIT_OK
-
-
-def _invalid(rec: Record) -> bool:
-    return rec.status == Status.failed and rec.error is not None and rec.error.kind == ErrorKind.invalid

@@ -8,19 +8,23 @@ directories or under a symlink, names control characters, bidi overrides or what
 cannot encode, a manifest over the reader's policy limits (max_work_files, max_work_bytes:
 checked before anything is written), or a blob whose bytes do not match, is refused. Every such
 refusal is InvalidInput (or BlobMismatch), never another exception: a hostile manifest fails its
-own task, not the runner that reads it.
+own task, not the runner that reads it. What the host fails at while writing (a full disk or
+quota, an I/O error, a read-only file system, no file descriptors or memory left, a destination
+it may not write) is not the task's: InfraError naming the path and the errno, so the task goes
+back to the queue rather than failing for good (`unpack`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import re
 from pathlib import Path
 from typing import Any, Protocol
 
-from ...core.errors import InvalidInput
+from ...core.errors import InfraError, InvalidInput
 from .errors import BlobMismatch
 
 MANIFEST_VERSION = 1
@@ -28,6 +32,11 @@ MANIFEST_VERSION = 1
 RESERVED = ("fila", "sandbox", "policies")
 # Control characters and the bidi overrides/isolates that make a listed name read as another.
 UNSAFE_CHARS = re.compile("[\x00-\x1f\x7f\u202a-\u202e\u2066-\u2069]")
+# What a path's own shape makes the file system refuse (named twice, a file where a directory must
+# be, too long, a name it cannot store): the task's. Any other errno while writing is the host's.
+SHAPE_ERRNOS = frozenset(
+    {errno.EEXIST, errno.ENOTDIR, errno.EISDIR, errno.ENAMETOOLONG, errno.ELOOP, errno.EINVAL, errno.EILSEQ}
+)
 
 
 class BlobSource(Protocol):
@@ -107,28 +116,47 @@ def unpack(source: BlobSource, manifest: bytes, dest: Path, *, max_files: int, m
     """Lay the manifest's files out under `dest` (a directory fila just made), each blob checked
     against its sha256 and size; the targets to give the task. The manifest is refused first when
     it is over `max_files` / `max_bytes` (check_limits). Each distinct blob is fetched once. Files
-    first, then symlinks, none followed: nothing is written outside `dest`."""
+    first, then symlinks, none followed: nothing is written outside `dest`. InvalidInput when a
+    path's shape is refused (SHAPE_ERRNOS); InfraError when the host fails (any other errno, or
+    no memory left): the host's, not the task's."""
     targets, entries = read_manifest(manifest)
     check_limits(entries, max_files, max_bytes)
     if "." in targets:  # the whole project: its top-level names, so the runner's own files stay out
         targets = sorted({e["path"].split("/")[0] for e in entries} | {t for t in targets if t != "."})
     fetched: dict[str, bytes] = {}  # at most max_bytes in all: each size was checked above
-    for e in sorted(entries, key=lambda x: x["kind"] == "symlink"):
-        data = fetched.get(e["sha256"])
-        if data is None:
-            data = fetched[e["sha256"]] = source.blob(e["sha256"])  # checked (BlobMismatch)
-        if len(data) != e["size"]:
-            raise BlobMismatch(
-                f"blob sha256 {e['sha256']} of {e['path']} holds {len(data)} bytes; "
-                f"the manifest says {e['size']}"
-            )
-        try:
-            _write(dest, e, data)
-        except OSError as err:  # a path named twice, a file where a directory must be
-            raise _bad(f"path {e['path']!r} cannot be laid out: {err.strerror or err}") from None
-        except (ValueError, UnicodeError) as err:  # what the checks above missed: still the task's
-            raise _bad(f"path {e['path']!r} cannot be laid out: {err}") from None
+    try:
+        for e in sorted(entries, key=lambda x: x["kind"] == "symlink"):
+            data = fetched.get(e["sha256"])
+            if data is None:
+                data = fetched[e["sha256"]] = source.blob(e["sha256"])  # checked (BlobMismatch)
+            if len(data) != e["size"]:
+                raise BlobMismatch(
+                    f"blob sha256 {e['sha256']} of {e['path']} holds {len(data)} bytes; "
+                    f"the manifest says {e['size']}"
+                )
+            try:
+                _write(dest, e, data)
+            except OSError as err:
+                if err.errno in SHAPE_ERRNOS:  # a path named twice, a file where a directory must be
+                    raise _bad(f"path {e['path']!r} cannot be laid out: {err.strerror or err}") from None
+                raise _host(dest / e["path"], err) from None
+            except (ValueError, UnicodeError) as err:  # what the checks above missed: still the task's
+                raise _bad(f"path {e['path']!r} cannot be laid out: {err}") from None
+    except MemoryError:  # the host's, never the task's: its size was within the policy's limits
+        raise InfraError(
+            f"{dest}: this host ran out of memory while laying the task's targets out",
+            hint="free memory on the runner's host; the task goes back to the queue",
+        ) from None
     return targets
+
+
+def _host(path: Path, err: OSError) -> InfraError:
+    name = errno.errorcode.get(err.errno or 0, str(err.errno))
+    return InfraError(
+        f"{path} could not be written on this host ({name}: {err.strerror or err}): the host's "
+        "failure, not the task's",
+        hint="free space or descriptors, or fix the runner's --root; the task goes back to the queue",
+    )
 
 
 def _write(dest: Path, e: dict[str, Any], data: bytes) -> None:
