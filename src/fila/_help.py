@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "2a7c3d9ffa3030fcdd7c27223ea00a7b3dc7f5932637209a270eba4297f1ffc8"
+CLI_SHA256 = "85c0c729ee2d0019635219530501628d75486ad1dc78aa3b1a0d5372addd1d3c"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 

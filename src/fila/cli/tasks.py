@@ -216,7 +216,9 @@ def worker(
     policy: Annotated[
         list[str] | None,
         typer.Option(
-            "--policy", help="with --queue: claim only tasks of these policies (default: any in --root)"
+            "--policy",
+            help="with --queue: claim only tasks of these policies (default: those of --root it can run: "
+            "that load, whose runtime the container engine has; said at start)",
         ),
     ] = None,
     lease: Annotated[

@@ -238,3 +238,15 @@ def pid_alive(pid: int) -> bool:
     except (OverflowError, ValueError):
         return False
     return True
+
+
+# What the host runs out of or fails at (a full disk or quota, an I/O error, a read-only file
+# system, no descriptors or memory left), whatever the path: not the task's doing.
+HOST_ERRNOS = frozenset(
+    {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EMFILE, errno.ENFILE, errno.ENOMEM}
+)
+
+
+def host_fault(e: BaseException) -> bool:
+    """Whether `e` is the host's failure (HOST_ERRNOS, or no memory left), not a task's."""
+    return isinstance(e, MemoryError) or (isinstance(e, OSError) and e.errno in HOST_ERRNOS)

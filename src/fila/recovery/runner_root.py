@@ -131,18 +131,23 @@ def check_root(root: Root) -> None:
                 hint=f"`chmod go-w {root.path}` (as its owner), or give the runner a --root of its own",
             )
         for rel in CHECKED:
-            _own_dir(top, root.path, rel)
+            # fila/state/ holds the recovery lock: one another user can open (an earlier fila made
+            # it 0644), it can flock and hold, so nobody else reaches that directory at all.
+            _own_dir(top, root.path, rel, 0o077 if rel == "fila/state" else 0o022)
     finally:
         os.close(top)
 
 
-def _own_dir(top: int, base: Path, rel: str) -> None:
+def _own_dir(top: int, base: Path, rel: str, strip: int = 0o022) -> None:
     """`rel` under the root (`top`, its directory), when it is there, a directory of this user's,
-    each step opened without following a link, its group/other write taken away. Nothing is made
+    each step opened without following a link, its group/other write taken away (`strip`: the
+    mode bits taken from `rel` itself). Nothing is made
     here: what is missing, Root.require makes (a directory that is not a queue root stays one)."""
     fds = [os.dup(top)]
     try:
-        for part in rel.split("/"):
+        parts = rel.split("/")
+        for i, part in enumerate(parts):
+            mask = strip if i == len(parts) - 1 else 0o022  # `strip` of `rel` itself
             try:
                 fd = os.open(part, DIR_FLAGS, dir_fd=fds[-1])
             except FileNotFoundError:
@@ -154,8 +159,8 @@ def _own_dir(top: int, base: Path, rel: str) -> None:
             st = os.fstat(fd)
             if not owned(st, stat.S_IFDIR):
                 raise _not_own(base / rel, f"uid {st.st_uid}")
-            if st.st_mode & 0o022:
-                os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~0o022)
+            if st.st_mode & mask:
+                os.fchmod(fd, stat.S_IMODE(st.st_mode) & ~mask)
     except OSError as e:
         raise InfraError(f"{base / rel}: {e.strerror or e}") from None
     finally:

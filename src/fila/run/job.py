@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..core import fsutil
 from ..core.errors import (
     FilaError,
     ImageMissing,
@@ -197,6 +198,12 @@ def run_one(
             f"a partial change. {RETRY_HINT}",
         )
     except (FilaError, OSError) as e:
+        if isinstance(e, OSError) and fsutil.host_fault(e) and not run.container_started:
+            # The host's disk or descriptors, before any container: an infra error, requeued (a
+            # runner of the PostgreSQL queue hands it back uncounted), not this task's failure.
+            err = InfraError(f"task {tid}: this host failed before the container: {e}")
+            run.requeue(err, outcome="requeued")
+            raise err from e
         # Neither the infrastructure (InfraError is above) nor the worker stopping: this task's
         # project or job directory (an unreadable directory, a file swapped during the copy, a
         # cleanup the engine blocked). Its record says so and the run goes on; handing it back

@@ -44,7 +44,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.errors import FilaError, ImageMissing, InfraError
+from ..core.errors import FilaError, InfraError
 from ..core.layout import Root
 from ..core.models import ErrorInfo, ErrorKind, Record
 from ..engines import engine_names, get_engine
@@ -95,6 +95,35 @@ def engines_here(backend: Backend) -> list[str]:
         with contextlib.suppress(FilaError):
             if backend.image(get_engine(name).image_tag()) is not None:
                 out.append(name)
+    return out
+
+
+def runtime_missing(root: Root, name: str, backend: Backend) -> str | None:
+    """Why this host cannot run a task of policy `name` (its container runtime missing), or None."""
+    pol, _ = load_policy(root, name)
+    want = backend.runtime_for(pol)
+    if want is not None and want not in backend.runtimes():
+        return (
+            f"its runtime {want} is not in {backend.name} (it has: {', '.join(sorted(backend.runtimes()))})"
+        )
+    return None
+
+
+def usable_policies(root: Root, backend: Backend, progress: Callable[[str], None]) -> list[str]:
+    """The policies a runner started without --policy claims: each of its root's (and fila's
+    shipped ones it does not override) that loads and whose runtime this host has. One that does
+    not is left out and said: a task of it stays queued for a runner that has it, never run here
+    under another policy of its name, nor failed here for this host's lack."""
+    out = []
+    for name in policy_names(root):
+        try:
+            why = runtime_missing(root, name, backend)
+        except FilaError as e:
+            why = f"{e}" + (f"; {e.hint}" if e.hint else "")
+        if why:
+            progress(f"fila worker: policy {name} left out (its tasks wait for another runner): {why}")
+        else:
+            out.append(name)
     return out
 
 
@@ -153,11 +182,26 @@ class RemoteWorker(SlotLoop[Slot]):
             get_engine(name)  # UnknownEngine names the valid ones
         for name in self.policies or ():
             load_policy(self.root, name)  # a policy this root cannot load is refused before a claim
-        engines = self.engines or engines_here(self.backend)
+            why = runtime_missing(self.root, name, self.backend)
+            if why:
+                raise InfraError(
+                    f"policy {name}: {why}", hint="leave it out of --policy, or install the runtime"
+                )
+        if self.policies is None:  # what it can run, not "any": a task of another policy stays queued
+            self.policies = usable_policies(self.root, self.backend, self.progress)
+        here = engines_here(self.backend)
+        engines = self.engines or here
         if not engines:
             raise InfraError(
                 f"{self.backend.name} has no engine image; this runner can claim nothing",
                 hint="`fila images build ENGINE`, or name the engines with --engine",
+            )
+        missing = [e for e in engines if e not in here]
+        if missing:  # it would claim their tasks only to hand each back
+            raise InfraError(
+                f"{self.backend.name} has no image of {', '.join(missing)}: this runner cannot run "
+                "their tasks",
+                hint=f"`fila images build {' '.join(missing)}`, or leave them out of --engine",
             )
         # Spare gateways of an earlier runner process on this root that died with them up, and its
         # job roots (containers, gateway, directory) whose lock nobody holds; then this runner's
@@ -423,23 +467,27 @@ class RemoteWorker(SlotLoop[Slot]):
                 why = f"task {tid}: its targets could not be laid out: {type(e).__name__}: {e!s}"
                 return refuse(q, lease, jr, self.backend.name, why, limit=REFUSAL_CHARS)
             task = lease.task.model_copy(update={"id": tid, "project": None, "targets": targets})
-            queue.enqueue(jr, tid, task)
-            claim = cycle.next_claim(jr, self.id, only={tid})
-            if claim is None:
-                raise InfraError(f"task {tid}: its local copy in {jr.path} could not be claimed")
-            renewer.claim = claim
             try:
+                queue.enqueue(jr, tid, task)
+                claim = cycle.next_claim(jr, self.id, only={tid})
+                if claim is None:
+                    raise InfraError(f"task {tid}: its local copy in {jr.path} could not be claimed")
+                renewer.claim = claim
                 rec = cycle.run_one(jr, claim, backend=self.backend, progress=self.progress, hooks=hooks)
-            except InfraError as e:
+            except (InfraError, OSError) as e:
                 # Before its container started: back to the queue. This host's failure (its engine
-                # not answering, a create refused) spends none of the task's tries, which are not one
-                # host's to spend: on a queue with several runners a sick one would fail every
-                # task it claims. A missing image counts, as on the file queue: the task may name a
-                # tag no runner has, and after its tries it fails with the command that builds it.
+                # not answering, a create refused, an image it lacks - a tag the task pins itself is
+                # refused as invalid before this -, its disk full while it writes the job's journal)
+                # spends none of the task's tries, which are not one host's to spend: on a queue
+                # with several runners a sick one would fail every task it claims.
+                err = e if isinstance(e, InfraError) else InfraError(f"task {tid}: this host: {e}")
                 if not hooks.marked and not hooks.lost.is_set():
-                    hand_back(q, lease, jr, ErrorInfo(kind=ErrorKind.infra, message=str(e)),
-                              counted=isinstance(e, ImageMissing), backoff_s=INFRA.backoff(1))  # fmt: skip
-                raise
+                    with contextlib.suppress(FilaError):
+                        hand_back(q, lease, jr, ErrorInfo(kind=ErrorKind.infra, message=str(err)),
+                                  counted=False, backoff_s=INFRA.backoff(1))  # fmt: skip
+                if err is e:
+                    raise
+                raise err from e
             ended = rec is not None
             if hooks.lost.is_set() or rec is None:
                 self.progress(f"{tid}: lease lost; nothing published")
