@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.errors import FilaError, InfraError
 from ..core.layout import Root
 from ..core.models import ErrorInfo, ErrorKind, Record
-from ..engines import engine_names, get_engine
+from ..engines import get_engine
 from ..queue import store as queue
 from ..queue.pg.store import INPUTS, Lease, PgQueue
 from ..queue.policy import load_policy, policy_names
@@ -57,6 +57,7 @@ from ..recovery.recover import recover_job_roots
 from . import job as cycle
 from . import spares
 from .lease_hooks import LeaseHooks, Renewer
+from .remote_host import engines_here, runtime_missing, usable_policies
 from .remote_inputs import unpack
 from .remote_publish import hand_back, publish, refuse
 from .slots import RECOVER_EVERY_S, Slot, SlotLoop
@@ -85,45 +86,6 @@ def images_of(backend: Backend, engines: list[str]) -> dict[str, str]:
             tag = get_engine(name).image_tag()
             ref = backend.image(tag)
             out[name] = f"{tag} {ref.id}" if ref is not None and ref.id else tag
-    return out
-
-
-def engines_here(backend: Backend) -> list[str]:
-    """The engines whose image this host's container engine has."""
-    out = []
-    for name in engine_names():
-        with contextlib.suppress(FilaError):
-            if backend.image(get_engine(name).image_tag()) is not None:
-                out.append(name)
-    return out
-
-
-def runtime_missing(root: Root, name: str, backend: Backend) -> str | None:
-    """Why this host cannot run a task of policy `name` (its container runtime missing), or None."""
-    pol, _ = load_policy(root, name)
-    want = backend.runtime_for(pol)
-    if want is not None and want not in backend.runtimes():
-        return (
-            f"its runtime {want} is not in {backend.name} (it has: {', '.join(sorted(backend.runtimes()))})"
-        )
-    return None
-
-
-def usable_policies(root: Root, backend: Backend, progress: Callable[[str], None]) -> list[str]:
-    """The policies a runner started without --policy claims: each of its root's (and fila's
-    shipped ones it does not override) that loads and whose runtime this host has. One that does
-    not is left out and said: a task of it stays queued for a runner that has it, never run here
-    under another policy of its name, nor failed here for this host's lack."""
-    out = []
-    for name in policy_names(root):
-        try:
-            why = runtime_missing(root, name, backend)
-        except FilaError as e:
-            why = f"{e}" + (f"; {e.hint}" if e.hint else "")
-        if why:
-            progress(f"fila worker: policy {name} left out (its tasks wait for another runner): {why}")
-        else:
-            out.append(name)
     return out
 
 
