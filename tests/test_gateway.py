@@ -442,8 +442,11 @@ def test_a_tunnel_carrying_a_tls_handshake_for_another_name_is_closed(env: Env) 
     s_client = (
         f"echo | openssl s_client -proxy {gw.ip}:3128 -connect allowed.test:443 -CAfile {CA_IN_CONTAINER}"
     )
-    code, out, err = env.sh(f"{s_client} -servername allowed.test")
-    assert code == 0 and "Verify return code: 0 (ok)" in out and "CN = allowed.test" in out, err
+    # The handshake through the tunnel is the point: verified, the listed host's certificate. Its
+    # exit code is not: `echo |` closes stdin at once and OpenSSL 3 exits 1 when the upstream then
+    # closes without close_notify ("unexpected eof while reading"), depending on timing.
+    _code, out, err = env.sh(f"{s_client} -servername allowed.test")
+    assert "Verify return code: 0 (ok)" in out and "CN = allowed.test" in out, err
     # The same tunnel with the TLS server name of an unlisted host (domain fronting): closed
     # before the handshake reaches the upstream.
     code, out, err = env.sh(f"{s_client} -servername denied.test")

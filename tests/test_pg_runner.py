@@ -510,7 +510,7 @@ def test_a_host_whose_engine_fails_before_the_container_hands_the_task_back_unco
     pg_url: str, q: PgQueue, sub: Root, tmp_path: Path
 ) -> None:
     """A sick host spends none of a task's tries (they are not one host's to spend), however often
-    it claims it. Fake backend; about two seconds."""
+    it claims it; a missing image counts. Fake backend; about two seconds."""
     from fila.core.errors import ImageMissing, InfraError
     from fila.run.remote import RemoteWorker
     from fila.sandbox.fake import FakeBackend
@@ -533,9 +533,10 @@ def test_a_host_whose_engine_fails_before_the_container_hands_the_task_back_unco
         st = q.task_state("t")
         assert (st["state"], st["tries"]) == ("queued", 0), st
         clear_backoff(pg_url, "t")
-    # An image this host lacks is the host's too (a tag the task pins is refused as invalid first).
+    # A missing image counts (bounded): the runner has its engine's image (checked at start), so
+    # it is a fallback's or the check's, which it would otherwise claim and hand back forever.
     once(ImageMissing("image fila/shell:latest is not present in fake (injected)"))
-    assert q.task_state("t")["tries"] == 0
+    assert q.task_state("t")["tries"] == 1
     clear_backoff(pg_url, "t")
     # A healthy host then runs it once.
     w = once(None)
@@ -547,7 +548,9 @@ def test_a_runner_without_policy_claims_only_the_policies_it_can_run(
 ) -> None:
     """Without --policy a runner claims the policies its root has that load and whose runtime its
     engine has: a task of another stays queued, its tries unspent, for a runner that can run it,
-    never failed here nor run under fila's shipped policy of its name. Fake backend; ~2 s."""
+    never failed here nor run under fila's shipped policy of its name; a policy that stops loading
+    after the start is the host's too (its task back uncounted, the policy claimed no more). Fake
+    backend; ~2 s."""
     from fila.run.remote import RemoteWorker
     from fila.sandbox.fake import FakeBackend
 
@@ -556,19 +559,27 @@ def test_a_runner_without_policy_claims_only_the_policies_it_can_run(
     (runner.policies_dir / "gv.json").write_text(json.dumps({**default, "runtime": "runsc"}))
     (tmp_path / "strict.json").write_text(json.dumps({**default, "max_work_files": 0}))
     (runner.policies_dir / "lnk.json").symlink_to(tmp_path / "strict.json")
-    for name in ("team", "gv", "lnk"):  # the submitter has each, as a plain file
+    (runner.policies_dir / "brk.json").write_text(json.dumps(default))  # loads at start, not later
+    for name in ("team", "gv", "lnk", "brk"):  # the submitter has each, as a plain file
         (sub.policies_dir / f"{name}.json").write_text(json.dumps(default))
     submit(pg_url, sub, "ok", "echo ok >> greeting.txt")
-    for name in ("team", "gv", "lnk"):
+    for name in ("team", "gv", "lnk", "brk"):
         res = fila("submit", "--queue", pg_url, "--root", str(sub.path), "--id", name, "--engine", "shell",
                    "--policy", name, "--command", "echo x >> greeting.txt", "-t", "greeting.txt")  # fmt: skip
         assert res.exit_code == 0, res.output
     said: list[str] = []
+
+    def progress(msg: str) -> None:  # brk's file is broken once its task is claimed (an edit)
+        said.append(msg)
+        if msg.startswith("brk: claimed"):
+            (runner.policies_dir / "brk.json").write_text("{ half-written")
+
     w = RemoteWorker(runner, pg_url, host_id="h1", engines=["shell"], once=True, poll_s=0.2,
-                     backend=FakeBackend(tmp_path / "boxes"), progress=said.append)  # fmt: skip
+                     backend=FakeBackend(tmp_path / "boxes"), progress=progress)  # fmt: skip
     assert w.run() == 0
     assert [(r.id, r.status) for r in w.records] == [("ok", S.needs_review)], w.records
-    for name in ("team", "gv", "lnk"):
+    assert "brk" not in (w.policies or []) and any("policy brk left out from now on" in m for m in said), said
+    for name in ("team", "gv", "lnk", "brk"):
         st = q.task_state(name)
         assert (st["state"], st["tries"]) == ("queued", 0), (name, st)
     left = " ".join(m for m in said if "left out" in m)

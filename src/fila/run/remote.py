@@ -44,18 +44,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.errors import FilaError, InfraError
+from ..core.errors import FilaError, ImageMissing, InfraError, InvalidPolicy, UnknownPolicy
 from ..core.layout import Root
 from ..core.models import ErrorInfo, ErrorKind, Record
 from ..engines import get_engine
 from ..queue import store as queue
 from ..queue.pg.store import INPUTS, Lease, PgQueue
-from ..queue.policy import load_policy, policy_names
+from ..queue.policy import load_policy
 from ..queue.retry import INFRA
 from ..recovery import remote_jobs, runner_root
 from ..recovery.recover import recover_job_roots
 from . import job as cycle
 from . import spares
+from .intake import check_task
 from .lease_hooks import LeaseHooks, Renewer
 from .remote_host import engines_here, runtime_missing, usable_policies
 from .remote_inputs import unpack
@@ -151,6 +152,11 @@ class RemoteWorker(SlotLoop[Slot]):
                 )
         if self.policies is None:  # what it can run, not "any": a task of another policy stays queued
             self.policies = usable_policies(self.root, self.backend, self.progress)
+            if not self.policies:
+                raise InfraError(
+                    f"no policy of {self.root.policies_dir} can run here: this runner can claim nothing",
+                    hint="see the lines above for why each was left out",
+                )
         here = engines_here(self.backend)
         engines = self.engines or here
         if not engines:
@@ -176,9 +182,7 @@ class RemoteWorker(SlotLoop[Slot]):
         # Bounded: a recovery lock held by someone else stops this start with a message, not a hang.
         for a in recover_job_roots(self.root, backend=self.backend, wait_s=START_RECOVERY_WAIT_S).actions:
             self.progress(f"fila worker {self.id}: {a.action}: {a.detail}")
-        pool = spares.keep(
-            self.root, self.backend, once=self.once, policies=self.policies or policy_names(self.root)
-        )
+        pool = spares.keep(self.root, self.backend, once=self.once, policies=self.policies)
         handlers: dict[int, Any] = {}
         if threading.current_thread() is threading.main_thread():
             handlers = {s: signal.signal(s, self._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -356,6 +360,20 @@ class RemoteWorker(SlotLoop[Slot]):
             shutil.copy2(config, jr.fila / "config.json")
         return jr.require()
 
+    def host_policy(self, q: PgQueue, lease: Lease, jr: Root, e: FilaError) -> None:
+        """A task whose policy this host cannot run it under (the file changed since the start, a
+        route's credential or a runtime missing here): the host's, not the task's. The task goes
+        back uncounted, and this runner claims that policy no more (its tasks wait for another)."""
+        name = lease.task.policy
+        why = f"{e}" + (f"; {e.hint}" if e.hint else "")
+        with contextlib.suppress(FilaError):
+            hand_back(q, lease, jr, ErrorInfo(kind=ErrorKind.infra, message=f"runner {self.id} cannot run "
+                      f"policy {name}: {why}"), counted=False, backoff_s=0.0)  # fmt: skip
+        if self.policies is not None and name in self.policies:
+            self.policies.remove(name)
+        self.progress(f"fila worker {self.id}: policy {name} left out from now on (its tasks wait for "
+                      f"another runner): {why}")  # fmt: skip
+
     def run_lease(self, q: PgQueue, lease: Lease, sent: float | None = None) -> Record | None:
         """Run one claimed task and publish its outcome; None when the lease was lost (nothing
         published). InfraError after handing the task back when the host failed before its
@@ -407,6 +425,8 @@ class RemoteWorker(SlotLoop[Slot]):
             except KeyError:
                 why = f"task {tid} has no {INPUTS} blob (queued without its targets)"
                 return refuse(q, lease, jr, self.backend.name, why)
+            except (InvalidPolicy, UnknownPolicy) as e:  # this host's copy of it, not the task
+                return self.host_policy(q, lease, jr, e)
             except (InfraError, MemoryError) as e:
                 # The database or this host (its disk full, its memory), not the task: the task
                 # goes back uncounted (when the database answers; else its lease lapses and a
@@ -429,6 +449,15 @@ class RemoteWorker(SlotLoop[Slot]):
                 why = f"task {tid}: its targets could not be laid out: {type(e).__name__}: {e!s}"
                 return refuse(q, lease, jr, self.backend.name, why, limit=REFUSAL_CHARS)
             task = lease.task.model_copy(update={"id": tid, "project": None, "targets": targets})
+            try:  # what the run path checks first, for what is this host's: its policy as it has it
+                why = runtime_missing(jr, task.policy, self.backend)
+                if why:
+                    raise InvalidPolicy(f"policy {task.policy}: {why}")
+                check_task(jr, task, tags_of=self.backend.tags)
+            except (InvalidPolicy, UnknownPolicy) as e:  # a route's credential missing here, say
+                return self.host_policy(q, lease, jr, e)
+            except FilaError:
+                pass  # the task's own fault: the run path records it as on the file queue
             try:
                 queue.enqueue(jr, tid, task)
                 claim = cycle.next_claim(jr, self.id, only={tid})
@@ -438,15 +467,24 @@ class RemoteWorker(SlotLoop[Slot]):
                 rec = cycle.run_one(jr, claim, backend=self.backend, progress=self.progress, hooks=hooks)
             except (InfraError, OSError) as e:
                 # Before its container started: back to the queue. This host's failure (its engine
-                # not answering, a create refused, an image it lacks - a tag the task pins itself is
-                # refused as invalid before this -, its disk full while it writes the job's journal)
+                # not answering, a create refused, its disk full while it writes the job's journal)
                 # spends none of the task's tries, which are not one host's to spend: on a queue
-                # with several runners a sick one would fail every task it claims.
+                # with several runners a sick one would fail every task it claims. A missing image
+                # counts: the runner has its engine's (checked at start), so it is a fallback's or
+                # the check's, which it would otherwise claim and hand back forever; after its
+                # tries the task fails with the command that builds it, as on the file queue.
                 err = e if isinstance(e, InfraError) else InfraError(f"task {tid}: this host: {e}")
                 if not hooks.marked and not hooks.lost.is_set():
+                    info = ErrorInfo(kind=ErrorKind.infra, message=str(err))
                     with contextlib.suppress(FilaError):
-                        hand_back(q, lease, jr, ErrorInfo(kind=ErrorKind.infra, message=str(err)),
-                                  counted=False, backoff_s=INFRA.backoff(1))  # fmt: skip
+                        hand_back(
+                            q,
+                            lease,
+                            jr,
+                            info,
+                            counted=isinstance(e, ImageMissing),
+                            backoff_s=INFRA.backoff(1),
+                        )
                 if err is e:
                     raise
                 raise err from e

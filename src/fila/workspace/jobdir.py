@@ -151,6 +151,8 @@ def resolve_targets(root: Root, project: Path, targets: list[str], policy: Polic
         try:
             rel = _resolve_one(project, raw, policy, prefixes)
         except OSError as err:  # a path too long for the kernel, an unreadable directory
+            if fsutil.host_fault(err):  # the host's (no descriptors, an I/O error): not the task's
+                raise
             raise TargetError(
                 f"target {escape_name(raw[:200])}{'...' if len(raw) > 200 else ''} cannot be read: "
                 f"{err.strerror}",
@@ -218,6 +220,8 @@ def copy_file(
     try:
         fd = os.open(name, _SRC_FLAGS, dir_fd=src_dir)
     except OSError as err:
+        if fsutil.host_fault(err):  # the host's (no descriptors, an I/O error): not the task's
+            raise
         raise TargetError(f"cannot open {where} in the project: {err.strerror}") from None
     try:
         st = os.fstat(fd)
