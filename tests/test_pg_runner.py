@@ -510,8 +510,14 @@ def test_a_host_whose_engine_fails_before_the_container_hands_the_task_back_unco
     pg_url: str, q: PgQueue, sub: Root, tmp_path: Path
 ) -> None:
     """A sick host spends none of a task's tries (they are not one host's to spend), however often
-    it claims it; a missing image counts. Fake backend; about two seconds."""
+    it claims it, and its record keeps one such hand-back, not one per claim; a fallback's or the
+    check's missing image counts, the task's own engine's image removed after the start is the
+    host's. Fake backend; about three seconds."""
+    import errno
+
+    import fila.workspace.jobdir as jobdir
     from fila.core.errors import ImageMissing, InfraError
+    from fila.engines import get_engine
     from fila.run.remote import RemoteWorker
     from fila.sandbox.fake import FakeBackend
     from fila.sandbox.fake_job import Act
@@ -533,8 +539,42 @@ def test_a_host_whose_engine_fails_before_the_container_hands_the_task_back_unco
         st = q.task_state("t")
         assert (st["state"], st["tries"]) == ("queued", 0), st
         clear_backoff(pg_url, "t")
-    # A missing image counts (bounded): the runner has its engine's image (checked at start), so
-    # it is a fallback's or the check's, which it would otherwise claim and hand back forever.
+    # The record (rewritten whole at each change) keeps the latest of the hand-backs in a row.
+    assert [a.outcome for a in q.get("t").attempts] == ["handed back"], q.get("t").attempts
+    # The host's disk failing while the run path checks the targets (an I/O error, once): the same.
+    real = jobdir.resolve_targets
+    calls: list[int] = []
+
+    def eio_once(*a: Any, **kw: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(errno.EIO, "Input/output error (injected)")
+        return real(*a, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(jobdir, "resolve_targets", eio_once)
+        w = once(None)
+    assert calls and w.exit_code() == 3 and "Input/output error" in str(w.infra_error), w.infra_error
+    st = q.task_state("t")
+    assert (st["state"], st["tries"]) == ("queued", 0), st
+    clear_backoff(pg_url, "t")
+    # The task's engine's image removed after the runner started: the host's; the runner leaves
+    # that engine out, and with none left it stops (exit 3) rather than idle.
+    boxes = FakeBackend(tmp_path / "boxes")
+
+    def rm_image(msg: str) -> None:
+        if msg.startswith("t: claimed"):
+            boxes.remove_image(get_engine("shell").image_tag())
+
+    gone = RemoteWorker(runner, pg_url, host_id="h1", engines=["shell"], once=True, poll_s=0.2,
+                        backend=boxes, progress=rm_image)  # fmt: skip
+    with pytest.raises(InfraError, match="no engine left that it can run"):
+        gone.run()
+    st = q.task_state("t")
+    assert (st["state"], st["tries"]) == ("queued", 0) and "has no image" in str(q.get("t").error), st
+    clear_backoff(pg_url, "t")
+    # A missing image the run path meets counts (bounded): the task's engine's was checked, so it
+    # is a fallback's or the check's, which the runner would otherwise claim and hand back forever.
     once(ImageMissing("image fila/shell:latest is not present in fake (injected)"))
     assert q.task_state("t")["tries"] == 1
     clear_backoff(pg_url, "t")
@@ -549,21 +589,35 @@ def test_a_runner_without_policy_claims_only_the_policies_it_can_run(
     """Without --policy a runner claims the policies its root has that load and whose runtime its
     engine has: a task of another stays queued, its tries unspent, for a runner that can run it,
     never failed here nor run under fila's shipped policy of its name; a policy that stops loading
-    after the start is the host's too (its task back uncounted, the policy claimed no more). Fake
-    backend; ~2 s."""
+    after the start, or becomes a link, is the host's too (its task back uncounted, the policy
+    claimed no more, the runners table saying so). A task that asks more than the runner's policy
+    allows is the task's: it fails `invalid`, and the runner keeps the policy. A runner whose last
+    policy is left out stops (exit 3). Fake backend; ~3 s."""
+    import psycopg
+
+    from fila.core.errors import InfraError
     from fila.run.remote import RemoteWorker
     from fila.sandbox.fake import FakeBackend
 
     runner = make_root(tmp_path / "h1")
     default = json.loads((runner.policies_dir / "default.json").read_text())
+    capped = {**default, "max_timeout_ms": 60000, "default_timeout_ms": 60000}
+    (runner.policies_dir / "default.json").write_text(json.dumps(capped))  # the submitter's allows more
     (runner.policies_dir / "gv.json").write_text(json.dumps({**default, "runtime": "runsc"}))
     (tmp_path / "strict.json").write_text(json.dumps({**default, "max_work_files": 0}))
     (runner.policies_dir / "lnk.json").symlink_to(tmp_path / "strict.json")
     (runner.policies_dir / "brk.json").write_text(json.dumps(default))  # loads at start, not later
-    for name in ("team", "gv", "lnk", "brk"):  # the submitter has each, as a plain file
+    # A shipped policy's name, overridden here, made a link once its task is claimed: never run
+    # under fila's shipped file of that name.
+    (runner.policies_dir / "anthropic.json").write_text(json.dumps(default))
+    named = ("team", "gv", "lnk", "brk", "anthropic")
+    for name in named:  # the submitter has each, as a plain file
         (sub.policies_dir / f"{name}.json").write_text(json.dumps(default))
     submit(pg_url, sub, "ok", "echo ok >> greeting.txt")
-    for name in ("team", "gv", "lnk", "brk"):
+    res = fila("submit", "--queue", pg_url, "--root", str(sub.path), "--id", "wide", "--engine", "shell",
+               "--timeout", "120000", "--command", "true", "-t", "greeting.txt")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    for name in named:
         res = fila("submit", "--queue", pg_url, "--root", str(sub.path), "--id", name, "--engine", "shell",
                    "--policy", name, "--command", "echo x >> greeting.txt", "-t", "greeting.txt")  # fmt: skip
         assert res.exit_code == 0, res.output
@@ -573,15 +627,35 @@ def test_a_runner_without_policy_claims_only_the_policies_it_can_run(
         said.append(msg)
         if msg.startswith("brk: claimed"):
             (runner.policies_dir / "brk.json").write_text("{ half-written")
+        if msg.startswith("anthropic: claimed"):
+            (tmp_path / "elsewhere.json").write_text(json.dumps(default))
+            (runner.policies_dir / "anthropic.json").unlink()
+            (runner.policies_dir / "anthropic.json").symlink_to(tmp_path / "elsewhere.json")
 
     w = RemoteWorker(runner, pg_url, host_id="h1", engines=["shell"], once=True, poll_s=0.2,
                      backend=FakeBackend(tmp_path / "boxes"), progress=progress)  # fmt: skip
-    assert w.run() == 0
-    assert [(r.id, r.status) for r in w.records] == [("ok", S.needs_review)], w.records
-    assert "brk" not in (w.policies or []) and any("policy brk left out from now on" in m for m in said), said
-    for name in ("team", "gv", "lnk", "brk"):
+    assert w.run() == 2  # `wide` is invalid, as `fila run --once` says of an invalid task
+    got = {r.id: (r.status, r.error.kind if r.error else None) for r in w.records}
+    assert got == {"ok": (S.needs_review, None), "wide": (S.failed, "invalid")}, w.records
+    assert "above the cap of policy 'default'" in str(q.get("wide").error), q.get("wide").error
+    assert "default" in (w.policies or []), w.policies
+    for name in ("brk", "anthropic"):
+        assert name not in (w.policies or []), w.policies
+        assert any(f"policy {name} left out from now on" in m for m in said), said
+    for name in named:
         st = q.task_state(name)
         assert (st["state"], st["tries"]) == ("queued", 0), (name, st)
+    with psycopg.connect(pg_url, autocommit=True) as conn:
+        row = conn.execute("SELECT policies FROM fila_runners WHERE id = 'h1'").fetchone()
+    assert row is not None and "default" in row[0] and not {"brk", "anthropic"} & set(row[0]), row
     left = " ".join(m for m in said if "left out" in m)
     assert "policy gv left out" in left and "runsc" in left, said
     assert "policy lnk left out" in left, said
+    # A runner whose only policy is left out stops rather than idle, the task still queued.
+    (runner.policies_dir / "brk.json").write_text(json.dumps(default))
+    last = RemoteWorker(runner, pg_url, host_id="h2", engines=["shell"], policies=["brk"], once=True,
+                        poll_s=0.2, backend=FakeBackend(tmp_path / "boxes"), progress=progress)  # fmt: skip
+    with pytest.raises(InfraError, match="no policy left that it can run"):
+        last.run()
+    st = q.task_state("brk")
+    assert (st["state"], st["tries"]) == ("queued", 0), st

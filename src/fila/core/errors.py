@@ -112,6 +112,17 @@ class ImageMissing(InfraError):
     pass
 
 
+class HostLacks(InfraError):
+    """A runner's host lacks what a task it claimed needs (`what`: "policy" or "engine", and its
+    `name`): its policy file as the host has it, a runtime, a route's credential, its engine's
+    image. The host's, not the task's: the task goes back with its tries, and the runner claims
+    that policy or engine no more (docs/scale-out.md)."""
+
+    def __init__(self, what: str, name: str, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.what, self.name = what, name
+
+
 class Refused(FilaError):
     exit_code = 4
 

@@ -44,7 +44,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.errors import FilaError, ImageMissing, InfraError, InvalidPolicy, UnknownPolicy
+from ..core.errors import FilaError, HostLacks, ImageMissing, InfraError, InvalidPolicy, UnknownPolicy
 from ..core.layout import Root
 from ..core.models import ErrorInfo, ErrorKind, Record
 from ..engines import get_engine
@@ -56,9 +56,8 @@ from ..recovery import remote_jobs, runner_root
 from ..recovery.recover import recover_job_roots
 from . import job as cycle
 from . import spares
-from .intake import check_task
 from .lease_hooks import LeaseHooks, Renewer
-from .remote_host import engines_here, runtime_missing, usable_policies
+from .remote_host import check_host, engines_here, runtime_missing, usable_policies
 from .remote_inputs import unpack
 from .remote_publish import hand_back, publish, refuse
 from .slots import RECOVER_EVERY_S, Slot, SlotLoop
@@ -123,6 +122,8 @@ class RemoteWorker(SlotLoop[Slot]):
         self.backend = backend or get_backend(root_backend(root))
         self.engines = engines
         self.policies = sorted(set(policies)) if policies else None  # None: any policy of the root
+        self.claiming: list[str] = []  # the engines it claims (set at start; rebound, never mutated)
+        self.takes_lock = threading.Lock()  # a policy or engine left out by one job at a time
         self.lease_s, self.poll_s, self.keep = lease_s, poll_s, keep
         self.kept: set[str] = set()  # job roots this runner kept, for its own recovery pass
         self.recover_every_s = recover_every_s
@@ -202,8 +203,9 @@ class RemoteWorker(SlotLoop[Slot]):
                 self.progress(f"fila worker {self.id}: {q.where}, engines {', '.join(engines)}, slots {n}")
                 q.runner_up(self.id, engines, images=images_of(self.backend, engines), slots=n,
                             policies=self.policies)  # fmt: skip
+                self.claiming = list(engines)
                 try:
-                    self._loop(q, engines)
+                    self._loop(q)
                 finally:
                     with contextlib.suppress(FilaError):
                         q.runner_down(self.id)
@@ -217,12 +219,12 @@ class RemoteWorker(SlotLoop[Slot]):
             raise self.crash
         return self.exit_code()
 
-    def _loop(self, q: PgQueue, engines: list[str]) -> None:
+    def _loop(self, q: PgQueue) -> None:
         """Sweep, claim, run, until there is nothing for this host (`once`) or a signal, and every
         job started has ended; the runner's heartbeat in the runners table at most every BEAT_S
         seconds between claims (the leases' renewals beat while tasks run)."""
         try:
-            self._claims(q, engines)
+            self._claims(q)
         except BaseException:
             # The database did not answer a `--once` runner, or a bug: the jobs stop as on a signal
             # (containers stopped, nothing published for a lost lease) before this ends the runner.
@@ -232,7 +234,7 @@ class RemoteWorker(SlotLoop[Slot]):
             self.join()
             self._collect()
 
-    def _claims(self, q: PgQueue, engines: list[str]) -> None:
+    def _claims(self, q: PgQueue) -> None:
         beat_at = kept_at = time.monotonic()
         down_s = self.poll_s  # the wait after the database did not answer, doubled up to DOWN_MAX_S
         while True:
@@ -269,6 +271,7 @@ class RemoteWorker(SlotLoop[Slot]):
                     continue
                 self.breaker_tripped = False
                 sent = time.monotonic()  # the lease is counted from here (LeaseHooks)
+                engines = self.claiming  # what a job may leave out (leave_out) holds from the next claim
                 if self.once or self.active:  # a job that ends wakes this loop: never blocked on a claim
                     lease = q.claim(self.id, engines, self.lease_s, policies=self.policies)
                 else:
@@ -360,19 +363,33 @@ class RemoteWorker(SlotLoop[Slot]):
             shutil.copy2(config, jr.fila / "config.json")
         return jr.require()
 
-    def host_policy(self, q: PgQueue, lease: Lease, jr: Root, e: FilaError) -> None:
-        """A task whose policy this host cannot run it under (the file changed since the start, a
-        route's credential or a runtime missing here): the host's, not the task's. The task goes
-        back uncounted, and this runner claims that policy no more (its tasks wait for another)."""
-        name = lease.task.policy
+    def leave_out(self, q: PgQueue, lease: Lease, jr: Root, e: HostLacks) -> None:
+        """A task this host cannot run (e.what: its policy as the host has it, or its engine's
+        image, is not what the start found): the host's, not the task's. The task goes back
+        uncounted, this runner claims that policy or engine no more (its tasks wait for another
+        runner), the runners table says so, and a runner left with nothing to claim stops (exit 3)
+        rather than idle while `fila status` calls it live."""
         why = f"{e}" + (f"; {e.hint}" if e.hint else "")
         with contextlib.suppress(FilaError):
             hand_back(q, lease, jr, ErrorInfo(kind=ErrorKind.infra, message=f"runner {self.id} cannot run "
-                      f"policy {name}: {why}"), counted=False, backoff_s=0.0)  # fmt: skip
-        if self.policies is not None and name in self.policies:
-            self.policies.remove(name)
-        self.progress(f"fila worker {self.id}: policy {name} left out from now on (its tasks wait for "
-                      f"another runner): {why}")  # fmt: skip
+                      f"{e.what} {e.name}: {why}"), counted=False, backoff_s=0.0)  # fmt: skip
+        with self.takes_lock:
+            if e.what == "engine":
+                self.claiming = [x for x in self.claiming if x != e.name]
+            elif self.policies is not None:
+                self.policies = [x for x in self.policies if x != e.name]
+            engines, policies = self.claiming, self.policies
+            with contextlib.suppress(FilaError):
+                q.runner_takes(self.id, engines, images=images_of(self.backend, engines), policies=policies)
+        self.progress(f"fila worker {self.id}: {e.what} {e.name} left out from now on (its tasks wait "
+                      f"for another runner): {why}")  # fmt: skip
+        if not engines or policies == []:
+            self.crash = self.crash or InfraError(
+                f"runner {self.id} has no {'engine' if not engines else 'policy'} left that it can run: "
+                "it claims nothing more",
+                hint="see the lines above for why each was left out; mend the host, then start it again",
+            )
+            self.stop_claiming = True
 
     def run_lease(self, q: PgQueue, lease: Lease, sent: float | None = None) -> Record | None:
         """Run one claimed task and publish its outcome; None when the lease was lost (nothing
@@ -418,15 +435,23 @@ class RemoteWorker(SlotLoop[Slot]):
             try:
                 manifest = q.blob(q.task_blobs(tid)[INPUTS])
                 # The task's policy as this host has it, before anything is written: a manifest
-                # over its max_work_files / max_work_bytes is refused unread.
-                pol, _ref = load_policy(jr, lease.task.policy)
+                # over its max_work_files / max_work_bytes is refused unread. It is the root's own
+                # file (a link there is refused, never replaced by fila's shipped policy of its
+                # name in the job root), as the job root's copy holds it.
+                _own, own = load_policy(self.root, lease.task.policy)
+                pol, ref = load_policy(jr, lease.task.policy)
+                if ref.sha256 != own.sha256:
+                    raise InvalidPolicy(
+                        f"policy {lease.task.policy}: the file changed while the job root was made"
+                    )
                 targets = unpack(q, manifest, jr.path, max_files=pol.max_work_files,
                                  max_bytes=pol.max_work_bytes)  # fmt: skip
             except KeyError:
                 why = f"task {tid} has no {INPUTS} blob (queued without its targets)"
                 return refuse(q, lease, jr, self.backend.name, why)
             except (InvalidPolicy, UnknownPolicy) as e:  # this host's copy of it, not the task
-                return self.host_policy(q, lease, jr, e)
+                why = f"{e}" + (f"; {e.hint}" if e.hint else "")
+                return self.leave_out(q, lease, jr, HostLacks("policy", lease.task.policy, why))
             except (InfraError, MemoryError) as e:
                 # The database or this host (its disk full, its memory), not the task: the task
                 # goes back uncounted (when the database answers; else its lease lapses and a
@@ -449,33 +474,30 @@ class RemoteWorker(SlotLoop[Slot]):
                 why = f"task {tid}: its targets could not be laid out: {type(e).__name__}: {e!s}"
                 return refuse(q, lease, jr, self.backend.name, why, limit=REFUSAL_CHARS)
             task = lease.task.model_copy(update={"id": tid, "project": None, "targets": targets})
-            try:  # what the run path checks first, for what is this host's: its policy as it has it
-                why = runtime_missing(jr, task.policy, self.backend)
-                if why:
-                    raise InvalidPolicy(f"policy {task.policy}: {why}")
-                check_task(jr, task, tags_of=self.backend.tags)
-            except (InvalidPolicy, UnknownPolicy) as e:  # a route's credential missing here, say
-                return self.host_policy(q, lease, jr, e)
-            except FilaError:
-                pass  # the task's own fault: the run path records it as on the file queue
             try:
+                check_host(
+                    jr, task, self.backend
+                )  # the host's lacks; the task's own faults are the run path's
                 queue.enqueue(jr, tid, task)
                 claim = cycle.next_claim(jr, self.id, only={tid})
                 if claim is None:
                     raise InfraError(f"task {tid}: its local copy in {jr.path} could not be claimed")
                 renewer.claim = claim
                 rec = cycle.run_one(jr, claim, backend=self.backend, progress=self.progress, hooks=hooks)
+            except HostLacks as e:
+                return self.leave_out(q, lease, jr, e)
             except (InfraError, OSError) as e:
                 # Before its container started: back to the queue. This host's failure (its engine
                 # not answering, a create refused, its disk full while it writes the job's journal)
                 # spends none of the task's tries, which are not one host's to spend: on a queue
                 # with several runners a sick one would fail every task it claims. A missing image
-                # counts: the runner has its engine's (checked at start), so it is a fallback's or
+                # counts: the task's engine's was checked (check_host), so it is a fallback's or
                 # the check's, which it would otherwise claim and hand back forever; after its
                 # tries the task fails with the command that builds it, as on the file queue.
                 err = e if isinstance(e, InfraError) else InfraError(f"task {tid}: this host: {e}")
                 if not hooks.marked and not hooks.lost.is_set():
-                    info = ErrorInfo(kind=ErrorKind.infra, message=str(err))
+                    said = f"{err}" + (f"; {err.hint}" if isinstance(e, ImageMissing) and err.hint else "")
+                    info = ErrorInfo(kind=ErrorKind.infra, message=said)
                     with contextlib.suppress(FilaError):
                         hand_back(
                             q,

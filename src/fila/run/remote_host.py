@@ -10,10 +10,12 @@ import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from ..core.errors import FilaError
+from ..core.errors import FilaError, HostLacks, InfraError, InvalidPolicy, UnknownPolicy
 from ..core.layout import Root
+from ..core.models import Task
 from ..engines import engine_names, get_engine
 from ..queue.policy import load_policy, policy_names
+from .intake import check_credentials_here
 
 if TYPE_CHECKING:
     from ..sandbox import Backend
@@ -56,3 +58,36 @@ def usable_policies(root: Root, backend: Backend, progress: Callable[[str], None
         else:
             out.append(name)
     return out
+
+
+def check_host(root: Root, task: Task, backend: Backend) -> None:
+    """What this host must have for `task`, checked before the run path: its policy as the host's
+    root has it (it loads, its runtime is here, the credentials of the routes the task's engines
+    use can be read) and the task's engine's image. HostLacks when not. What the task itself asks
+    for (a timeout over the policy's cap, an image the policy does not allow, an engine the policy
+    has no route for) is left to the run path, which fails the task `invalid` as on the file queue.
+    A fallback's image, or the check's, missing here is not checked: the run path's ImageMissing
+    counts against the task (another runner may have it; after its tries it fails saying what to
+    build)."""
+    name = task.policy
+    try:
+        why = runtime_missing(root, name, backend)
+        if why:
+            raise HostLacks("policy", name, f"policy {name}: {why}")
+        policy, _ref = load_policy(root, name)
+        check_credentials_here(root, task, policy)
+    except (InvalidPolicy, UnknownPolicy) as e:
+        raise HostLacks("policy", name, f"{e}" + (f"; {e.hint}" if e.hint else "")) from e
+    except InfraError:  # the container engine not answering: the run path's hand-back says so
+        raise
+    except FilaError:
+        pass  # the task's own fault (an engine of its chain unknown, say): the run path says so
+    if task.image is None:
+        tag = get_engine(task.engine).image_tag()
+        if backend.image(tag) is None:
+            raise HostLacks(
+                "engine",
+                task.engine,
+                f"{backend.name} has no image {tag} (removed since the runner started)",
+                hint=f"`fila images build {task.engine}` on this host",
+            )

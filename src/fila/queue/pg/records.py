@@ -99,3 +99,15 @@ def invalid(task_id: str, cur: Record, at: datetime, err: ValidationError) -> Re
     msg = f"the queued task does not validate: {where}: {first.get('msg', err)}"
     error = ErrorInfo(kind=ErrorKind.invalid, message=msg)
     return transition(task_id, cur, Status.failed, at, expect={Status.queued}, changes={"error": error})
+
+
+def without_repeated_hand_back(cur: Record) -> Record:
+    """`cur`, whose open attempt is about to be handed back uncounted, without the attempt before
+    it when that one was handed back uncounted too: a sick runner's hand-backs in a row keep the
+    latest, so the record (rewritten whole at each change) stays bounded however long the host
+    stays sick. Every hand-back is still an event of the task."""
+    atts = cur.attempts
+    if len(atts) < 2 or atts[-1].ended_at is not None or atts[-2].outcome != "handed back":
+        return cur
+    opened = atts[-1].model_copy(update={"number": atts[-2].number})
+    return cur.model_copy(update={"attempts": [*atts[:-2], opened]})

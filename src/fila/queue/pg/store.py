@@ -506,6 +506,8 @@ class PgQueue(PgGroups, PgBreaker):
             tries += 1 if counted else 0
             cur = self._record(conn, task_id)
             outcome = "requeued" if counted else "handed back"
+            if not counted:
+                cur = records.without_repeated_hand_back(cur)
             if counted and RetryPolicy(budget, 0, 0).gives_up(tries):
                 msg = f"{error.message if error else 'handed back'} (gave up after {tries} attempts)"
                 err = ErrorInfo(kind=error.kind if error else ErrorKind.infra, message=msg)
@@ -660,6 +662,21 @@ class PgQueue(PgGroups, PgBreaker):
                 "slots = EXCLUDED.slots, policies = EXCLUDED.policies, started_at = now(), "
                 "seen_at = now(), stopped_at = NULL",
                 (runner, sorted(set(engines)), Jsonb(images), slots, pols),
+            )
+        )
+
+    def runner_takes(
+        self, runner: str, engines: Iterable[str], *, images: dict[str, str], policies: Iterable[str] | None
+    ) -> None:
+        """A running runner left an engine or a policy out: its row says what it still takes (its
+        start, slots and heartbeat unchanged)."""
+        from psycopg.types.json import Jsonb
+
+        pols = sorted(set(policies)) if policies is not None else None
+        self._tx(
+            lambda conn, _again: conn.execute(
+                "UPDATE fila_runners SET engines = %s, images = %s, policies = %s WHERE id = %s",
+                (sorted(set(engines)), Jsonb(images), pols, runner),
             )
         )
 
