@@ -1,6 +1,7 @@
 """The PostgreSQL queue's store: submit, claim, lease, publish, sweep, retry, read
 (docs/architecture.md, "The PostgreSQL queue"; the rules are "The queue's contract"); a compare
-group's decision is groups.py's, the circuit breaker breaker.py's (PgQueue is both).
+group's decision is groups.py's, the circuit breaker breaker.py's, the runners table runners.py's
+(PgQueue is all three).
 
 Every writer locks the task's row first (`FOR UPDATE`, or the UPDATE itself) and then touches its
 record, events and blobs in the same transaction, so a task's four tables always agree. Only the
@@ -51,6 +52,7 @@ from .blobs import Blob
 from .breaker import PgBreaker
 from .db import CHANNEL, retryable
 from .groups import PgGroups
+from .runners import PgRunners
 
 S = Status
 log = logging.getLogger(__name__)
@@ -112,7 +114,7 @@ def _seconds(value: float) -> timedelta:
     return timedelta(seconds=value)
 
 
-class PgQueue(PgGroups, PgBreaker):
+class PgQueue(PgGroups, PgBreaker, PgRunners):
     """One queue database, shared by this process's threads: the operations that change it."""
 
     # -- submit ---------------------------------------------------------------------------------
@@ -640,61 +642,6 @@ class PgQueue(PgGroups, PgBreaker):
         return self._tx(run)
 
     # -- runners --------------------------------------------------------------------------------
-
-    def runner_up(
-        self,
-        runner: str,
-        engines: Iterable[str],
-        *,
-        images: dict[str, str],
-        slots: int,
-        policies: Iterable[str] | None = None,
-    ) -> None:
-        """A runner starts: its row written (again) with what it can take (`policies` None: any
-        policy); seen now."""
-        from psycopg.types.json import Jsonb
-
-        pols = sorted(set(policies)) if policies is not None else None
-        self._tx(
-            lambda conn, _again: conn.execute(
-                "INSERT INTO fila_runners (id, engines, images, slots, policies) VALUES (%s, %s, %s, %s, %s) "
-                "ON CONFLICT (id) DO UPDATE SET engines = EXCLUDED.engines, images = EXCLUDED.images, "
-                "slots = EXCLUDED.slots, policies = EXCLUDED.policies, started_at = now(), "
-                "seen_at = now(), stopped_at = NULL",
-                (runner, sorted(set(engines)), Jsonb(images), slots, pols),
-            )
-        )
-
-    def runner_takes(
-        self, runner: str, engines: Iterable[str], *, images: dict[str, str], policies: Iterable[str] | None
-    ) -> None:
-        """A running runner left an engine or a policy out: its row says what it still takes (its
-        start, slots and heartbeat unchanged)."""
-        from psycopg.types.json import Jsonb
-
-        pols = sorted(set(policies)) if policies is not None else None
-        self._tx(
-            lambda conn, _again: conn.execute(
-                "UPDATE fila_runners SET engines = %s, images = %s, policies = %s WHERE id = %s",
-                (sorted(set(engines)), Jsonb(images), pols, runner),
-            )
-        )
-
-    def runner_beat(self, runner: str) -> None:
-        """The runner's heartbeat: seen now (the database's clock)."""
-        self._tx(
-            lambda conn, _again: conn.execute(
-                "UPDATE fila_runners SET seen_at = now(), stopped_at = NULL WHERE id = %s", (runner,)
-            )
-        )
-
-    def runner_down(self, runner: str) -> None:
-        """The runner stops: it takes nothing more (its row stays, for `fila status`)."""
-        self._tx(
-            lambda conn, _again: conn.execute(
-                "UPDATE fila_runners SET seen_at = now(), stopped_at = now() WHERE id = %s", (runner,)
-            )
-        )
 
     def note(self, task_id: str, event: str, data: dict[str, Any]) -> None:
         """An event in the task's log that changes nothing else (a reviewer's `apply started`)."""
