@@ -104,14 +104,33 @@ class Gw:
         return out
 
     def last(self, **match: Any) -> dict[str, Any]:
-        """The newest log line whose fields equal `match` (the log is written as the response
-        ends: wait a moment for it)."""
+        """The newest final log line whose fields equal `match` (a route call's final line is
+        written as its response ends, a moment after the client has it all; until then its line
+        says "in flight", which only a `reason="in flight"` match asks for): waits for it."""
         deadline = time.monotonic() + 5
+        final = "reason" in match or (lambda e: e.get("reason") != "in flight")
         while True:
-            hits = [e for e in self.log() if all(e.get(k) == v for k, v in match.items())]
+            hits = [
+                e
+                for e in self.log()
+                if all(e.get(k) == v for k, v in match.items()) and (final is True or final(e))
+            ]
             if hits or time.monotonic() > deadline:
                 assert hits, f"no log line with {match}; log: {self.log()[-5:]}"
                 return hits[-1]
+            time.sleep(0.05)
+
+    def summary(self) -> dict[str, Any]:
+        """summary.json once every call the log shows has ended (the gateway rewrites it as each
+        route call's final line is written, a moment after the client has the answer)."""
+        path = self.log_dir / "summary.json"
+        deadline = time.monotonic() + 10
+        while True:
+            doc = json.loads(path.read_text()) if path.exists() else None
+            settled = all(e.get("reason") != "in flight" for e in self.log())
+            if (doc is not None and doc.get("in_flight") == 0 and settled) or time.monotonic() > deadline:
+                assert doc is not None, f"no {path}"
+                return doc
             time.sleep(0.05)
 
     def final(self) -> dict[str, Any]:
@@ -1195,7 +1214,7 @@ def test_the_log_is_capped_and_the_summary_keeps_the_usage(env: Env) -> None:
     code, _, err = env.sh(f"python3 -c {shlex.quote(flood)}", timeout=120)
     assert code == 0, err
     assert _post(env, f"{gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)[0] == "200"
-    time.sleep(0.6)
+    gw.summary()  # every call ended and its totals written
     log = gw.log_dir / "egress.jsonl"
     assert log.stat().st_size <= 64 * 1024 + 16 * 1024  # the cap (route lines get a last margin)
     assert all(len(e["path"] or "") <= 260 and len(e["host"] or "") <= 260 for e in gw.log())
@@ -1204,7 +1223,7 @@ def test_the_log_is_capped_and_the_summary_keeps_the_usage(env: Env) -> None:
     rec = egress.read_log(log, summary=gw.log_dir / "summary.json")
     assert rec.routes["anthropic"].input_tokens == 18000 and rec.routes["anthropic"].output_tokens == 2000
     assert rec.denied == 400 and rec.allowed == 2 and rec.dropped > 0
-    summary = json.loads((gw.log_dir / "summary.json").read_text())
+    summary = gw.summary()
     assert summary["suppressed"] and summary["tokens"] == 20000
 
 
@@ -1358,7 +1377,7 @@ def test_a_route_upstream_echoing_the_credential_never_shows_it_to_the_engine_in
     reqs = env.ups.requests("model.test")
     assert [r["headers"].get("x-api-key") for r in reqs[:-1]] == [REAL_KEY] * (len(forms) + 1)
 
-    summary = json.loads((gw.log_dir / "summary.json").read_text())
+    summary = gw.summary()
     totals: dict[str, int] = {}
     for kinds in forms.values():
         for k, n in kinds.items():
@@ -1419,7 +1438,7 @@ def test_a_route_name_the_engine_invents_is_a_denied_request_and_never_a_route(e
         _post(env, f"{gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)[0] == "200"
     )  # rewrites the summary
     assert len(env.ups.requests("model.test")) == 2
-    summary = json.loads((gw.log_dir / "summary.json").read_text())
+    summary = gw.summary()
     assert list(summary["routes"]) == ["anthropic"] and summary["denied"] == len(invented)
     from fila.egress import config as egress
 
@@ -1464,7 +1483,7 @@ def test_requests_the_proxy_refuses_before_the_addon_are_logged_as_denied_not_as
     assert len(env.ups.requests("model.test")) == 1  # none of them reached the upstream
     assert _post(env, f"{gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)[0] == "200"
     # The refused requests gave back the budget count and the in-flight count.
-    summary = json.loads((gw.log_dir / "summary.json").read_text())
+    summary = gw.summary()
     assert summary["requests"] == 2 and summary["in_flight"] == 0 and summary["denied"] == len(cases)
 
 
@@ -1617,7 +1636,7 @@ def test_a_route_upstream_answering_101_gets_no_raw_pipe_to_the_engine(env: Env)
     # The next call is served as usual (the slot and the in-flight count were given back).
     status, out = _post(env, f"{gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)
     assert status == "200" and "ok again" in out
-    summary = json.loads((gw.log_dir / "summary.json").read_text())
+    summary = gw.summary()
     assert summary["in_flight"] == 0 and summary["routes"]["anthropic"]["statuses"] == {"200": 2, "denied": 1}
 
 
@@ -1729,7 +1748,7 @@ def test_an_engine_that_goes_away_while_waiting_is_logged_as_such_not_as_an_upst
     assert code != 0
     line = gw.last(route="anthropic", reason="client disconnected before the answer")
     assert line["allowed"] is True and line["status"] is None, line
-    summary = json.loads((gw.log_dir / "summary.json").read_text())
+    summary = gw.summary()
     assert summary["routes"]["anthropic"]["statuses"] == {"200": 1, "no answer": 1}
 
 
@@ -1861,7 +1880,7 @@ def test_a_route_upstream_answering_100_or_103_gets_the_engine_a_closed_connecti
         assert line["reason"] == f"route upstream answered {code} (no interim answer on a route)", line
     status, out = _post(env, f"{gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)
     assert status == "200" and "ok again" in out
-    summary = json.loads((gw.log_dir / "summary.json").read_text())
+    summary = gw.summary()
     assert summary["in_flight"] == 0 and summary["routes"]["anthropic"]["statuses"] == {"200": 2, "denied": 2}
 
 

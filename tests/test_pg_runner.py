@@ -659,3 +659,77 @@ def test_a_runner_without_policy_claims_only_the_policies_it_can_run(
         last.run()
     st = q.task_state("brk")
     assert (st["state"], st["tries"]) == ("queued", 0), st
+
+
+def _two_vendors(base: dict[str, Any], images: list[str]) -> dict[str, Any]:
+    """An allowlist policy naming two vendors' routes, each key from its own variable."""
+    routes = {"anthropic": {"credential": "T_ANTHROPIC_KEY"}, "openai": {"credential": "T_OPENAI_KEY"}}
+    return {**base, "egress": {**base["egress"], "routes": routes}, "images": images}
+
+
+def test_a_policy_is_claimed_only_when_the_host_can_run_it_whole_and_a_tasks_own_asks_fail_the_task(
+    pg_url: str, q: PgQueue, sub: Root, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A task chooses its engines, so it must not choose what the host lacks: a runner claims a
+    policy only when it can run it whole (every route's credential set here), checked at its start;
+    then what a task asks beyond the runner's policy (a fallback whose image the policy does not
+    allow, a fallback whose route it lacks) fails that task `invalid`, as on the file queue, and the
+    runner keeps the policy and goes on. The runner's own policy file removed after the start is the
+    host's lack (never fila's shipped file of that name). Fake backend; ~3 s."""
+    from fila.core.errors import InfraError
+    from fila.run.remote import RemoteWorker
+    from fila.sandbox.fake import FakeBackend
+
+    shipped = json.loads((sub.policies_dir / "anthropic.json").read_text())
+    (sub.policies_dir / "team.json").write_text(json.dumps(_two_vendors(shipped, ["fila/*"])))
+    (sub.policies_dir / "anthropic.json").write_text(json.dumps(_two_vendors(shipped, ["fila/*"])))
+    keys = {"T_ANTHROPIC_KEY": "k", "T_OPENAI_KEY": "k", "ANTHROPIC_API_KEY": "k"}
+    for tid, pol in (("fb", "team"), ("noroute", "anthropic"), ("gone", "default")):
+        eng = ["--engine", "shell", "--command", "true"] if pol == "default" else ["--engine", "claude",
+               "--prompt", "hi", "--fallback", "codex"]  # fmt: skip
+        res = fila("submit", "--queue", pg_url, "--root", str(sub.path), "--id", tid, "--policy", pol,
+                   *eng, "-t", "greeting.txt", env=keys)  # fmt: skip
+        assert res.exit_code == 0, res.output
+    runner = make_root(tmp_path / "h1")  # its anthropic policy is fila's shipped one: one route
+    (runner.policies_dir / "team.json").write_text(json.dumps(_two_vendors(shipped, ["fila/claude:*"])))
+    for var, val in keys.items():
+        monkeypatch.setenv(var, val)
+    monkeypatch.delenv("T_OPENAI_KEY")
+    said: list[str] = []
+
+    def worker(**kw: Any) -> RemoteWorker:
+        return RemoteWorker(runner, pg_url, host_id="h1", once=True, poll_s=0.2,
+                            backend=FakeBackend(tmp_path / "boxes"), progress=said.append, **kw)  # fmt: skip
+
+    # One route's key missing here: named, the start is refused; unnamed, the policy is left out.
+    with pytest.raises(InfraError, match="T_OPENAI_KEY"):
+        worker(engines=["claude"], policies=["team"]).run()
+    w = worker(engines=["claude"])
+    assert w.run() == 2 and "team" not in (w.policies or [])
+    assert any("policy team left out" in m and "T_OPENAI_KEY" in m for m in said), said
+    assert q.task_state("fb")["state"] == "queued"
+    # `noroute` ran on that runner: its fallback's route is not in the runner's anthropic policy.
+    assert "no egress.routes.openai" in str(q.get("noroute").error) and q.get("noroute").status == S.failed
+    # With both keys the policy is claimed; the task's fallback image, which the runner's policy
+    # does not allow, fails the task, and the runner keeps the policy.
+    monkeypatch.setenv("T_OPENAI_KEY", "k")
+    w = worker(engines=["claude"], policies=["team"])
+    assert w.run() == 2 and w.policies == ["team"], said
+    fb = q.get("fb")
+    assert fb.status == S.failed and fb.error is not None and fb.error.kind == "invalid", fb.error
+    assert "fallback engine 'codex' runs image" in fb.error.message
+    # The runner's own file of a policy removed after its start: back uncounted, the policy left out.
+    own = runner.policies_dir / "default.json"
+    own.write_text(json.dumps({**json.loads(own.read_text()), "description": "this runner's own"}))
+
+    def rm_own(msg: str) -> None:
+        said.append(msg)
+        if msg.startswith("gone: claimed"):
+            own.unlink()
+
+    w = RemoteWorker(runner, pg_url, host_id="h1", engines=["shell"], policies=["default"], once=True,
+                     poll_s=0.2, backend=FakeBackend(tmp_path / "boxes"), progress=rm_own)  # fmt: skip
+    with pytest.raises(InfraError, match="no policy left"):
+        w.run()
+    st = q.task_state("gone")
+    assert (st["state"], st["tries"]) == ("queued", 0) and "gone since its start" in str(q.get("gone").error)

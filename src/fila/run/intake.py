@@ -242,17 +242,9 @@ def _routes_checked(root: Root, task: Task, policy: Policy) -> Policy:
         )
     if policy.network != "allowlist":
         return policy
-    check_credentials_here(root, task, policy)
-    return egress.only_routes(policy, chain_routes(task, policy))
-
-
-def check_credentials_here(root: Root, task: Task, policy: Policy) -> None:
-    """The credential of each route the task's engines use can be read here (a variable set, a
-    file of fila's user): InvalidPolicy naming the field when not. This is the host's part of
-    the route check: on a runner, the task is not at fault for what the host's environment
-    lacks."""
-    if policy.network == "allowlist":
-        egress.check_credentials(policy, chain_routes(task, policy), path=policy_path(root, task.policy))
+    used = chain_routes(task, policy)
+    egress.check_credentials(policy, used, path=policy_path(root, task.policy))
+    return egress.only_routes(policy, used)
 
 
 def root_tags(root: Root) -> Callable[[str], list[str]]:

@@ -50,14 +50,14 @@ from ..core.models import ErrorInfo, ErrorKind, Record
 from ..engines import get_engine
 from ..queue import store as queue
 from ..queue.pg.store import INPUTS, Lease, PgQueue
-from ..queue.policy import load_policy
+from ..queue.policy import load_policy, policy_path
 from ..queue.retry import INFRA
 from ..recovery import remote_jobs, runner_root
 from ..recovery.recover import recover_job_roots
 from . import job as cycle
 from . import spares
 from .lease_hooks import LeaseHooks, Renewer
-from .remote_host import check_host, engines_here, runtime_missing, usable_policies
+from .remote_host import check_host, engines_here, policy_lacks, usable_policies
 from .remote_inputs import unpack
 from .remote_publish import hand_back, publish, refuse
 from .slots import RECOVER_EVERY_S, Slot, SlotLoop
@@ -124,6 +124,7 @@ class RemoteWorker(SlotLoop[Slot]):
         self.policies = sorted(set(policies)) if policies else None  # None: any policy of the root
         self.claiming: list[str] = []  # the engines it claims (set at start; rebound, never mutated)
         self.takes_lock = threading.Lock()  # a policy or engine left out by one job at a time
+        self.own_policies: set[str] = set()  # names whose file is in the root's policies/ (at start)
         self.lease_s, self.poll_s, self.keep = lease_s, poll_s, keep
         self.kept: set[str] = set()  # job roots this runner kept, for its own recovery pass
         self.recover_every_s = recover_every_s
@@ -146,11 +147,15 @@ class RemoteWorker(SlotLoop[Slot]):
             get_engine(name)  # UnknownEngine names the valid ones
         for name in self.policies or ():
             load_policy(self.root, name)  # a policy this root cannot load is refused before a claim
-            why = runtime_missing(self.root, name, self.backend)
+            why = policy_lacks(self.root, name, self.backend)
             if why:
                 raise InfraError(
-                    f"policy {name}: {why}", hint="leave it out of --policy, or install the runtime"
+                    f"policy {name}: {why}",
+                    hint="leave it out of --policy, or give this host the runtime or credential it lacks",
                 )
+        # The policies whose file is this root's own: never run under fila's shipped file of the
+        # name if that file goes (run_lease).
+        self.own_policies = {p.stem for p in self.root.policies_dir.glob("*.json")}
         if self.policies is None:  # what it can run, not "any": a task of another policy stays queued
             self.policies = usable_policies(self.root, self.backend, self.progress)
             if not self.policies:
@@ -370,17 +375,18 @@ class RemoteWorker(SlotLoop[Slot]):
         runner), the runners table says so, and a runner left with nothing to claim stops (exit 3)
         rather than idle while `fila status` calls it live."""
         why = f"{e}" + (f"; {e.hint}" if e.hint else "")
-        with contextlib.suppress(FilaError):
-            hand_back(q, lease, jr, ErrorInfo(kind=ErrorKind.infra, message=f"runner {self.id} cannot run "
-                      f"{e.what} {e.name}: {why}"), counted=False, backoff_s=0.0)  # fmt: skip
-        with self.takes_lock:
+        with self.takes_lock:  # first, so no other slot claims the task again from this runner
             if e.what == "engine":
                 self.claiming = [x for x in self.claiming if x != e.name]
             elif self.policies is not None:
                 self.policies = [x for x in self.policies if x != e.name]
             engines, policies = self.claiming, self.policies
-            with contextlib.suppress(FilaError):
-                q.runner_takes(self.id, engines, images=images_of(self.backend, engines), policies=policies)
+        with contextlib.suppress(FilaError):
+            hand_back(q, lease, jr, ErrorInfo(kind=ErrorKind.infra, message=f"runner {self.id} cannot run "
+                      f"{e.what} {e.name}: {why}"), counted=False, backoff_s=0.0)  # fmt: skip
+        with self.takes_lock, contextlib.suppress(FilaError):
+            engines, policies = self.claiming, self.policies  # another slot may have left one out since
+            q.runner_takes(self.id, engines, images=images_of(self.backend, engines), policies=policies)
         self.progress(f"fila worker {self.id}: {e.what} {e.name} left out from now on (its tasks wait "
                       f"for another runner): {why}")  # fmt: skip
         if not engines or policies == []:
@@ -438,12 +444,18 @@ class RemoteWorker(SlotLoop[Slot]):
                 # over its max_work_files / max_work_bytes is refused unread. It is the root's own
                 # file (a link there is refused, never replaced by fila's shipped policy of its
                 # name in the job root), as the job root's copy holds it.
-                _own, own = load_policy(self.root, lease.task.policy)
-                pol, ref = load_policy(jr, lease.task.policy)
-                if ref.sha256 != own.sha256:
+                name = lease.task.policy
+                if (
+                    name in self.own_policies
+                    and policy_path(self.root, name).parent != self.root.policies_dir
+                ):
                     raise InvalidPolicy(
-                        f"policy {lease.task.policy}: the file changed while the job root was made"
+                        f"policy {name}: this runner's own file of it is gone since its start"
                     )
+                _own, own = load_policy(self.root, name)
+                pol, ref = load_policy(jr, name)
+                if ref.sha256 != own.sha256:
+                    raise InvalidPolicy(f"policy {name}: the file changed while the job root was made")
                 targets = unpack(q, manifest, jr.path, max_files=pol.max_work_files,
                                  max_bytes=pol.max_work_bytes)  # fmt: skip
             except KeyError:
