@@ -59,7 +59,7 @@ from . import spares
 from .lease_hooks import LeaseHooks, Renewer
 from .remote_host import check_host, engines_here, policy_lacks, usable_policies
 from .remote_inputs import unpack
-from .remote_publish import hand_back, publish, refuse
+from .remote_publish import give_back, hand_back, publish, refuse
 from .slots import RECOVER_EVERY_S, Slot, SlotLoop
 
 if TYPE_CHECKING:
@@ -381,9 +381,7 @@ class RemoteWorker(SlotLoop[Slot]):
             elif self.policies is not None:
                 self.policies = [x for x in self.policies if x != e.name]
             engines, policies = self.claiming, self.policies
-        with contextlib.suppress(FilaError):
-            hand_back(q, lease, jr, ErrorInfo(kind=ErrorKind.infra, message=f"runner {self.id} cannot run "
-                      f"{e.what} {e.name}: {why}"), counted=False, backoff_s=0.0)  # fmt: skip
+        give_back(q, lease, jr, f"runner {self.id} cannot run {e.what} {e.name}: {why}")
         with self.takes_lock, contextlib.suppress(FilaError):
             engines, policies = self.claiming, self.policies  # another slot may have left one out since
             q.runner_takes(self.id, engines, images=images_of(self.backend, engines), policies=policies)
@@ -428,9 +426,7 @@ class RemoteWorker(SlotLoop[Slot]):
                 # error does (`--once` stops claiming, a long-running runner waits).
                 err = e if isinstance(e, InfraError) else InfraError(f"task {tid}: its job root: {e}")
                 where = Root(held.path if held is not None else runner_root.jobs_dir(self.root) / name)
-                with contextlib.suppress(FilaError):
-                    hand_back(q, lease, where, ErrorInfo(kind=ErrorKind.infra, message=str(err)),
-                              counted=False, backoff_s=0.0)  # fmt: skip
+                give_back(q, lease, where, str(err))
                 if held is not None:  # made by this claim, no container ran there
                     with contextlib.suppress(FilaError, OSError):
                         held.verify()
@@ -473,9 +469,7 @@ class RemoteWorker(SlotLoop[Slot]):
                     if isinstance(e, InfraError)
                     else InfraError(f"task {tid}: laying out its targets: {e!r}")
                 )
-                with contextlib.suppress(FilaError):
-                    hand_back(q, lease, jr, ErrorInfo(kind=ErrorKind.infra, message=str(err)),
-                              counted=False, backoff_s=0.0)  # fmt: skip
+                give_back(q, lease, jr, str(err))
                 if err is e:
                     raise
                 raise err from e

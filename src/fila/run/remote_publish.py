@@ -10,6 +10,7 @@ every reader of the database to learn. DIFF.patch and the log are published as t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -19,6 +20,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
+from ..core.errors import FilaError
 from ..core.layout import Root
 from ..core.models import ErrorInfo, ErrorKind, Record, Status
 from ..queue import breaker
@@ -144,6 +146,16 @@ def hand_back(
     return q.hand_back(
         lease.task_id, lease.token, error, counted=counted, backoff_s=backoff_s, threshold=limit
     )
+
+
+def give_back(q: PgQueue, lease: Lease, jr: Root, message: str) -> None:
+    """The host's failure before the container (its disk, its engine, what it lacks): the task
+    back to the queue uncounted and at once, its tries not this host's to spend. A database that
+    does not answer leaves it to the lease (its sweep requeues it)."""
+    with contextlib.suppress(FilaError):
+        hand_back(
+            q, lease, jr, ErrorInfo(kind=ErrorKind.infra, message=message), counted=False, backoff_s=0.0
+        )
 
 
 def publish(
