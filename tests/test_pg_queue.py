@@ -741,8 +741,8 @@ def test_a_task_whose_stored_document_does_not_validate_fails_and_the_next_is_cl
     from fila.core.errors import InvalidInput
     from fila.core.models import Limits
 
-    q.enqueue("poison", task())
-    q.enqueue("good", task())
+    for tid in ("poison", "deep", "good"):
+        q.enqueue(tid, task())
     # Refused at enqueue: a task built without validation, or whose engine is not a name.
     unchecked = Task.model_construct(
         engine="shell", targets=["a.txt"], command="true", policy="default", prompt="",
@@ -752,13 +752,19 @@ def test_a_task_whose_stored_document_does_not_validate_fails_and_the_next_is_cl
         q.enqueue("unchecked", unchecked)
     with pytest.raises(InvalidInput, match="engine name"):
         q.enqueue("long", task("x" * 4000))
-    # A document changed in the database after it was queued.
+    # Documents changed in the database after they were queued: one that no longer validates, one
+    # nested past Python's recursion limit (jsonb takes it; the standard library's reader would
+    # crash every runner that claims it).
     sql(pg_url, 'UPDATE fila_tasks SET task = task || \'{"limits": {"memory": "0"}}\' WHERE id = \'poison\'')
+    nested = "[" * 1500 + "]" * 1500
+    sql(pg_url, "UPDATE fila_tasks SET task = jsonb_set(task, '{options}', %s::jsonb) WHERE id = 'deep'",
+        '{"shell": {"x": ' + nested + "}}")  # fmt: skip
     lease = q.claim("r1", ["shell"], 30)
     assert lease is not None and lease.task_id == "good"
-    rec = q.get("poison")
-    assert rec.status == S.failed and rec.error is not None and "does not validate" in rec.error.message
-    assert q.task_state("poison")["state"] == "failed" and q.task_state("poison")["runner"] is None
+    for tid, why in (("poison", "does not validate"), ("deep", "nesting deeper than")):
+        rec = q.get(tid)
+        assert rec.status == S.failed and rec.error is not None and why in rec.error.message, rec.error
+        assert q.task_state(tid)["state"] == "failed" and q.task_state(tid)["runner"] is None
 
 
 def test_a_database_error_that_another_try_cannot_fix_is_raised_at_once(q: PgQueue, pg_url: str) -> None:

@@ -581,6 +581,22 @@ def test_a_host_whose_engine_fails_before_the_container_hands_the_task_back_unco
     # A healthy host then runs it once.
     w = once(None)
     assert [(r.id, r.status) for r in w.records] == [("t", S.needs_review)], w.records
+    # The task's engine's image removed when the task pins that tag: the host's image too.
+    own = get_engine("shell").image_tag()
+    res = fila("submit", "--queue", pg_url, "--root", str(sub.path), "--id", "pin", "--engine", "shell",
+               "--image", own, "--command", "true", "-t", "greeting.txt")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    boxes = FakeBackend(tmp_path / "pinned")
+
+    def rm_pinned(msg: str) -> None:
+        if msg.startswith("pin: claimed"):
+            boxes.remove_image(own)
+
+    pinned = RemoteWorker(runner, pg_url, host_id="h1", engines=["shell"], once=True, poll_s=0.2,
+                          backend=boxes, progress=rm_pinned)  # fmt: skip
+    with pytest.raises(InfraError, match="no engine left"):
+        pinned.run()
+    assert (q.task_state("pin")["state"], q.task_state("pin")["tries"]) == ("queued", 0)
 
 
 def test_a_runner_without_policy_claims_only_the_policies_it_can_run(
@@ -733,3 +749,36 @@ def test_a_policy_is_claimed_only_when_the_host_can_run_it_whole_and_a_tasks_own
         w.run()
     st = q.task_state("gone")
     assert (st["state"], st["tries"]) == ("queued", 0) and "gone since its start" in str(q.get("gone").error)
+
+
+def test_a_policy_whose_gateway_or_credential_the_host_cannot_use_is_not_the_hosts_to_claim(
+    tmp_path: Path,
+) -> None:
+    """policy_lacks reads a route's credential as the gateway reads it, and wants the gateway's
+    image: a credential file that is empty or not UTF-8, or no gateway image, leaves the policy
+    out (each after the allowed counterpart passes), never a task failed here for it. No
+    database; fake backend."""
+    import os
+
+    from fila.run.remote_host import policy_lacks
+    from fila.sandbox.fake import FakeBackend
+    from fila.sandbox.images import GATEWAY_IMAGE
+
+    root = make_root(tmp_path / "h1")
+    shipped = json.loads((root.policies_dir / "anthropic.json").read_text())
+    key = tmp_path / "key"
+    route = {"anthropic": {"credential_file": str(key)}}
+    (root.policies_dir / "team.json").write_text(
+        json.dumps({**shipped, "egress": {**shipped["egress"], "routes": route}})
+    )
+    backend = FakeBackend(tmp_path / "boxes")
+    key.write_bytes(b"sk-test\n")
+    os.chmod(key, 0o600)
+    assert policy_lacks(root, "team", backend) is None
+    for content, why in ((b"", "the credential is empty"), (b"\xff\xfe\x80key\n", "is not UTF-8 text")):
+        key.write_bytes(content)
+        assert why in (policy_lacks(root, "team", backend) or ""), content
+    key.write_bytes(b"sk-test\n")
+    backend.remove_image(GATEWAY_IMAGE)
+    assert f"has no image {GATEWAY_IMAGE}" in (policy_lacks(root, "team", backend) or "")
+    assert policy_lacks(root, "default", backend) is None  # network none needs no gateway

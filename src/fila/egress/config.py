@@ -272,9 +272,17 @@ def resolve_routes(policy: Policy) -> list[Resolved]:
             key = os.environ.get(r.credential, "")
         else:
             assert r.credential_file is not None
-            fd = os.open(r.credential_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            with os.fdopen(fd, "rb") as f:
-                key = f.read(1 << 16).decode().strip()
+            field = f"egress.routes.{name}.credential_file"
+            try:
+                fd = os.open(r.credential_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                with os.fdopen(fd, "rb") as f:
+                    raw = f.read(1 << 16)
+            except OSError as e:
+                raise _bad(field, f"cannot read {r.credential_file}: {e.strerror}", None) from None
+            try:
+                key = raw.decode().strip()
+            except UnicodeDecodeError as e:
+                raise _bad(field, f"{r.credential_file} is not UTF-8 text (byte {e.start})", None) from None
         if not key:
             raise _bad(f"egress.routes.{name}", "the credential is empty", None)
         out.append(

@@ -16,6 +16,7 @@ from ..core.models import Task
 from ..egress import config as egress
 from ..engines import engine_names, get_engine
 from ..queue.policy import load_policy, policy_names, policy_path
+from ..sandbox.images import GATEWAY_IMAGE
 
 if TYPE_CHECKING:
     from ..sandbox import Backend
@@ -33,8 +34,9 @@ def engines_here(backend: Backend) -> list[str]:
 
 def policy_lacks(root: Root, name: str, backend: Backend) -> str | None:
     """Why this host cannot run the tasks of policy `name` whole, or None: its file as `root` has
-    it loads, its container runtime is here, and the credential of every route it names can be
-    read here. Every route, not those one task's engines use: a task chooses its engines, and a
+    it loads, its container runtime is here, and with `network: allowlist` the gateway's image is
+    here and the credential of every route it names reads as the gateway reads it (set, not
+    empty, UTF-8). Every route, not those one task's engines use: a task chooses its engines, and a
     policy this host could run only for some of them would let a task decide what the host lacks.
     The container engine not answering raises (InfraError)."""
     try:
@@ -43,8 +45,12 @@ def policy_lacks(root: Root, name: str, backend: Backend) -> str | None:
         if want is not None and want not in backend.runtimes():
             have = ", ".join(sorted(backend.runtimes()))
             return f"its runtime {want} is not in {backend.name} (it has: {have})"
-        if pol.network == "allowlist" and pol.egress is not None:
-            egress.check_credentials(pol, list(pol.egress.routes), path=policy_path(root, name))
+        if pol.network == "allowlist":
+            if backend.image(GATEWAY_IMAGE) is None:
+                return f"{backend.name} has no image {GATEWAY_IMAGE} (network allowlist needs the gateway)"
+            if pol.egress is not None:  # every credential set, and read as the gateway reads it
+                egress.check_credentials(pol, list(pol.egress.routes), path=policy_path(root, name))
+                egress.resolve_routes(pol)
     except InfraError:
         raise
     except FilaError as e:
@@ -80,12 +86,12 @@ def check_host(root: Root, task: Task, backend: Backend) -> None:
     why = policy_lacks(root, task.policy, backend)
     if why:
         raise HostLacks("policy", task.policy, f"policy {task.policy}: {why}")
-    if task.image is None:
-        tag = get_engine(task.engine).image_tag()
-        if backend.image(tag) is None:
-            raise HostLacks(
-                "engine",
-                task.engine,
-                f"{backend.name} has no image {tag} (removed since the runner started)",
-                hint=f"`fila images build {task.engine}` on this host",
-            )
+    tag = get_engine(task.engine).image_tag()
+    # A tag the task pins, other than its engine's own, is the task's to answer for.
+    if task.image in (None, tag) and backend.image(tag) is None:
+        raise HostLacks(
+            "engine",
+            task.engine,
+            f"{backend.name} has no image {tag} (removed since the runner started)",
+            hint=f"`fila images build {task.engine}` on this host",
+        )

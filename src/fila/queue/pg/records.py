@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ...core.errors import InvalidTransition
+from ...core.errors import InvalidInput, InvalidTransition
 from ...core.models import Attempt, ErrorInfo, ErrorKind, Record, Status
 from ..records import claim_changes, next_record
 
@@ -91,12 +91,15 @@ def result_fields(task_id: str, fields: dict[str, Any]) -> dict[str, Any]:
     return dict(fields)
 
 
-def invalid(task_id: str, cur: Record, at: datetime, err: ValidationError) -> Record:
-    """queued -> failed for a claimed task whose stored document does not validate: its first
-    problem in the error."""
-    first = err.errors()[0] if err.errors() else {}
-    where = ".".join(str(x) for x in first.get("loc", ())) or "task"
-    msg = f"the queued task does not validate: {where}: {first.get('msg', err)}"
+def invalid(task_id: str, cur: Record, at: datetime, err: ValidationError | InvalidInput) -> Record:
+    """queued -> failed for a claimed task whose stored document does not read or validate: its
+    first problem in the error."""
+    if isinstance(err, InvalidInput):
+        msg = f"the queued task cannot be read: {err.message}"
+    else:
+        first = err.errors()[0] if err.errors() else {}
+        where = ".".join(str(x) for x in first.get("loc", ())) or "task"
+        msg = f"the queued task does not validate: {where}: {first.get('msg', err)}"
     error = ErrorInfo(kind=ErrorKind.invalid, message=msg)
     return transition(task_id, cur, Status.failed, at, expect={Status.queued}, changes={"error": error})
 

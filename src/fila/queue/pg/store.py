@@ -41,7 +41,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ...core.errors import DuplicateId, FilaError, InvalidInput, InvalidTransition, NotFound
+from ...core import untrusted
+from ...core.errors import DuplicateId, FilaError, InvalidInput, InvalidTaskFile, InvalidTransition, NotFound
 from ...core.models import Attempt, Decision, ErrorInfo, ErrorKind, Record, Status, Task
 from ...core.states import valid_id
 from ..retry import INFRA, RetryPolicy
@@ -101,9 +102,17 @@ SET state = 'running', runner = %(runner)s, token = nextval('fila_token_seq'), c
     lease_expires_at = now() + %(ttl)s, attempt = t.attempt + 1, started = false,
     not_before = NULL, claimed_at = now(), updated_at = now()
 FROM pick WHERE t.id = pick.id
-RETURNING t.id, t.token, t.attempt, t.task, t.lease_expires_at, now(),
+RETURNING t.id, t.token, t.attempt, t.task::text, t.lease_expires_at, now(),
     (SELECT record FROM fila_records r WHERE r.id = t.id)
 """
+
+
+def read_task(text: str) -> Task:
+    """A task document as the database holds it (its text: psycopg would parse jsonb with the
+    standard library, which a document nested past the recursion limit crashes), read as any
+    untrusted JSON is (core/untrusted.py: depth, size and number limits), then validated."""
+    doc = untrusted.parse_json(text.encode(), kind="queued task", error=InvalidTaskFile, path=None)
+    return Task.model_validate(doc)
 
 
 def runner_of(rec: Record) -> str:
@@ -236,14 +245,14 @@ class PgQueue(PgGroups, PgBreaker, PgRunners):
         def run(conn: Any, again: bool) -> Lease | None:
             if again:
                 row = conn.execute(
-                    "SELECT id, token, attempt, task, lease_expires_at, claimed_at FROM fila_tasks "
+                    "SELECT id, token, attempt, task::text, lease_expires_at, claimed_at FROM fila_tasks "
                     "WHERE state = 'running' AND runner = %s AND claim_nonce = %s",
                     (runner, nonce),
                 ).fetchone()
                 if row is not None:  # this call's claim, its commit's reply lost
                     tid, token, attempt, doc, expires, at = row
                     claimed_at[:] = [at]
-                    return Lease(tid, token, runner, attempt, Task.model_validate(doc), expires)
+                    return Lease(tid, token, runner, attempt, read_task(doc), expires)
             while True:
                 row = conn.execute(
                     CLAIM_SQL,
@@ -260,8 +269,8 @@ class PgQueue(PgGroups, PgBreaker, PgRunners):
                 tid, token, attempt, doc, expires, at, cur = row
                 cur = Record.model_validate(cur)
                 try:
-                    task = Task.model_validate(doc)
-                except ValidationError as e:
+                    task = read_task(doc)
+                except (ValidationError, InvalidInput) as e:
                     self._refuse_claimed(conn, tid, cur, at, e)
                     continue
                 rec = records.started(tid, cur, at, runner=runner, engine=task.engine, attempt=attempt)
@@ -278,10 +287,11 @@ class PgQueue(PgGroups, PgBreaker, PgRunners):
         return replace(lease, clock_offset_s=claimed_at[0].timestamp() - here)
 
     def _refuse_claimed(
-        self, conn: Any, task_id: str, cur: Record, at: datetime, err: ValidationError
+        self, conn: Any, task_id: str, cur: Record, at: datetime, err: ValidationError | InvalidInput
     ) -> None:
-        """A just-claimed task whose stored document does not validate (queued by an older fila,
-        or changed in the database): failed, in the claim's transaction, with the first problem."""
+        """A just-claimed task whose stored document does not read or validate (queued by an older
+        fila, or changed in the database): failed, in the claim's transaction, with the first
+        problem."""
         rec = records.invalid(task_id, cur, at, err)
         conn.execute(
             "UPDATE fila_tasks SET state = 'failed', runner = NULL, claim_nonce = NULL, "
