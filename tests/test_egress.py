@@ -467,12 +467,14 @@ def test_a_killed_run_leaves_gateway_and_network_that_recover_removes(
     res = run_once(proj, {"FILA_CRASH_AT": point})
     assert res.returncode == -9, (res.returncode, res.stderr)
     left = leftovers(docker_client, proj, tid)
-    # What the crash left: the engine, the gateway (a spare the job took, with the holder of the
-    # engine's network namespace), the job network and the secrets directory.
+    # What the crash left: the engine, the gateway, the job network and the secrets directory. The
+    # gateway is the spare `run --once` started beside its claim, with the holder of the engine's
+    # network namespace, or, when that spare was not ready in time (a loaded machine), one made
+    # for the job, which has no holder.
     assert any(x.startswith("network fila-net-") for x in left) and "the gateway directory" in left, left
-    assert sum(x.startswith("container ") for x in left) == 3 and any(x.endswith("-netns") for x in left), (
-        left
-    )
+    holder = any(x.endswith("-netns") for x in left)
+    assert sum(x.startswith("container ") for x in left) == (3 if holder else 2), left
+    assert any(x.startswith("container fila-gw-") for x in left), left
     rec = fila(proj, "recover")  # the worker is dead: its lock is free, no TTL to wait out
     assert rec.exit_code == 0, rec.output
     assert leftovers(docker_client, proj, tid) == []

@@ -69,9 +69,9 @@ def test_failures_from_two_hosts_open_the_breaker_no_host_claims_until_rearm(q: 
         assert st.reason is not None and last in st.reason and st.recent[-1] == last
         assert st.tripped_at is not None and st.tripped_at == iso(datetime.fromisoformat(st.tripped_at))
         # While open the claim statement itself refuses, for every host; the queued tasks wait.
-        queued = {r.id for r in q.listing(S.queued)}
+        queued = {r.id for r in q.listing(S.queued)[0]}
         assert queued and all(h.claim(name, ["shell"], 30) is None for name, h in hosts.items())
-        assert {r.id for r in q.listing(S.queued)} == queued
+        assert {r.id for r in q.listing(S.queued)[0]} == queued
 
         shown = fila("status", "--queue", pg_url, "--json")
         assert shown.exit_code == 0 and json.loads(shown.output)["breaker"]["open"] is True

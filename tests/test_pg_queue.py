@@ -283,7 +283,7 @@ def test_four_runner_processes_claim_each_of_400_tasks_exactly_once(q: PgQueue, 
     assert all(
         state == "running" and by_runner[tid] == runner and att == 1 for tid, state, runner, att in rows
     )
-    assert {r.worker for r in q.listing(S.running)} == {o["runner"] for o in outs}
+    assert {r.worker for r in q.listing(S.running)[0]} == {o["runner"] for o in outs}
 
 
 # -- leases and fencing ------------------------------------------------------------------------
@@ -467,7 +467,7 @@ def test_the_database_clock_decides_a_lease_not_the_runners(q: PgQueue, pg_url: 
         assert 25 < out["expires_at"] - out["db_now"] <= 30  # its lease is a normal one
         assert 25 < out["renewed"] - out["db_now"] <= 30
     assert q.sweep(policy=NOW) == []  # neither lease looks expired to anyone
-    assert {r.id for r in q.listing(S.running)} == {"ahead", "behind"}
+    assert {r.id for r in q.listing(S.running)[0]} == {"ahead", "behind"}
 
 
 # -- wake-ups -----------------------------------------------------------------------------------
@@ -517,7 +517,7 @@ def test_the_store_reconnects_after_a_restart_and_a_killed_server_and_loses_noth
     leases = [q.claim("r1", ["shell"], 60) for _ in range(3)]
     assert all(lease is not None for lease in leases)
     pg_cluster.restart()  # clean: pg_ctl restart -m fast
-    assert len(q.listing()) == 10 and len(q.listing(S.running)) == 3
+    assert len(q.listing()[0]) == 10 and len(q.listing(S.running)[0]) == 3
     for lease in leases:
         assert lease is not None and q.renew(lease.task_id, lease.token, 60) > lease.expires_at
     pg_cluster.kill9()  # the postmaster killed; the server comes back while the store waits
@@ -527,7 +527,7 @@ def test_the_store_reconnects_after_a_restart_and_a_killed_server_and_loses_noth
     starter.join()
     rec = q.publish(leases[0].task_id, leases[0].token, S.needs_review, {}, [Blob.of("log", b"x")])
     assert rec is not None and rec.status == S.needs_review
-    states = {r.id: r.status for r in q.listing()}
+    states = {r.id: r.status for r in q.listing()[0]}
     assert len(states) == 11 and sorted(states.values()).count(S.running) == 2
     assert [e["event"] for e in q.events("t10")] == ["submitted"]  # written once
     # A server that stays away longer than the wait: a clear error naming it, nothing half-done.

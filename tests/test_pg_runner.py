@@ -129,7 +129,7 @@ def test_a_targets_upload_over_the_policy_limits_is_refused_and_nothing_is_writt
     res = fila("submit", "--queue", pg_url, "--root", str(sub.path), "--id", "big", "--engine", "shell",
                "--command", "true", "-t", "src")  # fmt: skip
     assert res.exit_code != 0 and "max_work_bytes 8" in res.output, res.output
-    assert [r.id for r in q.listing()] == ["ok"]
+    assert [r.id for r in q.listing()[0]] == ["ok"]
     assert not list(sub.jobs_dir.iterdir()) and not list(sub.meta_dir.iterdir())  # no scratch left
 
 

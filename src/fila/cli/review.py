@@ -43,9 +43,11 @@ def ls_cmd(
         from ..queue.pg.db import Database
 
         with Database(queue_url) as db:
-            recs, dropped = db.listing(status), []
+            recs, unreadable = db.listing(status)
+        dropped: list[str] = []
     else:
         recs, dropped = listing(Root.at(root).require(), status)
+        unreadable = []
     if json_:
         print_json(
             [
@@ -60,12 +62,15 @@ def ls_cmd(
                 for x in recs
             ]
             + [{"id": d, "status": "queued", "engine": None} for d in dropped]
+            + [{"id": i, "status": None, "engine": None, "unreadable": why} for i, why in unreadable]
         )
         return
     for x in recs:
         typer.echo(summary_line(x))
     for d in dropped:
         typer.echo(f"{safe(d)}  queued  (dropped in fila/in, not yet claimed)")
+    for i, why in unreadable:
+        typer.echo(f"{safe(i)}  unreadable  ({safe(why)})")
 
 
 def show(task_id: str, root: RootOpt = None, json_: JsonOpt = False, queue_url: QueueOpt = None) -> None:

@@ -562,12 +562,12 @@ class Record(BaseModel):
         try:
             return handler(value)
         except ValidationError:
-            if not isinstance(value, dict):
+            if not isinstance(value, dict) or not isinstance(value.get("limits"), dict):
                 raise
-            data = dict(value)
-            if isinstance(data.get("limits"), dict):
-                data["limits"] = Limits.model_construct(**data["limits"])
-            return Task.model_construct(**data)
+            # Only the limits are taken as recorded; every other field must still validate (a
+            # record changed outside fila is refused, not carried with fields of any type).
+            task = handler({k: v for k, v in value.items() if k != "limits"})
+            return task.model_copy(update={"limits": Limits.model_construct(**value["limits"])})
 
     def to_json(self) -> str:
         return self.model_dump_json(indent=2, exclude_none=False) + "\n"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 
-from ..core.errors import FilaError
+from ..core.errors import FilaError, Refused
 from ..queue import store as queue
 from ..queue.pg.store import Lease, PgQueue
 from .claimed import Hooks, Interrupted
@@ -56,6 +56,9 @@ class LeaseHooks(Hooks):
         except queue.LeaseLost:
             self.lost.set()
             raise
+        except Refused as e:  # its record changed outside fila: not this runner's to run any more
+            self.lost.set()
+            raise queue.LeaseLost(str(e)) from e
         self.marked = True
 
 

@@ -44,7 +44,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..core.errors import FilaError, HostLacks, ImageMissing, InfraError, InvalidPolicy, UnknownPolicy
+from ..core.errors import (
+    FilaError,
+    HostLacks,
+    ImageMissing,
+    InfraError,
+    InvalidPolicy,
+    Refused,
+    UnknownPolicy,
+)
 from ..core.layout import Root
 from ..core.models import ErrorInfo, ErrorKind, Record
 from ..engines import get_engine
@@ -520,7 +528,11 @@ class RemoteWorker(SlotLoop[Slot]):
             if hooks.lost.is_set() or rec is None:
                 self.progress(f"{tid}: lease lost; nothing published")
                 return None
-            return publish(q, lease, jr, manifest, rec, self.progress)
+            try:
+                return publish(q, lease, jr, manifest, rec, self.progress)
+            except Refused as e:  # its record changed outside fila meanwhile: a person's to decide
+                self.progress(f"{tid}: {e}; nothing published")
+                return None
         finally:
             renewer.stop.set()
             renewer.join(timeout=5)

@@ -20,8 +20,10 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from pydantic import ValidationError
+
 from ...core.models import Record
-from ..breaker import DEFAULT_THRESHOLD, BreakerState, step, trip_data, verdict
+from ..breaker import DEFAULT_THRESHOLD, RECENT, BreakerState, step, trip_data, verdict
 from .db import Database
 from .records import iso
 
@@ -42,8 +44,12 @@ def _state(row: tuple[Any, ...] | None) -> BreakerState:
     if row is None:  # the row removed by hand: a closed breaker, as on a file queue with no file
         return BreakerState()
     data = {k: _iso(v) for k, v in zip(FIELDS, row, strict=True)}
-    data["recent"] = list(data["recent"] or [])
-    return BreakerState.model_validate(data)
+    data["recent"] = [x for x in data["recent"] or [] if isinstance(x, str)][-RECENT:]
+    try:
+        return BreakerState.model_validate(data)
+    except ValidationError as e:  # the row changed outside fila: read as open, which claims nothing
+        why = f"the breaker's row does not read ({e.errors()[0]['loc'] if e.errors() else e}); rearm it"
+        return BreakerState(open=True, reason=why)
 
 
 def _locked(conn: Any) -> BreakerState:

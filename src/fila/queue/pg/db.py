@@ -18,7 +18,7 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any, Self, TypeVar
 
-from ...core.errors import InvalidTransition, NotFound, Refused
+from ...core.errors import InvalidInput, InvalidTransition, NotFound, Refused
 from ...core.models import Record, Status
 from . import blobs as blobstore
 from . import conninfo, migrate, records
@@ -148,23 +148,37 @@ class Database:
         """The task's record; NotFound for an unknown id."""
         return self._tx(lambda conn, _again: self._record(conn, task_id))
 
-    def listing(self, status: Status | None = None) -> list[Record]:
-        """The records (of one status, or all), oldest submitted first."""
-        sql = "SELECT r.record FROM fila_records r JOIN fila_tasks t USING (id)"
+    def listing(self, status: Status | None = None) -> tuple[list[Record], list[tuple[str, str]]]:
+        """The records (of one status, or all), oldest submitted first, and (id, what is wrong) of
+        each record that does not read (changed outside fila): one bad row hides no other."""
+        sql = "SELECT t.id, r.record::text FROM fila_records r JOIN fila_tasks t USING (id)"
         sql += " WHERE t.state = %s" if status is not None else ""
         sql += " ORDER BY t.submitted_at, t.id"
         args = (str(status),) if status is not None else ()
         rows = self._tx(lambda conn, _again: conn.execute(sql, args).fetchall())
-        return [Record.model_validate(r[0]) for r in rows]
+        recs, bad = [], []
+        for tid, text in rows:
+            try:
+                recs.append(records.read_record(tid, text, self.where))
+            except Refused as e:
+                bad.append((tid, e.message))
+        return recs, bad
 
     def events(self, task_id: str) -> list[dict[str, Any]]:
         """The task's events in order, each {"at", "event", ...data} like events.jsonl's lines."""
         rows = self._tx(
             lambda conn, _again: conn.execute(
-                "SELECT at, event, data FROM fila_events WHERE task_id = %s ORDER BY seq", (task_id,)
+                "SELECT at, event, data::text FROM fila_events WHERE task_id = %s ORDER BY seq", (task_id,)
             ).fetchall()
         )
-        return [{"at": records.iso(at), "event": ev, **data} for at, ev, data in rows]
+        out = []
+        for at, ev, text in rows:
+            try:
+                data = records.json_text(text, kind="event")
+            except InvalidInput as e:  # appended outside fila (the log keeps it): said, not read
+                data = {"unreadable": e.message}
+            out.append({"at": records.iso(at), "event": ev, **(data if isinstance(data, dict) else {})})
+        return out
 
     def task_state(self, task_id: str) -> dict[str, Any]:
         """The task's queue columns (state, runner, token, attempt, tries, started, lease...)."""
@@ -200,7 +214,8 @@ class Database:
         takes (None: any)."""
         rows = self._tx(
             lambda conn, _again: conn.execute(
-                "SELECT id, engines, policies, images, slots, started_at, seen_at, stopped_at, "
+                "SELECT id, array_remove(engines, NULL), array_remove(policies, NULL), images::text, slots, "
+                "started_at, seen_at, stopped_at, "
                 "extract(epoch FROM now() - seen_at), "
                 "stopped_at IS NULL AND seen_at > now() - make_interval(secs => %s) "
                 "FROM fila_runners ORDER BY id",
@@ -212,6 +227,10 @@ class Database:
         out = [dict(zip(keys, r, strict=True)) for r in rows]
         for r in out:
             r["seen_s"] = float(r["seen_s"])
+            try:  # read as untrusted: a row changed outside fila says so, it stops no `fila status`
+                r["images"] = records.json_text(r["images"] or "{}", kind="runner images")
+            except InvalidInput as e:
+                r["images"] = {"unreadable": e.message}
             for k in ("started_at", "seen_at", "stopped_at"):
                 r[k] = records.iso(r[k]) if r[k] is not None else None
         return out
@@ -319,19 +338,12 @@ class Database:
     # -- inside a transaction -------------------------------------------------------------------
 
     def _record(self, conn: Any, task_id: str) -> Record:
-        row = conn.execute("SELECT record FROM fila_records WHERE id = %s", (task_id,)).fetchone()
+        row = conn.execute("SELECT record::text FROM fila_records WHERE id = %s", (task_id,)).fetchone()
         if row is None:
             raise NotFound(
                 f"no task {task_id!r} in the queue database {self.where}", hint="`fila ls` lists tasks"
             )
-        rec = Record.model_validate(row[0])
-        if rec.id != task_id:  # a row altered in the database: its id names paths and blobs
-            raise Refused(
-                f"task {task_id!r}: its record in the queue database {self.where} names id {rec.id!r}",
-                task_id=task_id,
-                hint="nothing was read further; the row was changed outside fila",
-            )
-        return rec
+        return records.read_record(task_id, row[0], self.where)
 
     def _event(self, conn: Any, task_id: str, event: str, data: dict[str, Any]) -> None:
         from psycopg.types.json import Jsonb

@@ -10,8 +10,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ...core.errors import InvalidInput, InvalidTransition
-from ...core.models import Attempt, ErrorInfo, ErrorKind, Record, Status
+from ...core import untrusted
+from ...core.errors import InvalidInput, InvalidTaskFile, InvalidTransition, Refused
+from ...core.models import Attempt, ErrorInfo, ErrorKind, Record, Status, Task
 from ..records import claim_changes, next_record
 
 # The record fields a runner's checkpoint or publish may set: what its run found. The rest are
@@ -97,9 +98,7 @@ def invalid(task_id: str, cur: Record, at: datetime, err: ValidationError | Inva
     if isinstance(err, InvalidInput):
         msg = f"the queued task cannot be read: {err.message}"
     else:
-        first = err.errors()[0] if err.errors() else {}
-        where = ".".join(str(x) for x in first.get("loc", ())) or "task"
-        msg = f"the queued task does not validate: {where}: {first.get('msg', err)}"
+        msg = f"the queued task does not validate: {problem(err)}"
     error = ErrorInfo(kind=ErrorKind.invalid, message=msg)
     return transition(task_id, cur, Status.failed, at, expect={Status.queued}, changes={"error": error})
 
@@ -114,3 +113,53 @@ def without_repeated_hand_back(cur: Record) -> Record:
         return cur
     opened = atts[-1].model_copy(update={"number": atts[-2].number})
     return cur.model_copy(update={"attempts": [*atts[:-2], opened]})
+
+
+# -- reading rows as untrusted -------------------------------------------------------------------
+# Whoever holds the queue's credential can write any row (docs/scale-out.md, "What fila promises"):
+# a document is read as its text, through core/untrusted.py's reader (depth, size and number
+# limits), never by psycopg's jsonb parser, which a document nested past Python's recursion limit
+# or a number of thousands of digits crashes. One bad row then fails or is refused alone.
+
+
+def json_text(text: str, *, kind: str, error: type[InvalidInput] = InvalidInput) -> Any:
+    """A JSON document as the database holds it (its text), read as untrusted JSON."""
+    return untrusted.parse_json(text.encode(), kind=kind, error=error, path=None)
+
+
+def read_task(text: str) -> Task:
+    """A queued task's document: untrusted JSON within a task file's size cap, then validated
+    (InvalidTaskFile or ValidationError when not)."""
+    if len(text) > untrusted.MAX_TASK_BYTES:
+        raise InvalidTaskFile(f"the queued task is {len(text)} characters, above {untrusted.MAX_TASK_BYTES}")
+    return Task.model_validate(json_text(text, kind="queued task", error=InvalidTaskFile))
+
+
+def problem(err: ValidationError | InvalidInput) -> str:
+    """The first thing wrong with a document, in one line."""
+    if isinstance(err, InvalidInput):
+        return err.message
+    first = err.errors()[0] if err.errors() else {}
+    where = ".".join(str(x) for x in first.get("loc", ())) or "document"
+    return f"{where}: {first.get('msg', err)}"
+
+
+def read_record(task_id: str, text: str, where: str) -> Record:
+    """Task `task_id`'s record as the database `where` holds it; Refused naming the task and what
+    is wrong when it does not read or validate, or names another id (its id names paths and
+    blobs)."""
+    try:
+        rec = Record.model_validate(json_text(text, kind="record"))
+    except (InvalidInput, ValidationError) as e:
+        raise Refused(
+            f"task {task_id!r}: its record in the queue database {where} cannot be read: {problem(e)}",
+            task_id=task_id,
+            hint="the row was changed outside fila; a person decides what it should say",
+        ) from None
+    if rec.id != task_id:
+        raise Refused(
+            f"task {task_id!r}: its record in the queue database {where} names id {rec.id!r}",
+            task_id=task_id,
+            hint="nothing was read further; the row was changed outside fila",
+        )
+    return rec

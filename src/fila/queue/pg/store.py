@@ -41,8 +41,15 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ...core import untrusted
-from ...core.errors import DuplicateId, FilaError, InvalidInput, InvalidTaskFile, InvalidTransition, NotFound
+from ...core.errors import (
+    DuplicateId,
+    FilaError,
+    InvalidInput,
+    InvalidTaskFile,
+    InvalidTransition,
+    NotFound,
+    Refused,
+)
 from ...core.models import Attempt, Decision, ErrorInfo, ErrorKind, Record, Status, Task
 from ...core.states import valid_id
 from ..retry import INFRA, RetryPolicy
@@ -103,16 +110,8 @@ SET state = 'running', runner = %(runner)s, token = nextval('fila_token_seq'), c
     not_before = NULL, claimed_at = now(), updated_at = now()
 FROM pick WHERE t.id = pick.id
 RETURNING t.id, t.token, t.attempt, t.task::text, t.lease_expires_at, now(),
-    (SELECT record FROM fila_records r WHERE r.id = t.id)
+    (SELECT record::text FROM fila_records r WHERE r.id = t.id), t.engine
 """
-
-
-def read_task(text: str) -> Task:
-    """A task document as the database holds it (its text: psycopg would parse jsonb with the
-    standard library, which a document nested past the recursion limit crashes), read as any
-    untrusted JSON is (core/untrusted.py: depth, size and number limits), then validated."""
-    doc = untrusted.parse_json(text.encode(), kind="queued task", error=InvalidTaskFile, path=None)
-    return Task.model_validate(doc)
 
 
 def runner_of(rec: Record) -> str:
@@ -252,7 +251,7 @@ class PgQueue(PgGroups, PgBreaker, PgRunners):
                 if row is not None:  # this call's claim, its commit's reply lost
                     tid, token, attempt, doc, expires, at = row
                     claimed_at[:] = [at]
-                    return Lease(tid, token, runner, attempt, read_task(doc), expires)
+                    return Lease(tid, token, runner, attempt, records.read_task(doc), expires)
             while True:
                 row = conn.execute(
                     CLAIM_SQL,
@@ -266,10 +265,25 @@ class PgQueue(PgGroups, PgBreaker, PgRunners):
                 ).fetchone()
                 if row is None:
                     return None
-                tid, token, attempt, doc, expires, at, cur = row
-                cur = Record.model_validate(cur)
+                tid, token, attempt, doc, expires, at, text, engine = row
+                # Any row a credential holder changed fails its own task, in this transaction; the
+                # claim goes on to the next (docs/scale-out.md: one bad row hides no other).
                 try:
-                    task = read_task(doc)
+                    cur = records.read_record(tid, text or "null", self.where)
+                except Refused as e:
+                    self._refuse_unreadable(conn, tid, e.message)
+                    continue
+                if cur.status != S.queued:
+                    self._refuse_unreadable(
+                        conn, tid, f"task {tid}: its record says {cur.status}, its row queued"
+                    )
+                    continue
+                try:
+                    task = records.read_task(doc)
+                    if task.engine != engine:
+                        raise InvalidTaskFile(
+                            f"its document names engine {task.engine!r}, its row {engine!r}"
+                        )
                 except (ValidationError, InvalidInput) as e:
                     self._refuse_claimed(conn, tid, cur, at, e)
                     continue
@@ -299,6 +313,17 @@ class PgQueue(PgGroups, PgBreaker, PgRunners):
             (task_id,),
         )
         self._write(conn, task_id, rec, "rejected", {"from": "queued", "to": "failed"})
+
+    def _refuse_unreadable(self, conn: Any, task_id: str, why: str) -> None:
+        """A just-claimed task whose record does not read, or disagrees with its row (changed in
+        the database): its row failed and an event saying why, in the claim's transaction; the
+        record is left as it is, for a person (`fila show` names what is wrong with it)."""
+        conn.execute(
+            "UPDATE fila_tasks SET state = 'failed', runner = NULL, claim_nonce = NULL, "
+            "lease_expires_at = NULL, attempt = attempt - 1, updated_at = now() WHERE id = %s",
+            (task_id,),
+        )
+        self._event(conn, task_id, "rejected", {"from": "queued", "to": "failed", "why": why[:400]})
 
     def claim_wait(
         self,
