@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from fila.core.errors import FilaError
+from fila.core.errors import FilaError, Refused
 from fila.core.layout import Root
 from fila.core.models import Status, Task
 from fila.queue.pg.store import PgQueue
@@ -384,3 +384,84 @@ def test_group_records_with_one_deep_member_record(q: PgQueue, pg_url: str) -> N
         pass
     except BaseException as e:
         pytest.fail(f"group_records raised {type(e).__name__}, not a FilaError naming m2")
+
+
+def cli(*args: str) -> Any:
+    from typer.testing import CliRunner
+
+    from fila.cli import app
+
+    return CliRunner().invoke(app, list(args))
+
+
+@pytest.mark.parametrize(
+    "how",
+    ["jsonb_set(record, '{task}', 'null')", "jsonb_set(record, '{container_started}', 'true')"],
+    ids=["task-null", "container-started"],
+)
+def test_a_queued_record_that_reads_but_cannot_become_running_fails_alone(
+    q: PgQueue, pg_url: str, how: str
+) -> None:
+    q.enqueue("poison", task())
+    q.enqueue("good", task())
+    sql(pg_url, f"UPDATE fila_records SET record = {how} WHERE id = 'poison'")
+    lease = q.claim("r1", ["shell"], 30)
+    assert lease is not None and lease.task_id == "good"
+    assert q.task_state("poison")["state"] == "failed"
+
+
+def test_a_refusal_whose_record_was_changed_meanwhile_publishes_nothing_and_the_runner_goes_on(
+    pg_url: str, q: PgQueue, sub: Any, tmp_path: Path
+) -> None:
+    submit(pg_url, sub, "t", "echo 1 >> greeting.txt")
+    submit(pg_url, sub, "good", "echo 2 >> greeting.txt")
+
+    def progress(msg: str) -> None:  # no targets to lay out (a refusal), and a record that no longer reads
+        if msg.startswith("t: claimed"):
+            sql(pg_url, "DELETE FROM fila_task_blobs WHERE task_id = 't'")
+            sql(
+                pg_url,
+                "UPDATE fila_records SET record = jsonb_set(record, '{attempt}', '\"x\"') WHERE id = 't'",
+            )
+
+    run_through(worker(tmp_path, pg_url, progress=progress))
+    assert q.task_state("good")["state"] == "needs_review" and q.task_state("t")["state"] == "running"
+
+
+def test_submit_run_stops_waiting_when_the_claim_failed_a_task_whose_record_says_otherwise(
+    q: PgQueue, pg_url: str
+) -> None:
+    q.enqueue("t", task())
+    sql(pg_url, "UPDATE fila_records SET record = record || '{\"status\": \"running\", \"worker\": \"x\"}' "
+        "WHERE id = 't'")  # fmt: skip
+    assert q.claim("r1", ["shell"], 30) is None and q.task_state("t")["state"] == "failed"
+    with pytest.raises(Refused, match="its row says failed, its record running"):
+        q.wait_settled("t", poll_s=0.1)
+
+
+def test_status_lists_the_other_runners_beside_a_row_with_two_dimensional_arrays(
+    q: PgQueue, pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    q.runner_up("h1", ["shell"], images={}, slots=1, policies=["default"])
+    q.runner_up("h2", ["shell"], images={}, slots=1)
+    sql(pg_url, "UPDATE fila_runners SET engines = '{{shell,x},{a,b}}'::text[], "
+        "policies = '{{default,x},{a,b}}'::text[] WHERE id = 'h1'")  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    res = cli("status", "--queue", pg_url)
+    assert res.exit_code == 0 and "h1" in res.output and "h2" in res.output, res.output
+
+
+def test_apply_of_a_record_without_its_task_is_refused_naming_it_and_ls_names_a_missing_record(
+    pg_url: str, q: PgQueue, sub: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    submit(pg_url, sub, "t", "echo 1 >> greeting.txt")
+    submit(pg_url, sub, "norec", "true")
+    run_through(worker(tmp_path, pg_url))
+    assert q.get("t").status == S.needs_review
+    sql(pg_url, "UPDATE fila_records SET record = jsonb_set(record, '{task}', 'null') WHERE id = 't'")
+    sql(pg_url, "DELETE FROM fila_records WHERE id = 'norec'")
+    res = cli("apply", "t", "--queue", pg_url, "--root", str(sub.path), "--yes", "--by", "dave")
+    assert res.exit_code == 4 and "has no task" in res.output, res.output
+    monkeypatch.chdir(tmp_path)
+    res = cli("ls", "--queue", pg_url)
+    assert "t  needs_review" in res.output and "norec  unreadable  (its record row is missing)" in res.output

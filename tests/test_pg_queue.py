@@ -634,7 +634,7 @@ def test_a_runner_writes_only_its_results_and_only_into_its_own_tasks_record(q: 
     assert b is not None and b.task_id == "B"
 
 
-def test_a_sweep_decides_every_row_it_can_and_leaves_the_one_it_cannot(
+def test_a_sweep_decides_every_row_and_one_whose_record_cannot_say_so_goes_to_a_person_alone(
     q: PgQueue, pg_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     for tid in ("bad", "good"):
@@ -650,9 +650,12 @@ def test_a_sweep_decides_every_row_it_can_and_leaves_the_one_it_cannot(
     expire(q, "bad")
     expire(q, "good")
     with caplog.at_level("ERROR", logger="fila.queue.pg.store"):
-        assert q.sweep(policy=NOW) == [("good", S.queued)]  # decided, though the other one fails
-    assert q.task_state("bad")["state"] == "running" and q.task_state("bad")["token"] == bad.token
-    assert "task bad left running" in caplog.text  # reported, not silently skipped
+        got = q.sweep(policy=NOW)
+    assert sorted(got) == [("bad", S.needs_human), ("good", S.queued)]  # good decided all the same
+    st = q.task_state("bad")  # the row alone: a person's, its runner fenced off, never swept again
+    assert st["state"] == "needs_human" and st["token"] != bad.token and q.sweep(policy=NOW) == []
+    assert "task bad (lease lapsed) to needs_human" in caplog.text  # reported, not silently skipped
+    assert any("record cannot be read" in e.get("why", "") for e in q.events("bad"))
     assert q.get("good").status == S.queued and q.claim("r3", ["shell"], 30) is not None
 
 
@@ -662,16 +665,14 @@ def test_a_database_at_schema_version_1_upgrades_with_its_tasks(pg_cluster: Any)
     sql(url, migrate.VERSION_TABLE)
     sql(url, first.sql)
     sql(url, "INSERT INTO fila_schema (version, name) VALUES (1, %s)", first.name)
+    doc = task().model_copy(update={"id": "t1"}).model_dump(mode="json", exclude_none=True)
     sql(
         url,
         "INSERT INTO fila_tasks (id, state, task, engine) VALUES ('t1', 'queued', %s, 'shell')",
-        json.dumps(task().model_copy(update={"id": "t1"}).model_dump(mode="json", exclude_none=True)),
+        json.dumps(doc),
     )
-    sql(
-        url,
-        "INSERT INTO fila_records (id, record) VALUES ('t1', %s)",
-        json.dumps({"id": "t1", "status": "queued"}),
-    )
+    sql(url, "INSERT INTO fila_records (id, record) VALUES ('t1', %s)",
+        json.dumps({"id": "t1", "status": "queued", "task": doc}))  # fmt: skip
     with pytest.raises(SchemaMismatch, match="fila needs 5"):
         PgQueue(url)
     assert migrate.migrate(url) == (1, 5)

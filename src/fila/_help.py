@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "85c0c729ee2d0019635219530501628d75486ad1dc78aa3b1a0d5372addd1d3c"
+CLI_SHA256 = "4f53b58da3979cc6fd1dee552cf0c20bbf05db6f4a54dd41e0312de838923918"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 

@@ -265,6 +265,8 @@ def _lay_out(root: Root, db: PgQueue, rec: Record) -> None:
     """The copy apply reads (see the module doc), made afresh unless an interrupted apply of
     this task left its marker (then the copy it staged is finished as it is)."""
     tid = rec.id
+    if rec.task is None:  # a record changed outside fila: nothing to lay out from
+        raise Refused(f"task {tid}: its record in the queue database {db.where} has no task", task_id=tid)
     job, meta = root.job_dir(tid), root.meta(tid)
     ours = (meta / MARK).is_file()
     if ours and landing.read_marker(root, tid) is not None:
@@ -295,7 +297,6 @@ def _lay_out(root: Root, db: PgQueue, rec: Record) -> None:
         shutil.copytree(job / "input", job / "work", symlinks=True)
         if data:
             _patch_work(meta, job, tid)
-        assert rec.task is not None
         project = jobdir.project_of(root, rec.task.model_copy(update={"project": None}), policy)
         doc = {"project": str(project), "targets": targets, "entries": entries}
         fsutil.atomic_write(meta / "manifest.json", json.dumps(doc).encode())

@@ -20,7 +20,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from ..core.errors import FilaError
+from ..core.errors import FilaError, Refused
 from ..core.layout import Root
 from ..core.models import ErrorInfo, ErrorKind, Record, Status
 from ..queue import breaker
@@ -131,7 +131,10 @@ def refuse(
     if limit is not None and len(text) > limit:
         text = text[:limit] + " [cut]"
     error = ErrorInfo(kind=ErrorKind.invalid, message=text)
-    return q.publish(lease.task_id, lease.token, Status.failed, {"error": error, "backend": backend})
+    try:
+        return q.publish(lease.task_id, lease.token, Status.failed, {"error": error, "backend": backend})
+    except Refused:  # its record changed outside fila meanwhile: a person's to decide, nothing published
+        return None
 
 
 def hand_back(

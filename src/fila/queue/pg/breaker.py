@@ -25,7 +25,7 @@ from pydantic import ValidationError
 from ...core.models import Record
 from ..breaker import DEFAULT_THRESHOLD, RECENT, BreakerState, step, trip_data, verdict
 from .db import Database
-from .records import iso
+from .records import event_line, iso
 
 # The claim statement's condition: no claim while the breaker is open.
 CLOSED = "NOT EXISTS (SELECT 1 FROM fila_breaker WHERE open)"
@@ -111,10 +111,10 @@ class PgBreaker(Database):
         """Its trips and rearms, oldest first."""
         rows = self._tx(
             lambda conn, _again: conn.execute(
-                "SELECT at, event, data FROM fila_breaker_events ORDER BY seq"
+                "SELECT at, event, data::text FROM fila_breaker_events ORDER BY seq"
             ).fetchall()
         )
-        return [{"at": _iso(at), "event": ev, **data} for at, ev, data in rows]
+        return [event_line(_iso(at), ev, text) for at, ev, text in rows]  # read as untrusted
 
     def rearm(self, *, by: str, reason: str | None = None) -> BreakerState:
         """A person's decision to let runners claim again: the count reset, recorded with who and

@@ -151,13 +151,16 @@ class Database:
     def listing(self, status: Status | None = None) -> tuple[list[Record], list[tuple[str, str]]]:
         """The records (of one status, or all), oldest submitted first, and (id, what is wrong) of
         each record that does not read (changed outside fila): one bad row hides no other."""
-        sql = "SELECT t.id, r.record::text FROM fila_records r JOIN fila_tasks t USING (id)"
+        sql = "SELECT t.id, r.record::text FROM fila_tasks t LEFT JOIN fila_records r USING (id)"
         sql += " WHERE t.state = %s" if status is not None else ""
         sql += " ORDER BY t.submitted_at, t.id"
         args = (str(status),) if status is not None else ()
         rows = self._tx(lambda conn, _again: conn.execute(sql, args).fetchall())
         recs, bad = [], []
         for tid, text in rows:
+            if text is None:
+                bad.append((tid, "its record row is missing"))
+                continue
             try:
                 recs.append(records.read_record(tid, text, self.where))
             except Refused as e:
@@ -171,14 +174,7 @@ class Database:
                 "SELECT at, event, data::text FROM fila_events WHERE task_id = %s ORDER BY seq", (task_id,)
             ).fetchall()
         )
-        out = []
-        for at, ev, text in rows:
-            try:
-                data = records.json_text(text, kind="event")
-            except InvalidInput as e:  # appended outside fila (the log keeps it): said, not read
-                data = {"unreadable": e.message}
-            out.append({"at": records.iso(at), "event": ev, **(data if isinstance(data, dict) else {})})
-        return out
+        return [records.event_line(records.iso(at), ev, text) for at, ev, text in rows]
 
     def task_state(self, task_id: str) -> dict[str, Any]:
         """The task's queue columns (state, runner, token, attempt, tries, started, lease...)."""
@@ -214,8 +210,8 @@ class Database:
         takes (None: any)."""
         rows = self._tx(
             lambda conn, _again: conn.execute(
-                "SELECT id, array_remove(engines, NULL), array_remove(policies, NULL), images::text, slots, "
-                "started_at, seen_at, stopped_at, "
+                "SELECT id, array_to_json(engines)::text, array_to_json(policies)::text, images::text, "
+                "slots, started_at, seen_at, stopped_at, "
                 "extract(epoch FROM now() - seen_at), "
                 "stopped_at IS NULL AND seen_at > now() - make_interval(secs => %s) "
                 "FROM fila_runners ORDER BY id",
@@ -231,6 +227,13 @@ class Database:
                 r["images"] = records.json_text(r["images"] or "{}", kind="runner images")
             except InvalidInput as e:
                 r["images"] = {"unreadable": e.message}
+            for k in ("engines", "policies"):  # names only: a NULL or a nested array is left out
+                if r[k] is not None:
+                    try:
+                        got = records.json_text(r[k], kind=f"runner {k}")
+                    except InvalidInput:
+                        got = []
+                    r[k] = [x for x in got if isinstance(x, str)] if isinstance(got, list) else []
             for k in ("started_at", "seen_at", "stopped_at"):
                 r[k] = records.iso(r[k]) if r[k] is not None else None
         return out
@@ -321,6 +324,14 @@ class Database:
                 rec = self.get(task_id)
                 if rec.status not in (S.queued, S.running):
                     return rec
+                row = self.task_state(task_id)["state"]
+                if row not in (S.queued, S.running):  # the claim or the sweep left its record for a person
+                    raise Refused(
+                        f"task {task_id}: its row says {row}, its record {rec.status}: the record was "
+                        "changed outside fila",
+                        task_id=task_id,
+                        hint=f"`fila logs {task_id} --events --queue URL` says why",
+                    )
                 if listener is None:
                     time.sleep(poll_s)
                     continue

@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from ...core import untrusted
 from ...core.errors import InvalidInput, InvalidTaskFile, InvalidTransition, Refused
 from ...core.models import Attempt, ErrorInfo, ErrorKind, Record, Status, Task
-from ..records import claim_changes, next_record
+from ..records import claim_changes, field_problem, next_record
 
 # The record fields a runner's checkpoint or publish may set: what its run found. The rest are
 # the queue's (id, status, times, the task, its attempts, worker and container, a person's
@@ -156,6 +156,13 @@ def read_record(task_id: str, text: str, where: str) -> Record:
             task_id=task_id,
             hint="the row was changed outside fila; a person decides what it should say",
         ) from None
+    bad = field_problem(rec)  # readable, but no state fila could move it on from
+    if bad:
+        raise Refused(
+            f"task {task_id!r}: its record in the queue database {where} cannot be read: {bad}",
+            task_id=task_id,
+            hint="the row was changed outside fila; a person decides what it should say",
+        )
     if rec.id != task_id:
         raise Refused(
             f"task {task_id!r}: its record in the queue database {where} names id {rec.id!r}",
@@ -163,3 +170,14 @@ def read_record(task_id: str, text: str, where: str) -> Record:
             hint="nothing was read further; the row was changed outside fila",
         )
     return rec
+
+
+def event_line(at: str, event: str, text: str) -> dict[str, Any]:
+    """One event row as a line of events.jsonl ({"at", "event", ...its data}): its data read as
+    untrusted (one appended outside fila says it is unreadable, and cannot rename the event)."""
+    try:
+        data = json_text(text, kind="event")
+    except InvalidInput as e:
+        data = {"unreadable": e.message}
+    extra = {k: v for k, v in data.items() if k not in ("at", "event")} if isinstance(data, dict) else {}
+    return {"at": at, "event": event, **extra}

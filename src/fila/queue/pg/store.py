@@ -287,7 +287,11 @@ class PgQueue(PgGroups, PgBreaker, PgRunners):
                 except (ValidationError, InvalidInput) as e:
                     self._refuse_claimed(conn, tid, cur, at, e)
                     continue
-                rec = records.started(tid, cur, at, runner=runner, engine=task.engine, attempt=attempt)
+                try:
+                    rec = records.started(tid, cur, at, runner=runner, engine=task.engine, attempt=attempt)
+                except (InvalidTransition, ValidationError) as e:  # a record fila cannot move on
+                    self._refuse_unreadable(conn, tid, f"task {tid}: its record cannot be claimed: {e}")
+                    continue
                 data = {"from": "queued", "to": "running", "runner": runner, "token": token}
                 self._write(conn, tid, rec, "claimed", {**data, "attempt": attempt})
                 claimed_at[:] = [at]
@@ -313,6 +317,17 @@ class PgQueue(PgGroups, PgBreaker, PgRunners):
             (task_id,),
         )
         self._write(conn, task_id, rec, "rejected", {"from": "queued", "to": "failed"})
+
+    def _give_up_row(self, conn: Any, task_id: str, why: str) -> None:
+        """A running task whose lease lapsed and whose record does not read: its row to
+        needs_human (a new token fences its runner off), an event saying why; the record is left
+        for a person."""
+        conn.execute(
+            "UPDATE fila_tasks SET state = 'needs_human', runner = NULL, claim_nonce = NULL, "
+            "token = nextval('fila_token_seq'), lease_expires_at = NULL, updated_at = now() WHERE id = %s",
+            (task_id,),
+        )
+        self._event(conn, task_id, "lease lost", {"from": "running", "to": "needs_human", "why": why[:400]})
 
     def _refuse_unreadable(self, conn: Any, task_id: str, why: str) -> None:
         """A just-claimed task whose record does not read, or disagrees with its row (changed in
@@ -563,9 +578,10 @@ class PgQueue(PgGroups, PgBreaker, PgRunners):
         budget allows (backoff from `policy`), otherwise needs_human. (task id, new status) each.
 
         Each row is decided in its own savepoint. A row whose decision cannot be written (its
-        record does not allow it) is left as it is and logged as an error: writing any other
-        state would make its row and its record disagree, and its expired lease already fences
-        its runner off, so it waits for a person without blocking the other rows."""
+        record, changed outside fila, does not read or does not allow it) goes to needs_human in
+        the row alone, with a new token and an event saying why, and is logged as an error: its
+        record is left for a person, and the row is neither run again nor swept again ahead of
+        every other expired lease."""
         import psycopg
 
         def run(conn: Any, _again: bool) -> list[tuple[str, Status]]:
@@ -583,7 +599,14 @@ class PgQueue(PgGroups, PgBreaker, PgRunners):
                 except (FilaError, ValidationError, psycopg.Error) as e:
                     if isinstance(e, psycopg.Error) and retryable(e):
                         raise
-                    log.error("sweep: task %s left running (lease lapsed), cannot decide it: %s", row[0], e)
+                    # Its record cannot say so: the row alone goes to a person, so that it is
+                    # neither swept again ahead of every other expired lease nor run again.
+                    log.error("sweep: task %s (lease lapsed) to needs_human, its record left: %s", row[0], e)
+                    with conn.transaction():
+                        self._give_up_row(
+                            conn, row[0], f"its lease lapsed and its record cannot be read: {e}"
+                        )
+                    out.append((row[0], S.needs_human))
             return out
 
         return self._tx(run)
