@@ -37,7 +37,13 @@ SIDE_FILES = ("test_podman", "test_pg_", "test_queue_acceptance", "test_gateway"
 
 
 def _on_the_side(item: pytest.Item) -> bool:
-    return item.path.name.startswith(SIDE_FILES) or item.get_closest_marker("docker") is None
+    # Every test that runs as the rootless-Podman test user is on one side: two processes sharing
+    # that user and its runtime directory once removed one build's containers.conf under another.
+    return (
+        item.path.name.startswith(SIDE_FILES)
+        or item.get_closest_marker("docker") is None
+        or item.get_closest_marker("podman_user") is not None
+    )
 
 
 _PART = pytest.StashKey[str | None]()

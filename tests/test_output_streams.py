@@ -88,6 +88,7 @@ def test_the_log_has_both_streams_and_the_output_keeps_them_apart(backend: Backe
 
 @pytest.mark.skipif(os.getuid() != 0, reason="creating an ordinary user for the test needs root")
 @pytest.mark.skipif(shutil.which("podman") is None, reason="scripts/podman-up installs podman")
+@pytest.mark.podman_user
 def test_the_streams_stay_apart_on_rootless_podman_as_an_ordinary_user() -> None:
     from tests.support.users import podman_user, pytest_as_user, python_for_others, readable_tests_dir
 

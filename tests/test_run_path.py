@@ -459,6 +459,7 @@ print(json.dumps({"first": first, "planted_rm": planted, "second": second, "left
 """
 
 
+@pytest.mark.podman_user
 def test_a_rootless_overlay_scratch_a_killed_worker_left_is_cleared_before_the_next_attempt() -> None:
     got = run_as_podman_user(_LEFT_SCRATCH)
     # Allowed first: attempt 1 ran on the overlay strategy; the planted scratch defeats the user's rm.
