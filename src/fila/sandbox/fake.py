@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import EngineUnavailable, ImageMissing, InfraError, InvalidPolicy
+from ..core.fsutil import file_lock
 from ..core.models import ImageRef, Policy, now_iso
 from .base import (
     JOB_LABEL,
@@ -155,6 +156,24 @@ class FakeBackend(Backend):
         tmp.write_text(json.dumps(data))
         os.replace(tmp, self._path(data["id"]))
 
+    @contextlib.contextmanager
+    def _boxes_locked(self) -> Iterator[None]:
+        """A box's change of state and its removal exclude each other (threads and processes
+        alike): a removal between a run's look and its write would otherwise be undone by the
+        write, and the box's process would run on as if nobody had removed it."""
+        self.state.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with file_lock(self.state / ".boxes.lock", mode=0o600):
+            yield
+
+    def _update(self, data: dict[str, Any]) -> bool:
+        """The box's new state, written only while the box is still there. False when it was
+        removed (a container engine refuses to start, or to report on, a removed container)."""
+        with self._boxes_locked():
+            if not self._path(data["id"]).exists():
+                return False
+            self._save(data)
+            return True
+
     def _event(self, kind: str, box: dict[str, Any]) -> None:
         """One line appended to the state's event log, as Docker's event stream has one per
         container start: a test counts runs from it, not from fila's records. One write() of
@@ -226,17 +245,18 @@ class FakeBackend(Backend):
         return self._box(data)
 
     def _drop(self, box_id: str) -> bool:
-        data = self._load(self._path(box_id))
-        if data is None:
-            return False
-        if data.get("group") and alive(data.get("pid"), data.get("pid_started")):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(data["pid"], signal.SIGKILL)
-        try:
-            self._path(box_id).unlink()
-        except FileNotFoundError:
-            return False
-        return True
+        with self._boxes_locked():
+            data = self._load(self._path(box_id))
+            if data is None:
+                return False
+            if data.get("group") and alive(data.get("pid"), data.get("pid_started")):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(data["pid"], signal.SIGKILL)
+            try:
+                self._path(box_id).unlink()
+            except FileNotFoundError:
+                return False
+            return True
 
     def sweep_egress(
         self, root: Path, meta_dir: Path, has_claim: Callable[[str, str | None], bool]
@@ -332,7 +352,8 @@ class FakeBackend(Backend):
             else:
                 ex = Scripted(act, spec, capture, gone)
             pid = ex.pid or os.getpid()  # a script lives as long as the process playing it
-            self._save(box | {"status": "running", "pid": pid, "pid_started": start_time(pid)})
+            if not self._update(box | {"status": "running", "pid": pid, "pid_started": start_time(pid)}):
+                raise InfraError(f"the fake backend's box {box['name']} was removed before it started")
             if isinstance(ex, Command):
                 ex.go()
             if act is not None and act.error is not None and act.error_at == "start":
@@ -348,13 +369,12 @@ class FakeBackend(Backend):
         finally:
             output = capture.close()
             shutil.rmtree(home, ignore_errors=True)
-        if gone():
+        if not self._update(box | {"status": "exited", "exit_code": code}):
             raise InfraError(
                 f"the fake backend's box {box['name']} was removed while it ran",
                 task_id=spec.job_id,
                 path=spec.log_path,
             )
-        self._save(box | {"status": "exited", "exit_code": code})
         return RunResult(
             exit_code=code,
             timed_out=timed_out,
