@@ -138,6 +138,88 @@ def test_the_report_holds_what_the_cli_says_about_model_turns_usage_and_cost(
     assert report.get("session_id") or engine == "aider"  # aider has no session id
 
 
+BIG = "9" * 40
+DEEP = "[" * 100_000 + "]" * 100_000
+# What a hostile engine prints where its CLI prints its result: each line breaks that adapter's
+# reading (a field of another type, a number past any limit, nesting past the recursion limit) or
+# holds what no reader of a record accepts (a 40-digit count, a NUL, a lone surrogate).
+HOSTILE = [
+    ("claude", '{"type":"result","result":"ok","modelUsage":5}'),
+    ("claude", '{"type":"result","result":"ok","session_id":' + DEEP + "}"),
+    ("codex", '{"type":"turn.completed","usage":"x"}'),
+    ("opencode", '{"type":"step_finish","sessionID":"s","part":{"tokens":{"input":"x"}}}'),
+    ("gemini", '{"response":"ok","stats":{"models":{"m":{"api":{"totalRequests":1e400}}}}}'),
+    ("qwen", '{"type":"result","result":"ok","permission_denials":5}'),
+    ("aider", "Model: m\nTokens: 1.2.3 sent, 5 received.\nApplied edit to a.txt\n"),
+    # aider exits 0 after its API failed: read, this is an error; unread, it must not be a success
+    ("aider", "Tokens: , sent, 1 received.\nlitellm.APIError: upstream died\n"),
+    # JSON past a reader's limit is not skipped as if it were text: it may have been the result
+    ("claude", '{"type":"result","is_error":true,"result":"API Error","num_turns":' + "9" * 5000 + "}"),
+    ("gemini", '{"response":"ok"}\n{"error":{"message":"boom"},"n":' + "9" * 5000 + "}"),
+    ("gemini", '{"response":"ok"}\n{"error":' + "[" * 5000 + "]" * 5000 + "}"),
+]
+
+
+@pytest.mark.parametrize(("engine", "stdout"), HOSTILE)
+def test_structured_output_that_breaks_the_adapter_leaves_the_exit_code_to_decide(
+    engine: str, stdout: str
+) -> None:
+    e = get_engine(engine)
+    ok = e.classify_run(0, captured(engine, "success"))  # the allowed counterpart: read as printed
+    assert ok.kind == "success" and ok.report == e.classify(0, captured(engine, "success")).report
+    assert ok.report and ok.report.get("turns")
+    for code in (0, 3):  # never a success: the result fila could not read may have been an error
+        o = e.classify_run(code, out(stdout))
+        assert (o.kind, o.report) == ("engine_error", None)
+        assert "its structured output could not be read (" in o.message, o.message
+        assert code == 0 or f"exited with code {code}" in o.message
+
+
+def test_a_report_past_the_records_limits_keeps_what_reads_and_drops_the_rest() -> None:
+    from fila.core import untrusted
+    from fila.core.errors import InvalidInput
+    from fila.core.models import Record
+
+    line = (
+        '{"type":"result","is_error":true,"result":"bad\\u0000news \\ud800 here","num_turns":[1],'
+        f'"usage":{{"input_tokens":{BIG},"output_tokens":1e400}},"total_cost_usd":0.5,'
+        '"session_id":{"a":1},"modelUsage":{"m1":{}}}'
+    )
+    o = get_engine("claude").classify_run(1, out(line))
+    assert o.kind == "engine_error" and o.message == "badnews ? here"
+    assert o.report == {"model": "m1", "turns": None, "input_tokens": None, "output_tokens": None,
+                        "cost_usd": 0.5, "session_id": None, "permission_denials": 0}  # fmt: skip
+    rec = Record.model_validate({"id": "t", "status": "failed", "engine_report": o.report,
+                                 "error": {"kind": "engine_error", "message": o.message}})  # fmt: skip
+    text = rec.model_dump_json().encode()
+    assert (
+        Record.model_validate(untrusted.parse_json(text, kind="record", error=InvalidInput, path=None)) == rec
+    )
+    # What EngineReport makes of strings is bounded too: a 31-digit count, "NaN", "Infinity".
+    coerced = (
+        '{"type":"result","result":"ok","num_turns":"%s","total_cost_usd":"NaN",'
+        '"usage":{"input_tokens":"12","output_tokens":"Infinity"}}' % ("9" * 31)
+    )
+    o = get_engine("claude").classify_run(0, out(coerced))
+    assert o.kind == "success"
+    assert o.report == {"model": None, "turns": None, "input_tokens": 12, "output_tokens": None,
+                        "cost_usd": None, "session_id": None, "permission_denials": 0}  # fmt: skip
+    # A float that PostgreSQL's jsonb prints with 31 digits (1e30) is past the limit too; 1e29 reads.
+    for cost, kept in (("1e29", 1e29), ("1e30", None)):
+        priced = '{"type":"result","result":"ok","total_cost_usd":' + cost + "}"
+        assert (get_engine("claude").classify_run(0, out(priced)).report or {})["cost_usd"] == kept
+    # The unbounded report, as the adapter made it, is what a reader refuses.
+    raw = get_engine("claude").classify(1, out(line)).report
+    assert raw is not None and raw["input_tokens"] == int(BIG)
+    with pytest.raises(InvalidInput, match="digit limit"):
+        untrusted.parse_json(json.dumps(raw).encode(), kind="record", error=InvalidInput, path=None)
+
+
+def test_a_quota_line_split_by_a_unicode_line_separator_still_names_its_words() -> None:
+    o = get_engine("claude").classify_run(1, out("boom: rate\u2028limit reached\n"))
+    assert o.kind == "quota" and "rate\u2028limit reached" in o.message
+
+
 def test_aiders_model_is_read_from_its_main_model_line_when_a_weak_model_is_beside_it() -> None:
     # aider 0.86 says `Main model: M` (then `Weak model: W`) for a model with a weak model, and
     # `Model: M` for one without: both name the model the run used, never the weak one.

@@ -149,6 +149,30 @@ def _check_string(value: str, where: str) -> None:
         raise _Refused(f"a lone surrogate (\\ud800-\\udfff) in {where}") from None
 
 
+def bounded(value: Any, *, levels: int = MAX_DEPTH) -> Any:
+    """A copy of JSON-like data that every reader here accepts again (parse_json's limits), for
+    data read from an engine's own output before it goes into a record: a number past
+    MAX_INT_DIGITS digits, a non-finite float and a list or object nested more than `levels`
+    deep become None; strings (keys too) lose NUL characters and have lone surrogates replaced.
+    A record holding the engine's words unbounded would be written, then refused by every
+    reader of it. `levels`: what is left of MAX_DEPTH where the value will sit."""
+    if isinstance(value, bool) or value is None:
+        return value
+    if isinstance(value, int):
+        return value if abs(value) < 10**MAX_INT_DIGITS else None
+    if isinstance(value, float):  # PostgreSQL's jsonb prints 1e30 with its 31 digits: bounded as one
+        return value if math.isfinite(value) and abs(value) < 10**MAX_INT_DIGITS else None
+    if isinstance(value, str):
+        return value.encode("utf-8", "replace").decode("utf-8").replace("\x00", "")
+    if levels < 1:
+        return None
+    if isinstance(value, dict):
+        return {bounded(str(k)): bounded(v, levels=levels - 1) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [bounded(v, levels=levels - 1) for v in value]
+    return None
+
+
 def parse_json(raw: bytes, *, kind: str, error: type[InvalidInput], path: Path | str | None) -> Any:
     """Decode untrusted JSON bytes; `error` names what is wrong (never a traceback)."""
     try:

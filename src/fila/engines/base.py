@@ -18,8 +18,9 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ValidationError
 
+from ..core import untrusted
 from ..core.errors import InvalidTaskFile
-from ..core.models import EgressRecord, Policy, Task
+from ..core.models import EgressRecord, EngineReport, Policy, Task
 from ..core.output import RunOutput
 
 OutcomeKind = Literal["success", "engine_error", "quota", "auth"]
@@ -145,8 +146,24 @@ class Engine(ABC):
         A stdout cut at the log's cap (max_log_bytes; `output.stdout_truncated`) is read as far as
         it was kept: a result or error event seen before the cut decides as usual; when the result
         was past the cut, the adapter finds none and the text rules and the exit code decide, as for
-        a CLI without structured output (the record warns that the log was cut)."""
-        o = self.classify(exit_code, output)
+        a CLI without structured output (the record warns that the log was cut).
+
+        What the adapter reads is whatever the engine printed, and a hostile engine controls it
+        (docs/engines.md, "Classification"). An adapter that fails on it (a field of another
+        type, a nesting or a number past any limit) does not end the job: the text rules and the
+        exit code decide, except that it is never a success (engine_error instead), and the
+        message says the structured output could not be read. The outcome leaves this seam
+        bounded (`within_limits`), so the record that holds it can always be read back."""
+        try:
+            o = self.classify(exit_code, output)
+        except Exception as e:  # any failure to read the engine's own output
+            # Never a success: fila did not read the result, and it may have been an error (aider
+            # exits 0 after its API failed, and says so only in the text its adapter reads).
+            said = Engine.classify(self, exit_code, output)
+            why = f"its structured output could not be read ({type(e).__name__})"
+            made: OutcomeKind = "engine_error" if said.kind == "success" else said.kind
+            o = Outcome(made, f"{said.message}; {why}" if said.message else why)
+        o = within_limits(o)
         if o.kind == "success" or not self.routes or egress is None:
             return o
         statuses = {r.status for r in egress.requests if r.route is not None and r.status is not None}
@@ -156,6 +173,32 @@ class Engine(ABC):
                 msg = f"the model route answered HTTP {code} (gateway log); {o.message}"
                 return Outcome(kind, msg, o.report)
         return o
+
+
+# The record places a report a few levels deep (attempts[i].engine_report); its own fields are flat.
+REPORT_LEVELS = 8
+REPORT_TEXT = 1000  # a report's strings (model names, a session id): longer is cut
+
+
+def within_limits(o: Outcome) -> Outcome:
+    """The outcome with its message and report bounded (core/untrusted.bounded), every report
+    field the record's EngineReport would refuse (a turn count that is a list, a model that is an
+    object) set to None and its strings cut at REPORT_TEXT: the rest of the report is kept, as
+    EngineReport reads it (a count given as "12" is 12)."""
+    if not isinstance(o.report, dict):
+        return Outcome(o.kind, untrusted.bounded(str(o.message)))
+    report = untrusted.bounded(o.report, levels=REPORT_LEVELS)
+    try:
+        EngineReport.model_validate(report)
+    except ValidationError as e:
+        bad = {err["loc"][0] for err in e.errors() if err["loc"]}
+        report = {k: (None if k in bad else v) for k, v in report.items()}
+    # Bounded again after EngineReport's coercions: "NaN" or a string of 40 digits is a valid
+    # float or int to pydantic, and one no reader of the record accepts.
+    read = EngineReport.model_validate(report).model_dump(exclude_unset=True)
+    report = untrusted.bounded(read, levels=REPORT_LEVELS)
+    report = {k: v[:REPORT_TEXT] if isinstance(v, str) else v for k, v in report.items()}
+    return Outcome(o.kind, untrusted.bounded(str(o.message)), report)
 
 
 def error_outcome(status: int | None, message: str, report: dict[str, Any] | None = None) -> Outcome:
@@ -170,7 +213,9 @@ def error_outcome(status: int | None, message: str, report: dict[str, Any] | Non
 
 def json_lines(text: str) -> list[dict[str, Any]]:
     """The JSON objects of a CLI's stdout, one a line; other lines (text a CLI prints among its
-    events) are skipped."""
+    events) are skipped. A line that is JSON but past a reader's limits (nesting past the
+    recursion limit, an integer of thousands of digits) raises: it may have been the result, so
+    the run is not read as if it had none (`classify_run` says it could not be read)."""
     out = []
     for line in text.splitlines():
         line = line.strip()
@@ -178,7 +223,7 @@ def json_lines(text: str) -> list[dict[str, Any]]:
             continue
         try:
             obj = json.loads(line)
-        except ValueError:
+        except json.JSONDecodeError:
             continue
         if isinstance(obj, dict):
             out.append(obj)
@@ -186,7 +231,9 @@ def json_lines(text: str) -> list[dict[str, Any]]:
 
 
 def _last_line_matching(text: str, rx: re.Pattern[str]) -> str:
-    for line in reversed(text.splitlines()):
+    # Split where the rules' `.` stops (a newline only): splitlines also splits at U+2028 and
+    # the like, and a match spanning one would then be found on no line (an empty message).
+    for line in reversed(text.split("\n")):
         if rx.search(line):
             return line.strip()[:300]
     return ""

@@ -135,12 +135,11 @@ def last_json_object(text: str) -> dict[str, Any] | None:
     decoder = json.JSONDecoder()
     starts = [m.start() for m in re.finditer(r"(?m)^\{", text)]
     # The last few candidates only: stdout is read whole (up to max_log_bytes), and a hostile engine
-    # could print many lines that open objects never closed (each try scans to the end, or nests
-    # past the recursion limit).
+    # could print many lines that open objects never closed (each try scans to the end).
     for start in reversed(starts[-MAX_TRIES:]):
         try:
             obj, _ = decoder.raw_decode(text, start)
-        except (ValueError, RecursionError):
+        except json.JSONDecodeError:  # past a limit (nesting, digits) raises: see base.json_lines
             continue
         if isinstance(obj, dict):
             return obj

@@ -83,11 +83,11 @@ class QwenEngine(Engine):
 def _report(result: dict[str, Any], events: list[dict[str, Any]]) -> dict[str, Any]:
     usage = result.get("usage") or {}
     # The model the CLI named: its stats when it gives them, else the assistant messages'.
-    models = list(((result.get("stats") or {}).get("models")) or {})
+    models = dict.fromkeys(((result.get("stats") or {}).get("models")) or {})  # ordered, each once
     for e in events:
         name = (e.get("message") or {}).get("model") if e.get("type") == "assistant" else None
-        if isinstance(name, str) and name not in models:
-            models.append(name)
+        if isinstance(name, str):
+            models.setdefault(name)
     return {
         "model": ", ".join(models) or None,
         "turns": result.get("num_turns"),
