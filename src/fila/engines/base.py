@@ -185,20 +185,20 @@ def within_limits(o: Outcome) -> Outcome:
     field the record's EngineReport would refuse (a turn count that is a list, a model that is an
     object) set to None and its strings cut at REPORT_TEXT: the rest of the report is kept, as
     EngineReport reads it (a count given as "12" is 12)."""
+    message = untrusted.bounded(o.message)
     if not isinstance(o.report, dict):
-        return Outcome(o.kind, untrusted.bounded(str(o.message)))
+        return Outcome(o.kind, message)
     report = untrusted.bounded(o.report, levels=REPORT_LEVELS)
     try:
-        EngineReport.model_validate(report)
+        read = EngineReport.model_validate(report)
     except ValidationError as e:
         bad = {err["loc"][0] for err in e.errors() if err["loc"]}
-        report = {k: (None if k in bad else v) for k, v in report.items()}
+        read = EngineReport.model_validate({k: (None if k in bad else v) for k, v in report.items()})
     # Bounded again after EngineReport's coercions: "NaN" or a string of 40 digits is a valid
     # float or int to pydantic, and one no reader of the record accepts.
-    read = EngineReport.model_validate(report).model_dump(exclude_unset=True)
-    report = untrusted.bounded(read, levels=REPORT_LEVELS)
+    report = untrusted.bounded(read.model_dump(exclude_unset=True), levels=REPORT_LEVELS)
     report = {k: v[:REPORT_TEXT] if isinstance(v, str) else v for k, v in report.items()}
-    return Outcome(o.kind, untrusted.bounded(str(o.message)), report)
+    return Outcome(o.kind, message, report)
 
 
 def error_outcome(status: int | None, message: str, report: dict[str, Any] | None = None) -> Outcome:
