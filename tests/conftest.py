@@ -109,6 +109,16 @@ def gateway_image(docker_client: docker.DockerClient) -> str:
     return GATEWAY_IMAGE
 
 
+@pytest.fixture(scope="session")
+def pkgindex(docker_client: docker.DockerClient, upstreams: Upstreams) -> Iterator[Any]:  # noqa: F811
+    """pypi.test and npm.test: local package indexes on the upstreams' sealed network, with the
+    fila/testenv image built (tests/support/pkgindex.py)."""
+    from tests.support.pkgindex import start_pkgindex
+
+    with start_pkgindex(docker_client, upstreams) as idx:
+        yield idx
+
+
 @pytest.fixture
 def started_containers(docker_client: docker.DockerClient, proj: Any) -> Iterator[Any]:
     """Counts the containers the daemon starts for the test's queue root (`proj`), from Docker's

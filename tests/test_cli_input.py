@@ -131,7 +131,7 @@ def test_duplicate_id_exits_4(proj: Path) -> None:
 
 
 def test_schema_prints_the_published_schemas() -> None:
-    for kind in ("task", "policy", "record"):
+    for kind in ("task", "policy", "record", "environment"):
         res = CliRunner().invoke(app, ["schema", kind])
         assert res.exit_code == 0
         assert "properties" in json.loads(res.stdout)
@@ -146,6 +146,11 @@ def test_published_schema_files_match_the_models() -> None:
         assert json.loads((here / f"{kind}.schema.json").read_text()) == schema_for(kind), (
             f"schemas/{kind}.schema.json is stale: regenerate with `fila schema {kind}`"
         )
+    from fila.env.spec import EnvSpec
+
+    assert json.loads((here / "environment.schema.json").read_text()) == EnvSpec.model_json_schema(), (
+        "schemas/environment.schema.json is stale: regenerate with `fila schema environment`"
+    )
 
 
 def test_every_shipped_policy_loads() -> None:

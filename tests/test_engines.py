@@ -389,6 +389,7 @@ def test_claude_gets_the_policys_deny_rules_as_its_own_permissions() -> None:
         "Read(*.pem)",
         "Edit(*.pem)",
     ]
+    assert settings["permissions"]["allow"] == ["Bash"]  # the project's tests, run in the sandbox
     assert inv.argv[inv.argv.index("--model") + 1] == "claude-sonnet-4-5"
     assert inv.env["CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC"] == "1"
     assert inv.env["CLAUDE_CONFIG_DIR"].startswith(inv.env["HOME"])

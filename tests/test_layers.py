@@ -21,6 +21,7 @@ LAYERS = [
     ("workspace",),
     ("engines",),
     ("sandbox",),
+    ("env",),
     ("review",),
     ("recovery",),
     ("run",),

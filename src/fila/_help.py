@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "4f53b58da3979cc6fd1dee552cf0c20bbf05db6f4a54dd41e0312de838923918"
+CLI_SHA256 = "5acf05d5b668e7c734478db0faaa95d8f14bb158e64a4b24a4b1edbec6e50ea1"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 
@@ -49,4 +49,5 @@ Commands:
   schema   Print the JSON Schema of a file format (the one fila validates...
   images   Build and list engine images.
   policy   Learn, then lock: propose a policy from what runs did.
+  env      The project's environment: its toolchain, built once per key...
 """

@@ -154,10 +154,11 @@ def run_container(
     network: str,
     session: str,
     timeout: float,
+    image: str = IMAGE,
     **kw: Any,
 ) -> RunResult:
     opts = HARDENED | {"labels": {LABEL: LABEL_VALUE, f"{LABEL}.session": session}} | kw
-    c = client.containers.run(IMAGE, command, detach=True, network=network, **opts)
+    c = client.containers.run(image, command, detach=True, network=network, **opts)
     try:
         try:
             code: int | None = int(c.wait(timeout=timeout)["StatusCode"])

@@ -27,7 +27,7 @@ import typer
 from typer.core import TyperGroup
 
 from ..core.errors import EXIT_INTERRUPTED, FilaError
-from . import policy, prepare, review, tasks, upkeep
+from . import env, policy, prepare, review, tasks, upkeep
 from .common import safe
 from .lazy import Commands, lazy_command
 
@@ -106,6 +106,13 @@ policy_app = typer.Typer(
     rich_markup_mode=None,
 )
 app.add_typer(policy_app, name="policy")
+env_app = typer.Typer(
+    cls=_Group,
+    help="The project's environment: its toolchain, built once per key (docs/environments.md).",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+app.add_typer(env_app, name="env")
 
 # Registration order is the order `fila --help` lists the commands in.
 for callback, name in (
@@ -134,6 +141,10 @@ for callback, name in (
 del callback, name
 images_app.command("build")(prepare.images_build)
 policy_app.command("suggest")(policy.suggest)
+env_app.command("build")(env.build)
+env_app.command("ls")(env.ls)
+env_app.command("rm")(env.rm)
+env_app.command("gc")(env.gc)
 
 
 def main() -> None:

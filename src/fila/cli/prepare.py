@@ -40,7 +40,7 @@ def init(
 
 
 def schema(
-    kind: Annotated[str, typer.Argument(help="task, policy or record")],
+    kind: Annotated[str, typer.Argument(help="task, policy, record or environment")],
     root: RootOpt = None,
 ) -> None:
     """Print the JSON Schema of a file format (the one fila validates against). The formats are
@@ -48,8 +48,13 @@ def schema(
     from ..core.errors import InvalidInput
     from ..core.models import schema_for
 
+    if kind == "environment":  # fila-environment.json (docs/environments.md)
+        from ..env.spec import EnvSpec
+
+        typer.echo(json.dumps(EnvSpec.model_json_schema(), indent=2))
+        return
     if kind not in ("task", "policy", "record"):
-        raise InvalidInput(f"unknown schema {kind!r}", hint="choose task, policy or record")
+        raise InvalidInput(f"unknown schema {kind!r}", hint="choose task, policy, record or environment")
     typer.echo(json.dumps(schema_for(kind), indent=2))
 
 
@@ -57,7 +62,8 @@ def images_build(
     engine: Annotated[
         list[str] | None,
         typer.Argument(
-            help="engines, or support images: gateway, testnet (default: every engine)", show_default=False
+            help="engines, or support images: gateway, testnet, testenv, pkgindex (default: every engine)",
+            show_default=False,
         ),
     ] = None,
     base: Annotated[str | None, typer.Option(help="base image (overrides the BASE arg)")] = None,

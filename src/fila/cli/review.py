@@ -77,7 +77,7 @@ def show(task_id: str, root: RootOpt = None, json_: JsonOpt = False, queue_url: 
     """Show a task's record: status, engine, image, policy, timings, diffstat, error (--queue: from
     that PostgreSQL queue, its patch and log named by their blobs)."""
     from ..queue.store import get_record
-    from ..review.report import attempt_lines, project_path
+    from ..review.report import attempt_lines, environment_lines, project_path
     from ..workspace.fswalk import escape_name
 
     blobs: dict[str, str] | None = None
@@ -108,6 +108,7 @@ def show(task_id: str, root: RootOpt = None, json_: JsonOpt = False, queue_url: 
     if rec.exit_code is not None:
         lines.append(f"exit code: {rec.exit_code}")
     lines += attempt_lines(rec, "attempts:", 11)  # each engine tried, fallbacks too
+    lines += environment_lines(rec, "env:", 11)
     if rec.task and rec.task.group:
         lines.append(f"group:     {rec.task.group} (`fila compare {rec.task.group}`)")
     if rec.check:

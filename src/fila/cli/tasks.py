@@ -53,6 +53,15 @@ def submit(
         str | None,
         typer.Option(help="command run on a copy of work/ after the engine (network none); recorded"),
     ] = None,
+    environment: Annotated[
+        str | None,
+        typer.Option(
+            "--environment",
+            help='the project environment: a declaration relative to the project, or "none" (default: '
+            "the project's .devcontainer/devcontainer.json, .devcontainer.json or fila-environment.json)",
+            show_default=False,
+        ),
+    ] = None,
     run_now: Annotated[
         bool,
         typer.Option(
@@ -104,6 +113,7 @@ def submit(
         "project": project,
         "image": image,
         "check": check,
+        "environment": environment,
     }
     data.update({k: v for k, v in opts.items() if v is not None})
     if not data:

@@ -11,7 +11,8 @@ else that escapes is a bug and is shown with its traceback.
     │   ├── UnknownEngine          lists the valid engine names
     │   ├── UnknownPolicy          lists the policies that exist
     │   ├── InvalidId              task id outside [A-Za-z0-9._-]{1,128}
-    │   └── TargetError            a target that is missing, outside the project or denied
+    │   ├── TargetError            a target that is missing, outside the project or denied
+    │   └── InvalidEnvironment     a project environment's declaration fila refuses (names the key)
     ├── InfraError                 exit 3   Docker or the host failed; the task is kept queued
     │   ├── EngineUnavailable      the container engine (Docker, Podman) does not answer
     │   └── ImageMissing           the engine's image is not built (hint: fila images build)
@@ -98,6 +99,11 @@ class InvalidId(InvalidInput):
 
 class TargetError(InvalidInput):
     pass
+
+
+class InvalidEnvironment(InvalidInput):
+    """A project environment's declaration (devcontainer.json, fila-environment.json) that fila
+    cannot read or will not obey: the message names the key or path and why (docs/environments.md)."""
 
 
 class InfraError(FilaError):

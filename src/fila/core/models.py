@@ -161,6 +161,16 @@ class Task(BaseModel):
         "network none); its exit status is recorded",
     )
 
+    environment: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=1024,
+        description="the project environment the engine and the check run in: a declaration's path "
+        'relative to the project (a devcontainer.json or fila-environment.json), or "none"; absent: '
+        "the project's own .devcontainer/devcontainer.json, .devcontainer.json or fila-environment.json "
+        "when it has one (docs/environments.md)",
+    )
+
     @field_validator("targets")
     @classmethod
     def _targets_not_empty(cls, v: list[str]) -> list[str]:
@@ -259,6 +269,57 @@ class Egress(BaseModel):
     )
 
 
+def _registry(host: str, port: int = 443, methods: list[str] | None = None) -> AllowEntry:
+    return AllowEntry(host=host, port=port, methods=methods)
+
+
+# The package registries a setup reaches when the operator's policy names none: PyPI's, npm's and
+# Debian's (apt fetches over plain HTTP, so GET and HEAD only there: docs/environments.md).
+SETUP_REGISTRIES: tuple[tuple[str, int, tuple[str, ...] | None], ...] = (
+    ("pypi.org", 443, None),
+    ("files.pythonhosted.org", 443, None),
+    ("registry.npmjs.org", 443, None),
+    ("deb.debian.org", 80, ("GET", "HEAD")),
+    ("deb.debian.org", 443, None),
+    ("security.debian.org", 80, ("GET", "HEAD")),
+)
+
+
+class SetupPolicy(BaseModel):
+    """What a project environment's setup may do (docs/environments.md, "The setup"): it runs once
+    per environment key, as root in its container but with no added capability, and reaches only
+    these hosts through a gateway of its own; nothing of it reaches a task's engine but the image
+    it leaves."""
+
+    model_config = ConfigDict(extra="forbid")
+    allow: list[AllowEntry] = Field(
+        default_factory=lambda: [_registry(h, p, list(m) if m else None) for h, p, m in SETUP_REGISTRIES],
+        description="hosts the setup may reach through its gateway (default: PyPI, npm and Debian); "
+        "empty: no network during the setup",
+    )
+    allow_private: list[str] = Field(
+        default_factory=list, description="CIDRs of private addresses allowed (an internal mirror)"
+    )
+    max_requests: Count | None = Field(default=None, description="requests per setup; learn needs it")
+    egress_network: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$",
+        description="Docker network the setup's gateway reaches upstreams on (default: egress's, "
+        "else fila-egress)",
+    )
+    learn: bool = Field(
+        default=False, description="let unlisted public hosts through and log them as learned (egress.learn)"
+    )
+    timeout_ms: Millis = Field(default=20 * 60 * 1000, description="the whole setup's wall-clock limit")
+    memory: MemorySize = "4g"
+    cpus: Cpus = 2.0
+    pids: Pids = 2048
+    fsize: LimitSize = Field(default="4g", description="largest file the setup may write (ulimit)")
+    max_image_bytes: Count = Field(
+        default=16 << 30, description="largest environment image the setup may leave (bytes)"
+    )
+
+
 class Policy(BaseModel):
     """A policy file, `policies/<name>.json`. A task may narrow it, never widen it."""
 
@@ -310,6 +371,10 @@ class Policy(BaseModel):
     )
     max_consecutive_failures: int = Field(
         default=5, strict=True, gt=0, le=1000, description="circuit breaker"
+    )
+    environment: SetupPolicy = Field(
+        default_factory=SetupPolicy,
+        description="a project environment's setup: its hosts, time and resources (docs/environments.md)",
     )
     projects: list[Annotated[str, Field(pattern=r"^/"), AfterValidator(_absolute_dir)]] = Field(
         default_factory=list,
@@ -421,6 +486,27 @@ class Workspace(BaseModel):
     snapshot: str | None = None
     snapshot_how: str | None = Field(default=None, description="built, reused (stat pass only) or rehashed")
     files_read: int | None = Field(default=None, description="project files read to check or build it")
+
+
+class EnvironmentRecord(BaseModel):
+    """The project environment a task ran in (docs/environments.md, "In the record")."""
+
+    key: str = Field(description="sha256 of everything the setup depended on")
+    source: str = Field(description="where the project declared it, relative to the project")
+    form: str = Field(description="devcontainer or fila")
+    name: str | None = None
+    image: ImageRef | None = Field(default=None, description="the environment image (the setup's result)")
+    how: Literal["built", "cached", "failed"] = Field(description="built for this task, or found by its key")
+    setup_s: float | None = Field(default=None, description="the setup's duration when it was built")
+    log_path: str | None = Field(default=None, description="the setup's log (relative to the root)")
+    egress: EgressRecord | None = Field(default=None, description="what the setup's gateway saw")
+    provided: list[str] = Field(
+        default_factory=list, description="project paths the environment provides read-only, never diffed"
+    )
+    engine_images: dict[str, ImageRef] = Field(
+        default_factory=dict, description="each engine's image on this environment"
+    )
+    warnings: list[str] = Field(default_factory=list, description="what reading the declaration said")
 
 
 class Decision(BaseModel):
@@ -547,6 +633,9 @@ class Record(BaseModel):
     )
     check: CheckResult | None = Field(default=None, description="the task's check command, when it ran")
     workspace: Workspace | None = Field(default=None, description="how input/ and work/ were made, and why")
+    environment: EnvironmentRecord | None = Field(
+        default=None, description="the project environment the engine and the check ran in"
+    )
     credentials_in_diff: CredentialsFound | None = Field(
         default=None,
         description="known credentials replaced in DIFF.patch by a marker; apply refuses the task "

@@ -45,6 +45,17 @@ class OverlayVolume:
 Mount = Bind | OverlayVolume
 
 
+@dataclass(frozen=True)
+class ProvidedVolume:
+    """A directory an environment's setup made in the project tree (node_modules, .venv), kept
+    in a volume of the container engine filled once per environment and mounted read-only at
+    `target` in every job of it: never copied per job, never written by an engine
+    (docs/environments.md, "Provided paths")."""
+
+    target: str
+    name: str
+
+
 @runtime_checkable
 class Workspace(Protocol):
     """One job's input/ and work/ as a backend mounts, watches and hands back. The job directory

@@ -33,3 +33,4 @@ class ErrorKind(StrEnum):
     quota = "quota"
     auth = "auth"
     interrupted = "interrupted"
+    environment = "environment"

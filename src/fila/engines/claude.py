@@ -2,7 +2,8 @@
 
 Its model API is reached through the gateway's `anthropic` route (ANTHROPIC_BASE_URL and the
 placeholder key come from the sandbox's gateway environment), its state lives on the tmpfs HOME,
-edits are auto-approved and nothing else is asked (`acceptEdits`; a headless run denies the rest),
+edits and shell commands are auto-approved and nothing else is asked (`acceptEdits` with `Bash`
+allowed: the container is the sandbox; a headless run denies the rest),
 and the policy's deny rules become Claude's own `permissions.deny` (Read and Edit), besides the files
 fila never copies. Classification reads the result object on stdout first (`is_error`,
 `api_error_status`).
@@ -56,7 +57,9 @@ class ClaudeEngine(Engine):
     def invocation_for(self, task: Task, policy: Policy | None) -> Invocation:
         cfg = self.config(task)
         assert isinstance(cfg, ClaudeConfig)
-        settings = {"permissions": {"deny": deny_rules(policy)}}
+        # Bash is allowed: the container is the sandbox, and running the project's own tests is
+        # how an engine checks its change (docs/environments.md); the deny rules still hold.
+        settings = {"permissions": {"allow": ["Bash"], "deny": deny_rules(policy)}}
         args = ["--output-format", "json", "--permission-mode", "acceptEdits"]
         args += ["--settings", json.dumps(settings)]
         if cfg.model:

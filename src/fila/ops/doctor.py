@@ -86,6 +86,9 @@ def run(
         if answered and backend is not None:
             rep.checks.append(_runtimes(backend, root))
             rep.checks.append(_images(backend))
+            env = _environment(root, backend)
+            if env is not None:
+                rep.checks.append(env)
             if self_test:
                 progress("doctor: self-test under network none")
                 rep.checks += _self_test_none(backend)
@@ -157,11 +160,31 @@ def _images(backend: Backend) -> Check:
     from ..sandbox import images
 
     found, absent = [], []
-    for tag in [*(images.image_tag(e) for e in images.engines() if e != "gateway"), GATEWAY_IMAGE]:
+    for tag in [
+        *(images.image_tag(e) for e in images.engines() if e not in images.SUPPORT_IMAGES),
+        GATEWAY_IMAGE,
+    ]:
         (found if backend.image(tag) else absent).append(tag)
     detail = f"built: {', '.join(found) or 'none'}" + (f"; not built: {', '.join(absent)}" if absent else "")
     # Informative: a missing engine image is reported when a task needs it, with the command.
     return Check("images", True, detail, {"built": found, "missing": absent})
+
+
+def _environment(root: Root, backend: Backend) -> Check | None:
+    """The root's project environment (docs/environments.md): where declared, its key, built or not.
+    Informative unless the declaration itself is refused: a task would fail on it."""
+    from ..env import manage
+
+    st = manage.status(root, root.path, backend)
+    if st is None:
+        return None
+    if st.get("source") is None:
+        return Check("environment", False, st["problem"], st)
+    if "key" not in st:
+        return Check("environment", "problem" not in st or st.get("built") is False,
+                     f"{st['source']}: {st.get('problem', 'not built')}", st)  # fmt: skip
+    state = "built" if st["built"] else "not built yet (the first task builds it, or `fila env build`)"
+    return Check("environment", True, f"{st['source']}: key {st['key'][:12]}, {state}", st)
 
 
 # -- the self-test -------------------------------------------------------------------------------

@@ -272,6 +272,12 @@ def summary_lines(rv: Review) -> list[str]:
     if rec.timings:
         lines.append("timings   " + ", ".join(f"{k} {v:.2f}s" for k, v in rec.timings.items()))
     lines += attempt_lines(rec, "attempt", 10)
+    lines += environment_lines(rec, "env", 10)
+    if rec.check:
+        c = rec.check
+        lines.append(
+            f"check     {'passed' if c.passed else 'FAILED'} (exit {c.exit_code}): {inert(c.command)}"
+        )
     if rec.error:
         lines.append(f"error     {rec.error.kind}: {inert(rec.error.message)}")
     if rv.data is None:
@@ -292,6 +298,29 @@ def summary_lines(rv: Review) -> list[str]:
         lines.append(f"decision  {d.action} by {inert(d.by)} at {d.at}"
                      + (f": {inert(d.reason)}" if d.reason else ""))  # fmt: skip
     return lines
+
+
+def environment_lines(rec: Record, label: str, width: int) -> list[str]:
+    """The project environment the task ran in (docs/environments.md, "In the record"): where it
+    was declared, its key, built or cached and how long the setup took, its image, the paths it
+    provides, what its setup's gateway saw and what reading the declaration warned of."""
+    e = rec.environment
+    if e is None:
+        return []
+    pad = " " * width
+    name = f"{inert(e.name)} " if e.name else ""
+    how = f"built in {e.setup_s:g} s" if e.how == "built" and e.setup_s is not None else e.how
+    out = [f"{label:<{width}}{name}({escape_name(e.source)}, {e.form}) key {e.key[:12]}: {how}"]
+    if e.image is not None:
+        out.append(f"{pad}image {inert(e.image.tag)} {e.image.id or ''}".rstrip())
+    if e.provided:
+        out.append(f"{pad}provides (read-only, not diffed): {', '.join(escape_name(p) for p in e.provided)}")
+    if e.egress is not None:
+        out.append(f"{pad}setup {_egress_summary(e.egress)}")
+    if e.log_path:
+        out.append(f"{pad}setup log {escape_name(e.log_path)}")
+    out += [f"{pad}warning: {inert(w)}" for w in e.warnings]
+    return out
 
 
 def attempt_lines(rec: Record, label: str, width: int) -> list[str]:

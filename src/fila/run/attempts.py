@@ -63,6 +63,8 @@ def run_engines(
         run.hooks.check()
         run.progress(f"{tid}: prepared {prep.files} files ({prep.bytes} bytes); running {name}")
         inv = engine.invocation_for(task, checked.policy)  # the policy's deny rules, as the CLI's own
+        if checked.environment is not None:  # the environment's PATH: the engine's prefix, then the project's
+            inv.env.pop("PATH", None)
         creds = engine.credentials()[0]
         # Every credential the run knows is kept out of the log, the diff and the record.
         scanner = scanner_for(engine, task, checked.policy)
@@ -83,6 +85,7 @@ def run_engines(
             redact=scanner.values,
             egress_dir=root.meta(tid) / "egress",
             defer_removal=True,  # the container is removed while the diff runs: awaited below
+            volumes=list(checked.volumes),
         )
 
         image_ref = ImageRef(tag=image, id=ref.id)
@@ -191,8 +194,9 @@ def run_engines(
 
             # The same sandbox as the engine's (run.backend), on a copy of work/.
             check = run_check(
-                run, task, checked.policy, checked.effective, prep.job_dir, refs, redact=spec.redact
-            )
+                run, task, checked.policy, checked.effective, prep.job_dir, refs, redact=spec.redact,
+                image=checked.check_image, volumes=list(checked.volumes),
+            )  # fmt: skip
             check = scanner.scrub(check, in_record)
             run.lap("check")
         if in_record:
@@ -219,6 +223,7 @@ def run_engines(
             engine_report=outcome.report,
             check=check,
             workspace=workspace,
+            environment=checked.environment,
             **diff_fields,
         )
         cur = queue.get_record(root, tid)

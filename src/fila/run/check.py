@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from ..core import fsutil
 from ..core.errors import InfraError
 from ..core.models import CheckResult, ImageRef
+from ..core.mounts import ProvidedVolume
 from ..queue import store as queue
 
 if TYPE_CHECKING:
@@ -68,10 +69,13 @@ def run_check(
     refs: dict[str, ImageRef],
     *,
     redact: list[str] | None = None,
+    image: str | None = None,
+    volumes: list[ProvidedVolume] | None = None,
 ) -> CheckResult:
     """Run the task's `check` on a copy of work/ with the sandbox the engine ran in, network none,
     the task's limits and timeout. `redact`: the run's credentials, kept out of the check's log as
-    out of the engine's (work/ may hold one)."""
+    out of the engine's (work/ may hold one). `image` and `volumes`: the task's project environment
+    (docs/environments.md), whose `sh` runs the check instead of the shell engine's image."""
     from ..engines import get_engine
     from ..sandbox import RunSpec
     from ..workspace.strategy import CopyWorkspace
@@ -79,7 +83,7 @@ def run_check(
     root, tid = job.root, job.tid
     assert task.check is not None
     shell = get_engine("shell")
-    image = shell.image_tag()
+    image = image or shell.image_tag()
     # Host-only per-job data: the task id's own directory, so no task id can name this copy.
     copy = root.meta(tid) / "check"
     fsutil.remove_tree(copy)
@@ -91,6 +95,8 @@ def run_check(
     if res.returncode != 0:
         raise InfraError(f"could not copy work/ for the check: {res.stderr.strip()[:500]}", task_id=tid)
     inv = shell.invocation(task.model_copy(update={"command": task.check}))
+    if volumes is not None or image is not None:  # an environment: its image's PATH is the project's
+        inv.env.pop("PATH", None)
     log = root.logs_dir / f"{tid}{CHECK_LOG_SUFFIX}"
     spec = RunSpec(
         job_id=tid,
@@ -104,6 +110,7 @@ def run_check(
         log_path=log,
         labels={"fila.root": str(root.path), "fila.worker": job.claim.worker},
         redact=list(redact or []),
+        volumes=list(volumes or []),
     )
 
     def before_start(container_id: str) -> None:

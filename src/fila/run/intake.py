@@ -14,7 +14,8 @@ from typing import Any
 from ..core import untrusted
 from ..core.errors import DuplicateId, InvalidTaskFile, TargetError, UnknownEngine
 from ..core.layout import Root
-from ..core.models import Policy, PolicyRef, Record, Task
+from ..core.models import EnvironmentRecord, Policy, PolicyRef, Record, Task
+from ..core.mounts import ProvidedVolume
 from ..egress import config as egress
 from ..engines import Engine, get_engine
 from ..queue import store as queue
@@ -42,6 +43,11 @@ class Checked:
     image: str
     # The engines run in turn on quota (the task's own first) and the image of each.
     chain: tuple[tuple[str, str], ...] = ()
+    # A project environment (run/environment.py): the check's image, the provided volumes, and
+    # what the record says of it; None without one.
+    check_image: str | None = None
+    volumes: tuple[ProvidedVolume, ...] = ()
+    environment: EnvironmentRecord | None = None
 
 
 def parse_task_file(path: Path, *, expected_id: str | None = None) -> Task:

@@ -29,8 +29,10 @@ from ..core.faults import crash_point
 from ..core.layout import Root
 from ..core.models import ErrorInfo, ErrorKind, ImageRef, Record, Status
 from ..engines import get_engine
+from ..env.build import EnvironmentFailed
 from ..queue import lease, retry
 from ..queue import store as queue
+from . import environment
 from .attempts import run_engines
 from .claimed import Hooks, Interrupted, JobRun
 from .intake import check_task, parse_task_file
@@ -115,9 +117,20 @@ def run_one(
     try:
         hooks.check()
         checked = check_task(root, task, tags_of=backend.tags)
+        try:
+            checked = environment.apply(run, checked)  # the project's toolchain, built or found
+        except EnvironmentFailed as e:
+            return run.finish(
+                Status.failed,
+                error=ErrorInfo(kind=ErrorKind.environment, message=str(e)),
+                environment=e.record,
+            )
+        if checked.environment is not None:
+            run.lap("environment")  # built (the setup) or found by its key
         # Every image the job may need, before any container: a missing fallback image is found
         # now, not after the first engine ran out of quota.
-        need = [*checked.chain, *([("shell", get_engine("shell").image_tag())] if task.check else [])]
+        check_image = checked.check_image or get_engine("shell").image_tag()
+        need = [*checked.chain, *([("shell", check_image)] if task.check else [])]
         refs: dict[str, ImageRef] = {}
         for name, image in need:
             ref = backend.image(image)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core.models import EgressRecord, ImageRef, Limits, Policy
-from ..core.mounts import Workspace
+from ..core.mounts import ProvidedVolume, Workspace
 from ..core.output import RunOutput
 
 if TYPE_CHECKING:
@@ -66,10 +66,31 @@ class RunSpec:
     egress_dir: Path | None = None
     # the caller awaits RunResult.removal before it publishes anything (see Backend.run)
     defer_removal: bool = False
+    # an environment's provided paths, mounted read-only over work/ (docs/environments.md)
+    volumes: list[ProvidedVolume] = field(default_factory=list)
+    # an environment's setup: root inside, a writable root, its result committed as an image
+    setup: SetupRun | None = None
 
     @property
     def job_dir(self) -> Path:
         return self.workspace.job_dir
+
+
+# What a package manager needs as root in a setup container (chown, files of other users, its
+# privilege drop); every other capability stays dropped, and no-new-privileges holds.
+SETUP_CAPS = ("CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID", "SETUID", "SETGID", "KILL")
+
+
+@dataclass(frozen=True)
+class SetupRun:
+    """A project environment's setup run (docs/environments.md, "The setup"): it runs as root in
+    its container, with a writable root file system and SETUP_CAPS only, and once it exits 0 the
+    container is committed as `commit_tag` with `changes` (Dockerfile instructions: labels, and
+    the gateway's proxy variables emptied) before it is removed."""
+
+    commit_tag: str
+    changes: tuple[str, ...] = ()
+    max_bytes: int = 16 << 30  # what its container may write (checked on every heartbeat)
 
 
 class Removal:
@@ -130,6 +151,8 @@ class RunResult:
     # The job's gateway: gateway_start (made for the job) or gateway_take (a spare), gateway_ready;
     # gateway_remove is the removal's (Removal.timings, or here when removed inside `run`).
     gateway_timings: dict[str, float] = field(default_factory=dict)
+    # A setup run's result: the id of the image its container was committed as (RunSpec.setup).
+    committed: str | None = None
     # Why the caller ended the run early (a heartbeat raised StopRun): the container was stopped as
     # at its timeout, and what it produced is kept. None: it exited by itself, or timed out.
     stopped: str | None = None
@@ -185,6 +208,8 @@ class ImageInfo:
     id: str
     labels: dict[str, str]
     tags: list[str]
+    env: list[str] = field(default_factory=list)  # its config's variables, NAME=value
+    size: int = 0
 
 
 # The limits a policy sets that a backend may be unable to enforce on a host; `waive` names them.
@@ -358,8 +383,13 @@ class ImageStore(Connection):
         labels: dict[str, str],
         nocache: bool,
         progress: Callable[[str], None],
+        network: str | None = None,
+        dockerfile: str | None = None,
+        target: str | None = None,
     ) -> None:
-        """Build a Dockerfile context as `tag` (no pull); ImageMissing when the build fails."""
+        """Build a Dockerfile context as `tag` (no pull); ImageMissing when the build fails.
+        `network`: the build's network (default: the backend's), `dockerfile` relative to the
+        context, `target` the stage to stop at."""
 
     @abstractmethod
     def import_image(self, archive: Path, tag: str, changes: list[str]) -> None:

@@ -462,6 +462,9 @@ class FakeBackend(Backend):
         labels: dict[str, str],
         nocache: bool,
         progress: Callable[[str], None],
+        network: str | None = None,
+        dockerfile: str | None = None,
+        target: str | None = None,
     ) -> None:
         raise ImageMissing(f"the fake backend builds no images ({tag})")
 

@@ -60,6 +60,8 @@ CA_DIR = "extra-ca"
 SUPPORT_IMAGES: dict[str, str] = {
     "gateway": "the egress gateway of `network: allowlist` (mitmproxy with fila's addon)",
     "testnet": "test upstreams and the curl client of network tests (not an engine)",
+    "testenv": "a project's own image in the environment tests: Python 3.11, Node 18, npm, git, make",
+    "pkgindex": "the local package indexes of the environment tests (pypiserver, verdaccio)",
 }
 GATEWAY_IMAGE = "fila/gateway:latest"
 

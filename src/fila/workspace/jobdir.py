@@ -397,6 +397,11 @@ def task_md(
     ]
     if task.command:
         lines.append(f"- Command: `{task.command}`")
+    if task.check:
+        lines.append(
+            f"- Check: once you are done, `{task.check}` runs in `work/` (network none) and its result "
+            "goes to the reviewer; run it yourself while you work."
+        )
     if extra:
         lines += ["", extra.strip()]
     return "\n".join(lines) + "\n"

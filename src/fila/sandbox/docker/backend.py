@@ -38,6 +38,7 @@ from ..base import (
     run_as,
 )
 from ..gateways import GatewayPool
+from . import envstore
 from . import images as docker_images
 from .client import DOCKER_ERRORS, docker_client
 from .container import remove_volume, run
@@ -265,7 +266,12 @@ class DockerBackend(Backend):
         labels: dict[str, str],
         nocache: bool,
         progress: Callable[[str], None],
+        network: str | None = None,
+        dockerfile: str | None = None,
+        target: str | None = None,
     ) -> None:
+        """`network`: the build's network instead of the backend's (a project's Dockerfile builds
+        with none: docs/environments.md); `dockerfile` relative to the context, `target` a stage."""
         with self.client() as c:
             docker_images.build_context(
                 c,
@@ -276,8 +282,28 @@ class DockerBackend(Backend):
                 nocache=nocache,
                 progress=progress,
                 engine=self.name,
-                network_mode=self.build_network,
+                network_mode=network or self.build_network,
+                dockerfile=dockerfile,
+                target=target,
             )
+
+    # A project environment's store (docs/environments.md): Docker only; the other backends
+    # have no `fill_volume`, and env/build refuses an environment on them.
+    def fill_volume(self, image: str, source: str, name: str, labels: dict[str, str]) -> None:
+        with self.client() as c:
+            envstore.fill_volume(c, image, source, name, labels)
+
+    def labelled_images(self, label: str) -> list[ImageInfo]:
+        with self.client() as c:
+            return envstore.labelled_images(c, label)
+
+    def labelled_volumes(self, label: str) -> list[dict[str, Any]]:
+        with self.client() as c:
+            return envstore.labelled_volumes(c, label)
+
+    def remove_named_volume(self, name: str) -> bool:
+        with self.client() as c:
+            return envstore.remove_volume(c, name)
 
     def import_image(self, archive: Path, tag: str, changes: list[str]) -> None:
         with self.client() as c:

@@ -106,6 +106,8 @@ def run(
             network = spec.policy.egress.egress_network
             started = lambda: spares.replace(network)  # noqa: E731
         result = _execute(client, spec, container, heartbeat, heartbeat_s, started)
+        if spec.setup is not None and result.exit_code == 0 and not (result.timed_out or result.stopped):
+            result.committed = commit_setup(client, spec, container.id)
         if gateway is not None:
             from . import egress
 
@@ -202,7 +204,7 @@ def _execute(
                 if reason is not None:
                     stopped = reason  # stopped on the next turn, as at the timeout
                     continue
-                limit_exceeded = _over_disk_limits(spec)
+                limit_exceeded = _over_disk_limits(spec) or _setup_over_size(client, cid, spec)
                 if limit_exceeded:
                     step = "stopping the container after it broke a disk limit"
                     _signal(client, cid, "SIGKILL")
@@ -239,6 +241,29 @@ def _execute(
         warnings=warnings,
         stopped=stopped,
     )
+
+
+def _setup_over_size(client: docker.DockerClient, cid: str, spec: RunSpec) -> str | None:
+    """A setup's container past what it may write (SetupRun.max_bytes): its root file system is
+    writable and becomes an image, so its size is the daemon's disk, measured by the daemon."""
+    if spec.setup is None:
+        return None
+    found = client.api.containers(all=True, filters={"id": cid}, size=True)  # the list measures it
+    size = int((found[0] if found else {}).get("SizeRw") or 0)
+    if size > spec.setup.max_bytes:
+        return f"the setup wrote {size} bytes, over environment.max_image_bytes {spec.setup.max_bytes}"
+    return None
+
+
+def commit_setup(client: docker.DockerClient, spec: RunSpec, cid: str) -> str:
+    """The exited setup container as its image (RunSpec.setup): the environment's image."""
+    assert spec.setup is not None
+    repo, _, tag = spec.setup.commit_tag.rpartition(":")
+    try:
+        out = client.api.commit(cid, repository=repo, tag=tag, changes=list(spec.setup.changes))
+    except DOCKER_ERRORS as e:
+        raise docker_error(spec, "committing the setup's container", e) from e
+    return str(out.get("Id", ""))
 
 
 class Waiter(threading.Thread):

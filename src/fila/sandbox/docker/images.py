@@ -39,7 +39,14 @@ def image_info(client: docker.DockerClient, tag: str, *, engine: str = "docker")
         return None
     except _ERRORS as e:
         raise _infra(engine, f"looking up image {tag}", e) from e
-    return ImageInfo(id=str(img.id), labels=dict(img.labels or {}), tags=list(img.tags or []))
+    config = img.attrs.get("Config") or {}
+    return ImageInfo(
+        id=str(img.id),
+        labels=dict(img.labels or {}),
+        tags=list(img.tags or []),
+        env=list(config.get("Env") or []),
+        size=int(img.attrs.get("Size") or 0),
+    )
 
 
 def build_context(
@@ -53,10 +60,14 @@ def build_context(
     progress: Callable[[str], None],
     engine: str = "docker",
     network_mode: str | None = None,
+    dockerfile: str | None = None,
+    target: str | None = None,
 ) -> None:
     try:
         chunks: Iterable[dict[str, Any]] = client.api.build(
             path=str(context),
+            dockerfile=dockerfile,
+            target=target,
             tag=tag,
             buildargs=buildargs,
             labels=labels,

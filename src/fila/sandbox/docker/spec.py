@@ -16,7 +16,7 @@ from ...core.errors import InfraError, InvalidPolicy
 from ...core.models import Limits, Policy, parse_size
 from ...core.mounts import Bind, OverlayVolume
 from ...engines.base import HOME, JOB_MOUNT
-from ..base import JOB_LABEL, LABEL, RunSpec, run_as
+from ..base import JOB_LABEL, LABEL, SETUP_CAPS, RunSpec, run_as
 
 if TYPE_CHECKING:
     from ...egress.config import Gateway
@@ -78,7 +78,7 @@ def create_kwargs(spec: RunSpec, name: str, gateway: Gateway | None = None) -> d
             raise InfraError(f"the job's {sub.name}/ is not a directory", task_id=spec.job_id, path=sub)
     p = spec.policy
     mem, cpus, pids = _effective(p, spec.limits)
-    uid, gid = run_as()
+    uid, gid = (0, 0) if spec.setup is not None else run_as()
     fsize = parse_size(p.fsize)
     # exec: engines run tools from /tmp and HOME (npm, pip builds); the work/ bind allows it anyway.
     tmp_opts = f"rw,nosuid,nodev,exec,size={parse_size(p.tmpfs.tmp)},mode=1777"
@@ -124,6 +124,12 @@ def create_kwargs(spec: RunSpec, name: str, gateway: Gateway | None = None) -> d
         stdin_open=False,
         tty=False,
     )
+    for v in spec.volumes:  # after work/: mounted over it, read-only
+        kwargs["mounts"].append(Mount(v.target, v.name, type="volume", read_only=True, no_copy=True))
+    if spec.setup is not None:
+        # docs/environments.md, "The setup": root for the package managers, its root file system
+        # writable (committed after), the capabilities they need and no other.
+        kwargs.update(read_only=False, cap_add=list(SETUP_CAPS))
     if p.runtime:
         kwargs["runtime"] = docker_runtime(p)
     if p.network == "allowlist" and gateway is not None:  # without one: no network at all

@@ -1,0 +1,474 @@
+"""An environment made or found by its key (docs/environments.md, "The setup").
+
+`prepare` is what a task and `fila env build` call: it reads the declaration's inputs, resolves the
+base (the image, or the project's Dockerfile built with no network), computes the key, and when no
+image carries it runs the setup: a container of the base, as root with SETUP_CAPS only, a gateway
+of its own in front of the setup policy's hosts, only the declared inputs copied in, the setup's
+commands run at the project's path, its result committed as the environment's image, its
+provided paths copied once into volumes. Each engine the task runs gets a layer on top
+(`engines.layer`). A failed setup raises EnvironmentFailed with its log: no engine starts.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..core import fsutil
+from ..core.errors import FilaError, InvalidInput, NotFound
+from ..core.layout import Root
+from ..core.models import (
+    Egress,
+    EgressRecord,
+    EnvironmentRecord,
+    ImageRef,
+    Policy,
+    SetupPolicy,
+    Tmpfs,
+    now_iso,
+)
+from ..core.mounts import Bind, ProvidedVolume
+from ..queue.policy import image_allowed
+from ..sandbox.base import Backend, RunSpec, SetupRun
+from . import key as keys
+from .spec import PROJECT_PATH, Declared, EnvSpec, Step
+
+LABEL = "fila.env"
+KEY_LABEL = "fila.env.key"
+IMAGE_REPO = "fila/env"
+SETUP_DIR = "/fila-setup"
+# The gateway's variables the setup had: emptied in the image so no engine inherits a proxy.
+PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "NO_PROXY", "no_proxy")
+HEARTBEAT_S = 2.0
+
+
+class EnvironmentFailed(FilaError):
+    """The setup (or the base's build) failed: the task ends `failed` with kind `environment`."""
+
+    def __init__(self, message: str, *, record: EnvironmentRecord, hint: str | None = None) -> None:
+        super().__init__(message, hint=hint)
+        self.record = record
+
+
+@dataclass
+class Prepared:
+    """An environment ready for a task: its image, its provided volumes and what the record says."""
+
+    declared: Declared
+    key: str
+    image: ImageRef
+    record: EnvironmentRecord
+    volumes: list[ProvidedVolume] = field(default_factory=list)
+
+
+def envs_dir(root: Root) -> Path:
+    """Per key: the setup's log and what it measured (`setup.json`), for later tasks' records."""
+    return root.path / "sandbox" / "envs"
+
+
+def tag_for(key: str) -> str:
+    return f"{IMAGE_REPO}:{key[:32]}"
+
+
+def volume_name(key: str, rel: str) -> str:
+    import hashlib
+
+    return f"fila-env-{key[:24]}-{hashlib.sha256(rel.encode()).hexdigest()[:8]}"
+
+
+def require_docker(backend: Backend) -> None:
+    if backend.name != "docker" or not hasattr(backend, "fill_volume"):
+        raise InvalidInput(
+            f"project environments run on the Docker backend; this one is {backend.name}",
+            hint='set the task\'s "environment": "none" to run on the engine\'s own image',
+        )
+
+
+def resolve_base(
+    root: Root,
+    project: Path,
+    declared: Declared,
+    policy: Policy,
+    backend: Backend,
+    progress: Callable[[str], None],
+    *,
+    build: bool = True,
+) -> tuple[str, dict[str, Any]]:
+    """The base image's id and what the key takes of it. An `image` must be allowed by the
+    policy and present; a Dockerfile is built with no network (docs/environments.md: the network
+    belongs to the setup, which goes through the gateway)."""
+    spec = declared.spec
+    if spec.image is not None:
+        if not image_allowed(policy, spec.image):
+            raise InvalidInput(
+                f"environment image {spec.image!r} ({declared.source}) is not allowed by the policy "
+                f"(allowed: {', '.join(policy.images) or 'none'})",
+                hint="add a pattern for it to the policy's `images`",
+            )
+        info = backend.image_info(spec.image)
+        if info is None:
+            raise InvalidInput(
+                f"environment image {spec.image!r} ({declared.source}) is not present in {backend.name}",
+                hint=f"pull or build it first (`docker pull {spec.image}`)",
+            )
+        return info.id, {"image_id": info.id}
+    assert spec.build is not None
+    digests = keys.context_digest(project, spec)
+    base = {**digests, "args": dict(sorted(spec.build.args.items())), "target": spec.build.target}
+    import hashlib
+
+    tag = f"{IMAGE_REPO}-base:{hashlib.sha256(json.dumps(base, sort_keys=True).encode()).hexdigest()[:32]}"
+    info = backend.image_info(tag)
+    if info is None and not build:
+        raise NotFound(f"the environment's base ({spec.build.dockerfile}) is not built yet")
+    if info is None:
+        progress(f"environment: building the base from {spec.build.dockerfile} (no network)")
+        context = project / spec.build.context
+        path = project / spec.build.dockerfile
+        dockerfile = str(path.relative_to(context)) if path.is_relative_to(context) else str(path)
+        try:
+            backend.build_context(
+                context,
+                tag,
+                buildargs=dict(spec.build.args),
+                labels={LABEL: "base"},
+                nocache=False,
+                progress=lambda line: progress(f"environment: {line}"),
+                network="none",
+                dockerfile=dockerfile,
+                target=spec.build.target,
+            )
+        except FilaError as e:
+            raise InvalidInput(
+                f"the environment's Dockerfile {spec.build.dockerfile} did not build: {e.message}",
+                hint="its RUN steps have no network: install from the network in the setup commands "
+                "(onCreateCommand...), which reach the policy's environment.allow through fila's gateway",
+            ) from e
+        info = backend.image_info(tag)
+        if info is None:
+            raise InvalidInput(f"the environment's Dockerfile built no image {tag}")
+    return info.id, base
+
+
+def probe(
+    root: Root, project: Path, declared: Declared, policy: Policy, backend: Backend
+) -> tuple[str, bool]:
+    """The environment's key and whether its image is built, building nothing (`fila doctor`).
+    NotFound when a Dockerfile base is not built yet (its id is part of the key)."""
+    spec = declared.spec
+    inputs = keys.read_inputs(project, spec)
+    _base_id, base = resolve_base(root, project, declared, policy, backend, lambda _m: None, build=False)
+    key = keys.compute(spec, base, inputs, policy.environment)
+    info = backend.image_info(tag_for(key))
+    return key, info is not None and info.labels.get(KEY_LABEL) == key
+
+
+def prepare(
+    root: Root,
+    project: Path,
+    declared: Declared,
+    policy: Policy,
+    backend: Backend,
+    *,
+    job_id: str,
+    progress: Callable[[str], None] = lambda _m: None,
+    force: bool = False,
+    heartbeat: Callable[[], None] | None = None,
+) -> Prepared:
+    """The environment's image for `declared`, built unless its key exists (`force`: again)."""
+    require_docker(backend)
+    spec = declared.spec
+    inputs = keys.read_inputs(project, spec)
+    base_id, base = resolve_base(root, project, declared, policy, backend, progress)
+    key = keys.compute(spec, base, inputs, policy.environment)
+    tag = tag_for(key)
+    state = envs_dir(root) / key[:32]
+    common = dict(
+        key=key,
+        source=declared.source,
+        form=declared.form,
+        name=spec.name,
+        provided=list(spec.provided),
+        warnings=list(declared.warnings),
+    )
+    with _locked(state):
+        info = None if force else backend.image_info(tag)
+        if info is not None and info.labels.get(KEY_LABEL) == key and _volumes_ready(backend, key, spec):
+            progress(f"environment {key[:12]}: cached ({tag})")
+            meta = _read_meta(state)
+            record = EnvironmentRecord(
+                **common,
+                image=ImageRef(tag=tag, id=info.id),
+                how="cached",
+                setup_s=meta.get("setup_s"),
+                log_path=meta.get("log_path"),
+            )
+            return Prepared(declared, key, record.image, record, _volumes(key, spec))  # type: ignore[arg-type]
+        return _build(root, project, declared, policy, backend, inputs, base_id, key, state, common,
+                      job_id=job_id, progress=progress, heartbeat=heartbeat)  # fmt: skip
+
+
+def _build(root: Root, project: Path, declared: Declared, policy: Policy, backend: Backend,
+           inputs: keys.Inputs, base_id: str, key: str, state: Path, common: dict[str, Any], *,
+           job_id: str, progress: Callable[[str], None],
+           heartbeat: Callable[[], None] | None) -> Prepared:  # fmt: skip
+    spec = declared.spec
+    tag = tag_for(key)
+    log = state / "setup.log"
+    log_rel = str(log.relative_to(root.path))
+    source = json.dumps(declared.source)
+    progress(f"environment {key[:12]}: setting up from {declared.source} ({len(spec.setup)} step(s))")
+    setup = policy.environment
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="setup-", dir=state) as tmp:
+        work = stage_inputs(Path(tmp), spec, inputs)
+        run_spec = RunSpec(
+            job_id=job_id,
+            workspace=SetupWorkspace(Path(tmp), work),
+            image=base_id,
+            argv=["/bin/sh", f"{SETUP_DIR}/setup.sh"],
+            env=dict(spec.env),
+            policy=setup_policy(policy, setup),
+            limits=None,
+            timeout_ms=setup.timeout_ms,
+            log_path=log,
+            labels={"fila.root": str(root.path), "fila.role": "env-setup", KEY_LABEL: key},
+            egress_dir=state / "egress",
+            setup=SetupRun(
+                # Tagged as the environment only once its volumes are filled (below): a setup that
+                # dies half way is never found by its key.
+                commit_tag=f"{IMAGE_REPO}-partial:{key[:32]}",
+                changes=tuple(
+                    # fila sets every run's entrypoint and command; the setup's are not kept
+                    # (an empty ENTRYPOINT does not clear it in a commit: env runs the command).
+                    ['ENTRYPOINT ["/usr/bin/env"]', 'CMD ["sh"]']
+                    + [f"ENV {v}=" for v in PROXY_VARS]
+                    + [f'LABEL "{LABEL}"="1" "{KEY_LABEL}"="{key}" "fila.env.source"={source}']
+                ),
+                max_bytes=setup.max_image_bytes,
+            ),
+        )
+        fsutil.remove_tree(state / "egress")
+        (state / "egress").mkdir(mode=0o700)
+        tail = _LogTail(log, progress, key)
+
+        def beat() -> None:
+            tail.poll()
+            if heartbeat is not None:
+                heartbeat()  # the task's lease, and a stop request
+
+        try:
+            result = backend.run(run_spec, heartbeat=beat, heartbeat_s=HEARTBEAT_S)
+        except FilaError as e:
+            record = EnvironmentRecord(**common, how="failed", log_path=log_rel)
+            raise EnvironmentFailed(f"the environment's setup could not run: {e}", record=record) from e
+        finally:
+            fsutil.remove_tree(state / "egress")
+        tail.poll()
+    seconds = round(time.monotonic() - t0, 3)
+    egress: EgressRecord | None = result.egress
+    record = EnvironmentRecord(**common, how="failed", setup_s=seconds, log_path=log_rel, egress=egress)
+    if result.committed is None:
+        why = (
+            f"timed out after {setup.timeout_ms / 1000:g} s (environment.timeout_ms)"
+            if result.timed_out
+            else f"killed: {result.limit_exceeded}"
+            if result.limit_exceeded
+            else f"killed: out of memory (environment.memory {setup.memory})"
+            if result.oom_killed
+            else f"exited with code {result.exit_code}"
+        )
+        denied = sorted(
+            {f"{r.host}:{r.port}" for r in (egress.requests if egress else []) if not r.allowed and r.host}
+        )
+        more = f"; refused hosts: {', '.join(denied)}" if denied else ""
+        raise EnvironmentFailed(
+            f"the environment's setup {why}{more}; see {log_rel}",
+            record=record,
+            hint="fix the setup commands, or add the hosts it needs to the policy's environment.allow",
+        )
+    volumes = _volumes(key, spec)
+    for v, rel in zip(volumes, spec.provided, strict=True):
+        progress(f"environment {key[:12]}: copying {rel} into volume {v.name} (once)")
+        backend.fill_volume(result.committed, f"{PROJECT_PATH}/{rel}", v.name, {LABEL: "1", KEY_LABEL: key})  # type: ignore[attr-defined]
+    backend.tag_image(result.committed, tag)
+    backend.remove_image(f"{IMAGE_REPO}-partial:{key[:32]}")
+    info = backend.image_info(tag)
+    assert info is not None
+    _write_meta(
+        state, {"setup_s": seconds, "log_path": log_rel, "built_at": now_iso(), "source": declared.source}
+    )
+    progress(f"environment {key[:12]}: built in {seconds:g} s ({tag})")
+    record = record.model_copy(update={"how": "built", "image": ImageRef(tag=tag, id=info.id)})
+    return Prepared(declared, key, record.image, record, volumes)  # type: ignore[arg-type]
+
+
+def setup_policy(policy: Policy, setup: SetupPolicy) -> Policy:
+    """The setup container's policy: the task's, with the setup's network, time and resources."""
+    network = "allowlist" if setup.allow or setup.learn else "none"
+    egress = (
+        Egress(
+            allow=setup.allow,
+            allow_private=setup.allow_private,
+            max_requests=setup.max_requests,
+            learn=setup.learn,
+            egress_network=setup.egress_network
+            or (policy.egress.egress_network if policy.egress else "fila-egress"),
+        )
+        if network == "allowlist"
+        else None
+    )
+    timeout = max(setup.timeout_ms, 1000)
+    return policy.model_copy(
+        update={
+            "network": network,
+            "egress": egress,
+            "max_timeout_ms": timeout,
+            "default_timeout_ms": timeout,
+            "memory": setup.memory,
+            "cpus": setup.cpus,
+            "pids": setup.pids,
+            "fsize": setup.fsize,
+            "tmpfs": Tmpfs(tmp="2g", home="2g"),
+            "max_work_bytes": policy.max_work_bytes,
+        }
+    )
+
+
+def stage_inputs(tmp: Path, spec: EnvSpec, inputs: keys.Inputs) -> Path:
+    """The setup's directory: its script and the inputs' bytes as read for the key."""
+    setup = tmp / "setup"
+    (setup / "inputs").mkdir(parents=True)
+    for rel, data in inputs.files.items():
+        dest = setup / "inputs" / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        dest.write_bytes(data)
+    (setup / "setup.sh").write_text(script(spec))
+    for sub in ("input", "work"):  # the job directory's shape the backend checks; nothing in them
+        (tmp / sub).mkdir()
+    return setup
+
+
+def script(spec: EnvSpec) -> str:
+    """The setup as one POSIX sh script: the inputs copied to the project's path, then each step in
+    order (a shell string by `sh -c`, an argv as it is, a parallel step's commands at once)."""
+    lines = [
+        "set -e",
+        f"mkdir -p {PROJECT_PATH}",
+        f"cp -a {SETUP_DIR}/inputs/. {PROJECT_PATH}/",
+        f"cd {PROJECT_PATH}",
+    ]
+    for step in spec.setup:
+        lines.append(f"echo {shlex.quote(f'== fila setup: {step.name}')}")
+        if step.parallel:
+            for i, sub in enumerate(step.parallel):
+                lines.append(f"( {_command(sub)} ) & pid{i}=$!")
+            lines.append("failed=")
+            for i, sub in enumerate(step.parallel):
+                lines.append(f'wait $pid{i} || failed="$failed {shlex.quote(sub.name)}"')
+            lines.append('if [ -n "$failed" ]; then echo "== fila setup: failed:$failed" >&2; exit 1; fi')
+        else:
+            lines.append(_command(step))
+    lines.append("echo '== fila setup: done'")
+    return "\n".join(lines) + "\n"
+
+
+def _command(step: Step) -> str:
+    if step.shell is not None:
+        return f"/bin/sh -c {shlex.quote(step.shell)}"
+    assert step.argv is not None
+    return " ".join(shlex.quote(a) for a in step.argv)
+
+
+class SetupWorkspace:
+    """The setup's view (core/mounts.Workspace): its script and inputs read-only at /fila-setup;
+    the project's path is made inside the container's own (committed) file system."""
+
+    def __init__(self, job_dir: Path, setup: Path) -> None:
+        self._job_dir, self._setup = job_dir, setup
+
+    @property
+    def job_dir(self) -> Path:
+        return self._job_dir
+
+    def mounts(self, target: str) -> list[Bind]:
+        return [Bind(SETUP_DIR, self._setup, read_only=True)]
+
+    def usage(self, *, max_bytes: int, max_files: int) -> tuple[int, int]:
+        return 0, 0  # what the setup writes is measured in the container (SetupRun.max_bytes)
+
+    def hand_over(self, uid: int, gid: int) -> None:
+        for p in (self._setup, *self._setup.rglob("*")):
+            p.chmod(p.stat().st_mode | 0o444 | (0o111 if p.is_dir() else 0))
+        self._job_dir.chmod(0o755)
+
+    def reclaim(self, owner: tuple[int, int] | None) -> list[str]:
+        return []
+
+
+def _volumes(key: str, spec: EnvSpec) -> list[ProvidedVolume]:
+    return [
+        ProvidedVolume(target=f"{PROJECT_PATH}/{rel}", name=volume_name(key, rel)) for rel in spec.provided
+    ]
+
+
+def _volumes_ready(backend: Backend, key: str, spec: EnvSpec) -> bool:
+    if not spec.provided:
+        return True
+    have = {v["Name"] for v in backend.labelled_volumes(f"{KEY_LABEL}={key}")}  # type: ignore[attr-defined]
+    return all(v.name in have for v in _volumes(key, spec))
+
+
+def _read_meta(state: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((state / "setup.json").read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_meta(state: Path, meta: dict[str, Any]) -> None:
+    fsutil.atomic_write(state / "setup.json", json.dumps(meta, indent=2) + "\n")
+
+
+@contextmanager
+def _locked(state: Path) -> Iterator[None]:
+    """One setup per key on this host at a time: a second task of the same key waits, then finds
+    the image."""
+    state.mkdir(parents=True, exist_ok=True)
+    with fsutil.file_lock(state / ".lock"):
+        yield
+
+
+class _LogTail:
+    """The setup log's step lines as progress while it runs (an environment build shows its steps)."""
+
+    def __init__(self, log: Path, progress: Callable[[str], None], key: str) -> None:
+        self.log, self.progress, self.key, self.pos = log, progress, key, 0
+
+    def poll(self) -> None:
+        try:
+            with self.log.open("rb") as f:
+                f.seek(self.pos)
+                chunk = f.read(1 << 20)
+        except OSError:
+            return
+        end = chunk.rfind(b"\n")
+        if end < 0:
+            return
+        self.pos += end + 1
+        for line in chunk[: end + 1].decode(errors="replace").splitlines():
+            if line.startswith("== fila setup: "):
+                self.progress(f"environment {self.key[:12]}: {line[len('== fila setup: ') :]}")
+
+
+def remove_state(root: Root, key: str) -> None:
+    shutil.rmtree(envs_dir(root) / key[:32], ignore_errors=True)

@@ -1,0 +1,117 @@
+"""An environment's key (docs/environments.md, "The key"): the sha256 of everything its setup
+depended on, so a task whose key exists pays no setup and a changed lockfile makes a new one.
+
+What goes in: the base (the image's id, or the Dockerfile's bytes with its context's manifest,
+build args and target), the variables, the setup commands, the declared inputs' bytes, the
+provided paths, the setup's network policy and fila's own setup format. What stays out: the rest
+of the project. The setup sees only its inputs (`build.stage_inputs`), so it cannot depend on a
+file the key does not name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..core.errors import InvalidInput
+from ..core.models import SetupPolicy
+from ..workspace import fswalk
+from .spec import PROJECT_PATH, EnvSpec
+
+# Part of every key: a change of how fila runs a setup (the script, the image's layout) must not
+# reuse an environment made the old way.
+FORMAT = 1
+MAX_INPUT_BYTES = 16 << 20
+MAX_CONTEXT_FILES = 50_000
+MAX_CONTEXT_BYTES = 2 << 30
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """The declared input files, read once: their bytes are both hashed and staged for the setup,
+    so what the key names is exactly what the setup reads."""
+
+    files: dict[str, bytes]
+
+    def digests(self) -> dict[str, str]:
+        return {rel: hashlib.sha256(data).hexdigest() for rel, data in sorted(self.files.items())}
+
+
+def read_inputs(project: Path, spec: EnvSpec) -> Inputs:
+    """The inputs' bytes, each a regular file inside the project reached without a link (a
+    lockfile that is a link out of the project is refused)."""
+    files: dict[str, bytes] = {}
+    for rel in spec.inputs:
+        path = _inside(project, rel, "input")
+        try:
+            files[rel] = fswalk.read_file(path, max_bytes=MAX_INPUT_BYTES)
+        except InvalidInput:
+            raise
+        except Exception as e:
+            raise InvalidInput(
+                f"environment input {rel!r} cannot be read: {e}",
+                path=path,
+                hint="inputs are regular files of the project, each at most "
+                f"{MAX_INPUT_BYTES >> 20} MiB, reached without a symlink",
+            ) from None
+    return Inputs(files)
+
+
+def context_digest(project: Path, spec: EnvSpec) -> dict[str, str]:
+    """The Dockerfile's sha256 and a manifest digest of its build context (names, kinds, modes and
+    contents; links as links, never followed)."""
+    assert spec.build is not None
+    dockerfile = _inside(project, spec.build.dockerfile, "Dockerfile")
+    context = _inside(project, spec.build.context, "build context")
+    h = hashlib.sha256()
+    for entry in fswalk.walk(context, max_files=MAX_CONTEXT_FILES, max_bytes=MAX_CONTEXT_BYTES):
+        h.update(f"{entry.rel}\0{entry.kind}\0{entry.mode:o}\0".encode("utf-8", "surrogateescape"))
+        if entry.kind == "file":
+            h.update(hashlib.sha256(fswalk.read_file(context / entry.rel, max_bytes=entry.size)).digest())
+        elif entry.kind == "symlink":
+            h.update(str(Path(context / entry.rel).readlink()).encode("utf-8", "surrogateescape"))
+        h.update(b"\n")
+    df = fswalk.read_file(dockerfile, max_bytes=MAX_INPUT_BYTES)
+    return {"dockerfile": hashlib.sha256(df).hexdigest(), "context": h.hexdigest()}
+
+
+def compute(spec: EnvSpec, base: dict[str, Any], inputs: Inputs, setup: SetupPolicy) -> str:
+    """The key: `base` is the image's id ({"image_id": ...}) or the build's digests."""
+    doc = {
+        "format": FORMAT,
+        "project_path": PROJECT_PATH,
+        "base": base,
+        "env": dict(sorted(spec.env.items())),
+        "setup": [s.model_dump(exclude_none=True) for s in spec.setup],
+        "inputs": inputs.digests(),
+        "provided": sorted(spec.provided),
+        "network": setup.model_dump(mode="json", include={"allow", "allow_private", "learn", "max_requests"}),
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _inside(project: Path, rel: str, what: str) -> Path:
+    """`project/rel`, refused when it leaves the project or passes through a symlink on the way
+    (the last part included): a declaration cannot make fila read or send a host file."""
+    from pathlib import PurePosixPath
+
+    pure = PurePosixPath(rel)
+    if pure.is_absolute() or ".." in pure.parts or "\x00" in rel:
+        raise InvalidInput(f"environment {what} {rel!r} is outside the project", path=project)
+    cur = project
+    for part in pure.parts:
+        if part == ".":
+            continue
+        cur = cur / part
+        if cur.is_symlink():
+            raise InvalidInput(
+                f"environment {what} {rel!r} passes through a symlink ({cur.relative_to(project)})",
+                path=project,
+                hint="name the file itself, inside the project",
+            )
+    if not cur.exists():
+        raise InvalidInput(f"environment {what} {rel!r} does not exist", path=project)
+    return cur

@@ -1,0 +1,351 @@
+"""Project environments end to end on Docker (docs/environments.md): a project's
+`.devcontainer/devcontainer.json` set up once through the gateway from a local package index
+(pypi.test, tests/support/pkgindex.py: nothing leaves the machine), the check run in the project's
+own toolchain, the second task on the cached environment, and what a setup may not do.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fila.core.layout import Root
+from tests.support.cli import fila
+from tests.support.policy import write_policy
+from tests.support.project import make_root, record
+
+pytestmark = [pytest.mark.docker, pytest.mark.slow]
+
+CALC = "def add(a, b):\n    return a - b\n"
+TEST = "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
+FIX = "sed -i 's/a - b/a + b/' calc.py"
+VENV_PATH = "/job/work/.venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def devcontainer(idx: Any, **over: Any) -> dict[str, Any]:
+    """A Python project's declaration: the project's own image (fila/testenv), a virtualenv in
+    the project tree made by the setup from pypi.test, and on PATH for the engine and the check."""
+    doc = {
+        "name": "calc",
+        "image": idx.testenv_image,
+        # What the engine's tools write in work/ is in its diff: the project keeps caches out.
+        "containerEnv": {
+            **idx.pip_env,
+            "PATH": VENV_PATH,
+            "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTEST_ADDOPTS": "-p no:cacheprovider",
+        },
+        "onCreateCommand": "python3 -m venv .venv",
+        "postCreateCommand": [".venv/bin/pip", "install", "-q", "-r", "requirements.txt"],
+        "customizations": {"fila": {"inputs": ["requirements.txt"], "provided": [".venv"]}},
+        "forwardPorts": [8000],
+    }
+    return doc | over
+
+
+def python_project(tmp_path: Path, idx: Any, **over: Any) -> Root:
+    root = make_root(tmp_path / "calc")
+    files = {"calc.py": CALC, "test_calc.py": TEST, "requirements.txt": "pytest\n"}
+    for rel, text in files.items():
+        (root.path / rel).write_text(text)
+    (root.path / ".devcontainer").mkdir()
+    # JSONC, as editors write it: a comment and a trailing comma.
+    body = json.dumps(devcontainer(idx, **over), indent=2)
+    (root.path / ".devcontainer" / "devcontainer.json").write_text(
+        "// the project's toolchain\n" + body[:-2] + ",\n}\n"
+    )
+    return root
+
+
+def setup_policy(root: Root, idx: Any, allow: list[dict[str, Any]] | None = None, **env: Any) -> None:
+    """The default policy (engine: network none) with a setup that reaches `allow` (pypi.test) on
+    the upstreams' sealed network through its gateway."""
+    doc = json.loads((root.path / "policies" / "default.json").read_text())
+    doc["environment"] = {
+        "allow": idx.allow() if allow is None else allow,
+        "allow_private": [idx.subnet],
+        "egress_network": idx.network,
+        "timeout_ms": 300_000,
+        **env,
+    }
+    write_policy(root, "default", doc)
+
+
+def submit_run(root: Root, command: str, *extra: str) -> dict[str, Any]:
+    res = fila(root, "submit", "--engine", "shell", "--command", command, "--target", ".", *extra, "--run")
+    lines = [line for line in res.stdout.splitlines() if line.strip()]
+    assert lines, res.output
+    tid = lines[0].split()[0]
+    rec = record(root, tid)
+    rec["_output"] = res.output
+    return rec
+
+
+def test_a_python_project_is_set_up_once_through_the_gateway_and_its_check_runs_in_it(
+    tmp_path: Path, pkgindex: Any
+) -> None:
+    root = python_project(tmp_path, pkgindex)
+    setup_policy(root, pkgindex)
+    # The first task builds the environment; its check runs pytest from the setup's .venv and
+    # sees the real failure (nothing was fixed): the check is honest.
+    first = submit_run(root, "true", "--check", "pytest -q")
+    env = first["environment"]
+    assert first["status"] == "needs_review", first
+    assert env["how"] == "built" and env["source"] == ".devcontainer/devcontainer.json", env
+    assert first["check"]["passed"] is False and first["check"]["exit_code"] == 1
+    assert "1 failed" in (root.path / first["check"]["log_path"]).read_text()
+    # What the setup's gateway let out: pypi.test only, every request allowed.
+    reqs = env["egress"]["requests"]
+    assert reqs and {r["host"] for r in reqs} == {"pypi.test"} and env["egress"]["denied"] == 0, env["egress"]
+    pkgindex.logged("pypi.test", "/simple/pytest/")
+    assert any("forwardPorts" in w for w in env["warnings"]), env["warnings"]  # ignored, and said
+    assert "== fila setup: postCreateCommand" in (root.path / env["log_path"]).read_text()
+    # The second task finds it by its key: no setup, and the fix passes the same check.
+    second = submit_run(root, FIX, "--check", "pytest -q")
+    assert second["status"] == "needs_review", second
+    assert second["environment"]["how"] == "cached" and second["environment"]["key"] == env["key"]
+    assert second["check"]["passed"] is True, second["check"]
+    assert "environment" in second["timings"] and "building" not in second["_output"]
+    # The provided .venv is neither copied into the job nor in the diff.
+    patch = (root.path / second["patch_path"]).read_text()
+    assert "calc.py" in patch and ".venv" not in patch
+    assert second["diffstat"]["paths"] == ["calc.py"]
+    # `fila review` shows the environment.
+    shown = fila(root, "review", second["id"]).stdout
+    assert "env       calc (.devcontainer/devcontainer.json, devcontainer)" in shown and "cached" in shown
+    # A changed lockfile is a new key, set up again.
+    (root.path / "requirements.txt").write_text("pytest\nsix\n")
+    third = submit_run(root, FIX, "--check", "pytest -q")
+    assert third["environment"]["how"] == "built" and third["environment"]["key"] != env["key"], third
+    assert third["check"]["passed"] is True
+
+
+def test_a_setup_that_reaches_an_unlisted_host_fails_its_task_before_any_engine(
+    tmp_path: Path, pkgindex: Any
+) -> None:
+    """The allowed counterpart is the test above (pypi.test listed). Here the setup may reach only
+    npm.test: pip's requests to pypi.test are refused by the gateway and logged, the task fails
+    with kind `environment`, naming the host, and no engine container ever starts."""
+    root = python_project(tmp_path, pkgindex)
+    npm_only = [a for a in pkgindex.allow() if a["host"] == "npm.test"]
+    assert npm_only
+    setup_policy(root, pkgindex, allow=npm_only)
+    rec = submit_run(root, "echo engine ran > ran.txt")
+    assert rec["status"] == "failed" and rec["error"]["kind"] == "environment", rec
+    assert "pypi.test:8080" in rec["error"]["message"]
+    env = rec["environment"]
+    assert env["how"] == "failed" and env["egress"]["denied"] > 0
+    assert not rec["container_started"] and not rec["attempts"][0].get("exit_code")
+    assert not (root.path / "ran.txt").exists()
+
+
+def _setup_fails(tmp_path: Path, idx: Any, name: str, command: str, **env: Any) -> dict[str, Any]:
+    root = make_root(tmp_path / name)
+    (root.path / "fila-environment.json").write_text(
+        json.dumps({"image": idx.testenv_image, "setup": [{"name": name, "shell": command}]})
+    )
+    setup_policy(root, idx, allow=[], **env)
+    return submit_run(root, "true")
+
+
+@pytest.mark.parametrize(
+    ("name", "command", "limits", "says"),
+    [
+        ("exits", "echo broken >&2; exit 3", {}, "exited with code 3"),
+        ("hangs", "sleep 600", {"timeout_ms": 3000}, "timed out after 3 s"),
+        ("forks", "while :; do sleep 60 & done", {"pids": 64, "timeout_ms": 20_000}, "exited with code"),
+        ("fills", "head -c 200000000 /dev/zero > /opt/big; sleep 30", {"max_image_bytes": 50_000_000}, "max_image_bytes"),  # noqa: E501
+    ],
+)  # fmt: skip
+def test_a_setup_that_fails_ends_its_task_with_its_log_and_no_engine(
+    tmp_path: Path, pkgindex: Any, name: str, command: str, limits: dict[str, Any], says: str
+) -> None:
+    rec = _setup_fails(tmp_path, pkgindex, name, command, **limits)
+    assert rec["status"] == "failed" and rec["error"]["kind"] == "environment", rec
+    assert says in rec["error"]["message"], rec["error"]
+    assert rec["environment"]["log_path"] and not rec["container_started"]
+
+
+def test_a_setup_that_succeeds_under_the_same_limits_is_built(tmp_path: Path, pkgindex: Any) -> None:
+    """The counterpart of the failures above: the same form and limits, a setup that ends."""
+    rec = _setup_fails(
+        tmp_path, pkgindex, "ok", "head -c 1000 /dev/zero > /opt/small", pids=64, timeout_ms=20_000
+    )
+    assert rec["status"] == "needs_review" and rec["environment"]["how"] == "built", rec
+
+
+def test_a_base_image_the_policy_does_not_allow_is_refused(tmp_path: Path, pkgindex: Any) -> None:
+    root = python_project(tmp_path, pkgindex)
+    setup_policy(root, pkgindex)
+    doc = json.loads((root.path / "policies" / "default.json").read_text())
+    write_policy(root, "default", doc | {"images": ["fila/shell*"]})
+    rec = submit_run(root, "true")
+    assert rec["status"] == "failed" and rec["error"]["kind"] == "environment"
+    assert "not allowed by the policy" in rec["error"]["message"]
+
+
+def test_a_project_dockerfile_is_built_without_network(tmp_path: Path, pkgindex: Any) -> None:
+    root = make_root(tmp_path / "df")
+    (root.path / ".devcontainer").mkdir()
+    (root.path / ".devcontainer" / "Dockerfile").write_text(
+        f"FROM {pkgindex.testenv_image}\nRUN echo from-dockerfile > /opt/marker\n"
+    )
+    (root.path / ".devcontainer" / "devcontainer.json").write_text(
+        json.dumps({"build": {"dockerfile": "Dockerfile"}})
+    )
+    setup_policy(root, pkgindex, allow=[])
+    rec = submit_run(root, "cat /opt/marker > out.txt")
+    assert rec["status"] == "needs_review", rec
+    assert (root.path / rec["patch_path"]).read_text().count("+from-dockerfile") == 1
+    # A RUN that needs the network fails the build, with the advice to use the setup.
+    (root.path / ".devcontainer" / "Dockerfile").write_text(
+        f"FROM {pkgindex.testenv_image}\nRUN pip download --index-url {pkgindex.pypi_url} six\n"
+    )
+    rec = submit_run(root, "true")
+    assert rec["status"] == "failed" and rec["error"]["kind"] == "environment", rec
+    assert "no network" in rec["error"]["message"] or "did not build" in rec["error"]["message"]
+
+
+def engine_fix(
+    root: Root, idx: Any, ups: Any, engine: str, route: str, prompt: str, check: str
+) -> dict[str, Any]:
+    """`engine` on the project's environment under a policy routing it to the scripted model server
+    (whose script the caller set), with a setup that reaches the local indexes: its record."""
+    from tests.support.engines import E2E_ENGINES, KEY_VAR
+    from tests.support.policy import model_policy, model_route
+
+    doc = model_policy(ups, {route: model_route(ups, KEY_VAR)})
+    doc["environment"] = {"allow": idx.allow(), "allow_private": [idx.subnet],
+                          "egress_network": idx.network, "timeout_ms": 300_000}  # fmt: skip
+    write_policy(root, engine, doc)
+    res = fila(
+        root,
+        *("submit", "--engine", engine, "--model", E2E_ENGINES[engine].model, "--policy", engine),
+        *("--target", ".", "--prompt", prompt, "--check", check, "--run"),
+        env={KEY_VAR: "sk-test-environment-0123456789abcdef"},
+    )
+    rec = record(root, res.stdout.split()[0])
+    rec["_output"] = res.output
+    return rec
+
+
+def _bash(command: str) -> dict[str, Any]:
+    return {"protocol": "anthropic", "when": "tool_result", "reply": {"tool": {"name": "Bash", "arguments": {
+        "command": command, "description": "run the project's tests"}}}}  # fmt: skip
+
+
+@pytest.mark.engines
+def test_claude_runs_the_projects_tests_in_its_environment_fixes_the_code_and_the_check_passes(
+    tmp_path: Path, pkgindex: Any, upstreams: Any, gateway_image: str
+) -> None:
+    """Claude Code on the Python project's environment, driven by the scripted model server: it runs
+    `python -m pytest` in its Bash tool (the project's own Python, from the setup's .venv), reads
+    the failure, edits, runs it again; the record's check passes. What the model received back
+    from each tool call is in the model server's log: the failure, then the pass."""
+    root = python_project(tmp_path, pkgindex)
+    first = _bash("python -m pytest -q")
+    first["when"] = "no_tool_result"
+    edit = {"file_path": "/job/work/calc.py", "old_string": "a - b", "new_string": "a + b"}
+    upstreams.set_script([
+        first,
+        {"protocol": "anthropic", "when": "tool_result",
+         "reply": {"tool": {"name": "Read", "arguments": {"file_path": "/job/work/calc.py"}}}},
+        {"protocol": "anthropic", "when": "tool_result", "reply": {"tool": {"name": "Edit", "arguments": edit}}},  # noqa: E501
+        _bash("python -m pytest -q"),
+        {"protocol": "anthropic", "when": "tool_result", "reply": {"text": "Fixed add(); the test passes."}},
+    ])  # fmt: skip
+    rec = engine_fix(
+        root, pkgindex, upstreams, "claude", "anthropic", "make the failing test pass", "pytest -q"
+    )
+    assert rec["status"] == "needs_review", rec
+    assert rec["image"]["tag"].startswith("fila/env-claude:"), rec["image"]
+    assert rec["check"]["passed"] is True, rec["check"]
+    assert rec["diffstat"]["paths"] == ["calc.py"]
+    results = [json.dumps(r.get("body", r)) for r in upstreams.requests("model.test")]
+    ran = [r for r in results if "tool_result" in r]
+    assert any("1 failed" in r for r in ran), ran
+    assert any("1 passed" in r for r in ran[-1:]), ran[-1:]
+
+
+@pytest.mark.engines
+def test_every_engine_answers_on_a_python_and_node_18_environment_and_the_projects_runtimes_stay(
+    tmp_path: Path, pkgindex: Any
+) -> None:
+    """Each engine's CLI layered on the project's image (Python 3.11 and Node 18: fila/testenv)
+    answers `--version`, while `node` and `python3` on PATH stay the project's; aider, whose
+    Python is its image's, is refused with the reason."""
+    from fila.engines import get_engine
+    from fila.sandbox.docker.backend import DockerBackend
+
+    root = make_root(tmp_path / "p")
+    (root.path / "fila-environment.json").write_text(json.dumps({"image": pkgindex.testenv_image}))
+    engines = ["claude", "codex", "gemini", "qwen", "opencode", "shell"]
+    res = fila(root, "env", "build", *(a for e in engines for a in ("-e", e)), "--json")
+    assert res.exit_code == 0, res.output
+    built = json.loads(res.stdout)
+    backend = DockerBackend(pkgindex.docker)
+    for name in engines:
+        image = built["engine_images"][name]["tag"]
+        argv = " ".join(get_engine(name).version_argv) if name != "shell" else "sh -c true"
+        code, out = backend.smoke_run(
+            image, ("/bin/sh", "-c", f"{argv} && node --version && command -v python3")
+        )
+        assert code == 0, (name, out)
+        assert "v18." in out and "/usr/bin/python3" in out, (name, out)
+    res = fila(root, "env", "build", "-e", "aider")
+    assert res.exit_code != 0 and "aider" in res.output and "not self-contained" in res.output, res.output
+
+
+DUR = "const ms = require('ms');\nmodule.exports = (s) => ms(s) + 1;\n"
+DUR_FIXED = "const ms = require('ms');\nmodule.exports = (s) => ms(s);\n"
+NODE_TEST = (
+    "const { test } = require('uvu');\nconst assert = require('uvu/assert');\n"
+    "const dur = require('../dur');\n"
+    "test('two seconds', () => { assert.is(dur('2s'), 2000); });\ntest.run();\n"
+)
+
+
+@pytest.mark.engines
+def test_qwen_runs_npm_test_on_a_node_project_fixes_it_and_the_check_passes(
+    tmp_path: Path, pkgindex: Any, upstreams: Any, gateway_image: str
+) -> None:
+    """A Node 18 project whose setup installs its dependencies from npm.test into node_modules
+    (provided: mounted read-only, never copied, never diffed), and qwen (a Node CLI on its own
+    Node) running the project's `npm test` with the project's node, fixing, running it again."""
+    root = make_root(tmp_path / "node")
+    package = {"name": "dur", "version": "1.0.0", "private": True, "scripts": {"test": "uvu tests"},
+               "dependencies": {"ms": "^2.1.3"}, "devDependencies": {"uvu": "^0.5.6"}}  # fmt: skip
+    for rel, text in {"package.json": json.dumps(package), "dur.js": DUR, "tests/dur.js": NODE_TEST}.items():
+        (root.path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root.path / rel).write_text(text)
+    decl = {
+        "image": pkgindex.testenv_image,
+        "containerEnv": pkgindex.npm_env,
+        "postCreateCommand": "npm install",
+    }
+    (root.path / ".devcontainer.json").write_text(json.dumps(decl))
+
+    def shell(when: str) -> dict[str, Any]:
+        return {"protocol": "openai", "when": when, "reply": {"tool": {"name": "run_shell_command",
+                "arguments": {"command": "npm test", "description": "run the tests"}}}}  # fmt: skip
+
+    write = {"file_path": "/job/work/dur.js", "content": DUR_FIXED}
+    upstreams.set_script([
+        shell("no_tool_result"),
+        {"protocol": "openai", "when": "tool_result",
+         "reply": {"tool": {"name": "read_file", "arguments": {"file_path": "/job/work/dur.js"}}}},
+        {"protocol": "openai", "when": "tool_result", "reply": {"tool": {"name": "write_file", "arguments": write}}},  # noqa: E501
+        shell("tool_result"),
+        {"protocol": "openai", "when": "tool_result", "reply": {"text": "Fixed dur.js."}},
+    ])  # fmt: skip
+    rec = engine_fix(root, pkgindex, upstreams, "qwen", "openai", "make npm test pass", "npm test")
+    assert rec["status"] == "needs_review", rec
+    env = rec["environment"]
+    assert env["provided"] == ["node_modules"] and rec["image"]["tag"].startswith("fila/env-qwen:")
+    assert rec["check"]["passed"] is True, rec["check"]
+    assert rec["diffstat"]["paths"] == ["dur.js"], rec["diffstat"]
+    ran = [json.dumps(r.get("body", r)) for r in upstreams.requests("model.test")]
+    assert any("FAIL" in r or "Expected" in r for r in ran), ran
