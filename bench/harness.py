@@ -21,6 +21,7 @@ def _cases() -> dict[str, Callable[[Ctx], list[Row]]]:
     from bench.ci_single import ci_single
     from bench.cycle_fake import cycle_fake
     from bench.engine_startup import engine_startup
+    from bench.environment import environment
     from bench.large_project import large_project
     from bench.per_task import per_task
     from bench.pg_queue import pg_queue
@@ -42,6 +43,7 @@ def _cases() -> dict[str, Callable[[Ctx], list[Row]]]:
         "large-project": large_project,
         "ci-single": ci_single,
         "engine-startup": engine_startup,
+        "environment": environment,
     }
 
 
@@ -57,6 +59,7 @@ CASES = (
     "large-project",
     "ci-single",
     "engine-startup",
+    "environment",
 )
 
 

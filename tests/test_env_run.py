@@ -116,11 +116,7 @@ def test_a_python_project_is_set_up_once_through_the_gateway_and_its_check_runs_
     # `fila review` shows the environment.
     shown = fila(root, "review", second["id"]).stdout
     assert "env       calc (.devcontainer/devcontainer.json, devcontainer)" in shown and "cached" in shown
-    # A changed lockfile is a new key, set up again.
-    (root.path / "requirements.txt").write_text("pytest\nsix\n")
-    third = submit_run(root, FIX, "--check", "pytest -q")
-    assert third["environment"]["how"] == "built" and third["environment"]["key"] != env["key"], third
-    assert third["check"]["passed"] is True
+    # (A changed lockfile is a new key: tests/test_env_key.py; a new key builds as above.)
 
 
 def test_a_setup_that_reaches_an_unlisted_host_fails_its_task_before_any_engine(
@@ -271,6 +267,7 @@ def test_claude_runs_the_projects_tests_in_its_environment_fixes_the_code_and_th
 
 
 @pytest.mark.engines
+@pytest.mark.matrix  # each engine's layer once more (a minute): scripts/test --all
 def test_every_engine_answers_on_a_python_and_node_18_environment_and_the_projects_runtimes_stay(
     tmp_path: Path, pkgindex: Any
 ) -> None:
@@ -309,6 +306,7 @@ NODE_TEST = (
 
 
 @pytest.mark.engines
+@pytest.mark.matrix  # the Node-side twin of the claude case (a minute): scripts/test --all
 def test_qwen_runs_npm_test_on_a_node_project_fixes_it_and_the_check_passes(
     tmp_path: Path, pkgindex: Any, upstreams: Any, gateway_image: str
 ) -> None:

@@ -310,6 +310,11 @@ class SetupPolicy(BaseModel):
     learn: bool = Field(
         default=False, description="let unlisted public hosts through and log them as learned (egress.learn)"
     )
+    ca_file: str | None = Field(
+        default=None,
+        description="a CA bundle on this host the setup's package managers trust (a TLS-intercepting "
+        "proxy between the gateway and the registries); never part of the environment's image",
+    )
     timeout_ms: Millis = Field(default=20 * 60 * 1000, description="the whole setup's wall-clock limit")
     memory: MemorySize = "4g"
     cpus: Cpus = 2.0

@@ -229,7 +229,7 @@ def _build(root: Root, project: Path, declared: Declared, policy: Policy, backen
     setup = policy.environment
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="setup-", dir=state) as tmp:
-        work = stage_inputs(Path(tmp), spec, inputs)
+        work = stage_inputs(Path(tmp), spec, inputs, ca=_ca_bytes(setup.ca_file))
         run_spec = RunSpec(
             job_id=job_id,
             workspace=SetupWorkspace(Path(tmp), work),
@@ -343,25 +343,43 @@ def setup_policy(policy: Policy, setup: SetupPolicy) -> Policy:
     )
 
 
-def stage_inputs(tmp: Path, spec: EnvSpec, inputs: keys.Inputs) -> Path:
-    """The setup's directory: its script and the inputs' bytes as read for the key."""
+def _ca_bytes(ca_file: str | None) -> bytes | None:
+    if ca_file is None:
+        return None
+    try:
+        return Path(ca_file).read_bytes()
+    except OSError as e:
+        raise InvalidInput(f"cannot read the policy's environment.ca_file: {e}", path=ca_file) from e
+
+
+# What the usual package managers read for an extra CA bundle: set by the setup's script, so none
+# of it is in the committed image's configuration.
+CA_VARS = ("SSL_CERT_FILE", "PIP_CERT", "REQUESTS_CA_BUNDLE", "NODE_EXTRA_CA_CERTS", "npm_config_cafile")
+
+
+def stage_inputs(tmp: Path, spec: EnvSpec, inputs: keys.Inputs, *, ca: bytes | None = None) -> Path:
+    """The setup's directory: its script, the inputs' bytes as read for the key, and the policy's
+    CA bundle when it names one."""
     setup = tmp / "setup"
     (setup / "inputs").mkdir(parents=True)
+    if ca is not None:
+        (setup / "ca.crt").write_bytes(ca)
     for rel, data in inputs.files.items():
         dest = setup / "inputs" / rel
         dest.parent.mkdir(parents=True, exist_ok=True)
         dest.write_bytes(data)
-    (setup / "setup.sh").write_text(script(spec))
+    (setup / "setup.sh").write_text(script(spec, ca=ca is not None))
     for sub in ("input", "work"):  # the job directory's shape the backend checks; nothing in them
         (tmp / sub).mkdir()
     return setup
 
 
-def script(spec: EnvSpec) -> str:
+def script(spec: EnvSpec, *, ca: bool = False) -> str:
     """The setup as one POSIX sh script: the inputs copied to the project's path, then each step in
     order (a shell string by `sh -c`, an argv as it is, a parallel step's commands at once)."""
     lines = [
         "set -e",
+        *([f"export {v}={SETUP_DIR}/ca.crt" for v in CA_VARS] if ca else []),
         f"mkdir -p {PROJECT_PATH}",
         f"cp -a {SETUP_DIR}/inputs/. {PROJECT_PATH}/",
         f"cd {PROJECT_PATH}",
