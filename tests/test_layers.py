@@ -21,6 +21,7 @@ LAYERS = [
     ("workspace",),
     ("engines",),
     ("sandbox",),
+    ("provenance",),
     ("review",),
     ("recovery",),
     ("run",),

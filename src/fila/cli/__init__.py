@@ -2,8 +2,9 @@
 
 This module holds the app, the one error handler and the list of commands; the commands live by
 role in `tasks` (submit, run, worker), `review` (the gate), `upkeep` (recovery, status, doctor,
-gc), `prepare` (init, images, schema) and `policy` (policy suggest), with what they share in
-`common` and the lazy build in `lazy` (docs/architecture.md, layers).
+gc), `prepare` (init, images, schema), `policy` (policy suggest) and `provenance` (keys,
+verify), with what they share in `common` and the lazy build in `lazy` (docs/architecture.md,
+layers).
 
 Errors are caught in one place (`_Group.invoke`, below): a `FilaError` prints what failed and what to do
 next, and exits with its code. Exit codes (also in `fila --help` and the README):
@@ -27,7 +28,7 @@ import typer
 from typer.core import TyperGroup
 
 from ..core.errors import EXIT_INTERRUPTED, FilaError
-from . import policy, prepare, review, tasks, upkeep
+from . import policy, prepare, provenance, review, tasks, upkeep
 from .common import safe
 from .lazy import Commands, lazy_command
 
@@ -106,6 +107,13 @@ policy_app = typer.Typer(
     rich_markup_mode=None,
 )
 app.add_typer(policy_app, name="policy")
+keys_app = typer.Typer(
+    cls=_Group,
+    help="Signing keys and the trusted set of signed provenance (docs/provenance.md).",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+app.add_typer(keys_app, name="keys")
 
 # Registration order is the order `fila --help` lists the commands in.
 for callback, name in (
@@ -126,6 +134,7 @@ for callback, name in (
     (review.apply_cmd, "apply"),
     (review.compare, None),
     (review.reject, None),
+    (provenance.verify, None),
     (upkeep.gc_cmd, "gc"),
     (upkeep.doctor, None),
     (prepare.schema, None),
@@ -134,6 +143,9 @@ for callback, name in (
 del callback, name
 images_app.command("build")(prepare.images_build)
 policy_app.command("suggest")(policy.suggest)
+keys_app.command("init")(provenance.keys_init)
+keys_app.command("trust")(provenance.keys_trust)
+keys_app.command("ls")(provenance.keys_ls)
 
 
 def main() -> None:
