@@ -11,11 +11,12 @@ record and names every field that differs.
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..core.models import Policy, Record
+from ..core.models import Policy, Record, Task
 
 STATEMENT_TYPE = "https://in-toto.io/Statement/v1"
 RUN_TYPE = "https://fila.dev/provenance/run/v1"
@@ -30,6 +31,10 @@ class _Strict(BaseModel):
 class TaskFacts(_Strict):
     id: str = Field(description="the task's id: a statement is about this task only (no replay)")
     prompt_sha256: str = Field(description="sha256 of the prompt (TASK.md) as UTF-8")
+    task_sha256: str = Field(
+        description="sha256 of the whole task document (every field: command, options, limits, check...) "
+        "as canonical JSON, keys sorted"
+    )
     targets: list[str] = Field(description="the paths copied into the job, relative to the project")
     engine: str = Field(description="the engine the task named")
     model: str | None = Field(description="the model the task named, if any")
@@ -197,6 +202,7 @@ def facts(rec: Record) -> Facts:
         task=TaskFacts(
             id=rec.id,
             prompt_sha256=sha256(t.prompt.encode()),
+            task_sha256=task_digest(t),
             targets=list(t.targets),
             engine=t.engine,
             model=t.model,
@@ -234,6 +240,11 @@ def facts(rec: Record) -> Facts:
             credentials_replaced=sum(creds.counts.values()) if creds else 0,
         ),
     )
+
+
+def task_digest(task: Task) -> str:
+    doc = task.model_dump(mode="json", exclude_none=True)
+    return sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode())
 
 
 def limits(policy: Policy, rec: Record) -> Limits:
