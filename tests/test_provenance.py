@@ -278,3 +278,21 @@ def test_keys_init_keeps_its_key_and_refuses_a_key_others_can_read(root: Root) -
     res = fila(root, "apply", tid, "--yes")
     assert res.exit_code == 0, res.output  # the landing and decision stand; the statement is not signed
     assert "not signed" in res.output and "mode 644" in res.output, res.output
+
+
+def test_the_published_predicate_schema_is_the_models_and_accepts_what_fila_signs(root: Root) -> None:
+    import jsonschema
+
+    from fila.provenance.predicate import schema
+
+    published = json.loads(
+        (Path(__file__).resolve().parents[1] / "schemas" / "provenance.schema.json").read_text()
+    )
+    assert published == schema(), "schemas/provenance.schema.json is stale: `fila schema provenance > ...`"
+    assert json.loads(fila(root, "schema", "provenance").stdout) == published
+    tid = run_task(root)
+    assert apply(root, tid).exit_code == 0
+    for kind in ("run", "decision"):
+        jsonschema.validate(payload(store.path(root, tid, kind).read_bytes())["predicate"], published)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({"facts": {}}, published)
