@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "d9449473a9ef83cf3563dee8e7a158600a345519649d4979be5b843f8710d101"
+CLI_SHA256 = "5b2952657df202b47919047a26e71c2ecf7e42d20a57b473ffdfa2e393a9d690"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 

@@ -96,24 +96,18 @@ app = typer.Typer(
     rich_markup_mode=None,
     pretty_exceptions_enable=False,
 )
-images_app = typer.Typer(
-    cls=_Group, help="Build and list engine images.", no_args_is_help=True, rich_markup_mode=None
-)
-app.add_typer(images_app, name="images")
-policy_app = typer.Typer(
-    cls=_Group,
-    help="Learn, then lock: propose a policy from what runs did.",
-    no_args_is_help=True,
-    rich_markup_mode=None,
-)
-app.add_typer(policy_app, name="policy")
-keys_app = typer.Typer(
-    cls=_Group,
-    help="Signing keys and the trusted set of signed provenance (docs/provenance.md).",
-    no_args_is_help=True,
-    rich_markup_mode=None,
-)
-app.add_typer(keys_app, name="keys")
+
+
+def _sub_group(name: str, help: str) -> typer.Typer:
+    """A command group under `fila` (`fila images ...`), with the app's settings."""
+    sub = typer.Typer(cls=_Group, help=help, no_args_is_help=True, rich_markup_mode=None)
+    app.add_typer(sub, name=name)
+    return sub
+
+
+images_app = _sub_group("images", "Build and list engine images.")
+policy_app = _sub_group("policy", "Learn, then lock: propose a policy from what runs did.")
+keys_app = _sub_group("keys", "Signing keys and the trusted set of signed provenance (docs/provenance.md).")
 
 # Registration order is the order `fila --help` lists the commands in.
 for callback, name in (

@@ -33,7 +33,7 @@ TRUSTED = "trusted.json"
 MAX_KEY_FILE = 64 << 10
 
 
-class KeyError_(InvalidInput):
+class BadKey(InvalidInput):
     """A key file that does not read as an ed25519 key fila can use."""
 
 
@@ -71,19 +71,17 @@ def public_from(doc: Any, *, where: str) -> SSlibKey:
     """An ed25519 public key from its securesystemslib form; its keyid is computed, never taken
     from the file (a keyid that does not match its key is refused)."""
     if not isinstance(doc, dict):
-        raise KeyError_(f"{where} is not a public key (a JSON object is expected)")
+        raise BadKey(f"{where} is not a public key (a JSON object is expected)")
     body = {k: v for k, v in doc.items() if k != "keyid"}
     try:
         key = SSlibKey.from_dict(_keyid(body), dict(body))
     except (KeyError, ValueError, TypeError) as e:
-        raise KeyError_(f"{where} is not a public key fila reads: {e}") from None
+        raise BadKey(f"{where} is not a public key fila reads: {e}") from None
     if (key.keytype, key.scheme) != ("ed25519", "ed25519"):
-        raise KeyError_(
-            f"{where} is a {key.keytype}/{key.scheme} key; fila signs and trusts ed25519 keys only"
-        )
+        raise BadKey(f"{where} is a {key.keytype}/{key.scheme} key; fila signs and trusts ed25519 keys only")
     stated = doc.get("keyid")
     if stated is not None and stated != key.keyid:
-        raise KeyError_(f"{where} states keyid {stated}, but its key's keyid is {key.keyid}")
+        raise BadKey(f"{where} states keyid {stated}, but its key's keyid is {key.keyid}")
     return key
 
 
@@ -99,8 +97,8 @@ def _keyid(body: dict[str, Any]) -> str:
 
 
 def read_public(path: Path) -> SSlibKey:
-    raw = read_capped(path, cap=MAX_KEY_FILE, kind="public key", error=KeyError_)
-    return public_from(parse_json(raw, kind="public key", error=KeyError_, path=path), where=str(path))
+    raw = read_capped(path, cap=MAX_KEY_FILE, kind="public key", error=BadKey)
+    return public_from(parse_json(raw, kind="public key", error=BadKey, path=path), where=str(path))
 
 
 def init(root: Root) -> tuple[SSlibKey, bool]:
@@ -158,7 +156,7 @@ def signer_of(root: Root) -> CryptoSigner:
     try:
         return CryptoSigner(load_pem_private_key(data, password=None))
     except (ValueError, TypeError) as e:
-        raise KeyError_(f"the signing key is not an ed25519 PEM key: {e}", path=path) from None
+        raise BadKey(f"the signing key is not an ed25519 PEM key: {e}", path=path) from None
 
 
 def has_signer(root: Root) -> bool:
@@ -169,21 +167,21 @@ def trusted(root: Root) -> list[TrustedKey]:
     """The file queue's trusted set (`fila/keys/trusted.json`); empty when there is none."""
     path = keys_dir(root) / TRUSTED
     try:
-        raw = read_capped(path, cap=4 << 20, kind="trusted keys", error=KeyError_)
-    except KeyError_:
+        raw = read_capped(path, cap=4 << 20, kind="trusted keys", error=BadKey)
+    except BadKey:
         if not path.exists():
             return []
         raise
-    doc = parse_json(raw, kind="trusted keys", error=KeyError_, path=path)
+    doc = parse_json(raw, kind="trusted keys", error=BadKey, path=path)
     entries = doc.get("keys") if isinstance(doc, dict) else None
     if not isinstance(entries, list):
-        raise KeyError_("the trusted keys file has no `keys` list", path=path)
+        raise BadKey("the trusted keys file has no `keys` list", path=path)
     return [from_json(e, where=f"{path} entry {i + 1}") for i, e in enumerate(entries)]
 
 
 def from_json(entry: Any, *, where: str) -> TrustedKey:
     if not isinstance(entry, dict):
-        raise KeyError_(f"{where} is not an object")
+        raise BadKey(f"{where} is not an object")
     name = entry.get("name")
     added = entry.get("added_at")
     return TrustedKey(
@@ -213,9 +211,9 @@ def from_rows(rows: list[tuple[str, str, str, str]], *, where: str) -> list[Trus
     computed again and must be its row's."""
     out = []
     for keyid, name, text, added in rows:
-        doc = parse_json(text.encode(), kind="trusted key", error=KeyError_, path=where)
+        doc = parse_json(text.encode(), kind="trusted key", error=BadKey, path=where)
         key = public_from(doc, where=f"{where}, trusted key {keyid[:16]}")
         if key.keyid != keyid:
-            raise KeyError_(f"{where}: the trusted key row {keyid[:16]} holds key {key.keyid[:16]}")
+            raise BadKey(f"{where}: the trusted key row {keyid[:16]} holds key {key.keyid[:16]}")
         out.append(TrustedKey(key, name, added))
     return out
