@@ -239,6 +239,11 @@ def test_a_missing_statement_is_refused_once_keys_are_trusted_and_nothing_is_ask
     code, v = verify(signed, tid)
     assert code == 4 and "no run statement" in v["problems"][0], v
     assert apply(signed, tid).exit_code == 4
+    env = {**FAKE, "FILA_FAKE_DIR": str(tmp_path / "boxes")}
+    failed = fila(signed, "submit", "--engine", "shell", "--command", "exit 3", "--target", "greeting.txt")
+    fila(signed, "run", "--once", env=env)
+    code, v = verify(signed, failed.stdout.strip())
+    assert code == 1 and v["note"] == "the task never reached review", v
 
 
 def test_verify_with_no_queue_at_hand_checks_the_files_against_a_key(root: Root, tmp_path: Path) -> None:
@@ -273,6 +278,10 @@ def test_keys_init_keeps_its_key_and_refuses_a_key_others_can_read(root: Root) -
     tid = run_task(root)
     assert verify(root, tid)[0] == 0
     (keys.keys_dir(root) / keys.PRIVATE).chmod(0o644)
+    unsigned = run_task(root, "echo x >> other.txt", "other.txt")  # still reaches review, unsigned
+    said = [json.loads(line) for line in root.events_path(unsigned).read_text().splitlines()]
+    assert any(e["event"] == "provenance not signed" and "mode 644" in e["reason"] for e in said), said
+    assert verify(root, unsigned)[0] == 4
     res = fila(root, "apply", tid, "--yes")
     assert res.exit_code == 0, res.output  # the landing and decision stand; the statement is not signed
     assert "not signed" in res.output and "mode 644" in res.output, res.output

@@ -53,6 +53,7 @@ class Verdict:
     run: RunPredicate | None = None
     decision: DecisionPredicate | None = None
     signers: dict[str, str] = field(default_factory=dict)  # kind -> keyid
+    note: str | None = None  # why a task has nothing signed
 
     @property
     def ok(self) -> bool:
@@ -60,7 +61,7 @@ class Verdict:
 
     def summary(self) -> str:
         if self.state == "unsigned":
-            return "not signed (no trusted key on this queue: `fila keys init`)"
+            return f"not signed ({self.note})"
         if self.state == "verified":
             return "verified" + (" (run and decision)" if self.decision else " (run)")
         return "FAILED: " + "; ".join(self.problems)
@@ -72,6 +73,7 @@ class Verdict:
             "problems": self.problems,
             "proves": self.proves,
             "signed_by": self.signers,
+            "note": self.note,
             "run": self.run.model_dump(mode="json") if self.run else None,
             "decision": self.decision.model_dump(mode="json") if self.decision else None,
         }
@@ -82,8 +84,13 @@ def verify(ev: Evidence) -> Verdict:
     the verdict names everything that does not match."""
     v = Verdict(ev.task_id, "verified")
     if ev.run is None:
-        if not ev.trusted:
+        # A run that reached review closed its last attempt as a success; a failed one did not.
+        never = ev.record is not None and not any(a.outcome == "success" for a in ev.record.attempts)
+        if not ev.trusted or never:
             v.state = "unsigned"
+            v.note = (
+                "the task never reached review" if never else "no trusted key on this queue: `fila keys init`"
+            )
             return v
         v.problems.append(
             f"no run statement for task {ev.task_id} in {ev.where} (keys are trusted there, "
