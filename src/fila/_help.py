@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "5b2952657df202b47919047a26e71c2ecf7e42d20a57b473ffdfa2e393a9d690"
+CLI_SHA256 = "b2a7eaf0b428fab67bcc3897c80099ca45077fcb75f01ba49b7f18c78eebd33b"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 

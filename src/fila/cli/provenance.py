@@ -34,7 +34,7 @@ def keys_init(
     from ..provenance import keys
 
     r = Root.at(root).require()
-    key, made = keys.init(r)
+    key, made = keys.init(r, name=name)
     added = _trust_in_queue(queue_url, key, name) if queue_url else None
     pub = keys.keys_dir(r) / keys.PUBLIC
     if json_:

@@ -101,9 +101,10 @@ def read_public(path: Path) -> SSlibKey:
     return public_from(parse_json(raw, kind="public key", error=BadKey, path=path), where=str(path))
 
 
-def init(root: Root) -> tuple[SSlibKey, bool]:
+def init(root: Root, *, name: str | None = None) -> tuple[SSlibKey, bool]:
     """This root's signing key, made when it has none: (its public key, made now). The private
-    half is written 0600 and never replaced; the public key is added to the root's trusted set."""
+    half is written 0600 and never replaced; the public key is added to the root's trusted set
+    under `name` (default: user@host)."""
     d = keys_dir(root)
     d.mkdir(mode=0o700, exist_ok=True)
     made = False
@@ -114,7 +115,7 @@ def init(root: Root) -> tuple[SSlibKey, bool]:
             fsutil.atomic_write(d / PUBLIC, json.dumps(public_dict(signer.public_key), indent=2) + "\n")
     key = signer_of(root).public_key
     if made or key.keyid not in {k.keyid for k in trusted(root)}:
-        trust(root, key, name=default_name())
+        trust(root, key, name=name or default_name())
     return key, made
 
 
