@@ -81,6 +81,19 @@ def test_a_runners_key_signs_and_verifies_once_the_queue_trusts_it(
             key = SSlibKey.from_dict(key_doc.pop("keyid"), key_doc)
             assert list(Envelope.from_dict(doc).verify([key], 1)) == [key.keyid]
 
+        # Exported, the same files verify with no queue at hand, trusting the two public keys only.
+        out = tmp_path / "export"
+        res = fila("verify", "t1", "--queue", pg_url, "--export", str(out))
+        assert res.exit_code == 0, res.output
+        names = sorted(p.name for p in out.iterdir())
+        assert names == sorted(["DIFF.patch", "t1.run.json", "t1.decision.json",
+                                f"{runner_key.keyid}.pub.json", f"{alice_key.keyid}.pub.json"])  # fmt: skip
+        res = fila("verify", "--patch", str(out / "DIFF.patch"), "--attestation", str(out / "t1.run.json"),
+                   "--attestation", str(out / "t1.decision.json"),
+                   "--key", str(out / f"{runner_key.keyid}.pub.json"),
+                   "--key", str(out / f"{alice_key.keyid}.pub.json"))  # fmt: skip
+        assert res.exit_code == 0 and "verified (run and decision)" in res.output, res.output
+
         # t2 made the same DIFF.patch: its own statement verifies; t1's replayed for it does not.
         assert verify(pg_url, "t2")[0] == 0
         t1_run = q.blob(q.task_blobs("t1")[store.blob_name("run")])

@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "b2a7eaf0b428fab67bcc3897c80099ca45077fcb75f01ba49b7f18c78eebd33b"
+CLI_SHA256 = "e146ec53fc916a4508816522936c21eb2d08c97ef75c5e389a5207d51306ff57"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 

@@ -11,7 +11,7 @@ from ..core.layout import Root
 from .common import JsonOpt, QueueOpt, RootOpt, print_json, safe
 
 if TYPE_CHECKING:
-    from ..provenance.verify import Verdict
+    from ..provenance.verify import Evidence, Verdict
 
 NameOpt = Annotated[
     str | None,
@@ -122,6 +122,15 @@ def verify(
         list[Path] | None,
         typer.Option("--key", help="a trusted public key file, with --patch (repeat)", show_default=False),
     ] = None,
+    export: Annotated[
+        Path | None,
+        typer.Option(
+            "--export",
+            help="with ID: also write DIFF.patch, the statements and the signers' public keys to this "
+            "directory, for `fila verify --patch --attestation --key` where no queue is at hand",
+            show_default=False,
+        ),
+    ] = None,
     root: RootOpt = None,
     queue_url: QueueOpt = None,
     json_: JsonOpt = False,
@@ -140,7 +149,7 @@ def verify(
     from ..core.errors import InvalidInput
 
     if patch is not None or attestation or key:
-        if task_id is not None or queue_url or not (patch and attestation and key):
+        if task_id is not None or queue_url or export or not (patch and attestation and key):
             raise InvalidInput(
                 "give a task ID, or --patch, --attestation and --key together (no ID, no --queue)",
                 hint="fila verify ID [--queue URL]; fila verify --patch FILE --attestation FILE --key PUB",
@@ -150,17 +159,23 @@ def verify(
         raise InvalidInput(
             "no task given", hint="fila verify ID, or --patch FILE --attestation FILE --key PUB"
         )
-    elif queue_url:
-        from ..queue.pg.store import PgQueue
-
-        with PgQueue(queue_url) as db:
-            v = _verify_queued(db, task_id)
     else:
-        v = _verify_root(Root.at(root).require(), task_id)
+        from ..provenance.verify import verify as check
+
+        if queue_url:
+            from ..queue.pg.store import PgQueue
+
+            with PgQueue(queue_url) as db:
+                ev = _queued_evidence(db, task_id)
+        else:
+            ev = _root_evidence(Root.at(root).require(), task_id)
+        v = check(ev)
+        if export is not None:
+            _export(export, ev, v)
     _print(v, json_)
 
 
-def _verify_root(r: Root, task_id: str) -> Verdict:
+def _root_evidence(r: Root, task_id: str) -> Evidence:
     from ..provenance.sources import FileSource
     from ..queue.store import get_record
     from ..review import attested
@@ -172,15 +187,29 @@ def _verify_root(r: Root, task_id: str) -> Verdict:
             data = (r.path / rec.patch_path).read_bytes()
         except OSError:
             data = None
-    return attested.verdict(FileSource(r), rec, data)
+    return attested.evidence(FileSource(r), rec, data)
 
 
-def _verify_queued(db: Any, task_id: str) -> Verdict:
+def _queued_evidence(db: Any, task_id: str) -> Evidence:
     from ..provenance.remote import QueueSource
     from ..review import attested
 
     rec = db.get(task_id)
-    return attested.verdict(QueueSource(db), rec, db.named_blob(task_id, "DIFF.patch"))
+    return attested.evidence(QueueSource(db), rec, db.named_blob(task_id, "DIFF.patch"))
+
+
+def _export(dest: Path, ev: Evidence, v: Verdict) -> None:
+    import json
+
+    from ..provenance import keys, store
+
+    signers = {k.keyid: k for k in ev.trusted if k.keyid in v.signers.values()}
+    public = {i: (json.dumps(keys.public_dict(k.key), indent=2) + "\n").encode() for i, k in signers.items()}
+    assert ev.task_id is not None
+    for p in store.export(
+        dest, ev.task_id, patch=ev.patch, run=ev.run, decision=ev.decision, public_keys=public
+    ):
+        typer.echo(safe(f"wrote {p}"), err=True)
 
 
 def _verify_files(patch: Path, attestations: list[Path], key_files: list[Path]) -> Verdict:

@@ -65,7 +65,12 @@ def decision_envelope(rec: Record, run: bytes, signer: Signer, *, base: Base | N
     if d is None or d.action not in ("applied", "rejected"):
         raise ValueError(f"task {rec.id} has no apply or reject to sign")
     env, stmt = envelope.read(run, where=f"task {rec.id}'s run statement")
-    digest = stmt["subject"][0]["digest"]["sha256"]
+    try:
+        digest = stmt["subject"][0]["digest"]["sha256"]
+    except (KeyError, IndexError, TypeError):
+        raise ValueError(f"task {rec.id}'s run statement names no DIFF.patch digest") from None
+    if not isinstance(digest, str):
+        raise ValueError(f"task {rec.id}'s run statement names no DIFF.patch digest")
     pred = DecisionPredicate(
         task_id=rec.id,
         action=d.action,

@@ -35,3 +35,23 @@ def read(root: Root, task_id: str, kind: Kind) -> bytes | None:
     with contextlib.suppress(FileNotFoundError):
         return path(root, task_id, kind).read_bytes()
     return None
+
+
+def export(dest: Path, task_id: str, *, patch: bytes | None, run: bytes | None, decision: bytes | None,
+           public_keys: dict[str, bytes]) -> list[Path]:  # fmt: skip
+    """What `fila verify --patch --attestation --key` reads, written to `dest` (made when
+    missing): DIFF.patch, `<id>.run.json`, `<id>.decision.json` and each signer's public key as
+    `<keyid>.pub.json`; the paths written."""
+    dest.mkdir(parents=True, exist_ok=True)
+    written = []
+    files = {
+        "DIFF.patch": patch,
+        f"{check_id(task_id)}.run.json": run,
+        f"{check_id(task_id)}.decision.json": decision,
+        **{f"{keyid}.pub.json": data for keyid, data in public_keys.items()},
+    }
+    for name, data in files.items():
+        if data is not None:
+            fsutil.atomic_write(dest / name, data)
+            written.append(dest / name)
+    return written
