@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "e146ec53fc916a4508816522936c21eb2d08c97ef75c5e389a5207d51306ff57"
+CLI_SHA256 = "a4884f58e51763c2fb91f657df1a824135e9949ab27f7e157ea1d4c5742f8985"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 

@@ -238,6 +238,8 @@ def _print(v: Verdict, json_: bool) -> None:
         typer.echo(
             safe(f"provenance of task {v.task_id or (v.run.facts.task.id if v.run else '?')}: {v.summary()}")
         )
+        if v.state == "failed" and v.proves:
+            typer.echo("  what the statements say (not proven: the checks above failed):")
         if v.state != "unsigned":
             for line in v.proves:
                 typer.echo(safe(f"  {line}"))
