@@ -57,6 +57,8 @@ def test_the_cycle_case_runs_through_the_fake_backend_without_docker(tmp_path: P
     from bench.cycle_fake import measure as cycle_measure
 
     rows = cycle_measure(tmp_path, n=3, reps=1)
-    assert [r.case.split(",")[0] for r in rows] == ["cycle via FakeBackend"] * 2
+    assert [r.case.split(",")[0] for r in rows] == ["cycle via FakeBackend"] * 3 + [
+        "verify one task's provenance (record"
+    ]
     assert all(r.fila and r.fila > 0 and r.base is None for r in rows)
     assert list(tmp_path.iterdir()) == []

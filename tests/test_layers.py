@@ -22,6 +22,7 @@ LAYERS = [
     ("engines",),
     ("sandbox",),
     ("env",),
+    ("provenance",),
     ("review",),
     ("recovery",),
     ("run",),

@@ -63,13 +63,20 @@ def test_migrate_creates_the_schema_once_and_refuses_a_newer_one(pg_cluster: Any
     url = pg_cluster.new_database()
     assert migrate.migrate(url) == (0, migrate.latest())
     assert migrate.migrate(url) == (migrate.latest(), migrate.latest())  # a no-op
-    assert sql(url, "SELECT version FROM fila_schema ORDER BY version") == [(1,), (2,), (3,), (4,), (5,)]
+    assert sql(url, "SELECT version FROM fila_schema ORDER BY version") == [
+        (1,),
+        (2,),
+        (3,),
+        (4,),
+        (5,),
+        (6,),
+    ]
     with PgQueue(url) as queue:  # the allowed counterpart: the schema this fila knows
         queue.enqueue("t1", task())
     sql(url, "INSERT INTO fila_schema (version, name) VALUES (%s, 'from_the_future')", migrate.latest() + 1)
     with pytest.raises(SchemaMismatch) as err:
         migrate.migrate(url)
-    assert f"schema version {migrate.latest() + 1}" in str(err.value) and "up to 5" in str(err.value)
+    assert f"schema version {migrate.latest() + 1}" in str(err.value) and "up to 6" in str(err.value)
     assert "upgrade fila" in (err.value.hint or "") and err.value.exit_code == 4
     with pytest.raises(SchemaMismatch):
         PgQueue(url)
@@ -88,7 +95,7 @@ def test_runners_migrating_together_apply_each_migration_once(pg_cluster: Any) -
         t.start()
     for t in threads:
         t.join(30)
-    assert len(results) == 4 and {after for _, after in results} == {5}
+    assert len(results) == 4 and {after for _, after in results} == {6}
     assert [before for before, _ in results].count(0) == 1  # one created it, the others found it
     assert sql(url, "SELECT version, name FROM fila_schema ORDER BY version") == [
         (1, "init"),
@@ -96,6 +103,7 @@ def test_runners_migrating_together_apply_each_migration_once(pg_cluster: Any) -
         (3, "runners"),
         (4, "append_only_and_runner_policies"),
         (5, "breaker"),
+        (6, "trusted_keys"),
     ]
 
 
@@ -673,9 +681,9 @@ def test_a_database_at_schema_version_1_upgrades_with_its_tasks(pg_cluster: Any)
     )
     sql(url, "INSERT INTO fila_records (id, record) VALUES ('t1', %s)",
         json.dumps({"id": "t1", "status": "queued", "task": doc}))  # fmt: skip
-    with pytest.raises(SchemaMismatch, match="fila needs 5"):
+    with pytest.raises(SchemaMismatch, match="fila needs 6"):
         PgQueue(url)
-    assert migrate.migrate(url) == (1, 5)
+    assert migrate.migrate(url) == (1, 6)
     with PgQueue(url) as queue:
         assert queue.get("t1").status == S.queued
 
@@ -810,14 +818,14 @@ def test_fila_queue_init_creates_then_reports_and_refuses_a_newer_schema(
     url = pg_cluster.new_database()
     res = fila(tmp_path, "queue", "init", "--queue", url)
     assert res.exit_code == 0, res.output
-    assert "created the queue schema, version 5," in res.stdout and "postgres@" in res.stdout
+    assert "created the queue schema, version 6," in res.stdout and "postgres@" in res.stdout
     res = fila(tmp_path, "queue", "init", "--queue", url, "--json")
     assert res.exit_code == 0, res.output
     doc = json.loads(res.stdout)
-    assert (doc["schema"], doc["version_before"], doc["version"]) == ("current", 5, 5)
-    sql(url, "INSERT INTO fila_schema (version, name) VALUES (6, 'from_the_future')")
+    assert (doc["schema"], doc["version_before"], doc["version"]) == ("current", 6, 6)
+    sql(url, "INSERT INTO fila_schema (version, name) VALUES (7, 'from_the_future')")
     res = fila(tmp_path, "queue", "init", "--queue", url)
-    assert res.exit_code == 4 and "schema version 6" in res.output and "upgrade fila" in res.output
+    assert res.exit_code == 4 and "schema version 7" in res.output and "upgrade fila" in res.output
     res = fila(
         tmp_path, "queue", "init", "--queue", url.replace("user=postgres", "user=postgres&password=pw9")
     )

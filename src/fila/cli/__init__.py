@@ -2,8 +2,9 @@
 
 This module holds the app, the one error handler and the list of commands; the commands live by
 role in `tasks` (submit, run, worker), `review` (the gate), `upkeep` (recovery, status, doctor,
-gc), `prepare` (init, images, schema) and `policy` (policy suggest), with what they share in
-`common` and the lazy build in `lazy` (docs/architecture.md, layers).
+gc), `prepare` (init, images, schema), `policy` (policy suggest) and `provenance` (keys,
+verify), with what they share in `common` and the lazy build in `lazy` (docs/architecture.md,
+layers).
 
 Errors are caught in one place (`_Group.invoke`, below): a `FilaError` prints what failed and what to do
 next, and exits with its code. Exit codes (also in `fila --help` and the README):
@@ -27,7 +28,7 @@ import typer
 from typer.core import TyperGroup
 
 from ..core.errors import EXIT_INTERRUPTED, FilaError
-from . import env, policy, prepare, review, tasks, upkeep
+from . import env, policy, prepare, provenance, review, tasks, upkeep
 from .common import safe
 from .lazy import Commands, lazy_command
 
@@ -95,24 +96,21 @@ app = typer.Typer(
     rich_markup_mode=None,
     pretty_exceptions_enable=False,
 )
-images_app = typer.Typer(
-    cls=_Group, help="Build and list engine images.", no_args_is_help=True, rich_markup_mode=None
+
+
+def _sub_group(name: str, help: str) -> typer.Typer:
+    """A command group under `fila` (`fila images ...`), with the app's settings."""
+    sub = typer.Typer(cls=_Group, help=help, no_args_is_help=True, rich_markup_mode=None)
+    app.add_typer(sub, name=name)
+    return sub
+
+
+images_app = _sub_group("images", "Build and list engine images.")
+policy_app = _sub_group("policy", "Learn, then lock: propose a policy from what runs did.")
+keys_app = _sub_group("keys", "Signing keys and the trusted set of signed provenance (docs/provenance.md).")
+env_app = _sub_group(
+    "env", "The project's environment: its toolchain, built once per key (docs/environments.md)."
 )
-app.add_typer(images_app, name="images")
-policy_app = typer.Typer(
-    cls=_Group,
-    help="Learn, then lock: propose a policy from what runs did.",
-    no_args_is_help=True,
-    rich_markup_mode=None,
-)
-app.add_typer(policy_app, name="policy")
-env_app = typer.Typer(
-    cls=_Group,
-    help="The project's environment: its toolchain, built once per key (docs/environments.md).",
-    no_args_is_help=True,
-    rich_markup_mode=None,
-)
-app.add_typer(env_app, name="env")
 
 # Registration order is the order `fila --help` lists the commands in.
 for callback, name in (
@@ -133,6 +131,7 @@ for callback, name in (
     (review.apply_cmd, "apply"),
     (review.compare, None),
     (review.reject, None),
+    (provenance.verify, None),
     (upkeep.gc_cmd, "gc"),
     (upkeep.doctor, None),
     (prepare.schema, None),
@@ -145,6 +144,9 @@ env_app.command("build")(env.build)
 env_app.command("ls")(env.ls)
 env_app.command("rm")(env.rm)
 env_app.command("gc")(env.gc)
+keys_app.command("init")(provenance.keys_init)
+keys_app.command("trust")(provenance.keys_trust)
+keys_app.command("ls")(provenance.keys_ls)
 
 
 def main() -> None:

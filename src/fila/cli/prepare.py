@@ -40,12 +40,19 @@ def init(
 
 
 def schema(
-    kind: Annotated[str, typer.Argument(help="task, policy, record or environment")],
+    kind: Annotated[str, typer.Argument(help="task, policy, record, environment or provenance")],
     root: RootOpt = None,
 ) -> None:
-    """Print the JSON Schema of a file format (the one fila validates against). The formats are
-    fila's, not a queue root's: --root is accepted, like every command's, and changes nothing."""
+    """Print the JSON Schema of a file format (the one fila validates against); provenance: the
+    predicates of fila's signed statements (docs/provenance.md). The formats are fila's, not a
+    queue root's: --root is accepted, like every command's, and changes nothing."""
     from ..core.errors import InvalidInput
+
+    if kind == "provenance":
+        from ..provenance.predicate import schema as provenance_schema
+
+        typer.echo(json.dumps(provenance_schema(), indent=2))
+        return
     from ..core.models import schema_for
 
     if kind == "environment":  # fila-environment.json (docs/environments.md)
@@ -54,7 +61,9 @@ def schema(
         typer.echo(json.dumps(EnvSpec.model_json_schema(), indent=2))
         return
     if kind not in ("task", "policy", "record"):
-        raise InvalidInput(f"unknown schema {kind!r}", hint="choose task, policy, record or environment")
+        raise InvalidInput(
+            f"unknown schema {kind!r}", hint="choose task, policy, record, environment or provenance"
+        )
     typer.echo(json.dumps(schema_for(kind), indent=2))
 
 

@@ -395,6 +395,7 @@ def _print_applied(task_id: str, res: Any, json_: bool) -> None:
                 "superseded": res.superseded,
                 "not_superseded": res.undecided,
                 "credential_markers": res.credential_markers,
+                "provenance": res.provenance,
             }
         )
         return
@@ -414,6 +415,8 @@ def _print_applied(task_id: str, res: Any, json_: bool) -> None:
     ):
         for name in names:
             typer.echo(f"  {kind:<8} {safe(name)}")
+    if res.provenance:
+        typer.echo(f"  {safe(res.provenance)}")
     for name in res.credential_markers:  # a warning, on stderr like the others
         to_stderr(
             f"fila: warning: {name} landed with fila's marker where the engine had put a known "
@@ -472,7 +475,7 @@ def reject(
         from ..review.remote import reject_queued
 
         with PgQueue(queue_url) as db:
-            rec = reject_queued(db, task_id, by=by, reason=reason)
+            rec = reject_queued(db, task_id, by=by, reason=reason, root=Root.at(root))
     else:
         rec = do_reject(Root.at(root), task_id, by=by, reason=reason)
     d = rec.decision

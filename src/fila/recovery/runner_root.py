@@ -73,7 +73,7 @@ def marked(root: Root) -> bool:
 # What a runner's root holds that a project could make a link, or another user's (a checkout
 # carries symlinks): each checked from the root's directory, never through a link (`prepare`).
 CHECKED = ("fila", "fila/state", "fila/in", "fila/out", "fila/run", "fila/logs", "fila/rejected",
-           "sandbox", "sandbox/jobs", "sandbox/meta", "sandbox/spares", "policies")  # fmt: skip
+           "fila/keys", "sandbox", "sandbox/jobs", "sandbox/meta", "sandbox/spares", "policies")  # fmt: skip
 
 
 def prepare(root: Root) -> Path:
@@ -132,8 +132,9 @@ def check_root(root: Root) -> None:
             )
         for rel in CHECKED:
             # fila/state/ holds the recovery lock: one another user can open (an earlier fila made
-            # it 0644), it can flock and hold, so nobody else reaches that directory at all.
-            _own_dir(top, root.path, rel, 0o077 if rel == "fila/state" else 0o022)
+            # it 0644), it can flock and hold, so nobody else reaches that directory at all; nor
+            # fila/keys/, the host's signing key (docs/provenance.md).
+            _own_dir(top, root.path, rel, 0o077 if rel in ("fila/state", "fila/keys") else 0o022)
     finally:
         os.close(top)
 

@@ -52,7 +52,7 @@ from ..workspace import jobdir, overlay, secretscan
 from ..workspace.fswalk import escape_name, walk
 from ..workspace.hardgit import Git, tail
 from ..workspace.safedir import ABSENT, SafeDir, State
-from . import decision, landing, patch
+from . import attested, decision, landing, patch
 from .landing import refuse
 
 # On top of hardgit's (hooks, fsmonitor, attributes): how apply writes files.
@@ -78,6 +78,7 @@ class Applied:
     superseded: list[str] = field(default_factory=list)  # the group's other members (review/groups.py)
     credential_markers: list[str] = field(default_factory=list)  # files landed with the marker
     undecided: list[str] = field(default_factory=list)  # members still queued or running
+    provenance: str | None = None  # the decision statement signed, or why not (docs/provenance.md)
 
 
 def apply(root: Root, task_id: str, *, by: str | None = None, reason: str | None = None,
@@ -125,6 +126,7 @@ def _apply_one(root: Root, task_id: str, *, by: str | None, reason: str | None,
         decision.check_undecided(rec, "apply")
         policy = patch.policy_for(root, rec)
         data = patch.read_reviewed(root, rec, policy)
+        attested.check_before_apply(book.source(root), rec, data)
         staging = root.meta(task_id) / "apply"
         marker = landing.read_marker(root, task_id)
         if marker is not None:
@@ -168,9 +170,10 @@ def _apply_one(root: Root, task_id: str, *, by: str | None, reason: str | None,
             raise
         new = _decide(root, task_id, book, who, why)
         landing.clear(root, task_id)
+        signed = attested.sign_decision(root, book.source(root), new, project=project, merged=plan.merged)
         return Applied(new, project, written, deleted, [escape_name(p) for p in plan.merged],
                        [escape_name(p) for p in plan.moved_untouched],
-                       credential_markers=plan.markers)  # fmt: skip
+                       credential_markers=plan.markers, provenance=signed)  # fmt: skip
 
 
 def _decide(root: Root, tid: str, book: decision.Book, who: str, why: str | None) -> Record:
@@ -537,7 +540,9 @@ def _resume(root: Root, rec: Record, marker: dict[str, Any], staging: Path, who:
     new = _decide(root, tid, book, who, why)
     landing.clear(root, tid)
     merged = [escape_name(p) for p in marker.get("merged", [])]
-    return Applied(new, project, written, deleted, merged, [], resumed=True)
+    signed = attested.sign_decision(root, book.source(root), new, project=project,
+                                    merged=marker.get("merged", []))  # fmt: skip
+    return Applied(new, project, written, deleted, merged, [], resumed=True, provenance=signed)
 
 
 # git, with nothing of the host's or the project's configuration ------------------------------

@@ -18,6 +18,7 @@ from ..core.errors import InvalidInput, InvalidTransition
 from ..core.fsutil import file_lock
 from ..core.layout import Root
 from ..core.models import Decision, Record, Status, now_iso
+from ..provenance.sources import FileSource, Source
 from ..queue import store as queue
 
 DECIDABLE = {"apply": {Status.needs_review},
@@ -114,6 +115,8 @@ class Book(Protocol):
     def decide(self, root: Root, task_id: str, action: str, *, by: str, reason: str | None,
                expect: set[Status]) -> Record: ...  # fmt: skip
 
+    def source(self, root: Root) -> Source: ...
+
 
 class FileBook:
     """The file queue under the root: its records, its event logs, `record` for the decision."""
@@ -128,6 +131,10 @@ class FileBook:
                expect: set[Status]) -> Record:  # fmt: skip
         return record(root, task_id, action, by=by, reason=reason, expect=expect)
 
+    def source(self, root: Root) -> Source:
+        """Where the task's statements and the trusted keys are (docs/provenance.md)."""
+        return FileSource(root)
+
 
 FILE = FileBook()
 
@@ -135,7 +142,7 @@ FILE = FileBook()
 def reject(root: Root, task_id: str, *, by: str | None = None, reason: str | None = None) -> Record:
     """Reject a task that is ready for review, failed or needs a person. Writes nothing in the
     project; the job directory stays until `fila gc`."""
-    from . import landing
+    from . import attested, landing
 
     who, why = decider(by), check_reason(reason)
     queue.get_record(root.require(), task_id)  # NotFound before any lock file is made
@@ -143,4 +150,6 @@ def reject(root: Root, task_id: str, *, by: str | None = None, reason: str | Non
         rec = queue.get_record(root, task_id)
         check_undecided(rec, "reject")
         landing.forget_untouched_interrupted(root, task_id)
-        return record(root, task_id, "reject", by=who, reason=why, expect=DECIDABLE["reject"])
+        rec = record(root, task_id, "reject", by=who, reason=why, expect=DECIDABLE["reject"])
+    attested.sign_decision(root, FileSource(root), rec)
+    return rec

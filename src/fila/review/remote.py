@@ -31,6 +31,7 @@ from ..core.errors import FilaError, InvalidId, InvalidInput, InvalidTransition,
 from ..core.layout import Root
 from ..core.models import Decision, Record, Status, now_iso
 from ..core.states import valid_id
+from ..provenance.remote import QueueSource
 from ..queue.pg.groups import GroupDecision
 from ..queue.pg.inputs import check_limits, read_manifest, unpack
 from ..queue.pg.store import INPUTS, PgQueue
@@ -38,7 +39,7 @@ from ..queue.records import check_group, superseded_by
 from ..workspace import jobdir
 from ..workspace.fswalk import escape_name
 from ..workspace.safedir import SafeDir
-from . import decision, groups, landing, patch, report
+from . import attested, decision, groups, landing, patch, report
 from .apply import Applied, apply, patch_git, rolled_back
 
 # Written last when the copy is complete: a job directory without it is not this module's.
@@ -86,8 +87,9 @@ def review_queued(root: Root, db: PgQueue, task_id: str) -> report.Review:
     here = (root.path / "fila").is_dir()
     project = str(root.path) if here else "(the queue root `fila apply --queue` runs from)"
     note = patch.policy_note(root, rec)
-    return report.of(rec, patch.policy_for(root, rec), data, project, root=root if here else None,
-                     notes=[note] if note else None, project_dir=root.path if here else None)  # fmt: skip
+    rv = report.of(rec, patch.policy_for(root, rec), data, project, root=root if here else None,
+                   notes=[note] if note else None, project_dir=root.path if here else None)  # fmt: skip
+    return report.with_provenance(rv, QueueSource(db))
 
 
 def review_html(root: Root, db: PgQueue, task_id: str, rv: report.Review, out: Path | None) -> Path:
@@ -151,6 +153,10 @@ class QueueBook:
             decision.check_undecided(self.db.get(task_id), action)
             raise
         return self.group.record
+
+    def source(self, root: Root) -> QueueSource:
+        """The task's statements and the trusted keys in the database (docs/provenance.md)."""
+        return QueueSource(self.db)
 
 
 def queued_members(db: PgQueue, group: str) -> list[Record]:
@@ -254,11 +260,16 @@ def _finish(root: Root, db: PgQueue, rec: Record, marker: dict[str, Any]) -> App
     return res
 
 
-def reject_queued(db: PgQueue, task_id: str, *, by: str | None, reason: str | None) -> Record:
-    """`fila reject ID --queue URL`: the decision in the database, once for everyone."""
+def reject_queued(db: PgQueue, task_id: str, *, by: str | None, reason: str | None,
+                  root: Root | None = None) -> Record:  # fmt: skip
+    """`fila reject ID --queue URL`: the decision in the database, once for everyone; its
+    statement signed with the key of `root` (the reviewer's) when it has one."""
     who, why = decision.decider(by), decision.check_reason(reason)
     decision.check_undecided(db.get(task_id), "reject")
-    return decide(db, task_id, "reject", by=who, reason=why)
+    rec = decide(db, task_id, "reject", by=who, reason=why)
+    if root is not None:
+        attested.sign_decision(root, QueueSource(db), rec)
+    return rec
 
 
 def _lay_out(root: Root, db: PgQueue, rec: Record) -> None:

@@ -20,16 +20,20 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..core import fsutil
-from ..core.errors import NotFound
+from ..core.errors import FilaError, NotFound
 from ..core.layout import Root
 from ..core.models import EgressRecord, Policy, Record, Status, now_iso
 from ..egress import config as egress
+from ..provenance.sources import FileSource, Source
 from ..workspace import jobdir
 from ..workspace.fswalk import escape_name, inert
 from . import patch
+
+if TYPE_CHECKING:
+    from ..provenance.verify import Verdict
 
 LOG_TAIL_BYTES = 32 << 10
 _CI_DIRS = {".github", ".gitlab", ".circleci", ".buildkite", ".woodpecker", ".ci", ".azure-pipelines"}
@@ -127,6 +131,19 @@ class Review:
     parse_error: str | None = None
     warnings: list[str] = field(default_factory=list)
     project: str = ""  # where apply writes: shown first, escaped
+    provenance: Verdict | None = None  # the statements checked (docs/provenance.md); None: not asked
+    provenance_error: str | None = None  # why they could not be checked at all
+
+
+def with_provenance(rv: Review, source: Source) -> Review:
+    """`rv` with its task's statements checked against `source` (its queue)."""
+    from . import attested
+
+    try:
+        rv.provenance = attested.verdict(source, rv.record, rv.data)
+    except FilaError as e:
+        rv.provenance_error = e.message
+    return rv
 
 
 def project_path(root: Root, rec: Record) -> str:
@@ -155,7 +172,8 @@ def load(root: Root, task_id: str) -> Review:
                 raise
             gone.append("DIFF.patch is gone: `fila gc` removed the decided job's directory")
     note = patch.policy_note(root, rec)
-    return of(rec, policy, data, project_path(root, rec), root=root, notes=[*gone, *([note] if note else [])])
+    rv = of(rec, policy, data, project_path(root, rec), root=root, notes=[*gone, *([note] if note else [])])
+    return with_provenance(rv, FileSource(root))
 
 
 def of(rec: Record, policy: Policy, data: bytes | None, project: str, *, root: Root | None,
@@ -297,6 +315,10 @@ def summary_lines(rv: Review) -> list[str]:
         d = rec.decision
         lines.append(f"decision  {d.action} by {inert(d.by)} at {d.at}"
                      + (f": {inert(d.reason)}" if d.reason else ""))  # fmt: skip
+    if rv.provenance is not None:
+        lines.append(f"provenance {inert(rv.provenance.summary())}")
+    elif rv.provenance_error is not None:
+        lines.append(f"provenance cannot be checked: {inert(rv.provenance_error)}")
     return lines
 
 
@@ -430,6 +452,9 @@ def to_json(rv: Review) -> dict[str, Any]:
                    "binary": f.binary} for f in files],
         "egress": rv.record.egress.model_dump(mode="json") if rv.record.egress else None,
         "record": rv.record.model_dump(mode="json"),
+        "provenance": rv.provenance.to_json() if rv.provenance is not None
+                      else {"state": "error", "problems": [rv.provenance_error]} if rv.provenance_error
+                      else None,
     }  # fmt: skip
 
 

@@ -241,7 +241,10 @@ def run_engines(
                 | _ran(result, outcome, ran_on, root.log_path(tid).relative_to(root.path))
             )
         if outcome.kind == "success":
-            return run.finish(Status.needs_review, attempts=attempts, error=None, **common)
+            done = run.finish(Status.needs_review, attempts=attempts, error=None, **common)
+            if done is not None:
+                run.attest(done, checked.policy)
+            return done
         return run.finish(
             Status.failed,
             attempts=attempts,

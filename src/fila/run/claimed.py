@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.errors import FilaError, InfraError
 from ..core.faults import crash_point
 from ..core.layout import Root
-from ..core.models import ErrorInfo, ErrorKind, Record, Status
+from ..core.models import ErrorInfo, ErrorKind, Policy, Record, Status
 from ..queue import retry
 from ..queue import store as queue
 
@@ -219,6 +219,18 @@ class JobRun:
             # (printed by `run --once --json`) does.
             rec.timings["record"] = round(time.monotonic() - t, 3)
         return rec
+
+    def attest(self, rec: Record, policy: Policy) -> None:
+        """The run statement of a task that reached review, signed with the root's key when it
+        has one (docs/provenance.md). A statement that cannot be made leaves the task in review,
+        with the reason in its events: `fila verify` and `fila apply` then name it missing."""
+        from ..provenance import attest
+
+        try:
+            attest.on_review(self.root, rec, policy)
+        except (FilaError, OSError, ValueError) as e:
+            queue.log_event(self.root, self.tid, "provenance not signed", reason=str(e))
+            self.progress(f"{self.tid}: provenance not signed: {e}")
 
     def requeue(self, err: BaseException, *, outcome: str) -> Record | None:
         """Before the container started: back to the queue. `requeued` (an infrastructure error)

@@ -71,6 +71,8 @@ from .remote_publish import give_back, hand_back, publish, refuse
 from .slots import RECOVER_EVERY_S, Slot, SlotLoop
 
 if TYPE_CHECKING:
+    from securesystemslib.signer import Signer
+
     from ..sandbox import Backend
 
 LEASE_S = 30.0  # a claim's lease on the database's clock; renewed every LEASE_S / 3
@@ -133,6 +135,7 @@ class RemoteWorker(SlotLoop[Slot]):
         self.claiming: list[str] = []  # the engines it claims (set at start; rebound, never mutated)
         self.takes_lock = threading.Lock()  # a policy or engine left out by one job at a time
         self.own_policies: set[str] = set()  # names whose file is in the root's policies/ (at start)
+        self.signer: Signer | None = None  # this host's signing key (run statements), read at start
         self.lease_s, self.poll_s, self.keep = lease_s, poll_s, keep
         self.kept: set[str] = set()  # job roots this runner kept, for its own recovery pass
         self.recover_every_s = recover_every_s
@@ -164,6 +167,11 @@ class RemoteWorker(SlotLoop[Slot]):
         # The policies whose file is this root's own: never run under fila's shipped file of the
         # name if that file goes (run_lease).
         self.own_policies = {p.stem for p in self.root.policies_dir.glob("*.json")}
+        # This host's own key signs the run statements of the tasks it runs (docs/provenance.md);
+        # one that cannot be read stops the runner before a claim, never a task after its run.
+        from ..provenance import keys
+
+        self.signer = keys.signer_of(self.root) if keys.has_signer(self.root) else None
         if self.policies is None:  # what it can run, not "any": a task of another policy stays queued
             self.policies = usable_policies(self.root, self.backend, self.progress)
             if not self.policies:
@@ -529,7 +537,7 @@ class RemoteWorker(SlotLoop[Slot]):
                 self.progress(f"{tid}: lease lost; nothing published")
                 return None
             try:
-                return publish(q, lease, jr, manifest, rec, self.progress)
+                return publish(q, lease, jr, manifest, rec, self.progress, signer=self.signer)
             except Refused as e:  # its record changed outside fila meanwhile: a person's to decide
                 self.progress(f"{tid}: {e}; nothing published")
                 return None

@@ -16,7 +16,7 @@ import os
 import re
 from collections.abc import Callable
 from enum import Enum
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import BaseModel
 
@@ -29,6 +29,9 @@ from ..queue.pg.records import RESULT_FIELDS, on_db_clock
 from ..queue.pg.store import INPUTS, OUTCOMES, Lease, PgQueue
 from ..queue.retry import INFRA
 from ..recovery.runner_root import JOBS
+
+if TYPE_CHECKING:
+    from securesystemslib.signer import Signer
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -162,11 +165,20 @@ def give_back(q: PgQueue, lease: Lease, jr: Root, message: str) -> None:
 
 
 def publish(
-    q: PgQueue, lease: Lease, jr: Root, manifest: bytes, rec: Record, progress: Callable[[str], None]
+    q: PgQueue,
+    lease: Lease,
+    jr: Root,
+    manifest: bytes,
+    rec: Record,
+    progress: Callable[[str], None],
+    *,
+    signer: Signer | None = None,
 ) -> Record | None:
     """The local record `rec` of job root `jr` published under the lease's token (None: the
     lease was lost first, nothing written), or handed back when the run path left it queued.
-    Every string of the record and the events blob's text are redacted (`Redact`)."""
+    Every string of the record and the events blob's text are redacted (`Redact`). A task in
+    review gets its run statement, signed by `signer` (the runner host's key) over the redacted
+    record, as the blob `provenance.run.json` in the same publish (docs/provenance.md)."""
     tid = lease.task_id
     redact = Redact(jr, tid)
     if rec.status == Status.queued:  # handed back before its container started
@@ -190,6 +202,11 @@ def publish(
             fields.pop(key, None)
     if jr.events_path(tid).is_file():
         blobs.append(Blob.of("events.jsonl", redact.jsonl(jr.events_path(tid).read_bytes())))
+    if signer is not None and rec.status == Status.needs_review:
+        try:
+            blobs.append(_run_statement(jr, rec, signer, blobs, host=lease.runner))
+        except (FilaError, OSError, ValueError) as e:
+            progress(f"{tid}: provenance not signed: {e}")
     ran = [
         a.model_copy(
             update={"log_path": "log" if i == len(rec.attempts) - 1 and "log_path" in fields else None}
@@ -204,3 +221,27 @@ def publish(
     if out is None:
         progress(f"{tid}: the lease was lost before the publish; the result is discarded")
     return out
+
+
+def _run_statement(jr: Root, rec: Record, signer: Signer, blobs: list[Blob], *, host: str) -> Blob:
+    """The run statement of `rec` (redacted) over the blobs about to be published. One that
+    cannot be made (ValueError, FilaError, OSError) leaves the task in review without it, and
+    verification names it missing."""
+    from ..provenance import attest, store
+    from ..queue.policy import load_policy
+
+    named = {b.name: b.data for b in blobs}
+    if "DIFF.patch" not in named:
+        raise ValueError("the job left no DIFF.patch to sign")
+    policy = None
+    with contextlib.suppress(FilaError, OSError):
+        pol, ref = load_policy(jr, rec.policy.name) if rec.policy else (None, None)
+        policy = pol if ref is not None and ref.sha256 == rec.policy.sha256 else None
+    check_log = None
+    if rec.check is not None and rec.check.log_path:
+        with contextlib.suppress(OSError):
+            check_log = (jr.path / rec.check.log_path).read_bytes()
+    data = attest.run_envelope(rec, signer, patch=named["DIFF.patch"], inputs=named.get(INPUTS),
+                               log=named.get("log"), check_log=check_log, policy=policy, host=host,
+                               queue="postgresql")  # fmt: skip
+    return Blob.of(store.blob_name("run"), data)

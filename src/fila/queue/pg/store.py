@@ -60,6 +60,7 @@ from .blobs import Blob
 from .breaker import PgBreaker
 from .db import CHANNEL, retryable
 from .groups import PgGroups
+from .keys import PgKeys
 from .runners import PgRunners
 
 S = Status
@@ -122,7 +123,7 @@ def _seconds(value: float) -> timedelta:
     return timedelta(seconds=value)
 
 
-class PgQueue(PgGroups, PgBreaker, PgRunners):
+class PgQueue(PgGroups, PgBreaker, PgRunners, PgKeys):
     """One queue database, shared by this process's threads: the operations that change it."""
 
     # -- submit ---------------------------------------------------------------------------------
