@@ -27,7 +27,7 @@ import typer
 from typer.core import TyperGroup
 
 from ..core.errors import EXIT_INTERRUPTED, FilaError
-from . import policy, prepare, review, tasks, upkeep
+from . import policy, prepare, review, serve, tasks, upkeep
 from .common import safe
 from .lazy import Commands, lazy_command
 
@@ -106,6 +106,17 @@ policy_app = typer.Typer(
     rich_markup_mode=None,
 )
 app.add_typer(policy_app, name="policy")
+serve_app = typer.Typer(
+    cls=_Group,
+    help=serve.serve.__doc__,
+    invoke_without_command=True,
+    rich_markup_mode=None,
+)
+user_app = typer.Typer(
+    cls=_Group, help="Accounts of `fila serve`: add, ls, revoke.", no_args_is_help=True, rich_markup_mode=None
+)
+serve_app.add_typer(user_app, name="user")
+app.add_typer(serve_app, name="serve")
 
 # Registration order is the order `fila --help` lists the commands in.
 for callback, name in (
@@ -134,6 +145,10 @@ for callback, name in (
 del callback, name
 images_app.command("build")(prepare.images_build)
 policy_app.command("suggest")(policy.suggest)
+serve_app.callback()(serve.serve)
+user_app.command("add")(serve.user_add)
+user_app.command("ls")(serve.user_ls)
+user_app.command("revoke")(serve.user_revoke)
 
 
 def main() -> None:

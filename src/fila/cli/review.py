@@ -37,17 +37,15 @@ def ls_cmd(
     queue_url: QueueOpt = None,
 ) -> None:
     """List tasks with their status, newest last (--queue: of that PostgreSQL queue)."""
-    from ..queue.store import listing
+    from ..review.desk import listing
 
     if queue_url:
         from ..queue.pg.db import Database
 
         with Database(queue_url) as db:
-            recs, unreadable = db.listing(status)
-        dropped: list[str] = []
+            recs, dropped, unreadable = listing(Root.at(root), db, status)
     else:
-        recs, dropped = listing(Root.at(root).require(), status)
-        unreadable = []
+        recs, dropped, unreadable = listing(Root.at(root), None, status)
     if json_:
         print_json(
             [
@@ -260,15 +258,17 @@ def review(
 
         raise InvalidInput("--out is for --html with --queue", hint="on the file queue REVIEW.html "
                            "goes in the job directory")  # fmt: skip
+    from ..review.desk import review as load_review
+
     if queue_url:
         from ..queue.pg.store import PgQueue
-        from ..review.remote import review_html, review_queued
+        from ..review.remote import review_html
 
         with PgQueue(queue_url) as db:
-            got = review_queued(r, db, task_id)
+            got = load_review(r, db, task_id)
             path = review_html(r, db, task_id, got, out) if html else None
     else:
-        got = rv.load(r, task_id)
+        got = load_review(r, None, task_id)
         path = rv.write_html(r, got) if html else None
     if path is not None:
         if json_:
@@ -352,7 +352,7 @@ def apply_cmd(
 
 def _apply(r: Root, task_id: str, db: Any, yes: bool, get_record: Any, **options: Any) -> Any:
     from ..core.errors import InvalidInput
-    from ..review.apply import apply
+    from ..review.desk import apply_task
 
     if not yes:
         if not sys.stdin.isatty():
@@ -370,11 +370,7 @@ def _apply(r: Root, task_id: str, db: Any, yes: bool, get_record: Any, **options
         if not typer.confirm(f"apply task {safe(task_id)} to {where}?", default=False, err=True):
             to_stderr("fila: nothing applied")
             raise typer.Exit(1)
-    if db is not None:
-        from ..review.remote import apply_queued
-
-        return apply_queued(r, db, task_id, **options)
-    return apply(r, task_id, **options)
+    return apply_task(r, db, task_id, **options)
 
 
 def _print_applied(task_id: str, res: Any, json_: bool) -> None:
@@ -464,16 +460,15 @@ def reject(
     """Reject a task (ready for review, failed or needing a person) and record why. The project
     is not touched; `fila gc` removes the job directory later. --queue: the decision is recorded
     in that PostgreSQL queue, once for every reviewer."""
-    from ..review.decision import reject as do_reject
+    from ..review.desk import reject_task
 
     if queue_url:
         from ..queue.pg.store import PgQueue
-        from ..review.remote import reject_queued
 
         with PgQueue(queue_url) as db:
-            rec = reject_queued(db, task_id, by=by, reason=reason)
+            rec = reject_task(Root.at(root), db, task_id, by=by, reason=reason)
     else:
-        rec = do_reject(Root.at(root), task_id, by=by, reason=reason)
+        rec = reject_task(Root.at(root), None, task_id, by=by, reason=reason)
     d = rec.decision
     if json_:
         print_json(
