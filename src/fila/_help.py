@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "4f53b58da3979cc6fd1dee552cf0c20bbf05db6f4a54dd41e0312de838923918"
+CLI_SHA256 = "a565737062068c86921dc7e8844e096d92f7f92664a59be80d6cb10a7b3a820c"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 
@@ -49,4 +49,5 @@ Commands:
   schema   Print the JSON Schema of a file format (the one fila validates...
   images   Build and list engine images.
   policy   Learn, then lock: propose a policy from what runs did.
+  serve    Serve the review queue in a browser: the list of tasks...
 """
