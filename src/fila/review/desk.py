@@ -24,15 +24,16 @@ if TYPE_CHECKING:
 
 
 def listing(
-    root: Root, db: Database | None, status: Status | None = None
+    root: Root, db: Database | None, status: Status | None = None, *, cache: dict[str, Any] | None = None
 ) -> tuple[list[Record], list[str], list[tuple[str, str]]]:
     """`fila ls`: the records (oldest submitted first), the ids of task files dropped in fila/in
     with no record yet (the file queue's), and (id, why) of each row that does not read (a
-    PostgreSQL queue's)."""
+    PostgreSQL queue's). `cache`: the file queue's records kept between calls (queue/records.
+    all_records)."""
     if db is not None:
         recs, unreadable = db.listing(status)
         return recs, [], unreadable
-    recs, dropped = store.listing(root.require(), status)
+    recs, dropped = store.listing(root.require(), status, cache=cache)
     return recs, dropped, []
 
 

@@ -9,12 +9,14 @@ only ever sets text, never markup (docs/review-web.md).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from ..core.errors import FilaError
 from ..core.layout import Root
 from ..core.models import Record, Status
 from ..core.text import escape_name, inert
@@ -117,14 +119,15 @@ def row(rec: Record) -> dict[str, Any]:
 class Lister:
     """The queue's records, read again only when they may have changed: for the file queue when
     fila/out or fila/in changed (a record is written by a rename into fila/out, which changes the
-    directory); for a PostgreSQL queue at most once a second. Many pages polling read the queue
-    once."""
+    directory), and then only the records that changed are parsed; for a PostgreSQL queue at most
+    once a second. Many pages polling read the queue once."""
 
     def __init__(self, root: Root, db: PgQueue | None) -> None:
         self.root, self.db = root, db
         self._lock = threading.Lock()
         self._key: object = None
         self._got: tuple[list[Record], list[str], list[tuple[str, str]]] = ([], [], [])
+        self._parsed: dict[str, Any] = {}  # the file queue's records by file (queue/records.all_records)
 
     def _stamp(self) -> object:
         if self.db is not None:
@@ -135,8 +138,13 @@ class Lister:
         with self._lock:
             key = self._stamp()
             if key != self._key:
-                self._got, self._key = desk.listing(self.root, self.db), key
+                self._got, self._key = desk.listing(self.root, self.db, cache=self._parsed), key
             return self._got
+
+    def warm(self) -> None:
+        """The first read, ahead of the first request; a failure is left for that request to say."""
+        with contextlib.suppress(FilaError, OSError, ValueError):
+            self.records()
 
     def page(self, query: Query, per_page: int = PER_PAGE) -> Listing:
         recs, dropped, unreadable = self.records()
