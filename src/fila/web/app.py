@@ -86,6 +86,14 @@ def host_name(host: str) -> str:
     return host.rsplit(":", 1)[0]
 
 
+def set_session(request: Request, resp: Response, s: Session) -> None:
+    """The session's cookie: HttpOnly (no script reads it), SameSite=Strict (no other site's page
+    sends it), Secure when the request came over TLS."""
+    resp.set_cookie(
+        COOKIE, s.sid, httponly=True, samesite="strict", path="/", secure=request.url.scheme == "https"
+    )
+
+
 def _status_of(e: FilaError) -> int:
     for kind, code in ((NotFound, 404), (InvalidInput, 400), (Refused, 409), (InfraError, 503)):
         if isinstance(e, kind):
@@ -189,14 +197,7 @@ def make_app(cfg: Config) -> Starlette:
         )
         resp = Response(body, status_code=status, media_type="text/html; charset=utf-8")
         if s is not None:
-            resp.set_cookie(
-                COOKIE,
-                s.sid,
-                httponly=True,
-                samesite="strict",
-                path="/",
-                secure=request.url.scheme == "https",
-            )
+            set_session(request, resp, s)
         return resp
 
     def failed(request: Request, s: Session | None, e: Denied | FilaError) -> Response:
@@ -381,14 +382,7 @@ def make_app(cfg: Config) -> Starlette:
         gate.sessions.drop(s.sid)
         fresh = gate.sessions.new(user=acct.name, role=acct.role)
         resp = RedirectResponse("/", status_code=303)
-        resp.set_cookie(
-            COOKIE,
-            fresh.sid,
-            httponly=True,
-            samesite="strict",
-            path="/",
-            secure=request.url.scheme == "https",
-        )
+        set_session(request, resp, fresh)
         return resp
 
     async def logout(request: Request) -> Response:
