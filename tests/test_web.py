@@ -303,6 +303,21 @@ def test_failed_logins_are_slowed_then_refused(root: Root) -> None:
     assert [slow.failed("x") for _ in range(5)] == [0.5, 1.0, 2.0, 4.0, 4.0]
 
 
+def test_a_flood_of_login_forms_logs_nobody_out(root: Root, monkeypatch: pytest.MonkeyPatch) -> None:
+    from fila.web import sessions
+
+    monkeypatch.setattr(sessions, "MAX_SESSIONS", 5)
+    _, token = accounts.add(root, "rev")
+    c = client(root)
+    assert login(c, "rev", token).status_code == 303 and c.get("/api/tasks").status_code == 200
+    mine = c.cookies.get("fila_session")
+    for _ in range(20):  # the same server, each request without a cookie: a new login form
+        c.cookies.clear()
+        assert c.get("/login").status_code == 200
+    c.cookies.set("fila_session", mine)
+    assert c.get("/api/tasks").status_code == 200
+
+
 def test_the_session_cookie_is_httponly_strict_and_secure_over_tls(root: Root) -> None:
     _, token = accounts.add(root, "rev")
     plain = login(client(root), "rev", token).headers["set-cookie"]
@@ -334,6 +349,15 @@ def test_accounts_keep_only_a_hash_and_the_cli_manages_them(root: Root) -> None:
     assert fila(root, "serve", "user", "revoke", "nobody").exit_code == 5
     assert json.loads(fila(root, "serve", "user", "ls", "--json").stdout)[0]["revoked_at"]
     assert fila(root, "serve", "user", "add", "alice").exit_code == 4  # a revoked name is not reused
+
+
+def test_the_check_its_result_and_its_log_are_shown(root: Root) -> None:
+    tid = make_task(root, "echo x > greeting.txt", extra=("--check", "echo CHECKED '<i>'; cat greeting.txt"))
+    page = client(root).get(f"/task/{tid}")
+    assert 'id="check"' in page.text and "passed (exit 0)" in page.text
+    assert "CHECKED &lt;i&gt;" in page.text and "<i>" not in page.text
+    plain = make_task(root, "echo y > greeting.txt")
+    assert 'id="check"' not in client(root).get(f"/task/{plain}").text
 
 
 def test_the_log_follows_from_an_offset(root: Root) -> None:

@@ -25,11 +25,18 @@ def fake_env(root: Root) -> dict[str, str]:
     return {"FILA_BACKEND": "fake", "FILA_FAKE_DIR": str(root.path.parent / f"{root.path.name}.boxes")}
 
 
-def make_task(root: Root, command: str, *targets: str, prompt: str = "", status: str = "needs_review") -> str:
+def make_task(
+    root: Root,
+    command: str,
+    *targets: str,
+    prompt: str = "",
+    status: str = "needs_review",
+    extra: tuple[str, ...] = (),
+) -> str:
     """A shell task run by the fake backend (its command on the host, in work/): its id, once its
-    record says `status`."""
+    record says `status`. `extra`: more options of `fila submit`."""
     more = ("--prompt", prompt) if prompt else ()
-    return run_shell(root, command, *targets, status=status, extra=more, env=fake_env(root))
+    return run_shell(root, command, *targets, status=status, extra=(*more, *extra), env=fake_env(root))
 
 
 def client(root: Root, *, https: bool = False, throttle: Throttle | None = None, db: Any = None) -> Any:

@@ -533,10 +533,14 @@ def _html_diff(rv: Review) -> list[str]:
 
 
 def log_tail(root: Root, rec: Record) -> bytes:
-    if not rec.log_path:
-        return b""
+    return file_tail(root.path / rec.log_path) if rec.log_path else b""
+
+
+def file_tail(path: Path) -> bytes:
+    """The last LOG_TAIL_BYTES of the log at `path`; empty when there is none, or when its name
+    is a link or anything but a file fila can read without blocking."""
     try:
-        fd = os.open(root.path / rec.log_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return b""
     try:

@@ -304,7 +304,7 @@ def make_app(cfg: Config) -> Starlette:
             state=views.task_state(rec),
             summary=views.summary(rv) if rv else [],
             warnings=rv.warnings if rv else [],
-            check=views.check(rec),
+            check=views.check(cfg.root, cfg.db, rec),
             **{k: got[k] for k in ("problem", "log", "log_end", "files", "pairs")},
         )
 

@@ -47,8 +47,14 @@ class Sessions:
         )
         with self._lock:
             self._by_id[s.sid] = s
-            while len(self._by_id) > MAX_SESSIONS:
-                self._by_id.popitem(last=False)
+            if len(self._by_id) > MAX_SESSIONS:
+                # Anyone can make a login form's session: those go first, so a flood of them
+                # cannot log a reviewer out.
+                anon = next((k for k, v in self._by_id.items() if v.user is None and k != s.sid), None)
+                if anon is not None:
+                    del self._by_id[anon]
+                else:
+                    self._by_id.popitem(last=False)
         return s
 
     def get(self, sid: str | None) -> Session | None:

@@ -17,12 +17,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..core.errors import FilaError
-from ..core.layout import Root
+from ..core.layout import Root, check_id
 from ..core.models import Record, Status
 from ..core.text import escape_name, inert
 from ..egress import record as egress
 from ..review import desk, report
 from ..review.decision import DECIDABLE
+from ..run.check import CHECK_LOG_SUFFIX
 
 if TYPE_CHECKING:
     from ..queue.pg.store import PgQueue
@@ -182,17 +183,21 @@ def summary(rv: report.Review) -> list[tuple[str, str]]:
     return out
 
 
-def check(rec: Record) -> dict[str, str] | None:
+def check(root: Root, db: PgQueue | None, rec: Record) -> dict[str, str] | None:
+    """The check's command, result and (the file queue's) log's end, inert. The log is read at the
+    name the check writes for this id (run/check.py), never at a path the record names."""
     c = rec.check
     if c is None:
         return None
+    log = b"" if db is not None else report.file_tail(root.logs_dir / f"{check_id(rec.id)}{CHECK_LOG_SUFFIX}")
     how = "timed out" if c.timed_out else ("passed" if c.passed else "failed")
     return {
         "command": inert(c.command),
         "result": how
         + (f" (exit {c.exit_code})" if c.exit_code is not None else "")
         + (f" in {c.duration_s:g} s" if c.duration_s is not None else ""),
-        "log": escape_name(c.log_path) if c.log_path else "",
+        "log_path": escape_name(c.log_path) if c.log_path else "",
+        "log": log_text(log),
     }
 
 
