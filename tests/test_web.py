@@ -351,6 +351,26 @@ def test_accounts_keep_only_a_hash_and_the_cli_manages_them(root: Root) -> None:
     assert fila(root, "serve", "user", "add", "alice").exit_code == 4  # a revoked name is not reused
 
 
+def test_a_compare_groups_members_side_by_side(root: Root) -> None:
+    from tests.support.web import fake_env
+
+    group = "g1"
+    for tid, text in (("m1", "one"), ("m2", "two")):
+        task = {"id": tid, "engine": "shell", "command": f"echo {text} > greeting.txt", "group": group,
+                "targets": ["greeting.txt"], "prompt": "<u>both</u>"}  # fmt: skip
+        (root.path / f"{tid}.json").write_text(json.dumps(task))
+        res = fila(root, "submit", str(root.path / f"{tid}.json"))
+        assert res.exit_code == 0, res.output
+    assert fila(root, "run", "--once", env=fake_env(root)).exit_code == 0
+    c = client(root)
+    page = c.get(f"/group/{group}")
+    assert page.status_code == 200 and page.text.count('href="/task/') == 2 and "greeting.txt" in page.text
+    assert "&lt;u&gt;both&lt;/u&gt;" in page.text and "<u>" not in page.text
+    assert f'href="/group/{group}"' in c.get("/").text
+    assert c.get("/group/nope").status_code == 404
+    assert c.get("/group/%2e%2e").status_code == 400
+
+
 def test_the_check_its_result_and_its_log_are_shown(root: Root) -> None:
     tid = make_task(root, "echo x > greeting.txt", extra=("--check", "echo CHECKED '<i>'; cat greeting.txt"))
     page = client(root).get(f"/task/{tid}")

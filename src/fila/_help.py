@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "a565737062068c86921dc7e8844e096d92f7f92664a59be80d6cb10a7b3a820c"
+CLI_SHA256 = "07151f8ff5c5ea8185441942e4cc5ea1c29c87c833d3cb55d8f91ac6985ba47e"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 

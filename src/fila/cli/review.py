@@ -431,15 +431,15 @@ def compare(
     tokens, cost, and the check when the task names one (--queue: from that PostgreSQL queue's
     records)."""
     from ..review import groups as cmp
+    from ..review.desk import compare as compare_group
 
     if queue_url:
         from ..queue.pg.store import PgQueue
-        from ..review.remote import compare_queued
 
         with PgQueue(queue_url) as db:
-            c = compare_queued(db, group)
+            c = compare_group(Root.at(root), db, group)
     else:
-        c = cmp.compare(Root.at(root), group)
+        c = compare_group(Root.at(root), None, group)
     if json_:
         print_json(cmp.to_json(c))
     elif html_:

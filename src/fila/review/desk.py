@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from ..core.layout import Root
 from ..core.models import Record, Status
 from ..queue import store
-from . import decision, report
+from . import decision, groups, report
 from .apply import Applied, apply
 
 if TYPE_CHECKING:
@@ -50,6 +50,15 @@ def review(root: Root, db: PgQueue | None, task_id: str) -> report.Review:
 
         return review_queued(root, db, task_id)
     return report.load(root, task_id)
+
+
+def compare(root: Root, db: PgQueue | None, group: str) -> groups.Comparison:
+    """`fila compare`: a compare group's members side by side."""
+    if db is not None:
+        from .remote import compare_queued
+
+        return compare_queued(db, group)
+    return groups.compare(root, group)
 
 
 def log_since(root: Root, db: PgQueue | None, task_id: str, offset: int, limit: int) -> tuple[bytes, int]:

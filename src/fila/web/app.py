@@ -33,6 +33,7 @@ from starlette.staticfiles import StaticFiles
 from ..core.errors import FilaError, InfraError, InvalidInput, NotFound, Refused
 from ..core.layout import Root, check_id
 from ..core.models import Status
+from ..core.states import valid_id
 from ..core.text import inert
 from ..review import desk, report
 from ..review.decision import decider
@@ -308,6 +309,14 @@ def make_app(cfg: Config) -> Starlette:
             **{k: got[k] for k in ("problem", "log", "log_end", "files", "pairs")},
         )
 
+    async def group(request: Request) -> Response:
+        s = gate.session(request)
+        name = request.path_params["group"]
+        if not valid_id(name):
+            raise InvalidInput(f"invalid group name {inert(name)!r}", hint="names are [A-Za-z0-9._-]{1,128}")
+        c = await run_in_threadpool(desk.compare, cfg.root, cfg.db, name)
+        return page(request, s, "group.html", c=views.comparison(c))
+
     async def api_task(request: Request) -> Response:
         gate.session(request)
         tid = task_id(request)
@@ -396,6 +405,7 @@ def make_app(cfg: Config) -> Starlette:
         Route("/", guarded(index)),
         Route("/api/tasks", guarded(api_tasks)),
         Route("/task/{task_id}", guarded(task)),
+        Route("/group/{group}", guarded(group)),
         Route("/api/task/{task_id}", guarded(api_task)),
         Route("/api/task/{task_id}/log", guarded(api_log)),
         Route("/task/{task_id}/{action:str}", guarded(decide), methods=["POST"]),

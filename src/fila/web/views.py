@@ -21,7 +21,7 @@ from ..core.layout import Root, check_id
 from ..core.models import Record, Status
 from ..core.text import escape_name, inert
 from ..egress import record as egress
-from ..review import desk, report
+from ..review import desk, groups, report
 from ..review.decision import DECIDABLE
 from ..run.check import CHECK_LOG_SUFFIX
 
@@ -254,3 +254,27 @@ def task_state(rec: Record) -> dict[str, Any]:
 def log_text(data: bytes) -> str:
     """Log bytes as inert text, line by line (what `fila logs` shows on a terminal)."""
     return "\n".join(inert(x) for x in data.split(b"\n"))
+
+
+def comparison(c: groups.Comparison) -> dict[str, Any]:
+    """A compare group's table (review/groups.COLUMNS, what `fila compare` prints), each cell
+    inert, and each member's files, error, check and decision."""
+    return {
+        "group": inert(c.group),
+        "targets": inert(", ".join(c.targets)),
+        "prompt": inert(c.prompt or ""),
+        "columns": [name for name, _f in groups.COLUMNS],
+        "rows": [
+            {
+                "id": inert(r.id),
+                "cells": [inert(f(r)) for _name, f in groups.COLUMNS],
+                "files": [escape_name(p) for p in r.files],
+                "notes": [
+                    inert(f"{k}: {v}")
+                    for k, v in (("error", r.error), ("check", r.check), ("decision", r.decision))
+                    if v
+                ],
+            }
+            for r in c.rows
+        ],
+    }

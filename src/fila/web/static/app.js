@@ -36,7 +36,13 @@ function followList(table) {
         cell(tr, r.status + (r.error ? " (" + r.error + ")" : ""));
         cell(tr, r.engine);
         cell(tr, r.policy);
-        cell(tr, r.group);
+        const g = cell(tr, "");
+        if (r.group) {
+          const link = document.createElement("a");
+          link.href = "/group/" + encodeURIComponent(r.group);
+          link.textContent = r.group;
+          g.appendChild(link);
+        }
         cell(tr, r.submitted_at);
         cell(tr, r.diff);
         cell(tr, r.prompt, "prompt");
