@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "07151f8ff5c5ea8185441942e4cc5ea1c29c87c833d3cb55d8f91ac6985ba47e"
+CLI_SHA256 = "2cd978ab7b5d4220ffd4f324c55830b47017f69eb84bffa33204c75a9723b35e"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 

@@ -316,6 +316,15 @@ def apply_cmd(
             "lands, never the credential); refused without it",
         ),
     ] = False,
+    branch: Annotated[
+        str | None,
+        typer.Option(
+            "--branch",
+            help="land the patch as a commit on this new branch of the project's git checkout (HEAD its "
+            "base); the checked-out branch and the working tree are not touched",
+            show_default=False,
+        ),
+    ] = None,
     json_: JsonOpt = False,
     queue_url: QueueOpt = None,
 ) -> None:
@@ -329,6 +338,11 @@ def apply_cmd(
     route's key, an engine's secret; DIFF.patch has a marker in its place) is refused unless
     --allow-credential. What lands equals the job's work/ byte for byte, modes 0644/0755, but
     for that marker.
+
+    --branch NAME: the same checks and decision, but the patch lands in a temporary worktree of
+    the project's git checkout at HEAD and is committed there (no hook runs) on the new branch
+    NAME, with trailers naming the task, the patch's sha256 and the reviewer (Fila-Task,
+    Fila-Patch-Sha256, Reviewed-by): ready for a pull request.
 
     --queue: a task of that PostgreSQL queue, applied to this root (the project) with the same
     checks, its patch and inputs read from the database; the decision is recorded there, once
@@ -346,7 +360,25 @@ def apply_cmd(
 
             db = stack.enter_context(PgQueue(queue_url))
         res = _apply(r, task_id, db, yes, get_record, three_way=three_way, by=by, reason=reason,
-                     allow_git_metadata=allow_git_metadata, allow_credential=allow_credential)  # fmt: skip
+                     allow_git_metadata=allow_git_metadata, allow_credential=allow_credential,
+                     branch=branch)  # fmt: skip
+    if branch is not None:
+        res, on = res
+        if json_:
+            d = res.record.decision
+            print_json({"id": task_id, "status": res.record.status, "branch": branch, "commit": on.commit,
+                        "checkout": str(on.top), "decision": d.model_dump(mode="json") if d else None,
+                        "superseded": res.superseded})  # fmt: skip
+            return
+        typer.echo(
+            safe(
+                f"applied {task_id} as commit {on.commit} on the new branch {branch} of {on.top}; "
+                f"{len(res.written)} written, {len(res.deleted)} deleted; the checkout is untouched"
+            )
+        )
+        for tid in res.superseded:
+            typer.echo(safe(f"superseded {tid} (same group)"))
+        return
     _print_applied(task_id, res, json_)
 
 
@@ -370,6 +402,11 @@ def _apply(r: Root, task_id: str, db: Any, yes: bool, get_record: Any, **options
         if not typer.confirm(f"apply task {safe(task_id)} to {where}?", default=False, err=True):
             to_stderr("fila: nothing applied")
             raise typer.Exit(1)
+    branch = options.pop("branch", None)
+    if branch is not None:
+        from ..review.branch import apply_on_branch
+
+        return apply_on_branch(r, db, task_id, branch, **options)
     return apply_task(r, db, task_id, **options)
 
 

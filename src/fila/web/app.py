@@ -36,6 +36,7 @@ from ..core.models import Status
 from ..core.states import valid_id
 from ..core.text import inert
 from ..review import desk, report
+from ..review.branch import apply_on_branch
 from ..review.decision import decider
 from . import accounts, views
 from .sessions import Session, Sessions, Throttle
@@ -344,16 +345,20 @@ def make_app(cfg: Config) -> Starlette:
 
         def run() -> str:
             if action == "apply":
-                res = desk.apply_task(
-                    cfg.root,
-                    cfg.db,
-                    tid,
-                    by=by,
-                    reason=reason,
-                    three_way=form.get("three_way") == "on",
-                    allow_git_metadata=form.get("allow_git_metadata") == "on",
-                    allow_credential=form.get("allow_credential") == "on",
-                )
+                options = {
+                    "by": by,
+                    "reason": reason,
+                    "three_way": form.get("three_way") == "on",
+                    "allow_git_metadata": form.get("allow_git_metadata") == "on",
+                    "allow_credential": form.get("allow_credential") == "on",
+                }
+                branch = str(form.get("branch") or "").strip()
+                if branch:
+                    _res, on = apply_on_branch(cfg.root, cfg.db, tid, branch, **options)
+                    return (
+                        f"committed as {on.commit} on the new branch {branch} of {on.top}; checkout untouched"
+                    )
+                res = desk.apply_task(cfg.root, cfg.db, tid, **options)
                 return (
                     f"applied to {res.project}: {len(res.written)} written, {len(res.deleted)} deleted"
                     + "".join(f"; superseded {t}" for t in res.superseded)
