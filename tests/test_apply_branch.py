@@ -26,7 +26,7 @@ def git(root: Root, *args: str) -> str:
 
 @pytest.fixture
 def root(tmp_path: Path) -> Root:
-    r = make_project(tmp_path / "proj", {"src/app.py": "x = 1\n", ".gitignore": "fila/\nsandbox/\n"})
+    r = make_project(tmp_path / "proj", {"src/app.py": "x = 1\n", ".gitignore": "fila/\nsandbox/\n*.log\n"})
     git(r, "init", "-q", "-b", "main")
     git(r, "-c", "user.email=t@example.com", "-c", "user.name=t", "add", "-A")
     git(r, "-c", "user.email=t@example.com", "-c", "user.name=t", "commit", "-qm", "base")
@@ -34,7 +34,8 @@ def root(tmp_path: Path) -> Root:
 
 
 def test_a_patch_lands_as_a_commit_on_a_new_branch_and_nowhere_else(root: Root) -> None:
-    tid = make_task(root, "echo world > greeting.txt; echo 'x = 2' > src/app.py", "greeting.txt", "src",
+    tid = make_task(root, "echo world > greeting.txt; echo 'x = 2' > src/app.py; echo kept > src/notes.log",
+                    "greeting.txt", "src",
                     prompt="two changes")  # fmt: skip
     head = git(root, "rev-parse", "HEAD").strip()
     res = fila(root, "apply", tid, "--yes", "--by", "alice", "--branch", "fila/two")
@@ -48,6 +49,7 @@ def test_a_patch_lands_as_a_commit_on_a_new_branch_and_nowhere_else(root: Root) 
         git(root, "show", "fila/two:greeting.txt") == "world\n"
         and git(root, "show", "fila/two:src/app.py") == "x = 2\n"
     )
+    assert git(root, "show", "fila/two:src/notes.log") == "kept\n"  # what the patch adds, ignored or not
     assert git(root, "rev-parse", "fila/two^").strip() == head
     msg = git(root, "log", "-1", "--format=%B", "fila/two")
     rec = record(root, tid)

@@ -72,7 +72,7 @@ class OnBranch:
         return self.tree / self.prefix if self.prefix else self.tree
 
     def landed(self, rec: Record, by: str, reason: str | None) -> str:
-        git(self.tree, "add", "-A", "--", ".")
+        git(self.tree, "add", "-A", "-f", "--", ".")  # -f: a file the patch adds lands even if ignored
         tree = git(self.tree, "write-tree").stdout.decode().strip()
         subject = f"fila: task {rec.id}" + (f" ({rec.engine})" if rec.engine else "")
         body = "".join(
