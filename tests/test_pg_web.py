@@ -15,7 +15,7 @@ from fila.queue.pg.store import PgQueue
 from fila.web import accounts
 from tests.support.pg_runner import fila, host_env
 from tests.support.project import GREETING, make_project, make_root
-from tests.support.web import client, csrf, login
+from tests.support.web import chromium, client, csrf, live_server, log_in, login
 
 pytestmark = pytest.mark.filterwarnings("ignore:Using `httpx` with `starlette.testclient`")
 ORIGIN = {"Origin": "http://127.0.0.1"}
@@ -57,3 +57,38 @@ def test_a_postgresql_queue_is_reviewed_and_decided_over_http(
         assert other.get("p2").status == Status.needs_review
     shown = fila("show", "p1", "--queue", pg_url)
     assert "decision:  applied by alice" in shown.output
+
+
+def test_a_postgresql_queue_in_a_real_browser(
+    pg_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The browser flow on the PostgreSQL queue: log in, open the task, read its diff, apply it;
+    the serving root changes and the database records the account."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    sub = make_project(tmp_path / "submitter")
+    res = fila("submit", "--queue", pg_url, "--root", str(sub.path), "--id", "b1", "--engine", "shell",
+               "--command", "echo browser >> greeting.txt", "-t", "greeting.txt")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    runner = make_root(tmp_path / "runner")
+    for k, v in host_env(tmp_path, "h1").items():
+        monkeypatch.setenv(k, v)
+    assert (
+        fila("worker", "--queue", pg_url, "--root", str(runner.path), "--host-id", "h1", "--once").exit_code
+        == 0
+    )
+    bob = make_project(tmp_path / "bob")
+    _, token = accounts.add(bob, "bob")
+    with PgQueue(pg_url) as db, live_server(bob, db) as url, chromium() as browser:
+        log_in(browser, url, "bob", token)
+        browser.find_element(By.LINK_TEXT, "b1").click()
+        WebDriverWait(browser, 30).until(lambda d: d.find_elements(By.ID, "diff"))
+        assert "+browser" in browser.find_element(By.ID, "diff").text
+        browser.find_element(By.ID, "apply").click()
+        WebDriverWait(browser, 30).until(lambda d: d.find_elements(By.ID, "notice"))
+        assert browser.find_element(By.ID, "status").text == "applied"
+    assert (bob.path / "greeting.txt").read_text() == GREETING + "browser\n"
+    with PgQueue(pg_url) as q:
+        d = q.get("b1").decision
+        assert d is not None and d.by == "bob"

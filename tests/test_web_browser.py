@@ -7,7 +7,6 @@ chromium-driver (scripts/test runs it)."""
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +17,7 @@ from fila.core.layout import Root
 from fila.web import accounts
 from tests.support.cli import fila
 from tests.support.project import make_project, record
-from tests.support.web import live_server, make_task
+from tests.support.web import chromium, live_server, log_in, make_task
 
 SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "review-in-a-browser.png"
 WAIT_S = 30  # an upper bound for the page's polling (every 3 s) to show a change, not a measure
@@ -26,21 +25,8 @@ WAIT_S = 30  # an upper bound for the page's polling (every 3 s) to show a chang
 
 @pytest.fixture
 def browser() -> Iterator[Any]:
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    driver_path, chromium = shutil.which("chromedriver"), shutil.which("chromium")
-    assert driver_path and chromium, "no chromium/chromedriver: run scripts/browser-up (as root)"
-    opts = webdriver.ChromeOptions()
-    opts.binary_location = chromium
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--window-size=1280,900", "--no-first-run", "--disable-extensions"):  # fmt: skip
-        opts.add_argument(arg)
-    driver = webdriver.Chrome(service=Service(driver_path), options=opts)
-    try:
+    with chromium() as driver:
         yield driver
-    finally:
-        driver.quit()
 
 
 @pytest.fixture
@@ -63,12 +49,7 @@ def test_a_reviewer_logs_in_filters_reads_the_diff_and_applies(root: Root, brows
     _, token = accounts.add(root, "alice")
     wait = WebDriverWait(browser, WAIT_S)
     with live_server(root) as url:
-        browser.get(url + "/")
-        assert browser.current_url.endswith("/login")
-        browser.find_element(By.ID, "name").send_keys("alice")
-        browser.find_element(By.ID, "token").send_keys(token)
-        browser.find_element(By.ID, "login").click()
-        wait.until(lambda d: d.find_elements(By.ID, "tasks"))
+        log_in(browser, url, "alice", token)
         rows = browser.find_elements(By.CSS_SELECTOR, "#tasks tbody tr")
         assert len(rows) == 2
         browser.find_element(By.ID, "f-q").send_keys("whole world")

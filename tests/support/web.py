@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -83,3 +84,37 @@ def live_server(root: Root, db: Any = None) -> Iterator[str]:
 
 def project_file(root: Root, rel: str) -> str:
     return Path(root.path / rel).read_text()
+
+
+@contextlib.contextmanager
+def chromium() -> Iterator[Any]:
+    """Debian's headless Chromium under Selenium (scripts/browser-up installs both; nothing is
+    downloaded at run time)."""
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    driver_path, binary = shutil.which("chromedriver"), shutil.which("chromium")
+    assert driver_path and binary, "no chromium/chromedriver: run scripts/browser-up (as root)"
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = binary
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--window-size=1280,900", "--no-first-run", "--disable-extensions"):  # fmt: skip
+        opts.add_argument(arg)
+    driver = webdriver.Chrome(service=Service(driver_path), options=opts)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+
+
+def log_in(driver: Any, url: str, name: str, token: str) -> None:
+    """The login form, filled and sent; returns once the list is shown."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    driver.get(url + "/")
+    assert driver.current_url.endswith("/login")
+    driver.find_element(By.ID, "name").send_keys(name)
+    driver.find_element(By.ID, "token").send_keys(token)
+    driver.find_element(By.ID, "login").click()
+    WebDriverWait(driver, 30).until(lambda d: d.find_elements(By.ID, "tasks"))
