@@ -264,6 +264,17 @@ def test_no_url_parameter_reads_outside_the_queue(root: Root) -> None:
     assert c.post(f"/task/{tid}/../../x", data={"csrf": token}, headers=ORIGIN).status_code in (404, 405)
 
 
+def test_a_record_changed_outside_fila_is_an_error_page_not_a_crash(root: Root) -> None:
+    good = make_task(root, "echo x > greeting.txt")
+    c = client(root)
+    assert c.get(f"/task/{good}").status_code == 200
+    root.record_path("broken").write_text('{"id": "broken", "status": "<script>x</script>"}')
+    r = c.get("/task/broken")
+    assert r.status_code == 500 and "cannot read" in r.text and "<script>x" not in r.text
+    assert c.get("/api/task/broken").json()["error"].startswith("cannot read")
+    assert good in [x["id"] for x in c.get("/api/tasks").json()["rows"]]  # the list still reads
+
+
 def test_a_bind_beyond_loopback_needs_an_account(root: Root) -> None:
     check_bind(root, parse_bind("127.0.0.1:0"))  # allowed: loopback without accounts
     check_bind(root, parse_bind("[::1]:8080"))

@@ -217,7 +217,11 @@ def make_app(cfg: Config) -> Starlette:
         async def endpoint(request: Request) -> Response:
             try:
                 return await fn(request)
-            except (Denied, FilaError) as e:
+            except (Denied, FilaError, OSError, ValueError) as e:
+                if isinstance(e, (OSError, ValueError)):
+                    # A record or file changed outside fila (it does not validate, it cannot be
+                    # read): said as the queue's own error, not a traceback.
+                    e = FilaError(f"cannot read what {request.url.path} shows: {type(e).__name__}: {e}")
                 s = None
                 with contextlib.suppress(Denied, FilaError):
                     s = gate.session(request, login=True)
