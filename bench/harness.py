@@ -29,6 +29,7 @@ def _cases() -> dict[str, Callable[[Ctx], list[Row]]]:
     from bench.scale import scale
     from bench.startup import startup
     from bench.throughput import throughput
+    from bench.web_list import web_list
 
     return {
         "per-task": per_task,
@@ -42,6 +43,7 @@ def _cases() -> dict[str, Callable[[Ctx], list[Row]]]:
         "large-project": large_project,
         "ci-single": ci_single,
         "engine-startup": engine_startup,
+        "web-list": web_list,
     }
 
 
@@ -57,6 +59,7 @@ CASES = (
     "large-project",
     "ci-single",
     "engine-startup",
+    "web-list",
 )
 
 
