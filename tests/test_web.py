@@ -391,6 +391,40 @@ def test_the_check_its_result_and_its_log_are_shown(root: Root) -> None:
     assert 'id="check"' not in client(root).get(f"/task/{plain}").text
 
 
+def test_a_running_tasks_log_follows_live(root: Root, tmp_path: Path) -> None:
+    import subprocess
+    import time
+
+    from tests.support.cli import CLI, submit_shell
+    from tests.support.web import fake_env
+
+    go = tmp_path / "go"
+    tid = submit_shell(
+        root,
+        f"echo first-line; while [ ! -e {go} ]; do sleep 0.05; done; echo second-line; echo x > greeting.txt",
+    )
+    env = {**os.environ, **fake_env(root), "FILA_ROOT": str(root.path)}
+    worker = subprocess.Popen(
+        [*CLI, "run", "--once"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        c = client(root)
+        deadline = time.monotonic() + 60
+        got = {"text": "", "offset": 0}
+        while "first-line" not in got["text"]:  # the page's poll, until the engine has written
+            assert time.monotonic() < deadline and worker.poll() is None, "no output while running"
+            got = c.get(f"/api/task/{tid}/log", params={"offset": "0"}).json()
+            time.sleep(0.05)
+        assert c.get(f"/api/task/{tid}").json()["status"] == "running" and "second-line" not in got["text"]
+        go.touch()
+        assert worker.wait(60) == 0
+        more = c.get(f"/api/task/{tid}/log", params={"offset": str(got["offset"])}).json()
+        assert "second-line" in more["text"] and "first-line" not in more["text"]  # only what followed
+    finally:
+        go.touch()
+        worker.wait(60)
+
+
 def test_the_log_follows_from_an_offset(root: Root) -> None:
     tid = make_task(root, "echo line-one; echo line-two >&2; echo x > greeting.txt")
     data, end = desk.log_since(root, None, tid, 0, 1 << 20)
