@@ -30,6 +30,7 @@ def _cases() -> dict[str, Callable[[Ctx], list[Row]]]:
     from bench.scale import scale
     from bench.startup import startup
     from bench.throughput import throughput
+    from bench.web_list import web_list
 
     return {
         "per-task": per_task,
@@ -44,6 +45,7 @@ def _cases() -> dict[str, Callable[[Ctx], list[Row]]]:
         "ci-single": ci_single,
         "engine-startup": engine_startup,
         "environment": environment,
+        "web-list": web_list,
     }
 
 
@@ -60,6 +62,7 @@ CASES = (
     "ci-single",
     "engine-startup",
     "environment",
+    "web-list",
 )
 
 

@@ -27,6 +27,7 @@ LAYERS = [
     ("recovery",),
     ("run",),
     ("ops",),
+    ("web",),
     ("cli", "entry", "_help", "__main__"),
 ]
 

@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "b91f4fa749d9c754d5c5f912a9a37a5344706447e126a36c323780e7b1e98d76"
+CLI_SHA256 = "49ad054a455f4240e4c218f50506a07f60bfd3df929a373d518fbf32cd907c2d"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 
@@ -52,4 +52,5 @@ Commands:
   policy   Learn, then lock: propose a policy from what runs did.
   keys     Signing keys and the trusted set of signed provenance...
   env      The project's environment: its toolchain, built once per key...
+  serve    Serve the review queue in a browser: the list of tasks...
 """

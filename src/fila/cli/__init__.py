@@ -28,7 +28,7 @@ import typer
 from typer.core import TyperGroup
 
 from ..core.errors import EXIT_INTERRUPTED, FilaError
-from . import env, policy, prepare, provenance, review, tasks, upkeep
+from . import env, policy, prepare, provenance, review, serve, tasks, upkeep
 from .common import safe
 from .lazy import Commands, lazy_command
 
@@ -111,6 +111,17 @@ keys_app = _sub_group("keys", "Signing keys and the trusted set of signed proven
 env_app = _sub_group(
     "env", "The project's environment: its toolchain, built once per key (docs/environments.md)."
 )
+serve_app = typer.Typer(
+    cls=_Group,
+    help=serve.serve.__doc__,
+    invoke_without_command=True,
+    rich_markup_mode=None,
+)
+user_app = typer.Typer(
+    cls=_Group, help="Accounts of `fila serve`: add, ls, revoke.", no_args_is_help=True, rich_markup_mode=None
+)
+serve_app.add_typer(user_app, name="user")
+app.add_typer(serve_app, name="serve")
 
 # Registration order is the order `fila --help` lists the commands in.
 for callback, name in (
@@ -147,6 +158,10 @@ env_app.command("gc")(env.gc)
 keys_app.command("init")(provenance.keys_init)
 keys_app.command("trust")(provenance.keys_trust)
 keys_app.command("ls")(provenance.keys_ls)
+serve_app.callback()(serve.serve)
+user_app.command("add")(serve.user_add)
+user_app.command("ls")(serve.user_ls)
+user_app.command("revoke")(serve.user_revoke)
 
 
 def main() -> None:

@@ -37,17 +37,15 @@ def ls_cmd(
     queue_url: QueueOpt = None,
 ) -> None:
     """List tasks with their status, newest last (--queue: of that PostgreSQL queue)."""
-    from ..queue.store import listing
+    from ..review.desk import listing
 
     if queue_url:
         from ..queue.pg.db import Database
 
         with Database(queue_url) as db:
-            recs, unreadable = db.listing(status)
-        dropped: list[str] = []
+            recs, dropped, unreadable = listing(Root.at(root), db, status)
     else:
-        recs, dropped = listing(Root.at(root).require(), status)
-        unreadable = []
+        recs, dropped, unreadable = listing(Root.at(root), None, status)
     if json_:
         print_json(
             [
@@ -261,15 +259,17 @@ def review(
 
         raise InvalidInput("--out is for --html with --queue", hint="on the file queue REVIEW.html "
                            "goes in the job directory")  # fmt: skip
+    from ..review.desk import review as load_review
+
     if queue_url:
         from ..queue.pg.store import PgQueue
-        from ..review.remote import review_html, review_queued
+        from ..review.remote import review_html
 
         with PgQueue(queue_url) as db:
-            got = review_queued(r, db, task_id)
+            got = load_review(r, db, task_id)
             path = review_html(r, db, task_id, got, out) if html else None
     else:
-        got = rv.load(r, task_id)
+        got = load_review(r, None, task_id)
         path = rv.write_html(r, got) if html else None
     if path is not None:
         if json_:
@@ -317,6 +317,15 @@ def apply_cmd(
             "lands, never the credential); refused without it",
         ),
     ] = False,
+    branch: Annotated[
+        str | None,
+        typer.Option(
+            "--branch",
+            help="land the patch as a commit on this new branch of the project's git checkout (HEAD its "
+            "base); the checked-out branch and the working tree are not touched",
+            show_default=False,
+        ),
+    ] = None,
     json_: JsonOpt = False,
     queue_url: QueueOpt = None,
 ) -> None:
@@ -330,6 +339,11 @@ def apply_cmd(
     route's key, an engine's secret; DIFF.patch has a marker in its place) is refused unless
     --allow-credential. What lands equals the job's work/ byte for byte, modes 0644/0755, but
     for that marker.
+
+    --branch NAME: the same checks and decision, but the patch lands in a temporary worktree of
+    the project's git checkout at HEAD and is committed there (no hook runs) on the new branch
+    NAME, with trailers naming the task, the patch's sha256 and the reviewer (Fila-Task,
+    Fila-Patch-Sha256, Reviewed-by): ready for a pull request.
 
     --queue: a task of that PostgreSQL queue, applied to this root (the project) with the same
     checks, its patch and inputs read from the database; the decision is recorded there, once
@@ -347,13 +361,31 @@ def apply_cmd(
 
             db = stack.enter_context(PgQueue(queue_url))
         res = _apply(r, task_id, db, yes, get_record, three_way=three_way, by=by, reason=reason,
-                     allow_git_metadata=allow_git_metadata, allow_credential=allow_credential)  # fmt: skip
+                     allow_git_metadata=allow_git_metadata, allow_credential=allow_credential,
+                     branch=branch)  # fmt: skip
+    if branch is not None:
+        res, on = res
+        if json_:
+            d = res.record.decision
+            print_json({"id": task_id, "status": res.record.status, "branch": branch, "commit": on.commit,
+                        "checkout": str(on.top), "decision": d.model_dump(mode="json") if d else None,
+                        "superseded": res.superseded})  # fmt: skip
+            return
+        typer.echo(
+            safe(
+                f"applied {task_id} as commit {on.commit} on the new branch {branch} of {on.top}; "
+                f"{len(res.written)} written, {len(res.deleted)} deleted; the checkout is untouched"
+            )
+        )
+        for tid in res.superseded:
+            typer.echo(safe(f"superseded {tid} (same group)"))
+        return
     _print_applied(task_id, res, json_)
 
 
 def _apply(r: Root, task_id: str, db: Any, yes: bool, get_record: Any, **options: Any) -> Any:
     from ..core.errors import InvalidInput
-    from ..review.apply import apply
+    from ..review.desk import apply_task
 
     if not yes:
         if not sys.stdin.isatty():
@@ -371,11 +403,12 @@ def _apply(r: Root, task_id: str, db: Any, yes: bool, get_record: Any, **options
         if not typer.confirm(f"apply task {safe(task_id)} to {where}?", default=False, err=True):
             to_stderr("fila: nothing applied")
             raise typer.Exit(1)
-    if db is not None:
-        from ..review.remote import apply_queued
+    branch = options.pop("branch", None)
+    if branch is not None:
+        from ..review.branch import apply_on_branch
 
-        return apply_queued(r, db, task_id, **options)
-    return apply(r, task_id, **options)
+        return apply_on_branch(r, db, task_id, branch, **options)
+    return apply_task(r, db, task_id, **options)
 
 
 def _print_applied(task_id: str, res: Any, json_: bool) -> None:
@@ -439,15 +472,15 @@ def compare(
     tokens, cost, and the check when the task names one (--queue: from that PostgreSQL queue's
     records)."""
     from ..review import groups as cmp
+    from ..review.desk import compare as compare_group
 
     if queue_url:
         from ..queue.pg.store import PgQueue
-        from ..review.remote import compare_queued
 
         with PgQueue(queue_url) as db:
-            c = compare_queued(db, group)
+            c = compare_group(Root.at(root), db, group)
     else:
-        c = cmp.compare(Root.at(root), group)
+        c = compare_group(Root.at(root), None, group)
     if json_:
         print_json(cmp.to_json(c))
     elif html_:
@@ -468,16 +501,15 @@ def reject(
     """Reject a task (ready for review, failed or needing a person) and record why. The project
     is not touched; `fila gc` removes the job directory later. --queue: the decision is recorded
     in that PostgreSQL queue, once for every reviewer."""
-    from ..review.decision import reject as do_reject
+    from ..review.desk import reject_task
 
     if queue_url:
         from ..queue.pg.store import PgQueue
-        from ..review.remote import reject_queued
 
         with PgQueue(queue_url) as db:
-            rec = reject_queued(db, task_id, by=by, reason=reason, root=Root.at(root))
+            rec = reject_task(Root.at(root), db, task_id, by=by, reason=reason)
     else:
-        rec = do_reject(Root.at(root), task_id, by=by, reason=reason)
+        rec = reject_task(Root.at(root), None, task_id, by=by, reason=reason)
     d = rec.decision
     if json_:
         print_json(

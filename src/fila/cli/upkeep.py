@@ -43,17 +43,15 @@ def retry(
 ) -> None:
     """Queue a failed or needs_human task again: a person's decision to run it once more
     (--queue: in that PostgreSQL queue, where any runner may claim it)."""
-    from ..queue.store import retry as do_retry
-    from ..review.decision import check_reason, decider
+    from ..review.desk import retry_task
 
-    who, why = decider(by), check_reason(reason)
     if queue_url:
         from ..queue.pg.store import PgQueue
 
         with PgQueue(queue_url) as db:
-            rec = db.retry(task_id, by=who, reason=why)
+            rec = retry_task(Root.at(root), db, task_id, by=by, reason=reason)
     else:
-        rec = do_retry(Root.at(root).require(), task_id, by=who, reason=why)
+        rec = retry_task(Root.at(root), None, task_id, by=by, reason=reason)
     if json_:
         print_json({"id": rec.id, "status": rec.status})
         return

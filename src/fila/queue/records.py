@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -305,13 +306,32 @@ def task_json(task: Task) -> str:
     return task.model_dump_json(indent=2, exclude_none=True) + "\n"
 
 
-def all_records(root: Root) -> list[Record]:
-    recs = []
-    for p in sorted(root.out_dir.glob("*.json")):
-        if p.name.startswith("."):
-            continue
+def all_records(
+    root: Root, cache: dict[str, tuple[tuple[int, int, int], Record]] | None = None
+) -> list[Record]:
+    """Every record in fila/out that reads. With `cache` (file name -> (its inode, size and
+    mtime, the record)), kept by the caller between calls, only the files that changed since are
+    parsed again: `fila serve` lists 10,000 tasks on each poll for the cost of a directory scan."""
+    recs, seen, names = [], set(), []
+    with contextlib.suppress(FileNotFoundError), os.scandir(root.out_dir) as it:
+        names = sorted(e.name for e in it if e.name.endswith(".json") and not e.name.startswith("."))
+    for name in names:
+        p = root.out_dir / name
         with contextlib.suppress(FileNotFoundError, ValueError):
-            recs.append(Record.model_validate_json(p.read_bytes()))
+            if cache is None:
+                recs.append(Record.model_validate_json(p.read_bytes()))
+                continue
+            st = os.stat(p)
+            key = (st.st_ino, st.st_size, st.st_mtime_ns)
+            seen.add(name)
+            hit = cache.get(name)
+            if hit is None or hit[0] != key:
+                hit = (key, Record.model_validate_json(p.read_bytes()))
+                cache[name] = hit
+            recs.append(hit[1])
+    if cache is not None:
+        for gone in set(cache) - seen:
+            del cache[gone]
     return recs
 
 

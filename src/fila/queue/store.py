@@ -83,10 +83,13 @@ def new_task_id() -> str:
 # -- listing --------------------------------------------------------------------------------
 
 
-def listing(root: Root, status: Status | None = None) -> tuple[list[Record], list[str]]:
+def listing(
+    root: Root, status: Status | None = None, *, cache: dict[str, Any] | None = None
+) -> tuple[list[Record], list[str]]:
     """`fila ls`: the records (of one status, or all), oldest submitted first, and the ids of
-    task files dropped in fila/in that have no record yet (they count as queued)."""
-    recs = all_records(root)
+    task files dropped in fila/in that have no record yet (they count as queued). `cache`: see
+    records.all_records."""
+    recs = all_records(root, cache)
     known = {rec.id for rec in recs}
     dropped = [p.stem for p in queued_files(root) if p.stem not in known]
     if status is not None:

@@ -42,7 +42,7 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ..core.errors import CredentialInDiff, FilaError, InvalidTransition
 from ..core.faults import crash_point
@@ -66,6 +66,18 @@ _GIT_CONFIG = (
 _ATTRIBUTES = "* -text -eol -crlf -ident -filter -working-tree-encoding -whitespace\n"
 
 
+class Landing(Protocol):
+    """Where an apply lands other than the task's project, and what it does once the files are
+    there, before the decision is recorded (a failure there takes the landing back and records
+    nothing): review/branch.py."""
+
+    project: Path
+
+    def landed(self, rec: Record, by: str, reason: str | None) -> str:
+        """Act on the landed files; what to add to the decision's reason."""
+        ...
+
+
 @dataclass
 class Applied:
     record: Record
@@ -83,13 +95,16 @@ class Applied:
 
 def apply(root: Root, task_id: str, *, by: str | None = None, reason: str | None = None,
           three_way: bool = False, allow_git_metadata: bool = False,
-          allow_credential: bool = False, book: decision.Book = decision.FILE) -> Applied:  # fmt: skip
+          allow_credential: bool = False, book: decision.Book = decision.FILE,
+          into: Landing | None = None) -> Applied:  # fmt: skip
     """Apply a task's DIFF.patch to its project and record the decision (see the module doc).
     A member of a compare group is applied only if no other member was, and the others are then
     marked superseded, under the group's lock (two people cannot land two members).
 
     `book`: where the record is read and the decision written (decision.Book); the job directory
-    and its manifest are always the root's (review/remote.py lays them out for a queue URL)."""
+    and its manifest are always the root's (review/remote.py lays them out for a queue URL).
+    `into`: land elsewhere than the manifest's project, and act before the decision is recorded
+    (review/branch.py: a worktree of the project's git checkout, then a commit on a new branch)."""
     from . import groups as compare
 
     rec = book.get(root.require(), task_id)
@@ -97,19 +112,19 @@ def apply(root: Root, task_id: str, *, by: str | None = None, reason: str | None
     if group is None:
         return _apply_one(root, task_id, by=by, reason=reason, three_way=three_way,
                           allow_git_metadata=allow_git_metadata,
-                          allow_credential=allow_credential, book=book)  # fmt: skip
+                          allow_credential=allow_credential, book=book, into=into)  # fmt: skip
     if book is not decision.FILE:
         # A queue's group: its decision and supersedes are one database transaction (the book's);
         # the root's group lock keeps two members from landing in this one checkout at once.
         with compare.group_lock(root, group):
             return _apply_one(root, task_id, by=by, reason=reason, three_way=three_way,
                               allow_git_metadata=allow_git_metadata,
-                              allow_credential=allow_credential, book=book)  # fmt: skip
+                              allow_credential=allow_credential, book=book, into=into)  # fmt: skip
     with compare.group_lock(root, group):
         compare.check_not_decided(root, rec)
         res = _apply_one(root, task_id, by=by, reason=reason, three_way=three_way,
                          allow_git_metadata=allow_git_metadata,
-                         allow_credential=allow_credential)  # fmt: skip
+                         allow_credential=allow_credential, into=into)  # fmt: skip
         # After the winner's own lock is released: each member's lock is then taken alone.
         sup = compare.supersede_others(root, res.record, by=decision.decider(by))
     res.superseded, res.undecided = sup.done, sup.undecided
@@ -118,7 +133,7 @@ def apply(root: Root, task_id: str, *, by: str | None = None, reason: str | None
 
 def _apply_one(root: Root, task_id: str, *, by: str | None, reason: str | None,
                three_way: bool, allow_git_metadata: bool, allow_credential: bool,
-               book: decision.Book = decision.FILE) -> Applied:  # fmt: skip
+               book: decision.Book = decision.FILE, into: Landing | None = None) -> Applied:  # fmt: skip
     who, why = decision.decider(by), decision.check_reason(reason)
     book.get(root.require(), task_id)  # NotFound before any lock file is made
     with decision.lock(root, task_id):
@@ -130,6 +145,9 @@ def _apply_one(root: Root, task_id: str, *, by: str | None, reason: str | None,
         staging = root.meta(task_id) / "apply"
         marker = landing.read_marker(root, task_id)
         if marker is not None:
+            if into is not None:
+                raise refuse("an interrupted apply of this task is recorded", task_id,
+                             hint=f"finish it first with `fila apply {task_id}`")  # fmt: skip
             return _resume(root, rec, marker, staging, who, why, book)
         _check_credentials(rec, allow_credential)
         try:
@@ -137,7 +155,7 @@ def _apply_one(root: Root, task_id: str, *, by: str | None, reason: str | None,
         except patch.PatchError as e:
             raise refuse(f"DIFF.patch is not a patch fila writes: {e}", task_id) from None
         manifest = _manifest(root, task_id)
-        project = Path(manifest["project"])
+        project = into.project if into is not None else Path(manifest["project"])
         if staging.exists():
             shutil.rmtree(staging)  # a refused or crashed earlier attempt: no marker, nothing landed
         staging.mkdir(parents=True)
@@ -168,6 +186,13 @@ def _apply_one(root: Root, task_id: str, *, by: str | None, reason: str | None,
             if landing.read_marker(root, task_id) is None:
                 shutil.rmtree(staging, ignore_errors=True)
             raise
+        if into is not None:
+            try:
+                note = into.landed(rec, who, why)
+                why = f"{why}; {note}" if why else note
+            except BaseException:
+                landing.roll_back(root, task_id)
+                raise
         new = _decide(root, task_id, book, who, why)
         landing.clear(root, task_id)
         signed = attested.sign_decision(root, book.source(root), new, project=project, merged=plan.merged)

@@ -517,28 +517,49 @@ def render_html(rv: Review, log_tail: bytes) -> str:
     return "\n".join(parts) + "\n"
 
 
-def _html_diff(rv: Review) -> list[str]:
+@dataclass
+class DiffRow:
+    """One line of a patch as a reader sees it: its kind (file, meta, hunk, ctx, add, del,
+    binary, nonl), its line numbers on each side ("" where it has none) and its text made inert."""
+
+    kind: str
+    old: str
+    new: str
+    text: str
+
+
+@dataclass
+class FileDiff:
+    """One file's part of a patch: its label (escaped name and kind) and its rows after the header."""
+
+    label: str
+    rows: list[DiffRow] = field(default_factory=list)
+
+
+def diff_files(rv: Review) -> list[FileDiff]:
+    """The verified patch split by file, each line made inert (REVIEW.html and `fila serve` show
+    these; the terminal view the same lines with colors). Lines before the first file header, in a
+    patch the parser refused, go to a file with an empty label."""
     assert rv.data is not None
     lines = patch.split_lines(rv.data)
     kinds = rv.patch.line_kinds if rv.patch else [_guess(line) for line in lines]
     names = iter(rv.patch.files) if rv.patch else iter(())
-    out: list[str] = []
+    out: list[FileDiff] = []
     old = new = 0
     for kind, raw in zip(kinds, lines, strict=True):
-        text = _h(inert(raw))
+        text = inert(raw)
         if kind == "file":
-            if out:
-                out.append("</table></details>")
             f = next(names, None)
-            label = f"{escape_name(f.path)} ({_file_kind(f)})" if f else inert(raw)
-            out.append(f'<details open><summary>{_h(label)}</summary><table class="diff">')
+            out.append(FileDiff(f"{escape_name(f.path)} ({_file_kind(f)})" if f else text))
             continue
+        if not out:
+            out.append(FileDiff(""))
         if kind == "hunk":
             nums = raw.split(b" ")
             with contextlib.suppress(ValueError, IndexError):
                 old = int(nums[1][1:].split(b",")[0])
                 new = int(nums[2][1:].split(b",")[0])
-            out.append(f'<tr class="hunk"><td class="n"></td><td class="n"></td><td>{text}</td></tr>')
+            out[-1].rows.append(DiffRow(kind, "", "", text))
             continue
         a = b = ""
         if kind == "ctx":
@@ -547,20 +568,33 @@ def _html_diff(rv: Review) -> list[str]:
             a, old = str(old), old + 1
         elif kind == "add":
             b, new = str(new), new + 1
-        if not out:
+        out[-1].rows.append(DiffRow(kind, a, b, text))
+    return out
+
+
+def _html_diff(rv: Review) -> list[str]:
+    out: list[str] = []
+    for f in diff_files(rv):
+        if f.label:
+            out.append(f'<details open><summary>{_h(f.label)}</summary><table class="diff">')
+        else:
             out.append('<table class="diff">')
-        out.append(f'<tr class="{kind}"><td class="n">{a}</td><td class="n">{b}</td>'
-                   f"<td>{text}</td></tr>")  # fmt: skip
-    if out:
-        out.append("</table></details>" if rv.patch and rv.patch.files else "</table>")
+        for r in f.rows:
+            out.append(f'<tr class="{r.kind}"><td class="n">{r.old}</td><td class="n">{r.new}</td>'
+                       f"<td>{_h(r.text)}</td></tr>")  # fmt: skip
+        out.append("</table></details>" if f.label else "</table>")
     return out
 
 
 def log_tail(root: Root, rec: Record) -> bytes:
-    if not rec.log_path:
-        return b""
+    return file_tail(root.path / rec.log_path) if rec.log_path else b""
+
+
+def file_tail(path: Path) -> bytes:
+    """The last LOG_TAIL_BYTES of the log at `path`; empty when there is none, or when its name
+    is a link or anything but a file fila can read without blocking."""
     try:
-        fd = os.open(root.path / rec.log_path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
         return b""
     try:

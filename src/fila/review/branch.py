@@ -1,0 +1,132 @@
+"""`fila apply ID --branch NAME`: the reviewed patch as a commit on a new branch of the project's
+git checkout, the checked-out branch and the working tree untouched, ready for a forge's pull
+request (docs/review-web.md, "Apply on a branch").
+
+The patch lands through apply's own recipe (review/apply.py: every check, --3way, credentials,
+a compare group's supersedes, the decision recorded by the book) into a temporary worktree of
+the checkout at HEAD (`git worktree add --detach`), under the task's meta directory; there the
+touched files are staged and committed with `commit-tree` (no hook runs) with trailers naming
+the task, the patch's sha256 and the reviewer, and `refs/heads/NAME` is created only if it does
+not exist (update-ref with an empty old value). Only then is the decision recorded; a failure
+before takes the landing back and records nothing. The worktree goes in every case. The base the
+patch must fit is HEAD's files (the moved-base check reads the worktree): a checkout whose HEAD
+differs from what the task copied refuses unless --3way merges cleanly.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..core import fsutil
+from ..core.errors import ApplyRefused, InfraError, InvalidInput
+from ..core.layout import Root
+from ..core.models import Record
+from ..workspace.hardgit import tail
+from .apply import Applied
+
+# No hook runs, nothing asks a terminal, and the checkout's own settings stay its own: the
+# worktree is checked out as the person's git would, and the commit is made without hooks.
+_SAFE = ("-c", "core.hooksPath=/dev/null", "-c", "commit.gpgSign=false")
+
+
+def git(repo: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess[bytes]:
+    env = {**os.environ, "GIT_TERMINAL_PROMPT": "0", "GIT_OPTIONAL_LOCKS": "0"}
+    for k in ("GIT_DIR", "GIT_WORK_TREE", "GIT_INDEX_FILE"):
+        env.pop(k, None)
+    try:
+        res = subprocess.run(
+            ["git", *_SAFE, "-C", str(repo), *args], env=env, capture_output=True, timeout=600
+        )
+    except FileNotFoundError:
+        raise InfraError("git is not installed", hint="install git; `--branch` commits with it") from None
+    if check and res.returncode != 0:
+        raise ApplyRefused(f"git {args[0]} failed in {repo}: {tail(res.stderr)}")
+    return res
+
+
+def check_branch(top: Path, name: str) -> None:
+    """A name git accepts for a new branch, and no branch of that name yet."""
+    if name.startswith("-") or git(top, "check-ref-format", "--branch", name, check=False).returncode != 0:
+        raise InvalidInput(f"{name!r} is not a valid git branch name", hint="e.g. --branch fila/TASK-ID")
+    if git(top, "show-ref", "--verify", "--quiet", f"refs/heads/{name}", check=False).returncode == 0:
+        raise InvalidInput(f"branch {name!r} exists in {top}", hint="name a new branch; fila never moves one")
+
+
+@dataclass
+class OnBranch:
+    """apply.Landing: a worktree of the checkout at HEAD, and the commit on `branch`."""
+
+    top: Path  # the checkout's top directory
+    tree: Path  # the temporary worktree
+    prefix: str  # the project's path inside the checkout ("" at its top)
+    branch: str
+    base: str  # HEAD's commit
+    commit: str | None = None
+
+    @property
+    def project(self) -> Path:
+        return self.tree / self.prefix if self.prefix else self.tree
+
+    def landed(self, rec: Record, by: str, reason: str | None) -> str:
+        git(self.tree, "add", "-A", "-f", "--", ".")  # -f: a file the patch adds lands even if ignored
+        tree = git(self.tree, "write-tree").stdout.decode().strip()
+        subject = f"fila: task {rec.id}" + (f" ({rec.engine})" if rec.engine else "")
+        body = "".join(
+            c for c in (rec.task.prompt if rec.task else "")[:2000] if c.isprintable() or c == "\n"
+        )
+        trailers = f"Fila-Task: {rec.id}\nFila-Patch-Sha256: {rec.patch_sha256}\nReviewed-by: {by}\n"
+        msg = subject + "\n\n" + (body.strip() + "\n\n" if body.strip() else "") + (reason or "").strip()
+        msg = msg.rstrip() + "\n\n" + trailers
+        self.commit = git(self.tree, "commit-tree", tree, "-p", self.base, "-m", msg).stdout.decode().strip()
+        # An empty old value: created only if no branch of that name appeared meanwhile.
+        git(
+            self.top, "update-ref", "-m", f"fila apply {rec.id}", f"refs/heads/{self.branch}", self.commit, ""
+        )
+        return f"committed as {self.commit} on the new branch {self.branch} of {self.top}"
+
+
+def apply_on_branch(
+    root: Root, db: Any, task_id: str, branch: str, **options: Any
+) -> tuple[Applied, OnBranch]:
+    """The task's patch committed on the new branch `branch` of the git checkout holding its
+    project (the file queue's: the job's manifest's; a PostgreSQL queue's: `root`, as `apply
+    --queue` lands); see the module doc. `options` are apply's. Returns apply's result (its
+    project the worktree, gone now) and the branch with its commit."""
+    from . import desk, report
+
+    project = (
+        root.path
+        if db is not None
+        else Path(report.project_path(root.require(), desk.record(root, None, task_id)))
+    )
+    res = git(project, "rev-parse", "--show-toplevel", check=False)
+    if res.returncode != 0:
+        raise InvalidInput(
+            f"{project} is not in a git checkout", hint="--branch commits in the project's git checkout"
+        )
+    top = Path(res.stdout.decode().strip()).resolve()
+    prefix = project.resolve().relative_to(top).as_posix() if project.resolve() != top else ""
+    check_branch(top, branch)
+    head = git(top, "rev-parse", "--verify", "HEAD^{commit}", check=False)
+    if head.returncode != 0:
+        raise InvalidInput(
+            f"the checkout {top} has no commit yet", hint="commit once, then apply on a branch"
+        )
+    where = root.meta(task_id) / "branch"
+    if where.exists():
+        git(top, "worktree", "remove", "--force", str(where), check=False)
+        fsutil.remove_tree(where)
+    where.parent.mkdir(parents=True, exist_ok=True)
+    on = OnBranch(top, where, prefix, branch, head.stdout.decode().strip())
+    git(top, "worktree", "add", "--detach", "--quiet", str(where), on.base)
+    try:
+        return desk.apply_task(root, db, task_id, into=on, **options), on
+    finally:
+        git(top, "worktree", "remove", "--force", str(where), check=False)
+        if where.exists():
+            fsutil.remove_tree(where)
+        git(top, "worktree", "prune", check=False)

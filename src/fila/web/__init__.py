@@ -1,0 +1,1 @@
+"""`fila serve`: the review queue in a browser (docs/review-web.md)."""

@@ -1,0 +1,451 @@
+"""The ASGI application of `fila serve` (Starlette): the pages and JSON of the review queue, the
+login, and the decisions, each a call to review/desk.py, the functions the command line calls
+(docs/review-web.md).
+
+Each request passes the same gate (`Gate`): the Host must be this server's when it serves a
+loopback address without accounts (a page elsewhere cannot reach it through DNS rebinding); the
+session must be an account's that is still active (or, without accounts, the local person's);
+a state-changing request must come from this origin (Origin, Sec-Fetch-Site) and spend a CSRF
+token of its session; a reader cannot decide. Every response carries a Content-Security-Policy
+that runs no inline script and loads nothing from elsewhere.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlencode, urlsplit
+
+from jinja2 import Environment, FileSystemLoader
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from ..core.errors import FilaError, InfraError, InvalidInput, NotFound, Refused
+from ..core.layout import Root, check_id
+from ..core.models import Status
+from ..core.states import valid_id
+from ..core.text import inert
+from ..review import desk, report
+from ..review.branch import apply_on_branch
+from ..review.decision import decider
+from . import accounts, views
+from .sessions import Session, Sessions, Throttle
+
+if TYPE_CHECKING:
+    from ..queue.pg.store import PgQueue
+
+COOKIE = "fila_session"
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
+    "form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
+)
+HEADERS = {
+    "Content-Security-Policy": CSP,
+    "X-Content-Type-Options": "nosniff",
+    "X-Frame-Options": "DENY",
+    "Referrer-Policy": "same-origin",
+    "Cross-Origin-Opener-Policy": "same-origin",
+    "Cross-Origin-Resource-Policy": "same-origin",
+    "Cache-Control": "no-store",
+}
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "[::1]", "::1"}
+LOG_CHUNK = 256 << 10
+
+
+@dataclass
+class Config:
+    """What one server serves and how: the queue (`db` None: the file queue under `root`), whether
+    it listens on a loopback address only, and the slowing of failed logins."""
+
+    root: Root
+    db: PgQueue | None = None
+    loopback: bool = True
+    throttle: Throttle | None = None
+
+
+class Denied(Exception):
+    """A request the gate refuses: its status and what to say."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def host_name(host: str) -> str:
+    """The name in a Host header, without its port ("[::1]:8080" -> "[::1]")."""
+    if host.startswith("["):
+        return host.split("]", 1)[0] + "]"
+    return host.rsplit(":", 1)[0]
+
+
+def set_session(request: Request, resp: Response, s: Session) -> None:
+    """The session's cookie: HttpOnly (no script reads it), SameSite=Strict (no other site's page
+    sends it), Secure when the request came over TLS."""
+    resp.set_cookie(
+        COOKIE, s.sid, httponly=True, samesite="strict", path="/", secure=request.url.scheme == "https"
+    )
+
+
+def _status_of(e: FilaError) -> int:
+    for kind, code in ((NotFound, 404), (InvalidInput, 400), (Refused, 409), (InfraError, 503)):
+        if isinstance(e, kind):
+            return code
+    return 500
+
+
+class Gate:
+    """Who is asking, and whether they may (see the module's doc)."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.sessions = Sessions()
+        self.throttle = cfg.throttle or Throttle()
+
+    def accounts(self) -> dict[str, accounts.Account]:
+        return accounts.load(self.cfg.root)
+
+    def check_host(self, request: Request) -> None:
+        if not self.cfg.loopback:
+            return
+        if host_name(request.headers.get("host") or "") not in LOOPBACK_HOSTS:
+            raise Denied(421, "this server answers to its loopback address only (127.0.0.1, localhost)")
+
+    def session(self, request: Request, *, login: bool = False) -> Session:
+        """The request's session, an account's that is still active (or the local person's when
+        there are no accounts); Denied(401) when there is none and `login` is False."""
+        self.check_host(request)
+        known = self.accounts()
+        s = self.sessions.get(request.cookies.get(COOKIE))
+        if s is not None and s.user is not None:
+            acct = known.get(s.user) if not s.local else None
+            still = (acct is not None and acct.active) if not s.local else not known
+            if not still:
+                self.sessions.drop(s.sid)
+                s = None
+        if s is not None and (s.user is not None or login):
+            return s
+        if not known:
+            if not self.cfg.loopback:
+                raise Denied(403, "this server has no accounts: add one with `fila serve user add NAME`")
+            s = self.sessions.new(user=decider(None), role="reviewer", local=True)
+            return s
+        if login:
+            return s or self.sessions.new()
+        raise Denied(401, "log in first")
+
+    def same_origin(self, request: Request) -> None:
+        site = request.headers.get("sec-fetch-site")
+        if site is not None and site not in ("same-origin", "none"):
+            raise Denied(403, f"refused: a request from another site ({site})")
+        origin = request.headers.get("origin")
+        if origin is not None and urlsplit(origin).netloc != request.headers.get("host"):
+            raise Denied(403, "refused: a request from another origin")
+
+    async def writer(
+        self, request: Request, *, role: str | None = "reviewer", login: bool = False
+    ) -> tuple[Session, Any]:
+        """The session of a state-changing request and its form, once its origin and CSRF token
+        are checked (the token spent); with `role`, the session's account must have it."""
+        self.same_origin(request)
+        s = self.session(request, login=login)
+        form = await request.form()
+        if not self.sessions.spend(s, str(form.get("csrf") or "")):
+            raise Denied(
+                403, "refused: the form's token is missing, spent or not this session's; reload the page"
+            )
+        if role is not None and s.role != role:
+            raise Denied(403, f"refused: {s.user} may read but not decide (role {s.role})")
+        return s, form
+
+
+def make_app(cfg: Config) -> Starlette:
+    gate = Gate(cfg)
+    here = resources.files(__package__)
+    env = Environment(
+        loader=FileSystemLoader(str(here / "templates")),
+        autoescape=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    lister = views.Lister(cfg.root, cfg.db)
+    # The first read of a large queue parses every record (about 2.5 s for 10,000): done while
+    # the server starts, not in the first person's request.
+    threading.Thread(target=lister.warm, name="fila-serve-warm", daemon=True).start()
+    where = cfg.db.where if cfg.db is not None else str(cfg.root.path)
+
+    def page(request: Request, s: Session | None, name: str, status: int = 200, **ctx: Any) -> Response:
+        notice = None
+        if s is not None:
+            notice, s.notice = s.notice, None
+        body = env.get_template(name).render(
+            user=s.user if s and s.user else None,
+            role=s.role if s else None,
+            local=bool(s and s.local),
+            csrf=gate.sessions.mint(s) if s is not None else "",
+            notice=notice,
+            where=where,
+            queue_kind="PostgreSQL queue" if cfg.db is not None else "file queue",
+            **ctx,
+        )
+        resp = Response(body, status_code=status, media_type="text/html; charset=utf-8")
+        if s is not None:
+            set_session(request, resp, s)
+        return resp
+
+    def failed(request: Request, s: Session | None, e: Denied | FilaError) -> Response:
+        if isinstance(e, Denied):
+            status, msg, hint = e.status, e.message, None
+        else:
+            status, msg, hint = _status_of(e), str(e), e.hint
+        if status == 401 and request.method == "GET" and not request.url.path.startswith("/api/"):
+            return RedirectResponse("/login", status_code=303)
+        if request.url.path.startswith("/api/"):
+            return JSONResponse({"error": inert(msg), "hint": inert(hint or "")}, status_code=status)
+        return page(request, s, "error.html", status, message=inert(msg), hint=inert(hint or ""))
+
+    def guarded(fn: Any) -> Any:
+        async def endpoint(request: Request) -> Response:
+            try:
+                return await fn(request)
+            except (Denied, FilaError, OSError, ValueError) as e:
+                if isinstance(e, (OSError, ValueError)):
+                    # A record or file changed outside fila (it does not validate, it cannot be
+                    # read): said as the queue's own error, not a traceback.
+                    e = FilaError(f"cannot read what {request.url.path} shows: {type(e).__name__}: {e}")
+                s = None
+                with contextlib.suppress(Denied, FilaError):
+                    s = gate.session(request, login=True)
+                return failed(request, s, e)
+
+        return endpoint
+
+    def query_of(request: Request) -> views.Query:
+        p = request.query_params
+        status = p.get("status") or None
+        if status is not None and status not in Status.__members__:
+            raise InvalidInput(
+                f"unknown status {status!r}", hint="one of: " + ", ".join(s.value for s in views.ORDER)
+            )
+        try:
+            page_no = int(p.get("page") or 1)
+        except ValueError:
+            raise InvalidInput("page is not a number") from None
+        return views.Query(
+            status=Status(status) if status else None,
+            engine=p.get("engine", ""),
+            policy=p.get("policy", ""),
+            group=p.get("group", ""),
+            q=p.get("q", "")[:500],
+            page=page_no,
+        )
+
+    def task_id(request: Request) -> str:
+        return check_id(request.path_params["task_id"])
+
+    async def index(request: Request) -> Response:
+        s = gate.session(request)
+        q = query_of(request)
+        got = await run_in_threadpool(lister.page, q)
+        params = q.params()
+        return page(
+            request,
+            s,
+            "list.html",
+            got=got,
+            q=q,
+            statuses=[x.value for x in views.ORDER],
+            params=params,
+            page_link=lambda n: "/?" + urlencode({**params, "page": n}),
+        )
+
+    async def api_tasks(request: Request) -> Response:
+        gate.session(request)
+        got = await run_in_threadpool(lister.page, query_of(request))
+        return JSONResponse(got.to_json())
+
+    async def task(request: Request) -> Response:
+        s = gate.session(request)
+        tid = task_id(request)
+        view = request.query_params.get("view", "unified")
+        if view not in ("unified", "split"):
+            raise InvalidInput(f"unknown view {view!r}", hint="unified or split")
+
+        def load() -> dict[str, Any]:
+            rec = desk.record(cfg.root, cfg.db, tid)
+            rv, problem = None, None
+            try:
+                rv = desk.review(cfg.root, cfg.db, tid)
+            except FilaError as e:  # a changed DIFF.patch: the record is shown, the diff refused
+                problem = inert(str(e)) + (f" ({inert(e.hint)})" if e.hint else "")
+            tail, end = desk.log_since(cfg.root, cfg.db, tid, -report.LOG_TAIL_BYTES, report.LOG_TAIL_BYTES)
+            files = report.diff_files(rv) if rv is not None and rv.data else []
+            return {
+                "rec": rec,
+                "rv": rv,
+                "problem": problem,
+                "log": views.log_text(tail),
+                "log_end": end,
+                "files": files,
+                "pairs": [views.split(f.rows) for f in files] if view == "split" else None,
+            }
+
+        got = await run_in_threadpool(load)
+        rec, rv = got["rec"], got["rv"]
+        return page(
+            request,
+            s,
+            "task.html",
+            tid=tid,
+            view=view,
+            state=views.task_state(rec),
+            summary=views.summary(rv) if rv else [],
+            warnings=rv.warnings if rv else [],
+            check=views.check(cfg.root, cfg.db, rec),
+            **{k: got[k] for k in ("problem", "log", "log_end", "files", "pairs")},
+        )
+
+    async def group(request: Request) -> Response:
+        s = gate.session(request)
+        name = request.path_params["group"]
+        if not valid_id(name):
+            raise InvalidInput(f"invalid group name {inert(name)!r}", hint="names are [A-Za-z0-9._-]{1,128}")
+        c = await run_in_threadpool(desk.compare, cfg.root, cfg.db, name)
+        return page(request, s, "group.html", c=views.comparison(c))
+
+    async def api_task(request: Request) -> Response:
+        gate.session(request)
+        tid = task_id(request)
+        rec = await run_in_threadpool(desk.record, cfg.root, cfg.db, tid)
+        return JSONResponse(views.task_state(rec))
+
+    async def api_log(request: Request) -> Response:
+        gate.session(request)
+        tid = task_id(request)
+        try:
+            offset = int(request.query_params.get("offset") or 0)
+        except ValueError:
+            raise InvalidInput("offset is not a number") from None
+        data, end = await run_in_threadpool(desk.log_since, cfg.root, cfg.db, tid, offset, LOG_CHUNK)
+        return JSONResponse({"text": views.log_text(data), "offset": end})
+
+    async def decide(request: Request) -> Response:
+        action = request.path_params["action"]
+        if action not in ("apply", "reject", "retry"):
+            raise Denied(404, f"no such decision {inert(action)!r}: apply, reject or retry")
+        s, form = await gate.writer(request)
+        tid = task_id(request)
+        reason = str(form.get("reason") or "") or None
+        by = None if s.local else s.user
+
+        def run() -> str:
+            if action == "apply":
+                options = {
+                    "by": by,
+                    "reason": reason,
+                    "three_way": form.get("three_way") == "on",
+                    "allow_git_metadata": form.get("allow_git_metadata") == "on",
+                    "allow_credential": form.get("allow_credential") == "on",
+                }
+                branch = str(form.get("branch") or "").strip()
+                if branch:
+                    _res, on = apply_on_branch(cfg.root, cfg.db, tid, branch, **options)
+                    return (
+                        f"committed as {on.commit} on the new branch {branch} of {on.top}; checkout untouched"
+                    )
+                res = desk.apply_task(cfg.root, cfg.db, tid, **options)
+                return (
+                    f"applied to {res.project}: {len(res.written)} written, {len(res.deleted)} deleted"
+                    + "".join(f"; superseded {t}" for t in res.superseded)
+                )
+            if action == "reject":
+                rec = desk.reject_task(cfg.root, cfg.db, tid, by=by, reason=reason)
+                return f"rejected by {rec.decision.by if rec.decision else '-'}"
+            rec = desk.retry_task(cfg.root, cfg.db, tid, by=by, reason=reason)
+            return f"queued again (attempt {rec.attempt + 1} next)"
+
+        s.notice = inert(await run_in_threadpool(run))
+        return RedirectResponse(f"/task/{tid}", status_code=303)
+
+    async def login_form(request: Request) -> Response:
+        s = gate.session(request, login=True)
+        if s.user is not None:
+            return RedirectResponse("/", status_code=303)
+        return page(request, s, "login.html")
+
+    async def login(request: Request) -> Response:
+        client = request.client.host if request.client else "?"
+        s, form = await gate.writer(request, role=None, login=True)
+        wait = gate.throttle.blocked_for(client)
+        if wait:
+            resp = page(
+                request, s, "login.html", 429, error=f"too many failed logins: try again in {int(wait)} s"
+            )
+            resp.headers["Retry-After"] = str(int(wait))
+            return resp
+        acct = accounts.check(gate.accounts(), str(form.get("name") or ""), str(form.get("token") or ""))
+        if acct is None:
+            await asyncio.sleep(gate.throttle.failed(client))
+            return page(request, s, "login.html", 401, error="unknown name or token")
+        gate.throttle.succeeded(client)
+        gate.sessions.drop(s.sid)
+        fresh = gate.sessions.new(user=acct.name, role=acct.role)
+        resp = RedirectResponse("/", status_code=303)
+        set_session(request, resp, fresh)
+        return resp
+
+    async def logout(request: Request) -> Response:
+        s, _form = await gate.writer(request, role=None)
+        gate.sessions.drop(s.sid)
+        resp = RedirectResponse("/login", status_code=303)
+        resp.delete_cookie(COOKIE, path="/")
+        return resp
+
+    routes = [
+        Route("/", guarded(index)),
+        Route("/api/tasks", guarded(api_tasks)),
+        Route("/task/{task_id}", guarded(task)),
+        Route("/group/{group}", guarded(group)),
+        Route("/api/task/{task_id}", guarded(api_task)),
+        Route("/api/task/{task_id}/log", guarded(api_log)),
+        Route("/task/{task_id}/{action:str}", guarded(decide), methods=["POST"]),
+        Route("/login", guarded(login_form), methods=["GET"]),
+        Route("/login", guarded(login), methods=["POST"]),
+        Route("/logout", guarded(logout), methods=["POST"]),
+        Mount("/static", StaticFiles(directory=str(Path(str(here)) / "static")), name="static"),
+    ]
+    return Starlette(routes=routes, middleware=[Middleware(SecurityHeaders)])
+
+
+class SecurityHeaders:
+    """Every response's security headers (HEADERS), the static files' and the errors' included."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def with_headers(message: Any) -> None:
+            if message["type"] == "http.response.start":
+                have = {k.lower() for k, _ in message.get("headers", [])}
+                extra = [
+                    (k.lower().encode(), v.encode())
+                    for k, v in HEADERS.items()
+                    if k.lower().encode() not in have
+                ]
+                message = {**message, "headers": [*message.get("headers", []), *extra]}
+            await send(message)
+
+        await self.app(scope, receive, with_headers)

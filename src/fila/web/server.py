@@ -1,0 +1,96 @@
+"""`fila serve`: where it listens, whether it may, and uvicorn serving the app (docs/review-web.md).
+
+It binds 127.0.0.1 by default. Any address that is not a loopback address is refused unless the
+root has an active account: without accounts a server would let anyone who reaches it decide.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..core.errors import InvalidInput
+from ..core.layout import Root
+from . import accounts
+
+if TYPE_CHECKING:
+    import uvicorn
+
+    from ..queue.pg.store import PgQueue
+
+DEFAULT_BIND = "127.0.0.1:8765"
+
+
+@dataclass(frozen=True)
+class Bind:
+    host: str
+    port: int
+
+    @property
+    def loopback(self) -> bool:
+        if self.host == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(self.host).is_loopback
+        except ValueError:  # a name: it may resolve anywhere
+            return False
+
+    def url(self, tls: bool) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{'https' if tls else 'http'}://{host}:{self.port}/"
+
+
+def parse_bind(text: str) -> Bind:
+    """HOST:PORT, [IPv6]:PORT or PORT (on 127.0.0.1)."""
+    host, port = "127.0.0.1", text
+    if text.startswith("["):
+        inner, _, rest = text[1:].partition("]")
+        host, port = inner, rest.removeprefix(":")
+    elif ":" in text:
+        host, _, port = text.rpartition(":")
+    try:
+        n = int(port)
+    except ValueError:
+        n = -1
+    if not host or not 0 <= n <= 65535:
+        raise InvalidInput(f"--bind {text!r} is not HOST:PORT", hint=f"e.g. --bind {DEFAULT_BIND}")
+    return Bind(host, n)
+
+
+def check_bind(root: Root, bind: Bind) -> None:
+    """Refuse a bind beyond loopback when the root has no active account."""
+    if bind.loopback:
+        return
+    if not any(a.active for a in accounts.load(root).values()):
+        raise InvalidInput(
+            f"refusing to serve on {bind.host} (not a loopback address) without accounts: "
+            "anyone who reaches it could decide",
+            hint="add an account first (`fila serve user add NAME`), or serve on 127.0.0.1",
+        )
+
+
+def server(
+    root: Root, db: PgQueue | None, bind: Bind, *, certfile: str | None = None, keyfile: str | None = None
+) -> uvicorn.Server:
+    """A uvicorn server of the app, once the bind is allowed (not started)."""
+    import uvicorn
+
+    from .app import Config, make_app
+
+    check_bind(root, bind)
+    if (certfile is None) != (keyfile is None):
+        raise InvalidInput("--tls-cert and --tls-key go together", hint="pass both, or neither")
+    app = make_app(Config(root=root, db=db, loopback=bind.loopback))
+    config = uvicorn.Config(
+        app,
+        host=bind.host,
+        port=bind.port,
+        log_level="warning",
+        access_log=False,
+        ssl_certfile=certfile,
+        ssl_keyfile=keyfile,
+        server_header=False,
+        proxy_headers=False,
+    )
+    return uvicorn.Server(config)

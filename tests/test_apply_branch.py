@@ -1,0 +1,96 @@
+"""`fila apply ID --branch NAME` and the page's "apply as a commit on a new branch"
+(review/branch.py): the reviewed patch, through apply's checks, committed on a new branch of the
+project's git checkout with trailers, the checked-out branch and working tree untouched. Each
+refusal beside its allowed counterpart. Tasks by the fake backend; git is the real one."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from fila.core.layout import Root
+from tests.support.cli import fila
+from tests.support.project import make_project, record
+from tests.support.web import client, csrf, make_task
+
+pytestmark = pytest.mark.filterwarnings("ignore:Using `httpx` with `starlette.testclient`")
+
+
+def git(root: Root, *args: str) -> str:
+    return subprocess.run(
+        ["git", "-C", str(root.path), *args], check=True, capture_output=True, text=True
+    ).stdout
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Root:
+    r = make_project(tmp_path / "proj", {"src/app.py": "x = 1\n", ".gitignore": "fila/\nsandbox/\n*.log\n"})
+    git(r, "init", "-q", "-b", "main")
+    git(r, "-c", "user.email=t@example.com", "-c", "user.name=t", "add", "-A")
+    git(r, "-c", "user.email=t@example.com", "-c", "user.name=t", "commit", "-qm", "base")
+    return r
+
+
+def test_a_patch_lands_as_a_commit_on_a_new_branch_and_nowhere_else(root: Root) -> None:
+    tid = make_task(root, "echo world > greeting.txt; echo 'x = 2' > src/app.py; echo kept > src/notes.log",
+                    "greeting.txt", "src",
+                    prompt="two changes")  # fmt: skip
+    head = git(root, "rev-parse", "HEAD").strip()
+    res = fila(root, "apply", tid, "--yes", "--by", "alice", "--branch", "fila/two")
+    assert res.exit_code == 0, res.output
+    assert "on the new branch fila/two" in res.output and "checkout is untouched" in res.output
+    assert (root.path / "greeting.txt").read_text() == "hello\n"  # the working tree untouched
+    assert (
+        git(root, "rev-parse", "HEAD").strip() == head and git(root, "branch", "--show-current") == "main\n"
+    )
+    assert (
+        git(root, "show", "fila/two:greeting.txt") == "world\n"
+        and git(root, "show", "fila/two:src/app.py") == "x = 2\n"
+    )
+    assert git(root, "show", "fila/two:src/notes.log") == "kept\n"  # what the patch adds, ignored or not
+    assert git(root, "rev-parse", "fila/two^").strip() == head
+    msg = git(root, "log", "-1", "--format=%B", "fila/two")
+    rec = record(root, tid)
+    assert f"Fila-Task: {tid}" in msg and f"Fila-Patch-Sha256: {rec['patch_sha256']}" in msg
+    assert "Reviewed-by: alice" in msg and "two changes" in msg
+    assert rec["status"] == "applied" and rec["decision"]["by"] == "alice"
+    assert "on the new branch fila/two" in rec["decision"]["reason"]
+    assert git(root, "worktree", "list").count("\n") == 1  # the temporary worktree is gone
+
+
+def test_an_existing_or_invalid_branch_and_a_moved_head_are_refused_recording_nothing(root: Root) -> None:
+    tid = make_task(root, "echo world > greeting.txt")
+    git(root, "branch", "taken")
+    for name, why in (("taken", "exists"), ("bad..name", "not a valid"), ("-x", "not a valid")):
+        res = fila(root, "apply", tid, "--yes", "--branch", name)
+        assert res.exit_code == 2 and why in res.output, res.output
+        assert record(root, tid)["status"] == "needs_review"
+    (root.path / "greeting.txt").write_text("moved\n")
+    git(root, "-c", "user.email=t@example.com", "-c", "user.name=t", "commit", "-qam", "moved")
+    res = fila(root, "apply", tid, "--yes", "--branch", "fila/moved")
+    assert res.exit_code == 4 and "moved" in res.output, res.output
+    assert "fila/moved" not in git(root, "branch") and record(root, tid)["status"] == "needs_review"
+    git(root, "reset", "-q", "--hard", "HEAD^")
+    assert fila(root, "apply", tid, "--yes", "--branch", "fila/ok").exit_code == 0  # HEAD as the task saw it
+
+
+def test_outside_a_git_checkout_branch_is_refused(tmp_path: Path) -> None:
+    plain = make_project(tmp_path / "plain")
+    tid = make_task(plain, "echo world > greeting.txt")
+    res = fila(plain, "apply", tid, "--yes", "--branch", "x")
+    assert res.exit_code == 2 and "not in a git checkout" in res.output
+    assert fila(plain, "apply", tid, "--yes").exit_code == 0
+
+
+def test_the_page_applies_on_a_new_branch(root: Root) -> None:
+    tid = make_task(root, "echo page > greeting.txt")
+    c = client(root)
+    page = c.get(f"/task/{tid}")
+    r = c.post(f"/task/{tid}/apply", data={"csrf": csrf(page.text), "branch": "review/page"},
+               headers={"Origin": "http://127.0.0.1"})  # fmt: skip
+    assert r.status_code == 303, r.text
+    assert "on the new branch review/page" in c.get(f"/task/{tid}").text
+    assert git(root, "show", "review/page:greeting.txt") == "page\n"
+    assert (root.path / "greeting.txt").read_text() == "hello\n"
