@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "4f53b58da3979cc6fd1dee552cf0c20bbf05db6f4a54dd41e0312de838923918"
+CLI_SHA256 = "fe58e64fd4a4a0439c96279ceb83a5646d5a91a7909b64bad409455446a381b3"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 
