@@ -169,6 +169,8 @@ class Client:
         model), every member checked and every id free before any is queued (`fila compare`)."""
         from ..review.groups import group_tasks
 
+        # Each member's engine is its own (group_tasks); the document needs one to validate.
+        fields["engine"] = fields.get("engine") or (engines[0] if engines else None)
         t = build_task(task, source=source, **fields)
         if self.db is not None:
             from ..run.remote_submit import submit_remote

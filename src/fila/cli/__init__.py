@@ -27,7 +27,7 @@ import typer
 from typer.core import TyperGroup
 
 from ..core.errors import EXIT_INTERRUPTED, FilaError
-from . import policy, prepare, review, tasks, upkeep
+from . import agents, policy, prepare, review, tasks, upkeep
 from .common import safe
 from .lazy import Commands, lazy_command
 
@@ -128,6 +128,7 @@ for callback, name in (
     (review.reject, None),
     (upkeep.gc_cmd, "gc"),
     (upkeep.doctor, None),
+    (agents.mcp_cmd, "mcp"),
     (prepare.schema, None),
 ):
     app.command(name)(callback)
