@@ -21,9 +21,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
+from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
+
 # The SDK reads each tool's annotations at registration: Context must be a module name here.
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
+from mcp_types import CallToolResult, TextContent
 from pydantic import Field
 
 from ..api.client import Client, applied_json, decision_json, record_json
@@ -221,12 +224,41 @@ APPLY = (
 )
 
 
+class KnownArguments:
+    """Middleware: a tool call naming an argument its tool does not take (a `project`, an
+    `image`, `limits`) is refused whole, never run with the argument dropped in silence."""
+
+    def __init__(self) -> None:
+        self.server: MCPServer | None = None
+        self.known: dict[str, set[str]] | None = None
+
+    async def __call__(self, ctx: ServerRequestContext[Any, Any], call_next: CallNext) -> HandlerResult:
+        params = ctx.params if isinstance(ctx.params, dict) else {}
+        args = params.get("arguments")
+        if ctx.method == "tools/call" and isinstance(args, dict) and self.server is not None:
+            if self.known is None:
+                tools = await self.server.list_tools()
+                self.known = {t.name: set(t.input_schema.get("properties", {})) for t in tools}
+            takes = self.known.get(str(params.get("name")))
+            stray = sorted(set(args) - takes) if takes is not None else []
+            if stray:
+                text = (f"fila: error: tool {params.get('name')!r} takes no argument {inert(stray[0])!r} "
+                        f"(it takes: {', '.join(sorted(takes or ()))})")  # fmt: skip
+                return CallToolResult(content=[TextContent(type="text", text=text)], is_error=True)
+        return await call_next(ctx)
+
+
 def build(client: Client, settings: Settings) -> MCPServer:
     """The server and its tools; apply and reject only with `settings.allow_decide`."""
     tools = Tools(client, settings)
     allowed = ", ".join(sorted(settings.policies)) or "none"
     decides = " (the apply tool)." if settings.allow_decide else " by a person."
-    server: MCPServer = MCPServer(settings.name, instructions=INSTRUCTIONS + decides, log_level="WARNING")
+    from importlib.metadata import version
+
+    known = KnownArguments()
+    server: MCPServer = MCPServer(settings.name, instructions=INSTRUCTIONS + decides, version=version("fila"),
+                                  log_level="WARNING", middleware=[known])  # fmt: skip
+    known.server = server
 
     @server.tool(description=SUBMIT.format(allowed=allowed))
     def submit(
