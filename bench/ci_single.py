@@ -55,7 +55,7 @@ def _first_file(project: Path) -> str:
     return sorted(str(p.relative_to(project)) for p in project.rglob("*") if p.is_file())[0]
 
 
-def _floor_task(project: Path, job: Path, args: list[str]) -> dict[str, float]:
+def floor_task_chowned(project: Path, job: Path, args: list[str]) -> dict[str, float]:
     """floor.floor_task, plus what fila does when it runs as root (the engine never does): work/
     handed to the container's uid (`chown -R`), so the engine can write it."""
     t0 = time.perf_counter()
@@ -168,7 +168,7 @@ def ci_single(ctx: Ctx, *, files: int = 100) -> list[Row]:
         job = new_job(jobs, 0)
         args = spec.docker_args(job, f"fila-bench-{jobs.name}")
         sync()
-        steps = _floor_task(project, job, args)
+        steps = floor_task_chowned(project, job, args)
         for k, v in steps.items():
             phases["floor"].setdefault(k, []).append(v)
         shutil.rmtree(jobs, ignore_errors=True)

@@ -18,7 +18,7 @@ import pytest
 import fila
 from fila.core.errors import DuplicateId, InvalidTaskFile, InvalidTransition, NotFound, TargetError, TimedOut
 from fila.core.models import Task
-from tests.support.project import GREETING
+from tests.support.project import GREETING, make_project
 from tests.support.queues import PLACEHOLDER_KEY, Driver, FileDriver, PgDriver
 
 
@@ -112,3 +112,20 @@ def test_the_api_queues_a_group_compares_it_and_rejects_with_a_decider(queue: Dr
         rec = rev.reject("g.shell", by="bob", reason="not this")
         assert rec.status == "rejected" and rec.decision and (rec.decision.by, rec.decision.reason) == (
             "bob", "not this")  # fmt: skip
+
+
+def test_the_documented_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/api.md's example, as written but for its root, on the fake backend: it decides the task
+    (the fake backend's warning, "not a sandbox", makes it reject)."""
+    import re
+
+    root = make_project(tmp_path / "project")
+    monkeypatch.setenv("FILA_BACKEND", "fake")
+    monkeypatch.setenv("FILA_FAKE_DIR", str(tmp_path / "boxes"))
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "api.md").read_text()
+    code = re.search(r"```python\n(.*?)```", doc, re.S)
+    assert code is not None
+    exec(compile(code.group(1).replace("/srv/project", str(root.path)), "docs/api.md", "exec"), {})
+    [rec] = fila.Client(root.path).listing().records
+    assert rec.status == "rejected" and rec.decision and rec.decision.by == "my-ci-bot"
+    assert rec.task and rec.task.submitter == "my-ci-bot"

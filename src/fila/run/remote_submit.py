@@ -1,6 +1,6 @@
 """`fila submit --queue URL` (docs/scale-out.md): a task, or a compare group's members, checked
 against the submitting root's policy and sent with its targets to the PostgreSQL queue in one
-transaction (`submit --run` then waits for each member's record: api/client.py).
+transaction (`submit --run` then waits for each member's record: docs/api.md).
 
 The members are checked as the file queue's `submit_group` checks them (intake.check_group); the
 targets are read and checked as a job directory's copy reads them (remote_inputs.pack), and sent

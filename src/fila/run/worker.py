@@ -154,7 +154,7 @@ class Worker(SlotLoop[_Job]):
         startup: bool = True,
     ) -> None:
         """`startup`: with `once`, the first task's timings get the process's start-up (False
-        in a long-lived process that runs many: api/client.py, after its first run)."""
+        in a long-lived process that runs many: docs/api.md: after its first run)."""
         from ..sandbox import get_backend, root_backend
 
         super().__init__(concurrency=concurrency, once=once, on_record=on_record)
