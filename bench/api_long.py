@@ -24,10 +24,10 @@ import time
 from itertools import count
 from pathlib import Path
 
-from bench.ci_single import SED, floor_task_chowned
+from bench.ci_single import SED, floor_round
 from bench.common import Ctx, Row, fila_cmd, median, paired_ratio, run, sync
 from bench.filaside import allow_project, ensure_image, init_root
-from bench.floor import FloorSpec, new_job
+from bench.floor import FloorSpec
 from bench.projects import make_project
 
 TARGET = 1.1  # x the floor: per task through the API in a long-lived process
@@ -89,15 +89,7 @@ def api_long(ctx: Ctx, *, files: int = 100) -> list[Row]:
         return dt
 
     def floor_side() -> float:
-        jobs = ctx.mkdtemp("api-floor-jobs")
-        job = new_job(jobs, 0)
-        args = spec.docker_args(job, f"fila-bench-{jobs.name}")
-        sync()
-        steps = floor_task_chowned(project, job, args)
-        for k, v in steps.items():
-            phases["floor"].setdefault(k, []).append(v)
-        shutil.rmtree(jobs, ignore_errors=True)
-        return steps["total"]
+        return floor_round(ctx, spec, project, phases["floor"])
 
     ctx.log(f"api-long: {reps} x (floor, API in this process, submit --run), alternating")
     fl: list[float] = []

@@ -142,6 +142,12 @@ def test_every_hostile_argument_is_refused_beside_its_allowed_counterpart(
                 await refused(c, tool, {"task_id": "x"}, f"Unknown tool: {tool}")
             # Targets: inside the project and not denied, as a task file's.
             ok = result(await c.call_tool("submit", {**base, "targets": ["greeting.txt", "sub/a.txt"]}))
+            # An id of the agent's choosing: checked as any task id, and never queued twice.
+            mine = {**base, "targets": ["greeting.txt"], "task_id": "mine"}
+            assert result(await c.call_tool("submit", mine))["id"] == "mine"
+            await refused(c, "submit", mine, "task id 'mine' exists already")
+            for bad, said in (("../x", "field 'id'"), ("/etc/x", "field 'id'"), ("..", "invalid task id")):
+                await refused(c, "submit", {**mine, "task_id": bad}, said)
             inside = str(project.path / "greeting.txt")
             outside = ["../outside", "sub/../../x", "sub/../.env", inside, "/etc/passwd"]
             for bad, said in [
@@ -181,7 +187,7 @@ def test_every_hostile_argument_is_refused_beside_its_allowed_counterpart(
     asyncio.run(go())
     ls = [*CLI, "ls", "--json", "--root", str(project.path)]
     listed = json.loads(subprocess.run(ls, capture_output=True, env=env_of(tmp_path), timeout=60).stdout)
-    assert len(listed) == 3  # the three accepted submits, nothing of the refused ones
+    assert len(listed) == 4  # the four accepted submits, nothing of the refused ones
 
 
 def test_malformed_json_rpc_is_answered_or_dropped_and_the_server_goes_on(project: Root) -> None:
@@ -226,6 +232,11 @@ def free_port() -> int:
 def test_an_agent_over_http_needs_the_token_and_runs_the_cycle(project: Root, tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text(TOKEN + "\n")
+    token.chmod(0o644)  # readable by others: refused, as a password file would be
+    argv = [*CLI, "mcp", "--root", str(project.path), "--http", "127.0.0.1:1", "--token-file", str(token)]
+    loose = subprocess.run(argv, capture_output=True, text=True, env=env_of(tmp_path), timeout=60)
+    assert loose.returncode == 2 and "readable by others" in loose.stderr, loose.stderr
+    token.chmod(0o600)
     # Bound beyond loopback, a token is required: refused before anything listens.
     argv = [*CLI, "mcp", "--root", str(project.path), "--http", "0.0.0.0:1"]
     wide = subprocess.run(argv, capture_output=True, text=True, env=env_of(tmp_path), timeout=60)

@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "799479e5657fde1339fae9b00208461dc87bccc1912e09cb14d72927ff9f38af"
+CLI_SHA256 = "d4084701e87736b3a8fd37dba36f7203235871340c2d9c226cfe0a97d1fe3f3e"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 

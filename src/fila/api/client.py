@@ -13,6 +13,7 @@ no process start-up, no imports and no connection (bench/api_long.py measures it
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -111,6 +112,7 @@ class Client:
         self.root = root if isinstance(root, Root) else Root.at(os.fspath(root) if root is not None else None)
         self.queue_url = queue
         self._db: PgQueue | None = None
+        self._opening = threading.Lock()  # threads share one client (the MCP server's tools)
         self._backend = backend
         self._owns_backend = backend is None
         self._runs = 0
@@ -135,11 +137,12 @@ class Client:
         """The PostgreSQL queue (opened on first use), or None on the file queue."""
         if self.queue_url is None:
             return None
-        if self._db is None:
-            from ..queue.pg.store import PgQueue
+        with self._opening:
+            if self._db is None:
+                from ..queue.pg.store import PgQueue
 
-            self._db = PgQueue(self.queue_url)
-        return self._db
+                self._db = PgQueue(self.queue_url)
+            return self._db
 
     # -- tasks in ------------------------------------------------------------------------------
 
@@ -224,11 +227,12 @@ class Client:
 
     def backend(self) -> Backend:
         """The container backend `run` uses: made once (the root's, or $FILA_BACKEND) and kept."""
-        if self._backend is None:
-            from ..sandbox import get_backend, root_backend
+        with self._opening:
+            if self._backend is None:
+                from ..sandbox import get_backend, root_backend
 
-            self._backend = get_backend(root_backend(self.root))
-        return self._backend
+                self._backend = get_backend(root_backend(self.root))
+            return self._backend
 
     def wait(self, task_id: str, timeout: float | None = None, *, poll_s: float = 0.1) -> Record:
         """The task's record once it is neither queued nor running (run by a worker, a runner or

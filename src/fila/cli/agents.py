@@ -41,7 +41,8 @@ def mcp_cmd(
         Path | None,
         typer.Option(
             "--token-file",
-            help="with --http: the bearer token every request must carry (else $FILA_MCP_TOKEN)",
+            help="with --http: a file (mode 0600) holding the bearer token every request must carry (else "
+            "$FILA_MCP_TOKEN)",
             show_default=False,
         ),
     ] = None,
@@ -69,10 +70,10 @@ def mcp_cmd(
         if http is None:
             server.run("stdio")
             return
-        from ..mcp.http import parse_bind, serve
+        from ..mcp.http import parse_bind, read_token, serve
 
         host, port = parse_bind(http)
-        token = token_file.read_text().strip() if token_file else os.environ.get("FILA_MCP_TOKEN") or None
+        token = read_token(token_file) if token_file else os.environ.get("FILA_MCP_TOKEN") or None
         typer.echo(f"fila mcp: serving http://{host}:{port}/mcp (root {client.root.path})", err=True)
         serve(server, host, port, token)
     finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hmac
 import ipaddress
 from collections.abc import Awaitable, Callable, MutableMapping
+from pathlib import Path
 from typing import Any
 
 from ..core.errors import InvalidInput
@@ -68,6 +69,22 @@ class Bearer:
                 await send({"type": "http.response.body", "body": b"fila mcp: a bearer token is required\n"})
                 return
         await self.app(scope, receive, send)
+
+
+def read_token(path: Path) -> str:
+    """The bearer token from a file only its owner may read (as libpq's password file)."""
+    try:
+        st = path.stat()
+        text = path.read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidInput(f"cannot read the token file: {e}", path=path) from None
+    if st.st_mode & 0o077:
+        raise InvalidInput(
+            f"the token file is readable by others (mode {st.st_mode & 0o777:o})",
+            path=path,
+            hint=f"chmod 600 {path}",
+        )
+    return text
 
 
 def serve(server: Any, host: str, port: int, token: str | None) -> None:

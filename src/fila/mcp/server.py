@@ -6,8 +6,8 @@ ordinary task of the queue (`fila ls`, `fila review` and the record show it), ch
 file is checked, with the client's name as its submitter.
 
 Every argument is hostile input (docs/security.md): a submit names only what the tool schema has
-(engine, prompt, targets, policy, check, fallback, and command for the shell engine; never a
-project, an image, limits, options or an id), its policy must be one the operator allowed for
+(engine, prompt, targets, policy, check, fallback, command for the shell engine, and an id;
+never a project, an image, limits or options), its policy must be one the operator allowed for
 MCP, and the task then meets `fila submit`'s checks (targets inside the project and not denied,
 the policy's limits and prompt cap, the task's size). Task ids are checked before any path is
 made of them, and the server answers for its one root (or its one queue database) only. apply and
@@ -113,8 +113,8 @@ class Tools:
             )
 
     def submit(self, who: str, *, engine: str, targets: list[str], prompt: str = "", policy: str = "default",
-               check: str | None = None, fallback: list[str] | None = None,
-               command: str | None = None) -> dict[str, Any]:  # fmt: skip
+               check: str | None = None, fallback: list[str] | None = None, command: str | None = None,
+               task_id: str | None = None) -> dict[str, Any]:  # fmt: skip
         def go() -> dict[str, Any]:
             self.check_policy(policy)
             rec = self.client.submit(
@@ -123,6 +123,7 @@ class Tools:
                 check=check,
                 fallback=fallback,
                 command=command,
+                id=task_id,
                 submitter=who,
             )
             return {"id": rec.id, "status": rec.status.value, "submitter": who}
@@ -199,6 +200,14 @@ Reason = Annotated[str | None, Field(default=None, max_length=4000, description=
 Targets = Annotated[list[str], Field(min_length=1, max_length=256, description="paths in the project")]
 Engines = Annotated[list[str] | None, Field(max_length=16, description="engines tried on quota")]
 Text = Annotated[str | None, Field(description="a command (recorded)")]
+NewId = Annotated[
+    str | None,
+    Field(
+        max_length=128,
+        description="an id of your choosing (letters, digits, . _ -; default generated): a submit "
+        "retried with the same id is refused as a duplicate, never queued twice",
+    ),
+]
 Seconds = Annotated[float, Field(ge=0, le=MAX_WAIT_S, description="at most this long")]
 INSTRUCTIONS = (
     "fila runs a coding engine on a copy of this project in a throwaway sandbox and stops at a diff: "
@@ -270,9 +279,10 @@ def build(client: Client, settings: Settings) -> MCPServer:
         check: Text = None,
         fallback: Engines = None,
         command: Text = None,
+        task_id: NewId = None,
     ) -> dict[str, Any]:
         return tools.submit(submitter(ctx), engine=engine, targets=targets, prompt=prompt, policy=policy,
-                            check=check, fallback=fallback, command=command)  # fmt: skip
+                            check=check, fallback=fallback, command=command, task_id=task_id)  # fmt: skip
 
     @server.tool(description=WAIT)
     def wait(task_id: TaskId, timeout_s: Seconds = 60.0) -> dict[str, Any]:
