@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "d4084701e87736b3a8fd37dba36f7203235871340c2d9c226cfe0a97d1fe3f3e"
+CLI_SHA256 = "49bb44b85abd7409ecfb290de5c8fdefb12c97f44e47d54b9b8a2240665481d7"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 

@@ -49,7 +49,7 @@ def mcp_cmd(
 ) -> None:
     """Serve fila to an agent over the Model Context Protocol (stdio by default).
 
-    Tools: submit (engine, prompt, targets, policy, check, fallback, command), wait, status,
+    Tools: submit (engine, prompt, targets, policy, check, fallback, command, an id), wait, status,
     review (summary, warnings, the diff), log, compare; with --allow-decide also apply and reject,
     decided as `mcp:<client name>`. A task submitted here is an ordinary task of --root (or of
     --queue), checked as a task file is, its submitter `mcp:<client name>`; a worker runs it
