@@ -238,9 +238,10 @@ def test_an_agent_over_http_needs_the_token_and_runs_the_cycle(project: Root, tm
     assert loose.returncode == 2 and "readable by others" in loose.stderr, loose.stderr
     token.chmod(0o600)
     # Bound beyond loopback, a token is required: refused before anything listens.
-    argv = [*CLI, "mcp", "--root", str(project.path), "--http", "0.0.0.0:1"]
-    wide = subprocess.run(argv, capture_output=True, text=True, env=env_of(tmp_path), timeout=60)
-    assert wide.returncode == 2 and "needs a bearer token" in wide.stderr, wide.stderr
+    for host in ("0.0.0.0", "127.0.0.2", "[::]"):  # 127.0.0.2: no DNS-rebinding check from the SDK
+        argv = [*CLI, "mcp", "--root", str(project.path), "--http", f"{host}:1"]
+        wide = subprocess.run(argv, capture_output=True, text=True, env=env_of(tmp_path), timeout=60)
+        assert wide.returncode == 2 and "needs a bearer token" in wide.stderr, wide.stderr
     port = free_port()
     bind = f"127.0.0.1:{port}"
     argv = [

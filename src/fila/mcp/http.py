@@ -1,14 +1,16 @@
 """`fila mcp --http HOST:PORT`: the MCP server over streamable HTTP (docs/mcp.md).
 
-On a loopback address the SDK's DNS-rebinding protection checks Host and Origin; bound anywhere
-else, every request must carry `Authorization: Bearer <token>` (the operator's token, compared in
-constant time), since anyone who reaches the port could otherwise queue tasks and read diffs.
+On a loopback address (127.0.0.1, localhost, ::1) the SDK's DNS-rebinding protection checks Host
+and Origin, and a token is optional (every local process reaches the port: a shared host wants
+one); bound anywhere else every request must carry `Authorization: Bearer <token>` (the
+operator's token, compared in constant time), since anyone who reaches the port could otherwise
+queue tasks and read diffs.
 """
 
 from __future__ import annotations
 
 import hmac
-import ipaddress
+import sys
 from collections.abc import Awaitable, Callable, MutableMapping
 from pathlib import Path
 from typing import Any
@@ -23,13 +25,13 @@ App = Callable[[Scope, Receive, Send], Awaitable[None]]
 MIN_TOKEN_CHARS = 16
 
 
+# The addresses the SDK guards against DNS rebinding (Host and Origin checked): only these count
+# as loopback here, so every other bind (127.0.0.2 included) needs the token.
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
 def loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
+    return host in LOOPBACK
 
 
 def parse_bind(value: str) -> tuple[str, int]:
@@ -92,6 +94,11 @@ def serve(server: Any, host: str, port: int, token: str | None) -> None:
     import uvicorn
 
     check_token(host, token)
+    if token is None:
+        sys.stderr.write(
+            "fila mcp: warning: no bearer token: any process on this host, of any user, can call the "
+            "tools (--token-file FILE on a shared host)\n"
+        )
     app: App = server.streamable_http_app(host=host)
     if token is not None:
         app = Bearer(app, token)
