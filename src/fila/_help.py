@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "49bb44b85abd7409ecfb290de5c8fdefb12c97f44e47d54b9b8a2240665481d7"
+CLI_SHA256 = "ed0e8d7d1c9dcab1704e56b61dea3f36aa3483e1a4bb06768771aee7e09dfa5f"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 

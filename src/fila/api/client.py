@@ -324,9 +324,7 @@ class Client:
         """Write the self-contained REVIEW.html (`fila review --html`) and return its path: the
         job directory's, or for a PostgreSQL queue's task `out` (default
         <root>/fila/reviews/ID/REVIEW.html)."""
-        if out is not None and self.db is None:
-            raise InvalidInput("--out is for --html with --queue", hint="on the file queue REVIEW.html "
-                               "goes in the job directory")  # fmt: skip
+        check_review_out(out, html=True, queued=self.db is not None)
         got = self.review(task_id)
         if self.db is not None:
             from ..review.remote import review_html
@@ -408,6 +406,14 @@ class Client:
         from ..review.decision import reject
 
         return reject(self.root, task_id, by=by, reason=reason)
+
+
+def check_review_out(out: Path | None, *, html: bool, queued: bool) -> None:
+    """A REVIEW.html path of one's choosing is for a PostgreSQL queue's task only (a file queue's
+    goes in its job directory)."""
+    if out is not None and not (html and queued):
+        raise InvalidInput("--out is for --html with --queue", hint="on the file queue REVIEW.html "
+                           "goes in the job directory")  # fmt: skip
 
 
 def record_json(rec: Record) -> dict[str, Any]:

@@ -220,14 +220,10 @@ def review(
     """
     import os
 
-    from ..api.client import Client
+    from ..api.client import Client, check_review_out
     from ..review import report as rv
 
-    if out is not None and not (html and queue_url):
-        from ..core.errors import InvalidInput
-
-        raise InvalidInput("--out is for --html with --queue", hint="on the file queue REVIEW.html "
-                           "goes in the job directory")  # fmt: skip
+    check_review_out(out, html=html, queued=bool(queue_url))
     with Client(root, queue=queue_url) as client:
         if html:
             path = client.review_html(task_id, out)
