@@ -55,7 +55,7 @@ def _first_file(project: Path) -> str:
     return sorted(str(p.relative_to(project)) for p in project.rglob("*") if p.is_file())[0]
 
 
-def _floor_task(project: Path, job: Path, args: list[str]) -> dict[str, float]:
+def floor_task_chowned(project: Path, job: Path, args: list[str]) -> dict[str, float]:
     """floor.floor_task, plus what fila does when it runs as root (the engine never does): work/
     handed to the container's uid (`chown -R`), so the engine can write it."""
     t0 = time.perf_counter()
@@ -69,6 +69,20 @@ def _floor_task(project: Path, job: Path, args: list[str]) -> dict[str, float]:
     git_diff(job)
     t3 = time.perf_counter()
     return {"copy": t1 - t0, "run": t2 - t1, "diff": t3 - t2, "total": t3 - t0}
+
+
+def floor_round(ctx: Ctx, spec: FloorSpec, project: Path, phases: dict[str, list[float]]) -> float:
+    """One task the floor's way (floor_task_chowned) in a fresh job directory: its total; each
+    step's seconds appended to `phases`."""
+    jobs = ctx.mkdtemp("floor-jobs")
+    job = new_job(jobs, 0)
+    args = spec.docker_args(job, f"fila-bench-{jobs.name}")
+    sync()
+    steps = floor_task_chowned(project, job, args)
+    for k, v in steps.items():
+        phases.setdefault(k, []).append(v)
+    shutil.rmtree(jobs, ignore_errors=True)
+    return steps["total"]
 
 
 def ci_single(ctx: Ctx, *, files: int = 100) -> list[Row]:
@@ -164,15 +178,7 @@ def ci_single(ctx: Ctx, *, files: int = 100) -> list[Row]:
         return dt
 
     def floor_side() -> float:
-        jobs = ctx.mkdtemp("ci-floor-jobs")
-        job = new_job(jobs, 0)
-        args = spec.docker_args(job, f"fila-bench-{jobs.name}")
-        sync()
-        steps = _floor_task(project, job, args)
-        for k, v in steps.items():
-            phases["floor"].setdefault(k, []).append(v)
-        shutil.rmtree(jobs, ignore_errors=True)
-        return steps["total"]
+        return floor_round(ctx, spec, project, phases["floor"])
 
     ctx.log(f"ci-single: {reps} x (floor, submit + run --once, submit --run), alternating")
     fl: list[float] = []

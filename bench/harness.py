@@ -18,6 +18,7 @@ from bench.common import REPO, Ctx, Row, bench_tmp
 
 
 def _cases() -> dict[str, Callable[[Ctx], list[Row]]]:
+    from bench.api_long import api_long
     from bench.ci_single import ci_single
     from bench.cycle_fake import cycle_fake
     from bench.engine_startup import engine_startup
@@ -43,6 +44,7 @@ def _cases() -> dict[str, Callable[[Ctx], list[Row]]]:
         "cycle-fake": cycle_fake,
         "large-project": large_project,
         "ci-single": ci_single,
+        "api-long": api_long,
         "engine-startup": engine_startup,
         "environment": environment,
         "web-list": web_list,
@@ -60,6 +62,7 @@ CASES = (
     "cycle-fake",
     "large-project",
     "ci-single",
+    "api-long",
     "engine-startup",
     "environment",
     "web-list",

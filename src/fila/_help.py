@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "49ad054a455f4240e4c218f50506a07f60bfd3df929a373d518fbf32cd907c2d"
+CLI_SHA256 = "92045ded1e08377a8deef119a8591efcc6ae2b1591dcddfa229ee7127cdcf567"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 
@@ -47,6 +47,7 @@ Commands:
   verify   Check a task's signed provenance and print what it proves.
   gc       Remove job directories (sandbox/jobs/ID, sandbox/meta/ID) of...
   doctor   Check this host: the container engine, runtimes, images built,...
+  mcp      Serve fila to an agent over the Model Context Protocol (stdio...
   schema   Print the JSON Schema of a file format (the one fila validates...
   images   Build and list engine images.
   policy   Learn, then lock: propose a policy from what runs did.

@@ -28,7 +28,7 @@ import typer
 from typer.core import TyperGroup
 
 from ..core.errors import EXIT_INTERRUPTED, FilaError
-from . import env, policy, prepare, provenance, review, serve, tasks, upkeep
+from . import agents, env, policy, prepare, provenance, review, serve, tasks, upkeep
 from .common import safe
 from .lazy import Commands, lazy_command
 
@@ -145,6 +145,7 @@ for callback, name in (
     (provenance.verify, None),
     (upkeep.gc_cmd, "gc"),
     (upkeep.doctor, None),
+    (agents.mcp_cmd, "mcp"),
     (prepare.schema, None),
 ):
     app.command(name)(callback)

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from ..core.layout import Root
 from ..core.states import Status
 from .common import (
     ByOpt,
@@ -29,6 +28,9 @@ from .common import (
     to_stderr,
 )
 
+if TYPE_CHECKING:
+    from ..api.client import Client
+
 
 def ls_cmd(
     root: RootOpt = None,
@@ -37,15 +39,11 @@ def ls_cmd(
     queue_url: QueueOpt = None,
 ) -> None:
     """List tasks with their status, newest last (--queue: of that PostgreSQL queue)."""
-    from ..review.desk import listing
+    from ..api.client import Client
 
-    if queue_url:
-        from ..queue.pg.db import Database
-
-        with Database(queue_url) as db:
-            recs, dropped, unreadable = listing(Root.at(root), db, status)
-    else:
-        recs, dropped, unreadable = listing(Root.at(root), None, status)
+    with Client(root, queue=queue_url) as client:
+        got = client.listing(status)
+    recs, dropped, unreadable = got.records, got.dropped, got.unreadable
     if json_:
         print_json(
             [
@@ -74,21 +72,13 @@ def ls_cmd(
 def show(task_id: str, root: RootOpt = None, json_: JsonOpt = False, queue_url: QueueOpt = None) -> None:
     """Show a task's record: status, engine, image, policy, timings, diffstat, error (--queue: from
     that PostgreSQL queue, its patch and log named by their blobs)."""
-    from ..queue.store import get_record
-    from ..review.report import attempt_lines, environment_lines, project_path
+    from ..api.client import Client
+    from ..review.report import attempt_lines, environment_lines
     from ..workspace.fswalk import escape_name
 
-    blobs: dict[str, str] | None = None
-    if queue_url:
-        from ..queue.pg.db import Database
-
-        with Database(queue_url) as db:
-            rec, blobs = db.get(task_id), db.task_blobs(task_id)
-        project = (rec.task.project if rec.task else None) or "(the submitting host's queue root)"
-    else:
-        r = Root.at(root).require()
-        rec = get_record(r, task_id)
-        project = project_path(r, rec)
+    with Client(root, queue=queue_url) as client:
+        rec, blobs = client.record(task_id), client.blobs(task_id)
+        project, r = client.project_of(rec), client.root
     if json_:
         print_json(record_json(rec))
         return
@@ -107,6 +97,8 @@ def show(task_id: str, root: RootOpt = None, json_: JsonOpt = False, queue_url: 
         lines.append(f"exit code: {rec.exit_code}")
     lines += attempt_lines(rec, "attempts:", 11)  # each engine tried, fallbacks too
     lines += environment_lines(rec, "env:", 11)
+    if rec.task and rec.task.submitter:
+        lines.append(f"submitter: {rec.task.submitter}")
     if rec.task and rec.task.group:
         lines.append(f"group:     {rec.task.group} (`fila compare {rec.task.group}`)")
     if rec.check:
@@ -161,31 +153,18 @@ def logs(
     --queue: the log its runner published (a blob, checked against its sha256), or with --events
     the queue's events of the task; --follow is the file queue's only.
     """
-    from ..queue.store import log_chunks
+    from ..api.client import Client
 
     tty = sys.stdout.isatty()
-    if queue_url:
-        if follow:
-            from ..core.errors import InvalidInput
+    with Client(root, queue=queue_url) as client:
+        for data in client.log_chunks(task_id, events=events, follow=follow):
+            if tty:
+                from ..workspace.fswalk import inert
 
-            raise InvalidInput("--follow reads a file queue's log; with --queue the log is published "
-                               "whole when the task ends", hint="run it again once `fila ls --queue` "
-                               "shows the task decided or ready for review")  # fmt: skip
-        from ..queue.pg.store import PgQueue
-        from ..review.remote import queued_log
-
-        with PgQueue(queue_url) as db:
-            chunks: Any = [queued_log(db, task_id, events=events)]
-    else:
-        chunks = log_chunks(Root.at(root).require(), task_id, events=events, follow=follow)
-    for data in chunks:
-        if tty:
-            from ..workspace.fswalk import inert
-
-            typer.echo("\n".join(inert(x) for x in data.split(b"\n")), nl=False)
-        else:
-            sys.stdout.buffer.write(data)
-            sys.stdout.flush()
+                typer.echo("\n".join(inert(x) for x in data.split(b"\n")), nl=False)
+            else:
+                sys.stdout.buffer.write(data)
+                sys.stdout.flush()
 
 
 def diff(task_id: str, root: RootOpt = None, queue_url: QueueOpt = None) -> None:
@@ -196,20 +175,11 @@ def diff(task_id: str, root: RootOpt = None, queue_url: QueueOpt = None) -> None
     piped, the bytes are written unchanged, e.g. for `git apply`. --queue: the patch is the
     task's DIFF.patch blob in that PostgreSQL queue, checked the same way.
     """
-    from ..queue.store import get_record
-    from ..review.patch import policy_for, read_reviewed
+    from ..api.client import Client
 
-    if queue_url:
-        from ..queue.pg.store import PgQueue
-        from ..review.remote import queued_patch
-
-        with PgQueue(queue_url) as db:
-            rec = db.get(task_id)
-            data = queued_patch(db, rec)
-    else:
-        r = Root.at(root).require()
-        rec = get_record(r, task_id)
-        data = read_reviewed(r, rec, policy_for(r, rec))
+    with Client(root, queue=queue_url) as client:
+        got = client.patch(task_id)
+    rec, data = got.record, got.data
     if rec.credentials_in_diff is not None:  # on stderr: the patch on stdout stays a patch
         from ..workspace.secretscan import diff_warning
 
@@ -251,26 +221,15 @@ def review(
     """
     import os
 
+    from ..api.client import Client, check_review_out
     from ..review import report as rv
 
-    r = Root.at(root)
-    if out is not None and not (html and queue_url):
-        from ..core.errors import InvalidInput
-
-        raise InvalidInput("--out is for --html with --queue", hint="on the file queue REVIEW.html "
-                           "goes in the job directory")  # fmt: skip
-    from ..review.desk import review as load_review
-
-    if queue_url:
-        from ..queue.pg.store import PgQueue
-        from ..review.remote import review_html
-
-        with PgQueue(queue_url) as db:
-            got = load_review(r, db, task_id)
-            path = review_html(r, db, task_id, got, out) if html else None
-    else:
-        got = load_review(r, None, task_id)
-        path = rv.write_html(r, got) if html else None
+    check_review_out(out, html=html, queued=bool(queue_url))
+    with Client(root, queue=queue_url) as client:
+        if html:
+            path = client.review_html(task_id, out)
+        else:
+            got, path = client.review(task_id), None
     if path is not None:
         if json_:
             print_json({"id": task_id, "html": str(path)})
@@ -349,88 +308,69 @@ def apply_cmd(
     checks, its patch and inputs read from the database; the decision is recorded there, once
     for every reviewer.
     """
-    import contextlib
+    from ..api.client import Client
 
-    from ..queue.store import get_record
-
-    r = Root.at(root)
-    with contextlib.ExitStack() as stack:
-        db = None
-        if queue_url:
-            from ..queue.pg.store import PgQueue
-
-            db = stack.enter_context(PgQueue(queue_url))
-        res = _apply(r, task_id, db, yes, get_record, three_way=three_way, by=by, reason=reason,
-                     allow_git_metadata=allow_git_metadata, allow_credential=allow_credential,
-                     branch=branch)  # fmt: skip
-    if branch is not None:
-        res, on = res
-        if json_:
-            d = res.record.decision
-            print_json({"id": task_id, "status": res.record.status, "branch": branch, "commit": on.commit,
-                        "checkout": str(on.top), "decision": d.model_dump(mode="json") if d else None,
-                        "superseded": res.superseded})  # fmt: skip
-            return
-        typer.echo(
-            safe(
-                f"applied {task_id} as commit {on.commit} on the new branch {branch} of {on.top}; "
-                f"{len(res.written)} written, {len(res.deleted)} deleted; the checkout is untouched"
+    with Client(root, queue=queue_url) as client:
+        if not yes:
+            _confirm(client, task_id)
+        if branch is not None:
+            res, on = client.apply_on_branch(
+                task_id, branch, three_way=three_way, by=by, reason=reason,
+                allow_git_metadata=allow_git_metadata, allow_credential=allow_credential,
+            )  # fmt: skip
+            if json_:
+                d = res.record.decision
+                print_json({"id": task_id, "status": res.record.status, "branch": branch, "commit": on.commit,
+                            "checkout": str(on.top), "decision": d.model_dump(mode="json") if d else None,
+                            "superseded": res.superseded})  # fmt: skip
+                return
+            typer.echo(
+                safe(
+                    f"applied {task_id} as commit {on.commit} on the new branch {branch} of {on.top}; "
+                    f"{len(res.written)} written, {len(res.deleted)} deleted; the checkout is untouched"
+                )
             )
+            for tid in res.superseded:
+                typer.echo(safe(f"superseded {tid} (same group)"))
+            return
+        res = client.apply(
+            task_id,
+            three_way=three_way,
+            by=by,
+            reason=reason,
+            allow_git_metadata=allow_git_metadata,
+            allow_credential=allow_credential,
         )
-        for tid in res.superseded:
-            typer.echo(safe(f"superseded {tid} (same group)"))
-        return
     _print_applied(task_id, res, json_)
 
 
-def _apply(r: Root, task_id: str, db: Any, yes: bool, get_record: Any, **options: Any) -> Any:
+def _confirm(client: Client, task_id: str) -> None:
+    """Ask before applying, on a terminal (exit 1 on no)."""
     from ..core.errors import InvalidInput
-    from ..review.desk import apply_task
 
-    if not yes:
-        if not sys.stdin.isatty():
-            raise InvalidInput(
-                "apply asks for confirmation and there is no terminal",
-                hint="pass --yes to apply without asking (CI)",
-            )
-        from ..review.report import project_path
-        from ..workspace.fswalk import escape_name
+    if not sys.stdin.isatty():
+        raise InvalidInput(
+            "apply asks for confirmation and there is no terminal",
+            hint="pass --yes to apply without asking (CI)",
+        )
+    from ..review.report import project_path
+    from ..workspace.fswalk import escape_name
 
-        rec = db.get(task_id) if db is not None else get_record(r.require(), task_id)
-        typer.echo(summary_line(rec), err=True)
-        where = escape_name(str(r.path) if db is not None else project_path(r, rec))
-        typer.echo(f"project: {where}", err=True)
-        if not typer.confirm(f"apply task {safe(task_id)} to {where}?", default=False, err=True):
-            to_stderr("fila: nothing applied")
-            raise typer.Exit(1)
-    branch = options.pop("branch", None)
-    if branch is not None:
-        from ..review.branch import apply_on_branch
-
-        return apply_on_branch(r, db, task_id, branch, **options)
-    return apply_task(r, db, task_id, **options)
+    rec = client.record(task_id)
+    typer.echo(summary_line(rec), err=True)
+    where = escape_name(str(client.root.path) if client.db is not None else project_path(client.root, rec))
+    typer.echo(f"project: {where}", err=True)
+    if not typer.confirm(f"apply task {safe(task_id)} to {where}?", default=False, err=True):
+        to_stderr("fila: nothing applied")
+        raise typer.Exit(1)
 
 
 def _print_applied(task_id: str, res: Any, json_: bool) -> None:
+    from ..api.client import applied_json
+
     d = res.record.decision
     if json_:
-        print_json(
-            {
-                "id": task_id,
-                "status": res.record.status,
-                "project": str(res.project),
-                "decision": d.model_dump(mode="json") if d else None,
-                "written": res.written,
-                "deleted": res.deleted,
-                "merged": res.merged,
-                "resumed": res.resumed,
-                "changed_not_touched": res.moved_untouched,
-                "superseded": res.superseded,
-                "not_superseded": res.undecided,
-                "credential_markers": res.credential_markers,
-                "provenance": res.provenance,
-            }
-        )
+        print_json(applied_json(task_id, res))
         return
     typer.echo(
         safe(
@@ -471,16 +411,11 @@ def compare(
     """Show a group's tasks side by side: status, files touched, +/- lines, duration, requests,
     tokens, cost, and the check when the task names one (--queue: from that PostgreSQL queue's
     records)."""
+    from ..api.client import Client
     from ..review import groups as cmp
-    from ..review.desk import compare as compare_group
 
-    if queue_url:
-        from ..queue.pg.store import PgQueue
-
-        with PgQueue(queue_url) as db:
-            c = compare_group(Root.at(root), db, group)
-    else:
-        c = compare_group(Root.at(root), None, group)
+    with Client(root, queue=queue_url) as client:
+        c = client.compare(group)
     if json_:
         print_json(cmp.to_json(c))
     elif html_:
@@ -501,20 +436,13 @@ def reject(
     """Reject a task (ready for review, failed or needing a person) and record why. The project
     is not touched; `fila gc` removes the job directory later. --queue: the decision is recorded
     in that PostgreSQL queue, once for every reviewer."""
-    from ..review.desk import reject_task
+    from ..api.client import Client, decision_json
 
-    if queue_url:
-        from ..queue.pg.store import PgQueue
-
-        with PgQueue(queue_url) as db:
-            rec = reject_task(Root.at(root), db, task_id, by=by, reason=reason)
-    else:
-        rec = reject_task(Root.at(root), None, task_id, by=by, reason=reason)
+    with Client(root, queue=queue_url) as client:
+        rec = client.reject(task_id, by=by, reason=reason)
     d = rec.decision
     if json_:
-        print_json(
-            {"id": task_id, "status": rec.status, "decision": d.model_dump(mode="json") if d else None}
-        )
+        print_json(decision_json(task_id, rec))
         return
     typer.echo(
         safe(f"rejected {task_id}" + (f" by {d.by}" + (f": {d.reason}" if d.reason else "") if d else ""))

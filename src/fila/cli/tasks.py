@@ -17,6 +17,7 @@ from ..core.layout import Root
 from .common import JsonOpt, QueueOpt, RootOpt, print_error, print_json, record_printer, to_stderr
 
 if TYPE_CHECKING:  # pydantic's import costs a third of `fila --help`; commands import it lazily
+    from ..api.client import Client
     from ..core.models import Record
 
 
@@ -86,11 +87,9 @@ def submit(
     (checked against this root's policy and limits; a content the database has is not sent
     again); --run then waits until a runner has published its record.
     """
+    from ..api.client import Client
     from ..core.errors import InvalidInput
-    from ..core.models import Task
-    from ..queue.policy import validate_document
     from ..run.intake import parse_task_bytes, parse_task_file
-    from ..run.intake import submit as do_submit
 
     data: dict[str, Any] = {}
     if task_file == "-":
@@ -115,55 +114,28 @@ def submit(
         "check": check,
         "environment": environment,
     }
-    data.update({k: v for k, v in opts.items() if v is not None})
-    if not data:
-        raise InvalidInput("nothing to submit", hint="give a task file or --engine and --target")
-    if model and (len(model) > 1 or "=" in model[0]) and not (engine and len(engine) > 1):
+    given = data or any(v is not None for v in opts.values())  # else the API says: nothing to submit
+    if given and model and (len(model) > 1 or "=" in model[0]) and not (engine and len(engine) > 1):
         raise InvalidInput("--model ENGINE=MODEL and a repeated --model are for a group (--engine repeated)",
                            hint="one engine takes one --model MODEL")  # fmt: skip
-    validate_document("task", data, path=task_file if task_file not in (None, "-") else "options")
+    source = task_file if task_file not in (None, "-") else "options"
     per_engine = dict(m.split("=", 1) for m in model or [] if "=" in m)
-    if queue_url:
-        _submit_remote(Root.at(root), queue_url, Task.model_validate(data), wait=run_now, json_=json_,
-                       engines=engine if engine and len(engine) > 1 else None, models=per_engine)  # fmt: skip
-        return
-    if engine and len(engine) > 1:
-        from ..review.groups import group_tasks
-        from ..run.intake import submit_group
+    group = engine if engine and len(engine) > 1 else None
+    with Client(root, queue=queue_url) as client:
+        if group:
+            recs = client.submit_group(data, group, models=per_engine, source=source, **opts)
+        else:
+            recs = [client.submit(data, source=source, **opts)]
+        if run_now and queue_url:  # a runner publishes each record: run --once's exit code
+            from ..run.slots import run_exit_code
 
-        recs = submit_group(Root.at(root), group_tasks(Task.model_validate(data), engine, models=per_engine))
+            recs = [client.wait(r.id) for r in recs]
+            for rec in recs:
+                record_printer(json_)(rec)
+            raise typer.Exit(run_exit_code(recs))
         if run_now:
-            _process(root, once=True, only={r.id for r in recs}, json_=json_, quiet=quiet)
-        _print_queued(recs, group=True, json_=json_)
-        return
-    rec = do_submit(Root.at(root), Task.model_validate(data))
-    if run_now:
-        _process(root, once=True, only={rec.id}, json_=json_, quiet=quiet)
-    _print_queued([rec], group=False, json_=json_)
-
-
-def _submit_remote(
-    root: Root,
-    url: str,
-    task: Any,
-    *,
-    wait: bool,
-    json_: bool,
-    engines: list[str] | None = None,
-    models: dict[str, str] | None = None,
-) -> None:
-    """`fila submit --queue URL` (run/remote_submit.py); `wait`: each record once a runner
-    published it, and `run --once`'s exit code (run/slots.run_exit_code)."""
-    from ..run.remote_submit import submit_remote
-
-    recs = submit_remote(root, url, task, engines=engines, models=models, wait=wait)
-    if wait:
-        from ..run.slots import run_exit_code
-
-        for rec in recs:
-            record_printer(json_)(rec)
-        raise typer.Exit(run_exit_code(recs))
-    _print_queued(recs, group=bool(engines), json_=json_)
+            _process(client, once=True, only={r.id for r in recs}, json_=json_, quiet=quiet)
+    _print_queued(recs, group=bool(group), json_=json_)
 
 
 def _print_queued(recs: list[Record], *, group: bool, json_: bool) -> None:
@@ -252,7 +224,10 @@ def worker(
         _process_remote(root, queue_url, once=once, json_=json_, quiet=quiet, poll=poll,
                         host_id=host_id, engines=engine, policies=policy, lease=lease,
                         concurrency=concurrency)  # fmt: skip
-    _process(root, once=once, json_=json_, quiet=quiet, concurrency=concurrency, poll=poll, grace=grace)
+    from ..api.client import Client
+
+    with Client(root) as client:
+        _process(client, once=once, json_=json_, quiet=quiet, concurrency=concurrency, poll=poll, grace=grace)
 
 
 def _process_remote(
@@ -292,7 +267,7 @@ def _process_remote(
 
 
 def _process(
-    root: Path | None,
+    client: Client,
     *,
     once: bool,
     json_: bool,
@@ -302,28 +277,19 @@ def _process(
     poll: float = 1.0,
     grace: float = 60.0,
 ) -> None:
-    """Run a worker (`only`: just these tasks) and exit with its code (never returns)."""
-    from ..run.worker import Worker
-
-    w = Worker(
-        Root.at(root),
-        once=once,
-        concurrency=concurrency,
-        poll_s=poll,
-        grace_s=grace,
-        on_record=record_printer(json_),
-        progress=(lambda _m: None) if quiet else to_stderr,
-        only=only,
-    )
-    code = w.run()
-    if once and not w.records and not quiet and code == 0:
+    """Run a worker in this process (`only`: just these tasks) and exit with its code (never
+    returns)."""
+    quiet_ = (lambda _m: None) if quiet else to_stderr
+    run = client.run(only, once=once, concurrency=concurrency, poll_s=poll, grace_s=grace,
+                     on_record=record_printer(json_), progress=quiet_)  # fmt: skip
+    if once and not run.records and not quiet and run.code == 0:
         to_stderr("fila: nothing queued")
-    for e in (w.infra_error, w.crash):
+    for e in (run.infra_error, run.crash):
         if isinstance(e, FilaError):
             print_error(e)
-    if once and w.breaker_tripped:
+    if once and run.breaker_tripped:
         to_stderr(
             "fila: error: the circuit breaker is open; `fila status` shows why, `fila rearm` "
             "lets workers claim again"
         )
-    raise typer.Exit(code)
+    raise typer.Exit(run.code)

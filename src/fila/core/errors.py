@@ -24,6 +24,7 @@ else that escapes is a bug and is shown with its traceback.
     │   └── RecordMismatch         a record whose id is not its file's (also a ValueError)
     ├── NotFound                   exit 5   no task, job or record with that id
     ├── LimitExceeded              exit 1   what an engine left breaks a policy limit (size, count)
+    ├── TimedOut                   exit 1   a wait ran out of time; the task is still queued or running
     └── TreeNotRemoved             exit 1   a job directory rm cannot remove (also an OSError)
 
 Messages say what failed and where; `hint` says what to do next. Keep both short and concrete.
@@ -166,6 +167,11 @@ class NotFound(FilaError):
 
 class LimitExceeded(FilaError):
     pass
+
+
+class TimedOut(FilaError):
+    """A wait for a task's record (the API's `wait`, the MCP server's wait tool) ran out of time:
+    nothing changed, the task is still queued or running and may be waited for again."""
 
 
 class TreeNotRemoved(FilaError, OSError):

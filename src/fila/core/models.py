@@ -160,6 +160,13 @@ class Task(BaseModel):
         description="command run by sh -c on a copy of work/ after the engine succeeds (shell image, "
         "network none); its exit status is recorded",
     )
+    submitter: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=200,
+        description="who or what queued it, as it says (e.g. mcp:<client> for the MCP server): shown, "
+        "never trusted",
+    )
 
     environment: str | None = Field(
         default=None,

@@ -89,6 +89,7 @@ def check_names(task: Task, *, path: Path | str | None = None) -> None:
             *((f"targets.{i}", t) for i, t in enumerate(task.targets)),
             *((f"fallback.{i}", f) for i, f in enumerate(task.fallback or [])),
             ("group", task.group),
+            ("submitter", task.submitter),
         ],
         error=InvalidTaskFile,
         path=path,

@@ -1,6 +1,6 @@
 """`fila submit --queue URL` (docs/scale-out.md): a task, or a compare group's members, checked
 against the submitting root's policy and sent with its targets to the PostgreSQL queue in one
-transaction; with `wait`, each member's record once a runner has published it.
+transaction (`submit --run` then waits for each member's record: docs/api.md).
 
 The members are checked as the file queue's `submit_group` checks them (intake.check_group); the
 targets are read and checked as a job directory's copy reads them (remote_inputs.pack), and sent
@@ -20,16 +20,14 @@ from .remote_inputs import pack
 
 def submit_remote(
     root: Root,
-    url: str,
+    q: PgQueue,
     task: Task,
     *,
     engines: list[str] | None = None,
     models: dict[str, str] | None = None,
-    wait: bool = False,
 ) -> list[Record]:
-    """Queue `task` in the database at `url` (with `engines`: one member per engine, ids
-    GROUP.ENGINE, `models` an engine's own model) and return the queued records, in the members'
-    order; with `wait`, each member's record once it is neither queued nor running."""
+    """Queue `task` in the database `q` (with `engines`: one member per engine, ids GROUP.ENGINE,
+    `models` an engine's own model) and return the queued records, in the members' order."""
     root.require()
     if engines:
         tasks = group_tasks(task, engines, models=models)
@@ -37,6 +35,4 @@ def submit_remote(
     else:
         tasks = [task.model_copy(update={"id": task.id or new_task_id()})]
     packed = pack(root, tasks[0])  # checks the (first) task, as `submit` does
-    with PgQueue(url) as q:
-        recs = q.enqueue_group([(t.id, t) for t in tasks], inputs=packed.manifest, files=packed.files)
-        return [q.wait_settled(r.id) for r in recs] if wait else recs
+    return q.enqueue_group([(t.id, t) for t in tasks], inputs=packed.manifest, files=packed.files)

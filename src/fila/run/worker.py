@@ -151,7 +151,10 @@ class Worker(SlotLoop[_Job]):
         grace_s: float = DEFAULT_GRACE_S,
         recover_every_s: float = RECOVER_EVERY_S,
         only: set[str] | None = None,
+        startup: bool = True,
     ) -> None:
+        """`startup`: with `once`, the first task's timings get the process's start-up (False
+        in a long-lived process that runs many: docs/api.md: after its first run)."""
         from ..sandbox import get_backend, root_backend
 
         super().__init__(concurrency=concurrency, once=once, on_record=on_record)
@@ -166,6 +169,7 @@ class Worker(SlotLoop[_Job]):
         # `once` (CI): the first task's timings get the process's start-up (a long-running
         # worker's start is not a task's cost).
         self.first_claim = once
+        self.count_startup = startup
         self.recover_now = threading.Event()
         self.stopped = threading.Event()
         self.recovering = threading.Event()
@@ -324,7 +328,7 @@ class Worker(SlotLoop[_Job]):
     def _fill(self) -> int:
         started = 0
         while len(self.active) < self.concurrency:
-            age = process_age() if self.first_claim else None
+            age = process_age() if self.first_claim and self.count_startup else None
             t = time.monotonic()
             claim = cycle.next_claim(self.root, self.id, self.progress, only=self.only)
             if claim is None:

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any, Self, TypeVar
 
-from ...core.errors import InvalidInput, InvalidTransition, NotFound, Refused
+from ...core.errors import InvalidInput, InvalidTransition, NotFound, Refused, TimedOut
 from ...core.models import Record, Status
 from . import blobs as blobstore
 from . import conninfo, migrate, records
@@ -305,11 +305,14 @@ class Database:
             self._listener = None
             return False
 
-    def wait_settled(self, task_id: str, *, poll_s: float = 0.5) -> Record:
+    def wait_settled(self, task_id: str, *, poll_s: float = 0.5, timeout_s: float | None = None) -> Record:
         """The task's record once it is neither queued nor running (`submit --run`): woken by
         the NOTIFY its publish sends, and looked at every `poll_s` seconds whether or not one
-        came (a notification is a hint: lost on reconnect and through poolers)."""
+        came (a notification is a hint: lost on reconnect and through poolers). TimedOut once
+        `timeout_s` has passed (None: no bound)."""
         import psycopg
+
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
 
         listener = None
         try:
@@ -332,11 +335,18 @@ class Database:
                         task_id=task_id,
                         hint=f"`fila logs {task_id} --events --queue URL` says why",
                     )
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimedOut(
+                        f"task {task_id} is still {rec.status} after {timeout_s:g} s",
+                        task_id=task_id,
+                        hint="wait again, or look later: the task goes on without the wait",
+                    )
+                wait = poll_s if deadline is None else max(0.01, min(poll_s, deadline - time.monotonic()))
                 if listener is None:
-                    time.sleep(poll_s)
+                    time.sleep(wait)
                     continue
                 try:
-                    for n in listener.notifies(timeout=poll_s):
+                    for n in listener.notifies(timeout=wait):
                         if n.payload == task_id:
                             break
                 except psycopg.Error:

@@ -1,0 +1,80 @@
+"""`fila mcp`: the queue and the review gate for an agent, as an MCP server (docs/mcp.md)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from .common import QueueOpt, RootOpt
+
+
+def mcp_cmd(
+    root: RootOpt = None,
+    queue_url: QueueOpt = None,
+    policy: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--policy",
+            help="a policy MCP clients may name (repeatable; default: the shipped ones: default, "
+            "anthropic, openai, gemini); a task naming any other is refused",
+            show_default=False,
+        ),
+    ] = None,
+    allow_decide: Annotated[
+        bool,
+        typer.Option("--allow-decide", help="offer the apply and reject tools (default: a person decides)"),
+    ] = False,
+    http: Annotated[
+        str | None,
+        typer.Option(
+            "--http",
+            metavar="HOST:PORT",
+            help="serve streamable HTTP at http://HOST:PORT/mcp instead of stdio; beyond loopback a "
+            "bearer token is required",
+            show_default=False,
+        ),
+    ] = None,
+    token_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--token-file",
+            help="with --http: a file (mode 0600) holding the bearer token every request must carry (else "
+            "$FILA_MCP_TOKEN)",
+            show_default=False,
+        ),
+    ] = None,
+) -> None:
+    """Serve fila to an agent over the Model Context Protocol (stdio by default).
+
+    Tools: submit (engine, prompt, targets, policy, check, fallback, command, an id), wait, status,
+    review (summary, warnings, the diff), log, compare; with --allow-decide also apply and reject,
+    decided as `mcp:<client name>`. A task submitted here is an ordinary task of --root (or of
+    --queue), checked as a task file is, its submitter `mcp:<client name>`; a worker runs it
+    (`fila worker` beside the server). Every argument is checked as hostile input: targets inside
+    the project and not denied, only the policies allowed here, the policy's limits and sizes.
+    """
+    from ..api.client import Client
+    from ..mcp.server import Settings, build, shipped_policies
+    from ..queue.policy import load_policy
+
+    client = Client(root, queue=queue_url)
+    client.root.require()
+    allowed = frozenset(policy) if policy else shipped_policies()
+    for name in sorted(allowed if policy else ()):
+        load_policy(client.root, name)  # a named policy that does not load is refused now
+    server = build(client, Settings(policies=allowed, allow_decide=allow_decide))
+    try:
+        if http is None:
+            server.run("stdio")
+            return
+        from ..mcp.http import parse_bind, read_token, serve
+
+        host, port = parse_bind(http)
+        token = read_token(token_file) if token_file else os.environ.get("FILA_MCP_TOKEN") or None
+        typer.echo(f"fila mcp: serving http://{host}:{port}/mcp (root {client.root.path})", err=True)
+        serve(server, host, port, token)
+    finally:
+        client.close()

@@ -1,0 +1,317 @@
+"""`fila mcp`: fila's queue and review gate as Model Context Protocol tools (docs/mcp.md).
+
+An agent (Claude Code, Codex, any MCP client) hands a task to a sandboxed engine and reads back
+the reviewed diff. Every tool calls the one API (api/client.py), so a task submitted here is an
+ordinary task of the queue (`fila ls`, `fila review` and the record show it), checked as a task
+file is checked, with the client's name as its submitter.
+
+Every argument is hostile input (docs/security.md): a submit names only what the tool schema has
+(engine, prompt, targets, policy, check, fallback, command for the shell engine, and an id;
+never a project, an image, limits or options), its policy must be one the operator allowed for
+MCP, and the task then meets `fila submit`'s checks (targets inside the project and not denied,
+the policy's limits and prompt cap, the task's size). Task ids are checked before any path is
+made of them, and the server answers for its one root (or its one queue database) only. apply and
+reject exist only when the operator started the server with `--allow-decide`: by default a
+person decides. Text an engine wrote (a diff, a log, a message) is returned with control
+characters escaped, and capped.
+"""
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, TypeVar
+
+from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
+
+# The SDK reads each tool's annotations at registration: Context must be a module name here.
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ToolError
+from mcp_types import CallToolResult, TextContent
+from pydantic import Field
+
+from ..api.client import Client, applied_json, decision_json, record_json
+from ..core.errors import FilaError, TimedOut, UnknownPolicy
+from ..core.models import Record
+from ..workspace.fswalk import inert
+
+# What a tool returns of text an engine wrote: the end of a log, the start of a diff.
+MAX_TEXT_BYTES = 256 * 1024
+# The longest one wait tool call blocks: MCP clients time a call out (often after a minute or a
+# few); an agent calls wait again.
+MAX_WAIT_S = 300.0
+# The submitter's name: the client's own name (from its initialize), reduced to these characters.
+_NAME_CHARS = re.compile(r"[^A-Za-z0-9._ -]")
+
+T = TypeVar("T")
+
+
+def shipped_policies() -> frozenset[str]:
+    """The names of the policies fila ships (policies/*.json): MCP's default allow list."""
+    from ..assets import shipped_dir
+
+    return frozenset(p.stem for p in shipped_dir("policies").glob("*.json"))
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the operator chose when starting `fila mcp`; no tool call changes it."""
+
+    policies: frozenset[str]
+    allow_decide: bool = False
+    name: str = "fila"
+
+
+def submitter(ctx: Context[Any, Any] | None) -> str:
+    """`mcp:<client name>` from the client's initialize (safe characters only, capped), else
+    `mcp:unknown`: a label for people, never a proof of who called."""
+    name = None
+    try:
+        params = ctx.session.client_params if ctx is not None else None
+        name = params.client_info.name if params is not None else None
+    except (AttributeError, LookupError, ValueError):
+        name = None
+    cleaned = _NAME_CHARS.sub("_", name or "").strip()[:64]
+    return f"mcp:{cleaned or 'unknown'}"
+
+
+def shown(data: bytes, *, tail: bool = False) -> tuple[str, bool]:
+    """Bytes an engine wrote as text for an agent: at most MAX_TEXT_BYTES (the start, or with
+    `tail` the end), invalid UTF-8 replaced, control characters escaped line by line (tabs and
+    newlines kept). Returns the text and whether it was cut."""
+    cut = len(data) > MAX_TEXT_BYTES
+    if cut:
+        data = data[-MAX_TEXT_BYTES:] if tail else data[:MAX_TEXT_BYTES]
+    text = data.decode("utf-8", errors="replace")
+    return "\n".join("\t".join(inert(part) for part in line.split("\t")) for line in text.split("\n")), cut
+
+
+def tool_error(e: FilaError) -> ToolError:
+    """What the client sees of a refusal: the CLI's own message and hint, marked as an error."""
+    text = f"fila: error: {inert(str(e))}" + (f"\nfila: hint: {inert(e.hint)}" if e.hint else "")
+    return ToolError(text)
+
+
+class Tools:
+    """The tools' bodies over one client: plain methods (testable without a transport), each
+    FilaError turned into a tool error with the CLI's words."""
+
+    def __init__(self, client: Client, settings: Settings) -> None:
+        self.client, self.settings = client, settings
+
+    def call(self, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except FilaError as e:
+            raise tool_error(e) from None
+
+    def check_policy(self, policy: str) -> None:
+        allowed = sorted(self.settings.policies)
+        if policy not in self.settings.policies:
+            raise UnknownPolicy(
+                f"policy {policy!r} is not allowed for MCP (allowed: {', '.join(allowed) or 'none'})",
+                hint="ask the operator to start `fila mcp` with --policy NAME",
+            )
+
+    def submit(self, who: str, *, engine: str, targets: list[str], prompt: str = "", policy: str = "default",
+               check: str | None = None, fallback: list[str] | None = None, command: str | None = None,
+               task_id: str | None = None) -> dict[str, Any]:  # fmt: skip
+        def go() -> dict[str, Any]:
+            self.check_policy(policy)
+            rec = self.client.submit(
+                {"engine": engine, "targets": targets, "prompt": prompt, "policy": policy},
+                source="the MCP submit",
+                check=check,
+                fallback=fallback,
+                command=command,
+                id=task_id,
+                submitter=who,
+            )
+            return {"id": rec.id, "status": rec.status.value, "submitter": who}
+
+        return self.call(go)
+
+    def wait(self, task_id: str, timeout_s: float) -> dict[str, Any]:
+        def go() -> dict[str, Any]:
+            try:
+                rec = self.client.wait(task_id, timeout=min(max(timeout_s, 0.0), MAX_WAIT_S))
+            except TimedOut as e:
+                return {"id": task_id, "status": self.client.record(task_id).status.value,
+                        "settled": False, "note": e.message}  # fmt: skip
+            return {"id": rec.id, "status": rec.status.value, "settled": True, **brief(rec)}
+
+        return self.call(go)
+
+    def status(self, task_id: str) -> dict[str, Any]:
+        return self.call(lambda: record_json(self.client.record(task_id)))
+
+    def review(self, task_id: str) -> dict[str, Any]:
+        def go() -> dict[str, Any]:
+            from ..review.report import summary_lines, to_json
+
+            rv = self.client.review(task_id)
+            doc = to_json(rv)
+            diff, cut = shown(rv.data) if rv.data is not None else ("", False)
+            return {
+                "id": doc["id"],
+                "status": doc["status"],
+                "summary": "\n".join(summary_lines(rv)),
+                "warnings": [inert(w) for w in rv.warnings],
+                "verified": doc["verified"],
+                "patch_sha256": doc["patch_sha256"],
+                "files": doc["files"],
+                "diff": diff,
+                "diff_truncated": cut,
+            }
+
+        return self.call(go)
+
+    def log(self, task_id: str, events: bool) -> dict[str, Any]:
+        def go() -> dict[str, Any]:
+            text, cut = shown(self.client.log(task_id, events=events), tail=True)
+            return {"id": task_id, "log": text, "truncated": cut}
+
+        return self.call(go)
+
+    def compare(self, group: str) -> dict[str, Any]:
+        return self.call(lambda: self.client.compare_json(group))
+
+    def apply(self, who: str, task_id: str, reason: str | None) -> dict[str, Any]:
+        return self.call(lambda: applied_json(task_id, self.client.apply(task_id, by=who, reason=reason)))
+
+    def reject(self, who: str, task_id: str, reason: str | None) -> dict[str, Any]:
+        return self.call(lambda: decision_json(task_id, self.client.reject(task_id, by=who, reason=reason)))
+
+
+def brief(rec: Record) -> dict[str, Any]:
+    """What an agent reads first of a settled record: the diff's size, the error, the check."""
+    st = rec.diffstat
+    return {
+        "diffstat": st.model_dump(mode="json") if st else None,
+        "error": {"kind": rec.error.kind, "message": inert(rec.error.message)} if rec.error else None,
+        "check": rec.check.model_dump(mode="json") if rec.check else None,
+        "warnings": [inert(w) for w in rec.warnings],
+    }
+
+
+TaskId = Annotated[str, Field(min_length=1, max_length=128, description="a task id (from submit)")]
+Reason = Annotated[str | None, Field(default=None, max_length=4000, description="why (recorded)")]
+
+
+Targets = Annotated[list[str], Field(min_length=1, max_length=256, description="paths in the project")]
+Engines = Annotated[list[str] | None, Field(max_length=16, description="engines tried on quota")]
+Text = Annotated[str | None, Field(description="a command (recorded)")]
+NewId = Annotated[
+    str | None,
+    Field(
+        max_length=128,
+        description="an id of your choosing (letters, digits, . _ -; default generated): a submit "
+        "retried with the same id is refused as a duplicate, never queued twice",
+    ),
+]
+Seconds = Annotated[float, Field(ge=0, le=MAX_WAIT_S, description="at most this long")]
+INSTRUCTIONS = (
+    "fila runs a coding engine on a copy of this project in a throwaway sandbox and stops at a diff: "
+    "submit a task, wait for it, then read its review (summary, warnings, diff). Nothing lands in the "
+    "project until it is applied"
+)
+SUBMIT = (
+    "Queue a task: an engine works on copies of `targets` (paths relative to the project) in a "
+    "sandbox under `policy` (allowed: {allowed}); the shell engine runs `command`. Returns its id; "
+    "a worker runs it: then call wait, and review."
+)
+WAIT = (
+    "Wait until the task is settled (ready for review, failed, decided), at most timeout_s seconds "
+    f"(capped at {MAX_WAIT_S:g}); settled false: call it again."
+)
+REVIEW = (
+    "What a decision is about: a summary, the warnings, the files and the diff (checked against the "
+    "sha256 its record names)."
+)
+APPLY = (
+    "Apply the task's reviewed diff to the project (or nothing) and record the decision; refused "
+    "when the project moved, the diff changed, or it was decided already."
+)
+
+
+class KnownArguments:
+    """Middleware: a tool call naming an argument its tool does not take (a `project`, an
+    `image`, `limits`) is refused whole, never run with the argument dropped in silence."""
+
+    def __init__(self) -> None:
+        self.server: MCPServer | None = None
+        self.known: dict[str, set[str]] | None = None
+
+    async def __call__(self, ctx: ServerRequestContext[Any, Any], call_next: CallNext) -> HandlerResult:
+        params = ctx.params if isinstance(ctx.params, dict) else {}
+        args = params.get("arguments")
+        if ctx.method == "tools/call" and isinstance(args, dict) and self.server is not None:
+            if self.known is None:
+                tools = await self.server.list_tools()
+                self.known = {t.name: set(t.input_schema.get("properties", {})) for t in tools}
+            takes = self.known.get(str(params.get("name")))
+            stray = sorted(set(args) - takes) if takes is not None else []
+            if stray:
+                text = (f"fila: error: tool {params.get('name')!r} takes no argument {inert(stray[0])!r} "
+                        f"(it takes: {', '.join(sorted(takes or ()))})")  # fmt: skip
+                return CallToolResult(content=[TextContent(type="text", text=text)], is_error=True)
+        return await call_next(ctx)
+
+
+def build(client: Client, settings: Settings) -> MCPServer:
+    """The server and its tools; apply and reject only with `settings.allow_decide`."""
+    tools = Tools(client, settings)
+    allowed = ", ".join(sorted(settings.policies)) or "none"
+    decides = " (the apply tool)." if settings.allow_decide else " by a person."
+    from importlib.metadata import version
+
+    known = KnownArguments()
+    server: MCPServer = MCPServer(settings.name, instructions=INSTRUCTIONS + decides, version=version("fila"),
+                                  log_level="WARNING", middleware=[known])  # fmt: skip
+    known.server = server
+
+    @server.tool(description=SUBMIT.format(allowed=allowed))
+    def submit(
+        engine: Annotated[str, Field(max_length=64, description="engine: shell, claude, codex, ...")],
+        targets: Targets,
+        ctx: Context,
+        prompt: Annotated[str, Field(description="what the engine is asked to do")] = "",
+        policy: Annotated[str, Field(max_length=128, description=f"one of {allowed}")] = "default",
+        check: Text = None,
+        fallback: Engines = None,
+        command: Text = None,
+        task_id: NewId = None,
+    ) -> dict[str, Any]:
+        return tools.submit(submitter(ctx), engine=engine, targets=targets, prompt=prompt, policy=policy,
+                            check=check, fallback=fallback, command=command, task_id=task_id)  # fmt: skip
+
+    @server.tool(description=WAIT)
+    def wait(task_id: TaskId, timeout_s: Seconds = 60.0) -> dict[str, Any]:
+        return tools.wait(task_id, timeout_s)
+
+    @server.tool(description="The task's record: status, engine, policy, timings, diffstat, error, decision.")
+    def status(task_id: TaskId) -> dict[str, Any]:
+        return tools.status(task_id)
+
+    @server.tool(description=REVIEW)
+    def review(task_id: TaskId) -> dict[str, Any]:
+        return tools.review(task_id)
+
+    @server.tool(description="The engine's output (its end), or with events the task's event log.")
+    def log(task_id: TaskId, events: bool = False) -> dict[str, Any]:
+        return tools.log(task_id, events)
+
+    @server.tool(description="A compare group's tasks side by side: status, files, +/- lines, time, check.")
+    def compare(group: TaskId) -> dict[str, Any]:
+        return tools.compare(group)
+
+    if settings.allow_decide:
+
+        @server.tool(description=APPLY)
+        def apply(task_id: TaskId, ctx: Context, reason: Reason = None) -> dict[str, Any]:
+            return tools.apply(submitter(ctx), task_id, reason)
+
+        @server.tool(description="Reject the task and record why; the project is not touched.")
+        def reject(task_id: TaskId, ctx: Context, reason: Reason = None) -> dict[str, Any]:
+            return tools.reject(submitter(ctx), task_id, reason)
+
+    return server
