@@ -347,3 +347,33 @@ def test_qwen_runs_npm_test_on_a_node_project_fixes_it_and_the_check_passes(
     assert rec["diffstat"]["paths"] == ["dur.js"], rec["diffstat"]
     ran = [json.dumps(r.get("body", r)) for r in upstreams.requests("model.test")]
     assert any("FAIL" in r or "Expected" in r for r in ran), ran
+
+
+def test_a_postgresql_runner_builds_the_environment_on_its_host_and_the_record_names_it(
+    tmp_path: Path, pkgindex: Any, pg_url: str, q: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The declaration travels with the task's targets; the runner host sets the environment up
+    under its own policy (its `environment` section), runs the engine and the check in it, and
+    publishes a record that names the environment's key."""
+    from tests.support.pg_runner import fila as fila_any
+
+    sub = make_root(tmp_path / "sub")
+    (sub.path / "a.txt").write_text("a\n")
+    setup = [{"name": "mark", "shell": "echo from-setup > /opt/marker"}]
+    (sub.path / "fila-environment.json").write_text(
+        json.dumps({"image": pkgindex.testenv_image, "setup": setup})
+    )
+    runner = make_root(tmp_path / "runner")
+    setup_policy(runner, pkgindex, allow=[])
+    res = fila_any("submit", "--queue", pg_url, "--root", str(sub.path), "--id", "envpg", "--engine", "shell",
+                   "--command", "cat /opt/marker >> a.txt", "-t", "a.txt", "-t", "fila-environment.json",
+                   "--check", "grep -q from-setup a.txt")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    monkeypatch.delenv("FILA_BACKEND", raising=False)
+    res = fila_any("worker", "--queue", pg_url, "--root", str(runner.path), "--host-id", "e1", "--once",
+                   "--engine", "shell")  # fmt: skip
+    assert res.exit_code == 0, res.output
+    rec = q.get("envpg")
+    assert rec.status == "needs_review" and rec.check is not None and rec.check.passed, rec
+    assert rec.environment is not None and rec.environment.how == "built" and len(rec.environment.key) == 64
+    assert b"+from-setup" in q.blob(q.task_blobs("envpg")["DIFF.patch"])

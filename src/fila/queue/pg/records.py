@@ -22,7 +22,7 @@ RESULT_FIELDS = frozenset(
     {
         "engine", "model", "image", "policy", "exit_code", "error", "timings", "diffstat",
         "patch_sha256", "patch_path", "log_path", "warnings", "diagnosis", "egress", "backend",
-        "waived", "engine_report", "check", "workspace", "credentials_in_diff",
+        "waived", "engine_report", "check", "workspace", "credentials_in_diff", "environment",
     }
 )  # fmt: skip
 
