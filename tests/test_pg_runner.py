@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import signal
 import subprocess
 import time
@@ -61,6 +62,10 @@ def test_a_task_submitted_to_the_database_is_run_by_a_runner_and_reviewed_from_a
         monkeypatch.setenv(k, v)
     res = fila("worker", "--queue", pg_url, "--root", str(runner.path), "--host-id", "h1", "--once")
     assert res.exit_code == 1, res.output  # bad failed
+    # Each claim is said once, as the lease is taken, with its token.
+    claimed = [line for line in res.output.splitlines() if ": claimed" in line]
+    assert len(claimed) == 3 and {line.split(":")[0] for line in claimed} == {"t1", "t2", "bad"}, res.output
+    assert all(re.fullmatch(r"\w+: claimed \(attempt 1, token \d+\)", line) for line in claimed), claimed
     bad = q.get("bad")  # the runner's job root is gone: the log is the published one, read by its id
     assert bad.status == S.failed and bad.error is not None and bad.error.kind == "engine_error"
     assert bad.error.message.endswith("; see `fila logs bad --queue URL`"), bad.error.message
