@@ -336,8 +336,11 @@ def test_status_lists_the_runners_and_says_a_task_for_an_engine_no_live_runner_h
     try:
         # The allowed counterpart: a task for an engine the runner has is taken.
         submit(pg_url, sub, "sh", "echo w >> greeting.txt")
-        # An engine this runner does not have (queued as a host with that engine's policy would).
+        # An engine this runner does not have (queued as a host with that engine's policy would),
+        # many times over: status says how many wait, and why, in one line.
         q.enqueue("cx", Task(engine="codex", targets=["greeting.txt"], prompt="tidy up"))
+        for i in range(150):
+            q.enqueue(f"cx{i:03d}", Task(engine="codex", targets=["greeting.txt"], prompt="tidy up"))
         # A policy this runner does not take (--policy default): left for another runner.
         q.enqueue("other", Task(engine="shell", command="true", targets=["greeting.txt"], policy="other"))
         end = time.monotonic() + 20
@@ -348,13 +351,18 @@ def test_status_lists_the_runners_and_says_a_task_for_an_engine_no_live_runner_h
         assert st.exit_code == 0, st.output
         assert "runners:  1 live of 1 known" in st.output
         assert "h1  live  engines shell  policies default  slots 1" in st.output
-        assert "waiting:  cx (engine codex): no live runner has engine codex" in st.output
-        assert (
-            "waiting:  other (engine shell): no live runner with engine shell takes policy other" in st.output
-        )
-        assert q.get("other").status == S.queued
-        assert "waiting:  sh" not in st.output and q.get("cx").status == S.queued
+        assert [line for line in st.output.splitlines() if line.startswith("waiting:")] == [
+            "waiting:  151 tasks: no live runner has engine codex "
+            "(cx, cx000, cx001, cx002, cx003 and 146 more)",
+            "waiting:  1 task: no live runner with engine shell takes policy other (other)",
+        ], st.output
+        assert q.get("other").status == S.queued and q.get("cx").status == S.queued
         doc = json.loads(fila("status", "--queue", pg_url, "--json").output)
+        assert [t["id"] for t in doc["unrunnable"]] == ["cx", *(f"cx{i:03d}" for i in range(150)), "other"]
+        assert [(g["count"], g["why"]) for g in doc["waiting"]] == [
+            (151, "no live runner has engine codex"),
+            (1, "no live runner with engine shell takes policy other"),
+        ]
         [h1] = doc["runners"]
         assert h1["live"] and h1["engines"] == ["shell"] and "shell" in h1["images"]
         assert h1["policies"] == ["default"]

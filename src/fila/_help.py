@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "4f53b58da3979cc6fd1dee552cf0c20bbf05db6f4a54dd41e0312de838923918"
+CLI_SHA256 = "851a3df47ec8d4eade830f1d20b3ac6aac66eab0da62f988f4307fa87451188b"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 
