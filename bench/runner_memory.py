@@ -10,12 +10,11 @@ the two, whose target is what a runner may keep per task for ever: nothing (unde
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from pathlib import Path
 
-from bench.common import Ctx, Row, fila_cmd
-from bench.filaside import init_root
+from bench.common import Ctx, Row
+from bench.filaside import init_root, pg_runner
 
 GROWTH_TARGET_KB = 1.0
 
@@ -55,34 +54,20 @@ def runner_memory(ctx: Ctx) -> list[Row]:
                 )
         env = {k: v for k, v in os.environ.items() if not k.startswith(("FILA_", "PG"))}
         env.update(FILA_BACKEND="fake", FILA_FAKE_DIR=str(ctx.mkdtemp("runmem-boxes")))
-        err = open(ctx.tmp / "runmem-runner.err", "wb")  # noqa: SIM115 (the runner holds it)
-        worker = subprocess.Popen(
-            [*fila_cmd(), "worker", "--queue", url, "--root", str(runner), "--engine", "shell",
-             "--host-id", "bench-memory", "--poll", "0.2"],
-            stdout=subprocess.DEVNULL, stderr=err, env=env,
-        )  # fmt: skip
-        try:
-            with PgQueue(url) as q:
-                mark = n // 10
-                while True:
-                    time.sleep(0.5)
-                    if worker.poll() is not None:
-                        raise RuntimeError(f"runner-memory: the runner exited {worker.returncode}")
-                    counts = {s: sum(v.values()) for s, v in q.counts().items()}
-                    done = n - counts.get("queued", 0) - counts.get("running", 0)
-                    if done >= mark:
-                        samples.append((done, _rss_mb(worker.pid)))
-                        ctx.log(f"runner-memory: {done} tasks ended, RSS {samples[-1][1]:.1f} MB")
-                        mark += n // 10
-                    if done >= n:
-                        break
-        finally:
-            worker.terminate()
-            try:
-                worker.wait(30)
-            except subprocess.TimeoutExpired:
-                worker.kill()
-            err.close()
+        with pg_runner(ctx, url, runner, "bench-memory", 0.2, env) as worker, PgQueue(url) as q:
+            mark = n // 10
+            while True:
+                time.sleep(0.5)
+                if worker.poll() is not None:
+                    raise RuntimeError(f"runner-memory: the runner exited {worker.returncode}")
+                counts = {s: sum(v.values()) for s, v in q.counts().items()}
+                done = n - counts.get("queued", 0) - counts.get("running", 0)
+                if done >= mark:
+                    samples.append((done, _rss_mb(worker.pid)))
+                    ctx.log(f"runner-memory: {done} tasks ended, RSS {samples[-1][1]:.1f} MB")
+                    mark += n // 10
+                if done >= n:
+                    break
     (d0, m0), (d1, m1) = samples[0], samples[-1]
     per_task_kb = (m1 - m0) * 1024 / max(1, d1 - d0)
     note = f"{n} tasks, one runner, fake backend; RSS by tenth: " + ", ".join(f"{m:.0f}" for _, m in samples)
