@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from bench.common import fila_cmd, run
+from bench.common import Ctx, fila_cmd, run
 from bench.floor import IMAGE
 
 
@@ -87,3 +89,26 @@ def ensure_image() -> None:
 def help_text(*args: str) -> str:
     p = subprocess.run([*fila_cmd(), *args, "--help"], capture_output=True, text=True, check=False)
     return p.stdout
+
+
+@contextmanager
+def pg_runner(
+    ctx: Ctx, url: str, root: Path, host_id: str, poll: float, env: dict[str, str]
+) -> Iterator[Any]:
+    """`fila worker --queue URL --engine shell` on `root` as its own process while the block runs
+    (its stderr in ctx.tmp/HOST_ID.err), then stopped as a runner host stops it (SIGTERM)."""
+    err = open(ctx.tmp / f"{host_id}.err", "wb")  # noqa: SIM115 (the runner holds it)
+    worker = subprocess.Popen(
+        [*fila_cmd(), "worker", "--queue", url, "--root", str(root), "--engine", "shell",
+         "--host-id", host_id, "--poll", str(poll)],
+        stdout=subprocess.DEVNULL, stderr=err, env=env,
+    )  # fmt: skip
+    try:
+        yield worker
+    finally:
+        worker.terminate()
+        try:
+            worker.wait(30)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+        err.close()

@@ -28,6 +28,7 @@ def _cases() -> dict[str, Callable[[Ctx], list[Row]]]:
     from bench.pg_queue import pg_queue
     from bench.pg_task import pg_task
     from bench.queue_rate import queue_case
+    from bench.runner_memory import runner_memory
     from bench.scale import scale
     from bench.startup import startup
     from bench.throughput import throughput
@@ -41,6 +42,7 @@ def _cases() -> dict[str, Callable[[Ctx], list[Row]]]:
         "queue": queue_case,
         "pg-queue": pg_queue,
         "pg-task": pg_task,
+        "runner-memory": runner_memory,
         "cycle-fake": cycle_fake,
         "large-project": large_project,
         "ci-single": ci_single,
@@ -59,6 +61,7 @@ CASES = (
     "queue",
     "pg-queue",
     "pg-task",
+    "runner-memory",
     "cycle-fake",
     "large-project",
     "ci-single",

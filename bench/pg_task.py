@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from bench.common import Ctx, Row, alternate, fila_cmd, median, paired_ratio, run
-from bench.filaside import ensure_image, init_root
+from bench.filaside import ensure_image, init_root, pg_runner
 
 TARGET = 1.10
 COMMAND = "echo done >> a.txt"
@@ -65,21 +65,8 @@ def pg_task(ctx: Ctx) -> list[Row]:
         url = c.new_database()
         migrate.migrate(url)
         env = {k: v for k, v in os.environ.items() if k not in ("FILA_QUEUE", "FILA_BACKEND")}
-        err = open(ctx.tmp / "pgtask-runner.err", "wb")  # noqa: SIM115 (the runner holds it)
-        worker = subprocess.Popen(
-            [*fila_cmd(), "worker", "--queue", url, "--root", str(runner_root), "--engine", "shell",
-             "--host-id", "bench-runner", "--poll", "1"],
-            stdout=subprocess.DEVNULL, stderr=err, env=env,
-        )  # fmt: skip
-        try:
+        with pg_runner(ctx, url, runner_root, "bench-runner", 1, env):
             fq, pq = alternate(lambda: _submit(file_root), lambda: _submit(pg_root, "--queue", url), reps)
-        finally:
-            worker.terminate()
-            try:
-                worker.wait(30)
-            except subprocess.TimeoutExpired:
-                worker.kill()
-            err.close()
     ratio = paired_ratio(pq, fq)
     return [
         Row(

@@ -840,6 +840,41 @@ def test_budgets_let_requests_under_them_pass_and_answer_429_past_them(env: Env)
 # ---------------------------------------------------------------- the log and the container
 
 
+def test_out_counts_the_request_line_headers_and_body_the_upstream_received(env: Env) -> None:
+    gw = env.gateway(
+        allow=[{"host": "allowed.test", "port": 80, "methods": ["GET", "POST"]}],
+        allow_private=_private(env),
+        routes=_routes(env),
+    )
+    sent = [
+        ("GET", "", "http://allowed.test/a?b=c"),
+        ("POST", "-d x=12345 -H 'X-Pad: padding'", "http://allowed.test/form"),
+        ("POST", "-H 'Transfer-Encoding: chunked' -d hello", "http://allowed.test/chunked"),
+        ("GET", "--http2-prior-knowledge", "http://allowed.test/h2"),  # goes out as HTTP/1.1
+    ]
+    for method, extra, url in sent:
+        env.ups.clear_requests("allowed.test")
+        code, out, err = env.sh(f"{CURL} -x {gw.proxy} -X {method} {extra} {url}")
+        assert code == 0 and out.strip() == "hello from allowed.test", (url, err)
+        (got,) = env.ups.requests("allowed.test")
+        line = gw.last(method=method, host="allowed.test")
+        assert got["wire_bytes"] > got["body_bytes"] + len(f"{method} / HTTP/1.1\r\n")
+        assert line["bytes_out"] == got["wire_bytes"], (url, line, got)
+    # A route call: what reached the model server, the real key in its headers included.
+    env.ups.set_script([{"protocol": "anthropic", "reply": {"text": "x"}}])
+    env.ups.clear_requests()
+    assert _post(env, f"{gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)[0] == "200"
+    (got,) = env.ups.requests()
+    assert got["headers"]["x-api-key"] == REAL_KEY
+    assert gw.last(door="route", status=200)["bytes_out"] == got["wire_bytes"]
+    # A refused request: nothing left.
+    assert (
+        env.sh(f"{CURL} -o /dev/null -w '%{{http_code}}' -x {gw.proxy} -d x=1 http://denied.test/")[1]
+        == "403"
+    )
+    assert gw.last(host="denied.test")["bytes_out"] == 0
+
+
 def test_the_log_has_one_line_per_decision_with_every_field(env: Env) -> None:
     gw = env.gateway(
         allow=[{"host": "allowed.test", "port": 443, "methods": None}],

@@ -37,6 +37,20 @@ def test_shell_image_has_the_usual_tools(docker_client, shell_image: ImageRef) -
     assert len(out.split()) == len(tools.split())
 
 
+def test_the_shell_images_wget_takes_a_timeout(docker_client, shell_image: ImageRef) -> None:
+    # A refused connection is reported (exit 1) and a server that never answers is given up after
+    # -T's second (`timeout` ends a wget that ignored it: 143), where a wget without -T crashed (139).
+    script = (
+        "wget -T 1 -q -O- http://127.0.0.1:9/; echo refused=$?; "
+        "sleep 30 | nc -l -p 8000 >/dev/null & sleep 0.3; "
+        "timeout 20 wget -T 1 -q -O- http://127.0.0.1:8000/; echo silent=$?"
+    )
+    out = docker_client.containers.run(
+        shell_image.tag, ["sh", "-c", script], remove=True, network_mode="none", stderr=True
+    ).decode()
+    assert "refused=1" in out and "silent=1" in out and "timed out" in out, out
+
+
 def test_second_ensure_reuses_without_building(docker_client, shell_image: ImageRef) -> None:
     lines: list[str] = []
     again = images.ensure_image("shell", DockerBackend(docker_client), progress=lines.append)

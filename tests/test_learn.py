@@ -225,6 +225,67 @@ def test_suggest_write_never_shadows_a_shipped_policy_nor_writes_through_a_plant
     assert write_suggested(root, "default", s, force=True).read_text() == '{"new": true}\n'
 
 
+def _suggested(tmp_path: Path, text: str) -> tuple[list[str], dict[str, Any]]:
+    """`fila policy suggest`'s diff for one run that used api.example.com:443 under the policy
+    `text`, checked with `git apply --check` in a repository holding that file, then applied: the
+    diff's lines, and the policy the applied diff leaves."""
+    import hashlib
+    import subprocess
+
+    from fila.core.models import PolicyRef, Record
+    from fila.queue import policy
+
+    root = make_root(tmp_path / "root")
+    (root.policies_dir / "hand.json").write_text(text)
+    run = Record(
+        id="t1",
+        status="needs_review",
+        policy=PolicyRef(name="hand", sha256=hashlib.sha256(text.encode()).hexdigest()),
+        egress=_rec(("CONNECT", "api.example.com", 443, True)),
+    )
+    diff = policy.suggest(root, [run]).diff()
+    repo = tmp_path / "repo"
+    (repo / "policies").mkdir(parents=True)
+    (repo / "policies" / "hand.json").write_text(text)
+    git = ["git", "-C", str(repo)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    check = subprocess.run([*git, "apply", "--check", "-"], input=diff, capture_output=True, text=True)
+    assert check.returncode == 0, (check.stderr, diff)
+    subprocess.run([*git, "apply", "-"], input=diff, check=True, text=True)
+    return diff.splitlines(), json.loads((repo / "policies" / "hand.json").read_text())
+
+
+def test_suggest_diff_applies_without_a_final_newline_and_shows_only_the_allowlist_change(
+    tmp_path: Path,
+) -> None:
+    # A policy written by json.dump(indent=2): no final newline. The diff says so, as git does.
+    lines, applied = _suggested(tmp_path / "a", json.dumps(_LOCKABLE, indent=2))
+    assert applied == _LOCKABLE | {
+        "egress": {"allow": [{"host": "api.example.com", "port": 443}], "max_requests": 5}
+    }
+    assert lines[-2:] == [" }", "\\ No newline at end of file"], lines
+
+    # A hand-formatted policy, as the shipped default.json is (its `deny` on few lines): the
+    # diff removes the old allowlist and `learn` and adds the new allowlist, nothing else.
+    shipped = (Path(__file__).parents[1] / "policies" / "default.json").read_text()
+    hand = shipped.replace('"network": "none",', '"network": "allowlist",').replace(
+        '  "projects": []\n',
+        '  "projects": [],\n  "egress": {\n    "allow": [{"host": "old.example", "port": 443}],\n'
+        '    "learn": true,\n    "max_requests": 50\n  }\n',
+    )
+    assert hand != shipped and json.loads(hand)["egress"]["learn"] is True
+    lines, applied = _suggested(tmp_path / "b", hand)
+    removed = [ln for ln in lines if ln.startswith("-") and not ln.startswith("---")]
+    added = [ln[1:] for ln in lines if ln.startswith("+") and not ln.startswith("+++")]
+    assert removed == ['-    "allow": [{"host": "old.example", "port": 443}],', '-    "learn": true,'], lines
+    assert json.loads("{" + "".join(added).rstrip(",") + "}") == {
+        "allow": [{"host": "api.example.com", "port": 443}]
+    }, lines
+    assert applied == json.loads(hand) | {
+        "egress": {"allow": [{"host": "api.example.com", "port": 443}], "max_requests": 50}
+    }
+
+
 def test_the_gateway_refuses_the_names_the_policy_refuses() -> None:
     # The gateway's module needs mitmproxy (in its image only): its lists are read from the source.
     import ast

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import signal
 import subprocess
 import time
@@ -61,6 +62,10 @@ def test_a_task_submitted_to_the_database_is_run_by_a_runner_and_reviewed_from_a
         monkeypatch.setenv(k, v)
     res = fila("worker", "--queue", pg_url, "--root", str(runner.path), "--host-id", "h1", "--once")
     assert res.exit_code == 1, res.output  # bad failed
+    # Each claim is said once, as the lease is taken, with its token.
+    claimed = [line for line in res.output.splitlines() if ": claimed" in line]
+    assert len(claimed) == 3 and {line.split(":")[0] for line in claimed} == {"t1", "t2", "bad"}, res.output
+    assert all(re.fullmatch(r"\w+: claimed \(attempt 1, token \d+\)", line) for line in claimed), claimed
     bad = q.get("bad")  # the runner's job root is gone: the log is the published one, read by its id
     assert bad.status == S.failed and bad.error is not None and bad.error.kind == "engine_error"
     assert bad.error.message.endswith("; see `fila logs bad --queue URL`"), bad.error.message
@@ -331,8 +336,11 @@ def test_status_lists_the_runners_and_says_a_task_for_an_engine_no_live_runner_h
     try:
         # The allowed counterpart: a task for an engine the runner has is taken.
         submit(pg_url, sub, "sh", "echo w >> greeting.txt")
-        # An engine this runner does not have (queued as a host with that engine's policy would).
+        # An engine this runner does not have (queued as a host with that engine's policy would),
+        # many times over: status says how many wait, and why, in one line.
         q.enqueue("cx", Task(engine="codex", targets=["greeting.txt"], prompt="tidy up"))
+        for i in range(150):
+            q.enqueue(f"cx{i:03d}", Task(engine="codex", targets=["greeting.txt"], prompt="tidy up"))
         # A policy this runner does not take (--policy default): left for another runner.
         q.enqueue("other", Task(engine="shell", command="true", targets=["greeting.txt"], policy="other"))
         end = time.monotonic() + 20
@@ -343,13 +351,18 @@ def test_status_lists_the_runners_and_says_a_task_for_an_engine_no_live_runner_h
         assert st.exit_code == 0, st.output
         assert "runners:  1 live of 1 known" in st.output
         assert "h1  live  engines shell  policies default  slots 1" in st.output
-        assert "waiting:  cx (engine codex): no live runner has engine codex" in st.output
-        assert (
-            "waiting:  other (engine shell): no live runner with engine shell takes policy other" in st.output
-        )
-        assert q.get("other").status == S.queued
-        assert "waiting:  sh" not in st.output and q.get("cx").status == S.queued
+        assert [line for line in st.output.splitlines() if line.startswith("waiting:")] == [
+            "waiting:  151 tasks: no live runner has engine codex "
+            "(cx, cx000, cx001, cx002, cx003 and 146 more)",
+            "waiting:  1 task: no live runner with engine shell takes policy other (other)",
+        ], st.output
+        assert q.get("other").status == S.queued and q.get("cx").status == S.queued
         doc = json.loads(fila("status", "--queue", pg_url, "--json").output)
+        assert [t["id"] for t in doc["unrunnable"]] == ["cx", *(f"cx{i:03d}" for i in range(150)), "other"]
+        assert [(g["count"], g["why"]) for g in doc["waiting"]] == [
+            (151, "no live runner has engine codex"),
+            (1, "no live runner with engine shell takes policy other"),
+        ]
         [h1] = doc["runners"]
         assert h1["live"] and h1["engines"] == ["shell"] and "shell" in h1["images"]
         assert h1["policies"] == ["default"]
@@ -504,6 +517,39 @@ def test_a_long_running_runner_outlasts_a_database_outage_and_claims_again_after
         t.join(30)
         px.close()
     assert codes == [0] and [r.id for r in w.records] == ["before", "after"]
+
+
+def test_a_long_running_runner_keeps_only_its_newest_records_and_specs_nothing_per_task(
+    pg_url: str, q: PgQueue, sub: Root, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from fila.run import slots
+    from fila.run.remote import RemoteWorker
+    from fila.sandbox import fake
+
+    monkeypatch.setattr(slots, "KEPT", 2)
+    monkeypatch.setattr(fake, "KEPT", 2)
+    backend = fake.FakeBackend(tmp_path / "h1.boxes")
+    w = RemoteWorker(make_root(tmp_path / "h1"), pg_url, host_id="h1", engines=["shell"], backend=backend,
+                     poll_s=0.2)  # fmt: skip
+    t = threading.Thread(target=w.run, daemon=True)
+    t.start()
+    try:
+        for i in range(3):
+            submit(pg_url, sub, f"k{i}", f"echo {i} >> greeting.txt")
+        _wait(lambda: all(q.get(f"k{i}").status == S.needs_review for i in range(3)), 60)
+    finally:
+        w.cancel.set()
+        t.join(30)
+    assert [r.id for r in w.records] == ["k1", "k2"]  # all three ran; the newest two are kept
+    assert [s.job_id for s in backend.specs] == ["k1", "k2"]
+    # `--once` keeps every record: its exit code reads them.
+    for i in range(3, 6):
+        submit(pg_url, sub, f"k{i}", f"echo {i} >> greeting.txt")
+    once = RemoteWorker(make_root(tmp_path / "h2"), pg_url, host_id="h2", engines=["shell"], once=True,
+                        backend=fake.FakeBackend(tmp_path / "h2.boxes"), poll_s=0.2)  # fmt: skip
+    assert once.run() == 0 and [r.id for r in once.records] == ["k3", "k4", "k5"]
 
 
 def test_a_host_whose_engine_fails_before_the_container_hands_the_task_back_uncounted(

@@ -191,7 +191,7 @@ def test_a_task_for_an_engine_no_worker_has_is_not_run(queue: Driver) -> None:
     if queue.name == "pg":
         assert rec["attempts"] == [] and rec["attempt"] == 0
         assert "h1  live  engines shell" in st.stdout, st.stdout
-        assert "waiting:  cx (engine codex): no live runner has engine codex" in st.stdout, st.stdout
+        assert "waiting:  1 task: no live runner has engine codex (cx)" in st.stdout, st.stdout
     else:
         assert {a["outcome"] for a in rec["attempts"]} <= {"requeued", "handed back"}
         assert "image fila/codex:latest is not built" in rec["attempts"][0]["error"]["message"]

@@ -934,6 +934,30 @@ def _pieces(data: bytes) -> list[bytes]:
     return [data] if data else []
 
 
+def sent_upstream(flow: http.HTTPFlow) -> int:
+    """The bytes of `flow`'s request that left for its upstream: request line, headers (a route's
+    real key among them) and body, as mitmproxy's HTTP/1 client writes them (`_http1.Http1Client`:
+    an HTTP/2 request goes out as HTTP/1.1, a buffered chunked body as one chunk and the last).
+    0 when no connection to the upstream was made: nothing left."""
+    if flow.server_conn.timestamp_tcp_setup is None:
+        return 0
+    req = flow.request
+    if req.is_http2 or req.is_http3:
+        req = req.copy()
+        req.http_version = "HTTP/1.1"
+        if "Host" not in req.headers and req.authority:
+            req.headers.insert(0, "Host", req.authority)
+        req.authority = ""
+        cookies = req.headers.get_all("Cookie")
+        if len(cookies) > 1:
+            req.headers["Cookie"] = "; ".join(cookies)
+    body = req.raw_content or b""
+    n = len(http1.assemble_request_head(req)) + len(body)
+    if "chunked" in req.headers.get("transfer-encoding", "").lower():
+        n += (len(b"%x\r\n\r\n" % len(body)) if body else 0) + len(b"0\r\n\r\n")
+    return n
+
+
 def _guarded(fn: Callable[[bytes], bytes]) -> Callable[[bytes], list[bytes]]:
     """A response's stream function that fails closed: once `fn` raises, nothing more of the
     answer goes to the engine (it gets a cut answer, never an unscrubbed one)."""
@@ -1440,7 +1464,7 @@ class Gateway:
             reason=reason,
             status=status,
             bytes_in=meter.bytes if meter else len(flow.response.raw_content or b"") if flow.response else 0,
-            bytes_out=len(flow.request.raw_content or b""),
+            bytes_out=sent_upstream(flow) if allowed else 0,
             usage=usage,
             budget=budget_key,
             scrubbed=scrubbed,

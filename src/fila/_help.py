@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "92045ded1e08377a8deef119a8591efcc6ae2b1591dcddfa229ee7127cdcf567"
+CLI_SHA256 = "781a96b8c8f388fd08ce0aa9e8ad540479d67b99891d632354e20a7cb30ec2bb"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 

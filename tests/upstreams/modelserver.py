@@ -451,6 +451,28 @@ def error_body(protocol: str, status: int, message: str) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------ the server
 
 
+class Counted:
+    """A connection's reader counting the bytes read through it: the log says how many bytes a
+    request took on the wire (what a client or a gateway sent, to compare with what it says it sent)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+        self.count = 0
+
+    def readline(self, *a: Any) -> bytes:
+        data = self.f.readline(*a)
+        self.count += len(data)
+        return data
+
+    def read(self, *a: Any) -> bytes:
+        data = self.f.read(*a)
+        self.count += len(data)
+        return data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.f, name)
+
+
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server_version = "fila-test-upstream/1"
@@ -484,6 +506,7 @@ class Handler(BaseHTTPRequestHandler):
             "body": body[:BODY_LOG_LIMIT].decode("utf-8", errors="replace"),
             "body_bytes": len(body),
             "body_truncated": len(body) > BODY_LOG_LIMIT,
+            "wire_bytes": self.rfile.count - self.request_start,  # request line, headers, body as read
         } | extra
         line = json.dumps(entry) + "\n"
         with self.log_lock, open(self.log_dir / "requests.jsonl", "a") as f:
@@ -536,7 +559,12 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(b"0\r\n\r\n")
         self.wfile.flush()
 
+    def setup(self) -> None:
+        super().setup()
+        self.rfile = Counted(self.rfile)  # type: ignore[assignment]
+
     def handle_one_request(self) -> None:
+        self.request_start = self.rfile.count
         try:
             super().handle_one_request()
         except (ConnectionError, TimeoutError, ssl.SSLError):

@@ -87,7 +87,7 @@ def rearm(
 def status(root: RootOpt = None, json_: JsonOpt = False, queue_url: QueueOpt = None) -> None:
     """Queue counts per state, running jobs (age, heartbeat), the breaker, stale claims.
     --queue: that PostgreSQL queue's counts, its runners (engines, slots, last heartbeat), and
-    the queued tasks no live runner can take."""
+    the queued tasks no live runner can take, counted by why with their first ids (--json: all)."""
     from ..ops.status import gather, gather_queue, render, render_queue
 
     if queue_url:

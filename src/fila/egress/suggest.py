@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import difflib
-import json
 import re
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
@@ -153,16 +152,22 @@ def locked_document(policy_doc: dict[str, Any], allow: list[dict[str, Any]]) -> 
     return doc
 
 
-def render(doc: dict[str, Any]) -> str:
-    return json.dumps(doc, indent=2) + "\n"
-
-
 def unified(old_text: str, new_text: str, old_name: str, new_name: str) -> str:
-    return "".join(
-        difflib.unified_diff(
-            old_text.splitlines(keepends=True),
-            new_text.splitlines(keepends=True),
-            fromfile=f"a/{old_name}",
-            tofile=f"b/{new_name}",
-        )
+    """The unified diff `git apply` and `patch` read: a last line without its newline is followed
+    by git's `\\ No newline at end of file` marker (difflib leaves the line unended)."""
+    lines = difflib.unified_diff(
+        _lines(old_text),
+        _lines(new_text),
+        fromfile=f"a/{old_name}",
+        tofile=f"b/{new_name}",
     )
+    return "".join(
+        line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines
+    )
+
+
+def _lines(text: str) -> list[str]:
+    """`text` cut at its newlines only, as git cuts it (`splitlines` also cuts at U+2028 and
+    other separators a JSON string may hold)."""
+    parts = text.split("\n")
+    return [p + "\n" for p in parts[:-1]] + ([parts[-1]] if parts[-1] else [])

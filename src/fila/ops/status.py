@@ -103,11 +103,15 @@ def render(d: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+WAITING_IDS = 5  # ids shown per reason a queued task waits (`--json`'s `unrunnable` has them all)
+
+
 def gather_queue(db: PgBreaker, *, live_s: float) -> dict[str, Any]:
     """`fila status --queue URL`: task counts, the runners the queue knows (live: seen within
     `live_s` seconds on the database's clock, not stopped), and the queued tasks no live runner
     can take (their engine on no live runner, or on none that takes their policy: `fila worker
-    --policy`), which wait until one that can starts; and the queue's circuit breaker."""
+    --policy`), which wait until one that can starts: every one (`unrunnable`) and grouped by why
+    (`waiting`: count and the first ids, oldest first); and the queue's circuit breaker."""
     runners = db.runners(live_s)
     live = [r for r in runners if r["live"]]
     stuck = []
@@ -121,8 +125,15 @@ def gather_queue(db: PgBreaker, *, live_s: float) -> dict[str, Any]:
     counts: dict[str, int] = {}
     for state, by_engine in db.counts().items():
         counts[state] = sum(by_engine.values())
+    groups: dict[str, dict[str, Any]] = {}
+    for t in stuck:
+        g = groups.setdefault(t["why"], {"why": t["why"], "count": 0, "ids": []})
+        g["count"] += 1
+        if len(g["ids"]) < WAITING_IDS:
+            g["ids"].append(t["id"])
+    waiting = sorted(groups.values(), key=lambda g: -g["count"])
     return {"queue": db.where, "counts": counts, "breaker": db.breaker().model_dump(), "runners": runners,
-            "unrunnable": stuck, "live_s": live_s}  # fmt: skip
+            "unrunnable": stuck, "waiting": waiting, "live_s": live_s}  # fmt: skip
 
 
 def render_queue(d: dict[str, Any]) -> str:
@@ -144,6 +155,8 @@ def render_queue(d: dict[str, Any]) -> str:
             + (f"  policies {', '.join(r['policies'])}" if r.get("policies") is not None else "")
             + f"  slots {r['slots']}  seen {r['seen_s']:.0f}s ago"
         )
-    for t in d["unrunnable"]:
-        lines.append(f"waiting:  {t['id']} (engine {t['engine']}): {t['why']}")
+    for g in d["waiting"]:
+        more = f" and {g['count'] - len(g['ids'])} more" if g["count"] > len(g["ids"]) else ""
+        lines.append(f"waiting:  {g['count']} {'task' if g['count'] == 1 else 'tasks'}: {g['why']} "
+                     f"({', '.join(g['ids'])}{more})")  # fmt: skip
     return "\n".join(lines)

@@ -291,10 +291,9 @@ class Suggestion:
 def suggest(root: Root, records: list[Record], *, wildcards: bool = False) -> Suggestion:
     """The smallest allowlist for `records` (runs under one policy), as that policy's new text.
     Refused when the runs ran under different policies or have no egress record."""
-    import json
-
     from ..egress import config as egress
     from ..egress import suggest as sg
+    from ..egress.policy_text import locked_text
 
     names = sorted({r.policy.name for r in records if r.policy})
     if len(names) != 1:
@@ -332,8 +331,10 @@ def suggest(root: Root, records: list[Record], *, wildcards: bool = False) -> Su
     egress.validate(Policy.model_validate(new_doc), path=f"the suggestion for {path}")
     learned = [f"{h}:{p}" for (h, p), u in sorted(used.items()) if u.learned]
     old_text = raw.decode("utf-8", errors="replace")
-    return Suggestion(name, path, old_text, json.dumps(new_doc, indent=2) + "\n", allow, learned,
-                      sg.unused_entries(doc, used, egress_recs), notes)  # fmt: skip
+    new_text = locked_text(old_text, new_doc, allow)
+    return Suggestion(
+        name, path, old_text, new_text, allow, learned, sg.unused_entries(doc, used, egress_recs), notes
+    )
 
 
 def _egress_of(rec: Record) -> list[Any]:

@@ -34,6 +34,10 @@ class Interrupted(Exception):
 class Hooks:
     """How a worker steers one job. This default never interrupts (a plain `run_one` call)."""
 
+    # Whether the worker has said "claimed" itself (a runner of the PostgreSQL queue says it as it
+    # takes the lease, with the lease's token): `run_one` then does not say it again.
+    claim_said = False
+
     def check(self) -> None:
         """Raise Interrupted (worker stopping) or LeaseLost (claim reaped) to stop the job."""
 

@@ -113,7 +113,8 @@ def run_one(
     run = JobRun(root, claim, backend, progress, hooks, rec.attempt)
     run.mark = t0
     run.lap("begin")  # the task file read and checked, the running record written
-    progress(f"{tid}: claimed (attempt {rec.attempt})")
+    if not hooks.claim_said:
+        progress(f"{tid}: claimed (attempt {rec.attempt})")
     try:
         hooks.check()
         checked = check_task(root, task, tags_of=backend.tags)

@@ -19,6 +19,8 @@ class LeaseHooks(Hooks):
     """The run path's hooks for one database lease: the started mark before the container, and
     a stop at the next check once the lease is lost or the runner is stopping."""
 
+    claim_said = True  # run/remote.py says it as it takes the lease, with the token
+
     def __init__(
         self, q: PgQueue, lease: Lease, cancel: threading.Event, ttl: float, sent: float | None = None
     ) -> None:

@@ -26,6 +26,7 @@ from ..core.errors import (
 from ..core.models import ErrorKind, Record, Status
 
 RECOVER_EVERY_S = 30.0  # how often a worker's recovery pass runs again while it runs
+KEPT = 100  # records a long-running worker keeps (the newest): its exit code reads none
 
 
 class Slot:
@@ -51,7 +52,7 @@ class SlotLoop(Generic[S]):
         self.concurrency, self.once, self.on_record = max(1, concurrency), once, on_record
         self.active: dict[str, S] = {}
         self.wake = threading.Event()  # a job ended, or a signal: the main loop looks again
-        self.records: list[Record] = []
+        self.records: list[Record] = []  # `once`: all of this run's; else the newest KEPT
         self.infra_error: FilaError | None = None  # the host failed a job (`once`: exit 3)
         self.crash: BaseException | None = None  # a fila bug in a job
         self.interrupted = False  # Ctrl-C: exit 130
@@ -99,8 +100,11 @@ class SlotLoop(Generic[S]):
         self.wake.clear()
 
     def record(self, rec: Record) -> None:
-        """`rec` is this run's: kept for the exit code and said."""
+        """`rec` is this run's: said, and kept for the exit code (`once`; a long-running worker
+        exits 0 whatever its records, and keeps only the newest: nothing grows per task)."""
         self.records.append(rec)
+        if not self.once:
+            del self.records[:-KEPT]
         self.on_record(rec)
 
     def exit_code(self) -> int:

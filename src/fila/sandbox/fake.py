@@ -80,6 +80,7 @@ STATE_ENV = "FILA_FAKE_DIR"
 EVENTS = "events"  # one line per box started (`FakeBackend.events`)
 NOT_A_SANDBOX = "not a sandbox: the fake backend ran the command on the host, without a container or limits"
 _KILL_WAIT_S = 30.0
+KEPT = 100  # specs and removed ids a backend keeps for the tests to read (the newest)
 
 
 class FakeBackend(Backend):
@@ -103,11 +104,13 @@ class FakeBackend(Backend):
         self.script = script
         self.down = down  # why the "engine" does not answer; None: it does
         self.stuck: str | None = None  # why every removal fails (InfraError); None: they work
+        # What the tests read, the newest KEPT of each: a long-running worker on this backend keeps
+        # nothing per task, as on Docker's.
         self.removed: list[str] = []  # the ids remove() removed, in order
         self._images = dict(images) if images is not None else _default_images()
         self._unenforceable = list(unenforceable or [])
         self._lock = threading.Lock()
-        self.specs: list[RunSpec] = []  # every spec run() was given, in order
+        self.specs: list[RunSpec] = []  # the specs run() was given, in order
 
     # -- the engine answers, or not ---------------------------------------------------------------
 
@@ -226,6 +229,7 @@ class FakeBackend(Backend):
         gone = self._drop(box.id)
         if gone:
             self.removed.append(box.id)
+            del self.removed[:-KEPT]
         return gone
 
     def leave(self, job_id: str, *, root: str, worker: str, status: str = "running") -> Box:
@@ -285,6 +289,7 @@ class FakeBackend(Backend):
     ) -> RunResult:
         with self._lock:
             self.specs.append(spec)
+            del self.specs[:-KEPT]
         self._answer()
         waived = self.check(spec.policy, job_id=spec.job_id)
         act = self._act(spec)

@@ -77,32 +77,76 @@ _PASSWD = "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/nonexiste
 _GROUP = "root:x:0:\nnogroup:x:65534:\n"
 
 
+# Debian's busybox-static before 1:1.36.1-5 (bookworm's 1.35) is built without wget's -T, and
+# its wget crashes on the flag (a NULL write): a host whose apt offers that one gets trixie's.
+BUSYBOX_FALLBACK_SOURCES = (
+    "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] "  # apt checks the signatures
+    "http://deb.debian.org/debian trixie main\n"
+)
+# Labels the offline base whose wget takes -T: one without it (no fallback reachable) is rebuilt
+# next time rather than reused.
+_BUSYBOX_DEFINITION = hashlib.sha256((_BUSYBOX_DOCKERFILE + "wget -T SEC").encode()).hexdigest()
+
+
+def _apt_download(work: Path, sources: str | None) -> Path:
+    """busybox-static's busybox binary, from the host's apt lists or, with `sources`, from a
+    private apt state (its own lists and cache under `work`, the host's untouched)."""
+    work.mkdir(parents=True)
+    opts: list[str] = []
+    if sources is not None:
+        (work / "lists" / "partial").mkdir(parents=True)
+        (work / "cache" / "archives" / "partial").mkdir(parents=True)
+        (work / "parts").mkdir()
+        (work / "sources.list").write_text(sources)
+        for k, v in (
+            ("Dir::Etc::SourceList", work / "sources.list"),
+            ("Dir::Etc::SourceParts", work / "parts"),
+            ("Dir::State::Lists", work / "lists"),
+            ("Dir::Cache", work / "cache"),
+        ):
+            opts += ["-o", f"{k}={v}"]
+        subprocess.run(["apt-get", *opts, "update"], check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        ["apt-get", *opts, "download", "busybox-static"],
+        cwd=work,
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    debs = sorted(work.glob("busybox-static_*.deb"))
+    if not debs:
+        raise FileNotFoundError("apt-get download left no busybox-static .deb")
+    subprocess.run(
+        ["dpkg-deb", "-x", str(debs[0]), str(work / "root")], check=True, capture_output=True, timeout=120
+    )
+    for rel in ("bin/busybox", "usr/bin/busybox"):  # usr-merged releases ship it in usr/bin
+        if (work / "root" / rel).is_file():
+            return work / "root" / rel
+    raise FileNotFoundError(f"no busybox binary in {debs[0].name}")
+
+
+def wget_has_timeout(busybox: Path) -> bool:
+    """Whether this busybox's wget was built with -T (its usage lists `-T SEC` only then). A
+    binary the host cannot run is taken as it is."""
+    try:
+        res = subprocess.run([str(busybox), "wget", "--help"], capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return True
+    return b"-T SEC" in res.stdout + res.stderr
+
+
 def offline_busybox_base(backend: Backend, *, progress: Progress = print) -> ImageRef:
-    """`fila/base-busybox:local`: busybox from Debian's apt mirrors, no registry involved."""
-    ref = backend.image(OFFLINE_BUSYBOX_TAG)
-    if ref is not None:
-        progress(f"offline base {OFFLINE_BUSYBOX_TAG}: reusing {ref.id}")
-        return ref
+    """`fila/base-busybox:local`: busybox from Debian's apt mirrors, no registry involved; one
+    whose wget takes -T (the host's busybox-static, else Debian trixie's)."""
+    img = backend.image_info(OFFLINE_BUSYBOX_TAG)
+    if img is not None and img.labels.get(LABEL_DEFINITION) == _BUSYBOX_DEFINITION:
+        progress(f"offline base {OFFLINE_BUSYBOX_TAG}: reusing {img.id[:19]}")
+        return ImageRef(tag=OFFLINE_BUSYBOX_TAG, id=img.id)
     progress(f"offline base {OFFLINE_BUSYBOX_TAG}: building from Debian's busybox-static (apt)")
     with tempfile.TemporaryDirectory(prefix="fila-busybox-") as tmp:
         work = Path(tmp)
         try:
-            subprocess.run(
-                ["apt-get", "download", "busybox-static"],
-                cwd=work,
-                check=True,
-                capture_output=True,
-                timeout=300,
-            )
-            debs = sorted(work.glob("busybox-static_*.deb"))
-            if not debs:
-                raise FileNotFoundError("apt-get download left no busybox-static .deb")
-            subprocess.run(
-                ["dpkg-deb", "-x", str(debs[0]), str(work / "root")],
-                check=True,
-                capture_output=True,
-                timeout=120,
-            )
+            busybox = _apt_download(work / "host", None)
         except (OSError, subprocess.SubprocessError) as e:
             detail = getattr(e, "stderr", b"") or b""
             raise ImageMissing(
@@ -111,14 +155,28 @@ def offline_busybox_base(backend: Backend, *, progress: Progress = print) -> Ima
                 hint="on Debian/Ubuntu run `apt-get update` first; elsewhere pass "
                 "--base IMAGE naming an image that is present locally",
             ) from e
+        timeout_ok = wget_has_timeout(busybox)
+        if not timeout_ok:
+            progress(
+                f"offline base {OFFLINE_BUSYBOX_TAG}: the host's busybox has no wget -T; trying trixie's"
+            )
+            try:
+                busybox = _apt_download(work / "fallback", BUSYBOX_FALLBACK_SOURCES)
+                timeout_ok = wget_has_timeout(busybox)
+            except (OSError, subprocess.SubprocessError) as e:
+                progress(
+                    f"offline base {OFFLINE_BUSYBOX_TAG}: cannot fetch trixie's ({e}); its wget -T crashes"
+                )
         ctx = work / "ctx"
         ctx.mkdir()
-        shutil.copy2(work / "root" / "bin" / "busybox", ctx / "busybox")
+        shutil.copy2(busybox, ctx / "busybox")
         (ctx / "Dockerfile").write_text(_BUSYBOX_DOCKERFILE)
         (ctx / "passwd").write_text(_PASSWD)
         (ctx / "group").write_text(_GROUP)
         labels = {"fila": "1", LABEL_CONTEXT: context_hash(ctx)}
-        return stream_build(
+        if timeout_ok:
+            labels[LABEL_DEFINITION] = _BUSYBOX_DEFINITION
+        ref = stream_build(
             backend,
             ctx,
             OFFLINE_BUSYBOX_TAG,
@@ -127,6 +185,9 @@ def offline_busybox_base(backend: Backend, *, progress: Progress = print) -> Ima
             nocache=False,
             progress=progress,
         )
+    if img is not None and img.id != ref.id:
+        remove_if_untagged(backend, img.id)
+    return ref
 
 
 def definition_hash() -> str:
