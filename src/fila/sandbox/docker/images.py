@@ -12,6 +12,7 @@ from typing import Any
 
 import docker
 import requests
+import urllib3
 from docker.errors import DockerException, ImageNotFound
 
 from ...core.errors import ImageMissing, InfraError, LimitExceeded
@@ -105,7 +106,7 @@ def build_context(
             for line in str(text).splitlines():
                 if line.strip():
                     progress(line.rstrip())
-    except _ERRORS as e:
+    except (*_ERRORS, urllib3.exceptions.HTTPError) as e:  # urllib3's: a read past the deadline
         if end is not None and time.monotonic() > end - 1:
             raise LimitExceeded(f"building {tag} took longer than {deadline_s:g} s") from None
         raise _infra(engine, f"building {tag}", e) from e
