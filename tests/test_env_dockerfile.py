@@ -68,7 +68,9 @@ class _Local:
         self.absent = absent
 
     def image_info(self, ref: str) -> ImageInfo | None:
-        return None if ref == self.absent else ImageInfo(id="sha256:" + "a" * 64, labels={}, tags=[ref])
+        triggers = ["ADD http://h/x /x"] if ref.startswith("base/onbuild") else []
+        return None if ref == self.absent else ImageInfo(id="sha256:" + "a" * 64, labels={}, tags=[ref],
+                                                         onbuild=triggers)  # fmt: skip
 
 
 def test_an_image_is_a_base_only_when_local_allowed_and_not_filas_own() -> None:
@@ -84,6 +86,8 @@ def test_an_image_is_a_base_only_when_local_allowed_and_not_filas_own() -> None:
         dockerfile.local_image(policy, backend, "other/x", "here")
     with pytest.raises(InvalidInput, match="is not present in docker"):
         dockerfile.local_image(policy, backend, "base/missing", "here")
+    with pytest.raises(InvalidInput, match="has ONBUILD triggers"):
+        dockerfile.local_image(policy, backend, "base/onbuild:1", "here")
 
 
 def test_an_input_the_policy_denies_to_jobs_is_not_given_to_the_setup(tmp_path: Path) -> None:

@@ -201,4 +201,12 @@ def local_image(policy: Policy, backend: Backend, ref: str, what: str) -> ImageI
             f"image {escape_name(ref)[:200]!r} ({what}) is not present in {backend.name}",
             hint=f"pull or build it first (`docker pull {ref}`): fila never pulls an environment's image",
         )
+    if info.onbuild:
+        # Its triggers would run in the builds FROM it (the base's, each engine's layer), where
+        # an ADD of a URL is the daemon's own fetch.
+        raise InvalidInput(
+            f"image {escape_name(ref)[:200]!r} ({what}) has ONBUILD triggers: "
+            "refused as an environment's base",
+            hint="build an image without ONBUILD from it and name that one",
+        )
     return info

@@ -48,6 +48,7 @@ def image_info(client: docker.DockerClient, tag: str, *, engine: str = "docker")
         tags=list(img.tags or []),
         env=list(config.get("Env") or []),
         size=int(img.attrs.get("Size") or 0),
+        onbuild=[str(t) for t in config.get("OnBuild") or []],
     )
 
 
