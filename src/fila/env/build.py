@@ -368,7 +368,7 @@ def _build(root: Root, project: Path, declared: Declared, policy: Policy, backen
         why = (
             f"timed out after {setup.timeout_ms / 1000:g} s (environment.timeout_ms)"
             if result.timed_out
-            else f"killed: {result.limit_exceeded}"
+            else f"broke a limit: {result.limit_exceeded}"
             if result.limit_exceeded
             else f"killed: out of memory (environment.memory {setup.memory})"
             if result.oom_killed
