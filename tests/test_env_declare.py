@@ -513,3 +513,42 @@ def test_fila_reads_devcontainer_json_as_the_dev_containers_cli_does(tmp_path: P
             assert spec.build.dockerfile == os.path.normpath(folder / dockerfile), name
             assert spec.build.context == os.path.normpath(folder / context), name
             assert (spec.build.args, spec.build.target) == (build.get("args", {}), build.get("target")), name
+
+
+def test_a_provided_path_never_hides_the_projects_files_nor_becomes_a_pattern(tmp_path: Path) -> None:
+    """A provided directory becomes a volume over the project's path and a deny rule: one holding
+    the project's own files (a `tests/` the setup fakes would pass the check) or a pattern (`*`
+    hides every directory from the job and its diff) is refused when the declaration is read."""
+
+    def doc(*p: str) -> str:
+        return json.dumps({"image": "debian", "customizations": {"fila": {"provided": list(p)}}})
+
+    files = {"tests/run.sh": "exit 1\n", "node_modules/left/index.js": "1\n", "build/.keep": ""}
+    # Allowed: a directory the project lacks, and a package manager's one it holds already.
+    ok = dc(tmp_path / "ok", doc("dist", "node_modules"), **files)
+    assert ok.spec.provided == ["dist", "node_modules"]
+    assert "holds files of the project" in refused(tmp_path / "tests", doc("tests"), **files)
+    assert "holds files of the project" in refused(tmp_path / "build", doc("build"), **files)
+    for i, pattern in enumerate(["*", "x\\", "a/[bc]", "!keep", "#x", "a?"]):
+        assert "pattern character" in refused(tmp_path / f"glob{i}", doc(pattern)), pattern
+
+
+def test_provided_paths_parallel_commands_and_warnings_are_capped(tmp_path: Path) -> None:
+    many = [f"d{i}" for i in range(declare.MAX_PROVIDED)]
+    assert len(dc(tmp_path / "ok", json.dumps({"image": "debian", "customizations": {
+        "fila": {"provided": many}}})).spec.provided) == declare.MAX_PROVIDED  # fmt: skip
+    said = refused(tmp_path / "over", json.dumps({"image": "debian", "customizations": {
+        "fila": {"provided": [*many, "one-more"]}}}))  # fmt: skip
+    assert f"above the limit of {declare.MAX_PROVIDED}" in said
+    cmds = {f"c{i}": "true" for i in range(declare.MAX_PARALLEL)}
+    assert dc(tmp_path / "par", json.dumps({"image": "debian", "onCreateCommand": cmds})).spec.setup
+    said = refused(
+        tmp_path / "par-over", json.dumps({"image": "debian", "onCreateCommand": {**cmds, "x": "true"}})
+    )
+    assert f"above the limit of {declare.MAX_PARALLEL}" in said
+    # A declaration of many unknown keys: the first warnings, then how many more.
+    few = dc(tmp_path / "few", json.dumps({"image": "debian", **{f"k{i}": 1 for i in range(3)}}))
+    assert len(few.warnings) == 3
+    lots = dc(tmp_path / "lots", json.dumps({"image": "debian", **{f"k{i}": 1 for i in range(5000)}}))
+    assert len(lots.warnings) == declare.MAX_WARNINGS + 1
+    assert lots.warnings[-1] == f"and {5000 - declare.MAX_WARNINGS} more warnings, not shown"

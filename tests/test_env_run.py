@@ -7,13 +7,15 @@ own toolchain, the second task on the cached environment, and what a setup may n
 from __future__ import annotations
 
 import json
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from fila.core.layout import Root
-from tests.support.cli import fila
+from tests.support.cli import fila, fila_process
 from tests.support.policy import write_policy
 from tests.support.project import make_root, record
 
@@ -154,6 +156,8 @@ def _setup_fails(tmp_path: Path, idx: Any, name: str, command: str, **env: Any) 
         ("hangs", "sleep 600", {"timeout_ms": 3000}, "timed out after 3 s"),
         ("forks", "while :; do sleep 60 & done", {"pids": 64, "timeout_ms": 20_000}, "exited with code"),
         ("fills", "head -c 200000000 /dev/zero > /opt/big; sleep 30", {"max_image_bytes": 50_000_000}, "max_image_bytes"),  # noqa: E501
+        # Written and exited between two measures: measured once more before it is committed.
+        ("fills-fast", "head -c 100000000 /dev/zero > /opt/big", {"max_image_bytes": 50_000_000}, "max_image_bytes"),  # noqa: E501
     ],
 )  # fmt: skip
 def test_a_setup_that_fails_ends_its_task_with_its_log_and_no_engine(
@@ -184,18 +188,26 @@ def test_a_base_image_the_policy_does_not_allow_is_refused(tmp_path: Path, pkgin
 
 
 def test_a_project_dockerfile_is_built_without_network(tmp_path: Path, pkgindex: Any) -> None:
+    """Built from a context fila assembles: what no job is given (.env, .git/) is not in it either;
+    a RUN that needs the network fails, and so does a build past the setup's timeout."""
     root = make_root(tmp_path / "df")
     (root.path / ".devcontainer").mkdir()
     (root.path / ".devcontainer" / "Dockerfile").write_text(
-        f"FROM {pkgindex.testenv_image}\nRUN echo from-dockerfile > /opt/marker\n"
+        f"FROM {pkgindex.testenv_image}\nRUN echo from-dockerfile > /opt/marker\nCOPY . /opt/ctx\n"
     )
     (root.path / ".devcontainer" / "devcontainer.json").write_text(
-        json.dumps({"build": {"dockerfile": "Dockerfile"}})
+        json.dumps({"build": {"dockerfile": "Dockerfile", "context": ".."}})
     )
+    (root.path / ".env").write_text("TOKEN=secret\n")
+    (root.path / ".git").mkdir()
+    (root.path / ".git" / "config").write_text("[remote]\n")
+    (root.path / "kept.txt").write_text("kept\n")
     setup_policy(root, pkgindex, allow=[])
-    rec = submit_run(root, "cat /opt/marker > out.txt")
+    rec = submit_run(root, "cat /opt/marker > out.txt; ls -A /opt/ctx > ctx.txt")
     assert rec["status"] == "needs_review", rec
-    assert (root.path / rec["patch_path"]).read_text().count("+from-dockerfile") == 1
+    patch = (root.path / rec["patch_path"]).read_text()
+    assert patch.count("+from-dockerfile") == 1 and "+kept.txt" in patch and "+.devcontainer" in patch
+    assert "+.env" not in patch and "+.git" not in patch, patch
     # A RUN that needs the network fails the build, with the advice to use the setup.
     (root.path / ".devcontainer" / "Dockerfile").write_text(
         f"FROM {pkgindex.testenv_image}\nRUN pip download --index-url {pkgindex.pypi_url} six\n"
@@ -203,6 +215,68 @@ def test_a_project_dockerfile_is_built_without_network(tmp_path: Path, pkgindex:
     rec = submit_run(root, "true")
     assert rec["status"] == "failed" and rec["error"]["kind"] == "environment", rec
     assert "no network" in rec["error"]["message"] or "did not build" in rec["error"]["message"]
+    (root.path / ".devcontainer" / "Dockerfile").write_text(f"FROM {pkgindex.testenv_image}\nRUN sleep 60\n")
+    setup_policy(root, pkgindex, allow=[], timeout_ms=3000)
+    rec = submit_run(root, "true")
+    assert rec["status"] == "failed" and "environment.timeout_ms 3000" in rec["error"]["message"], rec
+
+
+def _docker(*args: str) -> str:
+    return subprocess.run(["docker", *args], capture_output=True, text=True, check=True).stdout
+
+
+def test_environments_are_built_side_by_side_kept_per_root_and_no_label_names_a_path(
+    tmp_path: Path, pkgindex: Any
+) -> None:
+    """Two roots set up the same key at once: each build fills volumes of its own, the image names
+    the ones it was built with, and a task of each root sees the provided directory. The setup
+    leaves a broken /bin/sh: the volumes are filled without running the image. gc in a root
+    removes only that root's environments, and a key written by a project's Dockerfile never
+    names a directory to delete."""
+    decl = {"image": pkgindex.testenv_image, "provided": ["node_modules"], "setup": [
+        {"name": "mods", "shell": "sleep 2; mkdir -p node_modules/m && echo made > node_modules/m/index.js"},
+        {"name": "sh", "shell": "ln -sf /bin/false /bin/sh"}]}  # fmt: skip
+    roots = [make_root(tmp_path / name) for name in ("a", "c")]
+    for root in roots:
+        (root.path / "fila-environment.json").write_text(json.dumps(decl))
+        setup_policy(root, pkgindex, allow=[])
+    with ThreadPoolExecutor(2) as pool:
+        done = list(pool.map(lambda r: fila_process(r, "env", "build", "--project", str(r.path), "--json",
+                                                     timeout=300), roots))  # fmt: skip
+    assert all(d.returncode == 0 for d in done), [d.stderr for d in done]
+    envs = [json.loads(d.stdout) for d in done]
+    key = envs[0]["key"]
+    assert envs[1]["key"] == key and {e["how"] for e in envs} <= {"built", "cached"}
+    labels = json.loads(
+        _docker("image", "inspect", "--format", "{{json .Config.Labels}}", f"fila/env:{key[:32]}")
+    )
+    assert labels["fila.env.key"] == key and labels["fila.root"] == "" and labels["fila"] == ""
+    (volume,) = labels["fila.env.volumes"].split(",")
+    assert len(volume.split("-")[-2]) == 16  # the path's hash: 64 bits
+    mount = f"{volume}:/v:ro"
+    assert _docker("run", "--rm", "-v", mount, "--entrypoint", "cat", pkgindex.testenv_image,
+                   "/v/m/index.js") == "made\n"  # fmt: skip
+    # A project's Dockerfile labels its base as an environment with a key that is a path: built,
+    # never listed, never removed.
+    evil = make_root(tmp_path / "b")
+    victim = tmp_path / "victim-dir"
+    victim.mkdir()
+    (evil.path / "Dockerfile").write_text(
+        f'FROM {pkgindex.testenv_image}\nLABEL fila.env.key="../../../../victim-dir"\n'
+    )
+    (evil.path / "fila-environment.json").write_text(json.dumps({"build": {"dockerfile": "Dockerfile"}}))
+    setup_policy(evil, pkgindex, allow=[])
+    res = fila(evil, "env", "build", "--project", str(evil.path), "--json")
+    assert res.exit_code == 0, res.output
+    evil_key = json.loads(res.stdout)["key"]
+    listed = json.loads(fila(evil, "env", "ls", "--json").stdout)
+    assert {key, evil_key} <= {e["key"] for e in listed} and all(len(e["key"]) == 64 for e in listed)
+    # gc in b removes b's environment only; in a, a's (shared with c: its state is in both).
+    gone = json.loads(fila(evil, "env", "gc", "--json").stdout)["removed"]
+    assert gone == [evil_key] and victim.is_dir()
+    assert _docker("image", "ls", "-q", f"fila/env:{key[:32]}").strip()
+    assert json.loads(fila(roots[0], "env", "gc", "--json").stdout)["removed"] == [key]
+    assert not _docker("image", "ls", "-q", f"fila/env:{key[:32]}").strip()
 
 
 def engine_fix(

@@ -11,7 +11,10 @@ provided paths copied once into volumes. Each engine the task runs gets a layer 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
+import secrets
 import shlex
 import shutil
 import tempfile
@@ -23,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core import fsutil
-from ..core.errors import FilaError, InvalidInput, NotFound
+from ..core.errors import FilaError, InvalidInput, LimitExceeded, NotFound
 from ..core.layout import Root
 from ..core.models import (
     Egress,
@@ -34,16 +37,24 @@ from ..core.models import (
     SetupPolicy,
     Tmpfs,
     now_iso,
+    parse_size,
 )
 from ..core.mounts import Bind, ProvidedVolume
-from ..queue.policy import image_allowed
-from ..sandbox.base import Backend, RunSpec, SetupRun
+from ..sandbox.base import JOB_LABEL, ROOT_LABEL, Backend, ImageInfo, RunSpec, SetupRun
+from ..sandbox.base import LABEL as LABEL_FILA
+from ..workspace import fswalk
+from ..workspace.jobdir import excluded_prefixes, exclusion
+from . import dockerfile
 from . import key as keys
 from .spec import PROJECT_PATH, Declared, EnvSpec, Step
 
 LABEL = "fila.env"
 KEY_LABEL = "fila.env.key"
 IMAGE_REPO = "fila/env"
+VOLUMES_LABEL = "fila.env.volumes"
+# What a setup container is labelled with that would make a container of the committed image look
+# like a job of that root to fila's sweepers: emptied in the image (docs/environments.md).
+CLEARED_LABELS = (LABEL_FILA, JOB_LABEL, ROOT_LABEL, "fila.role", "fila.worker")
 SETUP_DIR = "/fila-setup"
 # The gateway's variables the setup had: emptied in the image so no engine inherits a proxy.
 PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "NO_PROXY", "no_proxy")
@@ -74,14 +85,36 @@ def envs_dir(root: Root) -> Path:
     return root.path / "sandbox" / "envs"
 
 
+# A key as fila computes it (a sha256): anything else in a label is not fila's and names nothing.
+KEY_PATTERN = re.compile(r"[0-9a-f]{64}")
+
+
+def valid_key(key: object) -> bool:
+    return isinstance(key, str) and KEY_PATTERN.fullmatch(key) is not None
+
+
 def tag_for(key: str) -> str:
     return f"{IMAGE_REPO}:{key[:32]}"
 
 
-def volume_name(key: str, rel: str) -> str:
-    import hashlib
+def partial_prefix(key: str) -> str:
+    """A setup's committed image before its volumes are filled: `<prefix><build>` (one per build,
+    so two setups of one key from different roots never share it)."""
+    return f"{IMAGE_REPO}-partial:{key[:32]}-"
 
-    return f"fila-env-{key[:24]}-{hashlib.sha256(rel.encode()).hexdigest()[:8]}"
+
+def volume_name(key: str, rel: str, build: str) -> str:
+    """A provided path's volume: the key, the path's hash (64 bits) and the build that filled it
+    (two setups of one key on a shared daemon never fill the same volume)."""
+    return f"fila-env-{key[:24]}-{hashlib.sha256(rel.encode()).hexdigest()[:16]}-{build}"
+
+
+def named_volumes(labels: dict[str, str], key: str) -> list[str]:
+    """The volumes an environment's image names (VOLUMES_LABEL, in its provided paths' order);
+    a name fila would not have made for `key` is dropped."""
+    shape = re.compile(rf"fila-env-{key[:24]}-[0-9a-f]{{16}}-[0-9a-f]{{8}}")
+    raw = labels.get(VOLUMES_LABEL) or ""
+    return [n for n in raw.split(",") if shape.fullmatch(n)]
 
 
 def require_docker(backend: Backend) -> None:
@@ -107,55 +140,100 @@ def resolve_base(
     belongs to the setup, which goes through the gateway)."""
     spec = declared.spec
     if spec.image is not None:
-        if not image_allowed(policy, spec.image):
-            raise InvalidInput(
-                f"environment image {spec.image!r} ({declared.source}) is not allowed by the policy "
-                f"(allowed: {', '.join(policy.images) or 'none'})",
-                hint="add a pattern for it to the policy's `images`",
-            )
-        info = backend.image_info(spec.image)
-        if info is None:
-            raise InvalidInput(
-                f"environment image {spec.image!r} ({declared.source}) is not present in {backend.name}",
-                hint=f"pull or build it first (`docker pull {spec.image}`)",
-            )
+        info = dockerfile.local_image(
+            policy, backend, spec.image, f"the environment's image, {declared.source}"
+        )
         return info.id, {"image_id": info.id}
     assert spec.build is not None
-    digests = keys.context_digest(project, spec)
-    base = {**digests, "args": dict(sorted(spec.build.args.items())), "target": spec.build.target}
-    import hashlib
-
+    skip = _context_skip(root, project, policy)
+    digests = keys.context_digest(project, spec, skip)
+    text = fswalk.read_file(project / spec.build.dockerfile, max_bytes=dockerfile.MAX_DOCKERFILE_BYTES)
+    images = {
+        ref: dockerfile.local_image(policy, backend, ref, f"{spec.build.dockerfile} line {line}").id
+        for line, ref in dockerfile.references(text.decode(errors="replace"))
+    }
+    base = {**digests, "images": images, "args": dict(sorted(spec.build.args.items())),
+            "target": spec.build.target}  # fmt: skip
     tag = f"{IMAGE_REPO}-base:{hashlib.sha256(json.dumps(base, sort_keys=True).encode()).hexdigest()[:32]}"
     info = backend.image_info(tag)
     if info is None and not build:
         raise NotFound(f"the environment's base ({spec.build.dockerfile}) is not built yet")
     if info is None:
         progress(f"environment: building the base from {spec.build.dockerfile} (no network)")
-        context = project / spec.build.context
-        path = project / spec.build.dockerfile
-        dockerfile = str(path.relative_to(context)) if path.is_relative_to(context) else str(path)
-        try:
-            backend.build_context(
-                context,
-                tag,
-                buildargs=dict(spec.build.args),
-                labels={LABEL: "base"},
-                nocache=False,
-                progress=lambda line: progress(f"environment: {line}"),
-                network="none",
-                dockerfile=dockerfile,
-                target=spec.build.target,
-            )
-        except FilaError as e:
-            raise InvalidInput(
-                f"the environment's Dockerfile {spec.build.dockerfile} did not build: {e.message}",
-                hint="its RUN steps have no network: install from the network in the setup commands "
-                "(onCreateCommand...), which reach the policy's environment.allow through fila's gateway",
-            ) from e
+        context, entries = keys.context_entries(project, spec, skip)
+        with tempfile.TemporaryDirectory(prefix="context-", dir=envs_dir(root).parent) as tmp:
+            archive = Path(tmp) / "context.tar"
+            name = dockerfile.archive(context, entries, project / spec.build.dockerfile, archive)
+            _build_base(backend, spec, policy.environment, archive, name, tag, progress)
         info = backend.image_info(tag)
         if info is None:
             raise InvalidInput(f"the environment's Dockerfile built no image {tag}")
+        if info.size > policy.environment.max_image_bytes:
+            backend.remove_image(tag)
+            raise InvalidInput(
+                f"the environment's Dockerfile {spec.build.dockerfile} made an image of {info.size} bytes, "
+                f"over environment.max_image_bytes {policy.environment.max_image_bytes}",
+                hint="make the image smaller, or raise the policy's environment.max_image_bytes",
+            )
     return info.id, base
+
+
+def _context_skip(root: Root, project: Path, policy: Policy) -> keys.Skip:
+    """What of a build context the build is not given: what no job is given (the policy's deny
+    rules, .git/, fila's own directories)."""
+    prefixes = excluded_prefixes(root, project, root.policies_dir)
+    return lambda rel, is_dir: exclusion(rel, is_dir, policy, prefixes) is not None
+
+
+def refuse_denied_inputs(root: Root, project: Path, spec: EnvSpec, policy: Policy) -> None:
+    """An input the policy's deny rules keep from every job (.env, .npmrc, .git/...) is not handed
+    to the setup either: refused, naming the rule."""
+    prefixes = excluded_prefixes(root, project, root.policies_dir)
+    for rel in spec.inputs:
+        why = exclusion(rel, False, policy, prefixes)
+        if why is not None:
+            raise InvalidInput(
+                f"environment input {rel!r} is kept from every job ({why}): not given to the setup either",
+                hint="name inputs the task may see; a registry's credential is not an input "
+                "(docs/environments.md)",
+            )
+
+
+def _build_base(backend: Backend, spec: EnvSpec, setup: SetupPolicy, archive: Path, name: str, tag: str,
+                progress: Callable[[str], None]) -> None:  # fmt: skip
+    """The base built by the daemon's classic builder: each RUN step with no network and the
+    setup's memory (no swap beyond it), the whole build within the setup's timeout. What the
+    builder's API cannot set (a RUN step's capabilities, its pids) is Docker's default
+    (docs/environments.md)."""
+    assert spec.build is not None
+    memory = parse_size(setup.memory)
+    try:
+        backend.build_context(
+            archive,
+            tag,
+            buildargs=dict(spec.build.args),
+            # The Dockerfile's own LABEL lines survive the build: a key there is not fila's.
+            labels={LABEL: "base", KEY_LABEL: ""},
+            nocache=False,
+            progress=lambda line: progress(f"environment: {line}"),
+            network="none",
+            dockerfile=name,
+            target=spec.build.target,
+            limits={"memory": memory, "memswap": memory, "cpushares": max(2, int(1024 * setup.cpus))},
+            deadline_s=setup.timeout_ms / 1000,
+        )
+    except LimitExceeded as e:
+        raise InvalidInput(
+            f"the environment's Dockerfile {spec.build.dockerfile} did not build: {e.message} "
+            f"(environment.timeout_ms {setup.timeout_ms})",
+            hint="make the build faster, or raise the policy's environment.timeout_ms",
+        ) from e
+    except FilaError as e:
+        raise InvalidInput(
+            f"the environment's Dockerfile {spec.build.dockerfile} did not build: {e.message}",
+            hint="its RUN steps have no network: install from the network in the setup commands "
+            "(onCreateCommand...), which reach the policy's environment.allow through fila's gateway",
+        ) from e
 
 
 def probe(
@@ -164,6 +242,7 @@ def probe(
     """The environment's key and whether its image is built, building nothing (`fila doctor`).
     NotFound when a Dockerfile base is not built yet (its id is part of the key)."""
     spec = declared.spec
+    refuse_denied_inputs(root, project, spec, policy)
     inputs = keys.read_inputs(project, spec)
     _base_id, base = resolve_base(root, project, declared, policy, backend, lambda _m: None, build=False)
     key = keys.compute(spec, base, inputs, policy.environment)
@@ -186,11 +265,12 @@ def prepare(
     """The environment's image for `declared`, built unless its key exists (`force`: again)."""
     require_docker(backend)
     spec = declared.spec
+    refuse_denied_inputs(root, project, spec, policy)
     inputs = keys.read_inputs(project, spec)
     base_id, base = resolve_base(root, project, declared, policy, backend, progress)
     key = keys.compute(spec, base, inputs, policy.environment)
     tag = tag_for(key)
-    state = envs_dir(root) / key[:32]
+    state = state_dir(root, key)
     common = dict(
         key=key,
         source=declared.source,
@@ -201,7 +281,8 @@ def prepare(
     )
     with _locked(state):
         info = None if force else backend.image_info(tag)
-        if info is not None and info.labels.get(KEY_LABEL) == key and _volumes_ready(backend, key, spec):
+        volumes = _volumes_ready(backend, key, spec, info)
+        if info is not None and volumes is not None:
             progress(f"environment {key[:12]}: cached ({tag})")
             meta = _read_meta(state)
             record = EnvironmentRecord(
@@ -211,7 +292,7 @@ def prepare(
                 setup_s=meta.get("setup_s"),
                 log_path=meta.get("log_path"),
             )
-            return Prepared(declared, key, record.image, record, _volumes(key, spec))  # type: ignore[arg-type]
+            return Prepared(declared, key, record.image, record, volumes)  # type: ignore[arg-type]
         return _build(root, project, declared, policy, backend, inputs, base_id, key, state, common,
                       job_id=job_id, progress=progress, heartbeat=heartbeat)  # fmt: skip
 
@@ -228,6 +309,10 @@ def _build(root: Root, project: Path, declared: Declared, policy: Policy, backen
     progress(f"environment {key[:12]}: setting up from {declared.source} ({len(spec.setup)} step(s))")
     setup = policy.environment
     t0 = time.monotonic()
+    build_id = secrets.token_hex(4)
+    partial = partial_prefix(key) + build_id
+    volumes = _volumes(spec, [volume_name(key, rel, build_id) for rel in spec.provided])
+    cleared = " ".join(f'"{name}"=""' for name in CLEARED_LABELS)
     with tempfile.TemporaryDirectory(prefix="setup-", dir=state) as tmp:
         work = stage_inputs(Path(tmp), spec, inputs, ca=_ca_bytes(setup.ca_file))
         run_spec = RunSpec(
@@ -245,13 +330,16 @@ def _build(root: Root, project: Path, declared: Declared, policy: Policy, backen
             setup=SetupRun(
                 # Tagged as the environment only once its volumes are filled (below): a setup that
                 # dies half way is never found by its key.
-                commit_tag=f"{IMAGE_REPO}-partial:{key[:32]}",
+                commit_tag=partial,
                 changes=tuple(
                     # fila sets every run's entrypoint and command; the setup's are not kept
                     # (an empty ENTRYPOINT does not clear it in a commit: env runs the command).
                     ['ENTRYPOINT ["/usr/bin/env"]', 'CMD ["sh"]']
                     + [f"ENV {v}=" for v in PROXY_VARS]
-                    + [f'LABEL "{LABEL}"="1" "{KEY_LABEL}"="{key}" "fila.env.source"={source}']
+                    + [
+                        f'LABEL "{LABEL}"="1" "{KEY_LABEL}"="{key}" "fila.env.source"={source} '
+                        f'"{VOLUMES_LABEL}"="{",".join(v.name for v in volumes)}" {cleared}'
+                    ]
                 ),
                 max_bytes=setup.max_image_bytes,
             ),
@@ -280,7 +368,7 @@ def _build(root: Root, project: Path, declared: Declared, policy: Policy, backen
         why = (
             f"timed out after {setup.timeout_ms / 1000:g} s (environment.timeout_ms)"
             if result.timed_out
-            else f"killed: {result.limit_exceeded}"
+            else f"broke a limit: {result.limit_exceeded}"
             if result.limit_exceeded
             else f"killed: out of memory (environment.memory {setup.memory})"
             if result.oom_killed
@@ -295,12 +383,20 @@ def _build(root: Root, project: Path, declared: Declared, policy: Policy, backen
             record=record,
             hint="fix the setup commands, or add the hosts it needs to the policy's environment.allow",
         )
-    volumes = _volumes(key, spec)
-    for v, rel in zip(volumes, spec.provided, strict=True):
-        progress(f"environment {key[:12]}: copying {rel} into volume {v.name} (once)")
-        backend.fill_volume(result.committed, f"{PROJECT_PATH}/{rel}", v.name, {LABEL: "1", KEY_LABEL: key})  # type: ignore[attr-defined]
+    try:
+        for v, rel in zip(volumes, spec.provided, strict=True):
+            progress(f"environment {key[:12]}: copying {rel} into volume {v.name} (once)")
+            backend.fill_volume(result.committed, f"{PROJECT_PATH}/{rel}", v.name,  # type: ignore[attr-defined]
+                                {LABEL: "1", KEY_LABEL: key}, max_bytes=setup.max_image_bytes)  # fmt: skip
+    except FilaError as e:
+        for v in volumes:  # this build's own, and only those
+            backend.remove_named_volume(v.name)  # type: ignore[attr-defined]
+        backend.remove_image(partial)
+        raise EnvironmentFailed(
+            f"the environment's provided paths could not be kept: {e}", record=record
+        ) from e
     backend.tag_image(result.committed, tag)
-    backend.remove_image(f"{IMAGE_REPO}-partial:{key[:32]}")
+    backend.remove_image(partial)
     info = backend.image_info(tag)
     assert info is not None
     _write_meta(
@@ -432,17 +528,27 @@ class SetupWorkspace:
         return []
 
 
-def _volumes(key: str, spec: EnvSpec) -> list[ProvidedVolume]:
+def _volumes(spec: EnvSpec, names: list[str]) -> list[ProvidedVolume]:
     return [
-        ProvidedVolume(target=f"{PROJECT_PATH}/{rel}", name=volume_name(key, rel)) for rel in spec.provided
+        ProvidedVolume(target=f"{PROJECT_PATH}/{rel}", name=name)
+        for rel, name in zip(spec.provided, names, strict=True)
     ]
 
 
-def _volumes_ready(backend: Backend, key: str, spec: EnvSpec) -> bool:
+def _volumes_ready(
+    backend: Backend, key: str, spec: EnvSpec, info: ImageInfo | None
+) -> list[ProvidedVolume] | None:
+    """The provided volumes the environment's image names, when it is the key's and they all
+    exist; else None (built again)."""
+    if info is None or info.labels.get(KEY_LABEL) != key:
+        return None
+    names = named_volumes(info.labels, key)
+    if len(names) != len(spec.provided):
+        return None
     if not spec.provided:
-        return True
+        return []
     have = {v["Name"] for v in backend.labelled_volumes(f"{KEY_LABEL}={key}")}  # type: ignore[attr-defined]
-    return all(v.name in have for v in _volumes(key, spec))
+    return _volumes(spec, names) if all(n in have for n in names) else None
 
 
 def _read_meta(state: Path) -> dict[str, Any]:
@@ -488,5 +594,16 @@ class _LogTail:
                 self.progress(f"environment {self.key[:12]}: {line[len('== fila setup: ') :]}")
 
 
+def state_dir(root: Root, key: str) -> Path:
+    """The key's directory under envs_dir: a direct child named by a well-formed key, or
+    InvalidInput (a key from a label is not trusted to name a path)."""
+    if not valid_key(key):
+        raise InvalidInput(f"{key[:80]!r} is not an environment's key (64 hex digits)")
+    return envs_dir(root) / key[:32]
+
+
 def remove_state(root: Root, key: str) -> None:
-    shutil.rmtree(envs_dir(root) / key[:32], ignore_errors=True)
+    state = state_dir(root, key)
+    if state.is_symlink() or state.resolve().parent != envs_dir(root).resolve():
+        raise InvalidInput(f"{state} is not a directory of {envs_dir(root)}")
+    shutil.rmtree(state, ignore_errors=True)

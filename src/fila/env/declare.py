@@ -20,9 +20,10 @@ from typing import Any
 from pydantic import ValidationError
 
 from ..core import fsutil
-from ..core.errors import InvalidEnvironment
+from ..core.errors import InvalidEnvironment, InvalidPolicy
 from ..core.text import escape_name
 from ..core.untrusted import check_names, entry_kind, image_reference, parse_json, read_capped
+from ..queue.policy import denied_by
 from ..workspace.safedir import SafeDir, ThroughLink
 from . import devcontainer
 from .spec import Declared, EnvSpec, Step
@@ -33,6 +34,20 @@ PLACES = (".devcontainer/devcontainer.json", ".devcontainer.json", FILA_FORM)
 NO_ENVIRONMENT = "none"  # an explicit choice of no environment
 
 MAX_INPUTS = 256  # lockfiles and manifests: a few per ecosystem
+MAX_PROVIDED = 16  # each is a volume mounted into every job
+MAX_PARALLEL = 16  # commands of one step run at once
+MAX_WARNINGS = 50  # a declaration of a million unknown keys is not a million-line record
+# A provided path becomes a deny rule (.gitignore syntax): a character that means a pattern there
+# would hide more of the project than the path.
+GLOB_CHARS = frozenset("[]*?!\\")
+# What a package manager makes in the project tree: a project may hold one of these already
+# (a developer's own `npm install`), and the environment's replaces it in every job. Any other
+# provided directory must not hide files of the project (a `tests/` the setup made would replace
+# the project's own, and pass its check).
+MADE_BY_TOOLS = frozenset(
+    {"node_modules", ".venv", "venv", ".tox", ".nox", "vendor", "target", "__pycache__", ".pnpm-store",
+     ".yarn", "bower_components", "site-packages", ".bundle", "_build", "deps"}
+)  # fmt: skip
 MAX_INPUT_BYTES = 16 << 20  # a large package-lock.json is a few MiB
 
 # The files a package manager reads to install a project's dependencies: the inputs taken when a
@@ -131,6 +146,10 @@ def checked(project: Path, declared: Declared) -> Declared:
     check_names(paths, error=InvalidEnvironment, path=where)
     if len(spec.inputs) > MAX_INPUTS:
         raise InvalidEnvironment(f"{len(spec.inputs)} inputs, above the limit of {MAX_INPUTS}", path=where)
+    if len(spec.provided) > MAX_PROVIDED:
+        raise InvalidEnvironment(
+            f"{len(spec.provided)} provided directories, above the limit of {MAX_PROVIDED}", path=where
+        )
     update: dict[str, Any] = {}
     with SafeDir(project) as tree:
         if spec.build is not None:
@@ -175,8 +194,22 @@ def checked(project: Path, declared: Declared) -> Declared:
                     + " (beside package.json) is taken as made by the setup (declare `provided` to choose)"
                 )
             provided = [_provided(tree, p, where) for p in provided]
+    try:
+        denied_by(".", True, deny_rules(provided))
+    except InvalidPolicy as e:
+        raise InvalidEnvironment(
+            f"the provided directories do not make deny rules: {e.message}", path=where
+        ) from None
+    if len(warnings) > MAX_WARNINGS:
+        warnings = [*warnings[:MAX_WARNINGS], f"and {len(warnings) - MAX_WARNINGS} more warnings, not shown"]
     update.update(inputs=inputs, provided=provided)
     return declared.model_copy(update={"spec": spec.model_copy(update=update), "warnings": warnings})
+
+
+def deny_rules(provided: list[str]) -> list[str]:
+    """The deny rules of the provided directories (anchored at the project's root): never copied
+    into a job, never in its diff."""
+    return [f"/{p.strip('/')}/" for p in provided]
 
 
 def _check_steps(steps: list[Step], key: str, where: Path) -> None:
@@ -192,6 +225,12 @@ def _check_steps(steps: list[Step], key: str, where: Path) -> None:
                 path=where,
             )
         if step.parallel is not None:
+            if len(step.parallel) > MAX_PARALLEL:
+                raise InvalidEnvironment(
+                    f"{key}[{i}].parallel holds {len(step.parallel)} commands, "
+                    f"above the limit of {MAX_PARALLEL}",
+                    path=where,
+                )
             if any(sub.parallel is not None for sub in step.parallel):
                 raise InvalidEnvironment(
                     f"{key}[{i}].parallel holds a `parallel` step: commands run at once are one level deep",
@@ -217,16 +256,39 @@ def _provided(tree: SafeDir, value: str, where: Path) -> str:
     """A directory the setup makes in the project tree: inside it, not the project itself; what
     of it exists already is a directory reached through no symlink."""
     rel = _relative(value, "provided directory", where)
+    shown = escape_name(rel)[:200]
     if rel == ".":
         raise InvalidEnvironment(
             "provided directory '.' is the whole project",
             hint="name the directories the setup makes",
             path=where,
         )
+    if GLOB_CHARS.intersection(rel) or rel.startswith("#"):
+        raise InvalidEnvironment(
+            f"provided directory {shown!r} holds a pattern character ([ ] * ? ! \\ or a leading #)",
+            hint="name each directory by its plain path",
+            path=where,
+        )
     st = _entry(tree, rel, "provided directory", missing_ok=True)
     if st is not None:
         _kind(st, rel, "provided directory", "dir", tree)
+        if PurePosixPath(rel).name not in MADE_BY_TOOLS and _holds_files(tree, rel):
+            raise InvalidEnvironment(
+                f"provided directory {shown!r} holds files of the project: the setup's would hide them "
+                "in every job (and in its check)",
+                hint="provide only directories the setup makes (node_modules, .venv), not the project's own",
+                path=where,
+            )
     return rel
+
+
+def _holds_files(tree: SafeDir, rel: str) -> bool:
+    with tree.parent(rel) as (dfd, name):
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
+        try:
+            return bool(os.listdir(fd))
+        finally:
+            os.close(fd)
 
 
 def _entry(tree: SafeDir, rel: str, what: str, *, missing_ok: bool = False) -> os.stat_result | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +24,7 @@ from .spec import PROJECT_PATH, EnvSpec
 
 # Part of every key: a change of how fila runs a setup (the script, the image's layout) must not
 # reuse an environment made the old way.
-FORMAT = 1
+FORMAT = 2
 MAX_INPUT_BYTES = 16 << 20
 MAX_CONTEXT_FILES = 50_000
 MAX_CONTEXT_BYTES = 2 << 30
@@ -60,14 +61,34 @@ def read_inputs(project: Path, spec: EnvSpec) -> Inputs:
     return Inputs(files)
 
 
-def context_digest(project: Path, spec: EnvSpec) -> dict[str, str]:
-    """The Dockerfile's sha256 and a manifest digest of its build context (names, kinds, modes and
-    contents; links as links, never followed)."""
+Skip = Callable[[str, bool], bool]
+
+
+def context_entries(project: Path, spec: EnvSpec, skip: Skip) -> tuple[Path, list[fswalk.Entry]]:
+    """The build context's directory and what of it the build is given: every entry but those
+    `skip` (given the path relative to the project) leaves out, links never followed."""
+    assert spec.build is not None
+    context = _inside(project, spec.build.context, "build context")
+    prefix = "" if spec.build.context == "." else spec.build.context + "/"
+    entries = list(
+        fswalk.walk(
+            context,
+            skip=lambda rel, is_dir: skip(prefix + rel, is_dir),
+            max_files=MAX_CONTEXT_FILES,
+            max_bytes=MAX_CONTEXT_BYTES,
+        )
+    )
+    return context, entries
+
+
+def context_digest(project: Path, spec: EnvSpec, skip: Skip) -> dict[str, str]:
+    """The Dockerfile's sha256 and a manifest digest of its build context as the build is given it
+    (context_entries: names, kinds, modes and contents; links as links, never followed)."""
     assert spec.build is not None
     dockerfile = _inside(project, spec.build.dockerfile, "Dockerfile")
-    context = _inside(project, spec.build.context, "build context")
+    context, entries = context_entries(project, spec, skip)
     h = hashlib.sha256()
-    for entry in fswalk.walk(context, max_files=MAX_CONTEXT_FILES, max_bytes=MAX_CONTEXT_BYTES):
+    for entry in entries:
         h.update(f"{entry.rel}\0{entry.kind}\0{entry.mode:o}\0".encode("utf-8", "surrogateescape"))
         if entry.kind == "file":
             h.update(hashlib.sha256(fswalk.read_file(context / entry.rel, max_bytes=entry.size)).digest())

@@ -15,7 +15,20 @@ from ..queue.policy import load_policy
 from ..sandbox.base import Backend
 from . import declare
 from . import engines as env_engines
-from .build import KEY_LABEL, LABEL, Prepared, prepare, probe, remove_state, require_docker
+from .build import (
+    KEY_LABEL,
+    LABEL,
+    Prepared,
+    named_volumes,
+    partial_prefix,
+    prepare,
+    probe,
+    remove_state,
+    require_docker,
+    state_dir,
+    tag_for,
+    valid_key,
+)
 
 # A task in one of these may still need its environment.
 _LIVE = {Status.queued, Status.running, Status.needs_review}
@@ -77,27 +90,39 @@ def status(root: Root, project: Path, backend: Backend, policy: str = "default")
 
 
 def listing(backend: Backend) -> list[dict[str, Any]]:
-    """Every environment on this engine: its key, image, source, engine layers and volumes."""
+    """Every environment on this engine: its key, image, source, engine layers and volumes.
+
+    Only what fila made is taken: a well-formed key, an image tagged as fila tags it for that key
+    (a project's Dockerfile can write any label on its base: the base is never an environment),
+    and `named`, the volumes its image's label names (or a setup's in progress: its partial)."""
     require_docker(backend)
     images = backend.labelled_images(LABEL)  # type: ignore[attr-defined]
     volumes = backend.labelled_volumes(KEY_LABEL)  # type: ignore[attr-defined]
     envs: dict[str, dict[str, Any]] = {}
+
+    def entry(key: str) -> dict[str, Any]:
+        return envs.setdefault(key, {"key": key, "image": None, "source": None, "engines": [], "volumes": [],
+                                     "named": [], "size": 0})  # fmt: skip
+
     for info in images:
-        key = info.labels.get(KEY_LABEL)
-        if not key:
+        key, role = info.labels.get(KEY_LABEL), info.labels.get(LABEL)
+        if not valid_key(key) or role == "base":
             continue
-        e = envs.setdefault(key, {"key": key, "image": None, "source": None, "engines": [], "volumes": [],
-                                  "size": 0})  # fmt: skip
-        if info.labels.get(LABEL) == "engine":
-            e["engines"].append(info.labels.get("fila.engine"))
-        else:
-            e["image"] = {"tag": info.tags[0] if info.tags else None, "id": info.id}
+        engine = info.labels.get("fila.engine") or ""
+        if role == "engine" and env_engines.tag_for(engine, key) in info.tags:
+            entry(key)["engines"].append(engine)
+        elif role == "1" and tag_for(key) in info.tags:
+            e = entry(key)
+            e["image"] = {"tag": tag_for(key), "id": info.id}
             e["source"] = info.labels.get("fila.env.source")
             e["size"] = info.size
+            e["named"] += named_volumes(info.labels, key)
+        elif role == "1" and any(t.startswith(partial_prefix(key)) for t in info.tags):
+            entry(key)["named"] += named_volumes(info.labels, key)
     for v in volumes:
         key = (v.get("Labels") or {}).get(KEY_LABEL)
-        if key in envs:
-            envs[key]["volumes"].append(v["Name"])
+        if valid_key(key):
+            entry(key)["volumes"].append(v["Name"])
     return sorted(envs.values(), key=lambda e: e["key"])
 
 
@@ -118,17 +143,24 @@ def remove(root: Root, backend: Backend, prefix: str) -> list[str]:
 
 
 def gc(root: Root, backend: Backend) -> list[str]:
-    """Environments no task of this root that may still run or be reviewed names (queued, running,
-    needs_review): removed. Returns the keys removed."""
+    """This root's environments (those with a state directory under sandbox/envs/: the daemon may
+    be shared with other roots) that no task that may still run or be reviewed names (queued,
+    running, needs_review): removed; a kept one's volumes that its image does not name (a setup
+    of the same key that lost the race) too. Returns the keys removed."""
     keep: set[str] = set()
     for rec in records.all_records(root):
         if rec.status in _LIVE and rec.environment is not None:
             keep.add(rec.environment.key)
     gone = []
     for e in listing(backend):
+        if not state_dir(root, e["key"]).is_dir():
+            continue
         if e["key"] not in keep:
             _remove(root, backend, e)
             gone.append(e["key"])
+        else:
+            for v in set(e["volumes"]) - set(e["named"]):
+                backend.remove_named_volume(v)  # type: ignore[attr-defined]
     return gone
 
 
@@ -139,8 +171,8 @@ def _remove(root: Root, backend: Backend, env: dict[str, Any]) -> list[str]:
         backend.remove_image(env_engines.tag_for(engine, key))
         removed.append(env_engines.tag_for(engine, key))
     if env["image"] is not None:
-        backend.remove_image(env["image"]["tag"] or env["image"]["id"])
-        removed.append(env["image"]["tag"] or env["image"]["id"])
+        backend.remove_image(env["image"]["tag"])
+        removed.append(env["image"]["tag"])
     for v in env["volumes"]:
         if backend.remove_named_volume(v):  # type: ignore[attr-defined]
             removed.append(v)

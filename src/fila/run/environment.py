@@ -49,7 +49,7 @@ def apply(run: JobRun, checked: Checked) -> Checked:
         raise
     except InvalidInput as e:  # the declaration or a layer: the environment's own failure
         raise EnvironmentFailed(str(e), record=_declared_record(declared), hint=e.hint) from e
-    provided = [f"/{p.strip('/')}/" for p in declared.spec.provided]
+    provided = declare.deny_rules(declared.spec.provided)
     policy = checked.policy.model_copy(update={"deny": [*checked.policy.deny, *provided]})
     record = env.record.model_copy(update={"engine_images": images})
     return dataclasses.replace(

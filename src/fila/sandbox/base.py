@@ -210,6 +210,7 @@ class ImageInfo:
     tags: list[str]
     env: list[str] = field(default_factory=list)  # its config's variables, NAME=value
     size: int = 0
+    onbuild: list[str] = field(default_factory=list)  # its ONBUILD triggers: run by a build FROM it
 
 
 # The limits a policy sets that a backend may be unable to enforce on a host; `waive` names them.

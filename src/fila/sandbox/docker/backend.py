@@ -269,6 +269,8 @@ class DockerBackend(Backend):
         network: str | None = None,
         dockerfile: str | None = None,
         target: str | None = None,
+        limits: dict[str, int] | None = None,
+        deadline_s: float | None = None,
     ) -> None:
         """`network`: the build's network instead of the backend's (a project's Dockerfile builds
         with none: docs/environments.md); `dockerfile` relative to the context, `target` a stage."""
@@ -285,13 +287,17 @@ class DockerBackend(Backend):
                 network_mode=network or self.build_network,
                 dockerfile=dockerfile,
                 target=target,
+                limits=limits,
+                deadline_s=deadline_s,
             )
 
     # A project environment's store (docs/environments.md): Docker only; the other backends
     # have no `fill_volume`, and env/build refuses an environment on them.
-    def fill_volume(self, image: str, source: str, name: str, labels: dict[str, str]) -> None:
+    def fill_volume(
+        self, image: str, source: str, name: str, labels: dict[str, str], *, max_bytes: int
+    ) -> None:
         with self.client() as c:
-            envstore.fill_volume(c, image, source, name, labels)
+            envstore.fill_volume(c, image, source, name, labels, max_bytes=max_bytes)
 
     def labelled_images(self, label: str) -> list[ImageInfo]:
         with self.client() as c:

@@ -107,7 +107,11 @@ def run(
             started = lambda: spares.replace(network)  # noqa: E731
         result = _execute(client, spec, container, heartbeat, heartbeat_s, started)
         if spec.setup is not None and result.exit_code == 0 and not (result.timed_out or result.stopped):
-            result.committed = commit_setup(client, spec, container.id)
+            # Measured once more after the exit: a setup that writes fast and exits between two
+            # heartbeats is never committed over the limit.
+            result.limit_exceeded = result.limit_exceeded or _setup_over_size(client, container.id, spec)
+            if not result.limit_exceeded:
+                result.committed = commit_setup(client, spec, container.id)
         if gateway is not None:
             from . import egress
 

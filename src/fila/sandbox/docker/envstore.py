@@ -5,6 +5,8 @@ paths"), and the listing of images and volumes by label that `fila env ls|rm|gc`
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
+from pathlib import PurePosixPath
 from typing import Any
 
 import docker
@@ -15,44 +17,78 @@ from ...core.errors import InfraError
 from ..base import ImageInfo
 
 _ERRORS = (DockerException, requests.RequestException)
-FILL_TIMEOUT_S = 1800
 _HINT = "check that Docker is running (`docker info`)"
 
 
 def fill_volume(
-    client: docker.DockerClient, image: str, source: str, name: str, labels: dict[str, str]
+    client: docker.DockerClient,
+    image: str,
+    source: str,
+    name: str,
+    labels: dict[str, str],
+    *,
+    max_bytes: int,
 ) -> None:
-    """A new volume `name` holding what `image` has at `source` (cp -a, as root, no network): the
-    one copy of a provided path, shared read-only by every job of the environment. A volume of
-    that name already there is replaced (a fill that died half way leaves one)."""
+    """A new volume `name` holding what `image` has at `source`: the one copy of a provided path,
+    shared read-only by every job of the environment. No code of the image runs (the setup could
+    have replaced its `sh`): the daemon reads `source` from a container that is created but never
+    started and writes it into the volume mounted on another, up to `max_bytes`
+    (environment.max_image_bytes). A volume of that name already there is refused: each build
+    names its own (env/build.volume_name)."""
+    own = {**labels, "fila": "1", "fila.role": "env-fill"}
+    made: list[str] = []
     try:
         with contextlib.suppress(NotFound):
-            client.api.remove_volume(name, force=True)
+            client.api.inspect_volume(name)
+            raise InfraError(f"volume {name} exists already: not this build's to fill", hint=_HINT)
         client.api.create_volume(name=name, labels=labels)
-        c = client.containers.create(
+        base = PurePosixPath(source).name
+        common: dict[str, Any] = dict(network_disabled=True, labels=own)
+        src = client.api.create_container(image, command=["true"], **common)["Id"]
+        made.append(src)
+        dst = client.api.create_container(
             image,
-            ["-c", 'cp -a -- "$1"/. /fila-volume/', "fila-fill", source],
-            entrypoint=["/bin/sh"],
-            user="0:0",
-            network_mode="none",
-            cap_drop=["ALL"],
-            cap_add=["CHOWN", "DAC_OVERRIDE", "FOWNER", "FSETID"],
-            security_opt=["no-new-privileges:true"],
-            mounts=[docker.types.Mount("/fila-volume", name, type="volume", no_copy=True)],
-            labels={**labels, "fila": "1", "fila.role": "env-fill"},
-        )
+            command=["true"],
+            host_config=client.api.create_host_config(
+                mounts=[docker.types.Mount(f"/fila-volume/{base}", name, type="volume", no_copy=True)],
+                network_mode="none",
+            ),
+            **common,
+        )["Id"]
+        made.append(dst)
+        stream, _stat = client.api.get_archive(src, source)
+        counted = _Capped(stream, max_bytes)
         try:
-            c.start()
-            code = int(c.wait(timeout=FILL_TIMEOUT_S)["StatusCode"])
-            if code != 0:
-                out = c.logs(stdout=True, stderr=True).decode(errors="replace")[-500:]
+            client.api.put_archive(dst, "/fila-volume", counted)
+        except _ERRORS:
+            if counted.over:
                 raise InfraError(
-                    f"could not copy {source} of {image} into volume {name} (exit {code}): {out}", hint=_HINT
-                )
-        finally:
-            c.remove(force=True)
+                    f"{source} of {image} is over environment.max_image_bytes ({max_bytes} bytes): "
+                    f"not copied into volume {name}",
+                    hint="make the setup write less, or raise the policy's environment.max_image_bytes",
+                ) from None
+            raise
     except _ERRORS as e:
-        raise InfraError(f"docker failed while filling volume {name}: {e}", hint=_HINT) from e
+        raise InfraError(f"docker failed while filling volume {name} from {source}: {e}", hint=_HINT) from e
+    finally:
+        for cid in made:
+            with contextlib.suppress(*_ERRORS):
+                client.api.remove_container(cid, force=True)
+
+
+class _Capped:
+    """The archive's chunks, stopped once more than `cap` bytes went by (`over` says so)."""
+
+    def __init__(self, chunks: Iterator[bytes], cap: int) -> None:
+        self.chunks, self.cap, self.seen, self.over = chunks, cap, 0, False
+
+    def __iter__(self) -> Iterator[bytes]:
+        for chunk in self.chunks:
+            self.seen += len(chunk)
+            if self.seen > self.cap:
+                self.over = True
+                raise requests.RequestException("over the byte cap")
+            yield chunk
 
 
 def labelled_images(client: docker.DockerClient, label: str) -> list[ImageInfo]:

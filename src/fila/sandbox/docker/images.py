@@ -5,15 +5,17 @@ build and when; this module only talks to the engine, and turns its errors into 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import docker
 import requests
+import urllib3
 from docker.errors import DockerException, ImageNotFound
 
-from ...core.errors import ImageMissing, InfraError
+from ...core.errors import ImageMissing, InfraError, LimitExceeded
 from ..base import ImageInfo
 
 _ERRORS = (DockerException, requests.RequestException)
@@ -46,6 +48,7 @@ def image_info(client: docker.DockerClient, tag: str, *, engine: str = "docker")
         tags=list(img.tags or []),
         env=list(config.get("Env") or []),
         size=int(img.attrs.get("Size") or 0),
+        onbuild=[str(t) for t in config.get("OnBuild") or []],
     )
 
 
@@ -62,10 +65,20 @@ def build_context(
     network_mode: str | None = None,
     dockerfile: str | None = None,
     target: str | None = None,
+    limits: dict[str, int] | None = None,
+    deadline_s: float | None = None,
 ) -> None:
+    """`context`: a directory, or a tar that is the whole context as sent (a project's, assembled
+    by fila: env/dockerfile.archive). `limits`: each RUN step's container_limits (memory,
+    memswap, cpushares); `deadline_s`: the whole build's wall clock, after which fila drops the
+    connection (the daemon then cancels the build) and raises LimitExceeded."""
+    tar = context.open("rb") if context.is_file() else None
+    end = None if deadline_s is None else time.monotonic() + deadline_s
     try:
         chunks: Iterable[dict[str, Any]] = client.api.build(
-            path=str(context),
+            path=None if tar else str(context),
+            fileobj=tar,
+            custom_context=tar is not None,
             dockerfile=dockerfile,
             target=target,
             tag=tag,
@@ -76,10 +89,14 @@ def build_context(
             pull=False,
             nocache=nocache,
             decode=True,
-            timeout=BUILD_READ_TIMEOUT_S,
+            timeout=BUILD_READ_TIMEOUT_S if deadline_s is None else min(BUILD_READ_TIMEOUT_S, deadline_s),
             network_mode=network_mode,
+            container_limits=limits,
         )
         for chunk in chunks:
+            if end is not None and time.monotonic() > end:
+                chunks.close()  # type: ignore[attr-defined]
+                raise LimitExceeded(f"building {tag} took longer than {deadline_s:g} s")
             if "error" in chunk:
                 raise ImageMissing(
                     f"building {tag} failed: {str(chunk['error']).strip()}",
@@ -90,8 +107,13 @@ def build_context(
             for line in str(text).splitlines():
                 if line.strip():
                     progress(line.rstrip())
-    except _ERRORS as e:
+    except (*_ERRORS, urllib3.exceptions.HTTPError) as e:  # urllib3's: a read past the deadline
+        if end is not None and time.monotonic() > end - 1:
+            raise LimitExceeded(f"building {tag} took longer than {deadline_s:g} s") from None
         raise _infra(engine, f"building {tag}", e) from e
+    finally:
+        if tar is not None:
+            tar.close()
 
 
 def import_image(

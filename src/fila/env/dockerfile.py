@@ -1,0 +1,212 @@
+"""What a project's Dockerfile may name (docs/environments.md, "The base"): read before it is
+built, because `network_mode: none` binds only its RUN steps. The daemon itself fetches an `ADD`
+URL or git source and pulls a `FROM` image it lacks, and `COPY --from` reads any local image (an
+environment of another project). So: no remote source, and every image the build starts from or
+copies from is one of its own stages or a local image the policy's `images` allow (checked by the
+caller, env/build.resolve_base), named without a variable.
+
+The parser follows the classic builder's reading: parser directives first (an `escape` one is
+refused: fila reads only the default `\\`), a line ending in the escape character continues, a
+comment line (also inside a continuation) and an empty line are dropped, instructions are
+case-insensitive, their flags (`--from=`) come first. An instruction fila does not know is refused:
+a Dockerfile fila reads differently from the daemon fails closed.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import secrets
+import stat
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..core.errors import InvalidEnvironment, InvalidInput
+from ..core.models import Policy
+from ..core.text import escape_name
+from ..queue.policy import image_allowed
+from ..sandbox.base import Backend, ImageInfo
+from ..workspace import fswalk
+from ..workspace.fswalk import Entry
+
+MAX_DOCKERFILE_BYTES = 1 << 20
+
+KNOWN = frozenset(
+    {"FROM", "RUN", "CMD", "LABEL", "MAINTAINER", "EXPOSE", "ENV", "ADD", "COPY", "ENTRYPOINT", "VOLUME",
+     "USER", "WORKDIR", "ARG", "STOPSIGNAL", "HEALTHCHECK", "SHELL"}
+)  # fmt: skip
+_DIRECTIVE = re.compile(r"\s*#\s*([A-Za-z]+)\s*=\s*(.*?)\s*$")
+_REMOTE = re.compile(r"^([a-z][a-z0-9+.-]*://|git@)", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class Instruction:
+    line: int  # where it starts (1-based)
+    keyword: str  # upper case
+    flags: dict[str, str]
+    args: list[str]  # the JSON form's items, or the shell form's words
+
+
+def parse(text: str) -> list[Instruction]:
+    """The Dockerfile's instructions as the classic builder reads them. Raises InvalidEnvironment
+    on an escape directive or an unknown instruction."""
+    lines = text.splitlines()
+    for raw in lines:
+        m = _DIRECTIVE.match(raw)
+        if m is None:
+            break
+        if m.group(1).lower() == "escape":
+            raise InvalidEnvironment(
+                "the Dockerfile's `escape` directive is refused: fila reads the default escape (\\)"
+            )
+    out: list[Instruction] = []
+    cur: str | None = None
+    start = 0
+    for n, raw in enumerate(lines, 1):
+        stripped = raw.strip()
+        if not stripped or stripped.startswith("#"):
+            continue  # a comment or an empty line, also inside a continuation
+        if cur is None:
+            cur, start = "", n
+        body = raw.rstrip()
+        if body.endswith("\\"):
+            cur += body[:-1]
+            continue
+        out.append(_instruction(start, cur + body))
+        cur = None
+    if cur is not None and cur.strip():
+        out.append(_instruction(start, cur))
+    return out
+
+
+def _instruction(line: int, text: str) -> Instruction:
+    keyword, _, rest = text.strip().partition(" ")
+    keyword = keyword.upper()
+    if keyword not in KNOWN:
+        raise InvalidEnvironment(
+            f"the Dockerfile's line {line}: instruction {escape_name(keyword)[:40]!r} is not one fila reads",
+            hint="the build is the classic builder's: FROM, RUN, COPY, ADD, ENV, ARG, ... (no ONBUILD)",
+        )
+    words = rest.split()
+    flags: dict[str, str] = {}
+    while words and words[0].startswith("--"):
+        name, _, value = words.pop(0)[2:].partition("=")
+        flags[name.lower()] = value
+    body = " ".join(words)
+    args = words
+    if body.startswith("["):
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, list) and all(isinstance(a, str) for a in parsed):
+            args = parsed
+    return Instruction(line, keyword, flags, args)
+
+
+def references(text: str) -> list[tuple[int, str]]:
+    """The images the build starts from or copies from that are not its own stages: (line, ref).
+    Raises InvalidEnvironment for a remote ADD source, a variable in an image reference, a stage
+    index not yet defined, or a RUN flag (the classic builder has none; BuildKit's `--mount=from`
+    and `--network` would reach past the build's bounds)."""
+    stages: list[str] = []
+    refs: list[tuple[int, str]] = []
+
+    def refuse(ins: Instruction, why: str) -> InvalidEnvironment:
+        return InvalidEnvironment(
+            f"the Dockerfile's line {ins.line} ({ins.keyword}): {why}",
+            hint="FROM and --from name a stage of the Dockerfile or a local image the policy's `images` "
+            "allow; what needs the network belongs to the setup commands",
+        )
+
+    def image(ins: Instruction, ref: str, *, index: bool = False) -> None:
+        if "$" in ref:
+            raise refuse(ins, f"{escape_name(ref)[:100]!r} names its image with a variable")
+        if ref.lower() in stages or ref.lower() == "scratch":
+            return
+        if index and ref.isdigit():
+            if int(ref) >= len(stages):
+                raise refuse(ins, f"stage {ref} is not defined above")
+            return
+        refs.append((ins.line, ref))
+
+    for ins in parse(text):
+        if ins.keyword == "FROM":
+            if not ins.args:
+                raise refuse(ins, "FROM names no image")
+            image(ins, ins.args[0])
+            name = ins.args[2].lower() if len(ins.args) >= 3 and ins.args[1].upper() == "AS" else ""
+            stages.append(name)
+        elif ins.keyword in ("COPY", "ADD"):
+            if "from" in ins.flags:
+                image(ins, ins.flags["from"], index=True)
+            if ins.keyword == "ADD":
+                for src in ins.args[:-1]:
+                    if _REMOTE.match(src) or "$" in src:
+                        raise refuse(ins, f"source {escape_name(src)[:100]!r} is fetched by the daemon, "
+                                          "past the build's network bounds")  # fmt: skip
+        elif ins.keyword == "RUN" and ins.flags:
+            raise refuse(
+                ins, f"RUN flag --{escape_name(next(iter(ins.flags)))[:40]} is not the classic builder's"
+            )
+    return refs
+
+
+def archive(context: Path, entries: list[Entry], dockerfile: Path, dest: Path) -> str:
+    """The build context as a tar at `dest`: exactly `entries` (context_entries: what the deny rules
+    leave), read without following a link, and the Dockerfile; returns the Dockerfile's name in it."""
+    name = f".fila-dockerfile-{secrets.token_hex(8)}"  # no file of the project's
+    with tarfile.open(dest, "w") as tar:
+        for e in entries:
+            info = tarfile.TarInfo(e.rel)
+            info.mode = stat.S_IMODE(e.mode)
+            if e.kind == "dir":
+                info.type = tarfile.DIRTYPE
+                tar.addfile(info)
+            elif e.kind == "symlink":
+                info.type, info.linkname = tarfile.SYMTYPE, os.readlink(context / e.rel)
+                tar.addfile(info)
+            elif e.kind == "file":
+                data = fswalk.read_file(context / e.rel, max_bytes=e.size)
+                info.size = len(data)
+                tar.addfile(info, io.BytesIO(data))
+        data = fswalk.read_file(dockerfile, max_bytes=MAX_DOCKERFILE_BYTES)
+        info = tarfile.TarInfo(name)
+        info.size, info.mode = len(data), 0o644
+        tar.addfile(info, io.BytesIO(data))
+    return name
+
+
+# fila's own images that hold other projects' environments or its egress: never a project's base
+# (a pattern like `fila/*` in the policy's images would admit them).
+_INTERNAL = re.compile(r"^(?:docker\.io/)?fila/(?:env|env-[^/:@]*|gateway)(?:[:@].*)?$")
+
+
+def local_image(policy: Policy, backend: Backend, ref: str, what: str) -> ImageInfo:
+    """The local image `ref` names, when the policy's `images` allow it and it is not one of fila's
+    internal images; never pulled. InvalidInput otherwise, naming `what` (where it was named)."""
+    if _INTERNAL.match(ref) or not image_allowed(policy, ref):
+        raise InvalidInput(
+            f"image {escape_name(ref)[:200]!r} ({what}) is not allowed by the policy "
+            f"(allowed: {', '.join(policy.images) or 'none'}; "
+            "fila's environment and gateway images never are)",
+            hint="add a pattern for it to the policy's `images`",
+        )
+    info = backend.image_info(ref)
+    if info is None:
+        raise InvalidInput(
+            f"image {escape_name(ref)[:200]!r} ({what}) is not present in {backend.name}",
+            hint=f"pull or build it first (`docker pull {ref}`): fila never pulls an environment's image",
+        )
+    if info.onbuild:
+        # Its triggers would run in the builds FROM it (the base's, each engine's layer), where
+        # an ADD of a URL is the daemon's own fetch.
+        raise InvalidInput(
+            f"image {escape_name(ref)[:200]!r} ({what}) has ONBUILD triggers: "
+            "refused as an environment's base",
+            hint="build an image without ONBUILD from it and name that one",
+        )
+    return info
