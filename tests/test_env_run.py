@@ -6,12 +6,15 @@ own toolchain, the second task on the cached environment, and what a setup may n
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import docker
 import pytest
 
 from fila.core.layout import Root
@@ -20,6 +23,24 @@ from tests.support.policy import write_policy
 from tests.support.project import make_root, record
 
 pytestmark = [pytest.mark.docker, pytest.mark.slow]
+
+
+@pytest.fixture(autouse=True)
+def _no_environment_left(docker_client: Any) -> Iterator[None]:
+    """What a test's environments leave in the engine (images, engine layers, volumes) is removed
+    after it: a later run must build its own, never find one of a run before by its key."""
+    before_images = {i.id for i in docker_client.images.list(filters={"label": "fila.env"})}
+    before_volumes = {v.name for v in docker_client.volumes.list(filters={"label": "fila.env.key"})}
+    yield
+    for image in docker_client.images.list(filters={"label": "fila.env"}):
+        if image.id not in before_images:
+            with contextlib.suppress(docker.errors.APIError):
+                docker_client.images.remove(image.id, force=True)
+    for volume in docker_client.volumes.list(filters={"label": "fila.env.key"}):
+        if volume.name not in before_volumes:
+            with contextlib.suppress(docker.errors.APIError):
+                volume.remove(force=True)
+
 
 CALC = "def add(a, b):\n    return a - b\n"
 TEST = "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
