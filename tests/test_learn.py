@@ -642,3 +642,46 @@ def test_learned_requests_are_logged_past_the_log_cap_and_the_record_says_what_w
         assert (
             f"learned: denied.test:443, denied.test:80 (incomplete: {rec.dropped} log lines dropped)" in text
         )
+
+
+def test_suggest_setup_locks_the_environments_allowlist_from_what_its_setup_learned(tmp_path: Path) -> None:
+    """Learn, then lock, for a project environment's setup (docs/environments.md): the hosts its
+    setup's gateway let through become the policy's `environment.allow`, learning off, the
+    engine's `egress` untouched; a run that built no environment has nothing to read."""
+    import hashlib
+    import subprocess
+
+    from fila.core.errors import InvalidPolicy
+    from fila.core.models import EnvironmentRecord, PolicyRef, Record
+    from fila.queue import policy
+
+    doc = {**_LOCKABLE, "environment": {"learn": True, "max_requests": 50, "timeout_ms": 60_000}}
+    text = json.dumps(doc, indent=2) + "\n"
+    root = make_root(tmp_path / "root")
+    (root.policies_dir / "hand.json").write_text(text)
+    ref = PolicyRef(name="hand", sha256=hashlib.sha256(text.encode()).hexdigest())
+    learned = _rec(("CONNECT", "pypi.org", 443, True), ("CONNECT", "files.pythonhosted.org", 443, True))
+    env = EnvironmentRecord(
+        key="k" * 64, source="fila-environment.json", form="fila", how="built", egress=learned
+    )
+    run = Record(id="t1", status="needs_review", policy=ref, environment=env)
+    s = policy.suggest(root, [run], setup=True)
+    repo = tmp_path / "repo"
+    (repo / "policies").mkdir(parents=True)
+    (repo / "policies" / "hand.json").write_text(text)
+    subprocess.run(["git", "-C", str(repo), "init", "-q"], check=True)
+    subprocess.run(["git", "-C", str(repo), "apply", "-"], input=s.diff(), check=True, text=True)
+    applied = json.loads((repo / "policies" / "hand.json").read_text())
+    assert applied["environment"] == {
+        "allow": [{"host": "files.pythonhosted.org", "port": 443}, {"host": "pypi.org", "port": 443}],
+        "max_requests": 50,
+        "timeout_ms": 60_000,
+    }
+    assert applied["egress"] == doc["egress"] and sorted(s.learned) == [
+        "files.pythonhosted.org:443",
+        "pypi.org:443",
+    ]
+    no_env = Record(id="t2", status="needs_review", policy=ref, egress=learned)
+    assert policy.suggest(root, [no_env]).allow  # the engine's own egress: the allowed counterpart
+    with pytest.raises(InvalidPolicy, match="no setup gateway record for t2"):
+        policy.suggest(root, [no_env], setup=True)

@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "781a96b8c8f388fd08ce0aa9e8ad540479d67b99891d632354e20a7cb30ec2bb"
+CLI_SHA256 = "d7e97d7a78bf1ba1af63d8bd88fcc51a786d5843ab01e438696ede6acfa64c64"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 

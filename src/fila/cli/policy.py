@@ -37,6 +37,14 @@ def suggest(
     force: Annotated[
         bool, typer.Option(help="with --write: replace an existing policy file or shadow a shipped policy")
     ] = False,
+    setup: Annotated[
+        bool,
+        typer.Option(
+            "--setup",
+            help="what the runs' project environment setups reached, as the policy's environment.allow "
+            "(docs/environments.md)",
+        ),
+    ] = False,
     root: RootOpt = None,
     json_: JsonOpt = False,
 ) -> None:
@@ -46,7 +54,8 @@ def suggest(
     from ..queue.store import get_record
 
     r = Root.at(root).require()
-    s = policy.suggest(r, [get_record(r, t) for t in dict.fromkeys(task_ids)], wildcards=wildcards)
+    recs = [get_record(r, t) for t in dict.fromkeys(task_ids)]
+    s = policy.suggest(r, recs, wildcards=wildcards, setup=setup)
     written = policy.write_suggested(r, write, s, force=force) if write else None
     if json_:
         print_json(

@@ -115,14 +115,14 @@ def _member_after(text: str, obj: _Object, key: str, value: Any, unit: str) -> t
     )
 
 
-def _edits(text: str, allow: list[dict[str, Any]]) -> list[tuple[int, int, str]] | None:
+def _edits(text: str, allow: list[dict[str, Any]], section: str) -> list[tuple[int, int, str]] | None:
     top = _object(text, _skip(text, 0))
     if top is None:
         return None
     unit = _unit(text, top)
-    eg_member = top.get("egress")
+    eg_member = top.get(section)
     if eg_member is None:
-        return [_member_after(text, top, "egress", {"allow": allow}, unit)]
+        return [_member_after(text, top, section, {"allow": allow}, unit)]
     eg = _object(text, eg_member.value_start)
     if eg is None:
         return None
@@ -146,12 +146,15 @@ def _edits(text: str, allow: list[dict[str, Any]]) -> list[tuple[int, int, str]]
     return edits
 
 
-def locked_text(old_text: str, new_doc: dict[str, Any], allow: list[dict[str, Any]]) -> str:
-    """`old_text` (a policy file) with `allow` as its allowlist and `learn` removed, every other
-    byte kept; `new_doc` re-serialised when the edit cannot be placed or would not give `new_doc`."""
+def locked_text(
+    old_text: str, new_doc: dict[str, Any], allow: list[dict[str, Any]], section: str = "egress"
+) -> str:
+    """`old_text` (a policy file) with `allow` as its `section`'s allowlist (`egress`, or
+    `environment` for a project environment's setup) and `learn` removed, every other byte kept;
+    `new_doc` re-serialised when the edit cannot be placed or would not give `new_doc`."""
     whole = json.dumps(new_doc, indent=2) + "\n"
     try:
-        edits = _edits(old_text, allow)
+        edits = _edits(old_text, allow, section)
     except ValueError:  # json's decoder on text it cannot read
         return whole
     if edits is None:

@@ -21,7 +21,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..core.models import HTTP_METHOD_PATTERN, AllowEntry, Egress, EgressRecord
+from ..core.models import HTTP_METHOD_PATTERN, AllowEntry, Egress, EgressRecord, SetupPolicy
 
 _METHOD = re.compile(HTTP_METHOD_PATTERN)
 
@@ -129,9 +129,17 @@ def covers(entry: AllowEntry, host: str, port: int, u: Used) -> bool:
 
 
 def unused_entries(
-    policy_doc: dict[str, Any], used: dict[tuple[str, int], Used], records: list[EgressRecord]
+    policy_doc: dict[str, Any],
+    used: dict[tuple[str, int], Used],
+    records: list[EgressRecord],
+    section: str = "egress",
 ) -> list[str]:
-    """The current policy's allow entries no run used, and its routes no run called."""
+    """The current policy's allow entries no run used, and its routes no run called (`section`
+    environment: the setup's allowlist, the shipped registries when the policy names none)."""
+    if section == "environment":
+        setup = SetupPolicy.model_validate(policy_doc.get("environment") or {})
+        return [f"environment.allow.{i} {e.host}:{e.port}" for i, e in enumerate(setup.allow)
+                if not any(covers(e, h, p, u) for (h, p), u in used.items())]  # fmt: skip
     eg = Egress.model_validate(policy_doc.get("egress") or {})
     out = []
     for i, entry in enumerate(eg.allow):
@@ -142,13 +150,16 @@ def unused_entries(
     return out
 
 
-def locked_document(policy_doc: dict[str, Any], allow: list[dict[str, Any]]) -> dict[str, Any]:
-    """The policy document with `allow` as its allowlist and learning off (the key removed)."""
+def locked_document(
+    policy_doc: dict[str, Any], allow: list[dict[str, Any]], section: str = "egress"
+) -> dict[str, Any]:
+    """The policy document with `allow` as its `section`'s allowlist (`egress`, or `environment`
+    for a setup) and learning off (the key removed)."""
     doc = copy.deepcopy(policy_doc)
-    eg = dict(doc.get("egress") or {})
+    eg = dict(doc.get(section) or {})
     eg.pop("learn", None)
     eg["allow"] = allow
-    doc["egress"] = eg
+    doc[section] = eg
     return doc
 
 

@@ -288,9 +288,11 @@ class Suggestion:
                        f"policies/{new_name or self.name}.json")  # fmt: skip
 
 
-def suggest(root: Root, records: list[Record], *, wildcards: bool = False) -> Suggestion:
+def suggest(root: Root, records: list[Record], *, wildcards: bool = False, setup: bool = False) -> Suggestion:
     """The smallest allowlist for `records` (runs under one policy), as that policy's new text.
-    Refused when the runs ran under different policies or have no egress record."""
+    Refused when the runs ran under different policies or have no egress record. `setup`: what
+    their project environments' setups reached, as the policy's `environment.allow`
+    (docs/environments.md)."""
     from ..egress import config as egress
     from ..egress import suggest as sg
     from ..egress.policy_text import locked_text
@@ -303,8 +305,17 @@ def suggest(root: Root, records: list[Record], *, wildcards: bool = False) -> Su
             hint="give the ids of runs under one policy",
         )
     name = names[0]
-    egress_recs = [e for r in records for e in _egress_of(r)]
-    missing = [r.id for r in records if not _egress_of(r)]
+    of = _setup_egress_of if setup else _egress_of
+    section = "environment" if setup else "egress"
+    egress_recs = [e for r in records for e in of(r)]
+    missing = [r.id for r in records if not of(r)]
+    if missing and setup:
+        raise InvalidPolicy(
+            f"no setup gateway record for {', '.join(missing)}: only a task that built its project "
+            "environment through the gateway has one",
+            hint='set the policy\'s "environment": {"learn": true, "max_requests": N} and build it again '
+            "(`fila env build --force`, or a task after a changed lockfile)",
+        )
     if missing:
         raise InvalidPolicy(
             f"no gateway record for {', '.join(missing)}: only runs under network allowlist that "
@@ -315,7 +326,7 @@ def suggest(root: Root, records: list[Record], *, wildcards: bool = False) -> Su
     doc, raw = _read(path, "policy")
     used = sg.used_hosts(egress_recs)
     allow = sg.entries_for(used, wildcards=wildcards, listed=sg.listed_names(doc))
-    new_doc = sg.locked_document(doc, allow)
+    new_doc = sg.locked_document(doc, allow, section)
     notes = sg.method_notes(used)
     changed = [r.id for r in records if r.policy and r.policy.sha256 != hashlib.sha256(raw).hexdigest()]
     if changed:
@@ -325,16 +336,29 @@ def suggest(root: Root, records: list[Record], *, wildcards: bool = False) -> Su
     if dropped := sum(e.dropped for e in egress_recs):
         notes.append(f"{dropped} gateway log lines were not kept in the records: hosts may be missing")
     if not any(e.learning for e in egress_recs):
-        notes.append(f"policy {name!r} was not learning in these runs: only listed hosts can appear")
+        what = "these setups" if setup else "these runs"
+        notes.append(f"policy {name!r} was not learning in {what}: only listed hosts can appear")
     # What the engine reached is the engine's doing: the proposal is checked as any policy file is.
     validate_document("policy", new_doc, path=f"the suggestion for {path}")
     egress.validate(Policy.model_validate(new_doc), path=f"the suggestion for {path}")
     learned = [f"{h}:{p}" for (h, p), u in sorted(used.items()) if u.learned]
     old_text = raw.decode("utf-8", errors="replace")
-    new_text = locked_text(old_text, new_doc, allow)
+    new_text = locked_text(old_text, new_doc, allow, section)
     return Suggestion(
-        name, path, old_text, new_text, allow, learned, sg.unused_entries(doc, used, egress_recs), notes
+        name,
+        path,
+        old_text,
+        new_text,
+        allow,
+        learned,
+        sg.unused_entries(doc, used, egress_recs, section),
+        notes,
     )
+
+
+def _setup_egress_of(rec: Record) -> list[Any]:
+    env = rec.environment
+    return [env.egress] if env is not None and env.egress is not None else []
 
 
 def _egress_of(rec: Record) -> list[Any]:
