@@ -17,7 +17,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -232,60 +231,58 @@ def free_port() -> int:
 def test_an_agent_over_http_needs_the_token_and_runs_the_cycle(project: Root, tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text(TOKEN + "\n")
+    link = tmp_path / "link"
+    link.symlink_to(token)
     token.chmod(0o644)  # readable by others: refused, as a password file would be
-    argv = [*CLI, "mcp", "--root", str(project.path), "--http", "127.0.0.1:1", "--token-file", str(token)]
-    loose = subprocess.run(argv, capture_output=True, text=True, env=env_of(tmp_path), timeout=60)
-    assert loose.returncode == 2 and "readable by others" in loose.stderr, loose.stderr
-    token.chmod(0o600)
-    # Bound beyond loopback, a token is required: refused before anything listens.
-    for host in ("0.0.0.0", "127.0.0.2", "[::]"):  # 127.0.0.2: no DNS-rebinding check from the SDK
-        argv = [*CLI, "mcp", "--root", str(project.path), "--http", f"{host}:1"]
-        wide = subprocess.run(argv, capture_output=True, text=True, env=env_of(tmp_path), timeout=60)
-        assert wide.returncode == 2 and "needs a bearer token" in wide.stderr, wide.stderr
     port = free_port()
-    bind = f"127.0.0.1:{port}"
-    argv = [
-        *CLI,
-        "mcp",
-        "--root",
-        str(project.path),
-        "--http",
-        bind,
-        "--token-file",
-        str(token),
-        "--allow-decide",
-    ]
-    server = subprocess.Popen(argv, env=env_of(tmp_path), stderr=subprocess.PIPE)
+    base = [*CLI, "mcp", "--root", str(project.path), "--http", f"127.0.0.1:{port}"]
+    loose = subprocess.run([*base, "--token-file", str(token)], capture_output=True, text=True,
+                           env=env_of(tmp_path), timeout=60)  # fmt: skip
+    assert loose.returncode == 2 and "readable by no one else" in loose.stderr, loose.stderr
+    token.chmod(0o600)
+    linked = subprocess.run([*base, "--token-file", str(link)], capture_output=True, text=True,
+                            env=env_of(tmp_path), timeout=60)  # fmt: skip
+    assert linked.returncode == 2 and "without following a link" in linked.stderr, linked.stderr
+    # No token given: one is generated into the root's state (mode 0600) and required, on loopback too.
+    server = subprocess.Popen(
+        [*base, "--allow-decide"], env=env_of(tmp_path), stderr=subprocess.PIPE, text=True
+    )
+    assert server.stderr
     url = f"http://127.0.0.1:{port}/mcp"
+    made = project.fila / "state" / "mcp.token"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline and server.poll() is None, "fila mcp --http did not listen"
-                time.sleep(0.1)
-        for auth in (None, "Bearer wrong-token-0123456789", f"Basic {TOKEN}"):
-            req = urllib.request.Request(url, data=b"{}", headers={"Content-Type": "application/json"})
+        said = server.stderr.readline() + server.stderr.readline()
+        assert f"the bearer token is in {made}" in said and f"serving {url}" in said, said
+        assert made.stat().st_mode & 0o777 == 0o600
+        generated = made.read_text().strip()
+        # The port is taken: the operator's token file is read, the bind refused, and nothing says "serving".
+        taken = subprocess.run([*base, "--token-file", str(token)], capture_output=True, text=True,
+                               env=env_of(tmp_path), timeout=60)  # fmt: skip
+        assert taken.returncode == 2 and "cannot listen" in taken.stderr and "serving" not in taken.stderr
+
+        def post(data: bytes, auth: str | None) -> int:
+            accept = "application/json, text/event-stream"
+            headers = {"Content-Type": "application/json", "Accept": accept}
+            req = urllib.request.Request(url, data=data, method="POST", headers=headers)
             if auth:
                 req.add_header("Authorization", auth)
-            with pytest.raises(urllib.error.HTTPError) as e:
-                urllib.request.urlopen(req, timeout=10)
-            assert e.value.code == 401
-        # With the token, malformed JSON-RPC is answered with an error, not served.
-        bad = urllib.request.Request(url, data=b"{not json", method="POST", headers={
-            "Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json",
-            "Accept": "application/json, text/event-stream"})  # fmt: skip
-        with pytest.raises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(bad, timeout=10)
-        assert e.value.code == 400 and b"-32700" in e.value.read()
+            try:
+                with urllib.request.urlopen(req, timeout=10) as r:
+                    return r.status
+            except urllib.error.HTTPError as e:
+                return e.code
+
+        for auth in (None, "Bearer wrong-token-0123456789", f"Basic {generated}", f"Bearer {TOKEN}"):
+            assert post(b"{}", auth) == 401
+        # With the token (the scheme's name in any case), malformed JSON-RPC is answered 400, not served.
+        for scheme in ("Bearer", "bearer", "BEARER"):
+            assert post(b"{not json", f"{scheme} {generated}") == 400
 
         async def go() -> None:
             import httpx2
             from mcp.client.streamable_http import streamable_http_client
 
-            http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+            http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {generated}"}, timeout=60)
             async with McpClient(streamable_http_client(url, http_client=http), client_info=AGENT) as c:
                 await cycle(c, project)
 

@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "92045ded1e08377a8deef119a8591efcc6ae2b1591dcddfa229ee7127cdcf567"
+CLI_SHA256 = "82cf608559258ad24daa9ef321ed9a4e101edc90d558be97ab9039a8620bd99b"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 

@@ -32,8 +32,9 @@ def mcp_cmd(
         typer.Option(
             "--http",
             metavar="HOST:PORT",
-            help="serve streamable HTTP at http://HOST:PORT/mcp instead of stdio; beyond loopback a "
-            "bearer token is required",
+            help="serve streamable HTTP at http://HOST:PORT/mcp instead of stdio; every request needs "
+            "the bearer token (--token-file, $FILA_MCP_TOKEN, else one generated into "
+            "<root>/fila/state/mcp.token, mode 0600)",
             show_default=False,
         ),
     ] = None,
@@ -41,8 +42,8 @@ def mcp_cmd(
         Path | None,
         typer.Option(
             "--token-file",
-            help="with --http: a file (mode 0600) holding the bearer token every request must carry (else "
-            "$FILA_MCP_TOKEN)",
+            help="with --http: a file (yours, mode 0600) holding the bearer token every request must "
+            "carry (else $FILA_MCP_TOKEN, else a generated one)",
             show_default=False,
         ),
     ] = None,
@@ -70,11 +71,19 @@ def mcp_cmd(
         if http is None:
             server.run("stdio")
             return
-        from ..mcp.http import parse_bind, read_token, serve
+        from ..mcp.http import parse_bind, serve, the_token
 
         host, port = parse_bind(http)
-        token = read_token(token_file) if token_file else os.environ.get("FILA_MCP_TOKEN") or None
-        typer.echo(f"fila mcp: serving http://{host}:{port}/mcp (root {client.root.path})", err=True)
-        serve(server, host, port, token)
+        token, made = the_token(client.root, token_file, os.environ.get("FILA_MCP_TOKEN"))
+        if made is not None:
+            typer.echo(f"fila mcp: the bearer token is in {made} (mode 0600): clients send "
+                       "`Authorization: Bearer <its content>`", err=True)  # fmt: skip
+
+        url = f"http://{http}/mcp"
+
+        def listening() -> None:
+            typer.echo(f"fila mcp: serving {url} (root {client.root.path})", err=True)
+
+        serve(server, host, port, token, listening)
     finally:
         client.close()
