@@ -17,6 +17,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -121,6 +122,28 @@ def test_an_agent_over_stdio_submits_waits_reviews_and_applies_an_ordinary_task(
                            env=env_of(project.path.parent), timeout=60)  # fmt: skip
     assert shown.returncode == 0 and "submitter: mcp:fila-test-agent" in shown.stdout, shown.stderr
     assert "status:    applied" in shown.stdout
+
+
+def test_waits_in_progress_hold_no_tool_and_a_clients_are_capped(project: Root) -> None:
+    async def go() -> None:
+        async with stdio(project) as c:
+            args = {"engine": "shell", "command": "true", "targets": ["greeting.txt"]}
+            tid = result(await c.call_tool("submit", args))["id"]
+            now = {"task_id": tid, "timeout_s": 0}
+            assert result(await c.call_tool("wait", now))["settled"] is False  # alone, a wait is served
+            hold = {"task_id": tid, "timeout_s": 300}
+            long = [asyncio.create_task(c.call_tool("wait", hold)) for _ in range(4)]
+            # Beside four waits in progress a fifth is refused at once, and other tools are served.
+            deadline = time.monotonic() + 60
+            while not (fifth := await c.call_tool("wait", now)).is_error:
+                assert time.monotonic() < deadline and json.loads(fifth.content[0].text)["settled"] is False
+            assert "4 waits of this client are in progress: at most 4" in fifth.content[0].text
+            assert result(await c.call_tool("status", {"task_id": tid}))["status"] == "queued"
+            await asyncio.to_thread(ran, project, tid)
+            assert all(result(w)["settled"] for w in await asyncio.gather(*long))
+            assert result(await c.call_tool("wait", now))["settled"]
+
+    asyncio.run(go())
 
 
 def test_every_hostile_argument_is_refused_beside_its_allowed_counterpart(

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
+import anyio
 from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
 
 # The SDK reads each tool's annotations at registration: Context must be a module name here.
@@ -29,16 +30,19 @@ from mcp.server.mcpserver.exceptions import ToolError
 from mcp_types import CallToolResult, TextContent
 from pydantic import Field
 
-from ..api.client import Client, applied_json, decision_json, record_json
-from ..core.errors import FilaError, TimedOut, UnknownPolicy
+from ..api.client import PENDING, Client, applied_json, decision_json, record_json
+from ..core.errors import FilaError, UnknownPolicy
 from ..core.models import Record
 from ..workspace.fswalk import inert
+from .limits import WAITS_PER_SESSION, Waits
 
 # What a tool returns of text an engine wrote: the end of a log, the start of a diff.
 MAX_TEXT_BYTES = 256 * 1024
 # The longest one wait tool call blocks: MCP clients time a call out (often after a minute or a
 # few); an agent calls wait again.
 MAX_WAIT_S = 300.0
+# How often a wait reads the record (a file, or one query of the queue database).
+WAIT_POLL_S = 0.25
 # The submitter's name: the client's own name (from its initialize), reduced to these characters.
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9._ -]")
 
@@ -74,6 +78,13 @@ def submitter(ctx: Context[Any, Any] | None) -> str:
     return f"mcp:{cleaned or 'unknown'}"
 
 
+def connection(rctx: ServerRequestContext[Any, Any]) -> str:
+    """Which client connection a request came on: over HTTP its `Mcp-Session-Id` (the SDK's
+    session, made at its initialize), over stdio the one client that started the server."""
+    headers = getattr(rctx.request, "headers", None)
+    return f"http:{headers.get('mcp-session-id', '')}" if headers is not None else "stdio"
+
+
 def shown(data: bytes, *, tail: bool = False) -> tuple[str, bool]:
     """Bytes an engine wrote as text for an agent: at most MAX_TEXT_BYTES (the start, or with
     `tail` the end), invalid UTF-8 replaced, control characters escaped line by line (tabs and
@@ -97,6 +108,7 @@ class Tools:
 
     def __init__(self, client: Client, settings: Settings) -> None:
         self.client, self.settings = client, settings
+        self.waits = Waits()
 
     def call(self, fn: Callable[[], T]) -> T:
         try:
@@ -130,16 +142,26 @@ class Tools:
 
         return self.call(go)
 
-    def wait(self, task_id: str, timeout_s: float) -> dict[str, Any]:
-        def go() -> dict[str, Any]:
-            try:
-                rec = self.client.wait(task_id, timeout=min(max(timeout_s, 0.0), MAX_WAIT_S))
-            except TimedOut as e:
-                return {"id": task_id, "status": self.client.record(task_id).status.value,
-                        "settled": False, "note": e.message}  # fmt: skip
-            return {"id": rec.id, "status": rec.status.value, "settled": True, **brief(rec)}
-
-        return self.call(go)
+    async def wait(self, session: str, task_id: str, timeout_s: float) -> dict[str, Any]:
+        """Poll the record until it settles or `timeout_s` (capped) passes: asynchronous, so a
+        waiting client holds no thread and its cancellation ends it (mcp/limits.py)."""
+        timeout = min(max(timeout_s, 0.0), MAX_WAIT_S)
+        try:
+            with self.waits.slot(session):
+                deadline = anyio.current_time() + timeout
+                while True:
+                    rec = await anyio.to_thread.run_sync(self.client.record, task_id,
+                                                         limiter=self.waits.readers)  # fmt: skip
+                    if rec.status not in PENDING:
+                        return {"id": rec.id, "status": rec.status.value, "settled": True, **brief(rec)}
+                    left = deadline - anyio.current_time()
+                    if left <= 0:
+                        return {"id": rec.id, "status": rec.status.value, "settled": False,
+                                "note": f"task {rec.id} is still {rec.status} after {timeout:g} s: wait "
+                                "again, the task goes on without the wait"}  # fmt: skip
+                    await anyio.sleep(min(WAIT_POLL_S, left))
+        except FilaError as e:
+            raise tool_error(e) from None
 
     def status(self, task_id: str) -> dict[str, Any]:
         return self.call(lambda: record_json(self.client.record(task_id)))
@@ -221,7 +243,8 @@ SUBMIT = (
 )
 WAIT = (
     "Wait until the task is settled (ready for review, failed, decided), at most timeout_s seconds "
-    f"(capped at {MAX_WAIT_S:g}); settled false: call it again."
+    f"(capped at {MAX_WAIT_S:g}); settled false: call it again. At most "
+    f"{WAITS_PER_SESSION} waits of a client at once."
 )
 REVIEW = (
     "What a decision is about: a summary, the warnings, the files and the diff (checked against the "
@@ -285,8 +308,8 @@ def build(client: Client, settings: Settings) -> MCPServer:
                             check=check, fallback=fallback, command=command, task_id=task_id)  # fmt: skip
 
     @server.tool(description=WAIT)
-    def wait(task_id: TaskId, timeout_s: Seconds = 60.0) -> dict[str, Any]:
-        return tools.wait(task_id, timeout_s)
+    async def wait(task_id: TaskId, ctx: Context, timeout_s: Seconds = 60.0) -> dict[str, Any]:
+        return await tools.wait(connection(ctx.request_context), task_id, timeout_s)
 
     @server.tool(description="The task's record: status, engine, policy, timings, diffstat, error, decision.")
     def status(task_id: TaskId) -> dict[str, Any]:

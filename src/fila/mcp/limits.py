@@ -1,0 +1,54 @@
+"""What one MCP client may hold of the server at once (docs/mcp.md, "Limits").
+
+A `wait` is asynchronous: it polls the record with `anyio.sleep` (cancelled with its call), and
+each read of the record takes a thread of its own limiter, never one of the threads the SDK runs
+the other tools in; so waiting clients cannot stall a `status` or a `submit`. How many waits may
+be in progress at once is bounded per session and per server: one beyond is refused at once, with
+a message, rather than queued behind the others.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import anyio
+
+from ..core.errors import LimitExceeded
+
+# Waits in progress at once: of one session (an agent has a few sub-tasks in flight), and of the
+# whole server (every session's).
+WAITS_PER_SESSION = 4
+WAITS_PER_SERVER = 32
+# Threads reading records for waits (the file's or the database's), beside the SDK's own pool.
+WAIT_READERS = 4
+
+
+class Waits:
+    """The waits in progress, by session; `slot` takes one or refuses (LimitExceeded)."""
+
+    def __init__(self, per_session: int = WAITS_PER_SESSION, per_server: int = WAITS_PER_SERVER) -> None:
+        self.per_session, self.per_server = per_session, per_server
+        self.held: dict[str, int] = {}
+        self.readers = anyio.CapacityLimiter(WAIT_READERS)
+
+    @contextmanager
+    def slot(self, key: str) -> Iterator[None]:
+        # One event loop runs every call: the counts change between awaits only, never mid-update.
+        if self.held.get(key, 0) >= self.per_session:
+            raise LimitExceeded(
+                f"{self.per_session} waits of this client are in progress: at most {self.per_session}",
+                hint="wait for one of them to end, or cancel one",
+            )
+        if sum(self.held.values()) >= self.per_server:
+            raise LimitExceeded(
+                f"{self.per_server} waits are in progress on this server: at most {self.per_server}",
+                hint="call wait again in a while, or status",
+            )
+        self.held[key] = self.held.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            self.held[key] -= 1
+            if not self.held[key]:
+                del self.held[key]
