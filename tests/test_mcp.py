@@ -186,7 +186,18 @@ def test_every_hostile_argument_is_refused_beside_its_allowed_counterpart(
                               "not allowed for MCP (allowed: default, small)")  # fmt: skip
             # The prompt: within the policy's cap (64 bytes for `small`), one byte more refused.
             fits = {**base, "targets": ["greeting.txt"], "policy": "small", "prompt": "p" * 64}
-            assert result(await c.call_tool("submit", fits))["status"] == "queued"
+            fit = result(await c.call_tool("submit", fits))
+            # What a record holds comes back as it is, but escaped and capped when it is not plain text.
+            assert result(await c.call_tool("status", {"task_id": fit["id"]}))["task"]["prompt"] == "p" * 64
+            odd = "\x1b[31mred\u202e" + "p" * 20000
+            tid = result(await c.call_tool("submit", {**base, "targets": ["greeting.txt"], "prompt": odd}))[
+                "id"
+            ]
+            prompt = result(await c.call_tool("status", {"task_id": tid}))["task"]["prompt"]
+            assert (
+                prompt.startswith("\\x1b[31mred\\u202epp") and "\x1b" not in prompt and "\u202e" not in prompt
+            )
+            assert len(prompt) < 17000 and prompt.endswith("(cut: 20009 characters, at most 16384)")
             await refused(
                 c,
                 "submit",
@@ -209,7 +220,7 @@ def test_every_hostile_argument_is_refused_beside_its_allowed_counterpart(
     asyncio.run(go())
     ls = [*CLI, "ls", "--json", "--root", str(project.path)]
     listed = json.loads(subprocess.run(ls, capture_output=True, env=env_of(tmp_path), timeout=60).stdout)
-    assert len(listed) == 4  # the four accepted submits, nothing of the refused ones
+    assert len(listed) == 5  # the five accepted submits, nothing of the refused ones
 
 
 def test_malformed_json_rpc_is_answered_or_dropped_and_the_server_goes_on(project: Root) -> None:

@@ -12,8 +12,8 @@ MCP, and the task then meets `fila submit`'s checks (targets inside the project 
 the policy's limits and prompt cap, the task's size). Task ids are checked before any path is
 made of them, and the server answers for its one root (or its one queue database) only. apply and
 reject exist only when the operator started the server with `--allow-decide`: by default a
-person decides. Text an engine wrote (a diff, a log, a message) is returned with control
-characters escaped, and capped.
+person decides. Every string returned (a diff, a log, a record's message, a prompt, a name) has
+its control characters escaped, and is capped.
 """
 
 import re
@@ -38,6 +38,9 @@ from .limits import WAITS_PER_SESSION, Waits
 
 # What a tool returns of text an engine wrote: the end of a log, the start of a diff.
 MAX_TEXT_BYTES = 256 * 1024
+# Any other string a tool returns (a message, a prompt, a name): a record's fields are short, and
+# what is longer is not what an agent reads the record for.
+MAX_FIELD_CHARS = 16 * 1024
 # The longest one wait tool call blocks: MCP clients time a call out (often after a minute or a
 # few); an agent calls wait again.
 MAX_WAIT_S = 300.0
@@ -92,8 +95,26 @@ def shown(data: bytes, *, tail: bool = False) -> tuple[str, bool]:
     cut = len(data) > MAX_TEXT_BYTES
     if cut:
         data = data[-MAX_TEXT_BYTES:] if tail else data[:MAX_TEXT_BYTES]
-    text = data.decode("utf-8", errors="replace")
-    return "\n".join("\t".join(inert(part) for part in line.split("\t")) for line in text.split("\n")), cut
+    return inert_lines(data.decode("utf-8", errors="replace")), cut
+
+
+def inert_lines(text: str) -> str:
+    return "\n".join(inert(line) for line in text.split("\n"))
+
+
+def safe(value: Any) -> Any:
+    """A structure for an agent (a record, a comparison, a decision): every string in it, keys
+    too, capped at MAX_FIELD_CHARS and with control and format characters escaped (newlines and
+    tabs kept), whoever wrote it (an engine's message, a prompt, a file's name)."""
+    if isinstance(value, str):
+        if len(value) > MAX_FIELD_CHARS:
+            value = value[:MAX_FIELD_CHARS] + f"... (cut: {len(value)} characters, at most {MAX_FIELD_CHARS})"
+        return inert_lines(value)
+    if isinstance(value, dict):
+        return {safe(k): safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [safe(v) for v in value]
+    return value
 
 
 def tool_error(e: FilaError) -> ToolError:
@@ -153,7 +174,7 @@ class Tools:
                     rec = await anyio.to_thread.run_sync(self.client.record, task_id,
                                                          limiter=self.waits.readers)  # fmt: skip
                     if rec.status not in PENDING:
-                        return {"id": rec.id, "status": rec.status.value, "settled": True, **brief(rec)}
+                        return safe({"id": rec.id, "status": rec.status.value, "settled": True, **brief(rec)})
                     left = deadline - anyio.current_time()
                     if left <= 0:
                         return {"id": rec.id, "status": rec.status.value, "settled": False,
@@ -164,7 +185,7 @@ class Tools:
             raise tool_error(e) from None
 
     def status(self, task_id: str) -> dict[str, Any]:
-        return self.call(lambda: record_json(self.client.record(task_id)))
+        return self.call(lambda: safe(record_json(self.client.record(task_id))))
 
     def review(self, task_id: str) -> dict[str, Any]:
         def go() -> dict[str, Any]:
@@ -174,16 +195,18 @@ class Tools:
             doc = to_json(rv)
             diff, cut = shown(rv.data) if rv.data is not None else ("", False)
             return {
-                "id": doc["id"],
-                "status": doc["status"],
-                "summary": "\n".join(summary_lines(rv)),
-                "warnings": [inert(w) for w in rv.warnings],
-                "verified": doc["verified"],
-                "patch_sha256": doc["patch_sha256"],
-                "files": doc["files"],
                 "diff": diff,
                 "diff_truncated": cut,
-            }
+                **safe({
+                    "id": doc["id"],
+                    "status": doc["status"],
+                    "summary": "\n".join(summary_lines(rv)),
+                    "warnings": rv.warnings,
+                    "verified": doc["verified"],
+                    "patch_sha256": doc["patch_sha256"],
+                    "files": doc["files"],
+                }),
+            }  # fmt: skip
 
         return self.call(go)
 
@@ -195,13 +218,17 @@ class Tools:
         return self.call(go)
 
     def compare(self, group: str) -> dict[str, Any]:
-        return self.call(lambda: self.client.compare_json(group))
+        return self.call(lambda: safe(self.client.compare_json(group)))
 
     def apply(self, who: str, task_id: str, reason: str | None) -> dict[str, Any]:
-        return self.call(lambda: applied_json(task_id, self.client.apply(task_id, by=who, reason=reason)))
+        return self.call(
+            lambda: safe(applied_json(task_id, self.client.apply(task_id, by=who, reason=reason)))
+        )
 
     def reject(self, who: str, task_id: str, reason: str | None) -> dict[str, Any]:
-        return self.call(lambda: decision_json(task_id, self.client.reject(task_id, by=who, reason=reason)))
+        return self.call(
+            lambda: safe(decision_json(task_id, self.client.reject(task_id, by=who, reason=reason)))
+        )
 
 
 def brief(rec: Record) -> dict[str, Any]:
@@ -209,9 +236,9 @@ def brief(rec: Record) -> dict[str, Any]:
     st = rec.diffstat
     return {
         "diffstat": st.model_dump(mode="json") if st else None,
-        "error": {"kind": rec.error.kind, "message": inert(rec.error.message)} if rec.error else None,
+        "error": {"kind": rec.error.kind, "message": rec.error.message} if rec.error else None,
         "check": rec.check.model_dump(mode="json") if rec.check else None,
-        "warnings": [inert(w) for w in rec.warnings],
+        "warnings": rec.warnings,
     }
 
 
