@@ -110,11 +110,20 @@ async def cycle(c: McpClient, root: Root) -> str:
 
 
 def test_an_agent_over_stdio_submits_waits_reviews_and_applies_an_ordinary_task(project: Root) -> None:
+    with fila.Client(project.path) as person:  # a person's task: a person decides it
+        theirs = person.submit(engine="shell", command="true", targets=["greeting.txt"], submitter="ann").id
+
     async def go() -> str:
         async with stdio(project, "--allow-decide") as c:
             names = {t.name for t in (await c.list_tools()).tools}
             assert names == {"submit", "wait", "status", "review", "log", "compare", "apply", "reject"}
-            return await cycle(c, project)
+            for tool in ("apply", "reject"):
+                await refused(c, tool, {"task_id": theirs}, "was not submitted through MCP (submitter ann)")
+            tid = await cycle(c, project)
+        await asyncio.to_thread(ran, project, theirs)
+        async with stdio(project, "--allow-decide", "--decide-any") as c:
+            assert result(await c.call_tool("reject", {"task_id": theirs}))["status"] == "rejected"
+        return tid
 
     tid = asyncio.run(go())
     # An ordinary task of the queue: the CLI shows it, its submitter the MCP client's name.
@@ -124,11 +133,16 @@ def test_an_agent_over_stdio_submits_waits_reviews_and_applies_an_ordinary_task(
     assert "status:    applied" in shown.stdout
 
 
-def test_waits_in_progress_hold_no_tool_and_a_clients_are_capped(project: Root) -> None:
+def test_an_agents_waits_and_live_tasks_are_capped_and_waits_hold_no_tool(project: Root) -> None:
     async def go() -> None:
-        async with stdio(project) as c:
+        async with stdio(project, "--max-live-tasks", "2") as c:
             args = {"engine": "shell", "command": "true", "targets": ["greeting.txt"]}
             tid = result(await c.call_tool("submit", args))["id"]
+            # Two of this server's tasks queued: a third submit is refused until one has run.
+            other = result(await c.call_tool("submit", args))["id"]
+            await refused(
+                c, "submit", args, "2 tasks submitted through this MCP server are queued or running"
+            )
             now = {"task_id": tid, "timeout_s": 0}
             assert result(await c.call_tool("wait", now))["settled"] is False  # alone, a wait is served
             hold = {"task_id": tid, "timeout_s": 300}
@@ -142,6 +156,7 @@ def test_waits_in_progress_hold_no_tool_and_a_clients_are_capped(project: Root) 
             await asyncio.to_thread(ran, project, tid)
             assert all(result(w)["settled"] for w in await asyncio.gather(*long))
             assert result(await c.call_tool("wait", now))["settled"]
+            assert result(await c.call_tool("submit", args))["id"] not in (tid, other)
 
     asyncio.run(go())
 

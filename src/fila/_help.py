@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "82cf608559258ad24daa9ef321ed9a4e101edc90d558be97ab9039a8620bd99b"
+CLI_SHA256 = "a47dbea0acb2207177566c6a783fa68494018cf40555b2c50fbfcda812b2304b"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 

@@ -27,6 +27,23 @@ def mcp_cmd(
         bool,
         typer.Option("--allow-decide", help="offer the apply and reject tools (default: a person decides)"),
     ] = False,
+    decide_any: Annotated[
+        bool,
+        typer.Option(
+            "--decide-any",
+            help="with --allow-decide: let MCP clients decide every task of the root, a person's too "
+            "(default: only tasks submitted through MCP)",
+        ),
+    ] = False,
+    max_live_tasks: Annotated[
+        int,
+        typer.Option(
+            "--max-live-tasks",
+            min=1,
+            help="tasks submitted through this server that may be queued or running at once; a submit "
+            "beyond is refused",
+        ),
+    ] = 20,
     http: Annotated[
         str | None,
         typer.Option(
@@ -51,13 +68,16 @@ def mcp_cmd(
     """Serve fila to an agent over the Model Context Protocol (stdio by default).
 
     Tools: submit (engine, prompt, targets, policy, check, fallback, command, an id), wait, status,
-    review (summary, warnings, the diff), log, compare; with --allow-decide also apply and reject,
-    decided as `mcp:<client name>`. A task submitted here is an ordinary task of --root (or of
-    --queue), checked as a task file is, its submitter `mcp:<client name>`; a worker runs it
-    (`fila worker` beside the server). Every argument is checked as hostile input: targets inside
-    the project and not denied, only the policies allowed here, the policy's limits and sizes.
+    review (summary, warnings, the diff), log, compare; with --allow-decide also apply and reject of
+    the tasks submitted through MCP (--decide-any: every task), decided as `mcp:<client name>`. A
+    task submitted here is an ordinary task of --root (or of --queue), checked as a task file is,
+    its submitter `mcp:<client name>`; a worker runs it (`fila worker` beside the server). Every
+    argument is checked as hostile input: targets inside the project and not denied, only the
+    policies allowed here, the policy's limits and sizes; at most --max-live-tasks of this
+    server's tasks queued or running at once.
     """
     from ..api.client import Client
+    from ..core.errors import InvalidInput
     from ..mcp.server import Settings, build, shipped_policies
     from ..queue.policy import load_policy
 
@@ -66,7 +86,11 @@ def mcp_cmd(
     allowed = frozenset(policy) if policy else shipped_policies()
     for name in sorted(allowed if policy else ()):
         load_policy(client.root, name)  # a named policy that does not load is refused now
-    server = build(client, Settings(policies=allowed, allow_decide=allow_decide))
+    if decide_any and not allow_decide:
+        raise InvalidInput("--decide-any widens --allow-decide", hint="give both, or neither")
+    settings = Settings(policies=allowed, allow_decide=allow_decide, decide_any=decide_any,
+                        max_live=max_live_tasks)  # fmt: skip
+    server = build(client, settings)
     try:
         if http is None:
             server.run("stdio")

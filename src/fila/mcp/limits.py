@@ -5,16 +5,21 @@ each read of the record takes a thread of its own limiter, never one of the thre
 the other tools in; so waiting clients cannot stall a `status` or a `submit`. How many waits may
 be in progress at once is bounded per session and per server: one beyond is refused at once, with
 a message, rather than queued behind the others.
+
+A submit is refused while as many tasks this server submitted as `--max-live-tasks` are queued or
+running: each copies up to 1 MiB of the project and takes a worker's turn.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import anyio
 
-from ..core.errors import LimitExceeded
+from ..api.client import PENDING, Client
+from ..core.errors import LimitExceeded, NotFound
 
 # Waits in progress at once: of one session (an agent has a few sub-tasks in flight), and of the
 # whole server (every session's).
@@ -52,3 +57,31 @@ class Waits:
             self.held[key] -= 1
             if not self.held[key]:
                 del self.held[key]
+
+
+class Live:
+    """The tasks this server submitted that were queued or running when last looked at."""
+
+    def __init__(self, client: Client, most: int) -> None:
+        self.client, self.most = client, most
+        self.ids: set[str] = set()
+        self.lock = threading.Lock()  # submits run in the SDK's threads: one at a time here
+
+    def pending(self, tid: str) -> bool:
+        try:
+            return self.client.record(tid).status in PENDING
+        except NotFound:
+            return False
+
+    @contextmanager
+    def slot(self) -> Iterator[Callable[[str], None]]:
+        """Refuse (LimitExceeded) while `most` are live; else yield what records a submitted id."""
+        with self.lock:
+            self.ids = {tid for tid in self.ids if self.pending(tid)}
+            if len(self.ids) >= self.most:
+                raise LimitExceeded(
+                    f"{len(self.ids)} tasks submitted through this MCP server are queued or running: "
+                    f"at most {self.most}",
+                    hint="wait for one to end (wait, status), or ask the operator for --max-live-tasks",
+                )
+            yield self.ids.add

@@ -31,10 +31,10 @@ from mcp_types import CallToolResult, TextContent
 from pydantic import Field
 
 from ..api.client import PENDING, Client, applied_json, decision_json, record_json
-from ..core.errors import FilaError, UnknownPolicy
+from ..core.errors import FilaError, Refused, UnknownPolicy
 from ..core.models import Record
 from ..workspace.fswalk import inert
-from .limits import WAITS_PER_SESSION, Waits
+from .limits import WAITS_PER_SESSION, Live, Waits
 
 # What a tool returns of text an engine wrote: the end of a log, the start of a diff.
 MAX_TEXT_BYTES = 256 * 1024
@@ -46,6 +46,10 @@ MAX_FIELD_CHARS = 16 * 1024
 MAX_WAIT_S = 300.0
 # How often a wait reads the record (a file, or one query of the queue database).
 WAIT_POLL_S = 0.25
+# Tasks this server submitted that may be queued or running at once: each copies up to 1 MiB of
+# the project and takes a worker's turn.
+MAX_LIVE_TASKS = 20
+MCP_PREFIX = "mcp:"
 # The submitter's name: the client's own name (from its initialize), reduced to these characters.
 _NAME_CHARS = re.compile(r"[^A-Za-z0-9._ -]")
 
@@ -65,6 +69,8 @@ class Settings:
 
     policies: frozenset[str]
     allow_decide: bool = False
+    decide_any: bool = False  # also tasks not submitted through MCP (a person's)
+    max_live: int = MAX_LIVE_TASKS
     name: str = "fila"
 
 
@@ -78,7 +84,7 @@ def submitter(ctx: Context[Any, Any] | None) -> str:
     except (AttributeError, LookupError, ValueError):
         name = None
     cleaned = _NAME_CHARS.sub("_", name or "").strip()[:64]
-    return f"mcp:{cleaned or 'unknown'}"
+    return f"{MCP_PREFIX}{cleaned or 'unknown'}"
 
 
 def connection(rctx: ServerRequestContext[Any, Any]) -> str:
@@ -130,6 +136,7 @@ class Tools:
     def __init__(self, client: Client, settings: Settings) -> None:
         self.client, self.settings = client, settings
         self.waits = Waits()
+        self.live = Live(client, settings.max_live)
 
     def call(self, fn: Callable[[], T]) -> T:
         try:
@@ -150,15 +157,17 @@ class Tools:
                task_id: str | None = None) -> dict[str, Any]:  # fmt: skip
         def go() -> dict[str, Any]:
             self.check_policy(policy)
-            rec = self.client.submit(
-                {"engine": engine, "targets": targets, "prompt": prompt, "policy": policy},
-                source="the MCP submit",
-                check=check,
-                fallback=fallback,
-                command=command,
-                id=task_id,
-                submitter=who,
-            )
+            with self.live.slot() as submitted:
+                rec = self.client.submit(
+                    {"engine": engine, "targets": targets, "prompt": prompt, "policy": policy},
+                    source="the MCP submit",
+                    check=check,
+                    fallback=fallback,
+                    command=command,
+                    id=task_id,
+                    submitter=who,
+                )
+                submitted(rec.id)
             return {"id": rec.id, "status": rec.status.value, "submitter": who}
 
         return self.call(go)
@@ -220,15 +229,32 @@ class Tools:
     def compare(self, group: str) -> dict[str, Any]:
         return self.call(lambda: safe(self.client.compare_json(group)))
 
+    def decidable(self, task_id: str) -> None:
+        """A task an MCP client may decide: one submitted through MCP, or with `decide_any` any."""
+        if self.settings.decide_any:
+            return
+        rec = self.client.record(task_id)
+        by = rec.task.submitter if rec.task is not None else None
+        if not (by or "").startswith(MCP_PREFIX):
+            raise Refused(
+                f"task {task_id} was not submitted through MCP (submitter {by or 'unknown'}): "
+                "a person decides it",
+                hint="`fila review` and `fila apply` it, or start `fila mcp` with --decide-any",
+            )
+
     def apply(self, who: str, task_id: str, reason: str | None) -> dict[str, Any]:
-        return self.call(
-            lambda: safe(applied_json(task_id, self.client.apply(task_id, by=who, reason=reason)))
-        )
+        def go() -> dict[str, Any]:
+            self.decidable(task_id)
+            return safe(applied_json(task_id, self.client.apply(task_id, by=who, reason=reason)))
+
+        return self.call(go)
 
     def reject(self, who: str, task_id: str, reason: str | None) -> dict[str, Any]:
-        return self.call(
-            lambda: safe(decision_json(task_id, self.client.reject(task_id, by=who, reason=reason)))
-        )
+        def go() -> dict[str, Any]:
+            self.decidable(task_id)
+            return safe(decision_json(task_id, self.client.reject(task_id, by=who, reason=reason)))
+
+        return self.call(go)
 
 
 def brief(rec: Record) -> dict[str, Any]:
