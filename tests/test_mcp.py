@@ -102,8 +102,10 @@ async def cycle(c: McpClient, root: Root) -> str:
     assert all("fake backend" in w for w in rv["warnings"])  # the only warning: no container ran it
     assert "said-bye" in result(await c.call_tool("log", {"task_id": tid}))["log"]
     assert (root.path / "greeting.txt").read_text() == GREETING  # nothing landed before apply
-    applied = result(await c.call_tool("apply", {"task_id": tid, "reason": "looks right"}))
+    applied = result(await c.call_tool("apply", {"task_id": tid, "reason": "looks\x1b[2J right\u202e"}))
     assert applied["status"] == "applied" and applied["decision"]["by"] == "mcp:fila-test-agent"
+    with fila.Client(root.path) as person:  # the reason as recorded: an agent's words, made inert
+        assert (d := person.record(tid).decision) and d.reason == "looks\\x1b[2J right\\u202e"
     assert (root.path / "greeting.txt").read_text() == GREETING + "bye\n"
     await refused(c, "apply", {"task_id": tid}, "already applied by mcp:fila-test-agent")
     return tid
@@ -145,6 +147,8 @@ def test_an_agents_waits_and_live_tasks_are_capped_and_waits_hold_no_tool(projec
             )
             now = {"task_id": tid, "timeout_s": 0}
             assert result(await c.call_tool("wait", now))["settled"] is False  # alone, a wait is served
+            # Without --policy, only `default` may be named: no task spends the operator's model keys.
+            await refused(c, "submit", {**args, "policy": "openai"}, "not allowed for MCP (allowed: default)")
             hold = {"task_id": tid, "timeout_s": 300}
             long = [asyncio.create_task(c.call_tool("wait", hold)) for _ in range(4)]
             # Beside four waits in progress a fifth is refused at once, and other tools are served.
@@ -244,10 +248,15 @@ def test_malformed_json_rpc_is_answered_or_dropped_and_the_server_goes_on(projec
         b"[1, 2]\n",
         b'{"jsonrpc": "2.0", "id": 7, "method": "no/such/method"}\n',
         b'{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-06-18",'
-        b'"capabilities":{},"clientInfo":{"name":"raw","version":"0"}}}\n',
+        b'"capabilities":{},"clientInfo":{"name":"raw bot\\u202e","version":"0"}}}\n',
         b'{"jsonrpc":"2.0","method":"notifications/initialized"}\n',
         b'{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"submit","arguments":"x"}}\n',
         b'{"jsonrpc":"2.0","id":3,"method":"tools/list"}\n',
+        # A second initialize (another name, mid-session) is refused: the name is the first one's.
+        b'{"jsonrpc":"2.0","id":4,"method":"initialize","params":{"protocolVersion":"2025-06-18",'
+        b'"capabilities":{},"clientInfo":{"name":"person","version":"0"}}}\n',
+        b'{"jsonrpc":"2.0","id":5,"method":"tools/call","params":{"name":"submit","arguments":'
+        b'{"engine":"shell","command":"true","targets":["greeting.txt"]}}}\n',
     ]
     argv = [*CLI, "mcp", "--root", str(project.path)]
     proc = subprocess.Popen(
@@ -258,7 +267,7 @@ def test_malformed_json_rpc_is_answered_or_dropped_and_the_server_goes_on(projec
     proc.stdin.flush()
     answers: dict[int, Any] = {}
     try:
-        while set(answers) != {1, 2, 3, 7}:  # stdin stays open: the server answers what came, in turn
+        while set(answers) != {1, 2, 3, 4, 5, 7}:  # stdin stays open: the server answers what came, in turn
             line = proc.stdout.readline()
             assert line, "the server ended before answering"
             answers[json.loads(line)["id"]] = json.loads(line)
@@ -268,7 +277,12 @@ def test_malformed_json_rpc_is_answered_or_dropped_and_the_server_goes_on(projec
     assert answers[7]["error"]["code"] == -32601 and answers[2]["error"]["code"] == -32602
     assert answers[1]["result"]["serverInfo"]["name"] == "fila"
     assert "submit" in {t["name"] for t in answers[3]["result"]["tools"]}  # still serving after all that
-    assert proc.returncode == 0 and not list((project.path / "fila" / "out").glob("*.json"))  # nothing queued
+    assert answers[4]["error"]["code"] == -32600 and "initialized already" in answers[4]["error"]["message"]
+    queued = json.loads(answers[5]["result"]["content"][0]["text"])  # named by its first initialize, safely
+    assert queued["submitter"] == "mcp:raw_bot_"
+    assert proc.returncode == 0 and [p.stem for p in (project.path / "fila" / "out").glob("*.json")] == [
+        queued["id"]
+    ]
 
 
 def free_port() -> int:

@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "a47dbea0acb2207177566c6a783fa68494018cf40555b2c50fbfcda812b2304b"
+CLI_SHA256 = "a17569db0075c5abbe95162bad7ad86e62baf2094c62854f1adbb2c282307a3d"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 

@@ -18,8 +18,8 @@ def mcp_cmd(
         list[str] | None,
         typer.Option(
             "--policy",
-            help="a policy MCP clients may name (repeatable; default: the shipped ones: default, "
-            "anthropic, openai, gemini); a task naming any other is refused",
+            help="a policy MCP clients may name (repeatable; default: `default` only, so that no task "
+            "spends the operator's model credentials unless allowed); a task naming any other is refused",
             show_default=False,
         ),
     ] = None,
@@ -78,14 +78,14 @@ def mcp_cmd(
     """
     from ..api.client import Client
     from ..core.errors import InvalidInput
-    from ..mcp.server import Settings, build, shipped_policies
+    from ..mcp.server import DEFAULT_POLICIES, Settings, build
     from ..queue.policy import load_policy
 
     client = Client(root, queue=queue_url)
     client.root.require()
-    allowed = frozenset(policy) if policy else shipped_policies()
-    for name in sorted(allowed if policy else ()):
-        load_policy(client.root, name)  # a named policy that does not load is refused now
+    allowed = frozenset(policy) if policy else DEFAULT_POLICIES
+    for name in sorted(allowed):
+        load_policy(client.root, name)  # a policy that does not load is refused now
     if decide_any and not allow_decide:
         raise InvalidInput("--decide-any widens --allow-decide", hint="give both, or neither")
     settings = Settings(policies=allowed, allow_decide=allow_decide, decide_any=decide_any,

@@ -27,7 +27,8 @@ from mcp.server.context import CallNext, HandlerResult, ServerRequestContext
 # The SDK reads each tool's annotations at registration: Context must be a module name here.
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ToolError
-from mcp_types import CallToolResult, TextContent
+from mcp.shared.exceptions import MCPError
+from mcp_types import INVALID_REQUEST, CallToolResult, TextContent
 from pydantic import Field
 
 from ..api.client import PENDING, Client, applied_json, decision_json, record_json
@@ -51,16 +52,14 @@ WAIT_POLL_S = 0.25
 MAX_LIVE_TASKS = 20
 MCP_PREFIX = "mcp:"
 # The submitter's name: the client's own name (from its initialize), reduced to these characters.
-_NAME_CHARS = re.compile(r"[^A-Za-z0-9._ -]")
+_NAME_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 
 T = TypeVar("T")
 
 
-def shipped_policies() -> frozenset[str]:
-    """The names of the policies fila ships (policies/*.json): MCP's default allow list."""
-    from ..assets import shipped_dir
-
-    return frozenset(p.stem for p in shipped_dir("policies").glob("*.json"))
+# The policies MCP clients may name unless the operator lists others: `default` only (its route
+# reaches no model provider with the operator's credentials).
+DEFAULT_POLICIES = frozenset({"default"})
 
 
 @dataclass(frozen=True)
@@ -121,6 +120,11 @@ def safe(value: Any) -> Any:
     if isinstance(value, list | tuple):
         return [safe(v) for v in value]
     return value
+
+
+def kept(reason: str | None) -> str | None:
+    """A decision's reason as the record keeps it: an agent's words, control characters escaped."""
+    return inert_lines(reason) if reason is not None else None
 
 
 def tool_error(e: FilaError) -> ToolError:
@@ -245,14 +249,14 @@ class Tools:
     def apply(self, who: str, task_id: str, reason: str | None) -> dict[str, Any]:
         def go() -> dict[str, Any]:
             self.decidable(task_id)
-            return safe(applied_json(task_id, self.client.apply(task_id, by=who, reason=reason)))
+            return safe(applied_json(task_id, self.client.apply(task_id, by=who, reason=kept(reason))))
 
         return self.call(go)
 
     def reject(self, who: str, task_id: str, reason: str | None) -> dict[str, Any]:
         def go() -> dict[str, Any]:
             self.decidable(task_id)
-            return safe(decision_json(task_id, self.client.reject(task_id, by=who, reason=reason)))
+            return safe(decision_json(task_id, self.client.reject(task_id, by=who, reason=kept(reason))))
 
         return self.call(go)
 
@@ -309,6 +313,15 @@ APPLY = (
 )
 
 
+async def initialize_once(ctx: ServerRequestContext[Any, Any], call_next: CallNext) -> HandlerResult:
+    """Middleware: a connection's client is named at its first initialize; a second one (which
+    would rename the submitter and decider mid-session) is refused."""
+    if ctx.method == "initialize" and ctx.session.client_params is not None:
+        raise MCPError(code=INVALID_REQUEST, message="initialized already: a client's name is fixed at its "
+                       "first initialize (reconnect to start again)")  # fmt: skip
+    return await call_next(ctx)
+
+
 class KnownArguments:
     """Middleware: a tool call naming an argument its tool does not take (a `project`, an
     `image`, `limits`) is refused whole, never run with the argument dropped in silence."""
@@ -342,7 +355,7 @@ def build(client: Client, settings: Settings) -> MCPServer:
 
     known = KnownArguments()
     server: MCPServer = MCPServer(settings.name, instructions=INSTRUCTIONS + decides, version=version("fila"),
-                                  log_level="WARNING", middleware=[known])  # fmt: skip
+                                  log_level="WARNING", middleware=[initialize_once, known])  # fmt: skip
     known.server = server
 
     @server.tool(description=SUBMIT.format(allowed=allowed))
