@@ -104,6 +104,7 @@ async def cycle(c: McpClient, root: Root) -> str:
     assert (root.path / "greeting.txt").read_text() == GREETING  # nothing landed before apply
     applied = result(await c.call_tool("apply", {"task_id": tid, "reason": "looks\x1b[2J right\u202e"}))
     assert applied["status"] == "applied" and applied["decision"]["by"] == "mcp:fila-test-agent"
+    assert applied["project"] == "."  # the root's path, relative to the root: no host layout
     with fila.Client(root.path) as person:  # the reason as recorded: an agent's words, made inert
         assert (d := person.record(tid).decision) and d.reason == "looks\\x1b[2J right\\u202e"
     assert (root.path / "greeting.txt").read_text() == GREETING + "bye\n"
@@ -231,7 +232,15 @@ def test_every_hostile_argument_is_refused_beside_its_allowed_counterpart(
             assert not (other.path / "fila" / "in" / "x.json").exists()
             # Task ids: this root's tasks only, never a path.
             assert result(await c.call_tool("status", {"task_id": ok["id"]}))["status"] == "queued"
-            await refused(c, "status", {"task_id": "theirs"}, "no task 'theirs'")
+            await refused(
+                c, "status", {"task_id": "theirs"}, "no task 'theirs' in fila/out\n"
+            )  # no host path
+            # Arguments the schema refuses: said in fila's words, not the validator's dump of the input.
+            await refused(c, "status", {"task_id": "x" * 128}, f"no task '{'x' * 128}'")
+            res = await c.call_tool("status", {"task_id": "y" * 129})
+            said = res.content[0].text
+            assert said.endswith("fila: error: argument 'task_id': String should have at most 128 characters")
+            assert "yyy" not in said and "pydantic" not in said
             for bad in ("../other/fila/out/theirs", "/etc/passwd", ".."):
                 await refused(c, "status", {"task_id": bad}, "invalid task id")
                 await refused(c, "log", {"task_id": bad}, "invalid task id")

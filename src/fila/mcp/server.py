@@ -16,9 +16,11 @@ person decides. Every string returned (a diff, a log, a record's message, a prom
 its control characters escaped, and is capped.
 """
 
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import anyio
@@ -107,18 +109,31 @@ def inert_lines(text: str) -> str:
     return "\n".join(inert(line) for line in text.split("\n"))
 
 
-def safe(value: Any) -> Any:
+def relative(text: str, root: Path | None) -> str:
+    """`text` with the root's absolute path (as given and as its realpath) written relative to the
+    root (`fila/out`, `.` for the root itself): an agent learns nothing of the host's layout."""
+    if root is None:
+        return text
+    for p in sorted({str(root), os.path.realpath(root)}, key=len, reverse=True):
+        if p in text:
+            text = re.sub(re.escape(p) + r"(/|(?![\w.-]))", lambda m: "" if m.group(1) else ".", text)
+    return text
+
+
+def safe(value: Any, root: Path | None = None) -> Any:
     """A structure for an agent (a record, a comparison, a decision): every string in it, keys
     too, capped at MAX_FIELD_CHARS and with control and format characters escaped (newlines and
-    tabs kept), whoever wrote it (an engine's message, a prompt, a file's name)."""
+    tabs kept), whoever wrote it (an engine's message, a prompt, a file's name); paths under
+    `root` relative to it."""
     if isinstance(value, str):
+        value = relative(value, root)
         if len(value) > MAX_FIELD_CHARS:
             value = value[:MAX_FIELD_CHARS] + f"... (cut: {len(value)} characters, at most {MAX_FIELD_CHARS})"
         return inert_lines(value)
     if isinstance(value, dict):
-        return {safe(k): safe(v) for k, v in value.items()}
+        return {safe(k, root): safe(v, root) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [safe(v) for v in value]
+        return [safe(v, root) for v in value]
     return value
 
 
@@ -127,10 +142,28 @@ def kept(reason: str | None) -> str | None:
     return inert_lines(reason) if reason is not None else None
 
 
-def tool_error(e: FilaError) -> ToolError:
-    """What the client sees of a refusal: the CLI's own message and hint, marked as an error."""
+def tool_error(e: FilaError, root: Path | None = None) -> ToolError:
+    """What the client sees of a refusal: the CLI's own message and hint, marked as an error
+    (paths under `root` relative to it)."""
     text = f"fila: error: {inert(str(e))}" + (f"\nfila: hint: {inert(e.hint)}" if e.hint else "")
-    return ToolError(text)
+    return ToolError(relative(text, root))
+
+
+def plain_validation(tool: str, text: str) -> str | None:
+    """The SDK's pydantic dump of a call's bad arguments as fila words (`argument 'task_id':
+    String should have at most 128 characters`), without the input echoed or a URL; None when
+    `text` is no such dump."""
+    head, _, body = text.partition("\n")
+    if not re.fullmatch(r"(Error executing tool \S+: )?\d+ validation errors? for \w+Arguments", head):
+        return None
+    said, loc = [], None
+    for line in body.split("\n"):
+        if not line.startswith(" "):
+            loc = line
+        elif not line.startswith("    ") and loc is not None:
+            msg = line.strip().split(" [type=", 1)[0]
+            said.append(f"argument {inert(loc)!r}: {inert(msg)}")
+    return f"Error executing tool {tool}: fila: error: {'; '.join(said) or 'invalid arguments'}"
 
 
 class Tools:
@@ -140,13 +173,17 @@ class Tools:
     def __init__(self, client: Client, settings: Settings) -> None:
         self.client, self.settings = client, settings
         self.waits = Waits()
+        self.root = client.root.path
         self.live = Live(client, settings.max_live)
+
+    def safe(self, value: Any) -> Any:
+        return safe(value, self.root)
 
     def call(self, fn: Callable[[], T]) -> T:
         try:
             return fn()
         except FilaError as e:
-            raise tool_error(e) from None
+            raise tool_error(e, self.root) from None
 
     def check_policy(self, policy: str) -> None:
         allowed = sorted(self.settings.policies)
@@ -187,7 +224,9 @@ class Tools:
                     rec = await anyio.to_thread.run_sync(self.client.record, task_id,
                                                          limiter=self.waits.readers)  # fmt: skip
                     if rec.status not in PENDING:
-                        return safe({"id": rec.id, "status": rec.status.value, "settled": True, **brief(rec)})
+                        return self.safe(
+                            {"id": rec.id, "status": rec.status.value, "settled": True, **brief(rec)}
+                        )
                     left = deadline - anyio.current_time()
                     if left <= 0:
                         return {"id": rec.id, "status": rec.status.value, "settled": False,
@@ -195,10 +234,10 @@ class Tools:
                                 "again, the task goes on without the wait"}  # fmt: skip
                     await anyio.sleep(min(WAIT_POLL_S, left))
         except FilaError as e:
-            raise tool_error(e) from None
+            raise tool_error(e, self.root) from None
 
     def status(self, task_id: str) -> dict[str, Any]:
-        return self.call(lambda: safe(record_json(self.client.record(task_id))))
+        return self.call(lambda: self.safe(record_json(self.client.record(task_id))))
 
     def review(self, task_id: str) -> dict[str, Any]:
         def go() -> dict[str, Any]:
@@ -210,7 +249,7 @@ class Tools:
             return {
                 "diff": diff,
                 "diff_truncated": cut,
-                **safe({
+                **self.safe({
                     "id": doc["id"],
                     "status": doc["status"],
                     "summary": "\n".join(summary_lines(rv)),
@@ -231,7 +270,7 @@ class Tools:
         return self.call(go)
 
     def compare(self, group: str) -> dict[str, Any]:
-        return self.call(lambda: safe(self.client.compare_json(group)))
+        return self.call(lambda: self.safe(self.client.compare_json(group)))
 
     def decidable(self, task_id: str) -> None:
         """A task an MCP client may decide: one submitted through MCP, or with `decide_any` any."""
@@ -249,14 +288,14 @@ class Tools:
     def apply(self, who: str, task_id: str, reason: str | None) -> dict[str, Any]:
         def go() -> dict[str, Any]:
             self.decidable(task_id)
-            return safe(applied_json(task_id, self.client.apply(task_id, by=who, reason=kept(reason))))
+            return self.safe(applied_json(task_id, self.client.apply(task_id, by=who, reason=kept(reason))))
 
         return self.call(go)
 
     def reject(self, who: str, task_id: str, reason: str | None) -> dict[str, Any]:
         def go() -> dict[str, Any]:
             self.decidable(task_id)
-            return safe(decision_json(task_id, self.client.reject(task_id, by=who, reason=kept(reason))))
+            return self.safe(decision_json(task_id, self.client.reject(task_id, by=who, reason=kept(reason))))
 
         return self.call(go)
 
@@ -324,7 +363,8 @@ async def initialize_once(ctx: ServerRequestContext[Any, Any], call_next: CallNe
 
 class KnownArguments:
     """Middleware: a tool call naming an argument its tool does not take (a `project`, an
-    `image`, `limits`) is refused whole, never run with the argument dropped in silence."""
+    `image`, `limits`) is refused whole, never run with the argument dropped in silence; the SDK's
+    dump of arguments that do not validate is answered in fila's words (plain_validation)."""
 
     def __init__(self) -> None:
         self.server: MCPServer | None = None
@@ -343,7 +383,13 @@ class KnownArguments:
                 text = (f"fila: error: tool {params.get('name')!r} takes no argument {inert(stray[0])!r} "
                         f"(it takes: {', '.join(sorted(takes or ()))})")  # fmt: skip
                 return CallToolResult(content=[TextContent(type="text", text=text)], is_error=True)
-        return await call_next(ctx)
+        res = await call_next(ctx)
+        if ctx.method == "tools/call" and isinstance(res, dict) and res.get("isError"):
+            content = res.get("content")
+            first = content[0] if isinstance(content, list) and content else None
+            if isinstance(first, dict) and isinstance(first.get("text"), str):
+                first["text"] = plain_validation(str(params.get("name")), first["text"]) or first["text"]
+        return res
 
 
 def build(client: Client, settings: Settings) -> MCPServer:
