@@ -232,9 +232,8 @@ def test_every_hostile_argument_is_refused_beside_its_allowed_counterpart(
             assert not (other.path / "fila" / "in" / "x.json").exists()
             # Task ids: this root's tasks only, never a path.
             assert result(await c.call_tool("status", {"task_id": ok["id"]}))["status"] == "queued"
-            await refused(
-                c, "status", {"task_id": "theirs"}, "no task 'theirs' in fila/out\n"
-            )  # no host path
+            no_host_path = "no task 'theirs' in fila/out\n"
+            await refused(c, "status", {"task_id": "theirs"}, no_host_path)
             # Arguments the schema refuses: said in fila's words, not the validator's dump of the input.
             await refused(c, "status", {"task_id": "x" * 128}, f"no task '{'x' * 128}'")
             res = await c.call_tool("status", {"task_id": "y" * 129})
