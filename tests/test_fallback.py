@@ -275,7 +275,7 @@ def test_the_tasks_own_chain_runs_in_order_until_an_engine_is_not_out_of_quota(
         ("shell", "success"),
     ]
     kept = [a["log_path"] for a in rec["attempts"][:2]]
-    assert kept == [f"fila/logs/{tid}.1-1-claude.log", f"fila/logs/{tid}.1-2-codex.log"]
+    assert kept == [f"fila/logs/{tid}~1-1-claude.log", f"fila/logs/{tid}~1-2-codex.log"]
     # Both CLIs really met the 429 (the model server logged each one's requests).
     paths = {r["path"].rsplit("/", 1)[-1] for r in upstreams.requests("model.test")}
     assert {"messages", "responses"} <= paths, paths

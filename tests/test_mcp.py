@@ -102,19 +102,31 @@ async def cycle(c: McpClient, root: Root) -> str:
     assert all("fake backend" in w for w in rv["warnings"])  # the only warning: no container ran it
     assert "said-bye" in result(await c.call_tool("log", {"task_id": tid}))["log"]
     assert (root.path / "greeting.txt").read_text() == GREETING  # nothing landed before apply
-    applied = result(await c.call_tool("apply", {"task_id": tid, "reason": "looks right"}))
+    applied = result(await c.call_tool("apply", {"task_id": tid, "reason": "looks\x1b[2J right\u202e"}))
     assert applied["status"] == "applied" and applied["decision"]["by"] == "mcp:fila-test-agent"
+    assert applied["project"] == "."  # the root's path, relative to the root: no host layout
+    with fila.Client(root.path) as person:  # the reason as recorded: an agent's words, made inert
+        assert (d := person.record(tid).decision) and d.reason == "looks\\x1b[2J right\\u202e"
     assert (root.path / "greeting.txt").read_text() == GREETING + "bye\n"
     await refused(c, "apply", {"task_id": tid}, "already applied by mcp:fila-test-agent")
     return tid
 
 
 def test_an_agent_over_stdio_submits_waits_reviews_and_applies_an_ordinary_task(project: Root) -> None:
+    with fila.Client(project.path) as person:  # a person's task: a person decides it
+        theirs = person.submit(engine="shell", command="true", targets=["greeting.txt"], submitter="ann").id
+
     async def go() -> str:
         async with stdio(project, "--allow-decide") as c:
             names = {t.name for t in (await c.list_tools()).tools}
             assert names == {"submit", "wait", "status", "review", "log", "compare", "apply", "reject"}
-            return await cycle(c, project)
+            for tool in ("apply", "reject"):
+                await refused(c, tool, {"task_id": theirs}, "was not submitted through MCP (submitter ann)")
+            tid = await cycle(c, project)
+        await asyncio.to_thread(ran, project, theirs)
+        async with stdio(project, "--allow-decide", "--decide-any") as c:
+            assert result(await c.call_tool("reject", {"task_id": theirs}))["status"] == "rejected"
+        return tid
 
     tid = asyncio.run(go())
     # An ordinary task of the queue: the CLI shows it, its submitter the MCP client's name.
@@ -122,6 +134,36 @@ def test_an_agent_over_stdio_submits_waits_reviews_and_applies_an_ordinary_task(
                            env=env_of(project.path.parent), timeout=60)  # fmt: skip
     assert shown.returncode == 0 and "submitter: mcp:fila-test-agent" in shown.stdout, shown.stderr
     assert "status:    applied" in shown.stdout
+
+
+def test_an_agents_waits_and_live_tasks_are_capped_and_waits_hold_no_tool(project: Root) -> None:
+    async def go() -> None:
+        async with stdio(project, "--max-live-tasks", "2") as c:
+            args = {"engine": "shell", "command": "true", "targets": ["greeting.txt"]}
+            tid = result(await c.call_tool("submit", args))["id"]
+            # Two of this server's tasks queued: a third submit is refused until one has run.
+            other = result(await c.call_tool("submit", args))["id"]
+            await refused(
+                c, "submit", args, "2 tasks submitted through this MCP server are queued or running"
+            )
+            now = {"task_id": tid, "timeout_s": 0}
+            assert result(await c.call_tool("wait", now))["settled"] is False  # alone, a wait is served
+            # Without --policy, only `default` may be named: no task spends the operator's model keys.
+            await refused(c, "submit", {**args, "policy": "openai"}, "not allowed for MCP (allowed: default)")
+            hold = {"task_id": tid, "timeout_s": 300}
+            long = [asyncio.create_task(c.call_tool("wait", hold)) for _ in range(4)]
+            # Beside four waits in progress a fifth is refused at once, and other tools are served.
+            deadline = time.monotonic() + 60
+            while not (fifth := await c.call_tool("wait", now)).is_error:
+                assert time.monotonic() < deadline and json.loads(fifth.content[0].text)["settled"] is False
+            assert "4 waits of this client are in progress: at most 4" in fifth.content[0].text
+            assert result(await c.call_tool("status", {"task_id": tid}))["status"] == "queued"
+            await asyncio.to_thread(ran, project, tid)
+            assert all(result(w)["settled"] for w in await asyncio.gather(*long))
+            assert result(await c.call_tool("wait", now))["settled"]
+            assert result(await c.call_tool("submit", args))["id"] not in (tid, other)
+
+    asyncio.run(go())
 
 
 def test_every_hostile_argument_is_refused_beside_its_allowed_counterpart(
@@ -164,7 +206,18 @@ def test_every_hostile_argument_is_refused_beside_its_allowed_counterpart(
                               "not allowed for MCP (allowed: default, small)")  # fmt: skip
             # The prompt: within the policy's cap (64 bytes for `small`), one byte more refused.
             fits = {**base, "targets": ["greeting.txt"], "policy": "small", "prompt": "p" * 64}
-            assert result(await c.call_tool("submit", fits))["status"] == "queued"
+            fit = result(await c.call_tool("submit", fits))
+            # What a record holds comes back as it is, but escaped and capped when it is not plain text.
+            assert result(await c.call_tool("status", {"task_id": fit["id"]}))["task"]["prompt"] == "p" * 64
+            odd = "\x1b[31mred\u202e" + "p" * 20000
+            tid = result(await c.call_tool("submit", {**base, "targets": ["greeting.txt"], "prompt": odd}))[
+                "id"
+            ]
+            prompt = result(await c.call_tool("status", {"task_id": tid}))["task"]["prompt"]
+            assert (
+                prompt.startswith("\\x1b[31mred\\u202epp") and "\x1b" not in prompt and "\u202e" not in prompt
+            )
+            assert len(prompt) < 17000 and prompt.endswith("(cut: 20009 characters, at most 16384)")
             await refused(
                 c,
                 "submit",
@@ -179,7 +232,14 @@ def test_every_hostile_argument_is_refused_beside_its_allowed_counterpart(
             assert not (other.path / "fila" / "in" / "x.json").exists()
             # Task ids: this root's tasks only, never a path.
             assert result(await c.call_tool("status", {"task_id": ok["id"]}))["status"] == "queued"
-            await refused(c, "status", {"task_id": "theirs"}, "no task 'theirs'")
+            no_host_path = "no task 'theirs' in fila/out\n"
+            await refused(c, "status", {"task_id": "theirs"}, no_host_path)
+            # Arguments the schema refuses: said in fila's words, not the validator's dump of the input.
+            await refused(c, "status", {"task_id": "x" * 128}, f"no task '{'x' * 128}'")
+            res = await c.call_tool("status", {"task_id": "y" * 129})
+            said = res.content[0].text
+            assert said.endswith("fila: error: argument 'task_id': String should have at most 128 characters")
+            assert "yyy" not in said and "pydantic" not in said
             for bad in ("../other/fila/out/theirs", "/etc/passwd", ".."):
                 await refused(c, "status", {"task_id": bad}, "invalid task id")
                 await refused(c, "log", {"task_id": bad}, "invalid task id")
@@ -187,7 +247,7 @@ def test_every_hostile_argument_is_refused_beside_its_allowed_counterpart(
     asyncio.run(go())
     ls = [*CLI, "ls", "--json", "--root", str(project.path)]
     listed = json.loads(subprocess.run(ls, capture_output=True, env=env_of(tmp_path), timeout=60).stdout)
-    assert len(listed) == 4  # the four accepted submits, nothing of the refused ones
+    assert len(listed) == 5  # the five accepted submits, nothing of the refused ones
 
 
 def test_malformed_json_rpc_is_answered_or_dropped_and_the_server_goes_on(project: Root) -> None:
@@ -196,10 +256,15 @@ def test_malformed_json_rpc_is_answered_or_dropped_and_the_server_goes_on(projec
         b"[1, 2]\n",
         b'{"jsonrpc": "2.0", "id": 7, "method": "no/such/method"}\n',
         b'{"jsonrpc":"2.0","id":1,"method":"initialize","params":{"protocolVersion":"2025-06-18",'
-        b'"capabilities":{},"clientInfo":{"name":"raw","version":"0"}}}\n',
+        b'"capabilities":{},"clientInfo":{"name":"raw bot\\u202e","version":"0"}}}\n',
         b'{"jsonrpc":"2.0","method":"notifications/initialized"}\n',
         b'{"jsonrpc":"2.0","id":2,"method":"tools/call","params":{"name":"submit","arguments":"x"}}\n',
         b'{"jsonrpc":"2.0","id":3,"method":"tools/list"}\n',
+        # A second initialize (another name, mid-session) is refused: the name is the first one's.
+        b'{"jsonrpc":"2.0","id":4,"method":"initialize","params":{"protocolVersion":"2025-06-18",'
+        b'"capabilities":{},"clientInfo":{"name":"person","version":"0"}}}\n',
+        b'{"jsonrpc":"2.0","id":5,"method":"tools/call","params":{"name":"submit","arguments":'
+        b'{"engine":"shell","command":"true","targets":["greeting.txt"]}}}\n',
     ]
     argv = [*CLI, "mcp", "--root", str(project.path)]
     proc = subprocess.Popen(
@@ -210,7 +275,7 @@ def test_malformed_json_rpc_is_answered_or_dropped_and_the_server_goes_on(projec
     proc.stdin.flush()
     answers: dict[int, Any] = {}
     try:
-        while set(answers) != {1, 2, 3, 7}:  # stdin stays open: the server answers what came, in turn
+        while set(answers) != {1, 2, 3, 4, 5, 7}:  # stdin stays open: the server answers what came, in turn
             line = proc.stdout.readline()
             assert line, "the server ended before answering"
             answers[json.loads(line)["id"]] = json.loads(line)
@@ -220,7 +285,12 @@ def test_malformed_json_rpc_is_answered_or_dropped_and_the_server_goes_on(projec
     assert answers[7]["error"]["code"] == -32601 and answers[2]["error"]["code"] == -32602
     assert answers[1]["result"]["serverInfo"]["name"] == "fila"
     assert "submit" in {t["name"] for t in answers[3]["result"]["tools"]}  # still serving after all that
-    assert proc.returncode == 0 and not list((project.path / "fila" / "out").glob("*.json"))  # nothing queued
+    assert answers[4]["error"]["code"] == -32600 and "initialized already" in answers[4]["error"]["message"]
+    queued = json.loads(answers[5]["result"]["content"][0]["text"])  # named by its first initialize, safely
+    assert queued["submitter"] == "mcp:raw_bot_"
+    assert proc.returncode == 0 and [p.stem for p in (project.path / "fila" / "out").glob("*.json")] == [
+        queued["id"]
+    ]
 
 
 def free_port() -> int:
@@ -232,60 +302,58 @@ def free_port() -> int:
 def test_an_agent_over_http_needs_the_token_and_runs_the_cycle(project: Root, tmp_path: Path) -> None:
     token = tmp_path / "token"
     token.write_text(TOKEN + "\n")
+    link = tmp_path / "link"
+    link.symlink_to(token)
     token.chmod(0o644)  # readable by others: refused, as a password file would be
-    argv = [*CLI, "mcp", "--root", str(project.path), "--http", "127.0.0.1:1", "--token-file", str(token)]
-    loose = subprocess.run(argv, capture_output=True, text=True, env=env_of(tmp_path), timeout=60)
-    assert loose.returncode == 2 and "readable by others" in loose.stderr, loose.stderr
-    token.chmod(0o600)
-    # Bound beyond loopback, a token is required: refused before anything listens.
-    for host in ("0.0.0.0", "127.0.0.2", "[::]"):  # 127.0.0.2: no DNS-rebinding check from the SDK
-        argv = [*CLI, "mcp", "--root", str(project.path), "--http", f"{host}:1"]
-        wide = subprocess.run(argv, capture_output=True, text=True, env=env_of(tmp_path), timeout=60)
-        assert wide.returncode == 2 and "needs a bearer token" in wide.stderr, wide.stderr
     port = free_port()
-    bind = f"127.0.0.1:{port}"
-    argv = [
-        *CLI,
-        "mcp",
-        "--root",
-        str(project.path),
-        "--http",
-        bind,
-        "--token-file",
-        str(token),
-        "--allow-decide",
-    ]
-    server = subprocess.Popen(argv, env=env_of(tmp_path), stderr=subprocess.PIPE)
+    base = [*CLI, "mcp", "--root", str(project.path), "--http", f"127.0.0.1:{port}"]
+    loose = subprocess.run([*base, "--token-file", str(token)], capture_output=True, text=True,
+                           env=env_of(tmp_path), timeout=60)  # fmt: skip
+    assert loose.returncode == 2 and "readable by no one else" in loose.stderr, loose.stderr
+    token.chmod(0o600)
+    linked = subprocess.run([*base, "--token-file", str(link)], capture_output=True, text=True,
+                            env=env_of(tmp_path), timeout=60)  # fmt: skip
+    assert linked.returncode == 2 and "without following a link" in linked.stderr, linked.stderr
+    # No token given: one is generated into the root's state (mode 0600) and required, on loopback too.
+    server = subprocess.Popen(
+        [*base, "--allow-decide"], env=env_of(tmp_path), stderr=subprocess.PIPE, text=True
+    )
+    assert server.stderr
     url = f"http://127.0.0.1:{port}/mcp"
+    made = project.fila / "state" / "mcp.token"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline and server.poll() is None, "fila mcp --http did not listen"
-                time.sleep(0.1)
-        for auth in (None, "Bearer wrong-token-0123456789", f"Basic {TOKEN}"):
-            req = urllib.request.Request(url, data=b"{}", headers={"Content-Type": "application/json"})
+        said = server.stderr.readline() + server.stderr.readline()
+        assert f"the bearer token is in {made}" in said and f"serving {url}" in said, said
+        assert made.stat().st_mode & 0o777 == 0o600
+        generated = made.read_text().strip()
+        # The port is taken: the operator's token file is read, the bind refused, and nothing says "serving".
+        taken = subprocess.run([*base, "--token-file", str(token)], capture_output=True, text=True,
+                               env=env_of(tmp_path), timeout=60)  # fmt: skip
+        assert taken.returncode == 2 and "cannot listen" in taken.stderr and "serving" not in taken.stderr
+
+        def post(data: bytes, auth: str | None) -> int:
+            accept = "application/json, text/event-stream"
+            headers = {"Content-Type": "application/json", "Accept": accept}
+            req = urllib.request.Request(url, data=data, method="POST", headers=headers)
             if auth:
                 req.add_header("Authorization", auth)
-            with pytest.raises(urllib.error.HTTPError) as e:
-                urllib.request.urlopen(req, timeout=10)
-            assert e.value.code == 401
-        # With the token, malformed JSON-RPC is answered with an error, not served.
-        bad = urllib.request.Request(url, data=b"{not json", method="POST", headers={
-            "Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json",
-            "Accept": "application/json, text/event-stream"})  # fmt: skip
-        with pytest.raises(urllib.error.HTTPError) as e:
-            urllib.request.urlopen(bad, timeout=10)
-        assert e.value.code == 400 and b"-32700" in e.value.read()
+            try:
+                with urllib.request.urlopen(req, timeout=10) as r:
+                    return r.status
+            except urllib.error.HTTPError as e:
+                return e.code
+
+        for auth in (None, "Bearer wrong-token-0123456789", f"Basic {generated}", f"Bearer {TOKEN}"):
+            assert post(b"{}", auth) == 401
+        # With the token (the scheme's name in any case), malformed JSON-RPC is answered 400, not served.
+        for scheme in ("Bearer", "bearer", "BEARER"):
+            assert post(b"{not json", f"{scheme} {generated}") == 400
 
         async def go() -> None:
             import httpx2
             from mcp.client.streamable_http import streamable_http_client
 
-            http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}, timeout=60)
+            http = httpx2.AsyncClient(headers={"Authorization": f"Bearer {generated}"}, timeout=60)
             async with McpClient(streamable_http_client(url, http_client=http), client_info=AGENT) as c:
                 await cycle(c, project)
 

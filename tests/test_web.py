@@ -389,6 +389,25 @@ def test_the_check_its_result_and_its_log_are_shown(root: Root) -> None:
     assert "CHECKED &lt;i&gt;" in page.text and "<i>" not in page.text
     plain = make_task(root, "echo y > greeting.txt")
     assert 'id="check"' not in client(root).get(f"/task/{plain}").text
+    # A task whose chosen id is `<id>.check` writes its own log, never the check's log of <id>.
+    forged = make_task(root, "echo '214 passed'; echo z > greeting.txt", extra=("--id", f"{tid}.check"))
+    assert forged == f"{tid}.check" and "214 passed" in (root.logs_dir / f"{forged}.log").read_text()
+    page = client(root).get(f"/task/{tid}")
+    assert "CHECKED &lt;i&gt;" in page.text and "214 passed" not in page.text
+    assert json.loads(root.record_path(tid).read_text())["check"]["log_path"] == f"fila/logs/{tid}~check.log"
+
+
+def test_an_older_records_check_log_is_read_at_its_old_name_and_no_other(root: Root) -> None:
+    from fila.core.models import Record
+    from fila.run.check import check_log
+
+    def rec(log_path: str) -> Record:
+        check = {"command": "true", "passed": True, "log_path": log_path}
+        return Record.model_validate({"id": "old1", "status": "needs_review", "check": check})
+
+    assert check_log(root, rec("fila/logs/old1.check.log")) == root.logs_dir / "old1.check.log"
+    for other in ("fila/logs/old1~check.log", "fila/logs/old1.log", "fila/in/old1.json"):
+        assert check_log(root, rec(other)) == root.logs_dir / "old1~check.log"
 
 
 def test_a_running_tasks_log_follows_live(root: Root, tmp_path: Path) -> None:

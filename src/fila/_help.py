@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "d7e97d7a78bf1ba1af63d8bd88fcc51a786d5843ab01e438696ede6acfa64c64"
+CLI_SHA256 = "b638df67c8657841627788ee77ac0a9b53c576d68bc245103f9a7f98643837c3"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 

@@ -18,8 +18,8 @@ def mcp_cmd(
         list[str] | None,
         typer.Option(
             "--policy",
-            help="a policy MCP clients may name (repeatable; default: the shipped ones: default, "
-            "anthropic, openai, gemini); a task naming any other is refused",
+            help="a policy MCP clients may name (repeatable; default: `default` only, so that no task "
+            "spends the operator's model credentials unless allowed); a task naming any other is refused",
             show_default=False,
         ),
     ] = None,
@@ -27,13 +27,31 @@ def mcp_cmd(
         bool,
         typer.Option("--allow-decide", help="offer the apply and reject tools (default: a person decides)"),
     ] = False,
+    decide_any: Annotated[
+        bool,
+        typer.Option(
+            "--decide-any",
+            help="with --allow-decide: let MCP clients decide every task of the root, a person's too "
+            "(default: only tasks submitted through MCP)",
+        ),
+    ] = False,
+    max_live_tasks: Annotated[
+        int,
+        typer.Option(
+            "--max-live-tasks",
+            min=1,
+            help="tasks submitted through this server that may be queued or running at once; a submit "
+            "beyond is refused",
+        ),
+    ] = 20,
     http: Annotated[
         str | None,
         typer.Option(
             "--http",
             metavar="HOST:PORT",
-            help="serve streamable HTTP at http://HOST:PORT/mcp instead of stdio; beyond loopback a "
-            "bearer token is required",
+            help="serve streamable HTTP at http://HOST:PORT/mcp instead of stdio; every request needs "
+            "the bearer token (--token-file, $FILA_MCP_TOKEN, else one generated into "
+            "<root>/fila/state/mcp.token, mode 0600)",
             show_default=False,
         ),
     ] = None,
@@ -41,8 +59,8 @@ def mcp_cmd(
         Path | None,
         typer.Option(
             "--token-file",
-            help="with --http: a file (mode 0600) holding the bearer token every request must carry (else "
-            "$FILA_MCP_TOKEN)",
+            help="with --http: a file (yours, mode 0600) holding the bearer token every request must "
+            "carry (else $FILA_MCP_TOKEN, else a generated one)",
             show_default=False,
         ),
     ] = None,
@@ -50,31 +68,46 @@ def mcp_cmd(
     """Serve fila to an agent over the Model Context Protocol (stdio by default).
 
     Tools: submit (engine, prompt, targets, policy, check, fallback, command, an id), wait, status,
-    review (summary, warnings, the diff), log, compare; with --allow-decide also apply and reject,
-    decided as `mcp:<client name>`. A task submitted here is an ordinary task of --root (or of
-    --queue), checked as a task file is, its submitter `mcp:<client name>`; a worker runs it
-    (`fila worker` beside the server). Every argument is checked as hostile input: targets inside
-    the project and not denied, only the policies allowed here, the policy's limits and sizes.
+    review (summary, warnings, the diff), log, compare; with --allow-decide also apply and reject of
+    the tasks submitted through MCP (--decide-any: every task), decided as `mcp:<client name>`. A
+    task submitted here is an ordinary task of --root (or of --queue), checked as a task file is,
+    its submitter `mcp:<client name>`; a worker runs it (`fila worker` beside the server). Every
+    argument is checked as hostile input: targets inside the project and not denied, only the
+    policies allowed here, the policy's limits and sizes; at most --max-live-tasks of this
+    server's tasks queued or running at once.
     """
     from ..api.client import Client
-    from ..mcp.server import Settings, build, shipped_policies
+    from ..core.errors import InvalidInput
+    from ..mcp.server import DEFAULT_POLICIES, Settings, build
     from ..queue.policy import load_policy
 
     client = Client(root, queue=queue_url)
     client.root.require()
-    allowed = frozenset(policy) if policy else shipped_policies()
-    for name in sorted(allowed if policy else ()):
-        load_policy(client.root, name)  # a named policy that does not load is refused now
-    server = build(client, Settings(policies=allowed, allow_decide=allow_decide))
+    allowed = frozenset(policy) if policy else DEFAULT_POLICIES
+    for name in sorted(allowed):
+        load_policy(client.root, name)  # a policy that does not load is refused now
+    if decide_any and not allow_decide:
+        raise InvalidInput("--decide-any widens --allow-decide", hint="give both, or neither")
+    settings = Settings(policies=allowed, allow_decide=allow_decide, decide_any=decide_any,
+                        max_live=max_live_tasks)  # fmt: skip
+    server = build(client, settings)
     try:
         if http is None:
             server.run("stdio")
             return
-        from ..mcp.http import parse_bind, read_token, serve
+        from ..mcp.http import parse_bind, serve, the_token
 
         host, port = parse_bind(http)
-        token = read_token(token_file) if token_file else os.environ.get("FILA_MCP_TOKEN") or None
-        typer.echo(f"fila mcp: serving http://{host}:{port}/mcp (root {client.root.path})", err=True)
-        serve(server, host, port, token)
+        token, made = the_token(client.root, token_file, os.environ.get("FILA_MCP_TOKEN"))
+        if made is not None:
+            typer.echo(f"fila mcp: the bearer token is in {made} (mode 0600): clients send "
+                       "`Authorization: Bearer <its content>`", err=True)  # fmt: skip
+
+        url = f"http://{http}/mcp"
+
+        def listening() -> None:
+            typer.echo(f"fila mcp: serving {url} (root {client.root.path})", err=True)
+
+        serve(server, host, port, token, listening)
     finally:
         client.close()

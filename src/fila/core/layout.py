@@ -9,6 +9,9 @@ from pathlib import Path
 from .errors import FilaError, InvalidId
 from .states import valid_id
 
+# Between a task id and what else of the task a log file holds: never an id's character.
+LOG_SEP = "~"
+
 
 @dataclass(frozen=True)
 class Root:
@@ -117,6 +120,15 @@ class Root:
 
     def events_path(self, task_id: str) -> Path:
         return self.logs_dir / f"{check_id(task_id)}.events.jsonl"
+
+    def check_log_path(self, task_id: str) -> Path:
+        """The task's check's log: `<id>~check.log` ('~' is no id's character, so no chosen id's
+        own log is another task's check log, as `<id>.check.log` was for the id `<id>.check`)."""
+        return self.logs_dir / f"{check_id(task_id)}{LOG_SEP}check.log"
+
+    def kept_log_path(self, task_id: str, run: int, n: int, engine: str) -> Path:
+        """The log of engine `n` of run `run` that fell back, kept aside: `<id>~<run>-<n>-<engine>.log`."""
+        return self.logs_dir / f"{check_id(task_id)}{LOG_SEP}{run}-{n}-{engine}.log"
 
     def require(self) -> Root:
         if not self.in_dir.is_dir() or not self.out_dir.is_dir():

@@ -18,9 +18,10 @@ class NotTrusted(Exception):
     """The file is there but not to be trusted; str() says why (for a report)."""
 
 
-def owned_bytes(path: str, uid: int) -> bytes:
+def owned_bytes(path: str, uid: int, *, private: bool = False) -> bytes:
     """The bytes of the regular file at `path` when it is owned by `uid` and writable by neither
-    group nor others; a symlink is not followed. Raises NotTrusted (why) otherwise, and OSError
+    group nor others (with `private`, not readable by them either: a secret); a symlink is not
+    followed. Raises NotTrusted (why) otherwise, and OSError
     (FileNotFoundError among them) when it cannot be read. The checks are on the open descriptor:
     the file read is the file checked."""
     try:
@@ -33,10 +34,10 @@ def owned_bytes(path: str, uid: int) -> bytes:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise NotTrusted("it is not a regular file")
-        if st.st_uid != uid or st.st_mode & 0o022:
+        if st.st_uid != uid or st.st_mode & (0o077 if private else 0o022):
             raise NotTrusted(
                 f"it is owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):o}: only uid {uid}'s, "
-                "writable by no one else, is trusted"
+                f"{'readable' if private else 'writable'} by no one else, is trusted"
             )
         chunks = []
         while chunk := os.read(fd, 1 << 20):

@@ -322,7 +322,7 @@ def _fall_back(
     root, tid = run.root, run.tid
     name, nxt = checked.chain[i][0], checked.chain[i + 1][0]
     # Named by run and engine: a retried task's second run never overwrites the first run's logs.
-    kept = root.logs_dir / f"{tid}.{run.attempt}-{i + 1}-{name}.log"
+    kept = root.kept_log_path(tid, run.attempt, i + 1, name)
     with contextlib.suppress(FileNotFoundError):
         os.replace(root.log_path(tid), kept)
     cur = queue.get_record(root, tid)

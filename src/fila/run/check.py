@@ -16,17 +16,20 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from ..core import fsutil
 from ..core.errors import InfraError
+from ..core.layout import check_id
 from ..core.models import CheckResult, ImageRef
 from ..core.mounts import ProvidedVolume
 from ..queue import store as queue
 
 if TYPE_CHECKING:
     from ..core.layout import Root
-    from ..core.models import Policy, Task
+    from ..core.models import Policy, Record, Task
     from ..queue.policy import Effective
     from ..sandbox.base import Runner
 
-CHECK_LOG_SUFFIX = ".check.log"
+# Where versions before the `~` separator (core/layout.py, LOG_SEP) wrote the check's log: read
+# for their records only.
+OLD_CHECK_LOG_SUFFIX = ".check.log"
 HEARTBEAT_S = 1.0  # how often the sandbox calls back while the check runs: the lease, a stop
 
 
@@ -97,7 +100,7 @@ def run_check(
     inv = shell.invocation(task.model_copy(update={"command": task.check}))
     if volumes is not None or image is not None:  # an environment: its image's PATH is the project's
         inv.env.pop("PATH", None)
-    log = root.logs_dir / f"{tid}{CHECK_LOG_SUFFIX}"
+    log = root.check_log_path(tid)
     spec = RunSpec(
         job_id=tid,
         workspace=CopyWorkspace(copy),
@@ -136,3 +139,13 @@ def run_check(
         log_path=str(log.relative_to(root.path)),
         image=ImageRef(tag=image, id=result.image_id or refs[image].id),
     )
+
+
+def check_log(root: Root, rec: Record) -> Path:
+    """Where the task's check wrote its log: the name the check writes for this id, or for a
+    record of a version before the `~` separator the old name, when its record names that; never
+    any other path a record names."""
+    old = root.logs_dir / f"{check_id(rec.id)}{OLD_CHECK_LOG_SUFFIX}"
+    if rec.check is not None and rec.check.log_path == str(old.relative_to(root.path)):
+        return old
+    return root.check_log_path(rec.id)

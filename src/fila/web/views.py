@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..core.errors import FilaError
-from ..core.layout import Root, check_id
+from ..core.layout import Root
 from ..core.models import Record, Status
 from ..core.text import escape_name, inert
 from ..egress import record as egress
 from ..review import desk, groups, report
 from ..review.decision import DECIDABLE
-from ..run.check import CHECK_LOG_SUFFIX
+from ..run.check import check_log
 
 if TYPE_CHECKING:
     from ..queue.pg.store import PgQueue
@@ -185,11 +185,12 @@ def summary(rv: report.Review) -> list[tuple[str, str]]:
 
 def check(root: Root, db: PgQueue | None, rec: Record) -> dict[str, str] | None:
     """The check's command, result and (the file queue's) log's end, inert. The log is read at the
-    name the check writes for this id (run/check.py), never at a path the record names."""
+    name the check writes for this id (run/check.py, check_log), never at another path a record
+    names."""
     c = rec.check
     if c is None:
         return None
-    log = b"" if db is not None else report.file_tail(root.logs_dir / f"{check_id(rec.id)}{CHECK_LOG_SUFFIX}")
+    log = b"" if db is not None else report.file_tail(check_log(root, rec))
     how = "timed out" if c.timed_out else ("passed" if c.passed else "failed")
     return {
         "command": inert(c.command),
