@@ -37,6 +37,6 @@ def submit_remote(
     else:
         tasks = [task.model_copy(update={"id": task.id or new_task_id()})]
     packed = pack(root, tasks[0])  # checks the (first) task, as `submit` does
-    with PgQueue(url) as q:
+    with PgQueue(url, single=True) as q:  # one call at a time: no pool (queue/pg/oneconn.py)
         recs = q.enqueue_group([(t.id, t) for t in tasks], inputs=packed.manifest, files=packed.files)
         return [q.wait_settled(r.id) for r in recs] if wait else recs
