@@ -22,6 +22,7 @@ def _cases() -> dict[str, Callable[[Ctx], list[Row]]]:
     from bench.cycle_fake import cycle_fake
     from bench.engine_startup import engine_startup
     from bench.large_project import large_project
+    from bench.oneshot import oneshot_egress, oneshot_engine
     from bench.per_task import per_task
     from bench.pg_queue import pg_queue
     from bench.pg_task import pg_task
@@ -42,6 +43,8 @@ def _cases() -> dict[str, Callable[[Ctx], list[Row]]]:
         "large-project": large_project,
         "ci-single": ci_single,
         "engine-startup": engine_startup,
+        "oneshot-engine": oneshot_engine,
+        "oneshot-egress": oneshot_egress,
     }
 
 
@@ -57,6 +60,8 @@ CASES = (
     "large-project",
     "ci-single",
     "engine-startup",
+    "oneshot-engine",
+    "oneshot-egress",
 )
 
 

@@ -59,12 +59,16 @@ The container (images/gateway, run as any non-root uid, read-only root, tmpfs /t
 - /var/log/fila-gateway/ (rw): egress.jsonl (one line per decision, fields in `Gateway.write`),
   summary.json (`Gateway._summarize`) and `ready`, written once both listeners are bound and the
   config is loaded;
-- ports 3128 (proxy) and 8080 (routes); entrypoint.sh starts mitmdump;
-- FILA_GATEWAY_WAIT=1 (a spare, started before its job: mitmdump's start-up is most of a gateway's
-  cost): with no config.json yet it binds its listeners, writes `listening`, refuses every client
-  and request, and loads config.json (the host mounts /etc/fila-gateway as a directory and writes
-  the secrets first, then the config, renamed into place) as soon as it appears; a bad one makes
-  it exit. A spare serves one job at most: the host removes it after that job.
+- ports 3128 (proxy) and 8080 (routes); entrypoint.sh starts mitmdump through launch.py, which
+  binds the doors' sockets first and writes `listening` (mitmdump's start-up is most of a gateway's
+  cost): the addon takes them over (FILA_GATEWAY_SOCKETS) only once it has its config, so an
+  engine started meanwhile waits in their queues and is never refused for a config not yet read;
+- FILA_GATEWAY_WAIT=1 (a spare, started before its job): with no config.json yet it serves no one
+  (its sockets, bound by launch.py, are not accepted from; without them, mitmproxy's own listeners
+  refuse every client and request) and loads config.json (the host mounts /etc/fila-gateway as a
+  directory and writes the secrets first, then the config, renamed into place) as soon as it
+  appears; a bad one makes it exit. A spare serves one job at most: the host removes it after that
+  job.
 """
 
 from __future__ import annotations
@@ -91,7 +95,7 @@ from mitmproxy.connection import ConnectionState
 from mitmproxy.net.dns import response_codes
 from mitmproxy.net.dns import types as dns_types
 from mitmproxy.net.http import http1, status_codes, url
-from mitmproxy.proxy import commands, events, layer, layers
+from mitmproxy.proxy import commands, events, layer, layers, mode_servers
 from mitmproxy.proxy.layers.http import ResponseProtocolError, _http1
 from mitmproxy.proxy.layers.tls import parse_client_hello
 from mitmproxy.proxy.mode_specs import RegularMode, ReverseMode
@@ -107,6 +111,20 @@ SYSTEM_CA = "/etc/ssl/certs/ca-certificates.crt"
 # A spare (FILA_GATEWAY_WAIT=1): started before any job, it listens and refuses everything until
 # the host writes its config, looked for every CONFIG_POLL_S.
 WAIT = os.environ.get("FILA_GATEWAY_WAIT") == "1"
+
+
+def _inherited(spec: str) -> dict[str, list[int]]:
+    """launch.py's sockets: `tcp:3128=3,tcp:3128=4,udp:53=5` -> {"tcp:3128": [3, 4], "udp:53": [5]}."""
+    out: dict[str, list[int]] = {}
+    for item in filter(None, spec.split(",")):
+        name, _, fd = item.rpartition("=")
+        out.setdefault(name, []).append(int(fd))
+    return out
+
+
+# The doors' sockets bound by launch.py before mitmdump started (none when mitmdump is run
+# directly: mitmproxy then binds its own listeners, and the DNS door binds here).
+SOCKETS = _inherited(os.environ.get("FILA_GATEWAY_SOCKETS", ""))
 CONFIG_POLL_S = 0.01
 
 MAX_HEADER_BYTES = 32 * 1024  # mitmproxy reads headers without a limit; refuse what no API needs
@@ -1226,7 +1244,8 @@ class Gateway:
         self.totals: dict[str, Any] = _new_totals()
         self._summary_at = 0.0
         self.needles = Needles(())  # the route credentials, in every form a response must not carry
-        self._waiting: asyncio.Task[None] | None = None  # a spare's wait for its config
+        self._waiting: asyncio.Task[None] | None = None  # the wait to serve (a spare's: for its config)
+        self._prepared: asyncio.Future[bool] | None = None
 
     # -- lifecycle
 
@@ -1252,9 +1271,28 @@ class Gateway:
         self._log_bytes = self._log.tell()
         return True
 
-    async def running(self) -> None:
-        if self.config is None and not WAIT:
-            return
+    def prepared(self) -> asyncio.Future[bool]:
+        """Configured and ready to serve (the same future for every door that asks): False when
+        the config was bad (the gateway is shutting down)."""
+        if self._prepared is None:
+            self._prepared = asyncio.ensure_future(self._prepare())
+        return self._prepared
+
+    async def _prepare(self) -> bool:
+        """The config (a spare: waited for, looked for every 10 ms), the reverse listener's sink,
+        the DNS door and the upstream CA: everything a request needs, before a door accepts one."""
+        if self.config is None:
+            if not WAIT:
+                return False  # a bad config at start-up: mitmdump is exiting (errorcheck)
+            if not SOCKETS:
+                # mitmproxy's own listeners are up already: they refuse everything ("gateway has
+                # no config", "client not on the job network") until the config is there.
+                _mark(LOG_DIR / "listening")
+            while not CONFIG_PATH.exists():
+                await asyncio.sleep(CONFIG_POLL_S)
+            if not self._configure():
+                ctx.master.shutdown()  # a spare given a bad config serves no one: the host sees it exit
+                return False
         # The reverse listener's nominal target: mitmproxy connects there when a route client
         # connects (eager strategy), and never sends a request there (the addon sends each to its
         # route's upstream). Should one ever arrive, it gets a 502, not a hang.
@@ -1263,36 +1301,33 @@ class Gateway:
         # (it never resolves for the engine: no DNS channel out) and logs it. Binding 53 as a
         # non-root user needs net.ipv4.ip_unprivileged_port_start <= 53 on the container; without
         # it the engine's lookups fail unanswered, just unlogged.
+        door = SOCKETS.pop(f"udp:{DNS_PORT}", None)
+        where: dict[str, Any] = (
+            {"sock": socket.socket(fileno=door[0])} if door else {"local_addr": ("0.0.0.0", DNS_PORT)}
+        )
         try:
             self._dns, _ = await asyncio.get_running_loop().create_datagram_endpoint(
-                lambda: DnsRefuser(self), local_addr=("0.0.0.0", DNS_PORT)
+                lambda: DnsRefuser(self), **where
             )
         except OSError as e:
             logger.warning(
                 f"fila_gateway: no DNS door on port {DNS_PORT} ({e.strerror}); lookups go unlogged"
             )
-        if self.config is None:
-            # A spare: everything is refused ("gateway has no config", "client not on the job
-            # network") until the host writes config.json, which is looked for every 10 ms.
-            _mark(LOG_DIR / "listening")
-            self._waiting = asyncio.create_task(self._await_config())
-            return
-        self._serve()
-
-    async def _await_config(self) -> None:
-        while not CONFIG_PATH.exists():
-            await asyncio.sleep(CONFIG_POLL_S)
-        if not self._configure():
-            ctx.master.shutdown()  # a spare given a bad config serves no one: the host sees it exit
-            return
-        self._serve()
-
-    def _serve(self) -> None:
-        """Configured and listening: the upstream CA set, then `ready` written for the host."""
-        assert self.config is not None
         # mitmproxy's own TLS to a route upstream: the configured CA, else the system bundle (which
         # holds the build-time extra CA), never certifi's copy.
+        assert self.config is not None
         ctx.options.update(ssl_verify_upstream_trusted_ca=self.config["upstream_ca"] or SYSTEM_CA)
+        return True
+
+    async def running(self) -> None:
+        self._waiting = asyncio.create_task(self._serve_when_prepared())
+
+    async def _serve_when_prepared(self) -> None:
+        if await self.prepared():
+            self._serve()
+
+    def _serve(self) -> None:
+        """Configured and listening: `ready` written for the host."""
         ps = ctx.master.addons.get("proxyserver")
         ports = {addr[1] for addr in ps.listen_addrs()} if ps else set()
         if {PROXY_PORT, ROUTE_PORT} <= ports:
@@ -1902,3 +1937,22 @@ class Gateway:
 
 
 addons = [Gateway()]
+
+_asyncio_listen = mode_servers.AsyncioServerInstance.listen
+
+
+async def _listen(self: Any, host: str, port: int) -> list[Any]:
+    """A door whose socket launch.py bound starts accepting from it only once the addon is
+    prepared (its config read, its sink, DNS door and upstream CA set): connections made before
+    wait in the socket's queue. Any other listener is mitmproxy's own."""
+    fds = SOCKETS.pop(f"tcp:{port}", None) if self.mode.transport_protocol == "tcp" else None
+    if not fds:
+        return list(await _asyncio_listen(self, host, port))
+    if not await addons[0].prepared():
+        for fd in fds:
+            os.close(fd)
+        return []
+    return [await asyncio.start_server(self.handle_stream, sock=socket.socket(fileno=fd)) for fd in fds]
+
+
+mode_servers.AsyncioServerInstance.listen = _listen  # type: ignore[method-assign]
