@@ -96,6 +96,29 @@ def _gateway_parts(records: list[dict[str, Any]], reps: int) -> str:
     return ", ".join(f"{k} {median(v):.3f}" for k, v in sorted(parts.items()))
 
 
+def _paired(case: str, xs: list[float], ys: list[float], note: str, **kw: Any) -> Row:
+    """A row of two sides' wall times side by side: their medians and the median of paired ratios."""
+    return Row(case, median(xs), median(ys), "s", ratio=paired_ratio(xs, ys), note=note, **kw)
+
+
+def _image_id() -> str:
+    """The gateway image's id now: other work on a shared machine may rebuild it mid-run (its
+    definition differs there), which makes the rounds after that measure another gateway."""
+    from fila.egress.config import GATEWAY_IMAGE
+
+    p = subprocess.run(["docker", "image", "inspect", "--format", "{{.Id}}", GATEWAY_IMAGE],
+                       capture_output=True, text=True, check=False)  # fmt: skip
+    return p.stdout.strip()
+
+
+def _same_image(before: str) -> str:
+    """A note for the row when the gateway image changed during its rounds."""
+    now = _image_id()
+    if now == before:
+        return ""
+    return f"; THE GATEWAY IMAGE CHANGED DURING THE ROUNDS ({before[:19]} -> {now[:19]})"
+
+
 def _load() -> str:
     return Path("/proc/loadavg").read_text().split()[0]
 
@@ -142,32 +165,27 @@ def _engine_rows(ctx: Ctx, name: str, ups: Any, client: Any, tmp: Path) -> list[
     if before is not None:
         sides["before"] = fila_side(*before, records["before"])
     ctx.log(f"oneshot: {name}: {reps} rounds of {', '.join(sides)} (load {_load()})")
+    image = _image_id()
     got = rounds(sides, reps)
     xs, ys = got["fila"], got["bare"]
-    r = paired_ratio(xs, ys)
-    rows = [
-        Row(
-            f"one-shot: {name} by `fila submit --run` (allowlist, gateway) vs the bare CLI",
-            median(xs),
-            median(ys),
-            "s",
-            target=f"<= {ENGINE_TARGET}",
-            ratio=r,
-            ok=r <= ENGINE_TARGET,
-            note=f"fila's records, medians: {_gateway_parts(records['fila'], reps)}; load {_load()}",
-            samples=got,
-        )
-    ]
+    row = _paired(
+        f"one-shot: {name} by `fila submit --run` (allowlist, gateway) vs the bare CLI",
+        xs,
+        ys,
+        f"fila's records, medians: {_gateway_parts(records['fila'], reps)}; "
+        f"load {_load()}{_same_image(image)}",
+        target=f"<= {ENGINE_TARGET}",
+        samples=got,
+    )
+    row.ok = row.ratio is not None and row.ratio <= ENGINE_TARGET
+    rows = [row]
     if before is not None:
-        bs = got["before"]
         rows.append(
-            Row(
+            _paired(
                 f"one-shot: {name}, BEFORE tree vs the bare CLI",
-                median(bs),
-                median(ys),
-                "s",
-                ratio=paired_ratio(bs, ys),
-                note=f"its records, medians: {_gateway_parts(records['before'], reps)}",
+                got["before"],
+                ys,
+                f"its records, medians: {_gateway_parts(records['before'], reps)}",
             )
         )
     return rows
@@ -201,6 +219,7 @@ def oneshot_egress(ctx: Ctx) -> list[Row]:
         sides["before"] = lambda: _one_shot(cmd, argv("allow"), env | extra, records["before"])
     try:
         ctx.log(f"oneshot: no-op task, {reps} rounds of {', '.join(sides)} (load {_load()})")
+        image = _image_id()
         got = rounds(sides, reps)
     finally:
         with contextlib.suppress(Exception):
@@ -208,29 +227,25 @@ def oneshot_egress(ctx: Ctx) -> list[Row]:
     xs, ys = got["allow"], got["none"]
     added = median([x - y for x, y in zip(xs, ys, strict=True)])
     rows = [
-        Row(
+        _paired(
             "one-shot: no-op `submit --run`, network allowlist vs none",
-            median(xs),
-            median(ys),
-            "s",
+            xs,
+            ys,
+            f"added (median of pairs) {added:.3f} s; allowlist records: "
+            f"{_gateway_parts(records['allow'], reps)}; load {_load()}{_same_image(image)}",
             target=f"+{EGRESS_TARGET_S} s",
-            ratio=paired_ratio(xs, ys),
             ok=added <= EGRESS_TARGET_S,
-            note=f"added (median of pairs) {added:.3f} s; allowlist records: "
-            f"{_gateway_parts(records['allow'], reps)}; load {_load()}",
             samples=got,
         )
     ]
     if before is not None:
         bs = got["before"]
         rows.append(
-            Row(
+            _paired(
                 "one-shot: no-op allowlist, BEFORE tree vs none",
-                median(bs),
-                median(ys),
-                "s",
-                ratio=paired_ratio(bs, ys),
-                note=f"added {median([b - y for b, y in zip(bs, ys, strict=True)]):.3f} s; its records: "
+                bs,
+                ys,
+                f"added {median([b - y for b, y in zip(bs, ys, strict=True)]):.3f} s; its records: "
                 f"{_gateway_parts(records['before'], reps)}",
             )
         )
