@@ -513,9 +513,8 @@ def take_spare(
     early: bool = False,
 ) -> Gateway | None:
     """The pool's spare for the job's egress network, configured for the job and ready (`early`:
-    listening, see egress.configure); None
-    when there is none or it failed (it is then removed, and the job starts its own). Its
-    `timings`: gateway_take (the wait for it), gateway_ready."""
+    listening, see egress.configure); None when there is none or it failed (it is then removed,
+    and the job starts its own). Its `timings`: gateway_take (the wait for it), gateway_ready."""
     from . import egress
 
     assert spec.policy.egress is not None
