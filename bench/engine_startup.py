@@ -76,7 +76,7 @@ def _first_model_request(ups: Any, protocol: str) -> float:
 class EngineStartup:
     """One engine's two sides, sharing the upstreams, a fila root and a bare job directory."""
 
-    def __init__(self, engine: str, ups: Any, client: Any, tmp: Path) -> None:
+    def __init__(self, engine: str, ups: Any, client: Any, tmp: Path, *, worker: bool = True) -> None:
         from tests.support.engines import E2E_ENGINES, KEY_VAR, engine_policy, model_script
         from tests.support.project import make_root
 
@@ -102,37 +102,46 @@ class EngineStartup:
         self.fila_totals: list[float] = []  # claim to record, from each record's timings
         self.bare_totals: list[float] = []  # `docker run` to its exit and removal
         # One long-running worker for the engine's root, as a CI fleet or a team runs one: it keeps
-        # a spare gateway started between tasks (sandbox/gateways.py).
-        self.worker = subprocess.Popen(
-            [*fila_cmd(), "worker", "--root", str(self.root), "--quiet"],
-            env={**os.environ, self.key_var: self.secret},
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        # a spare gateway started between tasks (sandbox/gateways.py). Without it (`worker=False`,
+        # bench/oneshot.py) each task is a fresh `fila submit --run`.
+        self.worker = None
+        if worker:
+            self.worker = subprocess.Popen(
+                [*fila_cmd(), "worker", "--root", str(self.root), "--quiet"],
+                env={**os.environ, self.key_var: self.secret},
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+
+    def submit_argv(self) -> list[str]:
+        """`fila submit` of the engine's task (add `--run` for the one-shot form)."""
+        return [
+            *("submit", "--json", "--root", str(self.root), "--engine", self.engine),
+            *("--model", self.spec.model, "--target", "a.txt", "--policy", self.engine),
+            *("--prompt", PROMPT),
+        ]
+
+    def reset(self) -> None:
+        """The model server's script set again and its request log emptied, before a run."""
+        self.ups.set_script(self.script)
+        self.ups.clear_requests()
 
     def close(self) -> None:
+        if self.worker is None:
+            return
         self.worker.terminate()
         try:
             self.worker.wait(timeout=60)
         except subprocess.TimeoutExpired:
             self.worker.kill()
 
-    def _reset(self) -> None:
-        self.ups.set_script(self.script)
-        self.ups.clear_requests()
-
     def fila_job(self) -> float:
         """A: a task submitted to the engine's worker, waited for until its record is there; the
         job container's start to the first model request."""
-        self._reset()
+        self.reset()
         t0 = time.time()
         p = subprocess.run(
-            [
-                *fila_cmd(),
-                *("submit", "--json", "--root", str(self.root), "--engine", self.engine),
-                *("--model", self.spec.model, "--target", "a.txt", "--policy", self.engine),
-                *("--prompt", PROMPT),
-            ],
+            [*fila_cmd(), *self.submit_argv()],
             env={**os.environ, self.key_var: self.secret},
             capture_output=True,
             text=True,
@@ -164,7 +173,7 @@ class EngineStartup:
         from fila.engines.base import HOME, JOB_MOUNT
         from fila.sandbox.base import run_as
 
-        self._reset()
+        self.reset()
         shutil.rmtree(self.bare, ignore_errors=True)
         (self.bare / "work").mkdir(parents=True)
         (self.bare / "work" / "a.txt").write_text("hello\n")

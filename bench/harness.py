@@ -24,6 +24,7 @@ def _cases() -> dict[str, Callable[[Ctx], list[Row]]]:
     from bench.engine_startup import engine_startup
     from bench.environment import environment
     from bench.large_project import large_project
+    from bench.oneshot import oneshot_egress, oneshot_engine
     from bench.per_task import per_task
     from bench.pg_queue import pg_queue
     from bench.pg_task import pg_task
@@ -50,6 +51,8 @@ def _cases() -> dict[str, Callable[[Ctx], list[Row]]]:
         "engine-startup": engine_startup,
         "environment": environment,
         "web-list": web_list,
+        "oneshot-engine": oneshot_engine,
+        "oneshot-egress": oneshot_egress,
     }
 
 
@@ -69,6 +72,8 @@ CASES = (
     "engine-startup",
     "environment",
     "web-list",
+    "oneshot-engine",
+    "oneshot-egress",
 )
 
 

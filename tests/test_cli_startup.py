@@ -197,6 +197,58 @@ def test_console_submit_imports_no_container_client(tmp_path: Path) -> None:
     assert code == 2 and "outside" in err
 
 
+# What no command below needs on its path: the container client and its HTTP stack (only a
+# process that runs a task), the PostgreSQL driver and its pool (only `--queue URL`), the schema
+# validator (only for a document the strict model refuses), the worker and recovery.
+HEAVY = {
+    "docker", "requests", "urllib3", "psycopg", "psycopg_pool", "jsonschema", "fila.run.worker",
+    "fila.recovery.recover", "fila.sandbox.docker.backend",
+}  # fmt: skip
+# Beyond HEAVY, per command: the deny rules (pathspec) only where files are checked.
+NOT_NEEDED = {"submit": set(), "ls": {"pathspec"}, "show": {"pathspec"}, "status": {"pathspec"},
+              "logs": {"pathspec"}, "schema": {"pathspec"}}  # fmt: skip
+
+
+def test_each_command_imports_only_what_its_path_needs(tmp_path: Path) -> None:
+    """A command that starts importing what its path does not use fails here, by name (every
+    such import is start-up paid by each CI job: docs/benchmarks.md, "The one-shot path")."""
+    make_root(tmp_path)
+    (tmp_path / "greeting.txt").write_text("hello\n")
+    root = ["--root", str(tmp_path)]
+    code, out, err, mods = _console(["submit", *root, "--engine", "shell", "--command", "true", "--target",
+                                     "greeting.txt"])  # fmt: skip
+    assert code == 0, err
+    tid = out.strip()
+    got = {"submit": mods}
+    for cmd, args in (("ls", root), ("show", [*root, tid]), ("status", root), ("logs", [*root, tid]),
+                      ("schema", ["task"])):  # fmt: skip
+        code, out, err, got[cmd] = _console([cmd, *args])
+        # The allowed counterpart: each command did its work without them.
+        assert code == 0, (cmd, err)
+        assert out.strip() or cmd == "logs", cmd
+    extra = {cmd: sorted((HEAVY | NOT_NEEDED[cmd]) & mods) for cmd, mods in got.items()}
+    assert extra == {cmd: [] for cmd in got}, extra
+
+
+def test_console_submit_to_a_queue_url_opens_one_connection_and_no_pool(tmp_path: Path, pg_url: str) -> None:
+    """`fila submit --queue URL` makes one call: one connection (queue/pg/oneconn.py), without
+    psycopg_pool's import (about 0.23 s of its CPU) or the container client's."""
+    from fila.queue.pg.store import PgQueue
+
+    make_root(tmp_path)
+    (tmp_path / "greeting.txt").write_text("hello\n")
+    args = ["submit", "--queue", pg_url, "--root", str(tmp_path), "--engine", "shell", "--command", "true"]
+    code, out, err, mods = _console([*args, "--target", "greeting.txt"])
+    assert code == 0, err
+    with PgQueue(pg_url) as q:
+        assert q.get(out.strip()).status == "queued"
+    assert "psycopg" in mods and not {"psycopg_pool", "docker", "requests"} & mods
+    # An unreachable database is still said plainly through the one connection.
+    bad = pg_url.replace("host=", "host=/nonexistent")
+    code, _out, err, _mods = _console([*args[:2], bad, *args[3:], "--target", "greeting.txt"])
+    assert code != 0 and "does not answer" in err, err
+
+
 def test_stored_schemas_are_the_models_and_used_only_while_current(tmp_path: Path, monkeypatch: Any) -> None:
     from fila.core import models
 

@@ -1,7 +1,8 @@
 #!/bin/sh
 # Starts mitmdump with fila's addon (fila_gateway.py, next to this file): the forward proxy on
 # 3128 (regular mode) and the model routes on 8080 (reverse mode; the addon rewrites each request
-# to its route's upstream).
+# to its route's upstream). launch.py binds the doors' sockets first (and writes `listening`), then
+# becomes mitmdump, which serves them once the addon has its config.
 # - The reverse target below is a sink the addon listens on (127.0.0.1:3127). mitmproxy connects
 #   to it when a route client connects (connection_strategy eager, which CONNECT needs: the tunnel
 #   is opened to the checked address before the 200, and server-speaks-first protocols work; and
@@ -20,7 +21,7 @@
 set -eu
 proxy_port="${FILA_GATEWAY_PROXY_PORT:-3128}"
 sink_port="${FILA_GATEWAY_SINK_PORT:-3127}"
-exec mitmdump \
+exec python3 -S "$(dirname "$0")/launch.py" \
     --mode "regular@${proxy_port}" \
     --mode "reverse:http://127.0.0.1:${sink_port}@${FILA_GATEWAY_ROUTE_PORT:-8080}" \
     --set listen_host="${FILA_GATEWAY_LISTEN_HOST:-}" \

@@ -141,7 +141,7 @@ class Client:
             if self._db is None:
                 from ..queue.pg.store import PgQueue
 
-                self._db = PgQueue(self.queue_url)
+                self._db = PgQueue(self.queue_url, single=True)  # one call at a time: no pool to import
             return self._db
 
     # -- tasks in ------------------------------------------------------------------------------

@@ -319,7 +319,10 @@ class Gateway:
     netns: str | None = None
     # Its directory is removed already (a spare after its job): `dir` may be the next attempt's.
     dir_gone: bool = False
-    timings: dict[str, float] = field(default_factory=dict)  # gateway_start/_take, _ready, _remove
+    # Whether it serves already; False between `configure(early=True)` (its sockets bound) and
+    # `wait_serving`, which the engine's start does not wait for (sandbox/docker/egress.py).
+    serving: bool = True
+    timings: dict[str, float] = field(default_factory=dict)  # gateway_start/_take, _ready, _serve, _remove
     # Called once the gateway, its network and its directory are gone (a pool's spare lets go of
     # its lock, which until then tells recovery its owner is alive).
     released: Callable[[], None] | None = field(default=None, repr=False)

@@ -148,7 +148,8 @@ class RunResult:
     output: RunOutput = field(default_factory=RunOutput)
     # defer_removal: the container's removal, still running; awaited before anything is published
     removal: Removal | None = None
-    # The job's gateway: gateway_start (made for the job) or gateway_take (a spare), gateway_ready;
+    # The job's gateway: gateway_start (made for the job) or gateway_take (a spare), gateway_ready
+    # (until it listens, before the engine), gateway_serve (after the engine's start, until it serves);
     # gateway_remove is the removal's (Removal.timings, or here when removed inside `run`).
     gateway_timings: dict[str, float] = field(default_factory=dict)
     # A setup run's result: the id of the image its container was committed as (RunSpec.setup).

@@ -9,7 +9,7 @@ own transaction (`count`): an outcome is counted exactly when it is written, and
 refused for a stale token counts nothing. The threshold is the failing task's policy's
 `max_consecutive_failures` as its runner has it (published with the outcome), else the default.
 
-While the breaker is open the claim statement (store.CLAIM_SQL, through CLOSED) claims nothing:
+While the breaker is open the claim statement (leases.CLAIM_SQL, through CLOSED) claims nothing:
 the database refuses, not the runner's own check. A claim already in flight when the breaker trips
 may still commit, as a file-queue worker's claim between its check and another worker's trip does.
 Nothing reopens it but a person: `fila rearm --queue URL` (`rearm`).

@@ -13,6 +13,7 @@ Every writer (store.py) locks the task's row first, then writes its record and e
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from datetime import datetime
@@ -42,9 +43,10 @@ def retryable(err: BaseException) -> bool:
     """Whether a failed transaction is worth running again: its connection broke (or none came
     within the wait), or the server answered with one of RETRY_SQLSTATES or class 08."""
     import psycopg
-    from psycopg_pool import PoolTimeout
 
-    if isinstance(err, PoolTimeout):
+    # A PoolTimeout only where the pool is in use (not imported, no error of it can exist).
+    pool = sys.modules.get("psycopg_pool")
+    if pool is not None and isinstance(err, pool.PoolTimeout):
         return True
     if not isinstance(err, psycopg.Error):
         return False
@@ -56,17 +58,24 @@ def retryable(err: BaseException) -> bool:
 
 
 class Database:
-    """One queue database, shared by this process's threads (a pool of `max_size` connections)."""
+    """One queue database, shared by this process's threads (a pool of `max_size` connections,
+    or with `single` one connection: queue/pg/oneconn.py)."""
 
     def __init__(
-        self, url: str, *, max_size: int = 4, reconnect_s: float = 30.0, io_timeout_s: float | None = None
+        self,
+        url: str,
+        *,
+        max_size: int = 4,
+        reconnect_s: float = 30.0,
+        io_timeout_s: float | None = None,
+        single: bool = False,
     ) -> None:
         """`io_timeout_s` (a runner's connections): no statement runs longer on the server
         (statement_timeout), and over TCP a peer that stops acknowledging or answering keepalives
         breaks the connection within about that long (tcp_user_timeout, keepalives), so a call
-        on a silently partitioned network returns with an error instead of blocking for ever."""
-        from psycopg_pool import ConnectionPool
-
+        on a silently partitioned network returns with an error instead of blocking for ever.
+        `single`: one connection and no pool (a process that makes one call at a time: `fila
+        submit --queue`), without psycopg_pool's import."""
         self.params = conninfo.parse(url)
         self.where = conninfo.describe(self.params)
         self.url = url
@@ -84,16 +93,25 @@ class Database:
             def configure(conn: Any) -> None:  # a SET, not `options`: the URL's own options stay
                 conn.execute(f"SET statement_timeout = {ms}")
 
-        self.pool = ConnectionPool(
-            url,
-            min_size=1,
-            max_size=max_size,
-            open=False,
-            kwargs=kwargs,
-            configure=configure,
-            name="fila-queue",
-        )
-        self.pool.open(wait=False)
+        self._timeouts: tuple[type[BaseException], ...] = ()
+        if single:
+            from .oneconn import OneConnection
+
+            self.pool: Any = OneConnection(url, kwargs, configure)
+        else:
+            from psycopg_pool import ConnectionPool, PoolTimeout
+
+            self._timeouts = (PoolTimeout,)
+            self.pool = ConnectionPool(
+                url,
+                min_size=1,
+                max_size=max_size,
+                open=False,
+                kwargs=kwargs,
+                configure=configure,
+                name="fila-queue",
+            )
+            self.pool.open(wait=False)
         self._listener: Any = None
 
     def close(self) -> None:
@@ -116,7 +134,6 @@ class Database:
         again, `again` True, until `reconnect_s` has passed. Any other database error (a full
         disk, a statement timeout, a value the schema refuses) is raised at once as QueueFailed."""
         import psycopg
-        from psycopg_pool import PoolTimeout
 
         deadline = time.monotonic() + self.reconnect_s
         delay, again = 0.05, False
@@ -125,7 +142,7 @@ class Database:
                 wait = max(0.1, deadline - time.monotonic())
                 with self.pool.connection(timeout=wait) as conn, conn.transaction():
                     return fn(conn, again)
-            except (psycopg.Error, PoolTimeout) as e:
+            except (psycopg.Error, *self._timeouts) as e:
                 said = conninfo.mask(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
                 if not retryable(e):
                     raise QueueFailed(

@@ -10,6 +10,7 @@ label. The job's files are handed to the engine and back through its Workspace (
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -85,7 +86,8 @@ def run(
         if spec.policy.runtime:
             _check_runtime(client, spec)
         if spec.policy.network == "allowlist":
-            gateway = start_gateway(client, spec, uid, gid, spares)
+            # Listening, not yet serving: its start-up runs beside the engine's (`_started`).
+            gateway = start_gateway(client, spec, uid, gid, spares, early=True)
             kwargs = create_kwargs(spec, name, gateway)
             if adapt is not None:
                 kwargs = adapt(kwargs)
@@ -101,11 +103,9 @@ def run(
             raise docker_error(spec, "creating the container", e) from e
         if before_start is not None:
             before_start(container.id)
-        started = None
-        if spares is not None and spec.policy.egress is not None:
-            network = spec.policy.egress.egress_network
-            started = lambda: spares.replace(network)  # noqa: E731
-        result = _execute(client, spec, container, heartbeat, heartbeat_s, started)
+        result = _execute(
+            client, spec, container, heartbeat, heartbeat_s, _started(client, spec, gateway, spares)
+        )
         if spec.setup is not None and result.exit_code == 0 and not (result.timed_out or result.stopped):
             # Measured once more after the exit: a setup that writes fast and exits between two
             # heartbeats is never committed over the limit.
@@ -147,6 +147,30 @@ def run(
         except Exception as e:  # the original error matters more; say what is left
             note_left(exc, f"could not reclaim {spec.job_dir}: {e}", running=False)
         raise
+
+
+def _started(
+    client: docker.DockerClient, spec: RunSpec, gateway: Gateway | None, spares: GatewayPool | None
+) -> Callable[[], None] | None:
+    """What follows the engine's start: the pool's next spare asked for, and the wait for a
+    gateway configured early to serve (the engine's connections wait in its queues meanwhile;
+    its log is read only once it serves). A gateway that dies first fails the run (InfraError:
+    the engine is removed with it)."""
+    then: list[Callable[[], None]] = []
+    if spares is not None and spec.policy.egress is not None:
+        then.append(functools.partial(spares.replace, spec.policy.egress.egress_network))
+    if gateway is not None and not gateway.serving:
+        from . import egress
+
+        then.append(functools.partial(egress.wait_serving, client, gateway))
+    if not then:
+        return None
+
+    def started() -> None:
+        for step in then:
+            step()
+
+    return started
 
 
 def _execute(
@@ -487,32 +511,39 @@ def start_gateway(
     spares: GatewayPool | None,
     *,
     start: Callable[..., Gateway] | None = None,
+    early: bool = False,
 ) -> Gateway:
     """A spare from `spares` made the job's, or (none there, or it failed) one started for it by
-    `start` (egress.start; Podman's on Podman)."""
+    `start` (Podman's on Podman, which waits until it serves) or egress.start. `early`: returned
+    once listening, not yet serving (egress.configure; the caller then calls egress.wait_serving)."""
     from . import egress
 
     if spec.egress_dir is None:
         raise InfraError("network allowlist needs RunSpec.egress_dir", task_id=spec.job_id)
-    if spares is not None and (gw := take_spare(client, spec, uid, gid, spares)) is not None:
+    if spares is not None and (gw := take_spare(client, spec, uid, gid, spares, early=early)) is not None:
         return gw
-    return (start or egress.start)(
-        client,
-        job_id=spec.job_id,
-        policy=spec.policy,
-        state=spec.egress_dir,
-        labels=spec.labels,
-        uid=uid,
-        gid=gid,
+    own = (
+        functools.partial(start, client)
+        if start is not None
+        else functools.partial(egress.start, client, early=early)
+    )
+    return own(
+        job_id=spec.job_id, policy=spec.policy, state=spec.egress_dir, labels=spec.labels, uid=uid, gid=gid
     )
 
 
 def take_spare(
-    client: docker.DockerClient, spec: RunSpec, uid: int, gid: int, spares: GatewayPool
+    client: docker.DockerClient,
+    spec: RunSpec,
+    uid: int,
+    gid: int,
+    spares: GatewayPool,
+    *,
+    early: bool = False,
 ) -> Gateway | None:
-    """The pool's spare for the job's egress network, configured for the job and ready; None
-    when there is none or it failed (it is then removed, and the job starts its own). Its
-    `timings`: gateway_take (the wait for it), gateway_ready."""
+    """The pool's spare for the job's egress network, configured for the job and ready (`early`:
+    listening, see egress.configure); None when there is none or it failed (it is then removed,
+    and the job starts its own). Its `timings`: gateway_take (the wait for it), gateway_ready."""
     from . import egress
 
     assert spec.policy.egress is not None
@@ -527,7 +558,9 @@ def take_spare(
             # by the job's claim); the running gateway's mounts follow the directory itself.
             move_dir(spare.dir, spec.egress_dir)
             spare.dir = spec.egress_dir
-        return egress.configure(client, spare, job_id=spec.job_id, policy=spec.policy, uid=uid, gid=gid)
+        return egress.configure(
+            client, spare, job_id=spec.job_id, policy=spec.policy, uid=uid, gid=gid, early=early
+        )
     except (InfraError, OSError) as e:  # a spare that died meanwhile
         spares.errors.append(f"spare gateway {spare.container} failed for {spec.job_id}: {e}")
         with contextlib.suppress(InfraError):

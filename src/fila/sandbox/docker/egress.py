@@ -44,7 +44,7 @@ from ...egress.config import (
 
 __all__ = [
     "collect", "configure", "create", "died", "ensure_egress_network", "forget_secrets", "read", "remove",
-    "start", "stop", "sweep", "sweep_spares",
+    "start", "stop", "sweep", "sweep_spares", "wait_serving",
 ]  # fmt: skip
 
 
@@ -227,10 +227,14 @@ def configure(
     gid: int,
     launch: bool = False,
     ready_timeout_s: float = READY_TIMEOUT_S,
+    early: bool = False,
 ) -> Gateway:
     """Make `gw` the job's: its secrets and config written (the config last: a started gateway
-    loads it the moment it appears), started when `launch`, then waited for until ready. On any
-    failure the gateway is removed before the error is raised."""
+    loads it the moment it appears), started when `launch`, then waited for until ready, or with
+    `early` only until its sockets are bound (`listening`): the engine may start then, its
+    connections waiting in the gateway's queues until it serves, and the caller waits for that
+    with `wait_serving` once the engine has started (docs/benchmarks.md, "The one-shot path"). On
+    any failure the gateway is removed before the error is raised."""
     gw.job_id = job_id
     step = "writing the gateway's configuration"
     try:
@@ -241,7 +245,10 @@ def configure(
             client.api.start(gw.container)
         step = "waiting for the gateway"
         t = time.monotonic()
-        gw.ip = wait_ready(client, gw, ready_timeout_s)
+        gw.ip = wait_ready(
+            client, gw, ready_timeout_s, markers=("listening", "ready") if early else ("ready",)
+        )
+        gw.serving = not early
         gw.timings["gateway_ready"] = round(time.monotonic() - t, 3)
         return gw
     except BaseException as exc:
@@ -275,10 +282,11 @@ def start(
     gid: int,
     ready_timeout_s: float = READY_TIMEOUT_S,
     make: Callable[..., Gateway] | None = None,
+    early: bool = False,
 ) -> Gateway:
     """A job's own gateway, made for it now (no spare to take): created (by `make`, Podman's
-    `create` on Podman), configured, started, ready. Its `timings`: gateway_start (the network and
-    the container), gateway_ready."""
+    `create` on Podman), configured, started, ready (with `early`: listening, see `configure`).
+    Its `timings`: gateway_start (the network and the container), gateway_ready."""
     assert policy.egress is not None
     t = time.monotonic()
     gw = (make or create)(
@@ -301,11 +309,29 @@ def start(
         gid=gid,
         launch=True,
         ready_timeout_s=ready_timeout_s,
+        early=early,
     )
 
 
-def wait_ready(client: docker.DockerClient, gw: Gateway, timeout_s: float) -> str:
-    ready = gw.dir / "log" / "ready"
+def wait_serving(client: docker.DockerClient, gw: Gateway, timeout_s: float = READY_TIMEOUT_S) -> None:
+    """After the engine's start, for a gateway configured `early`: wait until it serves (`ready`:
+    its config loaded, its doors taking what queued meanwhile). Its seconds are
+    `gw.timings["gateway_serve"]`: the part of the gateway's start the engine's own did not hide.
+    InfraError when it exits or times out first (the caller stops the engine)."""
+    if gw.serving:
+        return
+    t = time.monotonic()
+    wait_ready(client, gw, timeout_s)
+    gw.serving = True
+    gw.timings["gateway_serve"] = round(time.monotonic() - t, 3)
+
+
+def wait_ready(
+    client: docker.DockerClient, gw: Gateway, timeout_s: float, *, markers: tuple[str, ...] = ("ready",)
+) -> str:
+    """The gateway's address on its job network once it has written one of `markers` in its log
+    directory: `ready` (serving) or `listening` (its sockets bound: launch.py)."""
+    log = gw.dir / "log"
     deadline = time.monotonic() + timeout_s
     while True:
         info = client.api.inspect_container(gw.container)
@@ -317,7 +343,7 @@ def wait_ready(client: docker.DockerClient, gw: Gateway, timeout_s: float) -> st
                 task_id=gw.job_id,
                 hint=f"check the image {GATEWAY_IMAGE} (`fila images build gateway`) and `fila doctor`",
             )
-        if ready.exists():
+        if any((log / m).exists() for m in markers):
             ip = info["NetworkSettings"]["Networks"].get(gw.network, {}).get("IPAddress")
             if not ip:
                 raise InfraError(f"the gateway has no address on {gw.network}", task_id=gw.job_id)
@@ -332,7 +358,7 @@ def wait_ready(client: docker.DockerClient, gw: Gateway, timeout_s: float) -> st
         # state every 100 ms.
         for _ in range(10):
             time.sleep(0.01)
-            if ready.exists():
+            if any((log / m).exists() for m in markers):
                 break
 
 
