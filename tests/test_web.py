@@ -9,6 +9,7 @@ import json
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -434,3 +435,33 @@ def test_the_log_follows_from_an_offset(root: Root) -> None:
     got = client(root).get(f"/api/task/{tid}/log", params={"offset": "0"}).json()
     assert "line-one" in got["text"] and got["offset"] == end
     assert Status(record(root, tid)["status"]) == Status.needs_review
+
+
+def test_a_body_over_the_cap_or_a_multipart_upload_is_refused_before_routing(root: Root) -> None:
+    from fila.web.limits import MAX_BODY
+
+    _, token = accounts.add(root, "rev")
+    c = client(root)
+    page = c.get("/login")
+    # allowed: the login form, with a long token field under the cap
+    r = c.post("/login", data={"csrf": csrf(page.text), "name": "rev", "token": "x" * 1000}, headers=ORIGIN)
+    assert r.status_code == 401 and "unknown name or token" in r.text
+    big = {"csrf": csrf(c.get("/login").text), "name": "rev", "token": "x" * (MAX_BODY + 1)}
+    r = c.post("/login", data=big, headers=ORIGIN)
+    assert r.status_code == 413 and "at most" in r.text
+
+    def chunked() -> Any:
+        yield b"name=rev&token="
+        for _ in range(MAX_BODY // 1024 + 1):
+            yield b"x" * 1024
+
+    r = c.post(
+        "/login", content=chunked(), headers={**ORIGIN, "Content-Type": "application/x-www-form-urlencoded"}
+    )
+    assert r.status_code == 413 and "over" in r.text
+    r = c.post(
+        "/login", files={"f": ("a.bin", b"x" * 10)}, data={"csrf": csrf(c.get("/login").text)}, headers=ORIGIN
+    )
+    assert r.status_code == 415 and "multipart" in r.text
+    assert r.headers["content-security-policy"]  # the security headers on the refusal too
+    assert login(c, "rev", token).status_code == 303

@@ -38,7 +38,7 @@ from ..core.text import inert
 from ..review import desk, report
 from ..review.branch import apply_on_branch
 from ..review.decision import decider
-from . import accounts, views
+from . import accounts, limits, views
 from .sessions import Session, Sessions, Throttle
 
 if TYPE_CHECKING:
@@ -158,7 +158,7 @@ class Gate:
         are checked (the token spent); with `role`, the session's account must have it."""
         self.same_origin(request)
         s = self.session(request, login=login)
-        form = await request.form()
+        form = await request.form(max_files=0, max_fields=limits.MAX_FIELDS, max_part_size=limits.MAX_BODY)
         if not self.sessions.spend(s, str(form.get("csrf") or "")):
             raise Denied(
                 403, "refused: the form's token is missing, spent or not this session's; reload the page"
@@ -423,7 +423,7 @@ def make_app(cfg: Config) -> Starlette:
         Route("/logout", guarded(logout), methods=["POST"]),
         Mount("/static", StaticFiles(directory=str(Path(str(here)) / "static")), name="static"),
     ]
-    return Starlette(routes=routes, middleware=[Middleware(SecurityHeaders)])
+    return Starlette(routes=routes, middleware=[Middleware(SecurityHeaders), Middleware(limits.BodyLimit)])
 
 
 class SecurityHeaders:
