@@ -301,6 +301,34 @@ def test_a_loopback_server_without_accounts_answers_to_loopback_names_only(root:
     assert r.status_code == 421 and "loopback" in r.text
 
 
+def test_without_accounts_only_the_one_time_link_makes_a_reviewer(root: Root) -> None:
+    from starlette.testclient import TestClient
+
+    tid = make_task(root, "echo x > greeting.txt")
+    mine = client(root)  # opened the link `fila serve` printed
+    link = mine.app_config.local_link
+    # another process on this host, on the same server, without the link
+    stranger = TestClient(mine.app, base_url="http://127.0.0.1", follow_redirects=False)
+    assert stranger.get("/").headers["location"] == "/login"
+    assert "one-time login link" in stranger.get("/login").text
+    assert stranger.get("/api/tasks").status_code == 401
+    r = stranger.post(f"/task/{tid}/apply", data={"csrf": "x"}, headers=ORIGIN)
+    assert r.status_code == 401 and status(root, tid) == "needs_review"
+    for guess in ("", "x", mine.app_config.local_secret[:-1], mine.app_config.local_secret):
+        r = stranger.get("/login/local", params={"secret": guess})  # the last: the link, spent
+        assert r.status_code == 403 and "restart" in r.text
+    assert stranger.get("/api/tasks").status_code == 401
+    # allowed: the person who opened the link decides, recorded as the login name
+    page = mine.get(f"/task/{tid}")
+    assert mine.post(f"/task/{tid}/apply", data={"csrf": csrf(page.text)}, headers=ORIGIN).status_code == 303
+    assert status(root, tid) == "applied" and link.startswith("/login/local?secret=")
+    # once an account exists a link opens nothing and the local session ends
+    again = client(root, local=False)
+    accounts.add(root, "rev")
+    assert again.get(again.app_config.local_link).status_code == 403
+    assert mine.get("/api/tasks").status_code == 401
+
+
 def test_failed_logins_are_slowed_then_refused(root: Root) -> None:
     _, token = accounts.add(root, "rev")
     throttle = Throttle(limit=3, base_delay_s=0.0)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fila.core.layout import Root
+from fila.web import accounts
 from fila.web.app import Config, make_app
 from fila.web.server import Bind, server
 from fila.web.sessions import Throttle
@@ -40,13 +41,21 @@ def make_task(
     return run_shell(root, command, *targets, status=status, extra=(*more, *extra), env=fake_env(root))
 
 
-def client(root: Root, *, https: bool = False, throttle: Throttle | None = None, db: Any = None) -> Any:
-    """A TestClient of the app on `root`, as a browser on this host reaches it (Host 127.0.0.1)."""
+def client(
+    root: Root, *, https: bool = False, throttle: Throttle | None = None, db: Any = None, local: bool = True
+) -> Any:
+    """A TestClient of the app on `root`, as a browser on this host reaches it (Host 127.0.0.1).
+    Without accounts and with `local`, it has opened the server's one-time login link (what the
+    person who starts `fila serve` does); `c.app_config` is the app's Config."""
     from starlette.testclient import TestClient
 
     cfg = Config(root=root, db=db, loopback=True, throttle=throttle or Throttle(base_delay_s=0.0))
     base = f"{'https' if https else 'http'}://127.0.0.1"
-    return TestClient(make_app(cfg), base_url=base, follow_redirects=False)
+    c = TestClient(make_app(cfg), base_url=base, follow_redirects=False)
+    c.app_config = cfg
+    if local and not any(a.active for a in accounts.load(root).values()):
+        assert c.get(cfg.local_link).status_code == 303
+    return c
 
 
 def csrf(html: str) -> str:
@@ -67,7 +76,7 @@ def login(c: Any, name: str, token: str) -> Any:
 @contextlib.contextmanager
 def live_server(root: Root, db: Any = None) -> Iterator[str]:
     """The real server (uvicorn) on 127.0.0.1 and a free port, in a thread: its base URL."""
-    srv = server(root, db, Bind("127.0.0.1", 0))
+    srv, _first = server(root, db, Bind("127.0.0.1", 0))
     t = threading.Thread(target=srv.run, daemon=True)
     t.start()
     deadline = time.monotonic() + 30

@@ -4,7 +4,8 @@ login, and the decisions, each a call to review/desk.py, the functions the comma
 
 Each request passes the same gate (`Gate`): the Host must be this server's when it serves a
 loopback address without accounts (a page elsewhere cannot reach it through DNS rebinding); the
-session must be an account's that is still active (or, without accounts, the local person's);
+session must be an account's that is still active (or, without accounts, the session the
+one-time login link `fila serve` printed made);
 a state-changing request must come from this origin (Origin, Sec-Fetch-Site) and spend a CSRF
 token of its session; a reader cannot decide. Every response carries a Content-Security-Policy
 that runs no inline script and loads nothing from elsewhere.
@@ -14,8 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import secrets
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -71,6 +74,14 @@ class Config:
     db: PgQueue | None = None
     loopback: bool = True
     throttle: Throttle | None = None
+    # Without accounts (loopback only): the one-time secret of the login link `fila serve`
+    # prints, which makes the session of the person who started it.
+    local_secret: str = field(default_factory=lambda: secrets.token_urlsafe(32))
+
+    @property
+    def local_link(self) -> str:
+        """The path of the one-time login link (without accounts)."""
+        return "/login/local?" + urlencode({"secret": self.local_secret})
 
 
 class Denied(Exception):
@@ -110,6 +121,8 @@ class Gate:
         self.cfg = cfg
         self.sessions = Sessions()
         self.throttle = cfg.throttle or Throttle()
+        self._local_secret: str | None = cfg.local_secret
+        self._local_lock = threading.Lock()
 
     def accounts(self) -> dict[str, accounts.Account]:
         return accounts.load(self.cfg.root)
@@ -121,8 +134,9 @@ class Gate:
             raise Denied(421, "this server answers to its loopback address only (127.0.0.1, localhost)")
 
     def session(self, request: Request, *, login: bool = False) -> Session:
-        """The request's session, an account's that is still active (or the local person's when
-        there are no accounts); Denied(401) when there is none and `login` is False."""
+        """The request's session, an account's that is still active (or the local person's, made
+        by the one-time link, when there are no accounts); Denied(401) when there is none and
+        `login` is False."""
         self.check_host(request)
         known = self.accounts()
         s = self.sessions.get(request.cookies.get(COOKIE))
@@ -134,14 +148,29 @@ class Gate:
                 s = None
         if s is not None and (s.user is not None or login):
             return s
-        if not known:
-            if not self.cfg.loopback:
-                raise Denied(403, "this server has no accounts: add one with `fila serve user add NAME`")
-            s = self.sessions.new(user=decider(None), role="reviewer", local=True)
-            return s
+        if not known and not self.cfg.loopback:
+            raise Denied(403, "this server has no accounts: add one with `fila serve user add NAME`")
         if login:
             return s or self.sessions.new()
         raise Denied(401, "log in first")
+
+    def local_login(self, request: Request, secret: str) -> Session:
+        """The session of the person who started a server without accounts, made once by the
+        secret of the link it printed; the link opens nothing after that, nor once an account
+        exists."""
+        self.check_host(request)
+        if self.accounts() or not self.cfg.loopback:
+            raise Denied(403, "this server has accounts: log in with a name and a token")
+        with self._local_lock:
+            want, ok = self._local_secret, False
+            if want is not None and hmac.compare_digest(secret.encode(), want.encode()):
+                self._local_secret, ok = None, True
+        if not ok:
+            raise Denied(
+                403,
+                "this login link is not this server's, or was used already: restart `fila serve` for a new one",
+            )
+        return self.sessions.new(user=decider(None), role="reviewer", local=True)
 
     def same_origin(self, request: Request) -> None:
         site = request.headers.get("sec-fetch-site")
@@ -380,7 +409,13 @@ def make_app(cfg: Config) -> Starlette:
         s = gate.session(request, login=True)
         if s.user is not None:
             return RedirectResponse("/", status_code=303)
-        return page(request, s, "login.html")
+        return page(request, s, "login.html", local_only=not gate.accounts())
+
+    async def local_login(request: Request) -> Response:
+        fresh = gate.local_login(request, request.query_params.get("secret", ""))
+        resp = RedirectResponse("/", status_code=303)
+        set_session(request, resp, fresh)
+        return resp
 
     async def login(request: Request) -> Response:
         client = request.client.host if request.client else "?"
@@ -420,6 +455,7 @@ def make_app(cfg: Config) -> Starlette:
         Route("/task/{task_id}/{action:str}", guarded(decide), methods=["POST"]),
         Route("/login", guarded(login_form), methods=["GET"]),
         Route("/login", guarded(login), methods=["POST"]),
+        Route("/login/local", guarded(local_login), methods=["GET"]),
         Route("/logout", guarded(logout), methods=["POST"]),
         Mount("/static", StaticFiles(directory=str(Path(str(here)) / "static")), name="static"),
     ]

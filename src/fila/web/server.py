@@ -72,8 +72,9 @@ def check_bind(root: Root, bind: Bind) -> None:
 
 def server(
     root: Root, db: PgQueue | None, bind: Bind, *, certfile: str | None = None, keyfile: str | None = None
-) -> uvicorn.Server:
-    """A uvicorn server of the app, once the bind is allowed (not started)."""
+) -> tuple[uvicorn.Server, str]:
+    """A uvicorn server of the app, once the bind is allowed (not started), and the path a person
+    opens first: the one-time login link when the root has no active account, else `/`."""
     import uvicorn
 
     from .app import Config, make_app
@@ -81,7 +82,8 @@ def server(
     check_bind(root, bind)
     if (certfile is None) != (keyfile is None):
         raise InvalidInput("--tls-cert and --tls-key go together", hint="pass both, or neither")
-    app = make_app(Config(root=root, db=db, loopback=bind.loopback))
+    cfg = Config(root=root, db=db, loopback=bind.loopback)
+    app = make_app(cfg)
     config = uvicorn.Config(
         app,
         host=bind.host,
@@ -93,4 +95,5 @@ def server(
         server_header=False,
         proxy_headers=False,
     )
-    return uvicorn.Server(config)
+    first = "/" if any(a.active for a in accounts.load(root).values()) else cfg.local_link
+    return uvicorn.Server(config), first
