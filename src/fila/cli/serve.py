@@ -38,9 +38,10 @@ def serve(
 
     It binds 127.0.0.1:8765 by default; there, without accounts, it prints a one-time login link
     whose secret makes the session of the person running it (any other local user or process
-    gets nothing without it). Any other address is refused until an account exists (`fila serve user add NAME`);
-    then every page needs a login (name and token), sessions are cookies (HttpOnly, SameSite=Strict,
-    Secure over TLS), every form carries a one-use CSRF token and is refused from another origin.
+    gets nothing without it). Any other address is refused until an account exists (`fila serve
+    user add NAME`); then every page needs a login (name and token), sessions are cookies
+    (HttpOnly, SameSite=Strict, Secure over TLS), every form carries a one-use CSRF token and is
+    refused from another origin.
     --queue: a PostgreSQL queue, applied into --root as `fila apply --queue` does; accounts live
     under --root for both queue kinds.
     """

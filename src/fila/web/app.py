@@ -168,7 +168,8 @@ class Gate:
         if not ok:
             raise Denied(
                 403,
-                "this login link is not this server's, or was used already: restart `fila serve` for a new one",
+                "this login link is not this server's, or was used already: "
+                "restart `fila serve` for a new one",
             )
         return self.sessions.new(user=decider(None), role="reviewer", local=True)
 
