@@ -421,13 +421,6 @@ def make_app(cfg: Config) -> Starlette:
     async def login(request: Request) -> Response:
         client = request.client.host if request.client else "?"
         s, form = await gate.writer(request, role=None, login=True)
-        wait = gate.throttle.blocked_for(client)
-        if wait:
-            resp = page(
-                request, s, "login.html", 429, error=f"too many failed logins: try again in {int(wait)} s"
-            )
-            resp.headers["Retry-After"] = str(int(wait))
-            return resp
         acct = accounts.check(gate.accounts(), str(form.get("name") or ""), str(form.get("token") or ""))
         if acct is None:
             await asyncio.sleep(gate.throttle.failed(client))

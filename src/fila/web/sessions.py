@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 SESSION_TTL_S = 12 * 3600
 MAX_SESSIONS = 10_000
 MAX_TOKENS = 64  # forms a session may have open at once (tabs, pages); the oldest go first
+MAX_CLIENTS = 4096  # addresses the login throttle remembers
+MAX_COUNTED = 16  # failures counted per address: enough to reach the longest delay
 
 
 @dataclass
@@ -97,43 +99,44 @@ class Sessions:
 
 
 class Throttle:
-    """Failed logins slowed down: each failure from a client adds a delay to its next answers
-    (doubling up to `max_delay_s`), and after `limit` failures within `window_s` the client's
-    logins are refused, right token or not, until the oldest failure leaves the window."""
+    """Failed logins slowed down: each failure from a client (its address) within `window_s`
+    doubles the wait before the answer to its next failure, up to `max_delay_s`. A right token is
+    never refused nor slowed: behind a proxy or a NAT many people share an address, and one
+    person's typos must not lock the others out (a token is 32 random bytes: slowing guesses is a
+    courtesy to the log, not what keeps it safe). The table of clients holds at most
+    `max_clients` (the least recently failed forgotten first), so many addresses cannot grow it."""
 
     def __init__(
-        self, *, limit: int = 5, window_s: float = 600.0, base_delay_s: float = 0.5, max_delay_s: float = 8.0
+        self,
+        *,
+        window_s: float = 600.0,
+        base_delay_s: float = 0.5,
+        max_delay_s: float = 8.0,
+        max_clients: int = MAX_CLIENTS,
     ) -> None:
-        self.limit, self.window_s = limit, window_s
+        self.window_s, self.max_clients = window_s, max_clients
         self.base_delay_s, self.max_delay_s = base_delay_s, max_delay_s
         self._lock = threading.Lock()
-        self._fails: dict[str, deque[float]] = {}
-
-    def _recent(self, client: str) -> deque[float]:
-        q = self._fails.setdefault(client, deque())
-        now = time.monotonic()
-        while q and now - q[0] > self.window_s:
-            q.popleft()
-        return q
-
-    def blocked_for(self, client: str) -> float:
-        """Seconds until the client may try again (0: it may now)."""
-        with self._lock:
-            q = self._recent(client)
-            if len(q) < self.limit:
-                return 0.0
-            return max(1.0, self.window_s - (time.monotonic() - q[0]))
+        self._fails: OrderedDict[str, deque[float]] = OrderedDict()
 
     def failed(self, client: str) -> float:
         """Count a failure; the delay to wait before answering it."""
         with self._lock:
-            q = self._recent(client)
-            q.append(time.monotonic())
-            if len(self._fails) > MAX_SESSIONS:  # many clients: forget the quiet ones
-                for k in [k for k, v in self._fails.items() if not v]:
-                    del self._fails[k]
+            q = self._fails.pop(client, None) or deque(maxlen=MAX_COUNTED)
+            now = time.monotonic()
+            while q and now - q[0] > self.window_s:
+                q.popleft()
+            q.append(now)
+            self._fails[client] = q  # the most recent last
+            while len(self._fails) > self.max_clients:
+                self._fails.popitem(last=False)
             return min(self.max_delay_s, self.base_delay_s * 2 ** (len(q) - 1))
 
     def succeeded(self, client: str) -> None:
         with self._lock:
             self._fails.pop(client, None)
+
+    def clients(self) -> int:
+        """How many clients have failures counted."""
+        with self._lock:
+            return len(self._fails)
