@@ -60,6 +60,35 @@ def test_a_patch_lands_as_a_commit_on_a_new_branch_and_nowhere_else(root: Root) 
     assert git(root, "worktree", "list").count("\n") == 1  # the temporary worktree is gone
 
 
+def test_the_commit_holds_the_reviewed_bytes_whatever_gitattributes_or_filters_say(root: Root) -> None:
+    # The patch brings its own .gitattributes (eol and re-encoding) and the reviewer's config has
+    # a clean filter: none of them may change a byte between the review and the commit.
+    git(root, "config", "filter.upper.clean", "tr a-z A-Z")
+    writes = [
+        "printf '*.cfg text eol=lf\\nenc.cfg working-tree-encoding=UTF-16LE\\n*.up filter=upper\\n'"
+        " > src/.gitattributes",
+        "printf 'allow = no\\r\\n' > src/app.cfg",
+        "printf 'lower\\n' > src/low.up",
+        "printf 'm\\000o\\000d\\000e\\000\\n\\000' > src/enc.cfg",
+        "echo plain > greeting.txt",
+    ]
+    tid = make_task(root, "; ".join(writes), "greeting.txt", "src")
+    assert fila(root, "apply", tid, "--yes", "--branch", "fila/bytes").exit_code == 0
+
+    def blob(path: str) -> bytes:
+        return subprocess.run(
+            ["git", "-C", str(root.path), "cat-file", "blob", f"fila/bytes:{path}"],
+            check=True,
+            capture_output=True,
+        ).stdout
+
+    assert blob("greeting.txt") == b"plain\n"  # allowed: plain text as written
+    assert blob("src/app.cfg") == b"allow = no\r\n"  # not converted to LF
+    assert blob("src/enc.cfg") == "mode\n".encode("utf-16-le")  # not re-encoded to UTF-8
+    assert blob("src/low.up") == b"lower\n"  # no filter ran
+    assert git(root, "diff", "--stat", "HEAD", "fila/bytes", "--", "src/app.py") == ""  # untouched kept
+
+
 def test_an_existing_or_invalid_branch_and_a_moved_head_are_refused_recording_nothing(root: Root) -> None:
     tid = make_task(root, "echo world > greeting.txt")
     git(root, "branch", "taken")
