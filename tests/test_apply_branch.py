@@ -92,7 +92,10 @@ def test_the_commit_holds_the_reviewed_bytes_whatever_gitattributes_or_filters_s
 def test_an_existing_or_invalid_branch_and_a_moved_head_are_refused_recording_nothing(root: Root) -> None:
     tid = make_task(root, "echo world > greeting.txt")
     git(root, "branch", "taken")
-    for name, why in (("taken", "exists"), ("bad..name", "not a valid"), ("-x", "not a valid")):
+    refused = [("taken", "exists"), ("bad..name", "not a valid"), ("-x", "not a valid")]
+    refused += [(n, "not a valid") for n in ("@", "@{-1}", "x@{1}", "HEAD", "refs/heads/main")]
+    refused += [("TAKEN", "collides with the branch 'taken'"), ("taken/x", "collides")]
+    for name, why in refused:
         res = fila(root, "apply", tid, "--yes", "--branch", name)
         assert res.exit_code == 2 and why in res.output, res.output
         assert record(root, tid)["status"] == "needs_review"

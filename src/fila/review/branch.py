@@ -59,11 +59,25 @@ def git(
 
 
 def check_branch(top: Path, name: str) -> None:
-    """A name git accepts for a new branch, and no branch of that name yet."""
-    if name.startswith("-") or git(top, "check-ref-format", "--branch", name, check=False).returncode != 0:
+    """A name git accepts as `refs/heads/NAME` taken literally (no `@`, `@{...}`, `HEAD`, leading
+    `refs/` or `-`, which git would expand or read as something else), and no branch of that name
+    yet, nor one that differs only in case (two such branches are one file on a case-insensitive
+    disk) or that holds it as a directory or a file (`a` beside `a/b`)."""
+    taken_literally = name not in ("@", "HEAD") and "@{" not in name
+    if (
+        not taken_literally
+        or name.startswith(("-", "refs/"))
+        or git(top, "check-ref-format", f"refs/heads/{name}", check=False).returncode != 0
+    ):
         raise InvalidInput(f"{name!r} is not a valid git branch name", hint="e.g. --branch fila/TASK-ID")
-    if git(top, "show-ref", "--verify", "--quiet", f"refs/heads/{name}", check=False).returncode == 0:
-        raise InvalidInput(f"branch {name!r} exists in {top}", hint="name a new branch; fila never moves one")
+    have = git(top, "for-each-ref", "--format=%(refname)", "refs/heads/").stdout.decode(errors="replace")
+    folded = name.casefold()
+    for ref in have.splitlines():
+        other = ref.removeprefix("refs/heads/")
+        o = other.casefold()
+        if o == folded or o.startswith(folded + "/") or folded.startswith(o + "/"):
+            said = f"exists in {top}" if other == name else f"collides with the branch {other!r} in {top}"
+            raise InvalidInput(f"branch {name!r} {said}", hint="name a new branch; fila never moves one")
 
 
 @dataclass
