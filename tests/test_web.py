@@ -498,3 +498,35 @@ def test_a_body_over_the_cap_or_a_multipart_upload_is_refused_before_routing(roo
     assert r.status_code == 415 and "multipart" in r.text
     assert r.headers["content-security-policy"]  # the security headers on the refusal too
     assert login(c, "rev", token).status_code == 303
+
+
+def test_a_large_diff_is_shown_in_part_and_says_what_was_left_out(
+    root: Root, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fila.web import views
+
+    for name, value in (("MAX_FILE_ROWS", 30), ("MAX_ROWS", 45), ("MAX_LINE_CHARS", 100)):
+        monkeypatch.setattr(views, name, value)
+    small = make_task(root, "echo small > greeting.txt")
+    page = client(root).get(f"/task/{small}").text  # allowed: a diff under the caps, whole
+    assert "+small" in page and 'id="diff-cut"' not in page and "not shown" not in page
+    big = make_task(
+        root,
+        "seq 1 100 | sed 's/^/line-/' > a.txt; seq 1 100 | sed 's/^/line-/' > b.txt; "
+        "printf 'x%.0s' $(seq 1 300) > 0long.txt",
+        ".",
+    )
+    c = client(root)
+    html = c.get(f"/task/{big}").text
+    assert "+line-1<" in html and "+line-25<" in html and "+line-99<" not in html
+    assert html.count("more lines of this file not shown") == 2  # a.txt at its cap, b.txt at the total
+    assert 'id="diff-cut"' in html and f"fila diff {big}" in html and "1 long lines cut" in html
+    assert "x" * 101 not in html and "more characters)" in html
+    split = c.get(f"/task/{big}", params={"view": "split"}).text
+    assert "+line-99<" not in split and 'id="diff-cut"' in split
+    parsed = []
+    real = views.report.diff_files
+    monkeypatch.setattr(views.report, "diff_files", lambda rv: parsed.append(rv) or real(rv))
+    for _ in range(3):
+        assert c.get(f"/task/{small}").status_code == 200
+    assert len(parsed) == 1  # parsed once, then kept by its sha256

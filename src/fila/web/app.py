@@ -208,6 +208,7 @@ def make_app(cfg: Config) -> Starlette:
         lstrip_blocks=True,
     )
     lister = views.Lister(cfg.root, cfg.db)
+    diffs = views.DiffCache()
     # The first read of a large queue parses every record (about 2.5 s for 10,000): done while
     # the server starts, not in the first person's request.
     threading.Thread(target=lister.warm, name="fila-serve-warm", daemon=True).start()
@@ -318,7 +319,8 @@ def make_app(cfg: Config) -> Starlette:
             except FilaError as e:  # a changed DIFF.patch: the record is shown, the diff refused
                 problem = inert(str(e)) + (f" ({inert(e.hint)})" if e.hint else "")
             tail, end = desk.log_since(cfg.root, cfg.db, tid, -report.LOG_TAIL_BYTES, report.LOG_TAIL_BYTES)
-            files = report.diff_files(rv) if rv is not None and rv.data else []
+            diff = diffs.shown(rv) if rv is not None else views.Shown([], [])
+            files = diff.files
             return {
                 "rec": rec,
                 "rv": rv,
@@ -326,6 +328,7 @@ def make_app(cfg: Config) -> Starlette:
                 "log": views.log_text(tail),
                 "log_end": end,
                 "files": files,
+                "diff": diff,
                 "pairs": [views.split(f.rows) for f in files] if view == "split" else None,
             }
 
@@ -341,7 +344,7 @@ def make_app(cfg: Config) -> Starlette:
             summary=views.summary(rv) if rv else [],
             warnings=rv.warnings if rv else [],
             check=views.check(cfg.root, cfg.db, rec),
-            **{k: got[k] for k in ("problem", "log", "log_end", "files", "pairs")},
+            **{k: got[k] for k in ("problem", "log", "log_end", "files", "pairs", "diff")},
         )
 
     async def group(request: Request) -> Response:
