@@ -530,3 +530,29 @@ def test_a_large_diff_is_shown_in_part_and_says_what_was_left_out(
     for _ in range(3):
         assert c.get(f"/task/{small}").status_code == 200
     assert len(parsed) == 1  # parsed once, then kept by its sha256
+
+
+def test_a_slow_client_is_cut_off(root: Root, monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from fila.web import limits, server
+    from tests.support.web import live_server
+
+    monkeypatch.setattr(server, "HEADER_DEADLINE_S", 0.5)
+    monkeypatch.setattr(limits, "BODY_DEADLINE_S", 0.5)
+
+    def exchange(port: int, data: bytes) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:  # 30 s: a bound, not a measure
+            s.sendall(data)
+            got = b""
+            while chunk := s.recv(65536):  # until the server closes the connection
+                got += chunk
+            return got
+
+    with live_server(root) as url:
+        port = int(url.rsplit(":", 1)[1])
+        head = b"GET /login HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+        assert exchange(port, head).startswith(b"HTTP/1.1 200")  # allowed: a whole request
+        assert exchange(port, head[:20]) == b""  # half a request head: closed, unanswered
+        post = b"POST /login HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\nname=x"
+        assert exchange(port, post).startswith(b"HTTP/1.1 408")  # a body that never ends

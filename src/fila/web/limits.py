@@ -35,8 +35,8 @@ class BodyLimit:
     """The cap, the deadline and the refusal of multipart bodies, before routing (see the module
     doc)."""
 
-    def __init__(self, app: Any, *, max_body: int = MAX_BODY, deadline_s: float = BODY_DEADLINE_S) -> None:
-        self.app, self.max_body, self.deadline_s = app, max_body, deadline_s
+    def __init__(self, app: Any, *, max_body: int = MAX_BODY) -> None:
+        self.app, self.max_body = app, max_body
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -57,12 +57,13 @@ class BodyLimit:
             return
         chunks: list[bytes] = []
         size, more = 0, True
-        end = time.monotonic() + self.deadline_s
+        deadline_s = BODY_DEADLINE_S
+        end = time.monotonic() + deadline_s
         while more:
             try:
                 message = await asyncio.wait_for(receive(), max(0.0, end - time.monotonic()))
             except TimeoutError:
-                await _answer(send, 408, f"refused: the body took longer than {self.deadline_s:g} s")
+                await _answer(send, 408, f"refused: the body took longer than {deadline_s:g} s")
                 return
             if message["type"] == "http.disconnect":
                 return

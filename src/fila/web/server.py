@@ -6,6 +6,7 @@ root has an active account: without accounts a server would let anyone who reach
 
 from __future__ import annotations
 
+import asyncio
 import ipaddress
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -20,6 +21,12 @@ if TYPE_CHECKING:
     from ..queue.pg.store import PgQueue
 
 DEFAULT_BIND = "127.0.0.1:8765"
+# What clients may hold (docs/review-web.md, "Limits"): connections and requests at once (more
+# are answered 503), an idle connection's life, and the time to send a request's headers (the
+# body's is web/limits.BODY_DEADLINE_S).
+CONCURRENCY = 64
+KEEP_ALIVE_S = 5
+HEADER_DEADLINE_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,9 @@ def server(
         app,
         host=bind.host,
         port=bind.port,
+        http=deadlined(),
+        limit_concurrency=CONCURRENCY,
+        timeout_keep_alive=KEEP_ALIVE_S,
         log_level="warning",
         access_log=False,
         ssl_certfile=certfile,
@@ -97,3 +107,33 @@ def server(
     )
     first = "/" if any(a.active for a in accounts.load(root).values()) else cfg.local_link
     return uvicorn.Server(config), first
+
+
+def deadlined() -> type[asyncio.Protocol]:
+    """uvicorn's h11 protocol with a deadline on each request's headers: a connection that has
+    not sent a whole request head HEADER_DEADLINE_S after it opened (or after its last answer) is
+    closed, so a client trickling bytes cannot hold a connection (uvicorn's keep-alive timer
+    stops at the first byte)."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class Deadlined(H11Protocol):
+        answered = 0
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self.arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self.answered += 1
+            self.arm()
+
+        def arm(self) -> None:
+            self.loop.call_later(HEADER_DEADLINE_S, self.late, self.answered)
+
+        def late(self, answered: int) -> None:
+            if answered == self.answered and self.conn.their_state is h11.IDLE:
+                self.transport.close()
+
+    return Deadlined
