@@ -556,3 +556,22 @@ def test_a_slow_client_is_cut_off(root: Root, monkeypatch: pytest.MonkeyPatch) -
         assert exchange(port, head[:20]) == b""  # half a request head: closed, unanswered
         post = b"POST /login HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\nname=x"
         assert exchange(port, post).startswith(b"HTTP/1.1 408")  # a body that never ends
+
+
+def test_paths_and_raw_content_stay_in_the_servers_log(root: Root, caplog: pytest.LogCaptureFixture) -> None:
+    tid = make_task(root, "echo x > greeting.txt")
+    _, token = accounts.add(root, "rev")
+    outsider = client(root)
+    assert str(root.path) not in outsider.get("/login").text  # the queue's path: not before a login
+    c = client(root)
+    login(c, "rev", token)
+    assert str(root.path) in c.get("/").text  # allowed: a reviewer sees which queue this is
+    root.record_path("broken").write_text('{"id": "broken", "status": "SECRET-VALUE"}')
+    r = c.get("/task/broken")
+    assert r.status_code == 500 and "cannot read" in r.text and "SECRET-VALUE" not in r.text
+    page = c.get(f"/task/{tid}")  # outside a git checkout: the refusal names no path
+    r = c.post(f"/task/{tid}/apply", data={"csrf": csrf(page.text), "branch": "b"}, headers=ORIGIN)
+    said = r.text.split('id="error">', 1)[1].split("</main>", 1)[0]
+    assert r.status_code == 400 and "… is not in a git checkout" in said and str(root.path) not in said
+    logged = caplog.text
+    assert "SECRET-VALUE" in logged and f"{root.path} is not in a git checkout" in logged

@@ -16,6 +16,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import logging
+import re
 import secrets
 import threading
 from dataclasses import dataclass, field
@@ -63,6 +65,10 @@ HEADERS = {
 }
 LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "[::1]", "::1"}
 LOG_CHUNK = 256 << 10
+LOG = logging.getLogger("fila.serve")
+# An absolute path in a message: a slash after a space, a quote, an '=' or the start, up to a
+# space, a quote or a colon.
+ABSOLUTE = re.compile(r"""(?:(?<=^)|(?<=[\s'"(=]))/[^\s'":]+""")
 
 
 @dataclass
@@ -105,6 +111,12 @@ def set_session(request: Request, resp: Response, s: Session) -> None:
     resp.set_cookie(
         COOKIE, s.sid, httponly=True, samesite="strict", path="/", secure=request.url.scheme == "https"
     )
+
+
+def hide_paths(text: str) -> str:
+    """`text` with every absolute path of the host shown as `…` (the pages say what failed; the
+    server's log keeps where)."""
+    return ABSOLUTE.sub("…", text)
 
 
 def _status_of(e: FilaError) -> int:
@@ -224,7 +236,7 @@ def make_app(cfg: Config) -> Starlette:
             local=bool(s and s.local),
             csrf=gate.sessions.mint(s) if s is not None else "",
             notice=notice,
-            where=where,
+            where=where if s is not None and s.user else "",  # the queue's path: for those logged in
             queue_kind="PostgreSQL queue" if cfg.db is not None else "file queue",
             **ctx,
         )
@@ -237,7 +249,10 @@ def make_app(cfg: Config) -> Starlette:
         if isinstance(e, Denied):
             status, msg, hint = e.status, e.message, None
         else:
-            status, msg, hint = _status_of(e), str(e), e.hint
+            # The whole message goes to the server's log; the page says what failed and what to
+            # do, without the host's paths (a file queue's, a checkout's, git's own words).
+            status, msg, hint = _status_of(e), hide_paths(str(e)), hide_paths(e.hint or "")
+            LOG.warning("%s %s: %s%s", request.method, request.url.path, e, f" ({e.hint})" if e.hint else "")
         if status == 401 and request.method == "GET" and not request.url.path.startswith("/api/"):
             return RedirectResponse("/login", status_code=303)
         if request.url.path.startswith("/api/"):
@@ -251,8 +266,12 @@ def make_app(cfg: Config) -> Starlette:
             except (Denied, FilaError, OSError, ValueError) as e:
                 if isinstance(e, (OSError, ValueError)):
                     # A record or file changed outside fila (it does not validate, it cannot be
-                    # read): said as the queue's own error, not a traceback.
-                    e = FilaError(f"cannot read what {request.url.path} shows: {type(e).__name__}: {e}")
+                    # read): said as the queue's own error, not a traceback, its content (and
+                    # the path) in the server's log only.
+                    LOG.warning("%s %s: %s: %s", request.method, request.url.path, type(e).__name__, e)
+                    e = FilaError(
+                        f"cannot read what this page shows ({type(e).__name__}; the server's log says more)"
+                    )
                 s = None
                 with contextlib.suppress(Denied, FilaError):
                     s = gate.session(request, login=True)
