@@ -302,13 +302,11 @@ def test_a_loopback_server_without_accounts_answers_to_loopback_names_only(root:
 
 
 def test_without_accounts_only_the_one_time_link_makes_a_reviewer(root: Root) -> None:
-    from starlette.testclient import TestClient
-
     tid = make_task(root, "echo x > greeting.txt")
     mine = client(root)  # opened the link `fila serve` printed
     link = mine.app_config.local_link
     # another process on this host, on the same server, without the link
-    stranger = TestClient(mine.app, base_url="http://127.0.0.1", follow_redirects=False)
+    stranger = client(root, app=mine.app)
     assert stranger.get("/").headers["location"] == "/login"
     assert "one-time login link" in stranger.get("/login").text
     assert stranger.get("/api/tasks").status_code == 401
@@ -575,3 +573,29 @@ def test_paths_and_raw_content_stay_in_the_servers_log(root: Root, caplog: pytes
     assert r.status_code == 400 and "… is not in a git checkout" in said and str(root.path) not in said
     logged = caplog.text
     assert "SECRET-VALUE" in logged and f"{root.path} is not in a git checkout" in logged
+
+
+def test_logging_in_again_and_again_ends_only_ones_own_oldest_sessions(
+    root: Root, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fila.web import sessions
+
+    monkeypatch.setattr(sessions, "MAX_PER_ACCOUNT", 3)
+    _, alice = accounts.add(root, "alice")
+    _, bob = accounts.add(root, "bob")
+    first = client(root)
+    assert login(first, "alice", alice).status_code == 303
+    theirs = client(root, app=first.app)
+    assert login(theirs, "bob", bob).status_code == 303
+    latest = None
+    for _ in range(5):
+        latest = client(root, app=first.app)
+        assert login(latest, "alice", alice).status_code == 303
+    assert latest.get("/api/tasks").status_code == 200  # allowed: her newest session
+    assert theirs.get("/api/tasks").status_code == 200  # bob's session is untouched
+    assert first.get("/api/tasks").status_code == 401  # her oldest ended
+    # a session unused for longer than the idle limit ends; one in use does not
+    store = sessions.Sessions(idle_s=3600)
+    idle, used = store.new(user="a", role="reviewer"), store.new(user="b", role="reviewer")
+    idle.seen -= 3601
+    assert store.get(used.sid) is used and store.get(idle.sid) is None

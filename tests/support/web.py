@@ -42,18 +42,25 @@ def make_task(
 
 
 def client(
-    root: Root, *, https: bool = False, throttle: Throttle | None = None, db: Any = None, local: bool = True
+    root: Root,
+    *,
+    https: bool = False,
+    throttle: Throttle | None = None,
+    db: Any = None,
+    local: bool = True,
+    app: Any = None,
 ) -> Any:
-    """A TestClient of the app on `root`, as a browser on this host reaches it (Host 127.0.0.1).
-    Without accounts and with `local`, it has opened the server's one-time login link (what the
-    person who starts `fila serve` does); `c.app_config` is the app's Config."""
+    """A TestClient of the app on `root` (or another browser of `app`), as a browser on this host
+    reaches it (Host 127.0.0.1). Without accounts and with `local`, it has opened the server's
+    one-time login link (what the person who starts `fila serve` does); `c.app_config` is the
+    Config of the app it made."""
     from starlette.testclient import TestClient
 
     cfg = Config(root=root, db=db, loopback=True, throttle=throttle or Throttle(base_delay_s=0.0))
     base = f"{'https' if https else 'http'}://127.0.0.1"
-    c = TestClient(make_app(cfg), base_url=base, follow_redirects=False)
-    c.app_config = cfg
-    if local and not any(a.active for a in accounts.load(root).values()):
+    c = TestClient(app or make_app(cfg), base_url=base, follow_redirects=False)
+    c.app_config = cfg if app is None else None
+    if app is None and local and not any(a.active for a in accounts.load(root).values()):
         assert c.get(cfg.local_link).status_code == 303
     return c
 

@@ -18,7 +18,9 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 SESSION_TTL_S = 12 * 3600
+SESSION_IDLE_S = 2 * 3600  # a session unused this long ends
 MAX_SESSIONS = 10_000
+MAX_PER_ACCOUNT = 32  # an account's sessions (browsers, devices); its oldest ends first
 MAX_TOKENS = 64  # forms a session may have open at once (tabs, pages); the oldest go first
 MAX_CLIENTS = 4096  # addresses the login throttle remembers
 MAX_COUNTED = 16  # failures counted per address: enough to reach the longest delay
@@ -30,6 +32,7 @@ class Session:
     user: str | None  # None: not logged in yet (the login form's session)
     role: str | None
     created: float
+    seen: float = 0.0  # the last request (monotonic)
     local: bool = False  # the person running the server, when it has no accounts (loopback only)
     csrf: OrderedDict[str, None] = field(default_factory=OrderedDict)
     notice: str | None = None  # shown once on the next page (the result of a decision)
@@ -38,16 +41,20 @@ class Session:
 class Sessions:
     """The server's sessions, safe to use from the threads that serve requests."""
 
-    def __init__(self, ttl_s: float = SESSION_TTL_S) -> None:
+    def __init__(self, ttl_s: float = SESSION_TTL_S, idle_s: float = SESSION_IDLE_S) -> None:
         self._lock = threading.Lock()
         self._by_id: OrderedDict[str, Session] = OrderedDict()
-        self.ttl_s = ttl_s
+        self.ttl_s, self.idle_s = ttl_s, idle_s
 
     def new(self, user: str | None = None, role: str | None = None, *, local: bool = False) -> Session:
-        s = Session(
-            sid=secrets.token_urlsafe(32), user=user, role=role, created=time.monotonic(), local=local
-        )
+        now = time.monotonic()
+        s = Session(sid=secrets.token_urlsafe(32), user=user, role=role, created=now, seen=now, local=local)
         with self._lock:
+            if user is not None:
+                # Logging in again and again ends that account's own oldest sessions, no one else's.
+                mine = [k for k, v in self._by_id.items() if v.user == user]
+                for k in mine[: max(0, len(mine) - MAX_PER_ACCOUNT + 1)]:
+                    del self._by_id[k]
             self._by_id[s.sid] = s
             if len(self._by_id) > MAX_SESSIONS:
                 # Anyone can make a login form's session: those go first, so a flood of them
@@ -64,9 +71,12 @@ class Sessions:
             return None
         with self._lock:
             s = self._by_id.get(sid)
-            if s is not None and time.monotonic() - s.created > self.ttl_s:
+            now = time.monotonic()
+            if s is not None and (now - s.created > self.ttl_s or now - s.seen > self.idle_s):
                 del self._by_id[sid]
                 return None
+            if s is not None:
+                s.seen = now
             return s
 
     def drop(self, sid: str) -> None:
