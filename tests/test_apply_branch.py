@@ -13,7 +13,7 @@ import pytest
 from fila.core.layout import Root
 from tests.support.cli import fila
 from tests.support.project import make_project, record
-from tests.support.web import client, csrf, make_task
+from tests.support.web import apply_form, client, make_task
 
 pytestmark = pytest.mark.filterwarnings("ignore:Using `httpx` with `starlette.testclient`")
 
@@ -120,9 +120,11 @@ def test_the_page_applies_on_a_new_branch(root: Root) -> None:
     tid = make_task(root, "echo page > greeting.txt")
     c = client(root)
     page = c.get(f"/task/{tid}")
-    r = c.post(f"/task/{tid}/apply", data={"csrf": csrf(page.text), "branch": "review/page"},
-               headers={"Origin": "http://127.0.0.1"})  # fmt: skip
+    form = apply_form(page.text, branch="review/page", reason="ok\x1b[2J\u202e")
+    r = c.post(f"/task/{tid}/apply", data=form, headers={"Origin": "http://127.0.0.1"})
     assert r.status_code == 303, r.text
     assert "on the new branch review/page" in c.get(f"/task/{tid}").text
     assert git(root, "show", "review/page:greeting.txt") == "page\n"
+    msg = git(root, "log", "-1", "--format=%B", "review/page")
+    assert "ok[2J" in msg and "\x1b" not in msg and "\u202e" not in msg  # the note, without controls
     assert (root.path / "greeting.txt").read_text() == "hello\n"

@@ -23,7 +23,7 @@ from fila.web.sessions import Throttle
 from fila.web.views import Lister, Query
 from tests.support.cli import fila
 from tests.support.project import make_project, record
-from tests.support.web import client, csrf, login, make_task
+from tests.support.web import apply_form, client, csrf, login, make_task
 
 pytestmark = pytest.mark.filterwarnings("ignore:Using `httpx` with `starlette.testclient`")
 
@@ -76,7 +76,7 @@ def test_decisions_go_through_the_clis_code_and_name_the_account(root: Root) -> 
     assert login(c, "rev2", token).status_code == 303
     page = c.get(f"/task/{ok}")
     assert "echo applied" not in page.text and "+applied" in page.text  # the diff is shown
-    r = c.post(f"/task/{ok}/apply", data={"csrf": csrf(page.text), "reason": "looks right"}, headers=ORIGIN)
+    r = c.post(f"/task/{ok}/apply", data=apply_form(page.text, reason="looks right"), headers=ORIGIN)
     assert r.status_code == 303 and r.headers["location"] == f"/task/{ok}"
     assert (root.path / "greeting.txt").read_text() == "applied\n"
     d = record(root, ok)["decision"]
@@ -86,9 +86,19 @@ def test_decisions_go_through_the_clis_code_and_name_the_account(root: Root) -> 
     r = c.post(f"/task/{no}/reject", data={"csrf": csrf(page.text), "reason": "not this"}, headers=ORIGIN)
     assert r.status_code == 303 and status(root, no) == "rejected"
     assert record(root, no)["decision"]["by"] == "rev2"
+    # the form names the patch the page showed: another sha256, or none, is refused
+    other = make_task(root, "echo other > greeting.txt")
+    for seen in ("0" * 64, ""):
+        page = c.get(f"/task/{other}")
+        r = c.post(f"/task/{other}/apply", data=apply_form(page.text, sha256=seen), headers=ORIGIN)
+        assert (
+            r.status_code == 409
+            and "not the one this page showed" in r.text
+            and status(root, other) == "needs_review"
+        )
     # refused by the same checks as the CLI: a decided task cannot be applied
     page = c.get(f"/task/{no}")
-    r = c.post(f"/task/{no}/apply", data={"csrf": csrf(page.text)}, headers=ORIGIN)
+    r = c.post(f"/task/{no}/apply", data=apply_form(page.text), headers=ORIGIN)
     assert r.status_code == 409 and "already rejected by rev2" in r.text
 
 
@@ -140,19 +150,18 @@ def test_script_and_markup_in_a_diff_a_file_name_and_a_prompt_are_inert(root: Ro
 def test_a_post_from_another_origin_is_refused(root: Root) -> None:
     tid = make_task(root, "echo x > greeting.txt")
     c = client(root)
-    token = csrf(c.get(f"/task/{tid}").text)
+    form = apply_form(c.get(f"/task/{tid}").text)
     for headers in (
         {"Origin": "http://evil.example"},
         {"Sec-Fetch-Site": "cross-site"},
         {"Origin": "http://127.0.0.1.evil.example"},
+        {"Origin": "https://127.0.0.1"},  # the same host, another scheme: another origin
         {"Sec-Fetch-Site": "same-site"},
     ):
-        r = c.post(f"/task/{tid}/apply", data={"csrf": token}, headers=headers)
+        r = c.post(f"/task/{tid}/apply", data=form, headers=headers)
         assert r.status_code == 403 and "another" in r.text, headers
         assert status(root, tid) == "needs_review"
-    r = c.post(
-        f"/task/{tid}/apply", data={"csrf": token}, headers={**ORIGIN, "Sec-Fetch-Site": "same-origin"}
-    )
+    r = c.post(f"/task/{tid}/apply", data=form, headers={**ORIGIN, "Sec-Fetch-Site": "same-origin"})
     assert r.status_code == 303 and status(root, tid) == "applied"
 
 
@@ -193,7 +202,7 @@ def test_sessions_need_a_login_and_a_revoked_token_opens_nothing(root: Root) -> 
     assert r.status_code == 401 and "unknown name or token" in r.text
     assert d.get("/api/tasks").status_code == 200  # bob's is untouched
     page = d.get(f"/task/{tid}")
-    assert d.post(f"/task/{tid}/apply", data={"csrf": csrf(page.text)}, headers=ORIGIN).status_code == 303
+    assert d.post(f"/task/{tid}/apply", data=apply_form(page.text), headers=ORIGIN).status_code == 303
 
 
 def test_a_reader_sees_but_cannot_decide(root: Root) -> None:
@@ -204,13 +213,13 @@ def test_a_reader_sees_but_cannot_decide(root: Root) -> None:
     login(c, "ro", reader)
     page = c.get(f"/task/{tid}")
     assert page.status_code == 200 and "+x" in page.text and 'id="apply-form"' not in page.text
-    r = c.post(f"/task/{tid}/apply", data={"csrf": csrf(page.text)}, headers=ORIGIN)
+    r = c.post(f"/task/{tid}/apply", data=apply_form(page.text), headers=ORIGIN)
     assert r.status_code == 403 and "may read but not decide" in r.text
     assert status(root, tid) == "needs_review" and (root.path / "greeting.txt").read_text() == "hello\n"
     w = client(root)
     login(w, "rw", rev)
     page = w.get(f"/task/{tid}")
-    assert w.post(f"/task/{tid}/apply", data={"csrf": csrf(page.text)}, headers=ORIGIN).status_code == 303
+    assert w.post(f"/task/{tid}/apply", data=apply_form(page.text), headers=ORIGIN).status_code == 303
     assert record(root, tid)["decision"]["by"] == "rw"
 
 
@@ -297,8 +306,11 @@ def test_a_bind_beyond_loopback_needs_an_account(root: Root) -> None:
 def test_a_loopback_server_without_accounts_answers_to_loopback_names_only(root: Root) -> None:
     c = client(root)
     assert c.get("/", headers={"Host": "localhost:8765"}).status_code == 200
-    r = c.get("/", headers={"Host": "evil.example:8765"})  # DNS rebinding
-    assert r.status_code == 421 and "loopback" in r.text
+    assert c.get("/", headers={"Host": "[::1]:8765"}).status_code == 200
+    assert c.get("/", headers={"Host": "127.0.0.2:8765"}).status_code == 200  # a --bind 127.0.0.2
+    for host in ("evil.example:8765", "[::1]evil.example", "127.0.0.1:80evil", "[::1]:x"):  # DNS rebinding
+        r = c.get("/", headers={"Host": host})
+        assert r.status_code == 421 and "loopback" in r.text, host
 
 
 def test_without_accounts_only_the_one_time_link_makes_a_reviewer(root: Root) -> None:
@@ -318,7 +330,7 @@ def test_without_accounts_only_the_one_time_link_makes_a_reviewer(root: Root) ->
     assert stranger.get("/api/tasks").status_code == 401
     # allowed: the person who opened the link decides, recorded as the login name
     page = mine.get(f"/task/{tid}")
-    assert mine.post(f"/task/{tid}/apply", data={"csrf": csrf(page.text)}, headers=ORIGIN).status_code == 303
+    assert mine.post(f"/task/{tid}/apply", data=apply_form(page.text), headers=ORIGIN).status_code == 303
     assert status(root, tid) == "applied" and link.startswith("/login/local?secret=")
     # once an account exists a link opens nothing and the local session ends
     again = client(root, local=False)
@@ -568,7 +580,7 @@ def test_paths_and_raw_content_stay_in_the_servers_log(root: Root, caplog: pytes
     r = c.get("/task/broken")
     assert r.status_code == 500 and "cannot read" in r.text and "SECRET-VALUE" not in r.text
     page = c.get(f"/task/{tid}")  # outside a git checkout: the refusal names no path
-    r = c.post(f"/task/{tid}/apply", data={"csrf": csrf(page.text), "branch": "b"}, headers=ORIGIN)
+    r = c.post(f"/task/{tid}/apply", data=apply_form(page.text, branch="b"), headers=ORIGIN)
     said = r.text.split('id="error">', 1)[1].split("</main>", 1)[0]
     assert r.status_code == 400 and "… is not in a git checkout" in said and str(root.path) not in said
     logged = caplog.text

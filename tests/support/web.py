@@ -21,6 +21,7 @@ from fila.web.sessions import Throttle
 from tests.support.cli import run_shell
 
 CSRF = re.compile(r'name="csrf" value="([^"]+)"')
+SHA256 = re.compile(r'name="sha256" value="([^"]*)"')
 
 
 def fake_env(root: Root) -> dict[str, str]:
@@ -69,6 +70,13 @@ def csrf(html: str) -> str:
     m = CSRF.search(html)
     assert m, "no CSRF token in the page"
     return m[1]
+
+
+def apply_form(html: str, **more: str) -> dict[str, str]:
+    """The apply form of a task's page as a browser sends it: its CSRF token and the sha256 of
+    the patch the page showed (empty when the page has no apply form)."""
+    m = SHA256.search(html)
+    return {"csrf": csrf(html), "sha256": m[1] if m else "", **more}
 
 
 def login(c: Any, name: str, token: str) -> Any:

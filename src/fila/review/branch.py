@@ -28,6 +28,7 @@ from ..core import fsutil
 from ..core.errors import ApplyRefused, InfraError, InvalidInput
 from ..core.layout import Root
 from ..core.models import Record
+from ..core.text import invisible
 from ..workspace.fswalk import escape_name
 from ..workspace.hardgit import tail
 from .apply import Applied
@@ -80,6 +81,12 @@ def check_branch(top: Path, name: str) -> None:
             raise InvalidInput(f"branch {name!r} {said}", hint="name a new branch; fila never moves one")
 
 
+def printable(text: str) -> str:
+    """`text` without control, bidi or other unprintable characters (lines kept): what a commit
+    message takes from an engine's prompt or a reviewer's note."""
+    return "".join(c for c in text if c == "\n" or not invisible(c))
+
+
 @dataclass
 class OnBranch:
     """apply.Landing: a worktree of the checkout at HEAD, and the commit on `branch`."""
@@ -98,11 +105,14 @@ class OnBranch:
     def landed(self, rec: Record, by: str, reason: str | None, ops: list[Op]) -> str:
         tree = self.tree_of(ops)
         subject = f"fila: task {rec.id}" + (f" ({rec.engine})" if rec.engine else "")
-        body = "".join(
-            c for c in (rec.task.prompt if rec.task else "")[:2000] if c.isprintable() or c == "\n"
-        )
+        body = printable((rec.task.prompt if rec.task else "")[:2000])
         trailers = f"Fila-Task: {rec.id}\nFila-Patch-Sha256: {rec.patch_sha256}\nReviewed-by: {by}\n"
-        msg = subject + "\n\n" + (body.strip() + "\n\n" if body.strip() else "") + (reason or "").strip()
+        msg = (
+            subject
+            + "\n\n"
+            + (body.strip() + "\n\n" if body.strip() else "")
+            + printable(reason or "").strip()
+        )
         msg = msg.rstrip() + "\n\n" + trailers
         self.commit = git(self.tree, "commit-tree", tree, "-p", self.base, "-m", msg).stdout.decode().strip()
         # An empty old value: created only if no branch of that name appeared meanwhile.

@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import ipaddress
 import logging
 import re
 import secrets
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import urlencode
 
 from jinja2 import Environment, FileSystemLoader
 from starlette.applications import Starlette
@@ -42,7 +43,7 @@ from ..core.states import valid_id
 from ..core.text import inert
 from ..review import desk, report
 from ..review.branch import apply_on_branch
-from ..review.decision import decider
+from ..review.decision import DECIDABLE, decider
 from . import accounts, limits, views
 from .sessions import Session, Sessions, Throttle
 
@@ -63,7 +64,6 @@ HEADERS = {
     "Cross-Origin-Resource-Policy": "same-origin",
     "Cache-Control": "no-store",
 }
-LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "[::1]", "::1"}
 LOG_CHUNK = 256 << 10
 LOG = logging.getLogger("fila.serve")
 # An absolute path in a message: a slash after a space, a quote, an '=' or the start, up to a
@@ -99,10 +99,23 @@ class Denied(Exception):
 
 
 def host_name(host: str) -> str:
-    """The name in a Host header, without its port ("[::1]:8080" -> "[::1]")."""
+    """The name in a Host header, without its port ("[::1]:8080" -> "[::1]"); a header that is not
+    NAME, NAME:PORT, [IPv6] or [IPv6]:PORT is returned whole (and matches no name)."""
     if host.startswith("["):
-        return host.split("]", 1)[0] + "]"
-    return host.rsplit(":", 1)[0]
+        inner, _, rest = host.partition("]")
+        return inner + "]" if rest == "" or (rest[:1] == ":" and rest[1:].isdigit()) else host
+    name, colon, port = host.rpartition(":")
+    return name if colon and port.isdigit() else host
+
+
+def loopback_host(name: str) -> bool:
+    """A Host name this host's own loopback answers to: localhost, or a loopback address."""
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name.removeprefix("[").removesuffix("]")).is_loopback
+    except ValueError:
+        return False
 
 
 def set_session(request: Request, resp: Response, s: Session) -> None:
@@ -142,7 +155,7 @@ class Gate:
     def check_host(self, request: Request) -> None:
         if not self.cfg.loopback:
             return
-        if host_name(request.headers.get("host") or "") not in LOOPBACK_HOSTS:
+        if not loopback_host(host_name(request.headers.get("host") or "")):
             raise Denied(421, "this server answers to its loopback address only (127.0.0.1, localhost)")
 
     def session(self, request: Request, *, login: bool = False) -> Session:
@@ -190,7 +203,7 @@ class Gate:
         if site is not None and site not in ("same-origin", "none"):
             raise Denied(403, f"refused: a request from another site ({site})")
         origin = request.headers.get("origin")
-        if origin is not None and urlsplit(origin).netloc != request.headers.get("host"):
+        if origin is not None and origin != f"{request.url.scheme}://{request.headers.get('host')}":
             raise Denied(403, "refused: a request from another origin")
 
     async def writer(
@@ -360,6 +373,7 @@ def make_app(cfg: Config) -> Starlette:
             tid=tid,
             view=view,
             state=views.task_state(rec),
+            sha256=rec.patch_sha256 or "",
             summary=views.summary(rv) if rv else [],
             warnings=rv.warnings if rv else [],
             check=views.check(cfg.root, cfg.db, rec),
@@ -401,6 +415,15 @@ def make_app(cfg: Config) -> Starlette:
 
         def run() -> str:
             if action == "apply":
+                rec = desk.record(cfg.root, cfg.db, tid)
+                seen = str(form.get("sha256") or "")
+                if rec.status in DECIDABLE["apply"] and seen != (rec.patch_sha256 or ""):
+                    # The page's form names the patch the reviewer read; another one is not applied.
+                    raise Refused(
+                        "refused: the patch is not the one this page showed "
+                        f"(sha256 {inert(seen[:12]) or 'none'}, now {(rec.patch_sha256 or '-')[:12]})",
+                        hint="reload the page and review the patch again",
+                    )
                 options = {
                     "by": by,
                     "reason": reason,

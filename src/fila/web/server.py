@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -37,7 +38,13 @@ class Bind:
     @property
     def loopback(self) -> bool:
         if self.host == "localhost":
-            return True
+            # A name: loopback only if every address it resolves to is (an /etc/hosts may say
+            # otherwise).
+            try:
+                found = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+            except OSError:
+                return False
+            return bool(found) and all(ipaddress.ip_address(a[4][0]).is_loopback for a in found)
         try:
             return ipaddress.ip_address(self.host).is_loopback
         except ValueError:  # a name: it may resolve anywhere
