@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "92045ded1e08377a8deef119a8591efcc6ae2b1591dcddfa229ee7127cdcf567"
+CLI_SHA256 = "674116c5e896fb04b5778fde280e6d2ff9cd17673d37bd81c1e033ad91276a0a"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 
