@@ -80,7 +80,7 @@ def test_a_postgresql_queue_in_a_real_browser(
     )
     bob = make_project(tmp_path / "bob")
     _, token = accounts.add(bob, "bob")
-    with PgQueue(pg_url) as db, live_server(bob, db) as url, chromium() as browser:
+    with PgQueue(pg_url) as db, live_server(bob, db) as (url, _first), chromium() as browser:
         log_in(browser, url, "bob", token)
         browser.find_element(By.LINK_TEXT, "b1").click()
         WebDriverWait(browser, 30).until(lambda d: d.find_elements(By.ID, "diff"))

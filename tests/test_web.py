@@ -559,7 +559,7 @@ def test_a_slow_client_is_cut_off(root: Root, monkeypatch: pytest.MonkeyPatch) -
                 got += chunk
             return got
 
-    with live_server(root) as url:
+    with live_server(root) as (url, _first):
         port = int(url.rsplit(":", 1)[1])
         head = b"GET /login HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
         assert exchange(port, head).startswith(b"HTTP/1.1 200")  # allowed: a whole request

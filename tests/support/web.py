@@ -89,9 +89,10 @@ def login(c: Any, name: str, token: str) -> Any:
 
 
 @contextlib.contextmanager
-def live_server(root: Root, db: Any = None) -> Iterator[str]:
-    """The real server (uvicorn) on 127.0.0.1 and a free port, in a thread: its base URL."""
-    srv, _first = server(root, db, Bind("127.0.0.1", 0))
+def live_server(root: Root, db: Any = None) -> Iterator[tuple[str, str]]:
+    """The real server (uvicorn) on 127.0.0.1 and a free port, in a thread: its base URL and the
+    path a person opens first (the one-time login link when there is no account, else `/`)."""
+    srv, first = server(root, db, Bind("127.0.0.1", 0))
     t = threading.Thread(target=srv.run, daemon=True)
     t.start()
     deadline = time.monotonic() + 30
@@ -100,7 +101,7 @@ def live_server(root: Root, db: Any = None) -> Iterator[str]:
         time.sleep(0.05)
     port = srv.servers[0].sockets[0].getsockname()[1]
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", first
     finally:
         srv.should_exit = True
         t.join(30)
