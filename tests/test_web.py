@@ -389,6 +389,37 @@ def test_the_session_cookie_is_httponly_strict_and_secure_over_tls(root: Root) -
     )
 
 
+def test_behind_a_tls_proxy_the_public_origin_is_this_servers(root: Root) -> None:
+    from fila.web.server import parse_origin, server
+
+    _, token = accounts.add(root, "rev")
+    # (the client speaks TLS so its cookie jar keeps a Secure cookie, as the browser does)
+    c = client(root, public_origin="https://review.example", https=True)
+    proxied = {"Host": "review.example"}  # the proxy passes the browser's Host on
+    page = c.get("/login", headers=proxied)
+    assert page.status_code == 200 and page.headers["strict-transport-security"].startswith("max-age=")
+    for bad in ("http://review.example", "https://evil.example"):
+        r = c.post("/login", data={"csrf": csrf(page.text), "name": "rev", "token": token},
+                   headers={**proxied, "Origin": bad})  # fmt: skip
+        assert r.status_code == 403 and "another origin" in r.text
+    page = c.get("/login", headers=proxied)
+    r = c.post("/login", data={"csrf": csrf(page.text), "name": "rev", "token": token},
+               headers={**proxied, "Origin": "https://review.example"})  # fmt: skip
+    cookie = r.headers["set-cookie"]
+    assert r.status_code == 303 and cookie.startswith("__Host-fila_session=") and "Secure" in cookie
+    assert c.get("/api/tasks", headers=proxied).status_code == 200
+    assert c.get("/", headers={"Host": "evil.example"}).status_code == 421  # still no other Host
+    # allowed counterpart: without a public origin, plain HTTP has neither HSTS nor a Secure cookie
+    assert "strict-transport-security" not in client(root).get("/login").headers
+    assert parse_origin("https://Review.example:8443/") == "https://review.example:8443"
+    for bad in ("review.example", "ftp://x", "https://x/path", "https://u@x", "https://x?q"):
+        with pytest.raises(InvalidInput, match="not an origin"):
+            parse_origin(bad)
+    accounts.revoke(root, "rev")
+    with pytest.raises(InvalidInput, match="a proxy"):  # a proxy brings others in: accounts first
+        server(root, None, parse_bind("127.0.0.1:0"), public_origin="https://review.example")
+
+
 def test_accounts_keep_only_a_hash_and_the_cli_manages_them(root: Root) -> None:
     res = fila(root, "serve", "user", "add", "alice", "--role", "reader", "--json")
     assert res.exit_code == 0, res.output

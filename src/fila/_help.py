@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "674116c5e896fb04b5778fde280e6d2ff9cd17673d37bd81c1e033ad91276a0a"
+CLI_SHA256 = "e3a0fb71bef5f19614af96c76f97be3599892c5fdf8e8662bef42cdb85b6417b"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 

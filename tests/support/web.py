@@ -50,6 +50,7 @@ def client(
     db: Any = None,
     local: bool = True,
     app: Any = None,
+    public_origin: str | None = None,
 ) -> Any:
     """A TestClient of the app on `root` (or another browser of `app`), as a browser on this host
     reaches it (Host 127.0.0.1). Without accounts and with `local`, it has opened the server's
@@ -57,7 +58,13 @@ def client(
     Config of the app it made."""
     from starlette.testclient import TestClient
 
-    cfg = Config(root=root, db=db, loopback=True, throttle=throttle or Throttle(base_delay_s=0.0))
+    cfg = Config(
+        root=root,
+        db=db,
+        loopback=True,
+        throttle=throttle or Throttle(base_delay_s=0.0),
+        public_origin=public_origin,
+    )
     base = f"{'https' if https else 'http'}://127.0.0.1"
     c = TestClient(app or make_app(cfg), base_url=base, follow_redirects=False)
     c.app_config = cfg if app is None else None

@@ -30,6 +30,15 @@ def serve(
     tls_key: Annotated[
         str | None, typer.Option("--tls-key", help="the certificate's private key (PEM)", show_default=False)
     ] = None,
+    public_origin: Annotated[
+        str | None,
+        typer.Option(
+            "--public-origin",
+            help="the https://HOST[:PORT] browsers reach it at through a TLS proxy (needs an account): "
+            "accepted as Host and Origin; the cookie is then Secure and __Host-, and HSTS is sent",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Serve the review queue in a browser: the list of tasks (needs_review first, filters, live),
     each task's review (summary, warnings, attempts, check, egress, the diff per file, the log),
@@ -57,8 +66,8 @@ def serve(
             from ..queue.pg.store import PgQueue
 
             db = stack.enter_context(PgQueue(queue_url))
-        srv, first = server(r, db, where, certfile=tls_cert, keyfile=tls_key)
-        if not where.loopback and tls_cert is None:
+        srv, first = server(r, db, where, certfile=tls_cert, keyfile=tls_key, public_origin=public_origin)
+        if not where.loopback and tls_cert is None and not (public_origin or "").startswith("https://"):
             to_stderr(
                 f"fila: warning: serving {where.host} without TLS: tokens and cookies cross the network "
                 "in clear (--tls-cert, --tls-key, or a TLS proxy in front)"

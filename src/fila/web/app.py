@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlencode
+from urllib.parse import urlencode, urlsplit
 
 from jinja2 import Environment, FileSystemLoader
 from starlette.applications import Starlette
@@ -51,6 +51,10 @@ if TYPE_CHECKING:
     from ..queue.pg.store import PgQueue
 
 COOKIE = "fila_session"
+# Over HTTPS the cookie's name carries the __Host- prefix: a browser then keeps it only if it is
+# Secure, for this host alone (no Domain) and the whole path, so no sibling host can plant one.
+SECURE_COOKIE = "__Host-fila_session"
+HSTS = "max-age=31536000"
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
     "form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
@@ -83,6 +87,9 @@ class Config:
     # Without accounts (loopback only): the one-time secret of the login link `fila serve`
     # prints, which makes the session of the person who started it.
     local_secret: str = field(default_factory=lambda: secrets.token_urlsafe(32))
+    # The origin browsers reach the server at through a TLS proxy ("https://review.example"):
+    # accepted as the Host and the Origin, and when https the cookie is Secure and HSTS is sent.
+    public_origin: str | None = None
 
     @property
     def local_link(self) -> str:
@@ -118,11 +125,26 @@ def loopback_host(name: str) -> bool:
         return False
 
 
-def set_session(request: Request, resp: Response, s: Session) -> None:
+def secure(cfg: Config, request: Request) -> bool:
+    """Whether browsers reach this server over TLS: served with a certificate, or behind a TLS
+    proxy named by --public-origin."""
+    return request.url.scheme == "https" or (cfg.public_origin or "").startswith("https://")
+
+
+def cookie_name(cfg: Config, request: Request) -> str:
+    return SECURE_COOKIE if secure(cfg, request) else COOKIE
+
+
+def set_session(cfg: Config, request: Request, resp: Response, s: Session) -> None:
     """The session's cookie: HttpOnly (no script reads it), SameSite=Strict (no other site's page
-    sends it), Secure when the request came over TLS."""
+    sends it), Secure and __Host- prefixed when browsers come over TLS."""
     resp.set_cookie(
-        COOKIE, s.sid, httponly=True, samesite="strict", path="/", secure=request.url.scheme == "https"
+        cookie_name(cfg, request),
+        s.sid,
+        httponly=True,
+        samesite="strict",
+        path="/",
+        secure=secure(cfg, request),
     )
 
 
@@ -153,9 +175,12 @@ class Gate:
         return accounts.load(self.cfg.root)
 
     def check_host(self, request: Request) -> None:
-        if not self.cfg.loopback:
+        host = request.headers.get("host") or ""
+        if not self.cfg.loopback or (
+            self.cfg.public_origin and host == urlsplit(self.cfg.public_origin).netloc
+        ):
             return
-        if not loopback_host(host_name(request.headers.get("host") or "")):
+        if not loopback_host(host_name(host)):
             raise Denied(421, "this server answers to its loopback address only (127.0.0.1, localhost)")
 
     def session(self, request: Request, *, login: bool = False) -> Session:
@@ -164,7 +189,7 @@ class Gate:
         `login` is False."""
         self.check_host(request)
         known = self.accounts()
-        s = self.sessions.get(request.cookies.get(COOKIE))
+        s = self.sessions.get(request.cookies.get(cookie_name(self.cfg, request)))
         if s is not None and s.user is not None:
             acct = known.get(s.user) if not s.local else None
             still = (acct is not None and acct.active) if not s.local else not known
@@ -202,8 +227,11 @@ class Gate:
         site = request.headers.get("sec-fetch-site")
         if site is not None and site not in ("same-origin", "none"):
             raise Denied(403, f"refused: a request from another site ({site})")
-        origin = request.headers.get("origin")
-        if origin is not None and origin != f"{request.url.scheme}://{request.headers.get('host')}":
+        origin, host = request.headers.get("origin"), request.headers.get("host") or ""
+        public = self.cfg.public_origin
+        # Through the proxy (its Host) the browser's origin is the public one, and nothing else.
+        own = public if public and host == urlsplit(public).netloc else f"{request.url.scheme}://{host}"
+        if origin is not None and origin != own:
             raise Denied(403, "refused: a request from another origin")
 
     async def writer(
@@ -255,7 +283,7 @@ def make_app(cfg: Config) -> Starlette:
         )
         resp = Response(body, status_code=status, media_type="text/html; charset=utf-8")
         if s is not None:
-            set_session(request, resp, s)
+            set_session(cfg, request, resp, s)
         return resp
 
     def failed(request: Request, s: Session | None, e: Denied | FilaError) -> Response:
@@ -460,7 +488,7 @@ def make_app(cfg: Config) -> Starlette:
     async def local_login(request: Request) -> Response:
         fresh = gate.local_login(request, request.query_params.get("secret", ""))
         resp = RedirectResponse("/", status_code=303)
-        set_session(request, resp, fresh)
+        set_session(cfg, request, resp, fresh)
         return resp
 
     async def login(request: Request) -> Response:
@@ -474,14 +502,14 @@ def make_app(cfg: Config) -> Starlette:
         gate.sessions.drop(s.sid)
         fresh = gate.sessions.new(user=acct.name, role=acct.role)
         resp = RedirectResponse("/", status_code=303)
-        set_session(request, resp, fresh)
+        set_session(cfg, request, resp, fresh)
         return resp
 
     async def logout(request: Request) -> Response:
         s, _form = await gate.writer(request, role=None)
         gate.sessions.drop(s.sid)
         resp = RedirectResponse("/login", status_code=303)
-        resp.delete_cookie(COOKIE, path="/")
+        resp.delete_cookie(cookie_name(cfg, request), path="/", secure=secure(cfg, request))
         return resp
 
     routes = [
@@ -498,14 +526,18 @@ def make_app(cfg: Config) -> Starlette:
         Route("/logout", guarded(logout), methods=["POST"]),
         Mount("/static", StaticFiles(directory=str(Path(str(here)) / "static")), name="static"),
     ]
-    return Starlette(routes=routes, middleware=[Middleware(SecurityHeaders), Middleware(limits.BodyLimit)])
+    hsts = (cfg.public_origin or "").startswith("https://")
+    return Starlette(
+        routes=routes, middleware=[Middleware(SecurityHeaders, hsts=hsts), Middleware(limits.BodyLimit)]
+    )
 
 
 class SecurityHeaders:
-    """Every response's security headers (HEADERS), the static files' and the errors' included."""
+    """Every response's security headers (HEADERS), the static files' and the errors' included;
+    Strict-Transport-Security over TLS (served with a certificate, or `hsts`: behind a TLS proxy)."""
 
-    def __init__(self, app: Any) -> None:
-        self.app = app
+    def __init__(self, app: Any, *, hsts: bool = False) -> None:
+        self.app, self.hsts = app, hsts
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -515,9 +547,10 @@ class SecurityHeaders:
         async def with_headers(message: Any) -> None:
             if message["type"] == "http.response.start":
                 have = {k.lower() for k, _ in message.get("headers", [])}
+                tls = self.hsts or scope.get("scheme") == "https"
                 extra = [
                     (k.lower().encode(), v.encode())
-                    for k, v in HEADERS.items()
+                    for k, v in {**HEADERS, **({"Strict-Transport-Security": HSTS} if tls else {})}.items()
                     if k.lower().encode() not in have
                 ]
                 message = {**message, "headers": [*message.get("headers", []), *extra]}

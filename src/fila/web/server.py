@@ -11,6 +11,7 @@ import ipaddress
 import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
 
 from ..core.errors import InvalidInput
 from ..core.layout import Root
@@ -72,20 +73,46 @@ def parse_bind(text: str) -> Bind:
     return Bind(host, n)
 
 
-def check_bind(root: Root, bind: Bind) -> None:
-    """Refuse a bind beyond loopback when the root has no active account."""
-    if bind.loopback:
+def check_bind(root: Root, bind: Bind, public_origin: str | None = None) -> None:
+    """Refuse a bind beyond loopback, or a public origin (a proxy brings others in), when the root
+    has no active account."""
+    if bind.loopback and public_origin is None:
         return
     if not any(a.active for a in accounts.load(root).values()):
+        where = f"{bind.host} (not a loopback address)" if not bind.loopback else f"{public_origin} (a proxy)"
         raise InvalidInput(
-            f"refusing to serve on {bind.host} (not a loopback address) without accounts: "
-            "anyone who reaches it could decide",
+            f"refusing to serve on {where} without accounts: anyone who reaches it could decide",
             hint="add an account first (`fila serve user add NAME`), or serve on 127.0.0.1",
         )
 
 
+def parse_origin(text: str) -> str:
+    """--public-origin: `https://HOST[:PORT]` (or http://), nothing after it; as browsers send it
+    in `Origin`."""
+    parts = urlsplit(text)
+    if (
+        parts.scheme not in ("http", "https")
+        or not parts.hostname
+        or parts.path not in ("", "/")
+        or parts.query
+        or parts.fragment
+        or parts.username is not None
+    ):
+        raise InvalidInput(
+            f"--public-origin {text!r} is not an origin",
+            hint="e.g. --public-origin https://review.example.com",
+        )
+    return f"{parts.scheme}://{parts.netloc.lower()}"
+
+
 def server(
-    root: Root, db: PgQueue | None, bind: Bind, *, certfile: str | None = None, keyfile: str | None = None
+    root: Root,
+    db: PgQueue | None,
+    bind: Bind,
+    *,
+    certfile: str | None = None,
+    keyfile: str | None = None,
+    public_origin: str | None = None,
 ) -> tuple[uvicorn.Server, str]:
     """A uvicorn server of the app, once the bind is allowed (not started), and the path a person
     opens first: the one-time login link when the root has no active account, else `/`."""
@@ -93,10 +120,11 @@ def server(
 
     from .app import Config, make_app
 
-    check_bind(root, bind)
+    origin = parse_origin(public_origin) if public_origin is not None else None
+    check_bind(root, bind, origin)
     if (certfile is None) != (keyfile is None):
         raise InvalidInput("--tls-cert and --tls-key go together", hint="pass both, or neither")
-    cfg = Config(root=root, db=db, loopback=bind.loopback)
+    cfg = Config(root=root, db=db, loopback=bind.loopback, public_origin=origin)
     app = make_app(cfg)
     config = uvicorn.Config(
         app,
