@@ -642,3 +642,24 @@ def test_logging_in_again_and_again_ends_only_ones_own_oldest_sessions(
     idle, used = store.new(user="a", role="reviewer"), store.new(user="b", role="reviewer")
     idle.seen -= 3601
     assert store.get(used.sid) is used and store.get(idle.sid) is None
+
+
+def test_file_names_that_may_read_as_others_are_quoted_and_warned_of(root: Root) -> None:
+    tid = make_task(
+        root,
+        "echo a > 'a.txt '; echo b > \"$(printf '\\320\\260.txt')\"; "
+        "echo c > 'x.txt (deleted)'; echo d > plain.txt",
+        ".",
+    )
+    page = client(root).get(f"/task/{tid}").text
+    warned = [w for w in page.split("<li>") if "a file name that may mislead" in w]
+    assert len(warned) == 3 and not any("plain.txt" in w for w in warned)  # allowed: a plain name
+    assert any("&#34;a.txt &#34;" in w and "space" in w for w in warned)
+    assert any("&#34;\u0430.txt&#34;" in w and "beyond ASCII" in w for w in warned)
+    assert any("&#34;x.txt (deleted)&#34;" in w and "kind" in w for w in warned)
+    assert '<span class="name">"x.txt (deleted)"</span> (new)' in page  # the name quoted, its kind apart
+    assert '<span class="name">"plain.txt"</span> (new)' in page
+    assert (
+        'a file name that may mislead (a part begins or ends with a space): "a.txt "'
+        in fila(root, "review", tid).output
+    )

@@ -67,7 +67,7 @@ def test_a_reviewer_logs_in_filters_reads_the_diff_and_applies(root: Root, brows
         browser.find_element(By.LINK_TEXT, tid).click()
         wait.until(lambda d: d.find_elements(By.ID, "diff"))
         diff = browser.find_element(By.ID, "diff").text
-        assert "+hello, world" in diff and "-hello" in diff and "src/app.py (modified)" in diff
+        assert "+hello, world" in diff and "-hello" in diff and '"src/app.py" (modified)' in diff
         assert "return 'hello, world'" in diff
         SCREENSHOT.parent.mkdir(exist_ok=True)
         browser.save_screenshot(str(SCREENSHOT))

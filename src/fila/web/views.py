@@ -238,7 +238,7 @@ def capped(files: list[report.FileDiff]) -> Shown:
                 )
             kept.append(r)
             rows, chars = rows + 1, chars + len(r.text)
-        out.files.append(report.FileDiff(f.label, kept))
+        out.files.append(report.FileDiff(f.label, kept, f.name, f.kind))
         out.left_out.append(len(f.rows) - len(kept))
     out.total_left_out = sum(out.left_out)
     return out
