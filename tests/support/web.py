@@ -68,7 +68,7 @@ def client(
     base = f"{'https' if https else 'http'}://127.0.0.1"
     c = TestClient(app or make_app(cfg), base_url=base, follow_redirects=False)
     c.app_config = cfg if app is None else None
-    if app is None and local and not any(a.active for a in accounts.load(root).values()):
+    if app is None and local and not accounts.any_active(root):
         assert c.get(cfg.local_link).status_code == 303
     return c
 

@@ -78,7 +78,7 @@ def check_bind(root: Root, bind: Bind, public_origin: str | None = None) -> None
     has no active account."""
     if bind.loopback and public_origin is None:
         return
-    if not any(a.active for a in accounts.load(root).values()):
+    if not accounts.any_active(root):
         where = f"{bind.host} (not a loopback address)" if not bind.loopback else f"{public_origin} (a proxy)"
         raise InvalidInput(
             f"refusing to serve on {where} without accounts: anyone who reaches it could decide",
@@ -140,7 +140,7 @@ def server(
         server_header=False,
         proxy_headers=False,
     )
-    first = "/" if any(a.active for a in accounts.load(root).values()) else cfg.local_link
+    first = "/" if accounts.any_active(root) else cfg.local_link
     return uvicorn.Server(config), first
 
 
