@@ -5,12 +5,15 @@ refusal beside its allowed counterpart. Tasks by the fake backend; git is the re
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from fila.core.errors import ApplyRefused
 from fila.core.layout import Root
+from fila.review.branch import OnBranch
 from tests.support.cli import fila
 from tests.support.project import make_project, record
 from tests.support.web import apply_form, client, make_task
@@ -87,6 +90,16 @@ def test_the_commit_holds_the_reviewed_bytes_whatever_gitattributes_or_filters_s
     assert blob("src/enc.cfg") == "mode\n".encode("utf-16-le")  # not re-encoded to UTF-8
     assert blob("src/low.up") == b"lower\n"  # no filter ran
     assert git(root, "diff", "--stat", "HEAD", "fila/bytes", "--", "src/app.py") == ""  # untouched kept
+    # the check before update-ref: a tree that differs elsewhere, or holds other bytes, is refused
+    on = OnBranch(root.path, root.path, "", "x", git(root, "rev-parse", "HEAD").strip())
+    tree = git(root, "rev-parse", "fila/bytes^{tree}").strip()
+    changed = set(git(root, "diff", "--name-only", "-z", "HEAD", "fila/bytes").encode().split(b"\0")) - {b""}
+    blob = git(root, "rev-parse", "fila/bytes:greeting.txt").strip()
+    on.check_tree(tree, {b"greeting.txt": ("100644", blob, hashlib.sha256(b"plain\n").hexdigest())}, changed)
+    with pytest.raises(ApplyRefused, match=r"src/app\.cfg"):
+        on.check_tree(tree, {}, changed - {b"src/app.cfg"})
+    with pytest.raises(ApplyRefused, match=r"greeting\.txt"):
+        on.check_tree(tree, {b"greeting.txt": ("100644", blob, "0" * 64)}, changed)
 
 
 def test_an_existing_or_invalid_branch_and_a_moved_head_are_refused_recording_nothing(root: Root) -> None:
