@@ -5,15 +5,18 @@ refusal beside its allowed counterpart. Tasks by the fake backend; git is the re
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from fila.core.errors import ApplyRefused
 from fila.core.layout import Root
+from fila.review.branch import OnBranch
 from tests.support.cli import fila
 from tests.support.project import make_project, record
-from tests.support.web import client, csrf, make_task
+from tests.support.web import apply_form, client, make_task
 
 pytestmark = pytest.mark.filterwarnings("ignore:Using `httpx` with `starlette.testclient`")
 
@@ -60,10 +63,52 @@ def test_a_patch_lands_as_a_commit_on_a_new_branch_and_nowhere_else(root: Root) 
     assert git(root, "worktree", "list").count("\n") == 1  # the temporary worktree is gone
 
 
+def test_the_commit_holds_the_reviewed_bytes_whatever_gitattributes_or_filters_say(root: Root) -> None:
+    # The patch brings its own .gitattributes (eol and re-encoding) and the reviewer's config has
+    # a clean filter: none of them may change a byte between the review and the commit.
+    git(root, "config", "filter.upper.clean", "tr a-z A-Z")
+    writes = [
+        "printf '*.cfg text eol=lf\\nenc.cfg working-tree-encoding=UTF-16LE\\n*.up filter=upper\\n'"
+        " > src/.gitattributes",
+        "printf 'allow = no\\r\\n' > src/app.cfg",
+        "printf 'lower\\n' > src/low.up",
+        "printf 'm\\000o\\000d\\000e\\000\\n\\000' > src/enc.cfg",
+        "echo plain > greeting.txt",
+    ]
+    tid = make_task(root, "; ".join(writes), "greeting.txt", "src")
+    assert fila(root, "apply", tid, "--yes", "--branch", "fila/bytes").exit_code == 0
+
+    def blob(path: str) -> bytes:
+        return subprocess.run(
+            ["git", "-C", str(root.path), "cat-file", "blob", f"fila/bytes:{path}"],
+            check=True,
+            capture_output=True,
+        ).stdout
+
+    assert blob("greeting.txt") == b"plain\n"  # allowed: plain text as written
+    assert blob("src/app.cfg") == b"allow = no\r\n"  # not converted to LF
+    assert blob("src/enc.cfg") == "mode\n".encode("utf-16-le")  # not re-encoded to UTF-8
+    assert blob("src/low.up") == b"lower\n"  # no filter ran
+    assert git(root, "diff", "--stat", "HEAD", "fila/bytes", "--", "src/app.py") == ""  # untouched kept
+    # the check before update-ref: a tree that differs elsewhere, or holds other bytes, is refused
+    on = OnBranch(root.path, root.path, "", "x", git(root, "rev-parse", "HEAD").strip())
+    tree = git(root, "rev-parse", "fila/bytes^{tree}").strip()
+    changed = set(git(root, "diff", "--name-only", "-z", "HEAD", "fila/bytes").encode().split(b"\0")) - {b""}
+    blob = git(root, "rev-parse", "fila/bytes:greeting.txt").strip()
+    on.check_tree(tree, {b"greeting.txt": ("100644", blob, hashlib.sha256(b"plain\n").hexdigest())}, changed)
+    with pytest.raises(ApplyRefused, match=r"src/app\.cfg"):
+        on.check_tree(tree, {}, changed - {b"src/app.cfg"})
+    with pytest.raises(ApplyRefused, match=r"greeting\.txt"):
+        on.check_tree(tree, {b"greeting.txt": ("100644", blob, "0" * 64)}, changed)
+
+
 def test_an_existing_or_invalid_branch_and_a_moved_head_are_refused_recording_nothing(root: Root) -> None:
     tid = make_task(root, "echo world > greeting.txt")
     git(root, "branch", "taken")
-    for name, why in (("taken", "exists"), ("bad..name", "not a valid"), ("-x", "not a valid")):
+    refused = [("taken", "exists"), ("bad..name", "not a valid"), ("-x", "not a valid")]
+    refused += [(n, "not a valid") for n in ("@", "@{-1}", "x@{1}", "HEAD", "refs/heads/main")]
+    refused += [("TAKEN", "collides with the branch 'taken'"), ("taken/x", "collides")]
+    for name, why in refused:
         res = fila(root, "apply", tid, "--yes", "--branch", name)
         assert res.exit_code == 2 and why in res.output, res.output
         assert record(root, tid)["status"] == "needs_review"
@@ -88,9 +133,11 @@ def test_the_page_applies_on_a_new_branch(root: Root) -> None:
     tid = make_task(root, "echo page > greeting.txt")
     c = client(root)
     page = c.get(f"/task/{tid}")
-    r = c.post(f"/task/{tid}/apply", data={"csrf": csrf(page.text), "branch": "review/page"},
-               headers={"Origin": "http://127.0.0.1"})  # fmt: skip
+    form = apply_form(page.text, branch="review/page", reason="ok\x1b[2J\u202e")
+    r = c.post(f"/task/{tid}/apply", data=form, headers={"Origin": "http://127.0.0.1"})
     assert r.status_code == 303, r.text
     assert "on the new branch review/page" in c.get(f"/task/{tid}").text
     assert git(root, "show", "review/page:greeting.txt") == "page\n"
+    msg = git(root, "log", "-1", "--format=%B", "review/page")
+    assert "ok[2J" in msg and "\x1b" not in msg and "\u202e" not in msg  # the note, without controls
     assert (root.path / "greeting.txt").read_text() == "hello\n"

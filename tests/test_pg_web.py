@@ -15,7 +15,7 @@ from fila.queue.pg.store import PgQueue
 from fila.web import accounts
 from tests.support.pg_runner import fila, host_env
 from tests.support.project import GREETING, make_project, make_root
-from tests.support.web import chromium, client, csrf, live_server, log_in, login
+from tests.support.web import apply_form, chromium, client, live_server, log_in, login
 
 pytestmark = pytest.mark.filterwarnings("ignore:Using `httpx` with `starlette.testclient`")
 ORIGIN = {"Origin": "http://127.0.0.1"}
@@ -46,7 +46,7 @@ def test_a_postgresql_queue_is_reviewed_and_decided_over_http(
         page = c.get("/task/p1")
         assert page.status_code == 200 and "+bye" in page.text and "PostgreSQL queue" in page.text
         assert c.get("/task/nope").status_code == 404 and c.get("/task/%2e%2e").status_code == 400
-        r = c.post("/task/p1/apply", data={"csrf": csrf(page.text)}, headers=ORIGIN)
+        r = c.post("/task/p1/apply", data=apply_form(page.text), headers=ORIGIN)
         assert r.status_code == 303, r.text
         assert (alice.path / "greeting.txt").read_text() == GREETING + "bye\n"
         assert (sub.path / "greeting.txt").read_text() == GREETING
@@ -80,7 +80,7 @@ def test_a_postgresql_queue_in_a_real_browser(
     )
     bob = make_project(tmp_path / "bob")
     _, token = accounts.add(bob, "bob")
-    with PgQueue(pg_url) as db, live_server(bob, db) as url, chromium() as browser:
+    with PgQueue(pg_url) as db, live_server(bob, db) as (url, _first), chromium() as browser:
         log_in(browser, url, "bob", token)
         browser.find_element(By.LINK_TEXT, "b1").click()
         WebDriverWait(browser, 30).until(lambda d: d.find_elements(By.ID, "diff"))

@@ -9,6 +9,7 @@ import json
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,7 +23,7 @@ from fila.web.sessions import Throttle
 from fila.web.views import Lister, Query
 from tests.support.cli import fila
 from tests.support.project import make_project, record
-from tests.support.web import client, csrf, login, make_task
+from tests.support.web import apply_form, client, csrf, login, make_task
 
 pytestmark = pytest.mark.filterwarnings("ignore:Using `httpx` with `starlette.testclient`")
 
@@ -75,7 +76,7 @@ def test_decisions_go_through_the_clis_code_and_name_the_account(root: Root) -> 
     assert login(c, "rev2", token).status_code == 303
     page = c.get(f"/task/{ok}")
     assert "echo applied" not in page.text and "+applied" in page.text  # the diff is shown
-    r = c.post(f"/task/{ok}/apply", data={"csrf": csrf(page.text), "reason": "looks right"}, headers=ORIGIN)
+    r = c.post(f"/task/{ok}/apply", data=apply_form(page.text, reason="looks right"), headers=ORIGIN)
     assert r.status_code == 303 and r.headers["location"] == f"/task/{ok}"
     assert (root.path / "greeting.txt").read_text() == "applied\n"
     d = record(root, ok)["decision"]
@@ -85,9 +86,19 @@ def test_decisions_go_through_the_clis_code_and_name_the_account(root: Root) -> 
     r = c.post(f"/task/{no}/reject", data={"csrf": csrf(page.text), "reason": "not this"}, headers=ORIGIN)
     assert r.status_code == 303 and status(root, no) == "rejected"
     assert record(root, no)["decision"]["by"] == "rev2"
+    # the form names the patch the page showed: another sha256, or none, is refused
+    other = make_task(root, "echo other > greeting.txt")
+    for seen in ("0" * 64, ""):
+        page = c.get(f"/task/{other}")
+        r = c.post(f"/task/{other}/apply", data=apply_form(page.text, sha256=seen), headers=ORIGIN)
+        assert (
+            r.status_code == 409
+            and "not the one this page showed" in r.text
+            and status(root, other) == "needs_review"
+        )
     # refused by the same checks as the CLI: a decided task cannot be applied
     page = c.get(f"/task/{no}")
-    r = c.post(f"/task/{no}/apply", data={"csrf": csrf(page.text)}, headers=ORIGIN)
+    r = c.post(f"/task/{no}/apply", data=apply_form(page.text), headers=ORIGIN)
     assert r.status_code == 409 and "already rejected by rev2" in r.text
 
 
@@ -139,19 +150,18 @@ def test_script_and_markup_in_a_diff_a_file_name_and_a_prompt_are_inert(root: Ro
 def test_a_post_from_another_origin_is_refused(root: Root) -> None:
     tid = make_task(root, "echo x > greeting.txt")
     c = client(root)
-    token = csrf(c.get(f"/task/{tid}").text)
+    form = apply_form(c.get(f"/task/{tid}").text)
     for headers in (
         {"Origin": "http://evil.example"},
         {"Sec-Fetch-Site": "cross-site"},
         {"Origin": "http://127.0.0.1.evil.example"},
+        {"Origin": "https://127.0.0.1"},  # the same host, another scheme: another origin
         {"Sec-Fetch-Site": "same-site"},
     ):
-        r = c.post(f"/task/{tid}/apply", data={"csrf": token}, headers=headers)
+        r = c.post(f"/task/{tid}/apply", data=form, headers=headers)
         assert r.status_code == 403 and "another" in r.text, headers
         assert status(root, tid) == "needs_review"
-    r = c.post(
-        f"/task/{tid}/apply", data={"csrf": token}, headers={**ORIGIN, "Sec-Fetch-Site": "same-origin"}
-    )
+    r = c.post(f"/task/{tid}/apply", data=form, headers={**ORIGIN, "Sec-Fetch-Site": "same-origin"})
     assert r.status_code == 303 and status(root, tid) == "applied"
 
 
@@ -192,7 +202,7 @@ def test_sessions_need_a_login_and_a_revoked_token_opens_nothing(root: Root) -> 
     assert r.status_code == 401 and "unknown name or token" in r.text
     assert d.get("/api/tasks").status_code == 200  # bob's is untouched
     page = d.get(f"/task/{tid}")
-    assert d.post(f"/task/{tid}/apply", data={"csrf": csrf(page.text)}, headers=ORIGIN).status_code == 303
+    assert d.post(f"/task/{tid}/apply", data=apply_form(page.text), headers=ORIGIN).status_code == 303
 
 
 def test_a_reader_sees_but_cannot_decide(root: Root) -> None:
@@ -203,13 +213,13 @@ def test_a_reader_sees_but_cannot_decide(root: Root) -> None:
     login(c, "ro", reader)
     page = c.get(f"/task/{tid}")
     assert page.status_code == 200 and "+x" in page.text and 'id="apply-form"' not in page.text
-    r = c.post(f"/task/{tid}/apply", data={"csrf": csrf(page.text)}, headers=ORIGIN)
+    r = c.post(f"/task/{tid}/apply", data=apply_form(page.text), headers=ORIGIN)
     assert r.status_code == 403 and "may read but not decide" in r.text
     assert status(root, tid) == "needs_review" and (root.path / "greeting.txt").read_text() == "hello\n"
     w = client(root)
     login(w, "rw", rev)
     page = w.get(f"/task/{tid}")
-    assert w.post(f"/task/{tid}/apply", data={"csrf": csrf(page.text)}, headers=ORIGIN).status_code == 303
+    assert w.post(f"/task/{tid}/apply", data=apply_form(page.text), headers=ORIGIN).status_code == 303
     assert record(root, tid)["decision"]["by"] == "rw"
 
 
@@ -296,22 +306,56 @@ def test_a_bind_beyond_loopback_needs_an_account(root: Root) -> None:
 def test_a_loopback_server_without_accounts_answers_to_loopback_names_only(root: Root) -> None:
     c = client(root)
     assert c.get("/", headers={"Host": "localhost:8765"}).status_code == 200
-    r = c.get("/", headers={"Host": "evil.example:8765"})  # DNS rebinding
-    assert r.status_code == 421 and "loopback" in r.text
+    assert c.get("/", headers={"Host": "[::1]:8765"}).status_code == 200
+    assert c.get("/", headers={"Host": "127.0.0.2:8765"}).status_code == 200  # a --bind 127.0.0.2
+    for host in ("evil.example:8765", "[::1]evil.example", "127.0.0.1:80evil", "[::1]:x"):  # DNS rebinding
+        r = c.get("/", headers={"Host": host})
+        assert r.status_code == 421 and "loopback" in r.text, host
 
 
-def test_failed_logins_are_slowed_then_refused(root: Root) -> None:
+def test_without_accounts_only_the_one_time_link_makes_a_reviewer(root: Root) -> None:
+    tid = make_task(root, "echo x > greeting.txt")
+    mine = client(root)  # opened the link `fila serve` printed
+    link = mine.app_config.local_link
+    # another process on this host, on the same server, without the link
+    stranger = client(root, app=mine.app)
+    assert stranger.get("/").headers["location"] == "/login"
+    assert "one-time login link" in stranger.get("/login").text
+    assert stranger.get("/api/tasks").status_code == 401
+    r = stranger.post(f"/task/{tid}/apply", data={"csrf": "x"}, headers=ORIGIN)
+    assert r.status_code == 401 and status(root, tid) == "needs_review"
+    for guess in ("", "x", mine.app_config.local_secret[:-1], mine.app_config.local_secret):
+        r = stranger.get("/login/local", params={"secret": guess})  # the last: the link, spent
+        assert r.status_code == 403 and "restart" in r.text
+    assert stranger.get("/api/tasks").status_code == 401
+    # allowed: the person who opened the link decides, recorded as the login name
+    page = mine.get(f"/task/{tid}")
+    assert mine.post(f"/task/{tid}/apply", data=apply_form(page.text), headers=ORIGIN).status_code == 303
+    assert status(root, tid) == "applied" and link.startswith("/login/local?secret=")
+    # once an account exists a link opens nothing and the local session ends
+    again = client(root, local=False)
+    accounts.add(root, "rev")
+    assert again.get(again.app_config.local_link).status_code == 403
+    assert mine.get("/api/tasks").status_code == 401
+
+
+def test_failed_logins_are_slowed_but_a_right_token_is_never_refused(root: Root) -> None:
     _, token = accounts.add(root, "rev")
-    throttle = Throttle(limit=3, base_delay_s=0.0)
-    assert login(client(root, throttle=throttle), "rev", token).status_code == 303
+    _, other = accounts.add(root, "rev2")
+    throttle = Throttle(base_delay_s=0.0, max_clients=3)
     c = client(root, throttle=throttle)
-    for _ in range(3):
-        assert login(c, "rev", "wrong").status_code == 401
-    assert throttle.failed("other") == 0.0 and throttle.blocked_for("other") == 0.0
-    r = login(c, "rev", token)  # the right token, after too many failures
-    assert r.status_code == 429 and "too many failed logins" in r.text and int(r.headers["retry-after"]) > 0
+    assert login(c, "rev", "wrong").status_code == 401  # refused: a wrong token
+    for _ in range(10):  # someone behind the same address (a proxy, a NAT) mistypes, often
+        assert login(client(root, throttle=throttle), "rev", "wrong").status_code == 401
+    # allowed: the right token from that address, at once, for anyone
+    assert login(c, "rev2", other).status_code == 303
+    assert login(client(root, throttle=throttle), "rev", token).status_code == 303
     slow = Throttle(base_delay_s=0.5, max_delay_s=4.0)
     assert [slow.failed("x") for _ in range(5)] == [0.5, 1.0, 2.0, 4.0, 4.0]
+    assert slow.failed("y") == 0.5  # another address starts over
+    for n in range(100):  # many addresses: the table keeps the most recent few
+        throttle.failed(f"10.0.0.{n}")
+    assert throttle.clients() == 3
 
 
 def test_a_flood_of_login_forms_logs_nobody_out(root: Root, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -343,6 +387,37 @@ def test_the_session_cookie_is_httponly_strict_and_secure_over_tls(root: Root) -
     assert (
         r.status_code == 303 and "Secure" in r.headers["set-cookie"] and "HttpOnly" in r.headers["set-cookie"]
     )
+
+
+def test_behind_a_tls_proxy_the_public_origin_is_this_servers(root: Root) -> None:
+    from fila.web.server import parse_origin, server
+
+    _, token = accounts.add(root, "rev")
+    # (the client speaks TLS so its cookie jar keeps a Secure cookie, as the browser does)
+    c = client(root, public_origin="https://review.example", https=True)
+    proxied = {"Host": "review.example"}  # the proxy passes the browser's Host on
+    page = c.get("/login", headers=proxied)
+    assert page.status_code == 200 and page.headers["strict-transport-security"].startswith("max-age=")
+    for bad in ("http://review.example", "https://evil.example"):
+        r = c.post("/login", data={"csrf": csrf(page.text), "name": "rev", "token": token},
+                   headers={**proxied, "Origin": bad})  # fmt: skip
+        assert r.status_code == 403 and "another origin" in r.text
+    page = c.get("/login", headers=proxied)
+    r = c.post("/login", data={"csrf": csrf(page.text), "name": "rev", "token": token},
+               headers={**proxied, "Origin": "https://review.example"})  # fmt: skip
+    cookie = r.headers["set-cookie"]
+    assert r.status_code == 303 and cookie.startswith("__Host-fila_session=") and "Secure" in cookie
+    assert c.get("/api/tasks", headers=proxied).status_code == 200
+    assert c.get("/", headers={"Host": "evil.example"}).status_code == 421  # still no other Host
+    # allowed counterpart: without a public origin, plain HTTP has neither HSTS nor a Secure cookie
+    assert "strict-transport-security" not in client(root).get("/login").headers
+    assert parse_origin("https://Review.example:8443/") == "https://review.example:8443"
+    for bad in ("review.example", "ftp://x", "https://x/path", "https://u@x", "https://x?q"):
+        with pytest.raises(InvalidInput, match="not an origin"):
+            parse_origin(bad)
+    accounts.revoke(root, "rev")
+    with pytest.raises(InvalidInput, match="a proxy"):  # a proxy brings others in: accounts first
+        server(root, None, parse_bind("127.0.0.1:0"), public_origin="https://review.example")
 
 
 def test_accounts_keep_only_a_hash_and_the_cli_manages_them(root: Root) -> None:
@@ -453,3 +528,157 @@ def test_the_log_follows_from_an_offset(root: Root) -> None:
     got = client(root).get(f"/api/task/{tid}/log", params={"offset": "0"}).json()
     assert "line-one" in got["text"] and got["offset"] == end
     assert Status(record(root, tid)["status"]) == Status.needs_review
+
+
+def test_a_body_over_the_cap_or_a_multipart_upload_is_refused_before_routing(root: Root) -> None:
+    from fila.web.limits import MAX_BODY
+
+    _, token = accounts.add(root, "rev")
+    c = client(root)
+    page = c.get("/login")
+    # allowed: the login form, with a long token field under the cap
+    r = c.post("/login", data={"csrf": csrf(page.text), "name": "rev", "token": "x" * 1000}, headers=ORIGIN)
+    assert r.status_code == 401 and "unknown name or token" in r.text
+    big = {"csrf": csrf(c.get("/login").text), "name": "rev", "token": "x" * (MAX_BODY + 1)}
+    r = c.post("/login", data=big, headers=ORIGIN)
+    assert r.status_code == 413 and "at most" in r.text
+
+    def chunked() -> Any:
+        yield b"name=rev&token="
+        for _ in range(MAX_BODY // 1024 + 1):
+            yield b"x" * 1024
+
+    r = c.post(
+        "/login", content=chunked(), headers={**ORIGIN, "Content-Type": "application/x-www-form-urlencoded"}
+    )
+    assert r.status_code == 413 and "over" in r.text
+    r = c.post(
+        "/login", files={"f": ("a.bin", b"x" * 10)}, data={"csrf": csrf(c.get("/login").text)}, headers=ORIGIN
+    )
+    assert r.status_code == 415 and "multipart" in r.text
+    assert r.headers["content-security-policy"]  # the security headers on the refusal too
+    assert login(c, "rev", token).status_code == 303
+
+
+def test_a_large_diff_is_shown_in_part_and_says_what_was_left_out(
+    root: Root, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fila.web import views
+
+    for name, value in (("MAX_FILE_ROWS", 30), ("MAX_ROWS", 45), ("MAX_LINE_CHARS", 100)):
+        monkeypatch.setattr(views, name, value)
+    small = make_task(root, "echo small > greeting.txt")
+    page = client(root).get(f"/task/{small}").text  # allowed: a diff under the caps, whole
+    assert "+small" in page and 'id="diff-cut"' not in page and "not shown" not in page
+    big = make_task(
+        root,
+        "seq 1 100 | sed 's/^/line-/' > a.txt; seq 1 100 | sed 's/^/line-/' > b.txt; "
+        "printf 'x%.0s' $(seq 1 300) > 0long.txt",
+        ".",
+    )
+    c = client(root)
+    html = c.get(f"/task/{big}").text
+    assert "+line-1<" in html and "+line-25<" in html and "+line-99<" not in html
+    assert html.count("more lines of this file not shown") == 2  # a.txt at its cap, b.txt at the total
+    assert 'id="diff-cut"' in html and f"fila diff {big}" in html and "1 long lines cut" in html
+    assert "x" * 101 not in html and "more characters)" in html
+    split = c.get(f"/task/{big}", params={"view": "split"}).text
+    assert "+line-99<" not in split and 'id="diff-cut"' in split
+    parsed = []
+    real = views.report.diff_files
+    monkeypatch.setattr(views.report, "diff_files", lambda rv: parsed.append(rv) or real(rv))
+    for _ in range(3):
+        assert c.get(f"/task/{small}").status_code == 200
+    assert len(parsed) == 1  # parsed once, then kept by its sha256
+
+
+def test_a_slow_client_is_cut_off(root: Root, monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from fila.web import limits, server
+    from tests.support.web import live_server
+
+    monkeypatch.setattr(server, "HEADER_DEADLINE_S", 0.5)
+    monkeypatch.setattr(limits, "BODY_DEADLINE_S", 0.5)
+
+    def exchange(port: int, data: bytes) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:  # 30 s: a bound, not a measure
+            s.sendall(data)
+            got = b""
+            while chunk := s.recv(65536):  # until the server closes the connection
+                got += chunk
+            return got
+
+    with live_server(root) as (url, _first):
+        port = int(url.rsplit(":", 1)[1])
+        head = b"GET /login HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+        assert exchange(port, head).startswith(b"HTTP/1.1 200")  # allowed: a whole request
+        assert exchange(port, head[:20]) == b""  # half a request head: closed, unanswered
+        post = b"POST /login HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 100\r\n\r\nname=x"
+        assert exchange(port, post).startswith(b"HTTP/1.1 408")  # a body that never ends
+
+
+def test_paths_and_raw_content_stay_in_the_servers_log(root: Root, caplog: pytest.LogCaptureFixture) -> None:
+    tid = make_task(root, "echo x > greeting.txt")
+    _, token = accounts.add(root, "rev")
+    outsider = client(root)
+    assert str(root.path) not in outsider.get("/login").text  # the queue's path: not before a login
+    c = client(root)
+    login(c, "rev", token)
+    assert str(root.path) in c.get("/").text  # allowed: a reviewer sees which queue this is
+    root.record_path("broken").write_text('{"id": "broken", "status": "SECRET-VALUE"}')
+    r = c.get("/task/broken")
+    assert r.status_code == 500 and "cannot read" in r.text and "SECRET-VALUE" not in r.text
+    page = c.get(f"/task/{tid}")  # outside a git checkout: the refusal names no path
+    r = c.post(f"/task/{tid}/apply", data=apply_form(page.text, branch="b"), headers=ORIGIN)
+    said = r.text.split('id="error">', 1)[1].split("</main>", 1)[0]
+    assert r.status_code == 400 and "… is not in a git checkout" in said and str(root.path) not in said
+    logged = caplog.text
+    assert "SECRET-VALUE" in logged and f"{root.path} is not in a git checkout" in logged
+
+
+def test_logging_in_again_and_again_ends_only_ones_own_oldest_sessions(
+    root: Root, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from fila.web import sessions
+
+    monkeypatch.setattr(sessions, "MAX_PER_ACCOUNT", 3)
+    _, alice = accounts.add(root, "alice")
+    _, bob = accounts.add(root, "bob")
+    first = client(root)
+    assert login(first, "alice", alice).status_code == 303
+    theirs = client(root, app=first.app)
+    assert login(theirs, "bob", bob).status_code == 303
+    latest = None
+    for _ in range(5):
+        latest = client(root, app=first.app)
+        assert login(latest, "alice", alice).status_code == 303
+    assert latest.get("/api/tasks").status_code == 200  # allowed: her newest session
+    assert theirs.get("/api/tasks").status_code == 200  # bob's session is untouched
+    assert first.get("/api/tasks").status_code == 401  # her oldest ended
+    # a session unused for longer than the idle limit ends; one in use does not
+    store = sessions.Sessions(idle_s=3600)
+    idle, used = store.new(user="a", role="reviewer"), store.new(user="b", role="reviewer")
+    idle.seen -= 3601
+    assert store.get(used.sid) is used and store.get(idle.sid) is None
+
+
+def test_file_names_that_may_read_as_others_are_quoted_and_warned_of(root: Root) -> None:
+    tid = make_task(
+        root,
+        "echo a > 'a.txt '; echo b > \"$(printf '\\320\\260.txt')\"; "
+        "echo c > 'x.txt (deleted)'; echo d > plain.txt",
+        ".",
+    )
+    page = client(root).get(f"/task/{tid}").text
+    warned = [w for w in page.split("<li>") if "a file name that may mislead" in w]
+    assert len(warned) == 3 and not any("plain.txt" in w for w in warned)  # allowed: a plain name
+    assert any("&#34;a.txt &#34;" in w and "space" in w for w in warned)
+    assert any("&#34;\u0430.txt&#34;" in w and "beyond ASCII" in w for w in warned)
+    assert any("&#34;x.txt (deleted)&#34;" in w and "kind" in w for w in warned)
+    assert '<span class="name">"x.txt (deleted)"</span> (new)' in page  # the name quoted, its kind apart
+    assert '<span class="name">"plain.txt"</span> (new)' in page
+    assert (
+        'a file name that may mislead (a part begins or ends with a space): "a.txt "'
+        in fila(root, "review", tid).output
+    )

@@ -1,9 +1,9 @@
 """`fila serve` in a real browser: Debian's headless Chromium, driven by Selenium, against the real
-server (uvicorn on 127.0.0.1). A reviewer logs in, filters the list, opens a task, reads its
-diff and applies it; the project changes on disk and the record names her; a decision taken
-elsewhere and a new task reach the open pages without a reload. The run saves the README's
-screenshot (docs/review-in-a-browser.png). scripts/browser-up installs chromium and
-chromium-driver (scripts/test runs it)."""
+server (uvicorn on 127.0.0.1). The one-time login link opens it without accounts; a reviewer logs
+in, filters the list, opens a task, reads its diff and applies it; the project changes on disk and
+the record names her; a decision taken elsewhere and a new task reach the open pages without a
+reload. The run saves the README's screenshot (docs/review-in-a-browser.png). scripts/browser-up
+installs chromium and chromium-driver (scripts/test runs it)."""
 
 from __future__ import annotations
 
@@ -46,9 +46,18 @@ def test_a_reviewer_logs_in_filters_reads_the_diff_and_applies(root: Root, brows
         "src",
         prompt="Greet the whole world, in the greeting and in app.py",
     )
-    _, token = accounts.add(root, "alice")
     wait = WebDriverWait(browser, WAIT_S)
-    with live_server(root) as url:
+    with live_server(root) as (url, first):
+        # Without accounts: the one-time link `fila serve` printed makes the person's session.
+        assert first.startswith("/login/local?secret=")
+        browser.get(url + "/")
+        assert browser.current_url.endswith("/login") and browser.find_elements(By.ID, "local-only")
+        browser.get(url + first)
+        wait.until(lambda d: d.find_elements(By.ID, "tasks"))
+        assert "(reviewer, local)" in browser.find_element(By.CLASS_NAME, "who").text
+        # Once an account exists, that session ends (the same browser, its cookie) and a login
+        # is needed.
+        _, token = accounts.add(root, "alice")
         log_in(browser, url, "alice", token)
         rows = browser.find_elements(By.CSS_SELECTOR, "#tasks tbody tr")
         assert len(rows) == 2
@@ -58,7 +67,7 @@ def test_a_reviewer_logs_in_filters_reads_the_diff_and_applies(root: Root, brows
         browser.find_element(By.LINK_TEXT, tid).click()
         wait.until(lambda d: d.find_elements(By.ID, "diff"))
         diff = browser.find_element(By.ID, "diff").text
-        assert "+hello, world" in diff and "-hello" in diff and "src/app.py (modified)" in diff
+        assert "+hello, world" in diff and "-hello" in diff and '"src/app.py" (modified)' in diff
         assert "return 'hello, world'" in diff
         SCREENSHOT.parent.mkdir(exist_ok=True)
         browser.save_screenshot(str(SCREENSHOT))

@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "b638df67c8657841627788ee77ac0a9b53c576d68bc245103f9a7f98643837c3"
+CLI_SHA256 = "d6e13f91e53ebcdb896b91be1f08b22877e65c7625265f0ec5ef43d87ce883f8"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 

@@ -14,12 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from fila.core.layout import Root
+from fila.web import accounts
 from fila.web.app import Config, make_app
 from fila.web.server import Bind, server
 from fila.web.sessions import Throttle
 from tests.support.cli import run_shell
 
 CSRF = re.compile(r'name="csrf" value="([^"]+)"')
+SHA256 = re.compile(r'name="sha256" value="([^"]*)"')
 
 
 def fake_env(root: Root) -> dict[str, str]:
@@ -40,19 +42,48 @@ def make_task(
     return run_shell(root, command, *targets, status=status, extra=(*more, *extra), env=fake_env(root))
 
 
-def client(root: Root, *, https: bool = False, throttle: Throttle | None = None, db: Any = None) -> Any:
-    """A TestClient of the app on `root`, as a browser on this host reaches it (Host 127.0.0.1)."""
+def client(
+    root: Root,
+    *,
+    https: bool = False,
+    throttle: Throttle | None = None,
+    db: Any = None,
+    local: bool = True,
+    app: Any = None,
+    public_origin: str | None = None,
+) -> Any:
+    """A TestClient of the app on `root` (or another browser of `app`), as a browser on this host
+    reaches it (Host 127.0.0.1). Without accounts and with `local`, it has opened the server's
+    one-time login link (what the person who starts `fila serve` does); `c.app_config` is the
+    Config of the app it made."""
     from starlette.testclient import TestClient
 
-    cfg = Config(root=root, db=db, loopback=True, throttle=throttle or Throttle(base_delay_s=0.0))
+    cfg = Config(
+        root=root,
+        db=db,
+        loopback=True,
+        throttle=throttle or Throttle(base_delay_s=0.0),
+        public_origin=public_origin,
+    )
     base = f"{'https' if https else 'http'}://127.0.0.1"
-    return TestClient(make_app(cfg), base_url=base, follow_redirects=False)
+    c = TestClient(app or make_app(cfg), base_url=base, follow_redirects=False)
+    c.app_config = cfg if app is None else None
+    if app is None and local and not accounts.any_active(root):
+        assert c.get(cfg.local_link).status_code == 303
+    return c
 
 
 def csrf(html: str) -> str:
     m = CSRF.search(html)
     assert m, "no CSRF token in the page"
     return m[1]
+
+
+def apply_form(html: str, **more: str) -> dict[str, str]:
+    """The apply form of a task's page as a browser sends it: its CSRF token and the sha256 of
+    the patch the page showed (empty when the page has no apply form)."""
+    m = SHA256.search(html)
+    return {"csrf": csrf(html), "sha256": m[1] if m else "", **more}
 
 
 def login(c: Any, name: str, token: str) -> Any:
@@ -65,9 +96,10 @@ def login(c: Any, name: str, token: str) -> Any:
 
 
 @contextlib.contextmanager
-def live_server(root: Root, db: Any = None) -> Iterator[str]:
-    """The real server (uvicorn) on 127.0.0.1 and a free port, in a thread: its base URL."""
-    srv = server(root, db, Bind("127.0.0.1", 0))
+def live_server(root: Root, db: Any = None) -> Iterator[tuple[str, str]]:
+    """The real server (uvicorn) on 127.0.0.1 and a free port, in a thread: its base URL and the
+    path a person opens first (the one-time login link when there is no account, else `/`)."""
+    srv, first = server(root, db, Bind("127.0.0.1", 0))
     t = threading.Thread(target=srv.run, daemon=True)
     t.start()
     deadline = time.monotonic() + 30
@@ -76,7 +108,7 @@ def live_server(root: Root, db: Any = None) -> Iterator[str]:
         time.sleep(0.05)
     port = srv.servers[0].sockets[0].getsockname()[1]
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", first
     finally:
         srv.should_exit = True
         t.join(30)

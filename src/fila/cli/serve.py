@@ -30,16 +30,27 @@ def serve(
     tls_key: Annotated[
         str | None, typer.Option("--tls-key", help="the certificate's private key (PEM)", show_default=False)
     ] = None,
+    public_origin: Annotated[
+        str | None,
+        typer.Option(
+            "--public-origin",
+            help="the https://HOST[:PORT] browsers reach it at through a TLS proxy (needs an account): "
+            "accepted as Host and Origin; the cookie is then Secure and __Host-, and HSTS is sent",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Serve the review queue in a browser: the list of tasks (needs_review first, filters, live),
     each task's review (summary, warnings, attempts, check, egress, the diff per file, the log),
     and the decisions (apply, reject, retry) through the code `fila apply`, `reject` and `retry`
     run, recorded by the account's name.
 
-    It binds 127.0.0.1:8765 by default; there, without accounts, the person running it is the
-    reviewer. Any other address is refused until an account exists (`fila serve user add NAME`);
-    then every page needs a login (name and token), sessions are cookies (HttpOnly, SameSite=Strict,
-    Secure over TLS), every form carries a one-use CSRF token and is refused from another origin.
+    It binds 127.0.0.1:8765 by default; there, without accounts, it prints a one-time login link
+    whose secret makes the session of the person running it (any other local user or process
+    gets nothing without it). Any other address is refused until an account exists (`fila serve
+    user add NAME`); then every page needs a login (name and token), sessions are cookies
+    (HttpOnly, SameSite=Strict, Secure over TLS), every form carries a one-use CSRF token and is
+    refused from another origin.
     --queue: a PostgreSQL queue, applied into --root as `fila apply --queue` does; accounts live
     under --root for both queue kinds.
     """
@@ -55,17 +66,20 @@ def serve(
             from ..queue.pg.store import PgQueue
 
             db = stack.enter_context(PgQueue(queue_url))
-        srv = server(r, db, where, certfile=tls_cert, keyfile=tls_key)
-        if not where.loopback and tls_cert is None:
+        srv, first = server(r, db, where, certfile=tls_cert, keyfile=tls_key, public_origin=public_origin)
+        if not where.loopback and tls_cert is None and not (public_origin or "").startswith("https://"):
             to_stderr(
                 f"fila: warning: serving {where.host} without TLS: tokens and cookies cross the network "
                 "in clear (--tls-cert, --tls-key, or a TLS proxy in front)"
             )
         queue = db.where if db is not None else str(r.path)
-        to_stderr(
-            f"fila serve: {where.url(tls_cert is not None)} ({'PostgreSQL queue' if db else 'file queue'} "
-            f"{queue}); Ctrl-C stops"
-        )
+        url = where.url(tls_cert is not None)
+        to_stderr(f"fila serve: {url} ({'PostgreSQL queue' if db else 'file queue'} {queue}); Ctrl-C stops")
+        if first != "/":
+            to_stderr(
+                f"fila serve: no accounts: open {url.rstrip('/')}{first} to log in as "
+                "yourself (one use; the link is the secret)"
+            )
         srv.run()
 
 

@@ -73,8 +73,9 @@ class Landing(Protocol):
 
     project: Path
 
-    def landed(self, rec: Record, by: str, reason: str | None) -> str:
-        """Act on the landed files; what to add to the decision's reason."""
+    def landed(self, rec: Record, by: str, reason: str | None, ops: list[landing.Op]) -> str:
+        """Act on the landed files (`ops`: each touched path and the state it now holds); what to
+        add to the decision's reason."""
         ...
 
 
@@ -188,7 +189,7 @@ def _apply_one(root: Root, task_id: str, *, by: str | None, reason: str | None,
             raise
         if into is not None:
             try:
-                note = into.landed(rec, who, why)
+                note = into.landed(rec, who, why, ops)
                 why = f"{why}; {note}" if why else note
             except BaseException:
                 landing.roll_back(root, task_id)

@@ -15,6 +15,7 @@ import contextlib
 import fnmatch
 import html
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -210,6 +211,24 @@ def category(path: str) -> str | None:
     return None
 
 
+# A name that ends like the kind a review shows after it ("x.txt (deleted)").
+_KIND_SUFFIX = re.compile(r" \((new|deleted|modified|mode[^)]*)\)$")
+
+
+def misleading(path: str) -> str | None:
+    """Why a file name may read as another one in a review, or None: a part that begins or ends
+    with a space (HTML and many terminals hide it), letters beyond ASCII (a Cyrillic `а` looks
+    like a Latin `a`), or an ending that reads as the file's kind."""
+    parts = path.split("/")
+    if any(p != p.strip(" ") for p in parts):
+        return "a part begins or ends with a space"
+    if not path.isascii() and any(c.isalpha() and not c.isascii() for c in path):
+        return "letters beyond ASCII, which may look like others"
+    if _KIND_SUFFIX.search(path):
+        return "it ends like a file's kind"
+    return None
+
+
 def _warnings(root: Root | None, rv: Review, project_dir: Path | None = None) -> list[str]:
     rec, out = rv.record, []
     if rec.status != Status.needs_review:
@@ -247,6 +266,9 @@ def _warnings(root: Root | None, rv: Review, project_dir: Path | None = None) ->
             cat = "fila policy"
         if cat:
             out.append(f"sensitive path ({cat}): {name}")
+        odd = misleading(f.path)
+        if odd:
+            out.append(f'a file name that may mislead ({odd}): "{name}"')
         if f.new_mode == "100755" and f.old_mode != "100755":
             out.append(f"adds an executable: {name}" if f.kind == "new"
                        else f"makes {name} executable")  # fmt: skip
@@ -534,6 +556,8 @@ class FileDiff:
 
     label: str
     rows: list[DiffRow] = field(default_factory=list)
+    name: str = ""  # the escaped name alone (a page quotes it), and its kind
+    kind: str = ""
 
 
 def diff_files(rv: Review) -> list[FileDiff]:
@@ -550,7 +574,11 @@ def diff_files(rv: Review) -> list[FileDiff]:
         text = inert(raw)
         if kind == "file":
             f = next(names, None)
-            out.append(FileDiff(f"{escape_name(f.path)} ({_file_kind(f)})" if f else text))
+            if f is None:
+                out.append(FileDiff(text))
+            else:
+                name, what = escape_name(f.path), _file_kind(f)
+                out.append(FileDiff(f"{name} ({what})", name=name, kind=what))
             continue
         if not out:
             out.append(FileDiff(""))

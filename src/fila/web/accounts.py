@@ -79,6 +79,11 @@ def load(root: Root) -> dict[str, Account]:
         ) from None
 
 
+def any_active(root: Root) -> bool:
+    """Whether the root has an account that is not revoked (the server then needs a login)."""
+    return any(a.active for a in load(root).values())
+
+
 def _save(root: Root, accounts: dict[str, Account]) -> None:
     where = path(root)
     where.parent.mkdir(mode=0o700, exist_ok=True)

@@ -2,24 +2,22 @@
 login, and the decisions, each a call to review/desk.py, the functions the command line calls
 (docs/review-web.md).
 
-Each request passes the same gate (`Gate`): the Host must be this server's when it serves a
-loopback address without accounts (a page elsewhere cannot reach it through DNS rebinding); the
-session must be an account's that is still active (or, without accounts, the local person's);
-a state-changing request must come from this origin (Origin, Sec-Fetch-Site) and spend a CSRF
-token of its session; a reader cannot decide. Every response carries a Content-Security-Policy
-that runs no inline script and loads nothing from elsewhere.
+Each request passes the same gate (web/gate.py: the Host, the session, the origin and the CSRF
+token, the role). Every response carries a Content-Security-Policy that runs no inline script
+and loads nothing from elsewhere.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import re
 import threading
-from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import urlencode
 
 from jinja2 import Environment, FileSystemLoader
 from starlette.applications import Starlette
@@ -31,20 +29,21 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
 from ..core.errors import FilaError, InfraError, InvalidInput, NotFound, Refused
-from ..core.layout import Root, check_id
+from ..core.layout import check_id
 from ..core.models import Status
 from ..core.states import valid_id
 from ..core.text import inert
 from ..review import desk, report
 from ..review.branch import apply_on_branch
-from ..review.decision import decider
-from . import accounts, views
-from .sessions import Session, Sessions, Throttle
+from ..review.decision import DECIDABLE
+from . import accounts, limits, views
+from .gate import Config, Denied, Gate, cookie_name, secure, set_session
+from .sessions import Session
 
 if TYPE_CHECKING:
-    from ..queue.pg.store import PgQueue
+    pass
 
-COOKIE = "fila_session"
+HSTS = "max-age=31536000"
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
     "form-action 'self'; frame-ancestors 'none'; base-uri 'none'"
@@ -58,42 +57,17 @@ HEADERS = {
     "Cross-Origin-Resource-Policy": "same-origin",
     "Cache-Control": "no-store",
 }
-LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "[::1]", "::1"}
 LOG_CHUNK = 256 << 10
+LOG = logging.getLogger("fila.serve")
+# An absolute path in a message: a slash after a space, a quote, an '=' or the start, up to a
+# space, a quote or a colon.
+ABSOLUTE = re.compile(r"""(?:(?<=^)|(?<=[\s'"(=]))/[^\s'":]+""")
 
 
-@dataclass
-class Config:
-    """What one server serves and how: the queue (`db` None: the file queue under `root`), whether
-    it listens on a loopback address only, and the slowing of failed logins."""
-
-    root: Root
-    db: PgQueue | None = None
-    loopback: bool = True
-    throttle: Throttle | None = None
-
-
-class Denied(Exception):
-    """A request the gate refuses: its status and what to say."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status, self.message = status, message
-
-
-def host_name(host: str) -> str:
-    """The name in a Host header, without its port ("[::1]:8080" -> "[::1]")."""
-    if host.startswith("["):
-        return host.split("]", 1)[0] + "]"
-    return host.rsplit(":", 1)[0]
-
-
-def set_session(request: Request, resp: Response, s: Session) -> None:
-    """The session's cookie: HttpOnly (no script reads it), SameSite=Strict (no other site's page
-    sends it), Secure when the request came over TLS."""
-    resp.set_cookie(
-        COOKIE, s.sid, httponly=True, samesite="strict", path="/", secure=request.url.scheme == "https"
-    )
+def hide_paths(text: str) -> str:
+    """`text` with every absolute path of the host shown as `…` (the pages say what failed; the
+    server's log keeps where)."""
+    return ABSOLUTE.sub("…", text)
 
 
 def _status_of(e: FilaError) -> int:
@@ -101,71 +75,6 @@ def _status_of(e: FilaError) -> int:
         if isinstance(e, kind):
             return code
     return 500
-
-
-class Gate:
-    """Who is asking, and whether they may (see the module's doc)."""
-
-    def __init__(self, cfg: Config) -> None:
-        self.cfg = cfg
-        self.sessions = Sessions()
-        self.throttle = cfg.throttle or Throttle()
-
-    def accounts(self) -> dict[str, accounts.Account]:
-        return accounts.load(self.cfg.root)
-
-    def check_host(self, request: Request) -> None:
-        if not self.cfg.loopback:
-            return
-        if host_name(request.headers.get("host") or "") not in LOOPBACK_HOSTS:
-            raise Denied(421, "this server answers to its loopback address only (127.0.0.1, localhost)")
-
-    def session(self, request: Request, *, login: bool = False) -> Session:
-        """The request's session, an account's that is still active (or the local person's when
-        there are no accounts); Denied(401) when there is none and `login` is False."""
-        self.check_host(request)
-        known = self.accounts()
-        s = self.sessions.get(request.cookies.get(COOKIE))
-        if s is not None and s.user is not None:
-            acct = known.get(s.user) if not s.local else None
-            still = (acct is not None and acct.active) if not s.local else not known
-            if not still:
-                self.sessions.drop(s.sid)
-                s = None
-        if s is not None and (s.user is not None or login):
-            return s
-        if not known:
-            if not self.cfg.loopback:
-                raise Denied(403, "this server has no accounts: add one with `fila serve user add NAME`")
-            s = self.sessions.new(user=decider(None), role="reviewer", local=True)
-            return s
-        if login:
-            return s or self.sessions.new()
-        raise Denied(401, "log in first")
-
-    def same_origin(self, request: Request) -> None:
-        site = request.headers.get("sec-fetch-site")
-        if site is not None and site not in ("same-origin", "none"):
-            raise Denied(403, f"refused: a request from another site ({site})")
-        origin = request.headers.get("origin")
-        if origin is not None and urlsplit(origin).netloc != request.headers.get("host"):
-            raise Denied(403, "refused: a request from another origin")
-
-    async def writer(
-        self, request: Request, *, role: str | None = "reviewer", login: bool = False
-    ) -> tuple[Session, Any]:
-        """The session of a state-changing request and its form, once its origin and CSRF token
-        are checked (the token spent); with `role`, the session's account must have it."""
-        self.same_origin(request)
-        s = self.session(request, login=login)
-        form = await request.form()
-        if not self.sessions.spend(s, str(form.get("csrf") or "")):
-            raise Denied(
-                403, "refused: the form's token is missing, spent or not this session's; reload the page"
-            )
-        if role is not None and s.role != role:
-            raise Denied(403, f"refused: {s.user} may read but not decide (role {s.role})")
-        return s, form
 
 
 def make_app(cfg: Config) -> Starlette:
@@ -178,6 +87,7 @@ def make_app(cfg: Config) -> Starlette:
         lstrip_blocks=True,
     )
     lister = views.Lister(cfg.root, cfg.db)
+    diffs = views.DiffCache()
     # The first read of a large queue parses every record (about 2.5 s for 10,000): done while
     # the server starts, not in the first person's request.
     threading.Thread(target=lister.warm, name="fila-serve-warm", daemon=True).start()
@@ -193,20 +103,23 @@ def make_app(cfg: Config) -> Starlette:
             local=bool(s and s.local),
             csrf=gate.sessions.mint(s) if s is not None else "",
             notice=notice,
-            where=where,
+            where=where if s is not None and s.user else "",  # the queue's path: for those logged in
             queue_kind="PostgreSQL queue" if cfg.db is not None else "file queue",
             **ctx,
         )
         resp = Response(body, status_code=status, media_type="text/html; charset=utf-8")
         if s is not None:
-            set_session(request, resp, s)
+            set_session(cfg, request, resp, s)
         return resp
 
     def failed(request: Request, s: Session | None, e: Denied | FilaError) -> Response:
         if isinstance(e, Denied):
             status, msg, hint = e.status, e.message, None
         else:
-            status, msg, hint = _status_of(e), str(e), e.hint
+            # The whole message goes to the server's log; the page says what failed and what to
+            # do, without the host's paths (a file queue's, a checkout's, git's own words).
+            status, msg, hint = _status_of(e), hide_paths(str(e)), hide_paths(e.hint or "")
+            LOG.warning("%s %s: %s%s", request.method, request.url.path, e, f" ({e.hint})" if e.hint else "")
         if status == 401 and request.method == "GET" and not request.url.path.startswith("/api/"):
             return RedirectResponse("/login", status_code=303)
         if request.url.path.startswith("/api/"):
@@ -220,8 +133,12 @@ def make_app(cfg: Config) -> Starlette:
             except (Denied, FilaError, OSError, ValueError) as e:
                 if isinstance(e, (OSError, ValueError)):
                     # A record or file changed outside fila (it does not validate, it cannot be
-                    # read): said as the queue's own error, not a traceback.
-                    e = FilaError(f"cannot read what {request.url.path} shows: {type(e).__name__}: {e}")
+                    # read): said as the queue's own error, not a traceback, its content (and
+                    # the path) in the server's log only.
+                    LOG.warning("%s %s: %s: %s", request.method, request.url.path, type(e).__name__, e)
+                    e = FilaError(
+                        f"cannot read what this page shows ({type(e).__name__}; the server's log says more)"
+                    )
                 s = None
                 with contextlib.suppress(Denied, FilaError):
                     s = gate.session(request, login=True)
@@ -288,7 +205,8 @@ def make_app(cfg: Config) -> Starlette:
             except FilaError as e:  # a changed DIFF.patch: the record is shown, the diff refused
                 problem = inert(str(e)) + (f" ({inert(e.hint)})" if e.hint else "")
             tail, end = desk.log_since(cfg.root, cfg.db, tid, -report.LOG_TAIL_BYTES, report.LOG_TAIL_BYTES)
-            files = report.diff_files(rv) if rv is not None and rv.data else []
+            diff = diffs.shown(rv) if rv is not None else views.Shown([], [])
+            files = diff.files
             return {
                 "rec": rec,
                 "rv": rv,
@@ -296,6 +214,7 @@ def make_app(cfg: Config) -> Starlette:
                 "log": views.log_text(tail),
                 "log_end": end,
                 "files": files,
+                "diff": diff,
                 "pairs": [views.split(f.rows) for f in files] if view == "split" else None,
             }
 
@@ -308,10 +227,11 @@ def make_app(cfg: Config) -> Starlette:
             tid=tid,
             view=view,
             state=views.task_state(rec),
+            sha256=rec.patch_sha256 or "",
             summary=views.summary(rv) if rv else [],
             warnings=rv.warnings if rv else [],
             check=views.check(cfg.root, cfg.db, rec),
-            **{k: got[k] for k in ("problem", "log", "log_end", "files", "pairs")},
+            **{k: got[k] for k in ("problem", "log", "log_end", "files", "pairs", "diff")},
         )
 
     async def group(request: Request) -> Response:
@@ -349,6 +269,15 @@ def make_app(cfg: Config) -> Starlette:
 
         def run() -> str:
             if action == "apply":
+                rec = desk.record(cfg.root, cfg.db, tid)
+                seen = str(form.get("sha256") or "")
+                if rec.status in DECIDABLE["apply"] and seen != (rec.patch_sha256 or ""):
+                    # The page's form names the patch the reviewer read; another one is not applied.
+                    raise Refused(
+                        "refused: the patch is not the one this page showed "
+                        f"(sha256 {inert(seen[:12]) or 'none'}, now {(rec.patch_sha256 or '-')[:12]})",
+                        hint="reload the page and review the patch again",
+                    )
                 options = {
                     "by": by,
                     "reason": reason,
@@ -380,18 +309,17 @@ def make_app(cfg: Config) -> Starlette:
         s = gate.session(request, login=True)
         if s.user is not None:
             return RedirectResponse("/", status_code=303)
-        return page(request, s, "login.html")
+        return page(request, s, "login.html", local_only=not gate.accounts())
+
+    async def local_login(request: Request) -> Response:
+        fresh = gate.local_login(request, request.query_params.get("secret", ""))
+        resp = RedirectResponse("/", status_code=303)
+        set_session(cfg, request, resp, fresh)
+        return resp
 
     async def login(request: Request) -> Response:
         client = request.client.host if request.client else "?"
         s, form = await gate.writer(request, role=None, login=True)
-        wait = gate.throttle.blocked_for(client)
-        if wait:
-            resp = page(
-                request, s, "login.html", 429, error=f"too many failed logins: try again in {int(wait)} s"
-            )
-            resp.headers["Retry-After"] = str(int(wait))
-            return resp
         acct = accounts.check(gate.accounts(), str(form.get("name") or ""), str(form.get("token") or ""))
         if acct is None:
             await asyncio.sleep(gate.throttle.failed(client))
@@ -400,14 +328,14 @@ def make_app(cfg: Config) -> Starlette:
         gate.sessions.drop(s.sid)
         fresh = gate.sessions.new(user=acct.name, role=acct.role)
         resp = RedirectResponse("/", status_code=303)
-        set_session(request, resp, fresh)
+        set_session(cfg, request, resp, fresh)
         return resp
 
     async def logout(request: Request) -> Response:
         s, _form = await gate.writer(request, role=None)
         gate.sessions.drop(s.sid)
         resp = RedirectResponse("/login", status_code=303)
-        resp.delete_cookie(COOKIE, path="/")
+        resp.delete_cookie(cookie_name(cfg, request), path="/", secure=secure(cfg, request))
         return resp
 
     routes = [
@@ -420,17 +348,22 @@ def make_app(cfg: Config) -> Starlette:
         Route("/task/{task_id}/{action:str}", guarded(decide), methods=["POST"]),
         Route("/login", guarded(login_form), methods=["GET"]),
         Route("/login", guarded(login), methods=["POST"]),
+        Route("/login/local", guarded(local_login), methods=["GET"]),
         Route("/logout", guarded(logout), methods=["POST"]),
         Mount("/static", StaticFiles(directory=str(Path(str(here)) / "static")), name="static"),
     ]
-    return Starlette(routes=routes, middleware=[Middleware(SecurityHeaders)])
+    hsts = (cfg.public_origin or "").startswith("https://")
+    return Starlette(
+        routes=routes, middleware=[Middleware(SecurityHeaders, hsts=hsts), Middleware(limits.BodyLimit)]
+    )
 
 
 class SecurityHeaders:
-    """Every response's security headers (HEADERS), the static files' and the errors' included."""
+    """Every response's security headers (HEADERS), the static files' and the errors' included;
+    Strict-Transport-Security over TLS (served with a certificate, or `hsts`: behind a TLS proxy)."""
 
-    def __init__(self, app: Any) -> None:
-        self.app = app
+    def __init__(self, app: Any, *, hsts: bool = False) -> None:
+        self.app, self.hsts = app, hsts
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -440,9 +373,10 @@ class SecurityHeaders:
         async def with_headers(message: Any) -> None:
             if message["type"] == "http.response.start":
                 have = {k.lower() for k, _ in message.get("headers", [])}
+                tls = self.hsts or scope.get("scheme") == "https"
                 extra = [
                     (k.lower().encode(), v.encode())
-                    for k, v in HEADERS.items()
+                    for k, v in {**HEADERS, **({"Strict-Transport-Security": HSTS} if tls else {})}.items()
                     if k.lower().encode() not in have
                 ]
                 message = {**message, "headers": [*message.get("headers", []), *extra]}

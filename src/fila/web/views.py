@@ -13,6 +13,7 @@ import contextlib
 import os
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,13 @@ ORDER = [
     Status.rejected,
 ]
 PER_PAGE = 50
+# What a task's page renders of its diff (docs/review-web.md, "A task"): beyond these, the rest is
+# counted and left to `fila diff`; a patch under max_diff_bytes can still be tens of MB.
+MAX_FILE_ROWS = 2000
+MAX_ROWS = 20_000
+MAX_LINE_CHARS = 2000
+MAX_TEXT_CHARS = 2 << 20
+DIFF_CACHE = 8  # patches kept rendered, by sha256
 PROMPT_SHOWN = 160
 FILTERS = ("status", "engine", "policy", "group", "q")
 
@@ -200,6 +208,66 @@ def check(root: Root, db: PgQueue | None, rec: Record) -> dict[str, str] | None:
         "log_path": escape_name(c.log_path) if c.log_path else "",
         "log": log_text(log),
     }
+
+
+@dataclass
+class Shown:
+    """A diff as a page renders it: each file's first rows within the caps, and how many rows were
+    left out (per file and in all)."""
+
+    files: list[report.FileDiff]
+    left_out: list[int]
+    total_left_out: int = 0
+    long_lines: int = 0  # lines cut at MAX_LINE_CHARS
+
+
+def capped(files: list[report.FileDiff]) -> Shown:
+    """The files' rows within MAX_FILE_ROWS per file, MAX_ROWS and MAX_TEXT_CHARS in all, each
+    line cut at MAX_LINE_CHARS; every file keeps its label."""
+    out = Shown([], [])
+    rows = chars = 0
+    for f in files:
+        kept: list[report.DiffRow] = []
+        for r in f.rows:
+            if len(kept) >= MAX_FILE_ROWS or rows >= MAX_ROWS or chars >= MAX_TEXT_CHARS:
+                break
+            if len(r.text) > MAX_LINE_CHARS:
+                out.long_lines += 1
+                more = len(r.text) - MAX_LINE_CHARS
+                r = report.DiffRow(
+                    r.kind, r.old, r.new, r.text[:MAX_LINE_CHARS] + f"… ({more} more characters)"
+                )
+            kept.append(r)
+            rows, chars = rows + 1, chars + len(r.text)
+        out.files.append(report.FileDiff(f.label, kept, f.name, f.kind))
+        out.left_out.append(len(f.rows) - len(kept))
+    out.total_left_out = sum(out.left_out)
+    return out
+
+
+class DiffCache:
+    """The capped diffs of the last few patches, by the sha256 the review checked: a page opened
+    again (or by many reviewers) parses its patch once."""
+
+    def __init__(self, size: int = DIFF_CACHE) -> None:
+        self._lock = threading.Lock()
+        self._by_sha: OrderedDict[str, Shown] = OrderedDict()
+        self.size = size
+
+    def shown(self, rv: report.Review) -> Shown:
+        key = rv.record.patch_sha256
+        with self._lock:
+            got = self._by_sha.get(key) if key else None
+            if got is not None:
+                self._by_sha.move_to_end(key)
+                return got
+        got = capped(report.diff_files(rv)) if rv.data else Shown([], [])
+        if key:
+            with self._lock:
+                self._by_sha[key] = got
+                while len(self._by_sha) > self.size:
+                    self._by_sha.popitem(last=False)
+        return got
 
 
 def split(rows: list[report.DiffRow]) -> list[tuple[report.DiffRow | None, report.DiffRow | None]]:
