@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 from .config import LOG_CAP, LOG_DIR, LOG_FIELD
 from .meter import Meter
-from .wire import sent_upstream
 
 if TYPE_CHECKING:
     from mitmproxy import http
@@ -153,7 +152,7 @@ class Recorder:
             reason=reason,
             status=status,
             bytes_in=meter.bytes if meter else len(flow.response.raw_content or b"") if flow.response else 0,
-            bytes_out=sent_upstream(flow) if allowed else 0,
+            bytes_out=_sent_upstream(flow) if allowed else 0,
             usage=usage,
             budget=budget_key,
             scrubbed=scrubbed,
@@ -178,3 +177,10 @@ class Recorder:
             self._summarize()
         if m.pop("fila_slot", False) and self._slot is not None:
             self._slot.release()
+
+
+def _sent_upstream(flow: Any) -> int:
+    """wire.sent_upstream, imported on use: this module is tested without mitmproxy."""
+    from .wire import sent_upstream
+
+    return sent_upstream(flow)
