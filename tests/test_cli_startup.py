@@ -232,7 +232,7 @@ def test_each_command_imports_only_what_its_path_needs(tmp_path: Path) -> None:
 
 def test_console_submit_to_a_queue_url_opens_one_connection_and_no_pool(tmp_path: Path, pg_url: str) -> None:
     """`fila submit --queue URL` makes one call: one connection (queue/pg/oneconn.py), without
-    psycopg_pool's import (about 0.23 s of its CPU) or the container client's."""
+    psycopg_pool (its import, threads and background connection) or the container client."""
     from fila.queue.pg.store import PgQueue
 
     make_root(tmp_path)

@@ -1,8 +1,8 @@
 """One connection where a pool is not needed: what `Database` asks of psycopg_pool's
 `ConnectionPool` (`connection(timeout)`, `close()`), for a process that makes one call at a time
-(`fila submit --queue URL`). Importing psycopg_pool costs about 0.23 s of such a process's CPU
-(docs/benchmarks.md, "The one-shot path"), and its pool opens threads and connections a single
-submit never uses.
+(`fila submit --queue URL`): the pool's module, its worker threads and the connection it opens
+in the background are work a single submit never uses (measured in docs/benchmarks.md, "The
+one-shot path": a small saving on this machine).
 
 The connection is made at first use and again after it broke (the caller, `Database._tx`, runs
 the transaction again, as it does when a pooled connection breaks).
