@@ -857,7 +857,10 @@ def test_a_gateway_that_dies_during_the_run_is_a_warning_of_the_result(
                 engines = docker_client.containers.list(
                     filters={"label": f"fila.job={tid}", "status": "running"}
                 )
-                if len(engines) == 2:  # the gateway and the engine
+                # The gateway and the engine, the gateway serving (the engine may start while
+                # the gateway is only listening: dying then is the start's failure, not the run's).
+                serving = (tmp_path / f"{tid}.egress" / "log" / "ready").exists()
+                if len(engines) == 2 and serving:
                     (gw,) = [c for c in engines if c.labels.get("fila.role") == "gateway"]
                     gw.kill()
                     killed.append(gw.name)
