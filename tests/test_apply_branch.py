@@ -13,6 +13,7 @@ import pytest
 
 from fila.core.errors import ApplyRefused
 from fila.core.layout import Root
+from fila.provenance import store
 from fila.review.branch import OnBranch
 from tests.support.cli import fila
 from tests.support.project import make_project, record
@@ -61,6 +62,22 @@ def test_a_patch_lands_as_a_commit_on_a_new_branch_and_nowhere_else(root: Root) 
     assert rec["status"] == "applied" and rec["decision"]["by"] == "alice"
     assert "on the new branch fila/two" in rec["decision"]["reason"]
     assert git(root, "worktree", "list").count("\n") == 1  # the temporary worktree is gone
+
+
+def test_with_keys_the_commit_names_the_signed_run_statement_and_without_none(root: Root) -> None:
+    unsigned = make_task(root, "echo plain > greeting.txt")  # no key yet: provenance is off
+    assert fila(root, "apply", unsigned, "--yes", "--branch", "fila/plain").exit_code == 0
+    msg = git(root, "log", "-1", "--format=%B", "fila/plain")
+    assert f"Fila-Task: {unsigned}" in msg and "Fila-Provenance" not in msg
+
+    assert fila(root, "keys", "init").exit_code == 0
+    tid = make_task(root, "echo signed > greeting.txt")
+    run = store.path(root, tid, "run").read_bytes()
+    assert fila(root, "apply", tid, "--yes", "--by", "alice", "--branch", "fila/signed").exit_code == 0
+    trailers = git(root, "log", "-1", "--format=%(trailers:key=Fila-Provenance,valueonly)", "fila/signed")
+    assert trailers.strip() == "sha256:" + hashlib.sha256(run).hexdigest()
+    assert store.path(root, tid, "run").read_bytes() == run  # the statement the history names, kept
+    assert fila(root, "verify", tid).exit_code == 0
 
 
 def test_the_commit_holds_the_reviewed_bytes_whatever_gitattributes_or_filters_say(root: Root) -> None:

@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "d6e13f91e53ebcdb896b91be1f08b22877e65c7625265f0ec5ef43d87ce883f8"
+CLI_SHA256 = "e5decb7ff975ee4e34f62ab86cdec05e121623be3e23cd121f77cb7958b77957"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 

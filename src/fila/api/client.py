@@ -383,8 +383,8 @@ class Client:
     def apply_on_branch(self, task_id: str, branch: str, **options: Any) -> tuple[Applied, Any]:
         """`apply` onto a new branch of the project's git checkout (`fila apply --branch`): the
         same checks and decision, the patch committed in a temporary worktree at HEAD with
-        trailers naming the task, its sha256 and the reviewer; returns what landed and where
-        (review/branch.py)."""
+        trailers naming the task, its sha256, its signed run statement and the reviewer; returns
+        what landed and where (review/branch.py)."""
         from ..review.branch import apply_on_branch
 
         return apply_on_branch(self.root, self.db, task_id, branch, **options)

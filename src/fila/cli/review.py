@@ -302,7 +302,8 @@ def apply_cmd(
     --branch NAME: the same checks and decision, but the patch lands in a temporary worktree of
     the project's git checkout at HEAD and is committed there (no hook runs) on the new branch
     NAME, with trailers naming the task, the patch's sha256 and the reviewer (Fila-Task,
-    Fila-Patch-Sha256, Reviewed-by): ready for a pull request.
+    Fila-Patch-Sha256, Reviewed-by), and, when the task has a signed run statement,
+    Fila-Provenance: sha256 of its envelope's bytes: ready for a pull request.
 
     --queue: a task of that PostgreSQL queue, applied to this root (the project) with the same
     checks, its patch and inputs read from the database; the decision is recorded there, once

@@ -73,9 +73,11 @@ class Landing(Protocol):
 
     project: Path
 
-    def landed(self, rec: Record, by: str, reason: str | None, ops: list[landing.Op]) -> str:
-        """Act on the landed files (`ops`: each touched path and the state it now holds); what to
-        add to the decision's reason."""
+    def landed(self, rec: Record, by: str, reason: str | None, ops: list[landing.Op],
+               run: bytes | None) -> str:  # fmt: skip
+        """Act on the landed files (`ops`: each touched path and the state it now holds; `run`:
+        the task's run statement as verified, None with provenance off); what to add to the
+        decision's reason."""
         ...
 
 
@@ -142,7 +144,7 @@ def _apply_one(root: Root, task_id: str, *, by: str | None, reason: str | None,
         decision.check_undecided(rec, "apply")
         policy = patch.policy_for(root, rec)
         data = patch.read_reviewed(root, rec, policy)
-        attested.check_before_apply(book.source(root), rec, data)
+        run = attested.check_before_apply(book.source(root), rec, data)
         staging = root.meta(task_id) / "apply"
         marker = landing.read_marker(root, task_id)
         if marker is not None:
@@ -189,7 +191,7 @@ def _apply_one(root: Root, task_id: str, *, by: str | None, reason: str | None,
             raise
         if into is not None:
             try:
-                note = into.landed(rec, who, why, ops)
+                note = into.landed(rec, who, why, ops, run)
                 why = f"{why}; {note}" if why else note
             except BaseException:
                 landing.roll_back(root, task_id)

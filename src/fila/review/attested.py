@@ -32,10 +32,12 @@ def verdict(source: Source, rec: Record, patch: bytes | None) -> Verdict:
     return verify(evidence(source, rec, patch))
 
 
-def check_before_apply(source: Source, rec: Record, patch: bytes) -> Verdict:
+def check_before_apply(source: Source, rec: Record, patch: bytes) -> bytes | None:
     """ApplyRefused, naming every mismatch, unless the task's run statement verifies (or the queue
-    trusts no key and the task has no statement: provenance is off there)."""
-    v = verdict(source, rec, patch)
+    trusts no key and the task has no statement: provenance is off there). Returns the run
+    statement's envelope as verified (what a commit's Fila-Provenance trailer names), or None."""
+    ev = evidence(source, rec, patch)
+    v = verify(ev)
     if not v.ok:
         raise ApplyRefused(
             "the task's provenance does not verify: " + "; ".join(v.problems),
@@ -43,7 +45,7 @@ def check_before_apply(source: Source, rec: Record, patch: bytes) -> Verdict:
             hint=f"nothing was written; `fila verify {rec.id}` shows what the statements say; reject the "
             "task, or trust the signer's key (`fila keys trust`) when it is a runner you run",
         )
-    return v
+    return ev.run if v.state == "verified" else None
 
 
 def sign_decision(root: Root, source: Source, rec: Record, *, project: Path | None = None,

@@ -7,7 +7,8 @@ compare group's supersedes, the decision recorded by the book) into a temporary 
 checkout at HEAD (`git worktree add --detach`), under the task's meta directory; there the
 touched files' bytes are hashed without any git filter into a temporary index over HEAD's tree,
 the tree checked against what apply landed, and committed with `commit-tree` (no hook runs) with
-trailers naming the task, the patch's sha256 and the reviewer, and `refs/heads/NAME` is created
+trailers naming the task, the patch's sha256, the signed run statement when there is one
+(docs/provenance.md, "Into the project's history") and the reviewer, and `refs/heads/NAME` is created
 only if it does not exist (update-ref with an empty old value). Only then is the decision
 recorded; a failure before takes the landing back and records nothing. The worktree goes in
 every case. The base the patch must fit is HEAD's files (the moved-base check reads the
@@ -102,11 +103,14 @@ class OnBranch:
     def project(self) -> Path:
         return self.tree / self.prefix if self.prefix else self.tree
 
-    def landed(self, rec: Record, by: str, reason: str | None, ops: list[Op]) -> str:
+    def landed(self, rec: Record, by: str, reason: str | None, ops: list[Op], run: bytes | None) -> str:
         tree = self.tree_of(ops)
         subject = f"fila: task {rec.id}" + (f" ({rec.engine})" if rec.engine else "")
         body = printable((rec.task.prompt if rec.task else "")[:2000])
-        trailers = f"Fila-Task: {rec.id}\nFila-Patch-Sha256: {rec.patch_sha256}\nReviewed-by: {by}\n"
+        trailers = f"Fila-Task: {rec.id}\nFila-Patch-Sha256: {rec.patch_sha256}\n"
+        if run is not None:  # the signed run statement, as `fila apply --attestations` writes it
+            trailers += f"Fila-Provenance: sha256:{hashlib.sha256(run).hexdigest()}\n"
+        trailers += f"Reviewed-by: {by}\n"
         msg = (
             subject
             + "\n\n"
