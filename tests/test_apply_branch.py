@@ -64,7 +64,9 @@ def test_a_patch_lands_as_a_commit_on_a_new_branch_and_nowhere_else(root: Root) 
     assert git(root, "worktree", "list").count("\n") == 1  # the temporary worktree is gone
 
 
-def test_with_keys_the_commit_names_the_signed_run_statement_and_without_none(root: Root) -> None:
+def test_with_keys_the_commit_names_the_signed_run_statement_and_without_none(
+    root: Root, tmp_path: Path
+) -> None:
     unsigned = make_task(root, "echo plain > greeting.txt")  # no key yet: provenance is off
     assert fila(root, "apply", unsigned, "--yes", "--branch", "fila/plain").exit_code == 0
     msg = git(root, "log", "-1", "--format=%B", "fila/plain")
@@ -73,9 +75,15 @@ def test_with_keys_the_commit_names_the_signed_run_statement_and_without_none(ro
     assert fila(root, "keys", "init").exit_code == 0
     tid = make_task(root, "echo signed > greeting.txt")
     run = store.path(root, tid, "run").read_bytes()
-    assert fila(root, "apply", tid, "--yes", "--by", "alice", "--branch", "fila/signed").exit_code == 0
+    beside = tmp_path / "attestations"
+    res = fila(
+        root, "apply", tid, "--yes", "--by", "alice", "--branch", "fila/signed", "--attestations", str(beside)
+    )
+    assert res.exit_code == 0, res.output
     trailers = git(root, "log", "-1", "--format=%(trailers:key=Fila-Provenance,valueonly)", "fila/signed")
     assert trailers.strip() == "sha256:" + hashlib.sha256(run).hexdigest()
+    assert (beside / f"{tid}.run.intoto.json").read_bytes() == run  # the file the trailer names
+    assert (beside / f"{tid}.decision.intoto.json").is_file()
     assert store.path(root, tid, "run").read_bytes() == run  # the statement the history names, kept
     assert fila(root, "verify", tid).exit_code == 0
 

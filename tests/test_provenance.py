@@ -303,3 +303,41 @@ def test_the_published_predicate_schema_is_the_models_and_accepts_what_fila_sign
         jsonschema.validate(payload(store.path(root, tid, kind).read_bytes())["predicate"], published)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({"facts": {}}, published)
+
+
+def test_apply_writes_the_statements_beside_the_landing_and_they_verify_there(
+    root: Root, tmp_path: Path
+) -> None:
+    tid = run_task(root)
+    dest = tmp_path / "project" / "attestations"  # made, with its parent, once applied
+    res = fila(root, "apply", tid, "--yes", "--by", "alice", "--attestations", str(dest), "--json")
+    assert res.exit_code == 0, res.output
+    run, dec = dest / f"{tid}.run.intoto.json", dest / f"{tid}.decision.intoto.json"
+    assert json.loads(res.stdout)["attestations"] == [str(run), str(dec)]
+    assert run.read_bytes() == store.path(root, tid, "run").read_bytes()
+    assert dec.read_bytes() == store.path(root, tid, "decision").read_bytes()
+    patch = tmp_path / "DIFF.patch"
+    patch.write_bytes((root.path / record(root, tid)["patch_path"]).read_bytes())
+    pub = keys.keys_dir(root) / keys.PUBLIC
+    res = fila(root, "verify", "--patch", str(patch), "--attestation", str(run), "--attestation", str(dec),
+               "--key", str(pub))  # fmt: skip
+    assert res.exit_code == 0 and "verified (run and decision)" in res.output, res.output
+
+    # refused before anything lands: a symlink, a file, a task with no run statement
+    other = run_task(root, "echo other > other.txt", "other.txt")
+    (tmp_path / "link").symlink_to(dest)
+    (tmp_path / "file").write_text("x\n")
+    for bad, why in (("link", "is a symlink"), ("file", "is not a directory")):
+        res = fila(root, "apply", other, "--yes", "--attestations", str(tmp_path / bad))
+        assert res.exit_code == 2 and why in res.output, res.output
+        assert record(root, other)["status"] == "needs_review"
+    store.path(root, other, "run").unlink()
+    (
+        keys.keys_dir(root) / keys.TRUSTED
+    ).unlink()  # provenance off: apply would land it, but there is nothing to write
+    res = fila(root, "apply", other, "--yes", "--attestations", str(dest))
+    assert res.exit_code == 2 and "has no run statement" in res.output, res.output
+    assert (
+        record(root, other)["status"] == "needs_review" and not (dest / f"{other}.run.intoto.json").exists()
+    )
+    assert fila(root, "apply", other, "--yes").exit_code == 0

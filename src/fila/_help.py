@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "e5decb7ff975ee4e34f62ab86cdec05e121623be3e23cd121f77cb7958b77957"
+CLI_SHA256 = "5fa5a741a57f6e6c6b954e0c54d1082456976865050cdb69f481338e54fb78d9"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 

@@ -367,15 +367,18 @@ class Client:
         three_way: bool = False,
         allow_git_metadata: bool = False,
         allow_credential: bool = False,
+        attestations: Path | None = None,
     ) -> Applied:
         """Land the task's reviewed patch in the project, or nothing, and record the decision by
         `by` (default $FILA_USER, else the login name), as `fila apply --yes` does: ApplyRefused
         and its reasons, InvalidTransition for a task decided already (naming who decided). A
         compare group's other members are superseded. On a PostgreSQL queue the project is this
-        client's root."""
+        client's root. `attestations`: a directory the task's signed statements are written to
+        once it is applied (`fila apply --attestations`, docs/provenance.md)."""
         options: dict[str, Any] = {"by": by, "reason": reason, "three_way": three_way,
                                    "allow_git_metadata": allow_git_metadata,
-                                   "allow_credential": allow_credential}  # fmt: skip
+                                   "allow_credential": allow_credential,
+                                   "attestations": attestations}  # fmt: skip
         from ..review import desk
 
         return desk.apply_task(self.root, self.db, task_id, **options)
@@ -384,7 +387,7 @@ class Client:
         """`apply` onto a new branch of the project's git checkout (`fila apply --branch`): the
         same checks and decision, the patch committed in a temporary worktree at HEAD with
         trailers naming the task, its sha256, its signed run statement and the reviewer; returns
-        what landed and where (review/branch.py)."""
+        what landed and where (review/branch.py). `options` are `apply`'s, `attestations` too."""
         from ..review.branch import apply_on_branch
 
         return apply_on_branch(self.root, self.db, task_id, branch, **options)
@@ -438,4 +441,5 @@ def applied_json(task_id: str, res: Applied) -> dict[str, Any]:
         "not_superseded": res.undecided,
         "credential_markers": res.credential_markers,
         "provenance": res.provenance,
+        "attestations": res.attestations,
     }

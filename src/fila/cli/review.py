@@ -285,6 +285,15 @@ def apply_cmd(
             show_default=False,
         ),
     ] = None,
+    attestations: Annotated[
+        Path | None,
+        typer.Option(
+            "--attestations",
+            help="once applied, write the task's signed statements here (made if missing; not a "
+            "symlink) as ID.run.intoto.json and ID.decision.intoto.json, to commit beside the change",
+            show_default=False,
+        ),
+    ] = None,
     json_: JsonOpt = False,
     queue_url: QueueOpt = None,
 ) -> None:
@@ -305,6 +314,10 @@ def apply_cmd(
     Fila-Patch-Sha256, Reviewed-by), and, when the task has a signed run statement,
     Fila-Provenance: sha256 of its envelope's bytes: ready for a pull request.
 
+    --attestations DIR: after the apply, the run and decision statements (DSSE envelopes, the
+    bytes fila keeps) are written to DIR, for `fila verify --patch --attestation --key` anywhere;
+    refused before anything lands when the task has no run statement or DIR is not a directory.
+
     --queue: a task of that PostgreSQL queue, applied to this root (the project) with the same
     checks, its patch and inputs read from the database; the decision is recorded there, once
     for every reviewer.
@@ -318,12 +331,13 @@ def apply_cmd(
             res, on = client.apply_on_branch(
                 task_id, branch, three_way=three_way, by=by, reason=reason,
                 allow_git_metadata=allow_git_metadata, allow_credential=allow_credential,
+                attestations=attestations,
             )  # fmt: skip
             if json_:
                 d = res.record.decision
                 print_json({"id": task_id, "status": res.record.status, "branch": branch, "commit": on.commit,
                             "checkout": str(on.top), "decision": d.model_dump(mode="json") if d else None,
-                            "superseded": res.superseded})  # fmt: skip
+                            "superseded": res.superseded, "attestations": res.attestations})  # fmt: skip
                 return
             typer.echo(
                 safe(
@@ -331,6 +345,8 @@ def apply_cmd(
                     f"{len(res.written)} written, {len(res.deleted)} deleted; the checkout is untouched"
                 )
             )
+            for name in res.attestations:
+                typer.echo(safe(f"  statement {name}"))
             for tid in res.superseded:
                 typer.echo(safe(f"superseded {tid} (same group)"))
             return
@@ -341,6 +357,7 @@ def apply_cmd(
             reason=reason,
             allow_git_metadata=allow_git_metadata,
             allow_credential=allow_credential,
+            attestations=attestations,
         )
     _print_applied(task_id, res, json_)
 
@@ -391,6 +408,8 @@ def _print_applied(task_id: str, res: Any, json_: bool) -> None:
             typer.echo(f"  {kind:<8} {safe(name)}")
     if res.provenance:
         typer.echo(f"  {safe(res.provenance)}")
+    for name in res.attestations:
+        typer.echo(f"  statement {safe(name)}")
     for name in res.credential_markers:  # a warning, on stderr like the others
         to_stderr(
             f"fila: warning: {name} landed with fila's marker where the engine had put a known "

@@ -94,6 +94,7 @@ class Applied:
     credential_markers: list[str] = field(default_factory=list)  # files landed with the marker
     undecided: list[str] = field(default_factory=list)  # members still queued or running
     provenance: str | None = None  # the decision statement signed, or why not (docs/provenance.md)
+    attestations: list[str] = field(default_factory=list)  # the statements written (--attestations)
 
 
 def apply(root: Root, task_id: str, *, by: str | None = None, reason: str | None = None,

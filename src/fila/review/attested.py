@@ -4,14 +4,19 @@ and the decision statement a person's apply or reject signs."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import stat
 from pathlib import Path
 
-from ..core.errors import ApplyRefused, FilaError
-from ..core.layout import Root
+from ..core import fsutil
+from ..core.errors import ApplyRefused, FilaError, InfraError, InvalidInput
+from ..core.layout import Root, check_id
 from ..core.models import Record, Status
 from ..provenance import attest, keys
 from ..provenance.predicate import Base, sha256
 from ..provenance.sources import Source
+from ..provenance.store import KINDS, Kind
 from ..provenance.verify import Evidence, Verdict, verify
 
 
@@ -73,3 +78,49 @@ def sign_decision(root: Root, source: Source, rec: Record, *, project: Path | No
     except (FilaError, OSError, ValueError) as e:
         return f"the decision was recorded, but its statement was not signed: {e}"
     return f"decision statement signed by key {signer.public_key.keyid[:16]}"
+
+
+def beside_names(task_id: str) -> dict[Kind, str]:
+    """The files `fila apply --attestations DIR` writes, by kind of statement."""
+    return {kind: f"{check_id(task_id)}.{kind}.intoto.json" for kind in KINDS}
+
+
+def check_beside(source: Source, task_id: str, dest: Path) -> None:
+    """Before an apply with `--attestations DIR`: InvalidInput, nothing landed, when DIR is a
+    symlink or not a directory (a missing one is made after the apply), or when the task has no
+    run statement to write (provenance is off)."""
+    with contextlib.suppress(FileNotFoundError):
+        st = os.lstat(dest)
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+            what = "a symlink" if stat.S_ISLNK(st.st_mode) else "not a directory"
+            raise InvalidInput(f"--attestations {dest} is {what}", hint="name a directory (made if missing)")
+    if source.statement(task_id, "run") is None:
+        raise InvalidInput(
+            f"task {task_id} has no run statement in {source.where} to write to {dest}",
+            task_id=task_id,
+            hint="provenance is off where it ran (`fila keys init` there); apply without --attestations",
+        )
+
+
+def write_beside(source: Source, task_id: str, dest: Path) -> list[Path]:
+    """After an apply: the task's statements as the queue stores them (the run statement, and the
+    decision statement when it was signed) written to `dest` (made when missing) under
+    `beside_names`; the paths written. InfraError naming the directory when they cannot be: the
+    apply stands."""
+    written = []
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+        check_beside(source, task_id, dest)  # made meanwhile as a symlink: refused too
+        for kind, name in beside_names(task_id).items():
+            data = source.statement(task_id, kind)
+            if data is not None:
+                fsutil.atomic_write(dest / name, data)
+                written.append(dest / name)
+    except (OSError, InvalidInput) as e:
+        raise InfraError(
+            f"task {task_id} was applied, but its statements were not written to {dest}: "
+            + (e.message if isinstance(e, FilaError) else str(e)),
+            task_id=task_id,
+            hint=f"`fila verify {task_id} --export DIR` writes them from the queue",
+        ) from None
+    return written

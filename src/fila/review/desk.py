@@ -9,13 +9,16 @@ policies judge it (review/remote.py).
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..core.layout import Root
 from ..core.models import Record, Status
 from ..queue import store
-from . import decision, groups, report
+from . import attested, decision, groups, report
 from .apply import Applied, apply
 
 if TYPE_CHECKING:
@@ -93,15 +96,28 @@ def _start(size: int, offset: int) -> int:
     return offset if offset <= size else 0
 
 
-def apply_task(root: Root, db: PgQueue | None, task_id: str, **options: Any) -> Applied:
+def apply_task(
+    root: Root, db: PgQueue | None, task_id: str, *, attestations: Path | None = None, **options: Any
+) -> Applied:
     """`fila apply`: the reviewed patch into the project, or nothing (review/apply.py; with a
     queue, review/remote.apply_queued lands it in `root`). `options` are apply's (by, reason,
-    three_way, allow_git_metadata, allow_credential)."""
+    three_way, allow_git_metadata, allow_credential). `attestations`: a directory the task's
+    statements are written to once it is applied, beside the landing (docs/provenance.md, "Into
+    the project's history"); checked before anything lands."""
     if db is not None:
-        from .remote import apply_queued
+        from .remote import QueueBook, apply_queued
 
-        return apply_queued(root, db, task_id, **options)
-    return apply(root, task_id, **options)
+        source = QueueBook(db).source(root)
+        land: Callable[..., Applied] = functools.partial(apply_queued, root, db)
+    else:
+        source = decision.FILE.source(root)
+        land = functools.partial(apply, root)
+    if attestations is not None:
+        attested.check_beside(source, task_id, attestations)
+    res = land(task_id, **options)
+    if attestations is not None:
+        res.attestations = [str(p) for p in attested.write_beside(source, task_id, attestations)]
+    return res
 
 
 def reject_task(
