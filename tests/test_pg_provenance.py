@@ -67,8 +67,13 @@ def test_a_runners_key_signs_and_verifies_once_the_queue_trusts_it(
         shown = fila("review", "t1", "--queue", pg_url, "--root", str(alice.path), "--no-pager")
         assert "provenance verified (run)" in shown.output, shown.output
 
-        res = fila("apply", "t1", "--queue", pg_url, "--root", str(alice.path), "--yes", "--by", "alice")
+        beside = tmp_path / "beside"
+        res = fila("apply", "t1", "--queue", pg_url, "--root", str(alice.path), "--yes", "--by", "alice",
+                   "--attestations", str(beside))  # fmt: skip
         assert res.exit_code == 0 and "decision statement signed" in res.output, res.output
+        for kind in ("run", "decision"):  # written beside the landing: the bytes the database keeps
+            kept = q.blob(q.task_blobs("t1")[store.blob_name(kind)])
+            assert (beside / f"t1.{kind}.intoto.json").read_bytes() == kept
         code, v = verify(pg_url, "t1")
         alice_key = keys.read_public(keys.keys_dir(alice) / keys.PUBLIC)
         assert code == 0 and v["signed_by"] == {"run": runner_key.keyid, "decision": alice_key.keyid}, v
