@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -445,7 +444,8 @@ ORACLE_CASES: dict[str, dict[str, str]] = {
 
 
 def cli_bundle() -> Path:
-    """The Dev Containers CLI's bundle, installed once from npm into the venv's cache."""
+    """The Dev Containers CLI's bundle, which scripts/oracle-up installs into the venv's cache (an
+    install step of scripts/test: a test fetches nothing)."""
     bundle = (
         CLI_CACHE
         / "node_modules"
@@ -455,25 +455,11 @@ def cli_bundle() -> Path:
         / "spec-node"
         / "devContainersSpecCLI.js"
     )
-    if bundle.exists():
-        return bundle
-    npm = shutil.which("npm")
-    if npm is None or shutil.which("node") is None:
-        pytest.skip(
-            "no npm/node on this machine: the Dev Containers CLI (the reference reading) cannot be installed"
+    if not bundle.exists():
+        pytest.fail(
+            f"the Dev Containers CLI {CLI_VERSION} is not installed in {CLI_CACHE}: "
+            "run `bash scripts/oracle-up` (scripts/test does)"
         )
-    staging = CLI_CACHE.with_name(f"{CLI_CACHE.name}.{os.getpid()}")
-    done = subprocess.run(
-        [npm, "install", "--prefix", str(staging), "--no-audit", "--no-fund", "--ignore-scripts", "--no-save",
-         f"@devcontainers/cli@{CLI_VERSION}"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    if done.returncode != 0:
-        pytest.fail(f"npm could not install @devcontainers/cli@{CLI_VERSION}:\n{done.stderr[-3000:]}")
-    try:
-        staging.rename(CLI_CACHE)
-    except OSError:  # another test process installed it meanwhile
-        shutil.rmtree(staging)
     return bundle
 
 
