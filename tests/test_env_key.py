@@ -59,6 +59,9 @@ def test_an_input_through_a_link_or_outside_the_project_is_refused(tmp_path: Pat
         keys.read_inputs(project, EnvSpec(image="x", inputs=["lock.txt"]))
     with pytest.raises(InvalidInput, match="outside the project"):
         keys.read_inputs(project, EnvSpec(image="x", inputs=["../secret"]))
+    (project / "linked").symlink_to(tmp_path)  # a directory link out of the project on the way
+    with pytest.raises(InvalidInput, match="passes through a symlink"):
+        keys.read_inputs(project, EnvSpec(image="x", inputs=["linked/secret"]))
 
 
 def test_the_setup_script_runs_each_form_as_the_spec_says(tmp_path: Path) -> None:

@@ -10,6 +10,7 @@ file the key does not name.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 from collections.abc import Callable
@@ -17,9 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..core.errors import InvalidInput
+from ..core.errors import FilaError, InvalidInput
 from ..core.models import SetupPolicy
 from ..workspace import fswalk
+from ..workspace.safedir import SafeDir, ThroughLink
 from .spec import PROJECT_PATH, EnvSpec
 
 # Part of every key: a change of how fila runs a setup (the script, the image's layout) must not
@@ -43,21 +45,34 @@ class Inputs:
 
 def read_inputs(project: Path, spec: EnvSpec) -> Inputs:
     """The inputs' bytes, each a regular file inside the project reached without a link (a
-    lockfile that is a link out of the project is refused)."""
+    lockfile that is a link out of the project is refused), read through the project's directory
+    descriptors (workspace/safedir.py): a name swapped for a link after declare checked it is
+    refused too, never followed."""
+    from pathlib import PurePosixPath
+
     files: dict[str, bytes] = {}
-    for rel in spec.inputs:
-        path = _inside(project, rel, "input")
-        try:
-            files[rel] = fswalk.read_file(path, max_bytes=MAX_INPUT_BYTES)
-        except InvalidInput:
-            raise
-        except Exception as e:
-            raise InvalidInput(
-                f"environment input {rel!r} cannot be read: {e}",
-                path=path,
-                hint="inputs are regular files of the project, each at most "
-                f"{MAX_INPUT_BYTES >> 20} MiB, reached without a symlink",
-            ) from None
+    hint = (
+        f"inputs are regular files of the project, each at most {MAX_INPUT_BYTES >> 20} MiB, "
+        "reached without a symlink"
+    )
+    with SafeDir(project) as tree:
+        for rel in spec.inputs:
+            pure = PurePosixPath(rel)
+            if pure.is_absolute() or ".." in pure.parts or "\x00" in rel:
+                raise InvalidInput(f"environment input {rel!r} is outside the project", path=project)
+            try:
+                files[rel] = tree.read(pure.as_posix(), max_bytes=MAX_INPUT_BYTES)
+            except ThroughLink as e:
+                raise InvalidInput(f"environment input {rel!r} passes through a symlink: {e.message}",
+                                   path=project, hint=hint) from None  # fmt: skip
+            except FileNotFoundError:
+                raise InvalidInput(f"environment input {rel!r} does not exist", path=project) from None
+            except OSError as e:
+                why = "is a symlink" if e.errno == errno.ELOOP else f"cannot be read: {e.strerror}"
+                raise InvalidInput(f"environment input {rel!r} {why}", path=project, hint=hint) from None
+            except FilaError as e:
+                raise InvalidInput(f"environment input {rel!r} cannot be read: {e.message}",
+                                   path=project, hint=hint) from None  # fmt: skip
     return Inputs(files)
 
 
