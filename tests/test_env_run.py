@@ -120,6 +120,8 @@ def test_a_python_project_is_set_up_once_through_the_gateway_and_its_check_runs_
     assert env["how"] == "built" and env["source"] == ".devcontainer/devcontainer.json", env
     assert first["check"]["passed"] is False and first["check"]["exit_code"] == 1
     assert "1 failed" in (root.path / first["check"]["log_path"]).read_text()
+    # `fila submit` pinned what the environment is made of; the run made the same.
+    assert first["task"]["environment_digest"] == env["digest"] == env["pinned"], env
     # What the setup's gateway let out: pypi.test only, every request allowed.
     reqs = env["egress"]["requests"]
     assert reqs and {r["host"] for r in reqs} == {"pypi.test"} and env["egress"]["denied"] == 0, env["egress"]
@@ -140,6 +142,15 @@ def test_a_python_project_is_set_up_once_through_the_gateway_and_its_check_runs_
     shown = fila(root, "review", second["id"]).stdout
     assert "env       calc (.devcontainer/devcontainer.json, devcontainer)" in shown and "cached" in shown
     # (A changed lockfile is a new key: tests/test_env_key.py; a new key builds as above.)
+    # A task submitted for another environment (a submitter whose base image differs) is refused
+    # on this host before any setup or engine: it never runs in an environment it was not meant for.
+    task = {"engine": "shell", "command": FIX, "targets": ["."], "id": "elsewhere"}
+    (tmp_path / "elsewhere.json").write_text(json.dumps(task | {"environment_digest": "0" * 64}))
+    fila(root, "submit", str(tmp_path / "elsewhere.json"), "--run")
+    other = record(root, "elsewhere")
+    assert other["status"] == "failed" and other["error"]["kind"] == "environment", other
+    assert "submitted for an environment made of 000000000000" in other["error"]["message"], other["error"]
+    assert other["environment"]["digest"] == env["digest"] and not other["container_started"], other
 
 
 def test_a_setup_that_reaches_an_unlisted_host_fails_its_task_before_any_engine(
@@ -471,4 +482,8 @@ def test_a_postgresql_runner_builds_the_environment_on_its_host_and_the_record_n
     rec = q.get("envpg")
     assert rec.status == "needs_review" and rec.check is not None and rec.check.passed, rec
     assert rec.environment is not None and rec.environment.how == "built" and len(rec.environment.key) == 64
+    # The submitter pinned what the environment is made of (its policy is not the runner's: the
+    # key's network part is the runner's own); the runner made the same.
+    assert rec.task.environment_digest is not None and rec.environment.pinned == rec.environment.digest
+    assert rec.environment.digest == rec.task.environment_digest
     assert b"+from-setup" in q.blob(q.task_blobs("envpg")["DIFF.patch"])

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core import fsutil
-from ..core.errors import FilaError, InvalidInput, LimitExceeded, NotFound
+from ..core.errors import FilaError, InvalidInput, LimitExceeded
 from ..core.layout import Root
 from ..core.models import (
     Egress,
@@ -132,35 +132,20 @@ def resolve_base(
     policy: Policy,
     backend: Backend,
     progress: Callable[[str], None],
-    *,
-    build: bool = True,
-) -> tuple[str, dict[str, Any]]:
-    """The base image's id and what the key takes of it. An `image` must be allowed by the
-    policy and present; a Dockerfile is built with no network (docs/environments.md: the network
-    belongs to the setup, which goes through the gateway)."""
+    base: dict[str, Any],
+) -> str:
+    """The base image's id, `base` being what the key took of it (base_of). An `image` is that
+    image; a Dockerfile is built when its image is missing, with no network (docs/environments.md:
+    the network belongs to the setup, which goes through the gateway)."""
     spec = declared.spec
     if spec.image is not None:
-        info = dockerfile.local_image(
-            policy, backend, spec.image, f"the environment's image, {declared.source}"
-        )
-        return info.id, {"image_id": info.id}
+        return base["image_id"]
     assert spec.build is not None
-    skip = _context_skip(root, project, policy)
-    digests = keys.context_digest(project, spec, skip)
-    text = fswalk.read_file(project / spec.build.dockerfile, max_bytes=dockerfile.MAX_DOCKERFILE_BYTES)
-    images = {
-        ref: dockerfile.local_image(policy, backend, ref, f"{spec.build.dockerfile} line {line}").id
-        for line, ref in dockerfile.references(text.decode(errors="replace"))
-    }
-    base = {**digests, "images": images, "args": dict(sorted(spec.build.args.items())),
-            "target": spec.build.target}  # fmt: skip
     tag = f"{IMAGE_REPO}-base:{hashlib.sha256(json.dumps(base, sort_keys=True).encode()).hexdigest()[:32]}"
     info = backend.image_info(tag)
-    if info is None and not build:
-        raise NotFound(f"the environment's base ({spec.build.dockerfile}) is not built yet")
     if info is None:
         progress(f"environment: building the base from {spec.build.dockerfile} (no network)")
-        context, entries = keys.context_entries(project, spec, skip)
+        context, entries = keys.context_entries(project, spec, _context_skip(root, project, policy))
         with tempfile.TemporaryDirectory(prefix="context-", dir=envs_dir(root).parent) as tmp:
             archive = Path(tmp) / "context.tar"
             name = dockerfile.archive(context, entries, project / spec.build.dockerfile, archive)
@@ -175,7 +160,38 @@ def resolve_base(
                 f"over environment.max_image_bytes {policy.environment.max_image_bytes}",
                 hint="make the image smaller, or raise the policy's environment.max_image_bytes",
             )
-    return info.id, base
+    return info.id
+
+
+def base_of(
+    root: Root, project: Path, declared: Declared, policy: Policy, backend: Backend
+) -> dict[str, Any]:
+    """What the key takes of the base, nothing built: an allowed, present image's id, or the
+    Dockerfile's and its context's digests with the ids of the local images it names."""
+    spec = declared.spec
+    if spec.image is not None:
+        info = dockerfile.local_image(
+            policy, backend, spec.image, f"the environment's image, {declared.source}"
+        )
+        return {"image_id": info.id}
+    assert spec.build is not None
+    digests = keys.context_digest(project, spec, _context_skip(root, project, policy))
+    text = fswalk.read_file(project / spec.build.dockerfile, max_bytes=dockerfile.MAX_DOCKERFILE_BYTES)
+    images = {
+        ref: dockerfile.local_image(policy, backend, ref, f"{spec.build.dockerfile} line {line}").id
+        for line, ref in dockerfile.references(text.decode(errors="replace"))
+    }
+    return {**digests, "images": images, "args": dict(sorted(spec.build.args.items())),
+            "target": spec.build.target}  # fmt: skip
+
+
+def digest_of(root: Root, project: Path, declared: Declared, policy: Policy, backend: Backend) -> str:
+    """The environment's content digest on this host (key.content), nothing built or started:
+    what a submitter pins in the task (docs/environments.md, "Many hosts")."""
+    require_docker(backend)
+    refuse_denied_inputs(root, project, declared.spec, policy)
+    inputs = keys.read_inputs(project, declared.spec)
+    return keys.content(declared.spec, base_of(root, project, declared, policy, backend), inputs)
 
 
 def _context_skip(root: Root, project: Path, policy: Policy) -> keys.Skip:
@@ -239,13 +255,8 @@ def _build_base(backend: Backend, spec: EnvSpec, setup: SetupPolicy, archive: Pa
 def probe(
     root: Root, project: Path, declared: Declared, policy: Policy, backend: Backend
 ) -> tuple[str, bool]:
-    """The environment's key and whether its image is built, building nothing (`fila doctor`).
-    NotFound when a Dockerfile base is not built yet (its id is part of the key)."""
-    spec = declared.spec
-    refuse_denied_inputs(root, project, spec, policy)
-    inputs = keys.read_inputs(project, spec)
-    _base_id, base = resolve_base(root, project, declared, policy, backend, lambda _m: None, build=False)
-    key = keys.compute(spec, base, inputs, policy.environment)
+    """The environment's key and whether its image is built, building nothing (`fila doctor`)."""
+    key = keys.compute(digest_of(root, project, declared, policy, backend), policy.environment)
     info = backend.image_info(tag_for(key))
     return key, info is not None and info.labels.get(KEY_LABEL) == key
 
@@ -261,14 +272,37 @@ def prepare(
     progress: Callable[[str], None] = lambda _m: None,
     force: bool = False,
     heartbeat: Callable[[], None] | None = None,
+    expect_digest: str | None = None,
 ) -> Prepared:
-    """The environment's image for `declared`, built unless its key exists (`force`: again)."""
+    """The environment's image for `declared`, built unless its key exists (`force`: again).
+    `expect_digest`: the content digest the task was submitted with; another one here is refused
+    before anything is built (docs/environments.md, "Many hosts")."""
     require_docker(backend)
     spec = declared.spec
     refuse_denied_inputs(root, project, spec, policy)
     inputs = keys.read_inputs(project, spec)
-    base_id, base = resolve_base(root, project, declared, policy, backend, progress)
-    key = keys.compute(spec, base, inputs, policy.environment)
+    base = base_of(root, project, declared, policy, backend)
+    digest = keys.content(spec, base, inputs)
+    key = keys.compute(digest, policy.environment)
+    if expect_digest is not None and digest != expect_digest:
+        raise EnvironmentFailed(
+            f"the task was submitted for an environment made of {expect_digest[:12]}; on this host "
+            f"its declaration ({declared.source}) makes {digest[:12]}: the base image or what the "
+            "declaration reads differs from the submitter's",
+            record=EnvironmentRecord(
+                key=key,
+                digest=digest,
+                source=declared.source,
+                form=declared.form,
+                name=spec.name,
+                how="failed",
+                pinned=expect_digest,
+                warnings=list(declared.warnings),
+            ),
+            hint="give this host the submitter's base image (fila images build, docker load), "
+            "or resubmit the task from this host",
+        )
+    base_id = resolve_base(root, project, declared, policy, backend, progress, base)
     tag = tag_for(key)
     state = state_dir(root, key)
     common = dict(
@@ -278,6 +312,8 @@ def prepare(
         name=spec.name,
         provided=list(spec.provided),
         warnings=list(declared.warnings),
+        digest=digest,
+        pinned=expect_digest,
     )
     with _locked(state):
         info = None if force else backend.image_info(tag)
