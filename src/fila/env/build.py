@@ -58,6 +58,16 @@ CLEARED_LABELS = (LABEL_FILA, JOB_LABEL, ROOT_LABEL, "fila.role", "fila.worker")
 SETUP_DIR = "/fila-setup"
 # The gateway's variables the setup had: emptied in the image so no engine inherits a proxy.
 PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "NO_PROXY", "no_proxy")
+# Where the tools an engine and the check run keep their caches: /tmp, not work/, so a run of the
+# project's tests leaves no __pycache__ or .pytest_cache in the diff (docs/environments.md,
+# "Caches"). Set in the environment's image after its setup (the setup's own bytecode stays where
+# it installed it); a variable the declaration sets is the declaration's.
+CACHE_ENV = {
+    "PYTHONPYCACHEPREFIX": "/tmp/.fila-cache/pycache",
+    "PYTEST_ADDOPTS": "-o cache_dir=/tmp/.fila-cache/pytest",
+    "MYPY_CACHE_DIR": "/tmp/.fila-cache/mypy",
+    "RUFF_CACHE_DIR": "/tmp/.fila-cache/ruff",
+}
 HEARTBEAT_S = 2.0
 
 
@@ -115,6 +125,15 @@ def named_volumes(labels: dict[str, str], key: str) -> list[str]:
     shape = re.compile(rf"fila-env-{key[:24]}-[0-9a-f]{{16}}-[0-9a-f]{{8}}")
     raw = labels.get(VOLUMES_LABEL) or ""
     return [n for n in raw.split(",") if shape.fullmatch(n)]
+
+
+def cache_env(declared: dict[str, str]) -> dict[str, str]:
+    """CACHE_ENV but what the declaration's variables decide (PYTHONDONTWRITEBYTECODE set: no
+    bytecode is written at all)."""
+    out = {k: v for k, v in CACHE_ENV.items() if k not in declared}
+    if "PYTHONDONTWRITEBYTECODE" in declared:
+        out.pop("PYTHONPYCACHEPREFIX", None)
+    return out
 
 
 def require_docker(backend: Backend) -> None:
@@ -372,6 +391,7 @@ def _build(root: Root, project: Path, declared: Declared, policy: Policy, backen
                     # (an empty ENTRYPOINT does not clear it in a commit: env runs the command).
                     ['ENTRYPOINT ["/usr/bin/env"]', 'CMD ["sh"]']
                     + [f"ENV {v}=" for v in PROXY_VARS]
+                    + [f"ENV {k}={json.dumps(v)}" for k, v in cache_env(spec.env).items()]
                     + [
                         f'LABEL "{LABEL}"="1" "{KEY_LABEL}"="{key}" "fila.env.source"={source} '
                         f'"{VOLUMES_LABEL}"="{",".join(v.name for v in volumes)}" {cleared}'

@@ -26,7 +26,7 @@ from .spec import PROJECT_PATH, EnvSpec
 
 # Part of every key: a change of how fila runs a setup (the script, the image's layout) must not
 # reuse an environment made the old way.
-FORMAT = 2
+FORMAT = 3
 MAX_INPUT_BYTES = 16 << 20
 MAX_CONTEXT_FILES = 50_000
 MAX_CONTEXT_BYTES = 2 << 30
