@@ -214,13 +214,17 @@ def test_a_base_image_the_policy_does_not_allow_is_refused(tmp_path: Path, pkgin
     assert "not allowed by the policy" in rec["error"]["message"]
 
 
-def test_a_project_dockerfile_is_built_without_network(tmp_path: Path, pkgindex: Any) -> None:
-    """Built from a context fila assembles: what no job is given (.env, .git/) is not in it either;
-    a RUN that needs the network fails, and so does a build past the setup's timeout."""
+def test_a_project_dockerfile_is_built_through_the_setups_gateway(tmp_path: Path, pkgindex: Any) -> None:
+    """Built from a context fila assembles: what no job is given (.env, .git/) is not in it either.
+    Its RUN steps reach the setup's allowlist through a gateway of the build's own (pip fetches
+    from pypi.test), and a host the allowlist does not list is refused and logged (npm.test); with
+    no allowlist, no network; a build past the setup's timeout fails."""
     root = make_root(tmp_path / "df")
     (root.path / ".devcontainer").mkdir()
+    fetch = f"pip download -q --no-deps -d /opt/wheels -i {pkgindex.pypi_url} --trusted-host pypi.test six"
+    steps = ["RUN echo from-dockerfile > /opt/marker", f"RUN {fetch}", "COPY . /opt/ctx"]
     (root.path / ".devcontainer" / "Dockerfile").write_text(
-        f"FROM {pkgindex.testenv_image}\nRUN echo from-dockerfile > /opt/marker\nCOPY . /opt/ctx\n"
+        "\n".join([f"FROM {pkgindex.testenv_image}", *steps, ""])
     )
     (root.path / ".devcontainer" / "devcontainer.json").write_text(
         json.dumps({"build": {"dockerfile": "Dockerfile", "context": ".."}})
@@ -229,19 +233,27 @@ def test_a_project_dockerfile_is_built_without_network(tmp_path: Path, pkgindex:
     (root.path / ".git").mkdir()
     (root.path / ".git" / "config").write_text("[remote]\n")
     (root.path / "kept.txt").write_text("kept\n")
-    setup_policy(root, pkgindex, allow=[])
-    rec = submit_run(root, "cat /opt/marker > out.txt; ls -A /opt/ctx > ctx.txt")
+    setup_policy(root, pkgindex, allow=[pkgindex.allow()[0]])  # pypi.test only
+    rec = submit_run(root, "cat /opt/marker > out.txt; ls -A /opt/ctx > ctx.txt; ls /opt/wheels > whl.txt")
     assert rec["status"] == "needs_review", rec
     patch = (root.path / rec["patch_path"]).read_text()
     assert patch.count("+from-dockerfile") == 1 and "+kept.txt" in patch and "+.devcontainer" in patch
     assert "+.env" not in patch and "+.git" not in patch, patch
-    # A RUN that needs the network fails the build, with the advice to use the setup.
+    assert "+six-" in patch, patch  # the wheel the RUN step fetched through the gateway
+    built = rec["environment"]["build_egress"]
+    assert {r["host"] for r in built["requests"]} == {"pypi.test"} and built["denied"] == 0, built
+    # A RUN step that reaches a host the allowlist does not list: refused by the gateway, and said.
     (root.path / ".devcontainer" / "Dockerfile").write_text(
-        f"FROM {pkgindex.testenv_image}\nRUN pip download --index-url {pkgindex.pypi_url} six\n"
+        f"FROM {pkgindex.testenv_image}\nRUN npm view uvu --registry {pkgindex.npm_url} --fetch-retries 0\n"
     )
     rec = submit_run(root, "true")
     assert rec["status"] == "failed" and rec["error"]["kind"] == "environment", rec
-    assert "no network" in rec["error"]["message"] or "did not build" in rec["error"]["message"]
+    assert "its gateway refused npm.test:4873" in rec["error"]["message"], rec["error"]
+    # With no allowlist the build has no network at all.
+    setup_policy(root, pkgindex, allow=[])
+    (root.path / ".devcontainer" / "Dockerfile").write_text(f"FROM {pkgindex.testenv_image}\nRUN {fetch}\n")
+    rec = submit_run(root, "true")
+    assert rec["status"] == "failed" and "have no network" in rec["error"]["message"], rec["error"]
     (root.path / ".devcontainer" / "Dockerfile").write_text(f"FROM {pkgindex.testenv_image}\nRUN sleep 60\n")
     setup_policy(root, pkgindex, allow=[], timeout_ms=3000)
     rec = submit_run(root, "true")

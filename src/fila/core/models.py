@@ -520,6 +520,10 @@ class EnvironmentRecord(BaseModel):
     setup_s: float | None = Field(default=None, description="the setup's duration when it was built")
     log_path: str | None = Field(default=None, description="the setup's log (relative to the root)")
     egress: EgressRecord | None = Field(default=None, description="what the setup's gateway saw")
+    build_egress: EgressRecord | None = Field(
+        default=None,
+        description="what the gateway of the project Dockerfile's RUN steps saw (built for this task)",
+    )
     provided: list[str] = Field(
         default_factory=list, description="project paths the environment provides read-only, never diffed"
     )

@@ -1,16 +1,18 @@
 """An environment made or found by its key (docs/environments.md, "The setup").
 
-`prepare` is what a task and `fila env build` call: it reads the declaration's inputs, resolves the
-base (the image, or the project's Dockerfile built with no network), computes the key, and when no
-image carries it runs the setup: a container of the base, as root with SETUP_CAPS only, a gateway
-of its own in front of the setup policy's hosts, only the declared inputs copied in, the setup's
-commands run at the project's path, its result committed as the environment's image, its
-provided paths copied once into volumes. Each engine the task runs gets a layer on top
-(`engines.layer`). A failed setup raises EnvironmentFailed with its log: no engine starts.
+`prepare` is what a task and `fila env build` call: it reads the declaration's inputs, resolves
+the base (the image, or the project's Dockerfile, its RUN steps through a gateway of their own),
+computes the key, and when no image carries it runs the setup: a container of the base, as root
+with SETUP_CAPS only, a gateway of its own in front of the setup policy's hosts, only the
+declared inputs copied in, the setup's commands run at the project's path, its result committed
+as the environment's image, its provided paths copied once into volumes. Each engine the task
+runs gets a layer on top (`engines.layer`). A failed setup raises EnvironmentFailed with its
+log: no engine starts.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -152,23 +154,34 @@ def resolve_base(
     backend: Backend,
     progress: Callable[[str], None],
     base: dict[str, Any],
-) -> str:
-    """The base image's id, `base` being what the key took of it (base_of). An `image` is that
-    image; a Dockerfile is built when its image is missing, with no network (docs/environments.md:
-    the network belongs to the setup, which goes through the gateway)."""
+    *,
+    job_id: str,
+) -> tuple[str, EgressRecord | None]:
+    """The base image's id, `base` being what the key took of it (base_of), and what the build's
+    gateway saw when it was built now. An `image` is that image; a Dockerfile is built when its
+    image is missing, its RUN steps reaching the setup's allowlist through a gateway of their own
+    (docs/environments.md, "A project Dockerfile")."""
     spec = declared.spec
     if spec.image is not None:
-        return base["image_id"]
+        return base["image_id"], None
     assert spec.build is not None
-    tag = f"{IMAGE_REPO}-base:{hashlib.sha256(json.dumps(base, sort_keys=True).encode()).hexdigest()[:32]}"
+    setup = setup_policy(policy, policy.environment)
+    # A base built under one allowlist is not another's: the network is part of its tag.
+    allow = setup.egress
+    network = allow.model_dump(mode="json", include={"allow", "allow_private", "learn"}) if allow else None
+    ident = json.dumps({**base, "network": network}, sort_keys=True).encode()
+    tag = f"{IMAGE_REPO}-base:{hashlib.sha256(ident).hexdigest()[:32]}"
     info = backend.image_info(tag)
+    egress = None
     if info is None:
-        progress(f"environment: building the base from {spec.build.dockerfile} (no network)")
+        where = "through the setup's gateway" if setup.egress else "no network"
+        progress(f"environment: building the base from {spec.build.dockerfile} ({where})")
         context, entries = keys.context_entries(project, spec, _context_skip(root, project, policy))
         with tempfile.TemporaryDirectory(prefix="context-", dir=envs_dir(root).parent) as tmp:
             archive = Path(tmp) / "context.tar"
             name = dockerfile.archive(context, entries, project / spec.build.dockerfile, archive)
-            _build_base(backend, spec, policy.environment, archive, name, tag, progress)
+            egress = _build_base(root, backend, spec, setup, policy.environment, archive, name, tag,
+                                 progress, job_id=job_id)  # fmt: skip
         info = backend.image_info(tag)
         if info is None:
             raise InvalidInput(f"the environment's Dockerfile built no image {tag}")
@@ -179,7 +192,7 @@ def resolve_base(
                 f"over environment.max_image_bytes {policy.environment.max_image_bytes}",
                 hint="make the image smaller, or raise the policy's environment.max_image_bytes",
             )
-    return info.id
+    return info.id, egress
 
 
 def base_of(
@@ -234,41 +247,76 @@ def refuse_denied_inputs(root: Root, project: Path, spec: EnvSpec, policy: Polic
             )
 
 
-def _build_base(backend: Backend, spec: EnvSpec, setup: SetupPolicy, archive: Path, name: str, tag: str,
-                progress: Callable[[str], None]) -> None:  # fmt: skip
-    """The base built by the daemon's classic builder: each RUN step with no network and the
-    setup's memory (no swap beyond it), the whole build within the setup's timeout. What the
-    builder's API cannot set (a RUN step's capabilities, its pids) is Docker's default
-    (docs/environments.md)."""
+def _build_base(root: Root, backend: Backend, spec: EnvSpec, setup: Policy, limits: SetupPolicy,
+                archive: Path, name: str, tag: str, progress: Callable[[str], None], *,
+                job_id: str) -> EgressRecord | None:  # fmt: skip
+    """The base built by the daemon's classic builder within the setup's memory (no swap beyond
+    it) and timeout. Under a setup allowlist each RUN step joins the job network of a gateway of
+    the build's own and is given its proxy as build args (Docker's predefined proxy args: never
+    in the image's history), so what a step reaches is the allowlist's, refused and logged like
+    the setup's; with no allowlist, no network. What the builder's API cannot set (a RUN step's
+    capabilities, its pids) is Docker's default (docs/environments.md)."""
     assert spec.build is not None
-    memory = parse_size(setup.memory)
+    memory = parse_size(limits.memory)
+    build = functools.partial(
+        backend.build_context,
+        archive,
+        tag,
+        # The Dockerfile's own LABEL lines survive the build: a key there is not fila's.
+        labels={LABEL: "base", KEY_LABEL: ""},
+        nocache=False,
+        progress=lambda line: progress(f"environment: {line}"),
+        dockerfile=name,
+        target=spec.build.target,
+        limits={"memory": memory, "memswap": memory, "cpushares": max(2, int(1024 * limits.cpus))},
+        deadline_s=limits.timeout_ms / 1000,
+    )
+    if setup.egress is None:
+        try:
+            build(buildargs=dict(spec.build.args), network="none")
+        except FilaError as e:
+            raise _not_built(e, spec, limits, None) from e
+        return None
+    state = envs_dir(root) / f"build-{secrets.token_hex(6)}"
+    failed: FilaError | None = None
     try:
-        backend.build_context(
-            archive,
-            tag,
-            buildargs=dict(spec.build.args),
-            # The Dockerfile's own LABEL lines survive the build: a key there is not fila's.
-            labels={LABEL: "base", KEY_LABEL: ""},
-            nocache=False,
-            progress=lambda line: progress(f"environment: {line}"),
-            network="none",
-            dockerfile=name,
-            target=spec.build.target,
-            limits={"memory": memory, "memswap": memory, "cpushares": max(2, int(1024 * setup.cpus))},
-            deadline_s=setup.timeout_ms / 1000,
-        )
-    except LimitExceeded as e:
-        raise InvalidInput(
-            f"the environment's Dockerfile {spec.build.dockerfile} did not build: {e.message} "
-            f"(environment.timeout_ms {setup.timeout_ms})",
+        with backend.build_gateway(  # type: ignore[attr-defined]
+            # The task's own id: a sweep beside it sees the task's claim and leaves it alone.
+            job_id=job_id, policy=setup, state=state,
+            labels={"fila.root": str(root.path), "fila.role": "env-build"},
+        ) as gateway:  # fmt: skip
+            try:
+                build(buildargs={**gateway.env, **spec.build.args}, network=gateway.network)
+            except FilaError as e:  # said once the gateway's record is read (below)
+                failed = e
+    finally:
+        fsutil.remove_tree(state)
+    for w in gateway.warnings:
+        progress(f"warning: {w}")
+    if failed is not None:
+        raise _not_built(failed, spec, limits, gateway.egress) from failed
+    return gateway.egress
+
+
+def _not_built(e: FilaError, spec: EnvSpec, limits: SetupPolicy, egress: EgressRecord | None) -> InvalidInput:
+    """The build's failure `e` said as the environment's, with the hosts its gateway refused."""
+    assert spec.build is not None
+    message = f"the environment's Dockerfile {spec.build.dockerfile} did not build: {e.message}"
+    if isinstance(e, LimitExceeded):
+        return InvalidInput(
+            f"{message} (environment.timeout_ms {limits.timeout_ms})",
             hint="make the build faster, or raise the policy's environment.timeout_ms",
-        ) from e
-    except FilaError as e:
-        raise InvalidInput(
-            f"the environment's Dockerfile {spec.build.dockerfile} did not build: {e.message}",
-            hint="its RUN steps have no network: install from the network in the setup commands "
-            "(onCreateCommand...), which reach the policy's environment.allow through fila's gateway",
-        ) from e
+        )
+    refused = sorted({f"{r.host}:{r.port}" for r in (egress.requests if egress else []) if not r.allowed})
+    if egress is None:
+        message += "; its RUN steps have no network (the policy's environment.allow is empty)"
+        hint = "list the hosts its RUN steps need in the policy's environment.allow"
+    elif refused:
+        message += f"; its gateway refused {', '.join(refused[:10])} (not in environment.allow)"
+        hint = "list the hosts its RUN steps need in the policy's environment.allow, or drop those steps"
+    else:
+        hint = "its RUN steps reach only environment.allow, through fila's gateway"
+    return InvalidInput(message, hint=hint)
 
 
 def probe(
@@ -321,7 +369,7 @@ def prepare(
             hint="give this host the submitter's base image (fila images build, docker load), "
             "or resubmit the task from this host",
         )
-    base_id = resolve_base(root, project, declared, policy, backend, progress, base)
+    base_id, built = resolve_base(root, project, declared, policy, backend, progress, base, job_id=job_id)
     tag = tag_for(key)
     state = state_dir(root, key)
     common = dict(
@@ -333,6 +381,7 @@ def prepare(
         warnings=list(declared.warnings),
         digest=digest,
         pinned=expect_digest,
+        build_egress=built,
     )
     with _locked(state):
         info = None if force else backend.image_info(tag)
