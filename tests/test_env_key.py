@@ -23,9 +23,8 @@ def _project(tmp_path: Path) -> Path:
 
 
 def _key(project: Path, spec: EnvSpec, setup: SetupPolicy | None = None) -> str:
-    return keys.compute(
-        spec, {"image_id": "sha256:abc"}, keys.read_inputs(project, spec), setup or SetupPolicy()
-    )
+    digest = keys.content(spec, {"image_id": "sha256:abc"}, keys.read_inputs(project, spec))
+    return keys.compute(digest, setup or SetupPolicy())
 
 
 def test_the_key_moves_with_the_inputs_commands_and_network_and_not_with_the_rest(tmp_path: Path) -> None:
@@ -42,10 +41,8 @@ def test_the_key_moves_with_the_inputs_commands_and_network_and_not_with_the_res
     other = spec.model_copy(update={"setup": [Step(name="s", shell="pip install -e .")]})
     assert _key(project, other) != changed
     assert _key(project, spec, SetupPolicy(allow=[AllowEntry(host="pypi.test", port=8080)])) != changed
-    assert (
-        keys.compute(spec, {"image_id": "sha256:def"}, keys.read_inputs(project, spec), SetupPolicy())
-        != changed
-    )
+    other_base = keys.content(spec, {"image_id": "sha256:def"}, keys.read_inputs(project, spec))
+    assert keys.compute(other_base, SetupPolicy()) != changed
     # Time and resources are not what the setup made: the same key.
     assert _key(project, spec, SetupPolicy(timeout_ms=1000, memory="1g")) == changed
 
@@ -101,3 +98,26 @@ def test_the_setup_script_runs_each_form_as_the_spec_says(tmp_path: Path) -> Non
     )
     assert res.returncode != 0 and "failed: p:bad" in res.stderr
     assert not (tmp_path / "out.after").exists()
+
+
+def test_a_build_context_digests_the_same_on_a_runner_that_laid_it_out_again(tmp_path: Path) -> None:
+    """A PostgreSQL runner lays the targets out 0755/0644 by the owner's execute bit and makes no
+    empty directory: the build context's digest (and the archive the build is given) takes only
+    that, so the submitter's pinned digest and the runner's agree; an execute bit still counts."""
+    from fila.env.spec import Build
+
+    spec = EnvSpec(build=Build(dockerfile="Dockerfile", context="."))
+
+    def tree(root: Path, mode: int, empty_dir: bool) -> dict[str, str]:
+        root.mkdir()
+        (root / "Dockerfile").write_text("FROM scratch\nCOPY . /src\n")
+        (root / "src").mkdir()
+        (root / "src" / "run.sh").write_text("echo hi\n")
+        (root / "src" / "run.sh").chmod(mode)
+        if empty_dir:
+            (root / "cache").mkdir()
+        return keys.context_digest(root, spec, lambda _rel, _is_dir: False)
+
+    submitter = tree(tmp_path / "sub", 0o775, empty_dir=True)  # group-writable, as a checkout may be
+    assert tree(tmp_path / "runner", 0o755, empty_dir=False) == submitter
+    assert tree(tmp_path / "noexec", 0o664, empty_dir=True) != submitter

@@ -54,13 +54,8 @@ def devcontainer(idx: Any, **over: Any) -> dict[str, Any]:
     doc = {
         "name": "calc",
         "image": idx.testenv_image,
-        # What the engine's tools write in work/ is in its diff: the project keeps caches out.
-        "containerEnv": {
-            **idx.pip_env,
-            "PATH": VENV_PATH,
-            "PYTHONDONTWRITEBYTECODE": "1",
-            "PYTEST_ADDOPTS": "-p no:cacheprovider",
-        },
+        # The tools' caches (bytecode, pytest's) are fila's to keep out of work/: nothing here.
+        "containerEnv": {**idx.pip_env, "PATH": VENV_PATH},
         "onCreateCommand": "python3 -m venv .venv",
         "postCreateCommand": [".venv/bin/pip", "install", "-q", "-r", "requirements.txt"],
         "customizations": {"fila": {"inputs": ["requirements.txt"], "provided": [".venv"]}},
@@ -120,6 +115,8 @@ def test_a_python_project_is_set_up_once_through_the_gateway_and_its_check_runs_
     assert env["how"] == "built" and env["source"] == ".devcontainer/devcontainer.json", env
     assert first["check"]["passed"] is False and first["check"]["exit_code"] == 1
     assert "1 failed" in (root.path / first["check"]["log_path"]).read_text()
+    # `fila submit` pinned what the environment is made of; the run made the same.
+    assert first["task"]["environment_digest"] == env["digest"] == env["pinned"], env
     # What the setup's gateway let out: pypi.test only, every request allowed.
     reqs = env["egress"]["requests"]
     assert reqs and {r["host"] for r in reqs} == {"pypi.test"} and env["egress"]["denied"] == 0, env["egress"]
@@ -140,6 +137,15 @@ def test_a_python_project_is_set_up_once_through_the_gateway_and_its_check_runs_
     shown = fila(root, "review", second["id"]).stdout
     assert "env       calc (.devcontainer/devcontainer.json, devcontainer)" in shown and "cached" in shown
     # (A changed lockfile is a new key: tests/test_env_key.py; a new key builds as above.)
+    # A task submitted for another environment (a submitter whose base image differs) is refused
+    # on this host before any setup or engine: it never runs in an environment it was not meant for.
+    task = {"engine": "shell", "command": FIX, "targets": ["."], "id": "elsewhere"}
+    (tmp_path / "elsewhere.json").write_text(json.dumps(task | {"environment_digest": "0" * 64}))
+    fila(root, "submit", str(tmp_path / "elsewhere.json"), "--run")
+    other = record(root, "elsewhere")
+    assert other["status"] == "failed" and other["error"]["kind"] == "environment", other
+    assert "submitted for an environment made of 000000000000" in other["error"]["message"], other["error"]
+    assert other["environment"]["digest"] == env["digest"] and not other["container_started"], other
 
 
 def test_a_setup_that_reaches_an_unlisted_host_fails_its_task_before_any_engine(
@@ -208,13 +214,17 @@ def test_a_base_image_the_policy_does_not_allow_is_refused(tmp_path: Path, pkgin
     assert "not allowed by the policy" in rec["error"]["message"]
 
 
-def test_a_project_dockerfile_is_built_without_network(tmp_path: Path, pkgindex: Any) -> None:
-    """Built from a context fila assembles: what no job is given (.env, .git/) is not in it either;
-    a RUN that needs the network fails, and so does a build past the setup's timeout."""
+def test_a_project_dockerfile_is_built_through_the_setups_gateway(tmp_path: Path, pkgindex: Any) -> None:
+    """Built from a context fila assembles: what no job is given (.env, .git/) is not in it either.
+    Its RUN steps reach the setup's allowlist through a gateway of the build's own (pip fetches
+    from pypi.test), and a host the allowlist does not list is refused and logged (npm.test); with
+    no allowlist, no network; a build past the setup's timeout fails."""
     root = make_root(tmp_path / "df")
     (root.path / ".devcontainer").mkdir()
+    fetch = f"pip download -q --no-deps -d /opt/wheels -i {pkgindex.pypi_url} --trusted-host pypi.test six"
+    steps = ["RUN echo from-dockerfile > /opt/marker", f"RUN {fetch}", "COPY . /opt/ctx"]
     (root.path / ".devcontainer" / "Dockerfile").write_text(
-        f"FROM {pkgindex.testenv_image}\nRUN echo from-dockerfile > /opt/marker\nCOPY . /opt/ctx\n"
+        "\n".join([f"FROM {pkgindex.testenv_image}", *steps, ""])
     )
     (root.path / ".devcontainer" / "devcontainer.json").write_text(
         json.dumps({"build": {"dockerfile": "Dockerfile", "context": ".."}})
@@ -223,19 +233,27 @@ def test_a_project_dockerfile_is_built_without_network(tmp_path: Path, pkgindex:
     (root.path / ".git").mkdir()
     (root.path / ".git" / "config").write_text("[remote]\n")
     (root.path / "kept.txt").write_text("kept\n")
-    setup_policy(root, pkgindex, allow=[])
-    rec = submit_run(root, "cat /opt/marker > out.txt; ls -A /opt/ctx > ctx.txt")
+    setup_policy(root, pkgindex, allow=[pkgindex.allow()[0]])  # pypi.test only
+    rec = submit_run(root, "cat /opt/marker > out.txt; ls -A /opt/ctx > ctx.txt; ls /opt/wheels > whl.txt")
     assert rec["status"] == "needs_review", rec
     patch = (root.path / rec["patch_path"]).read_text()
     assert patch.count("+from-dockerfile") == 1 and "+kept.txt" in patch and "+.devcontainer" in patch
     assert "+.env" not in patch and "+.git" not in patch, patch
-    # A RUN that needs the network fails the build, with the advice to use the setup.
+    assert "+six-" in patch, patch  # the wheel the RUN step fetched through the gateway
+    built = rec["environment"]["build_egress"]
+    assert {r["host"] for r in built["requests"]} == {"pypi.test"} and built["denied"] == 0, built
+    # A RUN step that reaches a host the allowlist does not list: refused by the gateway, and said.
     (root.path / ".devcontainer" / "Dockerfile").write_text(
-        f"FROM {pkgindex.testenv_image}\nRUN pip download --index-url {pkgindex.pypi_url} six\n"
+        f"FROM {pkgindex.testenv_image}\nRUN npm view uvu --registry {pkgindex.npm_url} --fetch-retries 0\n"
     )
     rec = submit_run(root, "true")
     assert rec["status"] == "failed" and rec["error"]["kind"] == "environment", rec
-    assert "no network" in rec["error"]["message"] or "did not build" in rec["error"]["message"]
+    assert "its gateway refused npm.test:4873" in rec["error"]["message"], rec["error"]
+    # With no allowlist the build has no network at all.
+    setup_policy(root, pkgindex, allow=[])
+    (root.path / ".devcontainer" / "Dockerfile").write_text(f"FROM {pkgindex.testenv_image}\nRUN {fetch}\n")
+    rec = submit_run(root, "true")
+    assert rec["status"] == "failed" and "have no network" in rec["error"]["message"], rec["error"]
     (root.path / ".devcontainer" / "Dockerfile").write_text(f"FROM {pkgindex.testenv_image}\nRUN sleep 60\n")
     setup_policy(root, pkgindex, allow=[], timeout_ms=3000)
     rec = submit_run(root, "true")
@@ -351,7 +369,7 @@ def test_claude_runs_the_projects_tests_in_its_environment_fixes_the_code_and_th
     rec = engine_fix(
         root, pkgindex, upstreams, "claude", "anthropic", "make the failing test pass", "pytest -q"
     )
-    assert rec["status"] == "needs_review", rec
+    assert rec["status"] == "needs_review", (rec.get("error"), rec["_output"][-3000:])
     assert rec["image"]["tag"].startswith("fila/env-claude:"), rec["image"]
     assert rec["check"]["passed"] is True, rec["check"]
     assert rec["diffstat"]["paths"] == ["calc.py"]
@@ -471,4 +489,8 @@ def test_a_postgresql_runner_builds_the_environment_on_its_host_and_the_record_n
     rec = q.get("envpg")
     assert rec.status == "needs_review" and rec.check is not None and rec.check.passed, rec
     assert rec.environment is not None and rec.environment.how == "built" and len(rec.environment.key) == 64
+    # The submitter pinned what the environment is made of (its policy is not the runner's: the
+    # key's network part is the runner's own); the runner made the same.
+    assert rec.task.environment_digest is not None and rec.environment.pinned == rec.environment.digest
+    assert rec.environment.digest == rec.task.environment_digest
     assert b"+from-setup" in q.blob(q.task_blobs("envpg")["DIFF.patch"])

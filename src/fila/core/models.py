@@ -177,6 +177,14 @@ class Task(BaseModel):
         "the project's own .devcontainer/devcontainer.json, .devcontainer.json or fila-environment.json "
         "when it has one (docs/environments.md)",
     )
+    environment_digest: str | None = Field(
+        default=None,
+        pattern=r"^[0-9a-f]{64}$",
+        description="what the project's environment must be made of (its base image's id, the "
+        "declaration, the inputs: set by `fila submit` where it can tell): a runner whose own "
+        "declaration or base image makes another fails the task (kind environment) rather than set "
+        'up a different one (docs/environments.md, "Many hosts")',
+    )
 
     @field_validator("targets")
     @classmethod
@@ -512,6 +520,10 @@ class EnvironmentRecord(BaseModel):
     setup_s: float | None = Field(default=None, description="the setup's duration when it was built")
     log_path: str | None = Field(default=None, description="the setup's log (relative to the root)")
     egress: EgressRecord | None = Field(default=None, description="what the setup's gateway saw")
+    build_egress: EgressRecord | None = Field(
+        default=None,
+        description="what the gateway of the project Dockerfile's RUN steps saw (built for this task)",
+    )
     provided: list[str] = Field(
         default_factory=list, description="project paths the environment provides read-only, never diffed"
     )
@@ -519,6 +531,13 @@ class EnvironmentRecord(BaseModel):
         default_factory=dict, description="each engine's image on this environment"
     )
     warnings: list[str] = Field(default_factory=list, description="what reading the declaration said")
+    digest: str | None = Field(
+        default=None,
+        description="what it is made of (base, declaration, inputs); the key adds the setup policy",
+    )
+    pinned: str | None = Field(
+        default=None, description="the digest the task was submitted with (the submitter's host made it)"
+    )
 
 
 class Decision(BaseModel):

@@ -1,16 +1,18 @@
 """An environment made or found by its key (docs/environments.md, "The setup").
 
-`prepare` is what a task and `fila env build` call: it reads the declaration's inputs, resolves the
-base (the image, or the project's Dockerfile built with no network), computes the key, and when no
-image carries it runs the setup: a container of the base, as root with SETUP_CAPS only, a gateway
-of its own in front of the setup policy's hosts, only the declared inputs copied in, the setup's
-commands run at the project's path, its result committed as the environment's image, its
-provided paths copied once into volumes. Each engine the task runs gets a layer on top
-(`engines.layer`). A failed setup raises EnvironmentFailed with its log: no engine starts.
+`prepare` is what a task and `fila env build` call: it reads the declaration's inputs, resolves
+the base (the image, or the project's Dockerfile, its RUN steps through a gateway of their own),
+computes the key, and when no image carries it runs the setup: a container of the base, as root
+with SETUP_CAPS only, a gateway of its own in front of the setup policy's hosts, only the
+declared inputs copied in, the setup's commands run at the project's path, its result committed
+as the environment's image, its provided paths copied once into volumes. Each engine the task
+runs gets a layer on top (`engines.layer`). A failed setup raises EnvironmentFailed with its
+log: no engine starts.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
@@ -26,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core import fsutil
-from ..core.errors import FilaError, InvalidInput, LimitExceeded, NotFound
+from ..core.errors import FilaError, InvalidInput, LimitExceeded
 from ..core.layout import Root
 from ..core.models import (
     Egress,
@@ -58,6 +60,16 @@ CLEARED_LABELS = (LABEL_FILA, JOB_LABEL, ROOT_LABEL, "fila.role", "fila.worker")
 SETUP_DIR = "/fila-setup"
 # The gateway's variables the setup had: emptied in the image so no engine inherits a proxy.
 PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "NO_PROXY", "no_proxy")
+# Where the tools an engine and the check run keep their caches: /tmp, not work/, so a run of the
+# project's tests leaves no __pycache__ or .pytest_cache in the diff (docs/environments.md,
+# "Caches"). Set in the environment's image after its setup (the setup's own bytecode stays where
+# it installed it); a variable the declaration sets is the declaration's.
+CACHE_ENV = {
+    "PYTHONPYCACHEPREFIX": "/tmp/.fila-cache/pycache",
+    "PYTEST_ADDOPTS": "-o cache_dir=/tmp/.fila-cache/pytest",
+    "MYPY_CACHE_DIR": "/tmp/.fila-cache/mypy",
+    "RUFF_CACHE_DIR": "/tmp/.fila-cache/ruff",
+}
 HEARTBEAT_S = 2.0
 
 
@@ -117,6 +129,15 @@ def named_volumes(labels: dict[str, str], key: str) -> list[str]:
     return [n for n in raw.split(",") if shape.fullmatch(n)]
 
 
+def cache_env(declared: dict[str, str]) -> dict[str, str]:
+    """CACHE_ENV but what the declaration's variables decide (PYTHONDONTWRITEBYTECODE set: no
+    bytecode is written at all)."""
+    out = {k: v for k, v in CACHE_ENV.items() if k not in declared}
+    if "PYTHONDONTWRITEBYTECODE" in declared:
+        out.pop("PYTHONPYCACHEPREFIX", None)
+    return out
+
+
 def require_docker(backend: Backend) -> None:
     if backend.name != "docker" or not hasattr(backend, "fill_volume"):
         raise InvalidInput(
@@ -132,39 +153,35 @@ def resolve_base(
     policy: Policy,
     backend: Backend,
     progress: Callable[[str], None],
+    base: dict[str, Any],
     *,
-    build: bool = True,
-) -> tuple[str, dict[str, Any]]:
-    """The base image's id and what the key takes of it. An `image` must be allowed by the
-    policy and present; a Dockerfile is built with no network (docs/environments.md: the network
-    belongs to the setup, which goes through the gateway)."""
+    job_id: str,
+) -> tuple[str, EgressRecord | None]:
+    """The base image's id, `base` being what the key took of it (base_of), and what the build's
+    gateway saw when it was built now. An `image` is that image; a Dockerfile is built when its
+    image is missing, its RUN steps reaching the setup's allowlist through a gateway of their own
+    (docs/environments.md, "A project Dockerfile")."""
     spec = declared.spec
     if spec.image is not None:
-        info = dockerfile.local_image(
-            policy, backend, spec.image, f"the environment's image, {declared.source}"
-        )
-        return info.id, {"image_id": info.id}
+        return base["image_id"], None
     assert spec.build is not None
-    skip = _context_skip(root, project, policy)
-    digests = keys.context_digest(project, spec, skip)
-    text = fswalk.read_file(project / spec.build.dockerfile, max_bytes=dockerfile.MAX_DOCKERFILE_BYTES)
-    images = {
-        ref: dockerfile.local_image(policy, backend, ref, f"{spec.build.dockerfile} line {line}").id
-        for line, ref in dockerfile.references(text.decode(errors="replace"))
-    }
-    base = {**digests, "images": images, "args": dict(sorted(spec.build.args.items())),
-            "target": spec.build.target}  # fmt: skip
-    tag = f"{IMAGE_REPO}-base:{hashlib.sha256(json.dumps(base, sort_keys=True).encode()).hexdigest()[:32]}"
+    setup = setup_policy(policy, policy.environment)
+    # A base built under one allowlist is not another's: the network is part of its tag.
+    allow = setup.egress
+    network = allow.model_dump(mode="json", include={"allow", "allow_private", "learn"}) if allow else None
+    ident = json.dumps({**base, "network": network}, sort_keys=True).encode()
+    tag = f"{IMAGE_REPO}-base:{hashlib.sha256(ident).hexdigest()[:32]}"
     info = backend.image_info(tag)
-    if info is None and not build:
-        raise NotFound(f"the environment's base ({spec.build.dockerfile}) is not built yet")
+    egress = None
     if info is None:
-        progress(f"environment: building the base from {spec.build.dockerfile} (no network)")
-        context, entries = keys.context_entries(project, spec, skip)
+        where = "through the setup's gateway" if setup.egress else "no network"
+        progress(f"environment: building the base from {spec.build.dockerfile} ({where})")
+        context, entries = keys.context_entries(project, spec, _context_skip(root, project, policy))
         with tempfile.TemporaryDirectory(prefix="context-", dir=envs_dir(root).parent) as tmp:
             archive = Path(tmp) / "context.tar"
             name = dockerfile.archive(context, entries, project / spec.build.dockerfile, archive)
-            _build_base(backend, spec, policy.environment, archive, name, tag, progress)
+            egress = _build_base(root, backend, spec, setup, policy.environment, archive, name, tag,
+                                 progress, job_id=job_id)  # fmt: skip
         info = backend.image_info(tag)
         if info is None:
             raise InvalidInput(f"the environment's Dockerfile built no image {tag}")
@@ -175,7 +192,38 @@ def resolve_base(
                 f"over environment.max_image_bytes {policy.environment.max_image_bytes}",
                 hint="make the image smaller, or raise the policy's environment.max_image_bytes",
             )
-    return info.id, base
+    return info.id, egress
+
+
+def base_of(
+    root: Root, project: Path, declared: Declared, policy: Policy, backend: Backend
+) -> dict[str, Any]:
+    """What the key takes of the base, nothing built: an allowed, present image's id, or the
+    Dockerfile's and its context's digests with the ids of the local images it names."""
+    spec = declared.spec
+    if spec.image is not None:
+        info = dockerfile.local_image(
+            policy, backend, spec.image, f"the environment's image, {declared.source}"
+        )
+        return {"image_id": info.id}
+    assert spec.build is not None
+    digests = keys.context_digest(project, spec, _context_skip(root, project, policy))
+    text = fswalk.read_file(project / spec.build.dockerfile, max_bytes=dockerfile.MAX_DOCKERFILE_BYTES)
+    images = {
+        ref: dockerfile.local_image(policy, backend, ref, f"{spec.build.dockerfile} line {line}").id
+        for line, ref in dockerfile.references(text.decode(errors="replace"))
+    }
+    return {**digests, "images": images, "args": dict(sorted(spec.build.args.items())),
+            "target": spec.build.target}  # fmt: skip
+
+
+def digest_of(root: Root, project: Path, declared: Declared, policy: Policy, backend: Backend) -> str:
+    """The environment's content digest on this host (key.content), nothing built or started:
+    what a submitter pins in the task (docs/environments.md, "Many hosts")."""
+    require_docker(backend)
+    refuse_denied_inputs(root, project, declared.spec, policy)
+    inputs = keys.read_inputs(project, declared.spec)
+    return keys.content(declared.spec, base_of(root, project, declared, policy, backend), inputs)
 
 
 def _context_skip(root: Root, project: Path, policy: Policy) -> keys.Skip:
@@ -199,53 +247,83 @@ def refuse_denied_inputs(root: Root, project: Path, spec: EnvSpec, policy: Polic
             )
 
 
-def _build_base(backend: Backend, spec: EnvSpec, setup: SetupPolicy, archive: Path, name: str, tag: str,
-                progress: Callable[[str], None]) -> None:  # fmt: skip
-    """The base built by the daemon's classic builder: each RUN step with no network and the
-    setup's memory (no swap beyond it), the whole build within the setup's timeout. What the
-    builder's API cannot set (a RUN step's capabilities, its pids) is Docker's default
-    (docs/environments.md)."""
+def _build_base(root: Root, backend: Backend, spec: EnvSpec, setup: Policy, limits: SetupPolicy,
+                archive: Path, name: str, tag: str, progress: Callable[[str], None], *,
+                job_id: str) -> EgressRecord | None:  # fmt: skip
+    """The base built by the daemon's classic builder within the setup's memory (no swap beyond
+    it) and timeout. Under a setup allowlist each RUN step joins the job network of a gateway of
+    the build's own and is given its proxy as build args (Docker's predefined proxy args: never
+    in the image's history), so what a step reaches is the allowlist's, refused and logged like
+    the setup's; with no allowlist, no network. What the builder's API cannot set (a RUN step's
+    capabilities, its pids) is Docker's default (docs/environments.md)."""
     assert spec.build is not None
-    memory = parse_size(setup.memory)
+    memory = parse_size(limits.memory)
+    build = functools.partial(
+        backend.build_context,
+        archive,
+        tag,
+        # The Dockerfile's own LABEL lines survive the build: a key there is not fila's.
+        labels={LABEL: "base", KEY_LABEL: ""},
+        nocache=False,
+        progress=lambda line: progress(f"environment: {line}"),
+        dockerfile=name,
+        target=spec.build.target,
+        limits={"memory": memory, "memswap": memory, "cpushares": max(2, int(1024 * limits.cpus))},
+        deadline_s=limits.timeout_ms / 1000,
+    )
+    if setup.egress is None:
+        try:
+            build(buildargs=dict(spec.build.args), network="none")
+        except FilaError as e:
+            raise _not_built(e, spec, limits, None) from e
+        return None
+    state = envs_dir(root) / f"build-{secrets.token_hex(6)}"
+    failed: FilaError | None = None
     try:
-        backend.build_context(
-            archive,
-            tag,
-            buildargs=dict(spec.build.args),
-            # The Dockerfile's own LABEL lines survive the build: a key there is not fila's.
-            labels={LABEL: "base", KEY_LABEL: ""},
-            nocache=False,
-            progress=lambda line: progress(f"environment: {line}"),
-            network="none",
-            dockerfile=name,
-            target=spec.build.target,
-            limits={"memory": memory, "memswap": memory, "cpushares": max(2, int(1024 * setup.cpus))},
-            deadline_s=setup.timeout_ms / 1000,
-        )
-    except LimitExceeded as e:
-        raise InvalidInput(
-            f"the environment's Dockerfile {spec.build.dockerfile} did not build: {e.message} "
-            f"(environment.timeout_ms {setup.timeout_ms})",
+        with backend.build_gateway(  # type: ignore[attr-defined]
+            # The task's own id: a sweep beside it sees the task's claim and leaves it alone.
+            job_id=job_id, policy=setup, state=state,
+            labels={"fila.root": str(root.path), "fila.role": "env-build"},
+        ) as gateway:  # fmt: skip
+            try:
+                build(buildargs={**gateway.env, **spec.build.args}, network=gateway.network)
+            except FilaError as e:  # said once the gateway's record is read (below)
+                failed = e
+    finally:
+        fsutil.remove_tree(state)
+    for w in gateway.warnings:
+        progress(f"warning: {w}")
+    if failed is not None:
+        raise _not_built(failed, spec, limits, gateway.egress) from failed
+    return gateway.egress
+
+
+def _not_built(e: FilaError, spec: EnvSpec, limits: SetupPolicy, egress: EgressRecord | None) -> InvalidInput:
+    """The build's failure `e` said as the environment's, with the hosts its gateway refused."""
+    assert spec.build is not None
+    message = f"the environment's Dockerfile {spec.build.dockerfile} did not build: {e.message}"
+    if isinstance(e, LimitExceeded):
+        return InvalidInput(
+            f"{message} (environment.timeout_ms {limits.timeout_ms})",
             hint="make the build faster, or raise the policy's environment.timeout_ms",
-        ) from e
-    except FilaError as e:
-        raise InvalidInput(
-            f"the environment's Dockerfile {spec.build.dockerfile} did not build: {e.message}",
-            hint="its RUN steps have no network: install from the network in the setup commands "
-            "(onCreateCommand...), which reach the policy's environment.allow through fila's gateway",
-        ) from e
+        )
+    refused = sorted({f"{r.host}:{r.port}" for r in (egress.requests if egress else []) if not r.allowed})
+    if egress is None:
+        message += "; its RUN steps have no network (the policy's environment.allow is empty)"
+        hint = "list the hosts its RUN steps need in the policy's environment.allow"
+    elif refused:
+        message += f"; its gateway refused {', '.join(refused[:10])} (not in environment.allow)"
+        hint = "list the hosts its RUN steps need in the policy's environment.allow, or drop those steps"
+    else:
+        hint = "its RUN steps reach only environment.allow, through fila's gateway"
+    return InvalidInput(message, hint=hint)
 
 
 def probe(
     root: Root, project: Path, declared: Declared, policy: Policy, backend: Backend
 ) -> tuple[str, bool]:
-    """The environment's key and whether its image is built, building nothing (`fila doctor`).
-    NotFound when a Dockerfile base is not built yet (its id is part of the key)."""
-    spec = declared.spec
-    refuse_denied_inputs(root, project, spec, policy)
-    inputs = keys.read_inputs(project, spec)
-    _base_id, base = resolve_base(root, project, declared, policy, backend, lambda _m: None, build=False)
-    key = keys.compute(spec, base, inputs, policy.environment)
+    """The environment's key and whether its image is built, building nothing (`fila doctor`)."""
+    key = keys.compute(digest_of(root, project, declared, policy, backend), policy.environment)
     info = backend.image_info(tag_for(key))
     return key, info is not None and info.labels.get(KEY_LABEL) == key
 
@@ -261,14 +339,37 @@ def prepare(
     progress: Callable[[str], None] = lambda _m: None,
     force: bool = False,
     heartbeat: Callable[[], None] | None = None,
+    expect_digest: str | None = None,
 ) -> Prepared:
-    """The environment's image for `declared`, built unless its key exists (`force`: again)."""
+    """The environment's image for `declared`, built unless its key exists (`force`: again).
+    `expect_digest`: the content digest the task was submitted with; another one here is refused
+    before anything is built (docs/environments.md, "Many hosts")."""
     require_docker(backend)
     spec = declared.spec
     refuse_denied_inputs(root, project, spec, policy)
     inputs = keys.read_inputs(project, spec)
-    base_id, base = resolve_base(root, project, declared, policy, backend, progress)
-    key = keys.compute(spec, base, inputs, policy.environment)
+    base = base_of(root, project, declared, policy, backend)
+    digest = keys.content(spec, base, inputs)
+    key = keys.compute(digest, policy.environment)
+    if expect_digest is not None and digest != expect_digest:
+        raise EnvironmentFailed(
+            f"the task was submitted for an environment made of {expect_digest[:12]}; on this host "
+            f"its declaration ({declared.source}) makes {digest[:12]}: the base image or what the "
+            "declaration reads differs from the submitter's",
+            record=EnvironmentRecord(
+                key=key,
+                digest=digest,
+                source=declared.source,
+                form=declared.form,
+                name=spec.name,
+                how="failed",
+                pinned=expect_digest,
+                warnings=list(declared.warnings),
+            ),
+            hint="give this host the submitter's base image (fila images build, docker load), "
+            "or resubmit the task from this host",
+        )
+    base_id, built = resolve_base(root, project, declared, policy, backend, progress, base, job_id=job_id)
     tag = tag_for(key)
     state = state_dir(root, key)
     common = dict(
@@ -278,6 +379,9 @@ def prepare(
         name=spec.name,
         provided=list(spec.provided),
         warnings=list(declared.warnings),
+        digest=digest,
+        pinned=expect_digest,
+        build_egress=built,
     )
     with _locked(state):
         info = None if force else backend.image_info(tag)
@@ -336,6 +440,7 @@ def _build(root: Root, project: Path, declared: Declared, policy: Policy, backen
                     # (an empty ENTRYPOINT does not clear it in a commit: env runs the command).
                     ['ENTRYPOINT ["/usr/bin/env"]', 'CMD ["sh"]']
                     + [f"ENV {v}=" for v in PROXY_VARS]
+                    + [f"ENV {k}={json.dumps(v)}" for k, v in cache_env(spec.env).items()]
                     + [
                         f'LABEL "{LABEL}"="1" "{KEY_LABEL}"="{key}" "fila.env.source"={source} '
                         f'"{VOLUMES_LABEL}"="{",".join(v.name for v in volumes)}" {cleared}'

@@ -19,7 +19,6 @@ import json
 import os
 import re
 import secrets
-import stat
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ from ..queue.policy import image_allowed
 from ..sandbox.base import Backend, ImageInfo
 from ..workspace import fswalk
 from ..workspace.fswalk import Entry
+from .key import portable_mode
 
 MAX_DOCKERFILE_BYTES = 1 << 20
 
@@ -156,17 +156,15 @@ def references(text: str) -> list[tuple[int, str]]:
 
 
 def archive(context: Path, entries: list[Entry], dockerfile: Path, dest: Path) -> str:
-    """The build context as a tar at `dest`: exactly `entries` (context_entries: what the deny rules
-    leave), read without following a link, and the Dockerfile; returns the Dockerfile's name in it."""
+    """The build context as a tar at `dest`: exactly what the key took of `entries` (context_entries:
+    what the deny rules leave; files and links with their portable modes, directories implied),
+    read without following a link, and the Dockerfile; returns the Dockerfile's name in it."""
     name = f".fila-dockerfile-{secrets.token_hex(8)}"  # no file of the project's
     with tarfile.open(dest, "w") as tar:
         for e in entries:
             info = tarfile.TarInfo(e.rel)
-            info.mode = stat.S_IMODE(e.mode)
-            if e.kind == "dir":
-                info.type = tarfile.DIRTYPE
-                tar.addfile(info)
-            elif e.kind == "symlink":
+            info.mode = portable_mode(e)
+            if e.kind == "symlink":
                 info.type, info.linkname = tarfile.SYMTYPE, os.readlink(context / e.rel)
                 tar.addfile(info)
             elif e.kind == "file":

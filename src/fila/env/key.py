@@ -26,7 +26,7 @@ from .spec import PROJECT_PATH, EnvSpec
 
 # Part of every key: a change of how fila runs a setup (the script, the image's layout) must not
 # reuse an environment made the old way.
-FORMAT = 2
+FORMAT = 3
 MAX_INPUT_BYTES = 16 << 20
 MAX_CONTEXT_FILES = 50_000
 MAX_CONTEXT_BYTES = 2 << 30
@@ -98,24 +98,39 @@ def context_entries(project: Path, spec: EnvSpec, skip: Skip) -> tuple[Path, lis
 
 def context_digest(project: Path, spec: EnvSpec, skip: Skip) -> dict[str, str]:
     """The Dockerfile's sha256 and a manifest digest of its build context as the build is given it
-    (context_entries: names, kinds, modes and contents; links as links, never followed)."""
+    (context_entries: the files' and links' names, portable modes and contents; links as links,
+    never followed; directories only as the paths they hold)."""
     assert spec.build is not None
     dockerfile = _inside(project, spec.build.dockerfile, "Dockerfile")
     context, entries = context_entries(project, spec, skip)
     h = hashlib.sha256()
     for entry in entries:
-        h.update(f"{entry.rel}\0{entry.kind}\0{entry.mode:o}\0".encode("utf-8", "surrogateescape"))
+        if entry.kind not in ("file", "symlink"):
+            continue  # directories are implied by what they hold; nothing else is built from
+        h.update(f"{entry.rel}\0{entry.kind}\0{portable_mode(entry):o}\0".encode("utf-8", "surrogateescape"))
         if entry.kind == "file":
             h.update(hashlib.sha256(fswalk.read_file(context / entry.rel, max_bytes=entry.size)).digest())
-        elif entry.kind == "symlink":
+        else:
             h.update(str(Path(context / entry.rel).readlink()).encode("utf-8", "surrogateescape"))
         h.update(b"\n")
     df = fswalk.read_file(dockerfile, max_bytes=MAX_INPUT_BYTES)
     return {"dockerfile": hashlib.sha256(df).hexdigest(), "context": h.hexdigest()}
 
 
-def compute(spec: EnvSpec, base: dict[str, Any], inputs: Inputs, setup: SetupPolicy) -> str:
-    """The key: `base` is the image's id ({"image_id": ...}) or the build's digests."""
+def portable_mode(entry: fswalk.Entry) -> int:
+    """The mode the build is given for a context entry: what survives the trip to another host
+    (a PostgreSQL runner lays files out 0755 or 0644 by the owner's execute bit), so the submitter's
+    key and the runner's agree (docs/environments.md, "Many hosts")."""
+    if entry.kind == "symlink":
+        return 0o777
+    return 0o755 if entry.mode & 0o100 else 0o644
+
+
+def content(spec: EnvSpec, base: dict[str, Any], inputs: Inputs) -> str:
+    """What the environment is made of, whoever sets it up: the base (`base`: the image's id, or
+    the build's digests), the variables, the steps, the inputs' bytes and the provided paths. A
+    submitter pins it in the task (Task.environment_digest); a runner that makes another refuses
+    the task (docs/environments.md, "Many hosts")."""
     doc = {
         "format": FORMAT,
         "project_path": PROJECT_PATH,
@@ -124,8 +139,18 @@ def compute(spec: EnvSpec, base: dict[str, Any], inputs: Inputs, setup: SetupPol
         "setup": [s.model_dump(exclude_none=True) for s in spec.setup],
         "inputs": inputs.digests(),
         "provided": sorted(spec.provided),
-        "network": setup.model_dump(mode="json", include={"allow", "allow_private", "learn", "max_requests"}),
     }
+    return _digest(doc)
+
+
+def compute(digest: str, setup: SetupPolicy) -> str:
+    """The key: the environment's content `digest` and the setup's network policy (the host that
+    sets it up decides what its setup may reach: a different policy is a different environment)."""
+    network = setup.model_dump(mode="json", include={"allow", "allow_private", "learn", "max_requests"})
+    return _digest({"format": FORMAT, "content": digest, "network": network})
+
+
+def _digest(doc: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 

@@ -81,9 +81,6 @@ def status(root: Root, project: Path, backend: Backend, policy: str = "default")
         require_docker(backend)
         pol, _ref = load_policy(root, policy)
         out["key"], out["built"] = probe(root, project, declared, pol, backend)
-    except NotFound as e:
-        out["built"] = False
-        out["problem"] = str(e)
     except InvalidInput as e:
         out["problem"] = str(e)
     return out

@@ -355,6 +355,9 @@ def environment_lines(rec: Record, label: str, width: int) -> list[str]:
     name = f"{inert(e.name)} " if e.name else ""
     how = f"built in {e.setup_s:g} s" if e.how == "built" and e.setup_s is not None else e.how
     out = [f"{label:<{width}}{name}({escape_name(e.source)}, {e.form}) key {e.key[:12]}: {how}"]
+    if e.pinned is not None:
+        agree = "this content" if e.pinned == e.digest else f"content {e.pinned[:12]}, not made here"
+        out.append(f"{pad}submitted for {agree}")
     if e.image is not None:
         out.append(f"{pad}image {inert(e.image.tag)} {e.image.id or ''}".rstrip())
     if e.provided:

@@ -38,6 +38,7 @@ def apply(run: JobRun, checked: Checked) -> Checked:
         env = prepare(
             run.root, checked.project, declared, checked.policy, run.backend,
             job_id=run.tid, progress=run.progress, heartbeat=run.heartbeat,
+            expect_digest=task.environment_digest,
         )  # fmt: skip
         chain = []
         images = {}

@@ -275,8 +275,15 @@ def submit(root: Root, task: Task) -> Record:
     # Through the reader a claim uses: a task built from options (a NUL in --prompt) is refused
     # here, not queued and then refused at claim.
     task = parse_task_bytes(queue.task_json(task).encode(), source="the submitted task")
-    check_task(root, task, tags_of=root_tags(root))
+    task = pin_environment(root, check_task(root, task, tags_of=root_tags(root)))
     return queue.enqueue(root, task.id or queue.new_task_id(), task)
+
+
+def pin_environment(root: Root, checked: Checked) -> Task:
+    """The checked task with its environment's content digest where this host can tell (envpin)."""
+    from .envpin import pin
+
+    return pin(root, checked.task, checked.project, checked.policy)
 
 
 def check_group(root: Root, tasks: list[Task], *, in_use: Callable[[str], str | None] | None = None) -> None:
@@ -297,4 +304,7 @@ def submit_group(root: Root, tasks: list[Task]) -> list[Record]:
     (check_group) before any is queued."""
     root.require()
     check_group(root, tasks, in_use=lambda tid: queue.id_in_use(root, tid))
-    return [submit(root, t) for t in tasks]
+    # One digest for the whole group, computed once: its members compare engines in one environment.
+    digest = pin_environment(root, check_task(root, tasks[0])).environment_digest if tasks else None
+    pinned = [t.model_copy(update={"environment_digest": t.environment_digest or digest}) for t in tasks]
+    return [submit(root, t) for t in pinned]

@@ -272,8 +272,9 @@ class DockerBackend(Backend):
         limits: dict[str, int] | None = None,
         deadline_s: float | None = None,
     ) -> None:
-        """`network`: the build's network instead of the backend's (a project's Dockerfile builds
-        with none: docs/environments.md); `dockerfile` relative to the context, `target` a stage."""
+        """`network`: the build's network instead of the backend's (a project's Dockerfile builds on
+        its gateway's job network, or none: docs/environments.md); `dockerfile` relative to the
+        context, `target` a stage."""
         with self.client() as c:
             docker_images.build_context(
                 c,
@@ -298,6 +299,18 @@ class DockerBackend(Backend):
     ) -> None:
         with self.client() as c:
             envstore.fill_volume(c, image, source, name, labels, max_bytes=max_bytes)
+
+    @contextlib.contextmanager
+    def build_gateway(
+        self, *, job_id: str, policy: Policy, state: Path, labels: dict[str, str]
+    ) -> Iterator[envstore.BuildGateway]:
+        """A gateway for one project Dockerfile's build (envstore.build_gateway), on a connection
+        of its own for the build's whole length."""
+        with (
+            self.client() as c,
+            envstore.build_gateway(c, job_id=job_id, policy=policy, state=state, labels=labels) as gateway,
+        ):
+            yield gateway
 
     def labelled_images(self, label: str) -> list[ImageInfo]:
         with self.client() as c:

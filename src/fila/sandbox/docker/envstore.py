@@ -1,12 +1,14 @@
 """What a project environment keeps in the Docker engine besides its images: the volumes of its
 provided paths, filled once from the environment's image (docs/environments.md, "Provided
-paths"), and the listing of images and volumes by label that `fila env ls|rm|gc` reads."""
+paths"), the listing of images and volumes by label that `fila env ls|rm|gc` reads, and the
+gateway a project Dockerfile's build reaches the network through."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import docker
@@ -14,7 +16,8 @@ import requests
 from docker.errors import DockerException, NotFound
 
 from ...core.errors import InfraError
-from ..base import ImageInfo
+from ...core.models import EgressRecord, Policy
+from ..base import ImageInfo, run_as
 
 _ERRORS = (DockerException, requests.RequestException)
 _HINT = "check that Docker is running (`docker info`)"
@@ -127,3 +130,36 @@ def remove_volume(client: docker.DockerClient, name: str) -> bool:
         raise InfraError(f"docker failed while removing volume {name}: {e}", hint=_HINT) from e
     except _ERRORS as e:
         raise InfraError(f"docker failed while removing volume {name}: {e}", hint=_HINT) from e
+
+
+@dataclasses.dataclass
+class BuildGateway:
+    """A gateway in front of a project Dockerfile's RUN steps (docs/environments.md, "A project
+    Dockerfile"): the job network the build's steps join, the proxy variables they are given as
+    build args, and, once the build is over, what the gateway saw."""
+
+    network: str
+    env: dict[str, str]
+    egress: EgressRecord | None = None
+    warnings: list[str] = dataclasses.field(default_factory=list)
+
+
+@contextlib.contextmanager
+def build_gateway(
+    client: docker.DockerClient, *, job_id: str, policy: Policy, state: Path, labels: dict[str, str]
+) -> Iterator[BuildGateway]:
+    """A gateway of its own for one build, as a setup container's (the policy's allowlist, its
+    record, its job network internal, the gateway its only way out), serving before the build
+    starts; read and removed after it, whatever the build did."""
+    from . import egress
+
+    uid, gid = run_as()
+    gw = egress.start(client, job_id=job_id, policy=policy, state=state, labels=labels, uid=uid, gid=gid)
+    out = BuildGateway(network=gw.network, env=gw.engine_env())
+    try:
+        yield out
+    finally:
+        try:
+            out.egress, out.warnings = egress.read(client, gw)
+        finally:
+            out.warnings += egress.remove(client, gw)
