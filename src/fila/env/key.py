@@ -3,9 +3,9 @@ depended on, so a task whose key exists pays no setup and a changed lockfile mak
 
 What goes in: the base (the image's id, or the Dockerfile's bytes with its context's manifest,
 build args and target), the variables, the setup commands, the declared inputs' bytes, the
-provided paths, the setup's network policy and fila's own setup format. What stays out: the rest
-of the project. The setup sees only its inputs (`build.stage_inputs`), so it cannot depend on a
-file the key does not name.
+provided paths, the setup's network policy (its routes' upstreams, headers and paths, never their
+credentials) and fila's own setup format. What stays out: the rest of the project. The setup
+sees only its inputs (`build.stage_inputs`), so it cannot depend on a file the key does not name.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 
 from ..core.errors import FilaError, InvalidInput
 from ..core.models import SetupPolicy
+from ..egress import config as egress
 from ..workspace import fswalk
 from ..workspace.safedir import SafeDir, ThroughLink
 from .spec import PROJECT_PATH, EnvSpec
@@ -126,6 +127,9 @@ def compute(spec: EnvSpec, base: dict[str, Any], inputs: Inputs, setup: SetupPol
         "provided": sorted(spec.provided),
         "network": setup.model_dump(mode="json", include={"allow", "allow_private", "learn", "max_requests"}),
     }
+    if setup.routes:
+        # What each route sends where, never its credential: a rotated token reuses the environment.
+        doc["routes"] = {name: list(egress.route_shape(name, r)) for name, r in sorted(setup.routes.items())}
     return hashlib.sha256(json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
