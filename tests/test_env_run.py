@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shlex
 import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -475,13 +476,21 @@ def test_a_postgresql_runner_builds_the_environment_on_its_host_and_the_record_n
 
 
 PRIVATE_USER, PRIVATE_PASSWORD = "corp", "corp-index-password-5f0c9e2a71"
+# The setup reads the private index's page for six through the route and installs the wheel it
+# links to, under the route too: pypiserver links from its root (`/packages/...`), which a route
+# serves under its own path (docs/environments.md, "Secrets for the setup").
+WHEEL_HREF = (
+    "import os, re, urllib.request as u\n"
+    'page = u.urlopen(os.environ["FILA_ROUTE_CORP"] + "/simple/six/").read().decode()\n'
+    'print(re.search(r\'href="([^"]+[.]whl[^"]*)"\', page)[1])'
+)
 PRIVATE_SETUP = (
     'echo "$FILA_ROUTE_CORP" > /opt/route-url.txt; env; '
     # Through the route: the gateway adds the token the setup never holds.
-    'python3 -m venv /opt/v && /opt/v/bin/pip install -q --index-url "$FILA_ROUTE_CORP/simple/" '
-    '--trusted-host "$(echo "$FILA_ROUTE_CORP" | cut -d/ -f3)" six; '
+    f"href=$(python3 -c {shlex.quote(WHEEL_HREF)}) && python3 -m venv /opt/v && /opt/v/bin/pip install -q "
+    '--trusted-host "$(echo "$FILA_ROUTE_CORP" | cut -d/ -f3)" "$FILA_ROUTE_CORP$href" || exit 9; '
     # Straight to the private host through the proxy: not listed, refused by the gateway.
-    "if /opt/v/bin/python -c 'import urllib.request as u; u.urlopen(\"http://private.test:8080/simple/six/\")'"
+    "if python3 -c 'import urllib.request as u; u.urlopen(\"http://private.test:8080/simple/six/\")'"
     "; then echo DIRECT-ALLOWED; else echo DIRECT-REFUSED; fi"
 )
 # The engine's job: its env, and the setup's route asked of its own gateway (which has none).
@@ -537,7 +546,7 @@ def test_a_setup_route_reaches_a_private_index_and_its_token_reaches_nothing_els
         # With it: built through the route; the same host asked directly is refused.
         monkeypatch.setenv("CORP_TOKEN", token)
         built = submit_run(root, ENGINE_PROBE)
-        assert built["status"] == "needs_review", built
+        assert built["status"] == "needs_review", (built["error"], built.get("environment"))
         env = built["environment"]
         setup_log = (root.path / env["log_path"]).read_text()
         assert env["how"] == "built" and "FILA_ROUTE_CORP=http://" in setup_log, setup_log
