@@ -172,3 +172,54 @@ def test_a_last_double_star_matches_a_registrys_deep_paths_and_a_star_still_one_
     assert not one.match("/v1/models/a%2Fb")  # an escaped slash is never one segment
     assert [gwconfig.path_rule_ok(p) for p in ("/**", "/a/**", "/**/a", "/a**", "/a/**/**", "/a/../**")] == [
         True, True, False, False, False, False]  # fmt: skip
+
+
+def test_suggest_setup_keeps_a_route_out_of_the_allowlist_and_names_one_no_setup_called(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What a setup reached through its route is the route's, never an allow entry; the learned
+    host is (the allowed counterpart); a route no setup called is listed as unused. `fila doctor`
+    says whether each route's credential can be read."""
+    import hashlib
+
+    from fila.core.models import (
+        EgressRecord,
+        EgressRequest,
+        EnvironmentRecord,
+        PolicyRef,
+        Record,
+        RouteSummary,
+    )
+    from fila.env.manage import route_credentials
+    from fila.queue import policy as policies
+    from tests.support.project import make_root
+
+    routes = {"corp": CORP, "spare": CORP | {"credential": "SPARE_TOKEN"}}
+    doc = _policy(routes, learn=True, max_requests=50)
+    text = json_text(doc)
+    root = make_root(tmp_path / "root")
+    (root.policies_dir / "hand.json").write_text(text)
+    reqs = [
+        EgressRequest(door="proxy", method="CONNECT", host="pypi.org", port=443, allowed=True, learned=True),
+        EgressRequest(
+            door="route", method="GET", host="pypi.corp.example", port=443, route="corp", allowed=True
+        ),
+    ]
+    egress_rec = EgressRecord(requests=reqs, routes={"corp": RouteSummary(requests=1)}, learning=True)
+    env = EnvironmentRecord(key="k" * 64, source="fila-environment.json", form="fila", how="built",
+                            egress=egress_rec)  # fmt: skip
+    ref = PolicyRef(name="hand", sha256=hashlib.sha256(text.encode()).hexdigest())
+    run = Record(id="t1", status="needs_review", policy=ref, environment=env)
+    s = policies.suggest(root, [run], setup=True)
+    assert s.allow == [{"host": "pypi.org", "port": 443}] and s.unused[-1] == "environment.routes.spare", s
+    assert not any("corp" in u for u in s.unused)
+    monkeypatch.setenv("CORP_TOKEN", TOKEN)
+    monkeypatch.delenv("SPARE_TOKEN", raising=False)
+    got = route_credentials(Policy.model_validate(doc))
+    assert got["corp"] is None and "SPARE_TOKEN is not set" in (got["spare"] or ""), got
+
+
+def json_text(doc: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(doc, indent=2) + "\n"
