@@ -196,8 +196,8 @@ def refuse_denied_inputs(root: Root, project: Path, spec: EnvSpec, policy: Polic
         if why is not None:
             raise InvalidInput(
                 f"environment input {rel!r} is kept from every job ({why}): not given to the setup either",
-                hint="name inputs the task may see; a registry's credential is not an input "
-                "(docs/environments.md)",
+                hint="name inputs the task may see; a registry's credential goes in a setup route "
+                '(docs/environments.md, "Secrets for the setup")',
             )
 
 
