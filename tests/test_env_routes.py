@@ -223,3 +223,21 @@ def json_text(doc: dict[str, Any]) -> str:
     import json
 
     return json.dumps(doc, indent=2) + "\n"
+
+
+def test_recovery_removes_a_dead_setups_gateway_directory_and_never_a_live_ones(tmp_path: Path) -> None:
+    """A setup killed while its gateway held a route's secret leaves its directory under the key's
+    state: recovery removes it once no live setup holds the key's lock; a live one's is kept."""
+    from fila.core import fsutil
+    from fila.env.build import state_dir, sweep_setup_gateways
+    from tests.support.project import make_root
+
+    root = make_root(tmp_path / "root")
+    dead, live = (state_dir(root, c * 64) for c in "ab")
+    for state in (dead, live):
+        (state / "egress" / "secrets").mkdir(parents=True)
+        (state / "egress" / "secrets" / "corp").write_text(TOKEN)
+    with fsutil.file_lock(live / ".lock"):
+        assert sweep_setup_gateways(root) == [str(dead / "egress")]
+    assert not (dead / "egress").exists() and (live / "egress" / "secrets" / "corp").exists()
+    assert sweep_setup_gateways(root) == [str(live / "egress")]  # its setup is gone now

@@ -634,6 +634,25 @@ def state_dir(root: Root, key: str) -> Path:
     return envs_dir(root) / key[:32]
 
 
+def sweep_setup_gateways(root: Root) -> list[str]:
+    """The setup gateways' directories (their routes' secrets) a setup that died left: each one
+    whose key's lock no live setup holds is removed (recovery calls this)."""
+    removed = []
+    try:
+        states = sorted(envs_dir(root).iterdir())
+    except FileNotFoundError:
+        return removed
+    for state in states:
+        gw = state / "egress"
+        if not re.fullmatch(r"[0-9a-f]{32}", state.name) or state.is_symlink() or not gw.exists():
+            continue
+        with fsutil.file_lock(state / ".lock", wait=False) as held:
+            if held:
+                fsutil.remove_tree(gw)
+                removed.append(str(gw))
+    return removed
+
+
 def remove_state(root: Root, key: str) -> None:
     state = state_dir(root, key)
     if state.is_symlink() or state.resolve().parent != envs_dir(root).resolve():
