@@ -45,7 +45,8 @@ CORP = {"upstream": "https://pypi.corp.example/", "credential": "CORP_TOKEN"}
 
 
 def test_a_setup_route_is_declared_with_its_upstream_and_a_credential_and_refused_otherwise() -> None:
-    good = _policy({"corp": CORP | {"paths": ["GET /simple/**", "HEAD /**"], "format": "Basic {key}"}})
+    repo = "https://corp.jfrog.io/artifactory/api/pypi/pypi-local"
+    good = _policy({"corp": CORP | {"upstream": repo, "paths": ["GET /**"], "format": "Basic {key}"}})
     validate_document("policy", good)
     egress.validate(Policy.model_validate(good))
     cases = {
@@ -59,6 +60,8 @@ def test_a_setup_route_is_declared_with_its_upstream_and_a_credential_and_refuse
         "** inside a rule": ({"corp": CORP | {"paths": ["GET /**/simple"]}}, "whole last segment"),
         "a dot segment": ({"corp": CORP | {"paths": ["GET /a/../**"]}}, "dot segment"),
         "a format without {key}": ({"corp": CORP | {"format": "Basic"}}, "{key}"),
+        "a dot segment upstream": ({"corp": CORP | {"upstream": "https://r.example/../x"}}, "dot segment"),
+        "a query upstream": ({"corp": CORP | {"upstream": "https://r.example/a?x=1"}}, "upstream"),
     }
     for what, (routes, says) in cases.items():
         assert says in _refused(_policy(routes)), what

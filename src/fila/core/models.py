@@ -233,8 +233,9 @@ class Route(BaseModel):
         # \x1c-\x1f spelled out: Python's \s has them, the models' regex engine's does not, and the
         # schema and the models must refuse the same names (policy.validate_document).
         default=None,
-        pattern=r"^https?://[^/?#@\s\x1c-\x1f]+/?$",
-        description="default: the known route's",
+        pattern=r"^https?://[^/?#@\s\x1c-\x1f]+(/[A-Za-z0-9._~!$&'()*+,=:@-]+)*/?$",
+        description="default: the known route's; a path (a registry's repository) is the base of every "
+        "request the route sends",
     )
     credential: str | None = Field(
         default=None, pattern=ENV_NAME_PATTERN, description="name of the host environment variable"

@@ -27,6 +27,7 @@ import stat
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from ..core.errors import InvalidPolicy
 from ..core.models import EgressRecord, Policy, Route
@@ -197,13 +198,16 @@ def validate_setup(policy: Policy, *, path: Path | str | None = None) -> None:
         if route.upstream is None:
             raise _bad(f"{base}.upstream", "a setup route needs its upstream", path,
                        'e.g. "upstream": "https://pypi.corp.example"')  # fmt: skip
-        host = route.upstream.split("://", 1)[1].rstrip("/").rsplit(":", 1)[0]
+        host = urlsplit(route.upstream).hostname or ""
         if _is_ip_literal(host) or private_name(host):
             raise _bad(f"{base}.upstream", f"{host!r} is an IP address or a private name; name a host", path)
         _validate_route(base, route, path)
 
 
 def _validate_route(base: str, route: Route, path: Path | str | None) -> None:
+    upstream_path = urlsplit(route.upstream).path if route.upstream is not None else ""
+    if any(seg in (".", "..") for seg in upstream_path.split("/")):
+        raise _bad(f"{base}.upstream", f"{route.upstream!r} has a dot segment", path)
     if (route.credential is None) == (route.credential_file is None):
         raise _bad(base, "give exactly one of credential (a variable name) or credential_file", path)
     if route.ca_file is not None:
