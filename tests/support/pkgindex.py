@@ -1,5 +1,6 @@
 """Local package indexes for the environment tests: `pypi.test` (pypiserver, port 8080) and
-`npm.test` (verdaccio with no uplinks, port 4873), from the fila/pkgindex image, on the test
+`npm.test` (verdaccio with no uplinks, port 4873), and on demand `private.test` (pypiserver that
+answers one user: `private_pypi`, a setup route's registry), from the fila/pkgindex image, on the test
 upstreams' sealed network (tests/upstreams/README.md), so a project's setup installs real
 packages and no test reaches a public registry.
 
