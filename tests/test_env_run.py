@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shlex
 import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -494,3 +495,110 @@ def test_a_postgresql_runner_builds_the_environment_on_its_host_and_the_record_n
     assert rec.task.environment_digest is not None and rec.environment.pinned == rec.environment.digest
     assert rec.environment.digest == rec.task.environment_digest
     assert b"+from-setup" in q.blob(q.task_blobs("envpg")["DIFF.patch"])
+
+
+PRIVATE_USER, PRIVATE_PASSWORD = "corp", "corp-index-password-5f0c9e2a71"
+# The setup reads the private index's page for six through the route and installs the wheel it
+# links to, under the route too: pypiserver links from its root (`/packages/...`), which a route
+# serves under its own path (docs/environments.md, "Secrets for the setup").
+WHEEL_HREF = (
+    "import os, re, urllib.request as u\n"
+    'page = u.urlopen(os.environ["FILA_ROUTE_CORP"] + "/simple/six/").read().decode()\n'
+    'print(re.search(r\'href="([^"]+[.]whl[^"]*)"\', page)[1])'
+)
+PRIVATE_SETUP = (
+    'echo "$FILA_ROUTE_CORP" > /opt/route-url.txt; env; '
+    # Through the route: the gateway adds the token the setup never holds.
+    f"href=$(python3 -c {shlex.quote(WHEEL_HREF)}) && python3 -m venv /opt/v && /opt/v/bin/pip install -q "
+    '--trusted-host "$(echo "$FILA_ROUTE_CORP" | cut -d/ -f3)" "$FILA_ROUTE_CORP$href" || exit 9; '
+    # Straight to the private host through the proxy: not listed, refused by the gateway.
+    "if python3 -c 'import urllib.request as u; u.urlopen(\"http://private.test:8080/simple/six/\")'"
+    "; then echo DIRECT-ALLOWED; else echo DIRECT-REFUSED; fi"
+)
+# The engine's job: its env, and the setup's route asked of its own gateway (which has none).
+PROBE = """import os, urllib.request as u, urllib.error as e
+gw = os.environ["HTTP_PROXY"].rsplit(":", 1)[0]
+try: print("corp-route:", u.urlopen(gw + ":8080/corp/simple/six/").status)
+except e.HTTPError as x: print("corp-route:", x.code)
+import six; print("six", six.__version__)
+"""
+ENGINE_PROBE = f"env; echo route-var=[$FILA_ROUTE_CORP]; /opt/v/bin/python -c '{PROBE}'"
+
+
+def _private_policy(root: Root, idx: Any) -> None:
+    """The engine under network allowlist (its own gateway: pypi.test only); the setup reaching
+    only the route `corp` to private.test, the credential from CORP_TOKEN as HTTP Basic."""
+    doc = json.loads((root.path / "policies" / "default.json").read_text())
+    near = {"allow_private": [idx.subnet], "egress_network": idx.network}
+    doc |= {"network": "allowlist", "egress": {"allow": [{"host": "pypi.test", "port": 8080}], **near}}
+    corp = {"upstream": "http://private.test:8080", "credential": "CORP_TOKEN", "format": "Basic {key}"}
+    doc["environment"] = {"allow": [], **near, "timeout_ms": 300_000, "routes": {"corp": corp}}
+    write_policy(root, "default", doc)
+
+
+def test_a_setup_route_reaches_a_private_index_and_its_token_reaches_nothing_else(
+    tmp_path: Path, pkgindex: Any, gateway_image: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/environments.md, "Secrets for the setup". A private index (private.test) answers one
+    user; the policy's setup route `corp` holds the credential. Without the credential the task
+    fails before any setup container; with it, the setup installs through the route while the
+    same host asked straight through the proxy is refused; the token is in neither the setup's
+    environment, its log, the committed image (history, config, files) nor any record; the
+    engine's job has no route, no URL, no token; a rotated token reuses the environment."""
+    import base64
+
+    from tests.support.pkgindex import private_pypi
+
+    token = base64.b64encode(f"{PRIVATE_USER}:{PRIVATE_PASSWORD}".encode()).decode()
+    root = make_root(tmp_path / "priv")
+    decl = {"image": pkgindex.testenv_image, "setup": [{"name": "private", "shell": PRIVATE_SETUP}]}
+    (root.path / "fila-environment.json").write_text(json.dumps(decl))
+    _private_policy(root, pkgindex)
+    monkeypatch.delenv("CORP_TOKEN", raising=False)
+    with private_pypi(pkgindex, PRIVATE_USER, PRIVATE_PASSWORD) as private:
+        index = pkgindex.docker.containers.get(private.container)
+        # Without the credential: failed with kind environment, naming the route and the variable,
+        # before any setup container (no setup log, nothing asked of the index).
+        missing = submit_run(root, ENGINE_PROBE)
+        assert missing["status"] == "failed" and missing["error"]["kind"] == "environment", missing
+        said = missing["error"]["message"]
+        assert "environment.routes.corp.credential" in said and "CORP_TOKEN is not set" in said, said
+        assert not missing["container_started"] and not list(root.path.glob("sandbox/envs/*/setup.log"))
+        assert "/simple/six/" not in index.logs().decode()
+        # With it: built through the route; the same host asked directly is refused.
+        monkeypatch.setenv("CORP_TOKEN", token)
+        built = submit_run(root, ENGINE_PROBE)
+        assert built["status"] == "needs_review", (built["error"], built.get("environment"))
+        env = built["environment"]
+        setup_log = (root.path / env["log_path"]).read_text()
+        assert env["how"] == "built" and "FILA_ROUTE_CORP=http://" in setup_log, setup_log
+        assert "DIRECT-REFUSED" in setup_log and "DIRECT-ALLOWED" not in setup_log, setup_log
+        assert '"GET /simple/six/ HTTP/1.1" 200' in index.logs().decode()
+        reqs = [
+            (r["door"], r["host"], r.get("route"), r["path"], r["allowed"]) for r in env["egress"]["requests"]
+        ]
+        assert ("route", "private.test", "corp", "/simple/six/", True) in reqs, reqs
+        assert any(d == "route" and p.startswith("/packages/six-") and ok for d, _h, _r, p, ok in reqs), reqs
+        assert any(d == "proxy" and h == "private.test" and not ok for d, h, _r, _p, ok in reqs), reqs
+        # The engine's job: the setup's six is there; its route, URL and token are not.
+        log = (root.path / built["log_path"]).read_text()
+        assert "six 1." in log and "corp-route: 404" in log and "route-var=[]" in log, log
+        # A rotated token reuses the environment: the key names no credential.
+        monkeypatch.setenv("CORP_TOKEN", base64.b64encode(b"corp:rotated-password-0123").decode())
+        rotated = submit_run(root, "true")
+        assert rotated["environment"]["how"] == "cached" and rotated["environment"]["key"] == env["key"]
+    # The token (and the password in it) is nowhere fila wrote, nor in the image.
+    secrets_ = [token.encode(), PRIVATE_PASSWORD.encode()]
+    for text in (*(json.dumps(r) for r in (missing, built, rotated)), setup_log, log):
+        assert "***" not in text and not any(s.decode() in text for s in secrets_)
+    tag = env["image"]["tag"]
+    config = json.loads(_docker("image", "inspect", tag))[0]["Config"]
+    assert "FILA_ROUTE_CORP=" in config["Env"] and "HTTP_PROXY=" in config["Env"], config["Env"]
+    assert not any(s.decode() in _docker("history", "--no-trunc", tag) + json.dumps(config) for s in secrets_)
+    cid = _docker("create", tag).strip()
+    try:
+        export = subprocess.run(["docker", "export", cid], capture_output=True, check=True).stdout
+    finally:
+        _docker("rm", cid)
+    # What the setup wrote is in the export (the grep sees the setup's files); the token is not.
+    assert b":8080/corp\n" in export and not any(s in export for s in secrets_)

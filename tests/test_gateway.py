@@ -1164,7 +1164,7 @@ def test_a_route_reaches_only_the_model_calls_of_its_api(env: Env) -> None:
     assert code == 0 and " 403" not in out.splitlines()[0], (out, err)  # reached the upstream
     reached = len(env.ups.requests("model.test"))
     assert reached == 2
-    for method, path, status in (
+    _refused_before_upstream(env, gw, reached, (
         ("DELETE", "/anthropic/v1/files/file-1", "403"),
         ("GET", "/anthropic/v1/messages/batches", "403"),
         ("POST", "/openai/fine_tuning/jobs", "403"),
@@ -1174,10 +1174,38 @@ def test_a_route_reaches_only_the_model_calls_of_its_api(env: Env) -> None:
         ("POST", "/anthropic/v1/messages%2F..%2Ffiles", "400"),
         ("POST", "/anthropic/v1/%252e%252e/files", "400"),
         ("POST", "/anthropic/v1\\messages", "400"),
-    ):
+    ))  # fmt: skip
+
+
+def _refused_before_upstream(env: Env, gw: Any, reached: int, cases: Any) -> None:
+    """Each (method, path, status) answered `status` by the gateway, and none reached model.test
+    (which had `reached` requests before)."""
+    for method, path, status in cases:
         code, out, _ = env.sh(f"{CURL} -i --path-as-is -X {method} -d '{{}}' '{gw.routes}{path}'")
         assert code == 0 and f" {status}" in out.splitlines()[0], (method, path, out)
     assert len(env.ups.requests("model.test")) == reached  # none of them left the gateway
+
+
+def test_a_setup_routes_last_double_star_reaches_deep_registry_paths_and_nothing_else(env: Env) -> None:
+    """A setup route (docs/environments.md, "Secrets for the setup"): `GET /v1/**` reaches any
+    path below /v1 of its upstream, `%2F` included (npm's scoped names); another method, another
+    prefix, or a dot segment once `%2F` is read as a slash is refused before the upstream."""
+    routes = {"corp": {**_routes(env)["anthropic"], "paths": ["GET /v1/**"]}}
+    gw = env.gateway(routes=routes)
+    env.ups.clear_requests("model.test")
+    for path in ("/corp/v1/models", "/corp/v1/a/b/@scope%2Fpkg", "/corp/v1/pkg/-/pkg-1.0.0+local.tgz"):
+        code, out, err = env.sh(f"{CURL} -i --path-as-is '{gw.routes}{path}'")
+        assert code == 0 and out.split()[1] not in ("400", "403"), (path, out, err)  # reached it
+    reached = len(env.ups.requests("model.test"))
+    assert reached == 3
+    _refused_before_upstream(env, gw, reached, (
+        ("POST", "/corp/v1/models", "403"),
+        ("GET", "/corp/v2/models", "403"),
+        ("GET", "/corp/v1", "403"),
+        ("GET", "/corp/v1/a%2F..%2F..%2Fv2", "400"),
+        ("GET", "/corp/v1/a%2e%2e/b", "400"),
+        ("GET", "/corp/v1/a;b", "400"),
+    ))  # fmt: skip
 
 
 def test_a_huge_request_head_is_refused_and_in_flight_calls_keep_their_usage(env: Env) -> None:

@@ -1,5 +1,6 @@
 """Local package indexes for the environment tests: `pypi.test` (pypiserver, port 8080) and
-`npm.test` (verdaccio with no uplinks, port 4873), from the fila/pkgindex image, on the test
+`npm.test` (verdaccio with no uplinks, port 4873), and on demand `private.test` (pypiserver that
+answers one user: `private_pypi`, a setup route's registry), from the fila/pkgindex image, on the test
 upstreams' sealed network (tests/upstreams/README.md), so a project's setup installs real
 packages and no test reaches a public registry.
 
@@ -47,10 +48,11 @@ from tests.upstreams.fixtures import (
 
 PYPI = "pypi.test"
 NPM = "npm.test"
-PORTS = {PYPI: 8080, NPM: 4873}
+PRIVATE = "private.test"
+PORTS = {PYPI: 8080, NPM: 4873, PRIVATE: 8080}
 SERVICE = {PYPI: "pypi", NPM: "npm"}  # the image entrypoint's argument
 # Where each answers once it serves: pypiserver's health endpoint, verdaccio's ping.
-READY_PATH = {PYPI: "/health", NPM: "/-/ping"}
+READY_PATH = {PYPI: "/health", NPM: "/-/ping", PRIVATE: "/health"}
 SYSTEM_CA = Path("/etc/ssl/certs/ca-certificates.crt")
 
 # A client container of the tests (fila/testenv: pip, npm): the upstreams' hardening, with room
@@ -205,17 +207,19 @@ def _name(session: str, alias: str) -> str:
     return f"fila-test-up-{session}-{alias.replace('.', '-')}"
 
 
-def _start(client: docker.DockerClient, ups: Upstreams, image: str, alias: str) -> Index:
-    name = _name(ups.session, alias)
-    labels = {LABEL: LABEL_VALUE, f"{LABEL}.session": ups.session, f"{LABEL}.server": alias}
+def _start(
+    client: docker.DockerClient, network: str, session: str, image: str, alias: str, **run: Any
+) -> Index:
+    name = _name(session, alias)
+    labels = {LABEL: LABEL_VALUE, f"{LABEL}.session": session, f"{LABEL}.server": alias}
     c = client.containers.run(
         image,
-        [SERVICE[alias]],
+        run.pop("command", [SERVICE.get(alias, "")]),
         name=name,
         detach=True,
-        network=ups.network,
-        networking_config={ups.network: client.api.create_endpoint_config(aliases=[alias])},
-        **(HARDENED | {"labels": labels, "mem_limit": "512m"}),
+        network=network,
+        networking_config={network: client.api.create_endpoint_config(aliases=[alias])},
+        **(HARDENED | {"labels": labels, "mem_limit": "512m"} | run),
     )
     url = f"http://127.0.0.1:{PORTS[alias]}{READY_PATH[alias]}"
     code, out = c.exec_run(["python3", "-c", _READY, url, str(READY_TIMEOUT_S)], user="65534:65534")
@@ -225,7 +229,7 @@ def _start(client: docker.DockerClient, ups: Upstreams, image: str, alias: str) 
         raise RuntimeError(
             f"test index {alias} did not become ready ({c.status}): {out.decode(errors='replace')}{logs}"
         )
-    return Index(alias=alias, ip=c.attrs["NetworkSettings"]["Networks"][ups.network]["IPAddress"],
+    return Index(alias=alias, ip=c.attrs["NetworkSettings"]["Networks"][network]["IPAddress"],
                  port=PORTS[alias], container=name)  # fmt: skip
 
 
@@ -238,7 +242,7 @@ def start_pkgindex(client: docker.DockerClient, ups: Upstreams) -> Iterator[PkgI
     started: list[Index] = []
     try:
         for alias in (PYPI, NPM):
-            started.append(_start(client, ups, image, alias))
+            started.append(_start(client, ups.network, ups.session, image, alias))
         yield PkgIndex(
             network=ups.network,
             subnet=ups.subnet,
@@ -252,3 +256,35 @@ def start_pkgindex(client: docker.DockerClient, ups: Upstreams) -> Iterator[PkgI
         for alias in (PYPI, NPM):
             with contextlib.suppress(NotFound, APIError):
                 client.containers.get(_name(ups.session, alias)).remove(force=True)
+
+
+# pypiserver serving pypi.test's wheels to one user: its `auther` hook checks HTTP Basic on every
+# list and download (401 without, 403 with a wrong password). Its htpasswd option needs passlib,
+# which the image does not hold; the hook is the same check, in pypiserver's own request path.
+_PRIVATE_SERVER = """
+import os
+import pypiserver
+from pypiserver import bottle_wrapper as bottle
+user, password = os.environ["INDEX_USER"], os.environ["INDEX_PASSWORD"]
+app = pypiserver.app(roots=["/srv/pypi/packages"], authenticate=["download", "list", "update"],
+                     password_file=None, auther=lambda u, p: u == user and p == password,
+                     disable_fallback=True)
+bottle.run(app=app, host="0.0.0.0", port=8080, server="auto", quiet=False)
+"""
+
+
+@contextlib.contextmanager
+def private_pypi(idx: PkgIndex, user: str, password: str) -> Iterator[Index]:
+    """A private registry for a setup route: `private.test:8080` on the indexes' network, a
+    pypiserver of the fila/pkgindex image (pypi.test's wheels) that answers only `user` with
+    `password` (HTTP Basic). Removed at the end."""
+    image = ensure_built(idx.docker, "pkgindex").tag
+    try:
+        yield _start(
+            idx.docker, idx.network, idx.session, image, PRIVATE,
+            entrypoint=["/opt/pypiserver/bin/python", "-c", _PRIVATE_SERVER], command=[],
+            environment={"INDEX_USER": user, "INDEX_PASSWORD": password, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+    finally:
+        with contextlib.suppress(NotFound, APIError):
+            idx.docker.containers.get(_name(idx.session, PRIVATE)).remove(force=True)

@@ -53,8 +53,9 @@ LOG_FIELD = 256  # host and path in a log line are cut to this many characters
 TLS_VERSIONS = (b"\x03\x01", b"\x03\x02", b"\x03\x03")  # record versions a ClientHello is sent with
 
 # What each known route may ask its upstream (METHOD and upstream path; `*` is one path segment of
-# [A-Za-z0-9._-]): the model calls the engines make, not the upstream's whole API (files, batches,
-# fine-tuning: unmetered cost, other work's data). A route's `paths` in the config replaces these.
+# [A-Za-z0-9._-], a last `/**` any rest of the path): the model calls the engines make, not the
+# upstream's whole API (files, batches, fine-tuning: unmetered cost, other work's data). A route's
+# `paths` in the config replaces these.
 DEFAULT_PATHS = {
     "anthropic": [
         "POST /v1/messages",
@@ -72,6 +73,27 @@ DEFAULT_PATHS = {
     ],
 }
 _PATH_RULE = re.compile(r"^([A-Z]{1,16}) (/[A-Za-z0-9._:/*-]*)$")
+# What `**` (a rule's last segment: a registry's deep paths) matches: the rest of the path, any
+# number of segments of RFC 3986's path characters but `;` (the door refuses it), `%2F` the only
+# escape (npm's scoped names, `@scope%2Fname`; the door refuses dot segments after decoding it).
+REST = r"(?:[A-Za-z0-9._~!$&'()*+,=:@/-]|%2[fF])*"
+
+
+def path_rule_ok(path: str) -> bool:
+    """A rule's path: no dot segment; `**` only as its whole last segment."""
+    segs = path.split("/")
+    if any(seg in (".", "..") for seg in segs):
+        return False
+    return "**" not in path or (path.endswith("/**") and "**" not in path[:-3])
+
+
+def path_rule(path: str) -> re.Pattern[str]:
+    """The regex of a rule's path: `*` one segment of [A-Za-z0-9._-], a last `/**` the rest."""
+    head, rest = (path[:-2], REST) if path.endswith("/**") else (path, "")
+    body = "[A-Za-z0-9._-]+".join(re.escape(x) for x in head.split("*"))
+    return re.compile(f"^{body}{rest}$")
+
+
 # The model calls whose responses carry usage: only these are metered, serialised under a token
 # budget, and read for usage (any other body is not a usage report, whatever it says).
 METERED = re.compile(r"(/messages|/chat/completions|/responses|:generateContent|:streamGenerateContent)$")
@@ -136,10 +158,11 @@ def _route(name: str, raw: Any) -> dict[str, Any]:
     rules = []
     for rule in paths:
         m = _PATH_RULE.match(rule) if isinstance(rule, str) else None
-        if m is None or any(seg in (".", "..") for seg in m[2].split("/")):
-            raise ConfigError(f'routes.{name}.paths: {rule!r} is not "METHOD /path" (* is one segment)')
-        body = "[A-Za-z0-9._-]+".join(re.escape(x) for x in m[2].split("*"))
-        rules.append((m[1], re.compile(f"^{body}$")))
+        if m is None or not path_rule_ok(m[2]):
+            raise ConfigError(
+                f'routes.{name}.paths: {rule!r} is not "METHOD /path" (* is one segment, a last /** the rest)'
+            )
+        rules.append((m[1], path_rule(m[2])))
     if not isinstance(secret, str) or not re.fullmatch(r"[A-Za-z0-9._-]+", secret) or secret.startswith("."):
         raise ConfigError(f"routes.{name}.secret must name a file in {SECRETS_DIR}")
     path = SECRETS_DIR / secret

@@ -5,6 +5,7 @@ forwarding, usage metered and the key scrubbed from the answer (`RouteDoor`, a p
 from __future__ import annotations
 
 import asyncio
+import re
 
 from mitmproxy import http
 
@@ -13,6 +14,8 @@ from .meter import Meter, Refusal
 from .record import escaped
 from .scrub import SseScrubber
 from .wire import deny_response, fail_closed, guarded, m_ok, unsafe_request
+
+ESCAPED_SLASH = re.compile("%2[fF]")
 
 
 class RouteDoor:
@@ -39,9 +42,12 @@ class RouteDoor:
             # Whatever reaches the upstream's HTTP/1 head must be what was checked here: no CR or
             # LF (a second request, another path, the real key with it), no byte parsed otherwise.
             return self.refuse(flow, 400, problem)
-        if any(seg in (".", "..") for seg in rest.split("/")) or any(c in rest for c in "%\\;"):
-            # Encoded slashes and dots, backslashes and `;` parameters: each server normalises
-            # them its own way, so a path that matched a rule here could be another one there.
+        decoded = ESCAPED_SLASH.sub("/", rest)
+        if any(seg in (".", "..") for seg in decoded.split("/")) or any(c in decoded for c in "%\\;"):
+            # Encoded dots, backslashes and `;` parameters: each server normalises them its own
+            # way, so a path that matched a rule here could be another one there. `%2F` alone is
+            # let through (npm's scoped names); only a rule's `**` matches it, and no dot segment
+            # may appear once it is read as a slash.
             return self.refuse(flow, 400, "path with dot segments, %-escapes, \\ or ;")
         if req.headers.get("upgrade"):
             # A websocket (or h2c) upgrade would carry model traffic the meter never sees.

@@ -214,6 +214,8 @@ HOST_PATTERN = r"^(\*\.)?[A-Za-z0-9]([A-Za-z0-9-]{0,62})(\.[A-Za-z0-9]([A-Za-z0-
 ENV_NAME_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*$"
 HTTP_METHOD_PATTERN = r"^[A-Z]{1,16}$"
 ROUTE_PATH_PATTERN = r"^[A-Z]{1,16} /[A-Za-z0-9._:/*-]{0,500}$"
+# A setup route's name: its variable (FILA_ROUTE_<NAME>) must be a shell name.
+SETUP_ROUTE_PATTERN = r"^[a-z][a-z0-9_]{0,31}$"
 
 
 class AllowEntry(BaseModel):
@@ -239,8 +241,9 @@ class Route(BaseModel):
         # \x1c-\x1f spelled out: Python's \s has them, the models' regex engine's does not, and the
         # schema and the models must refuse the same names (policy.validate_document).
         default=None,
-        pattern=r"^https?://[^/?#@\s\x1c-\x1f]+/?$",
-        description="default: the known route's",
+        pattern=r"^https?://[^/?#@\s\x1c-\x1f]+(/[A-Za-z0-9._~!$&'()*+,=:@-]+)*/?$",
+        description="default: the known route's; a path (a registry's repository) is the base of every "
+        "request the route sends",
     )
     credential: str | None = Field(
         default=None, pattern=ENV_NAME_PATTERN, description="name of the host environment variable"
@@ -254,8 +257,9 @@ class Route(BaseModel):
     paths: list[Annotated[str, Field(pattern=ROUTE_PATH_PATTERN)]] | None = Field(
         default=None,
         min_length=1,
-        description='"METHOD /upstream/path" rules the route allows (* is one path segment); '
-        "default: the known route's model calls",
+        description='"METHOD /upstream/path" rules the route allows (* is one path segment of '
+        "[A-Za-z0-9._-]; a last /** is the rest of the path, any number of segments); default: the known "
+        "route's model calls, for a setup route GET and HEAD of /**",
     )
 
 
@@ -329,6 +333,13 @@ class SetupPolicy(BaseModel):
         default=None,
         description="a CA bundle on this host the setup's package managers trust (a TLS-intercepting "
         "proxy between the gateway and the registries); never part of the environment's image",
+    )
+    routes: dict[Annotated[str, Field(pattern=SETUP_ROUTE_PATTERN)], Route] = Field(
+        default_factory=dict,
+        description="a private registry the setup reaches through its gateway, which adds the credential "
+        "(the setup never holds it): the setup finds the route's URL in FILA_ROUTE_<NAME>; upstream is "
+        "required; header default authorization, format default 'Bearer {key}'",
+        json_schema_extra={"additionalProperties": False},
     )
     timeout_ms: Millis = Field(default=20 * 60 * 1000, description="the whole setup's wall-clock limit")
     memory: MemorySize = "4g"

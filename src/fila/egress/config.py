@@ -27,6 +27,7 @@ import stat
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from ..core.errors import InvalidPolicy
 from ..core.models import EgressRecord, Policy, Route
@@ -133,7 +134,9 @@ def private_name(host: str) -> bool:
 
 
 def validate(policy: Policy, *, path: Path | str | None = None) -> None:
-    """Everything about `network`/`egress` a schema cannot say; errors name the field (exit 2)."""
+    """Everything about `network`/`egress` (and the setup's routes) a schema cannot say; errors
+    name the field (exit 2)."""
+    validate_setup(policy, path=path)
     eg = policy.egress
     if policy.network != "allowlist":
         if eg is not None:
@@ -179,13 +182,32 @@ def validate(policy: Policy, *, path: Path | str | None = None) -> None:
         except ValueError as e:
             raise _bad(f"egress.allow_private.{i}", f"not a CIDR: {e}", path) from None
     for name, route in eg.routes.items():
-        _validate_route(name, route, path)
+        if name not in KNOWN_ROUTES:
+            raise _bad(f"egress.routes.{name}", f"unknown route {name!r}", path,
+                       f"known routes: {', '.join(sorted(KNOWN_ROUTES))}")  # fmt: skip
+        _validate_route(f"egress.routes.{name}", route, path)
 
 
-def _validate_route(name: str, route: Route, path: Path | str | None) -> None:
-    base = f"egress.routes.{name}"
-    if name not in KNOWN_ROUTES:
-        raise _bad(base, f"unknown route {name!r}", path, f"known routes: {', '.join(sorted(KNOWN_ROUTES))}")
+def validate_setup(policy: Policy, *, path: Path | str | None = None) -> None:
+    """The setup's routes (docs/environments.md, "Secrets for the setup"): each names its upstream
+    (no known default applies), a credential, and a name no engine route has."""
+    for name, route in policy.environment.routes.items():
+        base = f"environment.routes.{name}"
+        if name in KNOWN_ROUTES:
+            raise _bad(base, f"{name!r} is an engine route's name", path, "name the setup's route otherwise")
+        if route.upstream is None:
+            raise _bad(f"{base}.upstream", "a setup route needs its upstream", path,
+                       'e.g. "upstream": "https://pypi.corp.example"')  # fmt: skip
+        host = urlsplit(route.upstream).hostname or ""
+        if _is_ip_literal(host) or private_name(host):
+            raise _bad(f"{base}.upstream", f"{host!r} is an IP address or a private name; name a host", path)
+        _validate_route(base, route, path)
+
+
+def _validate_route(base: str, route: Route, path: Path | str | None) -> None:
+    upstream_path = urlsplit(route.upstream).path if route.upstream is not None else ""
+    if any(seg in (".", "..") for seg in upstream_path.split("/")):
+        raise _bad(f"{base}.upstream", f"{route.upstream!r} has a dot segment", path)
     if (route.credential is None) == (route.credential_file is None):
         raise _bad(base, "give exactly one of credential (a variable name) or credential_file", path)
     if route.ca_file is not None:
@@ -198,8 +220,11 @@ def _validate_route(name: str, route: Route, path: Path | str | None) -> None:
     if route.format is not None and "{key}" not in route.format:
         raise _bad(f"{base}.format", "must contain {key}", path)
     for i, rule in enumerate(route.paths or []):
-        if any(seg in (".", "..") for seg in rule.split(" ", 1)[1].split("/")):
+        rule_path = rule.split(" ", 1)[1]
+        if any(seg in (".", "..") for seg in rule_path.split("/")):
             raise _bad(f"{base}.paths.{i}", f"{rule!r} has a dot segment", path)
+        if "**" in rule_path and not (rule_path.endswith("/**") and "**" not in rule_path[:-3]):
+            raise _bad(f"{base}.paths.{i}", f"{rule!r}: ** is only the whole last segment (/**)", path)
 
 
 def check_credentials(policy: Policy, routes: Collection[str], *, path: Path | str | None = None) -> None:
@@ -209,18 +234,22 @@ def check_credentials(policy: Policy, routes: Collection[str], *, path: Path | s
     eg = policy.egress
     for name in routes:
         route = eg.routes.get(name) if eg else None  # a route the policy lacks is check_task's to say
-        if route is None:
-            continue
-        base = f"egress.routes.{name}"
-        if route.credential is not None and not os.environ.get(route.credential):
-            raise _bad(
-                f"{base}.credential",
-                f"the environment variable {route.credential} is not set",
-                path,
-                f"export {route.credential} in the environment fila runs in",
-            )
-        if route.credential_file is not None:
-            _check_secret_file(f"{base}.credential_file", Path(route.credential_file), path)
+        if route is not None:
+            check_credential(f"egress.routes.{name}", route, path)
+
+
+def check_credential(base: str, route: Route, path: Path | str | None = None) -> None:
+    """`route`'s credential can be read: a variable that is set, or a file of fila's user that no
+    one else may read. InvalidPolicy naming `base` and the variable or file."""
+    if route.credential is not None and not os.environ.get(route.credential):
+        raise _bad(
+            f"{base}.credential",
+            f"the environment variable {route.credential} is not set",
+            path,
+            f"export {route.credential} in the environment fila runs in",
+        )
+    if route.credential_file is not None:
+        _check_secret_file(f"{base}.credential_file", Path(route.credential_file), path)
 
 
 def only_routes(policy: Policy, routes: Collection[str]) -> Policy:
@@ -262,40 +291,57 @@ class Resolved:
     paths: list[str] | None = None  # None: the gateway's default for the known route
 
 
+# A setup route (a registry) when its policy says no more: the bearer scheme, reads of any path.
+SETUP_HEADER = "authorization"
+SETUP_FORMAT = "Bearer {key}"
+SETUP_PATHS = ("GET /**", "HEAD /**")
+
+
+def route_shape(name: str, r: Route) -> tuple[str, str, str, list[str] | None]:
+    """What a route sends where, defaults filled in, without its credential: the upstream, the
+    header, its format and the path rules (None: the gateway's default for a known route). A name
+    no engine route has is a setup route (validate_setup: its upstream is given)."""
+    known = KNOWN_ROUTES.get(name)
+    if known is None:
+        assert r.upstream is not None
+        return (r.upstream.rstrip("/"), (r.header or SETUP_HEADER).lower(), r.format or SETUP_FORMAT,
+                list(r.paths or SETUP_PATHS))  # fmt: skip
+    return ((r.upstream or known.upstream).rstrip("/"), (r.header or known.header).lower(),
+            r.format or known.format, r.paths)  # fmt: skip
+
+
+def read_credential(base: str, r: Route) -> str:
+    """The route's credential as the gateway gets it: the variable's value, or the file's first
+    64 KiB (never through a link), stripped. InvalidPolicy naming `base` when unreadable or empty."""
+    if r.credential is not None:
+        key = os.environ.get(r.credential, "")
+    else:
+        assert r.credential_file is not None
+        field = f"{base}.credential_file"
+        try:
+            fd = os.open(r.credential_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as f:
+                raw = f.read(1 << 16)
+        except OSError as e:
+            raise _bad(field, f"cannot read {r.credential_file}: {e.strerror}", None) from None
+        try:
+            key = raw.decode().strip()
+        except UnicodeDecodeError as e:
+            raise _bad(field, f"{r.credential_file} is not UTF-8 text (byte {e.start})", None) from None
+    if not key:
+        raise _bad(base, "the credential is empty", None)
+    return key
+
+
 def resolve_routes(policy: Policy) -> list[Resolved]:
-    """The policy's routes with the known defaults filled in and the credential read."""
+    """The policy's routes (an engine's, or a setup's in the policy env/build.py makes for it)
+    with the defaults filled in and the credential read."""
     eg = policy.egress
     out = []
     for name, r in (eg.routes if eg else {}).items():
-        known = KNOWN_ROUTES[name]
-        if r.credential is not None:
-            key = os.environ.get(r.credential, "")
-        else:
-            assert r.credential_file is not None
-            field = f"egress.routes.{name}.credential_file"
-            try:
-                fd = os.open(r.credential_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-                with os.fdopen(fd, "rb") as f:
-                    raw = f.read(1 << 16)
-            except OSError as e:
-                raise _bad(field, f"cannot read {r.credential_file}: {e.strerror}", None) from None
-            try:
-                key = raw.decode().strip()
-            except UnicodeDecodeError as e:
-                raise _bad(field, f"{r.credential_file} is not UTF-8 text (byte {e.start})", None) from None
-        if not key:
-            raise _bad(f"egress.routes.{name}", "the credential is empty", None)
-        out.append(
-            Resolved(
-                name,
-                (r.upstream or known.upstream).rstrip("/"),
-                (r.header or known.header).lower(),
-                r.format or known.format,
-                key,
-                r.ca_file,
-                r.paths,
-            )
-        )
+        upstream, header, fmt, paths = route_shape(name, r)
+        key = read_credential(f"egress.routes.{name}", r)
+        out.append(Resolved(name, upstream, header, fmt, key, r.ca_file, paths))
     return out
 
 

@@ -136,16 +136,19 @@ def unused_entries(
 ) -> list[str]:
     """The current policy's allow entries no run used, and its routes no run called (`section`
     environment: the setup's allowlist, the shipped registries when the policy names none)."""
+    called = {name for rec in records for name, s in rec.routes.items() if s.requests}
     if section == "environment":
+        # A setup route is never proposed as an allow entry (its host is the gateway's to reach,
+        # with the credential): only named when no setup called it.
         setup = SetupPolicy.model_validate(policy_doc.get("environment") or {})
         return [f"environment.allow.{i} {e.host}:{e.port}" for i, e in enumerate(setup.allow)
-                if not any(covers(e, h, p, u) for (h, p), u in used.items())]  # fmt: skip
+                if not any(covers(e, h, p, u) for (h, p), u in used.items())] + [
+            f"environment.routes.{name}" for name in setup.routes if name not in called]  # fmt: skip
     eg = Egress.model_validate(policy_doc.get("egress") or {})
     out = []
     for i, entry in enumerate(eg.allow):
         if not any(covers(entry, h, p, u) for (h, p), u in used.items()):
             out.append(f"egress.allow.{i} {entry.host}:{entry.port}")
-    called = {name for rec in records for name, s in rec.routes.items() if s.requests}
     out += [f"egress.routes.{name}" for name in eg.routes if name not in called]
     return out
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core import fsutil
-from ..core.errors import FilaError, InvalidInput, LimitExceeded
+from ..core.errors import FilaError, InvalidInput, InvalidPolicy, LimitExceeded
 from ..core.layout import Root
 from ..core.models import (
     Egress,
@@ -42,6 +42,7 @@ from ..core.models import (
     parse_size,
 )
 from ..core.mounts import Bind, ProvidedVolume
+from ..egress import config as egress
 from ..sandbox.base import JOB_LABEL, ROOT_LABEL, Backend, ImageInfo, RunSpec, SetupRun
 from ..sandbox.base import LABEL as LABEL_FILA
 from ..workspace import fswalk
@@ -58,7 +59,8 @@ VOLUMES_LABEL = "fila.env.volumes"
 # like a job of that root to fila's sweepers: emptied in the image (docs/environments.md).
 CLEARED_LABELS = (LABEL_FILA, JOB_LABEL, ROOT_LABEL, "fila.role", "fila.worker")
 SETUP_DIR = "/fila-setup"
-# The gateway's variables the setup had: emptied in the image so no engine inherits a proxy.
+# The gateway's variables the setup had: emptied in the image so no engine inherits a proxy (nor
+# a setup route's URL: route_vars).
 PROXY_VARS = ("HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy", "NO_PROXY", "no_proxy")
 # Where the tools an engine and the check run keep their caches: /tmp, not work/, so a run of the
 # project's tests leaves no __pycache__ or .pytest_cache in the diff (docs/environments.md,
@@ -242,8 +244,8 @@ def refuse_denied_inputs(root: Root, project: Path, spec: EnvSpec, policy: Polic
         if why is not None:
             raise InvalidInput(
                 f"environment input {rel!r} is kept from every job ({why}): not given to the setup either",
-                hint="name inputs the task may see; a registry's credential is not an input "
-                "(docs/environments.md)",
+                hint="name inputs the task may see; a registry's credential goes in a setup route "
+                '(docs/environments.md, "Secrets for the setup")',
             )
 
 
@@ -410,8 +412,18 @@ def _build(root: Root, project: Path, declared: Declared, policy: Policy, backen
     log = state / "setup.log"
     log_rel = str(log.relative_to(root.path))
     source = json.dumps(declared.source)
-    progress(f"environment {key[:12]}: setting up from {declared.source} ({len(spec.setup)} step(s))")
     setup = policy.environment
+    try:
+        secrets_ = setup_credentials(setup)
+    except InvalidPolicy as e:
+        # Before any container: a setup without its registry's token would fail half way.
+        raise EnvironmentFailed(
+            f"the environment's setup cannot start: {e.message}",
+            record=EnvironmentRecord(**common, how="failed"),
+            hint=f"{e.hint or 'give the route its credential'}; a setup route's credential is read "
+            'only when the environment is built (docs/environments.md, "Secrets for the setup")',
+        ) from e
+    progress(f"environment {key[:12]}: setting up from {declared.source} ({len(spec.setup)} step(s))")
     t0 = time.monotonic()
     build_id = secrets.token_hex(4)
     partial = partial_prefix(key) + build_id
@@ -430,6 +442,8 @@ def _build(root: Root, project: Path, declared: Declared, policy: Policy, backen
             timeout_ms=setup.timeout_ms,
             log_path=log,
             labels={"fila.root": str(root.path), "fila.role": "env-setup", KEY_LABEL: key},
+            # The routes' credentials are the setup's gateway's only; an echo in the log is replaced.
+            redact=secrets_,
             egress_dir=state / "egress",
             setup=SetupRun(
                 # Tagged as the environment only once its volumes are filled (below): a setup that
@@ -439,7 +453,7 @@ def _build(root: Root, project: Path, declared: Declared, policy: Policy, backen
                     # fila sets every run's entrypoint and command; the setup's are not kept
                     # (an empty ENTRYPOINT does not clear it in a commit: env runs the command).
                     ['ENTRYPOINT ["/usr/bin/env"]', 'CMD ["sh"]']
-                    + [f"ENV {v}=" for v in PROXY_VARS]
+                    + [f"ENV {v}=" for v in (*PROXY_VARS, *route_vars(setup))]
                     + [f"ENV {k}={json.dumps(v)}" for k, v in cache_env(spec.env).items()]
                     + [
                         f'LABEL "{LABEL}"="1" "{KEY_LABEL}"="{key}" "fila.env.source"={source} '
@@ -512,12 +526,30 @@ def _build(root: Root, project: Path, declared: Declared, policy: Policy, backen
     return Prepared(declared, key, record.image, record, volumes)  # type: ignore[arg-type]
 
 
+def setup_credentials(setup: SetupPolicy) -> list[str]:
+    """Each setup route's credential, read on this host for the setup's gateway and the log's
+    redaction; InvalidPolicy naming the route and its variable or file when one cannot be read."""
+    out = []
+    for name, route in setup.routes.items():
+        base = f"environment.routes.{name}"
+        egress.check_credential(base, route)
+        out.append(egress.read_credential(base, route))
+    return out
+
+
+def route_vars(setup: SetupPolicy) -> list[str]:
+    """The variables that hand the setup its routes' URLs (the gateway's FILA_ROUTE_<NAME>)."""
+    return [f"FILA_ROUTE_{name.upper()}" for name in setup.routes]
+
+
 def setup_policy(policy: Policy, setup: SetupPolicy) -> Policy:
-    """The setup container's policy: the task's, with the setup's network, time and resources."""
-    network = "allowlist" if setup.allow or setup.learn else "none"
-    egress = (
+    """The setup container's policy: the task's, with the setup's network (its routes the
+    engine's never), time and resources."""
+    network = "allowlist" if setup.allow or setup.learn or setup.routes else "none"
+    egress_ = (
         Egress(
             allow=setup.allow,
+            routes=setup.routes,
             allow_private=setup.allow_private,
             max_requests=setup.max_requests,
             learn=setup.learn,
@@ -531,7 +563,7 @@ def setup_policy(policy: Policy, setup: SetupPolicy) -> Policy:
     return policy.model_copy(
         update={
             "network": network,
-            "egress": egress,
+            "egress": egress_,
             "max_timeout_ms": timeout,
             "default_timeout_ms": timeout,
             "memory": setup.memory,
@@ -705,6 +737,25 @@ def state_dir(root: Root, key: str) -> Path:
     if not valid_key(key):
         raise InvalidInput(f"{key[:80]!r} is not an environment's key (64 hex digits)")
     return envs_dir(root) / key[:32]
+
+
+def sweep_setup_gateways(root: Root) -> list[str]:
+    """The setup gateways' directories (their routes' secrets) a setup that died left: each one
+    whose key's lock no live setup holds is removed (recovery calls this)."""
+    removed = []
+    try:
+        states = sorted(envs_dir(root).iterdir())
+    except FileNotFoundError:
+        return removed
+    for state in states:
+        gw = state / "egress"
+        if not re.fullmatch(r"[0-9a-f]{32}", state.name) or state.is_symlink() or not gw.exists():
+            continue
+        with fsutil.file_lock(state / ".lock", wait=False) as held:
+            if held:
+                fsutil.remove_tree(gw)
+                removed.append(str(gw))
+    return removed
 
 
 def remove_state(root: Root, key: str) -> None:

@@ -3,9 +3,9 @@ depended on, so a task whose key exists pays no setup and a changed lockfile mak
 
 What goes in: the base (the image's id, or the Dockerfile's bytes with its context's manifest,
 build args and target), the variables, the setup commands, the declared inputs' bytes, the
-provided paths, the setup's network policy and fila's own setup format. What stays out: the rest
-of the project. The setup sees only its inputs (`build.stage_inputs`), so it cannot depend on a
-file the key does not name.
+provided paths, the setup's network policy (its routes' upstreams, headers and paths, never their
+credentials) and fila's own setup format. What stays out: the rest of the project. The setup
+sees only its inputs (`build.stage_inputs`), so it cannot depend on a file the key does not name.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 
 from ..core.errors import FilaError, InvalidInput
 from ..core.models import SetupPolicy
+from ..egress import config as egress
 from ..workspace import fswalk
 from ..workspace.safedir import SafeDir, ThroughLink
 from .spec import PROJECT_PATH, EnvSpec
@@ -147,7 +148,11 @@ def compute(digest: str, setup: SetupPolicy) -> str:
     """The key: the environment's content `digest` and the setup's network policy (the host that
     sets it up decides what its setup may reach: a different policy is a different environment)."""
     network = setup.model_dump(mode="json", include={"allow", "allow_private", "learn", "max_requests"})
-    return _digest({"format": FORMAT, "content": digest, "network": network})
+    doc: dict[str, Any] = {"format": FORMAT, "content": digest, "network": network}
+    if setup.routes:
+        # What each route sends where, never its credential: a rotated token reuses the environment.
+        doc["routes"] = {name: list(egress.route_shape(name, r)) for name, r in sorted(setup.routes.items())}
+    return _digest(doc)
 
 
 def _digest(doc: dict[str, Any]) -> str:

@@ -7,9 +7,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..core.errors import InvalidInput, NotFound
+from ..core.errors import InvalidInput, InvalidPolicy, NotFound
 from ..core.layout import Root
-from ..core.models import Status
+from ..core.models import Policy, Status
+from ..egress import config as egress
 from ..queue import records
 from ..queue.policy import load_policy
 from ..sandbox.base import Backend
@@ -80,9 +81,23 @@ def status(root: Root, project: Path, backend: Backend, policy: str = "default")
     try:
         require_docker(backend)
         pol, _ref = load_policy(root, policy)
+        out["routes"] = route_credentials(pol)
         out["key"], out["built"] = probe(root, project, declared, pol, backend)
     except InvalidInput as e:
         out["problem"] = str(e)
+    return out
+
+
+def route_credentials(policy: Policy) -> dict[str, str | None]:
+    """Each setup route's credential problem (None: readable), reading no value: a missing one
+    fails the next setup, never a task on a built environment."""
+    out: dict[str, str | None] = {}
+    for name, route in policy.environment.routes.items():
+        try:
+            egress.check_credential(f"environment.routes.{name}", route)
+            out[name] = None
+        except InvalidPolicy as e:
+            out[name] = e.message
     return out
 
 

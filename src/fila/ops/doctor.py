@@ -184,7 +184,11 @@ def _environment(root: Root, backend: Backend) -> Check | None:
         return Check("environment", "problem" not in st or st.get("built") is False,
                      f"{st['source']}: {st.get('problem', 'not built')}", st)  # fmt: skip
     state = "built" if st["built"] else "not built yet (the first task builds it, or `fila env build`)"
-    return Check("environment", True, f"{st['source']}: key {st['key'][:12]}, {state}", st)
+    routes = "".join(
+        f"; setup route {name}: " + ("credential readable" if why is None else f"{why} (a setup fails)")
+        for name, why in (st.get("routes") or {}).items()
+    )
+    return Check("environment", True, f"{st['source']}: key {st['key'][:12]}, {state}{routes}", st)
 
 
 # -- the self-test -------------------------------------------------------------------------------

@@ -134,12 +134,21 @@ def recover(
                 rep.add(root, tid, "error", f"could not settle: {e}")
         settled.save(root, records)
         sweep_temp_files(root, ttl, rep)
+        _setup_gateways(root, rep)
         sweep_containers(root, dk, rep)
         sweep_scratch(root, dk, rep)
         _job_roots(root, dk, rep)
         lease.forget_dead_workers(root)
         _engine_used(dk, rep)
     return rep
+
+
+def _setup_gateways(root: Root, rep: Report) -> None:
+    """A dead setup's gateway directory holds its routes' secrets (docs/environments.md)."""
+    from ..env.build import sweep_setup_gateways
+
+    for gw in sweep_setup_gateways(root):
+        rep.add(root, None, "setup gateway directory removed", gw)
 
 
 def _record_ids(root: Root) -> set[str]:

@@ -65,6 +65,11 @@ def known(
         # A credential that cannot be read starts no gateway: the engine never runs with it.
         with contextlib.suppress(InvalidPolicy, OSError, UnicodeDecodeError):
             out += [Credential(f"route {r.name}", r.key) for r in egress.resolve_routes(policy)]
+    for name, route in policy.environment.routes.items():
+        # A setup route's token never reaches a job (docs/environments.md): should it ever, it is
+        # still kept out of what fila shows or applies.
+        with contextlib.suppress(InvalidPolicy, OSError, UnicodeDecodeError):
+            out.append(Credential(f"setup route {name}", egress.read_credential(name, route)))
     out += [Credential(f"engine variable {k}", v) for k, v in (engine_vars or {}).items()]
     out += [Credential("engine secret", v) for v in forwarded]
     return out
