@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import secrets
 import shlex
 import subprocess
 from collections.abc import Iterator
@@ -495,6 +496,26 @@ def test_a_postgresql_runner_builds_the_environment_on_its_host_and_the_record_n
     assert rec.task.environment_digest is not None and rec.environment.pinned == rec.environment.digest
     assert rec.environment.digest == rec.task.environment_digest
     assert b"+from-setup" in q.blob(q.task_blobs("envpg")["DIFF.patch"])
+    # A runner whose base image is another image under the same name (built separately on its
+    # host) refuses a task pinned to the submitter's: no setup, no engine, both digests said.
+    base = f"fila/pinned-base-{secrets.token_hex(4)}:latest"
+    _docker("tag", pkgindex.testenv_image, base)
+    try:
+        (sub.path / "fila-environment.json").write_text(json.dumps({"image": base, "setup": setup}))
+        res = fila_any("submit", "--queue", pg_url, "--root", str(sub.path), "--id", "envpg2",
+                       "--engine", "shell", "--command", "true",
+                       "-t", "a.txt", "-t", "fila-environment.json")  # fmt: skip
+        assert res.exit_code == 0, res.output
+        _docker("tag", "fila/base-busybox:local", base)
+        res = fila_any("worker", "--queue", pg_url, "--root", str(runner.path), "--host-id", "e1", "--once",
+                       "--engine", "shell")  # fmt: skip
+        other = q.get("envpg2")
+        assert other.status == "failed" and other.error and other.error.kind == "environment", other
+        assert "submitted for an environment made of" in other.error.message, other.error
+        assert other.environment is not None and other.environment.pinned == other.task.environment_digest
+        assert other.environment.digest != other.environment.pinned and not other.container_started
+    finally:
+        _docker("rmi", base)
 
 
 PRIVATE_USER, PRIVATE_PASSWORD = "corp", "corp-index-password-5f0c9e2a71"
