@@ -266,7 +266,9 @@ def _build_base(root: Root, backend: Backend, spec: EnvSpec, setup: Policy, limi
         tag,
         # The Dockerfile's own LABEL lines survive the build: a key there is not fila's.
         labels={LABEL: "base", KEY_LABEL: ""},
-        nocache=False,
+        # Never the builder's cache, in or out: a layer one project fetched (through a route's
+        # token, or an allowlist) must not serve another project's identical RUN line.
+        nocache=True,
         progress=lambda line: progress(f"environment: {line}"),
         dockerfile=name,
         target=spec.build.target,
@@ -285,8 +287,6 @@ def _build_base(root: Root, backend: Backend, spec: EnvSpec, setup: Policy, limi
         return None
     state = envs_dir(root) / f"build-{secrets.token_hex(6)}"
     failed: FilaError | None = None
-    # Never the builder's cache: a layer one project fetched through a route (its token) or an
-    # allowlist must not be handed to another project's identical RUN line.
     try:
         with backend.build_gateway(  # type: ignore[attr-defined]
             # The task's own id: a sweep beside it sees the task's claim and leaves it alone.
@@ -294,7 +294,7 @@ def _build_base(root: Root, backend: Backend, spec: EnvSpec, setup: Policy, limi
             labels={"fila.root": str(root.path), "fila.role": "env-build"},
         ) as gateway:  # fmt: skip
             try:
-                build(buildargs={**gateway.env, **spec.build.args}, network=gateway.network, nocache=True)
+                build(buildargs={**gateway.env, **spec.build.args}, network=gateway.network)
             except FilaError as e:  # said once the gateway's record is read (below)
                 failed = e
     finally:
