@@ -10,7 +10,10 @@ import contextlib
 import json
 import secrets
 import shlex
+import shutil
+import socket
 import subprocess
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -260,6 +263,54 @@ def test_a_project_dockerfile_is_built_through_the_setups_gateway(tmp_path: Path
     setup_policy(root, pkgindex, allow=[], timeout_ms=3000)
     rec = submit_run(root, "true")
     assert rec["status"] == "failed" and "environment.timeout_ms 3000" in rec["error"]["message"], rec
+
+
+class HostUdp:
+    """A UDP service of the host bound to [::]: what it received (it answers each datagram)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
+        self.sock.bind(("::", 0))
+        self.sock.settimeout(120)
+        self.port = self.sock.getsockname()[1]
+        self.got: list[bytes] = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            data, addr = self.sock.recvfrom(4096)
+            self.got.append(data)
+            self.sock.sendto(b"answer-of-the-host-service", addr)
+
+
+def test_a_dockerfile_run_step_with_raw_sockets_does_not_reach_the_host(
+    tmp_path: Path, pkgindex: Any
+) -> None:
+    """A RUN step keeps Docker's default NET_RAW (the classic builder sets no capabilities): on its
+    gateway's job network it reaches pypi.test through the gateway, and the host is closed to its
+    bridge, so raw frames find no host address: a service of the host bound to [::] hears nothing."""
+    root = make_root(tmp_path / "raw")
+    dc = root.path / ".devcontainer"
+    dc.mkdir()
+    shutil.copy(Path(__file__).parent / "fixtures" / "raw_v6_probe.txt", dc / "probe.py")
+    fetch = f"pip download -q --no-deps -d /opt/wheels -i {pkgindex.pypi_url} --trusted-host pypi.test six"
+    host = HostUdp()
+    try:
+        (dc / "Dockerfile").write_text(
+            f"FROM {pkgindex.testenv_image}\nRUN {fetch}\nCOPY probe.py /probe.py\n"
+            f"RUN python3 /probe.py {host.port} | tee /opt/probe.txt\n"
+        )
+        (dc / "devcontainer.json").write_text(
+            json.dumps({"build": {"dockerfile": "Dockerfile", "context": "."}})
+        )
+        setup_policy(root, pkgindex, allow=[pkgindex.allow()[0]])  # pypi.test only
+        rec = submit_run(root, "cat /opt/probe.txt > probe.txt; ls /opt/wheels > whl.txt")
+    finally:
+        host.sock.close()
+    assert rec["status"] == "needs_review", rec
+    patch = (root.path / rec["patch_path"]).read_text()
+    assert "+six-" in patch, patch  # the allowed counterpart: the listed index, through the gateway
+    assert "+RESULT no host" in patch and not host.got, (patch, host.got)
 
 
 def _docker(*args: str) -> str:

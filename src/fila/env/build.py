@@ -266,18 +266,24 @@ def _build_base(root: Root, backend: Backend, spec: EnvSpec, setup: Policy, limi
         tag,
         # The Dockerfile's own LABEL lines survive the build: a key there is not fila's.
         labels={LABEL: "base", KEY_LABEL: ""},
-        nocache=False,
+        # Never the builder's cache, in or out: a layer one project fetched (through a route's
+        # token, or an allowlist) must not serve another project's identical RUN line.
+        nocache=True,
         progress=lambda line: progress(f"environment: {line}"),
         dockerfile=name,
         target=spec.build.target,
         limits={"memory": memory, "memswap": memory, "cpushares": max(2, int(1024 * limits.cpus))},
         deadline_s=limits.timeout_ms / 1000,
     )
-    if setup.egress is None:
+    refused = backend.build_network_refusal() if setup.egress is not None else None  # type: ignore[attr-defined]
+    if refused is not None:
+        progress(f"warning: the Dockerfile's RUN steps get no network: {refused} (docs/environments.md)")
+    if setup.egress is None or refused is not None:
         try:
             build(buildargs=dict(spec.build.args), network="none")
         except FilaError as e:
-            raise _not_built(e, spec, limits, None) from e
+            offline = refused or "the policy's environment.allow is empty"
+            raise _not_built(e, spec, limits, None, offline) from e
         return None
     state = envs_dir(root) / f"build-{secrets.token_hex(6)}"
     failed: FilaError | None = None
@@ -296,12 +302,14 @@ def _build_base(root: Root, backend: Backend, spec: EnvSpec, setup: Policy, limi
     for w in gateway.warnings:
         progress(f"warning: {w}")
     if failed is not None:
-        raise _not_built(failed, spec, limits, gateway.egress) from failed
+        raise _not_built(failed, spec, limits, gateway.egress, None) from failed
     return gateway.egress
 
 
-def _not_built(e: FilaError, spec: EnvSpec, limits: SetupPolicy, egress: EgressRecord | None) -> InvalidInput:
-    """The build's failure `e` said as the environment's, with the hosts its gateway refused."""
+def _not_built(e: FilaError, spec: EnvSpec, limits: SetupPolicy, egress: EgressRecord | None,
+               offline: str | None) -> InvalidInput:  # fmt: skip
+    """The build's failure `e` said as the environment's, with the hosts its gateway refused, or
+    why it had no network (`offline`)."""
     assert spec.build is not None
     message = f"the environment's Dockerfile {spec.build.dockerfile} did not build: {e.message}"
     if isinstance(e, LimitExceeded):
@@ -310,9 +318,9 @@ def _not_built(e: FilaError, spec: EnvSpec, limits: SetupPolicy, egress: EgressR
             hint="make the build faster, or raise the policy's environment.timeout_ms",
         )
     refused = sorted({f"{r.host}:{r.port}" for r in (egress.requests if egress else []) if not r.allowed})
-    if egress is None:
-        message += "; its RUN steps have no network (the policy's environment.allow is empty)"
-        hint = "list the hosts its RUN steps need in the policy's environment.allow"
+    if offline is not None:
+        message += f"; its RUN steps have no network ({offline})"
+        hint = "list the hosts its RUN steps need in the policy's environment.allow (docs/environments.md)"
     elif refused:
         message += f"; its gateway refused {', '.join(refused[:10])} (not in environment.allow)"
         hint = "list the hosts its RUN steps need in the policy's environment.allow, or drop those steps"

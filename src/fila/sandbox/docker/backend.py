@@ -300,6 +300,14 @@ class DockerBackend(Backend):
         with self.client() as c:
             envstore.fill_volume(c, image, source, name, labels, max_bytes=max_bytes)
 
+    def build_network_refusal(self) -> str | None:
+        """Why a project Dockerfile's RUN steps cannot have a gateway's network here (None: they
+        can): the bridge must be closed to the host first (hostseal)."""
+        from . import hostseal
+
+        with self.client() as c:
+            return hostseal.refusal(c)
+
     @contextlib.contextmanager
     def build_gateway(
         self, *, job_id: str, policy: Policy, state: Path, labels: dict[str, str]
@@ -378,10 +386,12 @@ class DockerBackend(Backend):
         self, root: Path, meta_dir: Path, has_claim: Callable[[str, str | None], bool]
     ) -> list[str]:
         from . import egress as docker_egress
+        from . import hostseal
 
         with self.client() as c:
             try:
-                return docker_egress.sweep(c, root, meta_dir, has_claim)
+                # After the networks: a seal whose bridge is gone is a killed build's.
+                return docker_egress.sweep(c, root, meta_dir, has_claim) + hostseal.remove_stale()
             except DOCKER_ERRORS as e:
                 raise InfraError(f"{self.name} failed while sweeping job networks: {e}") from e
 

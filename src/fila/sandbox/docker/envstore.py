@@ -150,14 +150,17 @@ def build_gateway(
 ) -> Iterator[BuildGateway]:
     """A gateway of its own for one build, as a setup container's (the policy's allowlist, its
     record, its job network internal, the gateway its only way out), serving before the build
-    starts; read and removed after it, whatever the build did."""
-    from . import egress
+    starts, the job network's bridge closed to the host (hostseal: the caller checked
+    hostseal.refusal); read and removed after it, whatever the build did."""
+    from . import egress, hostseal
 
     uid, gid = run_as()
     gw = egress.start(client, job_id=job_id, policy=policy, state=state, labels=labels, uid=uid, gid=gid)
     out = BuildGateway(network=gw.network, env=gw.engine_env())
     try:
-        yield out
+        # The RUN steps keep NET_RAW: the host is closed to their bridge before the first one.
+        with hostseal.sealed(hostseal.bridge_of(client, gw.network), job_id):
+            yield out
     finally:
         try:
             out.egress, out.warnings = egress.read(client, gw)

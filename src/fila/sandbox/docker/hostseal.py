@@ -1,0 +1,111 @@
+"""A job network's bridge closed to the host itself (docs/environments.md, "A project
+Dockerfile").
+
+A project Dockerfile's RUN steps run in the classic builder's containers, whose capabilities fila
+cannot set: they keep Docker's default NET_RAW. With it a step writes raw frames on its job
+network's bridge and so reaches the host's own addresses through it (the bridge's IPv6 link-local
+address both ways; any host address one way), past the internal network's routing, which only
+binds ordinary sockets. fila's jobs and setups never have NET_RAW; a build's gateway network is
+the one place it meets a bridge, so there the host drops, for that bridge, every packet addressed
+to the host (iptables and ip6tables INPUT rules, inserted before the build, deleted after it;
+traffic between the build and its gateway is bridged, never the host's INPUT). Only a root
+process beside a local daemon can do it: elsewhere `refusal` says why and the build gets no network.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import docker
+
+from ...core.errors import InfraError
+
+TOOLS = ("iptables", "ip6tables")
+COMMENT_PREFIX = "fila-build-seal"
+
+
+def bridge_of(client: docker.DockerClient, network: str) -> str:
+    """The Linux bridge behind the Docker network `network` (its driver's own name, or br-<id>)."""
+    attrs = client.api.inspect_network(network)
+    return (attrs.get("Options") or {}).get("com.docker.network.bridge.name") or f"br-{attrs['Id'][:12]}"
+
+
+def refusal(client: docker.DockerClient) -> str | None:
+    """Why this process cannot close a bridge to the host (None: it can): it is not root, the
+    firewall tools are missing, or the daemon is not on this host's network stack."""
+    if os.geteuid() != 0:
+        return "closing the build's bridge to the host needs root (iptables)"
+    missing = [t for t in TOOLS if shutil.which(t) is None]
+    if missing:
+        return f"closing the build's bridge to the host needs {' and '.join(missing)}"
+    base = str(getattr(client.api, "base_url", ""))
+    if base != "http+docker://localhost":  # the SDK's name for a unix socket; tcp and ssh are remote
+        return f"the Docker daemon is not on this host ({base}): its bridges are not this host's"
+    return None
+
+
+@contextlib.contextmanager
+def sealed(bridge: str, label: str) -> Iterator[None]:
+    """The host deaf to `bridge` for the block: a DROP rule in INPUT for each address family,
+    tagged with `label` (the build's job id) so a crash's leftovers are found and removed
+    (`remove_stale`). InfraError when the bridge is not on this host or a rule cannot be set."""
+    if not Path("/sys/class/net", bridge).exists():
+        raise InfraError(f"the build's bridge {bridge} is not on this host's network stack")
+    rule = _rule(bridge, f"{COMMENT_PREFIX}:{label}")
+    done: list[str] = []
+    try:
+        for tool in TOOLS:
+            _run(tool, "-I", *rule)
+            done.append(tool)
+        yield
+    finally:
+        for tool in done:
+            _run(tool, "-D", *rule, check=False)
+
+
+def remove_stale() -> list[str]:
+    """Delete the seal rules whose bridge is gone (a build killed before it could delete its own);
+    returns what was removed, described."""
+    if os.geteuid() != 0:
+        return []
+    present = set(os.listdir("/sys/class/net"))
+    removed = []
+    for tool in TOOLS:
+        if shutil.which(tool) is None:
+            continue
+        for line in _run(tool, "-S", "INPUT", check=False).splitlines():
+            parts = line.split()
+            if parts[:2] != ["-A", "INPUT"] or "--comment" not in parts or "-i" not in parts:
+                continue
+            comment = parts[parts.index("--comment") + 1].strip('"')
+            bridge = parts[parts.index("-i") + 1]
+            if comment.startswith(COMMENT_PREFIX + ":") and bridge not in present:
+                _run(tool, "-D", *_rule(bridge, comment), check=False)
+                removed.append(f"{tool} rule for the gone bridge {bridge}")
+    return removed
+
+
+def _rule(bridge: str, comment: str) -> list[str]:
+    return ["INPUT", "-i", bridge, "-m", "comment", "--comment", comment, "-j", "DROP"]
+
+
+def _run(tool: str, *args: str, check: bool = True) -> str:
+    try:
+        done = subprocess.run(
+            [tool, "-w", "5", *args], capture_output=True, text=True, timeout=30, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        if check:
+            raise InfraError(f"{tool} {' '.join(args[:2])} failed: {e}") from None
+        return ""
+    if check and done.returncode != 0:
+        raise InfraError(
+            f"{tool} {' '.join(args[:3])} failed ({done.returncode}): {done.stderr.strip()[:300]}",
+            hint="a project Dockerfile's build needs its bridge closed to the host; check the firewall",
+        )
+    return done.stdout
