@@ -40,6 +40,11 @@ COPY --from=tools/lint:1 /bin/lint /bin/
 
 def test_a_dockerfile_names_only_its_stages_and_local_images_and_nothing_remote() -> None:
     assert dockerfile.references(OK) == [(3, "base/python:3"), (15, "tools/lint:1")]
+    # Windows line ends and tabs are text: read as the builder reads them.
+    assert dockerfile.references(OK.replace("\n", "\r\n").replace("    make", "\tmake")) == [
+        (3, "base/python:3"),
+        (15, "tools/lint:1"),
+    ]
     bad = {
         "FROM debian\nADD https://example.com/x.tgz /x\n": "fetched by the daemon",
         "FROM debian\nADD \\\n  http://h/$SECRET /x\n": "fetched by the daemon",
@@ -52,6 +57,18 @@ def test_a_dockerfile_names_only_its_stages_and_local_images_and_nothing_remote(
         "FROM debian\nRUN --network=host curl x\n": "RUN flag --network",
         "FROM debian\nONBUILD ADD http://h/x /x\n": "'ONBUILD' is not one fila reads",
         "# escape=`\nFROM debian\nADD `\n  http://h/x /x\n": "escape",
+        # What the daemon's word processing undoes (quotes, escapes) is refused, not undone: the
+        # daemon would fetch each of these (the audit's proofs, tests/test_env_run.py).
+        'FROM debian\nADD "http://h/x" /x\n': "not a plain path",
+        "FROM debian\nADD 'http://h/x' /x\n": "not a plain path",
+        "FROM debian\nADD http\\://h/x /x\n": "not a plain path",
+        "FROM debian\nADD h\\ttp://h/x /x\n": "not a plain path",
+        'FROM debian\nADD ["h\\\\ttp://h/x", "/x"]\n': "not a plain path",
+        'FROM "debian"\n': "a quote or an escape",
+        # Python breaks lines at these, the builder only at \n: read two ways, so refused.
+        "FROM debian\nRUN echo \\\x1cADD http://h/x /x\n": "control character U+001C",
+        "FROM debian\nRUN echo \\\x0cADD http://h/x /x\n": "control character U+000C",
+        "FROM debian\nRUN echo \\\u2028ADD http://h/x /x\n": "control character U+2028",
     }
     for text, said in bad.items():
         with pytest.raises(InvalidEnvironment) as e:

@@ -171,6 +171,8 @@ def resolve_base(
     # A base built under one allowlist is not another's: the network is part of its tag.
     allow = setup.egress
     network = allow.model_dump(mode="json", include={"allow", "allow_private", "learn"}) if allow else None
+    if allow is not None and allow.routes:  # what each route sends where, never its credential
+        network["routes"] = {n: list(egress.route_shape(n, r)) for n, r in sorted(allow.routes.items())}
     ident = json.dumps({**base, "network": network}, sort_keys=True).encode()
     tag = f"{IMAGE_REPO}-base:{hashlib.sha256(ident).hexdigest()[:32]}"
     info = backend.image_info(tag)

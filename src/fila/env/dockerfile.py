@@ -1,15 +1,17 @@
-"""What a project's Dockerfile may name (docs/environments.md, "The base"): read before it is
-built, because `network_mode: none` binds only its RUN steps. The daemon itself fetches an `ADD`
-URL or git source and pulls a `FROM` image it lacks, and `COPY --from` reads any local image (an
-environment of another project). So: no remote source, and every image the build starts from or
-copies from is one of its own stages or a local image the policy's `images` allow (checked by the
-caller, env/build.resolve_base), named without a variable.
+"""What a project's Dockerfile may name (docs/environments.md, "A project Dockerfile"): read before
+it is built, because the build's network (none, or its gateway's) binds only its RUN steps. The
+daemon itself fetches an `ADD` URL or git source and pulls a `FROM` image it lacks, and `COPY
+--from` reads any local image (an environment of another project). So: no remote source, and every
+image the build starts from or copies from is one of its own stages or a local image the policy's
+`images` allow (checked by the caller, env/build.resolve_base), named without a variable.
 
-The parser follows the classic builder's reading: parser directives first (an `escape` one is
+The parser follows the classic builder's reading: lines end at \\n only (a control character
+Python would break at elsewhere is refused), parser directives first (an `escape` one is
 refused: fila reads only the default `\\`), a line ending in the escape character continues, a
 comment line (also inside a continuation) and an empty line are dropped, instructions are
-case-insensitive, their flags (`--from=`) come first. An instruction fila does not know is refused:
-a Dockerfile fila reads differently from the daemon fails closed.
+case-insensitive, their flags (`--from=`) come first. An instruction fila does not know is refused,
+and so is an image reference or an ADD source holding what the builder's word processing would
+undo (quotes, escapes, variables): a Dockerfile fila reads differently from the daemon fails closed.
 """
 
 from __future__ import annotations
@@ -50,10 +52,26 @@ class Instruction:
     args: list[str]  # the JSON form's items, or the shell form's words
 
 
+# What Python's str.splitlines breaks at besides \n and \r, and the other control characters: the
+# classic builder breaks lines at \n only, so a Dockerfile holding one is read two ways (refused).
+_UNREAD = re.compile("[\x00-\x08\x0b-\x0c\x0e-\x1f\x7f\x85\u2028\u2029]")
+# Characters the builder's word processing consumes in ADD, COPY --from and FROM arguments (quotes,
+# escapes, variables): an argument holding one means something else to the daemon than as written.
+_REWRITTEN = re.compile(r"[\"'\\$`]")
+
+
 def parse(text: str) -> list[Instruction]:
     """The Dockerfile's instructions as the classic builder reads them. Raises InvalidEnvironment
-    on an escape directive or an unknown instruction."""
-    lines = text.splitlines()
+    on a control character (the builder and Python break lines differently at some), an escape
+    directive or an unknown instruction."""
+    bad = _UNREAD.search(text)
+    if bad is not None:
+        line = text.count("\n", 0, bad.start()) + 1
+        raise InvalidEnvironment(
+            f"the Dockerfile's line {line} holds the control character U+{ord(bad.group()):04X}",
+            hint="a Dockerfile is text: lines end with \\n (a \\r before it is taken), tabs are kept",
+        )
+    lines = [line.removesuffix("\r") for line in text.split("\n")]
     for raw in lines:
         m = _DIRECTIVE.match(raw)
         if m is None:
@@ -123,8 +141,9 @@ def references(text: str) -> list[tuple[int, str]]:
         )
 
     def image(ins: Instruction, ref: str, *, index: bool = False) -> None:
-        if "$" in ref:
-            raise refuse(ins, f"{escape_name(ref)[:100]!r} names its image with a variable")
+        if _REWRITTEN.search(ref):
+            why = "names its image with a variable, a quote or an escape"
+            raise refuse(ins, f"{escape_name(ref)[:100]!r} {why}")
         if ref.lower() in stages or ref.lower() == "scratch":
             return
         if index and ref.isdigit():
@@ -145,9 +164,11 @@ def references(text: str) -> list[tuple[int, str]]:
                 image(ins, ins.flags["from"], index=True)
             if ins.keyword == "ADD":
                 for src in ins.args[:-1]:
-                    if _REMOTE.match(src) or "$" in src:
+                    # Read as the daemon reads it: a quote, an escape or a variable is refused, not undone.
+                    if _REMOTE.match(src) or _REWRITTEN.search(src) or "://" in src:
                         raise refuse(ins, f"source {escape_name(src)[:100]!r} is fetched by the daemon, "
-                                          "past the build's network bounds")  # fmt: skip
+                                          "past the build's network bounds, or is not a plain path "
+                                          "(no quotes, escapes or variables in an ADD source)")  # fmt: skip
         elif ins.keyword == "RUN" and ins.flags:
             raise refuse(
                 ins, f"RUN flag --{escape_name(next(iter(ins.flags)))[:40]} is not the classic builder's"
