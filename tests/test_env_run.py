@@ -304,13 +304,15 @@ def engine_fix(
     root: Root, idx: Any, ups: Any, engine: str, route: str, prompt: str, check: str
 ) -> dict[str, Any]:
     """`engine` on the project's environment under a policy routing it to the scripted model server
-    (whose script the caller set), with a setup that reaches the local indexes: its record."""
+    (whose script the caller set), with a setup that reaches the local indexes `idx` (None: a
+    declaration without setup): its record."""
     from tests.support.engines import E2E_ENGINES, KEY_VAR
     from tests.support.policy import model_policy, model_route
 
     doc = model_policy(ups, {route: model_route(ups, KEY_VAR)})
-    doc["environment"] = {"allow": idx.allow(), "allow_private": [idx.subnet],
-                          "egress_network": idx.network, "timeout_ms": 300_000}  # fmt: skip
+    if idx is not None:
+        doc["environment"] = {"allow": idx.allow(), "allow_private": [idx.subnet],
+                              "egress_network": idx.network, "timeout_ms": 300_000}  # fmt: skip
     write_policy(root, engine, doc)
     res = fila(
         root,
@@ -361,20 +363,29 @@ def test_claude_runs_the_projects_tests_in_its_environment_fixes_the_code_and_th
     assert any("1 passed" in r for r in ran[-1:]), ran[-1:]
 
 
+# In aider's layer, its Python imports its heavy modules and reads which files it has mapped: its
+# interpreter, loader, libc and every library, all from its prefix (never the environment's /lib).
+AIDER_MAPS = (
+    "/opt/aider/bin/python -I -c 'import aider.main, litellm, numpy, PIL.Image, ssl, sqlite3; "
+    'maps = {f[5] for f in map(str.split, open("/proc/self/maps")) if len(f) > 5 and f[5][0] == "/"}; '
+    'print("mapped", len(maps), "outside", sorted(m for m in maps if not m.startswith("/opt/aider/")))\''
+)
+
+
 @pytest.mark.engines
 @pytest.mark.matrix  # each engine's layer once more (a minute): scripts/test --all
 def test_every_engine_answers_on_a_python_and_node_18_environment_and_the_projects_runtimes_stay(
     tmp_path: Path, pkgindex: Any
 ) -> None:
     """Each engine's CLI layered on the project's image (Python 3.11 and Node 18: fila/testenv)
-    answers `--version`, while `node` and `python3` on PATH stay the project's; aider, whose
-    Python is its image's, is refused with the reason."""
+    answers `--version`, while `node` and `python3` on PATH stay the project's; aider's Python
+    loads nothing from the environment's own libraries, which are there."""
     from fila.engines import get_engine
     from fila.sandbox.docker.backend import DockerBackend
 
     root = make_root(tmp_path / "p")
     (root.path / "fila-environment.json").write_text(json.dumps({"image": pkgindex.testenv_image}))
-    engines = ["claude", "codex", "gemini", "qwen", "opencode", "shell"]
+    engines = ["claude", "codex", "gemini", "qwen", "opencode", "aider", "shell"]
     res = fila(root, "env", "build", *(a for e in engines for a in ("-e", e)), "--json")
     assert res.exit_code == 0, res.output
     built = json.loads(res.stdout)
@@ -387,8 +398,52 @@ def test_every_engine_answers_on_a_python_and_node_18_environment_and_the_projec
         )
         assert code == 0, (name, out)
         assert "v18." in out and "/usr/bin/python3" in out, (name, out)
-    res = fila(root, "env", "build", "-e", "aider")
-    assert res.exit_code != 0 and "aider" in res.output and "not self-contained" in res.output, res.output
+    image = built["engine_images"]["aider"]["tag"]
+    code, out = backend.smoke_run(
+        image, ("/bin/sh", "-c", f"ls /lib/x86_64-linux-gnu/libz.so.1 && {AIDER_MAPS}")
+    )
+    assert code == 0 and "outside []" in out, out
+
+
+@pytest.mark.engines
+def test_aider_brings_its_own_python_to_an_environment_without_one_and_fixes_a_file_through_the_gateway(
+    tmp_path: Path, upstreams: Any, gateway_image: str, shell_image: Any, docker_client: Any
+) -> None:
+    """A project whose environment has no Python and no glibc (busybox: fila/shell): aider's layer
+    runs its own Python from its prefix, loads only the prefix's files, and neither the project's
+    PYTHONPATH nor its LD_LIBRARY_PATH reach it; an aider task on it, driven by the scripted model
+    server, edits the file and the check (busybox's grep) passes."""
+    from fila.sandbox.docker.backend import DockerBackend
+    from tests.support.engines import engine_image
+
+    engine_image(docker_client, "aider")
+    root = make_root(tmp_path / "bb")
+    (root.path / "fila-environment.json").write_text(json.dumps({"image": shell_image.tag}))
+    (root.path / "greeting.txt").write_text("helo\n")
+    upstreams.set_script([{"protocol": "openai", "reply": {"text": "greeting.txt\n```\nhello\n```\n"}}])
+    rec = engine_fix(root, None, upstreams, "aider", "openai", "fix the typo", "grep -qx hello greeting.txt")
+    assert rec["status"] == "needs_review", (rec["error"], rec["_output"][-2000:])
+    assert rec["image"]["tag"].startswith("fila/env-aider:") and rec["environment"]["how"] == "built"
+    assert rec["check"]["passed"] is True, rec["check"]
+    assert rec["diffstat"]["paths"] == ["greeting.txt"], rec["diffstat"]
+    backend = DockerBackend(docker_client)
+
+    def run(script: str) -> tuple[int | None, str]:
+        return backend.smoke_run(rec["image"]["tag"], ("/bin/sh", "-c", script))
+
+    code, out = run(
+        f"! command -v python3 && ! test -e /lib/x86_64-linux-gnu && aider --version && {AIDER_MAPS}"
+    )
+    assert code == 0 and "aider 0.86.2" in out and "outside []" in out, out
+    # A project's module and library where its variables point: a Python that reads PYTHONPATH
+    # imports the project's module (the trap is real)...
+    shadow = "mkdir /tmp/p && : > /tmp/p/libz.so.1 && "
+    shadow += "echo 'raise SystemExit(\"the project shtab\")' > /tmp/p/shtab.py"
+    code, out = run(f"{shadow} && PYTHONPATH=/tmp/p /opt/aider/bin/python -c 'import shtab'")
+    assert code == 1 and "the project shtab" in out, out
+    # ...aider, launched as a task launches it, imports its own and loads its own libz.
+    code, out = run(f"{shadow} && PYTHONPATH=/tmp/p LD_LIBRARY_PATH=/tmp/p aider --version")
+    assert code == 0 and "aider 0.86.2" in out, out
 
 
 DUR = "const ms = require('ms');\nmodule.exports = (s) => ms(s) + 1;\n"
