@@ -46,9 +46,8 @@ def ldd(path: Path, loader: str = "ldd") -> list[tuple[str, str | None]]:
     """(name, resolved path or None) of each library `path` loads, as `loader` resolves them."""
     # What ldd does with the system's loader, done with `loader`: a library not found is a
     # `=> not found` line, not an error.
-    argv = [loader, path] if loader == "ldd" else [loader, path]
     env = None if loader == "ldd" else {"LD_TRACE_LOADED_OBJECTS": "1"}
-    res = subprocess.run(argv, capture_output=True, text=True, env=env)
+    res = subprocess.run([loader, str(path)], capture_output=True, text=True, env=env)
     out = res.stdout + res.stderr
     if "not a dynamic executable" in out or "statically linked" in out:
         return []
