@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import secrets
 import shlex
 import shutil
@@ -375,13 +376,15 @@ def engine_fix(
     root: Root, idx: Any, ups: Any, engine: str, route: str, prompt: str, check: str
 ) -> dict[str, Any]:
     """`engine` on the project's environment under a policy routing it to the scripted model server
-    (whose script the caller set), with a setup that reaches the local indexes: its record."""
+    (whose script the caller set), with a setup that reaches the local indexes `idx` (None: a
+    declaration without setup): its record."""
     from tests.support.engines import E2E_ENGINES, KEY_VAR
     from tests.support.policy import model_policy, model_route
 
     doc = model_policy(ups, {route: model_route(ups, KEY_VAR)})
-    doc["environment"] = {"allow": idx.allow(), "allow_private": [idx.subnet],
-                          "egress_network": idx.network, "timeout_ms": 300_000}  # fmt: skip
+    if idx is not None:
+        doc["environment"] = {"allow": idx.allow(), "allow_private": [idx.subnet],
+                              "egress_network": idx.network, "timeout_ms": 300_000}  # fmt: skip
     write_policy(root, engine, doc)
     res = fila(
         root,
@@ -432,20 +435,36 @@ def test_claude_runs_the_projects_tests_in_its_environment_fixes_the_code_and_th
     assert any("1 passed" in r for r in ran[-1:]), ran[-1:]
 
 
+# In aider's layer, its Python imports its heavy modules and reads which shared objects it has
+# mapped: its interpreter, loader, libc and every library, all from its prefix (never the
+# environment's /lib). (glibc reads the environment's locale data, which is not code.)
+AIDER_MAPS = (
+    "/opt/aider/bin/python -I -c 'import aider.main, litellm, numpy, PIL.Image, ssl, sqlite3; "
+    'maps = {f[5] for f in map(str.split, open("/proc/self/maps")) if len(f) > 5 and ".so" in f[5]}; '
+    'print("mapped", len(maps), "outside", sorted(m for m in maps if not m.startswith("/opt/aider/")))\''
+)
+
+
+def only_aiders_libraries(out: str) -> bool:
+    """AIDER_MAPS said it mapped its libraries (numpy's, PIL's, ssl's: dozens), none outside."""
+    seen = re.search(r"mapped (\d+) outside \[\]", out)
+    return seen is not None and int(seen.group(1)) > 20
+
+
 @pytest.mark.engines
 @pytest.mark.matrix  # each engine's layer once more (a minute): scripts/test --all
 def test_every_engine_answers_on_a_python_and_node_18_environment_and_the_projects_runtimes_stay(
     tmp_path: Path, pkgindex: Any
 ) -> None:
     """Each engine's CLI layered on the project's image (Python 3.11 and Node 18: fila/testenv)
-    answers `--version`, while `node` and `python3` on PATH stay the project's; aider, whose
-    Python is its image's, is refused with the reason."""
+    answers `--version`, while `node` and `python3` on PATH stay the project's; aider's Python
+    loads nothing from the environment's own libraries, which are there."""
     from fila.engines import get_engine
     from fila.sandbox.docker.backend import DockerBackend
 
     root = make_root(tmp_path / "p")
     (root.path / "fila-environment.json").write_text(json.dumps({"image": pkgindex.testenv_image}))
-    engines = ["claude", "codex", "gemini", "qwen", "opencode", "shell"]
+    engines = ["claude", "codex", "gemini", "qwen", "opencode", "aider", "shell"]
     res = fila(root, "env", "build", *(a for e in engines for a in ("-e", e)), "--json")
     assert res.exit_code == 0, res.output
     built = json.loads(res.stdout)
@@ -458,8 +477,67 @@ def test_every_engine_answers_on_a_python_and_node_18_environment_and_the_projec
         )
         assert code == 0, (name, out)
         assert "v18." in out and "/usr/bin/python3" in out, (name, out)
-    res = fila(root, "env", "build", "-e", "aider")
-    assert res.exit_code != 0 and "aider" in res.output and "not self-contained" in res.output, res.output
+    # An empty libz where LD_LIBRARY_PATH points stops the project's python3; aider loads its own.
+    script = " && ".join([
+        "ls /lib/x86_64-linux-gnu/libz.so.1", AIDER_MAPS, "mkdir /tmp/p", ": > /tmp/p/libz.so.1",
+        "{ LD_LIBRARY_PATH=/tmp/p python3 -c 1; echo project python $?; }",
+        "LD_LIBRARY_PATH=/tmp/p aider --version",
+    ])  # fmt: skip
+    code, out = backend.smoke_run(built["engine_images"]["aider"]["tag"], ("/bin/sh", "-c", script))
+    assert code == 0 and only_aiders_libraries(out), out
+    assert "libz.so.1: file too short" in out and "project python 127" in out and "aider 0.86.2" in out, out
+
+
+@pytest.mark.engines
+def test_aider_brings_its_own_python_to_an_environment_without_one(
+    tmp_path: Path, shell_image: Any, docker_client: Any
+) -> None:
+    """A project whose environment has no Python and no glibc (busybox: fila/shell): aider's layer
+    runs its own Python from its prefix and loads only the prefix's shared objects, and neither
+    the project's PYTHONPATH nor its LD_LIBRARY_PATH reach it."""
+    from fila.sandbox.docker.backend import DockerBackend
+    from tests.support.engines import engine_image
+
+    engine_image(docker_client, "aider")
+    root = make_root(tmp_path / "bb")
+    (root.path / "fila-environment.json").write_text(json.dumps({"image": shell_image.tag}))
+    res = fila(root, "env", "build", "-e", "aider", "--json")
+    assert res.exit_code == 0, res.output
+    image = json.loads(res.stdout)["engine_images"]["aider"]["tag"]
+    # A project's module and library where its variables point: a Python that reads PYTHONPATH
+    # imports the project's module (the trap is real); aider, launched as a task launches it,
+    # imports its own and loads its own libz.
+    shadow = "mkdir /tmp/p && : > /tmp/p/libz.so.1 && "
+    shadow += "echo 'raise SystemExit(\"the project shtab\")' > /tmp/p/shtab.py"
+    script = " && ".join([
+        "! command -v python3", "! test -e /lib/x86_64-linux-gnu", "aider --version", AIDER_MAPS, shadow,
+        "{ PYTHONPATH=/tmp/p /opt/aider/bin/python -c 'import shtab'; echo plain python $?; }",
+        "PYTHONPATH=/tmp/p LD_LIBRARY_PATH=/tmp/p aider --version",
+    ])  # fmt: skip
+    code, out = DockerBackend(docker_client).smoke_run(image, ("/bin/sh", "-c", script))
+    assert code == 0 and out.count("aider 0.86.2") == 2 and only_aiders_libraries(out), out
+    assert "the project shtab\nplain python 1" in out, out
+
+
+@pytest.mark.engines
+@pytest.mark.matrix  # aider's task on an environment once more (a minute): scripts/test --all
+def test_aider_fixes_a_file_on_an_environment_without_python_through_the_gateway(
+    tmp_path: Path, upstreams: Any, gateway_image: str, shell_image: Any, docker_client: Any
+) -> None:
+    """aider's task on the busybox environment, driven by the scripted model server: its shell
+    steps run on busybox, it edits the file, and the check (busybox's grep) passes."""
+    from tests.support.engines import engine_image
+
+    engine_image(docker_client, "aider")
+    root = make_root(tmp_path / "bb")
+    (root.path / "fila-environment.json").write_text(json.dumps({"image": shell_image.tag}))
+    (root.path / "greeting.txt").write_text("helo\n")
+    upstreams.set_script([{"protocol": "openai", "reply": {"text": "greeting.txt\n```\nhello\n```\n"}}])
+    rec = engine_fix(root, None, upstreams, "aider", "openai", "fix the typo", "grep -qx hello greeting.txt")
+    assert rec["status"] == "needs_review", (rec["error"], rec["_output"][-2000:])
+    assert rec["image"]["tag"].startswith("fila/env-aider:") and rec["environment"]["how"] == "built"
+    assert rec["check"]["passed"] is True, rec["check"]
+    assert rec["diffstat"]["paths"] == ["greeting.txt"], rec["diffstat"]
 
 
 DUR = "const ms = require('ms');\nmodule.exports = (s) => ms(s) + 1;\n"

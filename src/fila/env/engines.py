@@ -43,16 +43,26 @@ def _node_cli(name: str, package: str, entry: str) -> Layout:
     )
 
 
+AIDER_PYTHON = "/opt/aider/bin/python3 -I -B -u"
+
 LAYOUTS: dict[str, Layout] = {
     "claude": Layout(copies=(("/usr/local/bin/claude", f"{PREFIX}/bin/claude"),)),
     "opencode": Layout(copies=(("/usr/local/bin/opencode", f"{PREFIX}/bin/opencode"),)),
     "codex": Layout(copies=(("/opt/codex", "/opt/codex"),), path=("/opt/codex/codex-path", "/opt/codex/bin")),
     "gemini": _node_cli("gemini", "/opt/gemini", "bundle/gemini.js"),
     "qwen": _node_cli("qwen", "/opt/qwen", "cli-entry.js"),
+    # aider's prefix holds its venv, its Python and every library they load (images/aider): only
+    # `aider` goes on PATH (the prefix's bin/ has a `python3`). -I: the project's PYTHONPATH,
+    # PYTHONHOME and user site never reach aider's Python (-B -u stand for the image's
+    # PYTHONDONTWRITEBYTECODE and PYTHONUNBUFFERED, which -I ignores). GitPython without a `git`
+    # on PATH stays quiet; aider runs with --no-git.
+    "aider": Layout(
+        copies=(("/opt/aider", "/opt/aider"),),
+        launchers=(
+            ("aider", f'#!/bin/sh\nGIT_PYTHON_REFRESH=quiet exec {AIDER_PYTHON} /opt/aider/bin/aider "$@"\n'),
+        ),
+    ),
 }
-# aider is a Python application in a venv over Debian's own python3: not self-contained, so it
-# cannot be lifted onto another image without bringing a Python along (docs/environments.md).
-UNSUPPORTED = {"aider": "aider's venv runs on its image's own python3, which is not self-contained"}
 
 
 def tag_for(engine: str, key: str) -> str:
@@ -71,11 +81,6 @@ def layer(
     """The engine's image on the environment `env_image` (built when missing or stale)."""
     if engine == "shell":
         return env_image
-    if engine in UNSUPPORTED:
-        raise InvalidInput(
-            f"engine {engine!r} cannot run on a project environment yet: {UNSUPPORTED[engine]}",
-            hint='run it on its own image with the task\'s "environment": "none"',
-        )
     layout = LAYOUTS.get(engine)
     if layout is None:
         raise InvalidInput(f"engine {engine!r} has no layout for project environments")
