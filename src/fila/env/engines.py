@@ -3,8 +3,9 @@ engine's CLI and its own runtime copied from its image into a layer on top of th
 under a prefix of its own on PATH first, so the project's `node` and `python` stay the project's.
 The shell engine runs on the environment's image itself: its `sh` is the project's.
 
-Built once per (environment, engine image), tagged `fila/env-<engine>:<key>`, labelled with both
-ids, and checked with the engine's `--version` before a task uses it.
+Built once per (environment, engine image), tagged `fila/env-<engine>:<key>` and labelled with both
+ids (a changed engine image makes a new layer); every engine's `--version` on such layers is
+proven by tests/test_env_run.py, not at run time: a layer that does not start fails its task.
 """
 
 from __future__ import annotations
