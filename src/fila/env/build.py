@@ -255,11 +255,22 @@ def _build_base(root: Root, backend: Backend, spec: EnvSpec, setup: Policy, limi
                 archive: Path, name: str, tag: str, progress: Callable[[str], None], *,
                 job_id: str) -> EgressRecord | None:  # fmt: skip
     """The base built by the daemon's classic builder within the setup's memory (no swap beyond
-    it) and timeout. Under a setup allowlist each RUN step joins the job network of a gateway of
-    the build's own and is given its proxy as build args (Docker's predefined proxy args: never
-    in the image's history), so what a step reaches is the allowlist's, refused and logged like
-    the setup's; with no allowlist, no network. What the builder's API cannot set (a RUN step's
-    capabilities, its pids) is Docker's default (docs/environments.md)."""
+    it), pids (all its RUN steps together, in a cgroup of the build's) and timeout. Under a setup
+    allowlist each RUN step joins the job network of a gateway of the build's own and is given its
+    proxy as build args (Docker's predefined proxy args: never in the image's history), so what a
+    step reaches is the allowlist's, refused and logged like the setup's; with no allowlist, no
+    network. What the builder's API cannot set (a RUN step's capabilities) is Docker's default
+    (docs/environments.md, "A project Dockerfile")."""
+    with backend.build_pids(f"{job_id}-{secrets.token_hex(3)}", limits.pids) as (parent, why):  # type: ignore[attr-defined]
+        if why is not None:
+            progress(f"warning: the Dockerfile's RUN steps get no pids limit: {why} (docs/environments.md)")
+        return _build_in(root, backend, spec, setup, limits, archive, name, tag, progress,
+                         job_id=job_id, cgroup_parent=parent)  # fmt: skip
+
+
+def _build_in(root: Root, backend: Backend, spec: EnvSpec, setup: Policy, limits: SetupPolicy,
+              archive: Path, name: str, tag: str, progress: Callable[[str], None], *,
+              job_id: str, cgroup_parent: str | None) -> EgressRecord | None:  # fmt: skip
     assert spec.build is not None
     memory = parse_size(limits.memory)
     build = functools.partial(
@@ -276,6 +287,7 @@ def _build_base(root: Root, backend: Backend, spec: EnvSpec, setup: Policy, limi
         target=spec.build.target,
         limits={"memory": memory, "memswap": memory, "cpushares": max(2, int(1024 * limits.cpus))},
         deadline_s=limits.timeout_ms / 1000,
+        cgroup_parent=cgroup_parent,
     )
     refused = backend.build_network_refusal() if setup.egress is not None else None  # type: ignore[attr-defined]
     if refused is not None:

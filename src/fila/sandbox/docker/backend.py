@@ -271,6 +271,7 @@ class DockerBackend(Backend):
         target: str | None = None,
         limits: dict[str, int] | None = None,
         deadline_s: float | None = None,
+        cgroup_parent: str | None = None,
     ) -> None:
         """`network`: the build's network instead of the backend's (a project's Dockerfile builds on
         its gateway's job network, or none: docs/environments.md); `dockerfile` relative to the
@@ -290,6 +291,7 @@ class DockerBackend(Backend):
                 target=target,
                 limits=limits,
                 deadline_s=deadline_s,
+                cgroup_parent=cgroup_parent,
             )
 
     # A project environment's store (docs/environments.md): Docker only; the other backends
@@ -307,6 +309,19 @@ class DockerBackend(Backend):
 
         with self.client() as c:
             return hostseal.refusal(c)
+
+    @contextlib.contextmanager
+    def build_pids(self, label: str, pids: int) -> Iterator[tuple[str | None, str | None]]:
+        """For one project Dockerfile's build: the cgroup its RUN steps are made under, holding
+        them to `pids` processes in all (hostseal.pids_parent), or None and why it cannot be."""
+        from . import hostseal
+
+        refused = hostseal.pids_refusal()
+        if refused is not None:
+            yield None, refused
+            return
+        with hostseal.pids_parent(label, pids) as parent:
+            yield parent, None
 
     @contextlib.contextmanager
     def build_gateway(

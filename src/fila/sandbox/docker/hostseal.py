@@ -109,3 +109,53 @@ def _run(tool: str, *args: str, check: bool = True) -> str:
             hint="a project Dockerfile's build needs its bridge closed to the host; check the firewall",
         )
     return done.stdout
+
+
+PIDS_ROOT = Path("/sys/fs/cgroup/pids")
+
+
+def pids_refusal() -> str | None:
+    """Why a build's RUN steps cannot get a pids limit here (None: they can): the limit is a
+    cgroup fila makes as their parent, on cgroup v1's pids hierarchy (the cgroupfs driver)."""
+    if os.geteuid() != 0:
+        return "a pids limit on the build's RUN steps needs root (a cgroup of fila's)"
+    if not (PIDS_ROOT / "pids.max").exists() and not (PIDS_ROOT / "cgroup.procs").exists():
+        return "a pids limit on the build's RUN steps needs cgroup v1's pids hierarchy"
+    return None
+
+
+@contextlib.contextmanager
+def pids_parent(label: str, pids: int) -> Iterator[str]:
+    """A cgroup allowing `pids` processes in all, made for one build: its path (the build's
+    `cgroupparent`: each RUN step's container is made under it, so together they stay under the
+    limit, a fork bomb among them included). Removed after the build, once its steps are gone."""
+    path = PIDS_ROOT / f"fila-build-{label}"
+    try:
+        path.mkdir()
+        (path / "pids.max").write_text(str(pids))
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            path.rmdir()
+        raise InfraError(f"cannot make the build's pids cgroup {path}: {e.strerror or e}") from None
+    try:
+        yield f"/{path.name}"
+    finally:
+        _remove_cgroup(path)
+
+
+def _remove_cgroup(path: Path) -> None:
+    """`path` and what the daemon made under it (each step's cgroup, gone with its container; the
+    daemon may lag a moment)."""
+    import time
+
+    for _ in range(50):
+        try:
+            for child in sorted(path.iterdir(), reverse=True):
+                if child.is_dir():
+                    child.rmdir()
+            path.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.1)
