@@ -159,3 +159,42 @@ def _remove_cgroup(path: Path) -> None:
             return
         except OSError:
             time.sleep(0.1)
+
+
+class SizeWatch:
+    """What a build's RUN steps write, measured while they run (each step's container is found by
+    its cgroup under the build's parent, `pids_parent`, and measured by the daemon): a step past
+    `max_bytes` is killed, so the build fails, and `exceeded` says why. Measured every
+    `period_s` on a connection of its own, until `stop`."""
+
+    def __init__(
+        self, client: docker.DockerClient, parent: str, max_bytes: int, period_s: float = 1.0
+    ) -> None:
+        import threading
+
+        self.client, self.path, self.max_bytes, self.period_s = (
+            client,
+            PIDS_ROOT / parent.lstrip("/"),
+            max_bytes,
+            period_s,
+        )
+        self.exceeded: str | None = None
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="fila-build-size", daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        while not self.stopped.wait(self.period_s):
+            with contextlib.suppress(OSError, docker.errors.DockerException):
+                for cid in [p.name for p in self.path.iterdir() if p.is_dir()]:
+                    found = self.client.api.containers(all=True, filters={"id": cid}, size=True)
+                    # The image the step runs on and what it wrote: the image it would leave.
+                    size = int((found[0] if found else {}).get("SizeRootFs") or 0)
+                    if size > self.max_bytes:
+                        limit = f"environment.max_image_bytes {self.max_bytes}"
+                        self.exceeded = f"a RUN step made its image {size} bytes, over {limit}"
+                        self.client.api.kill(cid)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join(timeout=10)
