@@ -314,6 +314,35 @@ def test_a_dockerfile_run_step_with_raw_sockets_does_not_reach_the_host(
     assert "+RESULT no host" in patch and not host.got, (patch, host.got)
 
 
+def test_a_dockerfile_run_step_is_held_to_the_setups_pids_and_size(tmp_path: Path, pkgindex: Any) -> None:
+    """The builder sets no pids or size limit on a RUN step: fila makes the build's steps children
+    of a cgroup of its own holding them to environment.pids, so 20 processes run and 200 cannot
+    start (what a fork bomb would hit first), and measures what each step writes while it runs."""
+    root = make_root(tmp_path / "pids")
+    (root.path / "fila-environment.json").write_text(json.dumps({"build": {"dockerfile": "Dockerfile"}}))
+    setup_policy(root, pkgindex, allow=[], pids=64)
+    spawn = "RUN n=0; while [ $n -lt {} ]; do sleep 20 & n=$((n+1)); done; kill $(jobs -p); echo ok > /opt/p"
+    (root.path / "Dockerfile").write_text(f"FROM {pkgindex.testenv_image}\n{spawn.format(20)}\n")
+    rec = submit_run(root, "cat /opt/p > p.txt")
+    assert rec["status"] == "needs_review", rec
+    assert "+ok" in (root.path / rec["patch_path"]).read_text()
+    (root.path / "Dockerfile").write_text(f"FROM {pkgindex.testenv_image}\n{spawn.format(200)}\n")
+    rec = submit_run(root, "true")
+    assert rec["status"] == "failed" and rec["error"]["kind"] == "environment", rec
+    assert "did not build" in rec["error"]["message"], rec["error"]
+    assert not list(Path("/sys/fs/cgroup/pids").glob("fila-build-*")), "the build's cgroup is removed"
+    # What a step writes is measured while it runs: 10 MB builds; 300 MB (then a long pause) is
+    # killed at once, over max_image_bytes, not found only after the build.
+    base = _docker("image", "inspect", "-f", "{{.Size}}", pkgindex.testenv_image).strip()
+    setup_policy(root, pkgindex, allow=[], max_image_bytes=int(base) + 100_000_000)
+    write = "RUN head -c {} /dev/zero > /opt/big; sleep {}"
+    (root.path / "Dockerfile").write_text(f"FROM {pkgindex.testenv_image}\n{write.format(10_000_000, 0)}\n")
+    assert submit_run(root, "true")["status"] == "needs_review"
+    (root.path / "Dockerfile").write_text(f"FROM {pkgindex.testenv_image}\n{write.format(300_000_000, 60)}\n")
+    rec = submit_run(root, "true")
+    assert rec["status"] == "failed" and "a RUN step made its image" in rec["error"]["message"], rec["error"]
+
+
 def _docker(*args: str) -> str:
     return subprocess.run(["docker", *args], capture_output=True, text=True, check=True).stdout
 

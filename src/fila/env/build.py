@@ -255,11 +255,34 @@ def _build_base(root: Root, backend: Backend, spec: EnvSpec, setup: Policy, limi
                 archive: Path, name: str, tag: str, progress: Callable[[str], None], *,
                 job_id: str) -> EgressRecord | None:  # fmt: skip
     """The base built by the daemon's classic builder within the setup's memory (no swap beyond
-    it) and timeout. Under a setup allowlist each RUN step joins the job network of a gateway of
-    the build's own and is given its proxy as build args (Docker's predefined proxy args: never
-    in the image's history), so what a step reaches is the allowlist's, refused and logged like
-    the setup's; with no allowlist, no network. What the builder's API cannot set (a RUN step's
-    capabilities, its pids) is Docker's default (docs/environments.md)."""
+    it), pids (all its RUN steps together, in a cgroup of the build's), max_image_bytes (each
+    step measured while it runs) and timeout. Under a setup allowlist each RUN step joins the job
+    network of a gateway of the build's own and is given its proxy as build args (Docker's
+    predefined proxy args: never in the image's history), so what a step reaches is the
+    allowlist's, refused and logged like the setup's; with no allowlist, no network. What the
+    builder's API cannot set (a RUN step's capabilities) is Docker's default (docs/environments.md,
+    "A project Dockerfile")."""
+    label = f"{job_id}-{secrets.token_hex(3)}"
+    with backend.build_limits(label, limits.pids, limits.max_image_bytes) as held:  # type: ignore[attr-defined]
+        if held.refused is not None:
+            progress(f"warning: the Dockerfile's RUN steps get no pids or size limit while they run: "
+                     f"{held.refused} (docs/environments.md)")  # fmt: skip
+        try:
+            return _build_in(root, backend, spec, setup, limits, archive, name, tag, progress,
+                             job_id=job_id, cgroup_parent=held.cgroup_parent)  # fmt: skip
+        except InvalidInput as e:
+            failed = e
+    if held.exceeded is not None:  # the step was killed for it: that is why the build failed
+        raise InvalidInput(
+            f"the environment's Dockerfile {spec.build.dockerfile} did not build: {held.exceeded}",  # type: ignore[union-attr]
+            hint="write less in the RUN steps, or raise the policy's environment.max_image_bytes",
+        ) from failed
+    raise failed
+
+
+def _build_in(root: Root, backend: Backend, spec: EnvSpec, setup: Policy, limits: SetupPolicy,
+              archive: Path, name: str, tag: str, progress: Callable[[str], None], *,
+              job_id: str, cgroup_parent: str | None) -> EgressRecord | None:  # fmt: skip
     assert spec.build is not None
     memory = parse_size(limits.memory)
     build = functools.partial(
@@ -276,6 +299,7 @@ def _build_base(root: Root, backend: Backend, spec: EnvSpec, setup: Policy, limi
         target=spec.build.target,
         limits={"memory": memory, "memswap": memory, "cpushares": max(2, int(1024 * limits.cpus))},
         deadline_s=limits.timeout_ms / 1000,
+        cgroup_parent=cgroup_parent,
     )
     refused = backend.build_network_refusal() if setup.egress is not None else None  # type: ignore[attr-defined]
     if refused is not None:

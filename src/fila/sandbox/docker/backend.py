@@ -10,6 +10,7 @@ the job's Workspace), `container` (create, start, wait with the host's timeout, 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import re
@@ -81,6 +82,17 @@ def _overlay_check(backend: DockerBackend) -> str | None:
             "(it needs 5.11+, or fuse-overlayfs)"
         )
     return None
+
+
+@dataclasses.dataclass
+class BuildLimits:
+    """A project Dockerfile's build's limits (build_limits): the cgroup its RUN steps are made
+    under (None: none could be made, `refused` says why), and after the build, a step killed for
+    writing past the limit (`exceeded`)."""
+
+    cgroup_parent: str | None
+    refused: str | None
+    exceeded: str | None = None
 
 
 class DockerBackend(Backend):
@@ -271,6 +283,7 @@ class DockerBackend(Backend):
         target: str | None = None,
         limits: dict[str, int] | None = None,
         deadline_s: float | None = None,
+        cgroup_parent: str | None = None,
     ) -> None:
         """`network`: the build's network instead of the backend's (a project's Dockerfile builds on
         its gateway's job network, or none: docs/environments.md); `dockerfile` relative to the
@@ -290,6 +303,7 @@ class DockerBackend(Backend):
                 target=target,
                 limits=limits,
                 deadline_s=deadline_s,
+                cgroup_parent=cgroup_parent,
             )
 
     # A project environment's store (docs/environments.md): Docker only; the other backends
@@ -307,6 +321,26 @@ class DockerBackend(Backend):
 
         with self.client() as c:
             return hostseal.refusal(c)
+
+    @contextlib.contextmanager
+    def build_limits(self, label: str, pids: int, max_bytes: int) -> Iterator[BuildLimits]:
+        """For one project Dockerfile's build: the cgroup its RUN steps are made under, holding
+        them to `pids` processes in all (hostseal.pids_parent), and what they write measured
+        while they run, a step past `max_bytes` killed (hostseal.SizeWatch); or why it cannot be."""
+        from . import hostseal
+
+        refused = hostseal.pids_refusal()
+        if refused is not None:
+            yield BuildLimits(None, refused)
+            return
+        with hostseal.pids_parent(label, pids) as parent, self.client() as c:
+            watch = hostseal.SizeWatch(c, parent, max_bytes)
+            limits = BuildLimits(parent, None)
+            try:
+                yield limits
+            finally:
+                watch.stop()
+                limits.exceeded = watch.exceeded
 
     @contextlib.contextmanager
     def build_gateway(

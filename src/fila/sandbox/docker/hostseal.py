@@ -109,3 +109,92 @@ def _run(tool: str, *args: str, check: bool = True) -> str:
             hint="a project Dockerfile's build needs its bridge closed to the host; check the firewall",
         )
     return done.stdout
+
+
+PIDS_ROOT = Path("/sys/fs/cgroup/pids")
+
+
+def pids_refusal() -> str | None:
+    """Why a build's RUN steps cannot get a pids limit here (None: they can): the limit is a
+    cgroup fila makes as their parent, on cgroup v1's pids hierarchy (the cgroupfs driver)."""
+    if os.geteuid() != 0:
+        return "a pids limit on the build's RUN steps needs root (a cgroup of fila's)"
+    if not (PIDS_ROOT / "pids.max").exists() and not (PIDS_ROOT / "cgroup.procs").exists():
+        return "a pids limit on the build's RUN steps needs cgroup v1's pids hierarchy"
+    return None
+
+
+@contextlib.contextmanager
+def pids_parent(label: str, pids: int) -> Iterator[str]:
+    """A cgroup allowing `pids` processes in all, made for one build: its path (the build's
+    `cgroupparent`: each RUN step's container is made under it, so together they stay under the
+    limit, a fork bomb among them included). Removed after the build, once its steps are gone."""
+    path = PIDS_ROOT / f"fila-build-{label}"
+    try:
+        path.mkdir()
+        (path / "pids.max").write_text(str(pids))
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            path.rmdir()
+        raise InfraError(f"cannot make the build's pids cgroup {path}: {e.strerror or e}") from None
+    try:
+        yield f"/{path.name}"
+    finally:
+        _remove_cgroup(path)
+
+
+def _remove_cgroup(path: Path) -> None:
+    """`path` and what the daemon made under it (each step's cgroup, gone with its container; the
+    daemon may lag a moment)."""
+    import time
+
+    for _ in range(50):
+        try:
+            for child in sorted(path.iterdir(), reverse=True):
+                if child.is_dir():
+                    child.rmdir()
+            path.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.1)
+
+
+class SizeWatch:
+    """What a build's RUN steps write, measured while they run (each step's container is found by
+    its cgroup under the build's parent, `pids_parent`, and measured by the daemon): a step past
+    `max_bytes` is killed, so the build fails, and `exceeded` says why. Measured every
+    `period_s` on a connection of its own, until `stop`."""
+
+    def __init__(
+        self, client: docker.DockerClient, parent: str, max_bytes: int, period_s: float = 1.0
+    ) -> None:
+        import threading
+
+        self.client, self.path, self.max_bytes, self.period_s = (
+            client,
+            PIDS_ROOT / parent.lstrip("/"),
+            max_bytes,
+            period_s,
+        )
+        self.exceeded: str | None = None
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="fila-build-size", daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        while not self.stopped.wait(self.period_s):
+            with contextlib.suppress(OSError, docker.errors.DockerException):
+                for cid in [p.name for p in self.path.iterdir() if p.is_dir()]:
+                    found = self.client.api.containers(all=True, filters={"id": cid}, size=True)
+                    # The image the step runs on and what it wrote: the image it would leave.
+                    size = int((found[0] if found else {}).get("SizeRootFs") or 0)
+                    if size > self.max_bytes:
+                        limit = f"environment.max_image_bytes {self.max_bytes}"
+                        self.exceeded = f"a RUN step made its image {size} bytes, over {limit}"
+                        self.client.api.kill(cid)
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join(timeout=10)

@@ -67,13 +67,20 @@ def build_context(
     target: str | None = None,
     limits: dict[str, int] | None = None,
     deadline_s: float | None = None,
+    cgroup_parent: str | None = None,
 ) -> None:
     """`context`: a directory, or a tar that is the whole context as sent (a project's, assembled
     by fila: env/dockerfile.archive). `limits`: each RUN step's container_limits (memory,
     memswap, cpushares); `deadline_s`: the whole build's wall clock, after which fila drops the
-    connection (the daemon then cancels the build) and raises LimitExceeded."""
+    connection (the daemon then cancels the build) and raises LimitExceeded. `cgroup_parent`: the
+    cgroup every RUN step's container is made under (the Engine API's `cgroupparent`, which the
+    SDK's build does not take: sent as a query parameter of this client's session, which the
+    caller holds alone for the build)."""
     tar = context.open("rb") if context.is_file() else None
     end = None if deadline_s is None else time.monotonic() + deadline_s
+    params = client.api.params
+    if cgroup_parent is not None:
+        client.api.params = {**(params or {}), "cgroupparent": cgroup_parent}
     try:
         chunks: Iterable[dict[str, Any]] = client.api.build(
             path=None if tar else str(context),
@@ -112,6 +119,7 @@ def build_context(
             raise LimitExceeded(f"building {tag} took longer than {deadline_s:g} s") from None
         raise _infra(engine, f"building {tag}", e) from e
     finally:
+        client.api.params = params
         if tar is not None:
             tar.close()
 
