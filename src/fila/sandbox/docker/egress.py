@@ -529,31 +529,31 @@ def stop(
     client: docker.DockerClient, gw: Gateway, *, before_network: Callable[[], None] | None = None
 ) -> None:
     """Remove the gateway, the job network and the gateway's directory (secrets included). The
-    log is read first by the caller (`collect`). `before_network`: waited for between the
-    gateway's removal and its network's (the engine's container, removed beside it, must be off
-    the network first). Its seconds are `gw.timings["gateway_remove"]`; once all is gone a
-    spare's lock is let go (`gw.released`)."""
+    log is read first by the caller (`collect`). The gateway and the namespace holder go side by
+    side (each on a connection of its own), then the network. `before_network` (else
+    `gw.before_network`): waited for between the containers' removal and the network's (the
+    engine's container, removed beside them, must be off the network first). Its seconds are
+    `gw.timings["gateway_remove"]`; once all is gone a spare's lock is let go (`gw.released`)."""
     from docker.errors import APIError, NotFound
 
+    from .container import remove_container
+
     t = time.monotonic()
-    errors = []
-    try:
-        client.api.remove_container(gw.container, force=True, v=True)
-    except NotFound:
-        pass
-    except APIError as e:
-        if not (e.status_code == 409 and "already in progress" in str(e)):
-            errors.append(f"gateway {gw.container}: {e}")
-    for box in [gw.netns] if gw.netns else []:
-        try:
-            client.api.remove_container(box, force=True, v=True)
-        except NotFound:
-            pass
-        except APIError as e:
-            if not (e.status_code == 409 and "already in progress" in str(e)):
-                errors.append(f"namespace holder {box}: {e}")
-    if before_network is not None:
-        before_network()
+    errors: list[str] = []
+
+    def removing(what: str, name: str) -> Callable[[docker.DockerClient], None]:
+        def step(c: docker.DockerClient) -> None:
+            try:
+                remove_container(c, name)
+            except APIError as e:
+                errors.append(f"{what} {name}: {e}")
+
+        return step
+
+    boxes = [("gateway", gw.container)] + ([("namespace holder", gw.netns)] if gw.netns else [])
+    _beside(client, *(removing(what, name) for what, name in boxes))
+    if (wait := before_network or gw.before_network) is not None:
+        wait()
     try:
         client.api.remove_network(gw.network)
     except NotFound:
