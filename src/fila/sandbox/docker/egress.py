@@ -536,17 +536,18 @@ def stop(
     `gw.timings["gateway_remove"]`; once all is gone a spare's lock is let go (`gw.released`)."""
     from docker.errors import APIError, NotFound
 
-    from .container import remove_container
-
     t = time.monotonic()
     errors: list[str] = []
 
     def removing(what: str, name: str) -> Callable[[docker.DockerClient], None]:
         def step(c: docker.DockerClient) -> None:
             try:
-                remove_container(c, name)
+                c.api.remove_container(name, force=True, v=True)
+            except NotFound:
+                pass
             except APIError as e:
-                errors.append(f"{what} {name}: {e}")
+                if not (e.status_code == 409 and "already in progress" in str(e)):
+                    errors.append(f"{what} {name}: {e}")
 
         return step
 
