@@ -16,7 +16,12 @@ path"):
 `FILA_BENCH_BEFORE=DIR` (another checkout's `src/`) adds that tree's `fila submit --run` as one
 more side of the same alternation: a before/after under one load.
 
-    .venv/bin/python -m bench.oneshot [--reps N] [--engines claude] [--only engine|egress]
+`--timeline` runs one more round of each fila side while `docker events` is read, and prints
+when each of its containers and job networks was created, started, died and destroyed, in
+seconds from the process's start, beside the record's timings (docs/benchmarks.md, "Where the time
+goes").
+
+    .venv/bin/python -m bench.oneshot [--reps N] [--engines claude] [--only engine|egress] [--timeline]
 """
 
 from __future__ import annotations
@@ -119,11 +124,35 @@ def _same_image(before: str) -> str:
     return f"; THE GATEWAY IMAGE CHANGED DURING THE ROUNDS ({before[:19]} -> {now[:19]})"
 
 
+def timeline(side: Callable[[], float], records: list[dict[str, Any]], root: Path) -> list[str]:
+    """One more run of `side` while the daemon's events are read: its containers' (labelled with
+    `root`) and job networks' events, seconds from the run's start, then its record's timings."""
+    ev = subprocess.Popen(["docker", "events", "--format", "{{json .}}"], stdout=subprocess.PIPE, text=True)
+    try:
+        time.sleep(0.3)  # the stream is open before the run starts
+        t0 = time.time()
+        wall = side()
+        time.sleep(0.5)  # the last removals' events arrive
+    finally:
+        ev.terminate()
+        out = ev.communicate(timeout=30)[0]
+    lines = [f"wall {wall:.3f} s; timings {json.dumps(records[-1].get('timings'))}"]
+    for raw in out.splitlines():
+        e = json.loads(raw)
+        attrs = e.get("Actor", {}).get("Attributes", {})
+        name = attrs.get("name", "")
+        if e.get("Type") == "container" and attrs.get("fila.root", "").startswith(str(root)):
+            lines.append(f"{e['timeNano'] / 1e9 - t0:7.3f}  container {e['Action'].split(':')[0]:9} {name}")
+        elif e.get("Type") == "network" and name.startswith("fila-net-"):
+            lines.append(f"{e['timeNano'] / 1e9 - t0:7.3f}  network   {e['Action']:9} {name}")
+    return lines
+
+
 def _load() -> str:
     return Path("/proc/loadavg").read_text().split()[0]
 
 
-def oneshot_engine(ctx: Ctx, engines: list[str] | None = None) -> list[Row]:
+def oneshot_engine(ctx: Ctx, engines: list[str] | None = None, *, events: bool = False) -> list[Row]:
     import docker
     from tests.upstreams.fixtures import start_upstreams
 
@@ -135,13 +164,13 @@ def oneshot_engine(ctx: Ctx, engines: list[str] | None = None) -> list[Row]:
     try:
         with start_upstreams(client, tmp / "upstreams") as ups:
             for name in built_engines(client, engines or ["claude"]):
-                rows += _engine_rows(ctx, name, ups, client, tmp)
+                rows += _engine_rows(ctx, name, ups, client, tmp, events)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return rows
 
 
-def _engine_rows(ctx: Ctx, name: str, ups: Any, client: Any, tmp: Path) -> list[Row]:
+def _engine_rows(ctx: Ctx, name: str, ups: Any, client: Any, tmp: Path, events: bool) -> list[Row]:
     from bench.engine_startup import EngineStartup
 
     reps = ctx.reps_or(7, 2)
@@ -178,6 +207,8 @@ def _engine_rows(ctx: Ctx, name: str, ups: Any, client: Any, tmp: Path) -> list[
         samples=got,
     )
     row.ok = row.ratio is not None and row.ratio <= ENGINE_TARGET
+    if events:
+        row.extra["timeline"] = timeline(sides["fila"], records["fila"], case.root)
     rows = [row]
     if before is not None:
         rows.append(
@@ -191,7 +222,7 @@ def _engine_rows(ctx: Ctx, name: str, ups: Any, client: Any, tmp: Path) -> list[
     return rows
 
 
-def oneshot_egress(ctx: Ctx) -> list[Row]:
+def oneshot_egress(ctx: Ctx, *, events: bool = False) -> list[Row]:
     from bench.egress_startup import KEY_VAR, _docker_images, _write_policies
     from bench.filaside import init_root
 
@@ -221,6 +252,8 @@ def oneshot_egress(ctx: Ctx) -> list[Row]:
         ctx.log(f"oneshot: no-op task, {reps} rounds of {', '.join(sides)} (load {_load()})")
         image = _image_id()
         got = rounds(sides, reps)
+        shown = timeline(sides["allow"], records["allow"], root) if events else []
+        del records["allow"][reps + 1 :]  # the timeline's round is not a measured one
     finally:
         with contextlib.suppress(Exception):
             client.api.remove_network(net)
@@ -238,6 +271,7 @@ def oneshot_egress(ctx: Ctx) -> list[Row]:
             samples=got,
         )
     ]
+    rows[0].extra["timeline"] = shown
     if before is not None:
         bs = got["before"]
         rows.append(
@@ -257,21 +291,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=7, help="measured rounds (default 7)")
     ap.add_argument("--engines", default="claude", help="comma-separated engines (default claude)")
     ap.add_argument("--only", choices=["engine", "egress"], help="one case (default both)")
+    ap.add_argument("--timeline", action="store_true", help="one more round with docker events, printed")
     args = ap.parse_args(argv)
     top = Path(tempfile.mkdtemp(prefix="fila-bench-"))
     rows: list[Row] = []
     try:
         ctx = Ctx(tmp=top, reps=args.reps)
         if args.only != "engine":
-            rows += oneshot_egress(ctx)
+            rows += oneshot_egress(ctx, events=args.timeline)
         if args.only != "egress":
-            rows += oneshot_engine(ctx, [e.strip() for e in args.engines.split(",") if e.strip()])
+            engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+            rows += oneshot_engine(ctx, engines, events=args.timeline)
     finally:
         shutil.rmtree(top, ignore_errors=True)
     for row in rows:
         print(f"{row.case}: fila {row.fila:.3f} s, base {row.base:.3f} s, ratio {row.ratio:.2f}; {row.note}")
         for side, vs in row.samples.items():
             print(f"  {side}: {' '.join(f'{v:.3f}' for v in vs)}")
+        for line in row.extra.get("timeline", []):
+            print(f"    {line}")
     return 0
 
 

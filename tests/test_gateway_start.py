@@ -101,3 +101,53 @@ def test_a_connection_made_before_the_gateway_has_its_config_waits_and_is_served
         if client is not None:
             client.remove(force=True)
         egress.stop(docker_client, gw)
+
+
+# Run inside the gateway's image: what its proxy process loads (serve.py's order: fila_gw/slim.py,
+# then the master), its addons, and when each TlsConfig makes its CA (mitmproxy's own beside
+# fila's, which makes it only when a client's TLS is intercepted).
+PROXY_PARTS = """
+import json, os, sys
+sys.path.insert(0, "/opt/fila-gateway")
+from fila_gw.slim import addons_package_without_defaults
+addons_package_without_defaults()
+from fila_gw import master
+from mitmproxy.addons import tlsconfig
+from mitmproxy.proxy import context
+from mitmproxy.test import taddons, tflow
+
+heavy = ("passlib", "ldap3", "flask", "mitmproxy.addons.proxyauth", "mitmproxy.addons.onboarding")
+out = {"loaded": sorted(m for m in heavy if m in sys.modules)}
+out["addons"] = [type(a).__name__ for a in master.addons([])]
+for name, cls in (("mitmproxy", tlsconfig.TlsConfig), ("fila", master.LazyCaTlsConfig)):
+    d = f"/tmp/ca-{name}"
+    tc = cls()
+    with taddons.context(tc) as tctx:
+        tctx.configure(tc, confdir=d)
+        tc.running()
+        at_start = os.path.exists(f"{d}/mitmproxy-ca.pem")
+        entry = tc.get_cert(context.Context(tflow.tclient_conn(), tctx.options))
+        out[name] = {"at_start": at_start, "after_get_cert": os.path.exists(f"{d}/mitmproxy-ca.pem"),
+                     "signed_by_it": entry.cert.issuer == tc.certstore.default_ca.subject}
+print(json.dumps(out))
+"""
+
+
+def test_the_gateways_proxy_loads_only_its_addons_and_makes_its_ca_only_when_a_client_tls_needs_it(
+    docker_client: docker.DockerClient, gateway_image: str
+) -> None:
+    raw = docker_client.containers.run(
+        gateway_image, ["-c", PROXY_PARTS], entrypoint="python3", remove=True, network_mode="none",
+        labels={"fila.test": "gateway-start"}, **HARDENED,
+    )  # fmt: skip
+    out = json.loads(raw)
+    # None of mitmdump's unused addons (web onboarding, proxy authentication) nor their libraries.
+    assert out["loaded"] == [], out
+    assert out["addons"] == [
+        "Core", "Block", "DisableH2C", "Proxyserver", "NextLayer",
+        "LazyCaTlsConfig", "UpdateAltSvc", "ErrorCheck",
+    ]  # fmt: skip
+    # mitmproxy's TlsConfig makes its CA when configured; the gateway's only at the first client
+    # certificate it must sign, then signs with it as mitmproxy's does.
+    assert out["mitmproxy"] == {"at_start": True, "after_get_cert": True, "signed_by_it": True}
+    assert out["fila"] == {"at_start": False, "after_get_cert": True, "signed_by_it": True}

@@ -1,8 +1,9 @@
-"""Binds the gateway's listening sockets, then becomes mitmdump (entrypoint.sh runs it).
+"""Binds the gateway's listening sockets, then becomes its proxy (serve.py: mitmproxy with fila's
+addon; entrypoint.sh runs this).
 
-mitmdump takes about a second to import before it listens (docs/benchmarks.md, "The one-shot
-path"). The sockets are bound here first, in a few milliseconds: the proxy and route doors (TCP,
-listening) and the DNS door (UDP), handed to mitmdump as inherited descriptors named in
+The proxy takes a few tenths of a second to import before it listens (docs/benchmarks.md, "The
+one-shot path"). The sockets are bound here first, in a few milliseconds: the proxy and route
+doors (TCP, listening) and the DNS door (UDP), handed to the proxy as inherited descriptors named in
 FILA_GATEWAY_SOCKETS (`tcp:3128=3,tcp:8080=4,udp:53=5`). `listening` is written in the log directory
 once they exist: from then on the host may start the engine, whose connections and lookups wait
 in the sockets' queues until the addon has its config and serves them (fila_gateway.py takes the
@@ -10,7 +11,7 @@ descriptors over once configured, then writes `ready`). Nothing is accepted befo
 request is read, refused or passed by a gateway without its job's policy.
 
 Run with the interpreter's `-S` (no site-packages: nothing here needs them). Extra arguments are
-mitmdump's.
+serve.py's (`--set NAME=VALUE` pairs of mitmproxy options).
 """
 
 import os
@@ -22,7 +23,7 @@ LOG_DIR = Path(os.environ.get("FILA_GATEWAY_LOG_DIR", "/var/log/fila-gateway"))
 PROXY_PORT = int(os.environ.get("FILA_GATEWAY_PROXY_PORT", "3128"))
 ROUTE_PORT = int(os.environ.get("FILA_GATEWAY_ROUTE_PORT", "8080"))
 DNS_PORT = int(os.environ.get("FILA_GATEWAY_DNS_PORT", "53"))
-BACKLOG = 1024  # an engine's connections made before mitmdump serves wait here
+BACKLOG = 1024  # an engine's connections made before the proxy serves wait here
 
 
 def tcp_listeners(host: str, port: int) -> list[socket.socket]:
@@ -74,7 +75,8 @@ def main() -> None:
         tmp.replace(LOG_DIR / "listening")
     except OSError as e:  # no log directory to write (a gateway run by hand): the host sees no marker
         print(f"fila_gateway: cannot write {LOG_DIR / 'listening'}: {e.strerror}", file=sys.stderr)
-    os.execvp("mitmdump", ["mitmdump", *sys.argv[1:]])
+    serve = str(Path(__file__).resolve().parent / "serve.py")
+    os.execvp("python3", ["python3", serve, *sys.argv[1:]])
 
 
 if __name__ == "__main__":

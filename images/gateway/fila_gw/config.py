@@ -20,7 +20,7 @@ SECRETS_DIR = Path(os.environ.get("FILA_GATEWAY_SECRETS", "/run/fila-gateway/sec
 LOG_DIR = Path(os.environ.get("FILA_GATEWAY_LOG_DIR", "/var/log/fila-gateway"))
 PROXY_PORT = int(os.environ.get("FILA_GATEWAY_PROXY_PORT", "3128"))
 ROUTE_PORT = int(os.environ.get("FILA_GATEWAY_ROUTE_PORT", "8080"))
-SINK_PORT = int(os.environ.get("FILA_GATEWAY_SINK_PORT", "3127"))  # entrypoint.sh's reverse target
+SINK_PORT = int(os.environ.get("FILA_GATEWAY_SINK_PORT", "3127"))  # the route door's reverse target (master.py)
 DNS_PORT = int(os.environ.get("FILA_GATEWAY_DNS_PORT", "53"))
 SYSTEM_CA = "/etc/ssl/certs/ca-certificates.crt"
 # A spare (FILA_GATEWAY_WAIT=1): started before any job, it listens and refuses everything until
@@ -37,7 +37,7 @@ def _inherited(spec: str) -> dict[str, list[int]]:
     return out
 
 
-# The doors' sockets bound by launch.py before mitmdump started (none when mitmdump is run
+# The doors' sockets bound by launch.py before the proxy started (none when it is run
 # directly: mitmproxy then binds its own listeners, and the DNS door binds here).
 SOCKETS = _inherited(os.environ.get("FILA_GATEWAY_SOCKETS", ""))
 CONFIG_POLL_S = 0.01

@@ -372,6 +372,9 @@ class Gateway:
     # Called once the gateway, its network and its directory are gone (a pool's spare lets go of
     # its lock, which until then tells recovery its owner is alive).
     released: Callable[[], None] | None = field(default=None, repr=False)
+    # Waited for between the removal of its containers and its job network's (the engine's
+    # container, removed beside them, must be off the network first), when its remover is not told.
+    before_network: Callable[[], None] | None = field(default=None, repr=False)
 
     def engine_env(self) -> dict[str, str]:
         proxy = f"http://{self.ip}:{PROXY_PORT}"

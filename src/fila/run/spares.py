@@ -1,6 +1,6 @@
 """Which spare gateways a worker keeps (sandbox/gateways.py): one per egress network of the
 `network: allowlist` policies its queued tasks name, made while the worker claims and prepares,
-so that such a job takes a started gateway instead of paying mitmdump's start-up on its path
+so that such a job takes a started gateway instead of paying the proxy's start-up on its path
 (docs/benchmarks.md, "egress"). A long-running worker makes the next spare for a network as soon
 as a job takes one; `once` (`fila run --once`, `submit --run`) makes only what its queue needs.
 """

@@ -1,5 +1,5 @@
 """Spare gateways: a worker keeps one started gateway per egress network its jobs use, so that a
-`network: allowlist` job takes one that has already paid mitmdump's start-up (most of a
+`network: allowlist` job takes one that has already paid the proxy's start-up (most of a
 gateway's cost: docs/benchmarks.md, "egress") instead of starting its own (docs/security.md,
 "Spare gateways").
 

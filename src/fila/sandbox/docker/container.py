@@ -480,7 +480,8 @@ def _removal(
         try:
             if spares is not None and gw.spare is not None:
                 warnings.extend(egress.forget_secrets(gw))
-                beside.join()  # its network goes once the engine's container is off it
+                # Its containers go beside the engine's; its network once that is off it.
+                gw.before_network = beside.join
                 spares.discard(gw)
             else:
                 own = fresh_client(client)

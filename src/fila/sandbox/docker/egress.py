@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import secrets as _secrets
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -41,6 +42,8 @@ from ...egress.config import (
     sweep_dirs,
     write_gateway_config,
 )
+from . import subnets
+from .subnets import JobSubnet
 
 __all__ = [
     "collect", "configure", "create", "died", "ensure_egress_network", "forget_secrets", "read", "remove",
@@ -85,7 +88,14 @@ def ensure_egress_network(client: docker.DockerClient, name: str) -> None:
 
 
 def _gateway_kwargs(
-    name: str, net: str, state: Path, labels: dict[str, str], uid: int, gid: int
+    name: str,
+    net: str,
+    state: Path,
+    labels: dict[str, str],
+    uid: int,
+    gid: int,
+    client: docker.DockerClient,
+    ip: str | None = None,
 ) -> dict[str, Any]:
     from docker.types import LogConfig, Mount
 
@@ -100,7 +110,7 @@ def _gateway_kwargs(
         user=f"{uid}:{gid}",
         labels={**labels, ROLE_LABEL: ROLE_GATEWAY},
         mounts=mounts,
-        network=net,
+        **_on_network(client, net, ip),
         hostname="gateway",
         read_only=True,
         tmpfs={"/tmp": f"rw,nosuid,nodev,noexec,size={64 << 20},mode=1777"},
@@ -133,75 +143,150 @@ def create(
     launch: bool = True,
     netns: bool = False,
 ) -> Gateway:
-    """A gateway not yet any job's: its job network (internal, no address on the bridge), its
-    empty directory, its container on both networks, started when `launch` (a spare: it listens
-    and refuses everything until `configure` writes a job's config). `labels` say whose it is (a
-    job's, or a pool's spare). `netns` (a started spare): also a holder of a network namespace on
-    the job network for the engine to join (`Gateway.netns`). On any failure what was made is
-    removed before the error is raised."""
-    from docker.errors import ImageNotFound
-
-    from ...core.errors import ImageMissing
-
+    """A gateway not yet any job's: its job network (internal, no address on the bridge, on a
+    subnet of FILA_JOB_SUBNETS: sandbox/docker/subnets.py), its empty directory, its container on
+    both networks, started when `launch` (a spare: it listens and refuses everything until
+    `configure` writes a job's config). `labels` say whose it is (a job's, or a pool's spare).
+    `netns` (a started spare): also a holder of a network namespace on the job network for the
+    engine to join (`Gateway.netns`), made and started beside the gateway (its resolver, the
+    gateway's address, is fixed in the chosen subnet; with Docker's choice of subnet it follows
+    the gateway's start). On any failure what was made is removed before the error is raised."""
     gw = Gateway("", network_name(ident), f"fila-gw-{ident[:90]}-{_secrets.token_hex(4)}", "", state, [])
     job = labels.get("fila.job")
     step = "creating the job network"
     try:
         ensure_egress_network(client, egress_network)
-        net = client.networks.create(
-            gw.network,
-            driver="bridge",
-            internal=True,
-            enable_ipv6=False,
-            # Without this the bridge holds an address, and through it the host's services.
-            options={"com.docker.network.bridge.inhibit_ipv4": "true"},
-            labels={**labels, ROLE_LABEL: ROLE_JOB_NET},
-        )
-        net.reload()
-        ipam = (net.attrs.get("IPAM") or {}).get("Config") or []
-        gw.subnets = [c["Subnet"] for c in ipam if c.get("Subnet")]
-        if not gw.subnets:  # a gateway that would serve no one
-            raise InfraError(f"the job network {gw.network} has no subnet", task_id=job)
+        chosen = _job_network(client, gw, labels)
         step = "making the gateway's directory"
         make_gateway_dir(state, uid, gid)
-        step = "creating the gateway container"
-        try:
-            client.containers.create(**_gateway_kwargs(gw.container, gw.network, state, labels, uid, gid))
-        except ImageNotFound as e:
-            raise ImageMissing(
-                f"image {GATEWAY_IMAGE} is not present (network allowlist needs it)",
-                hint="build it with `fila images build gateway`",
-                task_id=job,
-            ) from e
-        step = f"attaching the gateway to {egress_network}"
-        client.networks.get(egress_network).connect(gw.container)
-        if launch:
-            step = "starting the gateway"
-            client.api.start(gw.container)
         if netns:
-            step = "starting the job network's namespace holder"
-            gw.netns = _start_netns(client, gw, labels)
+            gw.netns = f"{gw.container}-netns"  # removed with the gateway (`stop`) from here on
+        if chosen is not None and netns:
+            step = "starting the gateway and the job network's namespace holder"
+            _beside(
+                client,
+                lambda c: _make_gateway(c, gw, egress_network, labels, uid, gid, launch, chosen.gateway),
+                lambda c: _start_netns(c, gw, labels, chosen.gateway, chosen.holder),
+            )
+        else:
+            step = "creating the gateway container"
+            _make_gateway(
+                client, gw, egress_network, labels, uid, gid, launch, chosen.gateway if chosen else None
+            )
+            if netns:
+                step = "starting the job network's namespace holder"
+                ip = client.api.inspect_container(gw.container)["NetworkSettings"]["Networks"][gw.network]
+                _start_netns(client, gw, labels, ip["IPAddress"])
         return gw
     except BaseException as exc:
         raise _undone(client, gw, exc, step, job) from None
 
 
-def _start_netns(client: docker.DockerClient, gw: Gateway, labels: dict[str, str]) -> str:
+def _job_network(client: docker.DockerClient, gw: Gateway, labels: dict[str, str]) -> JobSubnet | None:
+    """The job network, on a subnet of fila's pool (returned) or, with FILA_JOB_SUBNETS=docker,
+    of Docker's choosing (None). `gw.subnets` is set either way."""
+    kwargs: dict[str, Any] = dict(
+        driver="bridge",
+        internal=True,
+        enable_ipv6=False,
+        # Without this the bridge holds an address, and through it the host's services.
+        options={"com.docker.network.bridge.inhibit_ipv4": "true"},
+        labels={**labels, ROLE_LABEL: ROLE_JOB_NET},
+    )
+    nets = subnets.pool()
+    if nets is not None:
+        _, chosen = subnets.create_network(client, gw.network, nets, **kwargs)
+        gw.subnets = [str(chosen.subnet)]
+        return chosen
+    net = client.networks.create(gw.network, **kwargs)
+    net.reload()
+    ipam = (net.attrs.get("IPAM") or {}).get("Config") or []
+    gw.subnets = [c["Subnet"] for c in ipam if c.get("Subnet")]
+    if not gw.subnets:  # a gateway that would serve no one
+        raise InfraError(f"the job network {gw.network} has no subnet", task_id=labels.get("fila.job"))
+    return None
+
+
+def _beside(client: docker.DockerClient, *steps: Callable[[docker.DockerClient], None]) -> None:
+    """`steps` run side by side, the first on `client`, each other on a connection of its own;
+    the first error raised once all are done."""
+    from .client import fresh_client
+
+    failed: list[BaseException] = []
+
+    def run(step: Callable[[docker.DockerClient], None], own: bool) -> None:
+        try:
+            c = fresh_client(client) if own else client
+            try:
+                step(c)
+            finally:
+                if own:
+                    c.close()
+        except BaseException as e:
+            failed.append(e)
+
+    threads = [
+        threading.Thread(target=run, args=(step, True), name=f"fila-gw-make-{i}", daemon=True)
+        for i, step in enumerate(steps[1:], 1)
+    ]
+    for t in threads:
+        t.start()
+    run(steps[0], False)
+    for t in threads:
+        t.join()
+    if failed:
+        raise failed[0]
+
+
+def _make_gateway(
+    client: docker.DockerClient,
+    gw: Gateway,
+    egress_network: str,
+    labels: dict[str, str],
+    uid: int,
+    gid: int,
+    launch: bool,
+    ip: str | None,
+) -> None:
+    """The gateway's container, at `ip` on the job network when given, attached to the egress
+    network, started when `launch`."""
+    from docker.errors import ImageNotFound
+
+    from ...core.errors import ImageMissing
+
+    try:
+        client.containers.create(
+            **_gateway_kwargs(gw.container, gw.network, gw.dir, labels, uid, gid, client, ip)
+        )
+    except ImageNotFound as e:
+        raise ImageMissing(
+            f"image {GATEWAY_IMAGE} is not present (network allowlist needs it)",
+            hint="build it with `fila images build gateway`",
+            task_id=labels.get("fila.job"),
+        ) from e
+    client.networks.get(egress_network).connect(gw.container)
+    if launch:
+        client.api.start(gw.container)
+
+
+def _start_netns(
+    client: docker.DockerClient, gw: Gateway, labels: dict[str, str], gateway_ip: str, ip: str | None = None
+) -> None:
     """The engine's network namespace, made before its job: a container that only sleeps, on the
-    job network alone, with the gateway as its resolver, hardened as the engine is. The engine
-    joins it (`container:` network mode); it is removed with the gateway, never shared by jobs."""
+    job network alone (at `ip` when given), with the gateway as its resolver, hardened as the
+    engine is. The engine joins it (`container:` network mode); it is removed with the gateway
+    (`gw.netns`), never shared by jobs."""
     from docker.types import LogConfig
 
-    ip = client.api.inspect_container(gw.container)["NetworkSettings"]["Networks"][gw.network]["IPAddress"]
-    name = f"{gw.container}-netns"
+    assert gw.netns is not None
     client.containers.create(
         image=GATEWAY_IMAGE,
-        name=name,
+        name=gw.netns,
         entrypoint=["sleep", "infinity"],
         user="65534:65534",
         labels={**labels, ROLE_LABEL: ROLE_NETNS},
-        network=gw.network,
-        dns=[ip],
+        **_on_network(client, gw.network, ip),
+        dns=[gateway_ip],
         hostname="fila",
         read_only=True,
         cap_drop=["ALL"],
@@ -213,8 +298,18 @@ def _start_netns(client: docker.DockerClient, gw: Gateway, labels: dict[str, str
         pids_limit=8,
         log_config=LogConfig(type=LogConfig.types.NONE),
     )
-    client.api.start(name)
-    return name
+    client.api.start(gw.netns)
+
+
+def _on_network(client: docker.DockerClient, network: str, ip: str | None) -> dict[str, Any]:
+    """A container's create arguments for its network, at `ip` when given (else the daemon's
+    choice)."""
+    if ip is None:
+        return {"network": network}
+    return {
+        "network": network,
+        "networking_config": {network: client.api.create_endpoint_config(ipv4_address=ip)},
+    }
 
 
 def configure(
@@ -434,31 +529,32 @@ def stop(
     client: docker.DockerClient, gw: Gateway, *, before_network: Callable[[], None] | None = None
 ) -> None:
     """Remove the gateway, the job network and the gateway's directory (secrets included). The
-    log is read first by the caller (`collect`). `before_network`: waited for between the
-    gateway's removal and its network's (the engine's container, removed beside it, must be off
-    the network first). Its seconds are `gw.timings["gateway_remove"]`; once all is gone a
-    spare's lock is let go (`gw.released`)."""
+    log is read first by the caller (`collect`). The gateway and the namespace holder go side by
+    side (each on a connection of its own), then the network. `before_network` (else
+    `gw.before_network`): waited for between the containers' removal and the network's (the
+    engine's container, removed beside them, must be off the network first). Its seconds are
+    `gw.timings["gateway_remove"]`; once all is gone a spare's lock is let go (`gw.released`)."""
     from docker.errors import APIError, NotFound
 
     t = time.monotonic()
-    errors = []
-    try:
-        client.api.remove_container(gw.container, force=True, v=True)
-    except NotFound:
-        pass
-    except APIError as e:
-        if not (e.status_code == 409 and "already in progress" in str(e)):
-            errors.append(f"gateway {gw.container}: {e}")
-    for box in [gw.netns] if gw.netns else []:
-        try:
-            client.api.remove_container(box, force=True, v=True)
-        except NotFound:
-            pass
-        except APIError as e:
-            if not (e.status_code == 409 and "already in progress" in str(e)):
-                errors.append(f"namespace holder {box}: {e}")
-    if before_network is not None:
-        before_network()
+    errors: list[str] = []
+
+    def removing(what: str, name: str) -> Callable[[docker.DockerClient], None]:
+        def step(c: docker.DockerClient) -> None:
+            try:
+                c.api.remove_container(name, force=True, v=True)
+            except NotFound:
+                pass
+            except APIError as e:
+                if not (e.status_code == 409 and "already in progress" in str(e)):
+                    errors.append(f"{what} {name}: {e}")
+
+        return step
+
+    boxes = [("gateway", gw.container)] + ([("namespace holder", gw.netns)] if gw.netns else [])
+    _beside(client, *(removing(what, name) for what, name in boxes))
+    if (wait := before_network or gw.before_network) is not None:
+        wait()
     try:
         client.api.remove_network(gw.network)
     except NotFound:
