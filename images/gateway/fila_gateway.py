@@ -227,6 +227,9 @@ class Gateway(Recorder, ProxyDoor, RouteDoor):
         self.needles = Needles(())  # the route credentials, in every form a response must not carry
         self._waiting: asyncio.Task[None] | None = None  # the wait to serve (a spare's: for its config)
         self._prepared: asyncio.Future[bool] | None = None
+        # Per route client: the checked address each route request was pinned to, and the
+        # upstream's name its TLS must be for (RouteDoor.server_connect).
+        self.route_names: dict[str, dict[tuple[str, int], str]] = {}
 
     # -- lifecycle
 
@@ -244,7 +247,7 @@ class Gateway(Recorder, ProxyDoor, RouteDoor):
             # An error logged at start-up makes mitmdump exit (errorcheck): no gateway without policy.
             logger.error(f"fila_gateway: {e}")
             return False
-        self.needles = Needles(r["key"] for r in self.config["routes"].values())
+        self.needles = Needles(n for r in self.config["routes"].values() for n in r["needles"])
         # A spare's refusals before its job (nobody's: its job network was empty) are not the job's.
         self.totals = new_totals()
         LOG_DIR.mkdir(parents=True, exist_ok=True)

@@ -11,6 +11,7 @@ import os
 import stat
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -190,6 +191,39 @@ def rename_noreplace(src: Path, dst: Path) -> None:
     fsync_dir(dst.parent)
     if src.parent != dst.parent:
         fsync_dir(src.parent)
+
+
+def held_new_lock(path: Path) -> Callable[[], None]:
+    """`path` made as a lock file this process holds from its first moment: locked under a temp
+    name (`.<name>.tmp` beside it), then renamed, so nobody ever sees it free while its maker
+    lives (a sweep that finds it free knows its maker is gone). Returns the release: the lock
+    file removed, then let go (once, whoever calls it first)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.rename(tmp, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    done = threading.Lock()
+
+    def release() -> None:
+        if done.acquire(blocking=False):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            os.close(fd)
+
+    return release
+
+
+def lock_held(path: Path) -> bool:
+    """Whether a live process holds the lock file `path` (False when there is none)."""
+    try:
+        with file_lock(path, wait=False, create=False) as got:
+            return not got
+    except FileNotFoundError:
+        return False
 
 
 def remove_tree(path: Path) -> None:

@@ -16,7 +16,6 @@ The backend makes and removes the containers (`make`, `remove`); this module onl
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import secrets
 import stat
@@ -26,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from ..core.errors import InfraError
-from ..core.fsutil import file_lock
+from ..core.fsutil import file_lock, held_new_lock, lock_held
 from ..egress.config import SPARE_LABEL, Gateway, remove_dir
 
 # A spare's making is a second of the daemon's and the cores' time: started this long after the
@@ -139,21 +138,9 @@ class GatewayPool:
     def _new(self, network: str) -> Gateway:
         sid = secrets.token_hex(6)
         _own_directory(self.directory)
-        lock, tmp = self.directory / f"{sid}.lock", self.directory / f".{sid}.lock.tmp"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         # Locked before it has its name, and before anything of the spare exists: recovery never
         # sees the spare's lock free while its maker lives.
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        os.rename(tmp, lock)
-
-        done = threading.Lock()
-
-        def released() -> None:  # once, whoever calls it first
-            if done.acquire(blocking=False):
-                with contextlib.suppress(FileNotFoundError):
-                    lock.unlink()
-                os.close(fd)
-
+        released = held_new_lock(self.directory / f"{sid}.lock")
         try:
             gw = self._make(
                 sid, network, self.directory / sid, {**self.labels, "fila": "1", SPARE_LABEL: sid}
@@ -181,11 +168,7 @@ def _own_directory(directory: Path) -> None:
 
 def owned(directory: Path, spare: str) -> bool:
     """Whether the process that made spare `spare` still holds it (its lock is held)."""
-    try:
-        with file_lock(directory / f"{spare}.lock", wait=False, create=False) as held:
-            return not held
-    except FileNotFoundError:
-        return False
+    return lock_held(directory / f"{spare}.lock")
 
 
 def abandoned(directory: Path, listed: set[str]) -> set[str]:
