@@ -293,7 +293,8 @@ def test_a_hold_keeps_its_build_alive_for_recovery_and_its_directory_until_its_p
     assert not _has_claim(root, "env-build", None)  # no hold names a bare id
     # A process killed mid-build: its directory and lock stay on disk, free; the sweep takes them.
     code = (
-        "import os, sys\nfrom pathlib import Path\nfrom fila.core.layout import Root\nfrom fila.env import hold\n"
+        "import os, sys\nfrom pathlib import Path\n"
+        "from fila.core.layout import Root\nfrom fila.env import hold\n"
         "with hold.hold(Root(Path(sys.argv[1]))) as h:\n"
         "    (h.dir / 'gateway').mkdir(); (h.dir / 'gateway' / 'corp').write_text(sys.argv[2])\n"
         "    print(h.job_id, flush=True); os._exit(9)\n"

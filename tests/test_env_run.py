@@ -659,9 +659,21 @@ def test_a_setup_route_reaches_a_private_index_and_its_token_reaches_nothing_els
         monkeypatch.setenv("CORP_TOKEN", base64.b64encode(b"corp:rotated-password-0123").decode())
         rotated = submit_run(root, "true")
         assert rotated["environment"]["how"] == "cached" and rotated["environment"]["key"] == env["key"]
+        # Without allow_private for its address, the route is refused as the proxy door refuses
+        # the same host: nothing is asked of the index, the token is sent nowhere.
+        doc = json.loads((root.path / "policies" / "default.json").read_text())
+        del doc["environment"]["allow_private"]
+        write_policy(root, "default", doc)
+        asked = index.logs().decode().count("/simple/six/")
+        closed = submit_run(root, "true")
+        assert closed["status"] == "failed" and closed["error"]["kind"] == "environment", closed
+        refused = [r for r in closed["environment"]["egress"]["requests"] if r["door"] == "route"]
+        assert refused and not any(r["allowed"] for r in refused), refused
+        assert all("private address" in r["reason"] for r in refused), refused
+        assert index.logs().decode().count("/simple/six/") == asked
     # The token (and the password in it) is nowhere fila wrote, nor in the image.
     secrets_ = [token.encode(), PRIVATE_PASSWORD.encode()]
-    for text in (*(json.dumps(r) for r in (missing, built, rotated)), setup_log, log):
+    for text in (*(json.dumps(r) for r in (missing, built, rotated, closed)), setup_log, log):
         assert "***" not in text and not any(s.decode() in text for s in secrets_)
     tag = env["image"]["tag"]
     config = json.loads(_docker("image", "inspect", tag))[0]["Config"]

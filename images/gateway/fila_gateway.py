@@ -9,9 +9,11 @@ mitmproxy does all the HTTP and TLS work. This addon decides, per request, wheth
   global (or inside `allow_private`), and the connection is pinned to the checked address so that a
   second lookup (DNS rebinding) cannot change where it goes.
 - door "route" (reverse mode on 8080, plain HTTP/1 only: a client starting TLS is closed, HTTP/2 is
-  off): `/<route>/<rest>` goes to the route's upstream with the engine's credential headers dropped
-  and the real one (from the secrets directory) added, for the route's `paths` only (no upgrades, no
-  escapes, nothing but printable ASCII in the target and the header values); usage is read from
+  off): `/<route>/<rest>` goes to the route's upstream with the engine's credential headers (and
+  method or URL override headers) dropped and the real one (from the secrets directory) added, for
+  the route's `paths` only (no upgrades, no escapes, no body on GET or HEAD, nothing but printable
+  ASCII in the target and the header values), to an address the gateway resolved and checked as
+  the proxy door does and pinned, the upstream's name its Host and TLS server name; usage is read from
   model-call responses (streams stay streamed) and the job's budget is enforced before forwarding
   (one model call at a time under max_tokens; a model call without readable usage spends the
   budget). The answer never carries the credential back: every form of a route's key the upstream

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .errors import TreeNotRemoved
+from .errors import InfraError, TreeNotRemoved
 
 
 @contextlib.contextmanager
@@ -191,6 +191,20 @@ def rename_noreplace(src: Path, dst: Path) -> None:
     fsync_dir(dst.parent)
     if src.parent != dst.parent:
         fsync_dir(src.parent)
+
+
+def private_dir(directory: Path, what: str) -> None:
+    """`directory` made (0700) when missing, and checked: a real directory of this user's, never a
+    link someone planted; its mode put back to 0700. InfraError saying `what` is not kept there."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = directory.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise InfraError(
+            f"{directory} is not a directory of this user's: no {what} is kept there",
+            hint="remove it; fila makes it again (0700)",
+        )
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(directory, 0o700)
 
 
 def held_new_lock(path: Path) -> Callable[[], None]:

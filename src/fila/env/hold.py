@@ -12,16 +12,13 @@ whoever made it: by its lock, never by an id.
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import secrets
-import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..core import fsutil
-from ..core.errors import InfraError
 from ..core.layout import Root
 
 BUILD_PREFIX = "env-build-"
@@ -48,13 +45,7 @@ def hold(root: Root) -> Iterator[Hold]:
     """A new hold for the block: its lock held before anything of it exists, its directory (0700)
     and then its lock removed after the block, however it ends."""
     base = holds_dir(root)
-    base.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = base.lstat()
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        raise InfraError(
-            f"{base} is not a directory of this user's: no setup's secrets are kept there",
-            hint="remove it; fila makes it again (0700)",
-        )
+    fsutil.private_dir(base, "build gateway's secret")
     ident = secrets.token_hex(6)
     release = fsutil.held_new_lock(base / f"{ident}.lock")
     try:
