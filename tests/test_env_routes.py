@@ -244,3 +244,66 @@ def test_recovery_removes_a_dead_setups_gateway_directory_and_never_a_live_ones(
         assert sweep_setup_gateways(root) == [str(dead / "egress")]
     assert not (dead / "egress").exists() and (live / "egress" / "secrets" / "corp").exists()
     assert sweep_setup_gateways(root) == [str(live / "egress")]  # its setup is gone now
+
+
+def test_a_basic_credentials_user_password_and_password_are_redacted_like_the_token(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A `Basic {key}` route's token is the base64 of `user:password`: the setup's log is redacted
+    of the decoded pair and of the password alone too, and a job's scanner knows both. A Bearer
+    token is the counterpart: it has no decoded form."""
+    import base64
+
+    from fila.sandbox.docker.logs import redactor
+
+    password = "index-password-41d7"
+    token = base64.b64encode(f"corp:{password}".encode()).decode()
+    monkeypatch.setenv("CORP_TOKEN", token)
+    assert setup_credentials(SetupPolicy(routes={"corp": Route(**CORP)})) == [token]
+    basic = SetupPolicy(routes={"corp": Route(**CORP, format="Basic {key}")})
+    assert setup_credentials(basic) == [token, f"corp:{password}", password]
+    log = f"pip: url http://corp:{password}@pypi.corp.example/ said {password} for user corp\n".encode()
+    masker = redactor(setup_credentials(basic))
+    masked = masker.feed(log) + masker.flush()
+    assert password.encode() not in masked and b"for user corp" in masked, masked
+    policy = Policy.model_validate(_policy({"corp": CORP | {"format": "Basic {key}"}}))
+    assert {token, f"corp:{password}", password} <= {c.value for c in secretscan.known(policy)}
+
+
+def test_a_hold_keeps_its_build_alive_for_recovery_and_its_directory_until_its_process_is_gone(
+    tmp_path: Path,
+) -> None:
+    """`fila env build` runs no task: its hold's lock is what recovery sees alive (its job id's
+    containers and networks are kept while it lives), and a hold's directory (a build gateway's
+    state, a route's secret in it) is removed by the sweep once no process holds its lock, never
+    while one does."""
+    import subprocess
+
+    from fila.env import hold
+    from fila.recovery.sweep import _has_claim
+    from tests.support.project import make_root
+
+    root = make_root(tmp_path / "root")
+    with hold.hold(root) as live:
+        assert _has_claim(root, live.job_id, None)  # the allowed counterpart: kept while it lives
+        (live.dir / "gateway" / "secrets").mkdir(parents=True)
+        (live.dir / "gateway" / "secrets" / "corp").write_text(TOKEN)
+        assert hold.sweep(root) == [] and (live.dir / "gateway" / "secrets" / "corp").exists()
+    assert not live.dir.exists() and not _has_claim(root, live.job_id, None)  # its own end removed it
+    assert not _has_claim(root, "env-build", None)  # no hold names a bare id
+    # A process killed mid-build: its directory and lock stay on disk, free; the sweep takes them.
+    code = (
+        "import os, sys\nfrom pathlib import Path\n"
+        "from fila.core.layout import Root\nfrom fila.env import hold\n"
+        "with hold.hold(Root(Path(sys.argv[1]))) as h:\n"
+        "    (h.dir / 'gateway').mkdir(); (h.dir / 'gateway' / 'corp').write_text(sys.argv[2])\n"
+        "    print(h.job_id, flush=True); os._exit(9)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code, str(root.path), TOKEN], capture_output=True, text=True)
+    assert out.returncode == 9, out.stderr
+    job_id = out.stdout.strip()
+    dead = hold.holds_dir(root) / job_id.removeprefix(hold.BUILD_PREFIX)
+    assert (dead / "gateway" / "corp").read_text() == TOKEN
+    assert not _has_claim(root, job_id, None)  # its containers are a dead job's now
+    assert hold.sweep(root) == [str(dead)] and not dead.exists()
+    assert list(hold.holds_dir(root).iterdir()) == []  # its lock went too

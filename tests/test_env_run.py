@@ -766,9 +766,25 @@ def test_a_setup_route_reaches_a_private_index_and_its_token_reaches_nothing_els
         monkeypatch.setenv("CORP_TOKEN", base64.b64encode(b"corp:rotated-password-0123").decode())
         rotated = submit_run(root, "true")
         assert rotated["environment"]["how"] == "cached" and rotated["environment"]["key"] == env["key"]
+        # Without allow_private for its address, the route is refused as the proxy door refuses
+        # the same host: nothing is asked of the index, the token is sent nowhere.
+        doc = json.loads((root.path / "policies" / "default.json").read_text())
+        del doc["environment"]["allow_private"]
+        write_policy(root, "default", doc)
+        asked = index.logs().decode().count("/simple/six/")
+        closed = submit_run(root, "true")
+        assert closed["status"] == "failed" and closed["error"]["kind"] == "environment", closed
+        refused = [
+            (r["path"], r["allowed"], r["status"], r["reason"])
+            for r in closed["environment"]["egress"]["requests"]
+            if r["door"] == "route"
+        ]
+        assert refused and not any(ok for _p, ok, _s, _r in refused), refused
+        assert all("private address" in (why or "") for _p, _ok, _s, why in refused), refused
+        assert index.logs().decode().count("/simple/six/") == asked
     # The token (and the password in it) is nowhere fila wrote, nor in the image.
     secrets_ = [token.encode(), PRIVATE_PASSWORD.encode()]
-    for text in (*(json.dumps(r) for r in (missing, built, rotated)), setup_log, log):
+    for text in (*(json.dumps(r) for r in (missing, built, rotated, closed)), setup_log, log):
         assert "***" not in text and not any(s.decode() in text for s in secrets_)
     tag = env["image"]["tag"]
     config = json.loads(_docker("image", "inspect", tag))[0]["Config"]
@@ -781,3 +797,72 @@ def test_a_setup_route_reaches_a_private_index_and_its_token_reaches_nothing_els
         _docker("rm", cid)
     # What the setup wrote is in the export (the grep sees the setup's files); the token is not.
     assert b":8080/corp\n" in export and not any(s in export for s in secrets_)
+
+
+def _labelled(root: Root, role: str) -> list[str]:
+    flt = ["--filter", f"label=fila.root={root.path}", "--filter", f"label=fila.role={role}"]
+    return subprocess.run(
+        ["docker", "ps", "-aq", *flt], capture_output=True, text=True, check=True
+    ).stdout.split()
+
+
+def _wait_for(what: Any, timeout: float = 120) -> Any:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if got := what():
+            return got
+        time.sleep(0.2)
+    raise AssertionError("timed out")
+
+
+def test_a_recovery_pass_beside_fila_env_build_keeps_its_gateway_and_removes_a_killed_builds_token(
+    tmp_path: Path, pkgindex: Any, gateway_image: str
+) -> None:
+    """`fila env build` runs no task: its hold (docs/environments.md, "Commands") is what a
+    recovery pass beside it (a worker runs one each round) sees alive, so its build gateway stays
+    and the build ends well; killed mid-build, the gateway's directory (the route's token) and its
+    containers are removed by the next `fila recover`."""
+    import os
+
+    from tests.support.cli import CLI
+
+    root = make_root(tmp_path / "sweep")
+    (root.path / "Dockerfile").write_text(f"FROM {pkgindex.testenv_image}\nRUN sleep 20\n")
+    (root.path / "fila-environment.json").write_text(json.dumps({"build": {"dockerfile": "Dockerfile"}}))
+    doc = json.loads((root.path / "policies" / "default.json").read_text())
+    near = {"allow_private": [pkgindex.subnet], "egress_network": pkgindex.network}
+    corp = {"upstream": "http://private.test:8080", "credential": "CORP_TOKEN"}
+    doc["environment"] = {"allow": [], **near, "timeout_ms": 300_000, "routes": {"corp": corp}}
+    write_policy(root, "default", doc)
+    token = "fix2-route-token-8c41"
+    env = {**os.environ, "FILA_ROOT": str(root.path), "CORP_TOKEN": token}
+    held = "sandbox/envs/held/*/gateway/secrets/corp"
+    build = subprocess.Popen([*CLI, "env", "build"], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    try:
+        _wait_for(lambda: _labelled(root, "gateway"))
+        secret = _wait_for(lambda: list(root.path.glob(held)))[0]
+        rep = fila_process(root, "recover", check=True)
+        assert _labelled(root, "gateway") and secret.read_text() == token, rep.stdout  # kept: alive
+        out, _ = build.communicate(timeout=240)
+    finally:
+        build.kill()
+    assert build.returncode == 0, out  # the build kept its gateway and network to the end
+    assert not secret.exists()
+    # Killed mid-build (another base to build): what it held is left on disk, free, and the next
+    # recovery takes it.
+    (root.path / "Dockerfile").write_text(f"FROM {pkgindex.testenv_image}\nRUN sleep 60\n")
+    build = subprocess.Popen([*CLI, "env", "build"], env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        secret = _wait_for(lambda: list(root.path.glob(held)))[0]
+        _wait_for(lambda: _labelled(root, "gateway"))
+    finally:
+        build.kill()
+        build.wait()
+    assert secret.read_text() == token
+    fila_process(root, "recover")
+    assert not secret.exists() and list(root.path.glob("sandbox/envs/held/*")) == []
+    assert _labelled(root, "gateway") == []

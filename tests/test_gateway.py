@@ -183,14 +183,22 @@ def start_gateway(
     upstream_ca: str | None = "/etc/fila-gateway/upstream-ca.pem",
     environment: dict[str, str] | None = None,
     host_addresses: list[str] | None = None,
+    secrets: dict[str, str] | None = None,
 ) -> Gw:
-    """A hardened gateway on the job network and the upstream network, as the contract says."""
+    """A hardened gateway on the job network and the upstream network, as the contract says.
+    With routes and no `allow_private` given, the upstreams' subnet is opened (every test server,
+    the model server among them, has a private address there, which a route connects to only
+    when allow_private opens it); `secrets`: more files of its secrets directory."""
+    if allow_private is None:
+        allow_private = _private(env) if routes else []
     name = f"fila-test-gw-{env.session}-{uuid.uuid4().hex[:6]}"
     d = env.tmp / name
     (d / "secrets").mkdir(parents=True)
     (d / "log").mkdir()
     (d / "secrets" / "anthropic").write_text(REAL_KEY + "\n")
     (d / "secrets" / "openai").write_text(REAL_OPENAI_KEY)
+    for name, value in (secrets or {}).items():
+        (d / "secrets" / name).write_text(value)
     for f in (d / "secrets").iterdir():
         _chown_nobody(f, 0o600)
     _chown_nobody(d / "secrets", 0o700)
@@ -198,7 +206,7 @@ def start_gateway(
     config = {
         "job": name,
         "allow": allow or [],
-        "allow_private": allow_private or [],
+        "allow_private": allow_private,
         "routes": routes or {},
         "budget": budget or {"max_requests": None, "max_tokens": None},
         "upstream_ca": upstream_ca,
@@ -698,6 +706,65 @@ def test_model_routes_add_the_real_key_drop_the_engines_and_meter_usage(env: Env
     assert all(e["allowed"] and e["host"] == "model.test" and e["port"] == 443 for e in lines)
     assert all(e["bytes_in"] > 0 and e["bytes_out"] > 0 for e in lines)
     assert REAL_KEY not in (gw.log_dir / "egress.jsonl").read_text()
+
+
+def test_a_route_connects_only_to_its_checked_address_under_its_upstreams_name(env: Env) -> None:
+    """A route resolves its upstream itself and checks every address as the proxy door checks a
+    listed name's (private outside allow_private, the gateway's host), then connects to that very
+    address with the upstream's name as the Host header and the TLS server name (the model
+    server's certificate names model.test only: a handshake for the address would fail)."""
+    env.ups.set_script([{"protocol": "anthropic", "reply": {"text": "through the route"}}])
+    env.ups.clear_requests("model.test")
+    gw = env.gateway(routes=_routes(env))  # allow_private opens the upstreams' subnet
+    status, out = _post(env, f"{gw.routes}/anthropic/v1/messages", ANTHROPIC_BODY)
+    assert status == "200" and "through the route" in out, out
+    assert env.ups.requests("model.test")[-1]["headers"]["host"] == "model.test"
+    model_ip = env.ups.ip("model.test")
+    for closed, says in (
+        (env.gateway(routes=_routes(env), allow_private=[]), f"private address {model_ip}"),
+        (
+            env.gateway(routes=_routes(env), host_addresses=[model_ip]),
+            f"address of the gateway's host {model_ip}",
+        ),
+    ):
+        env.ups.clear_requests("model.test")
+        status, out = _post(env, f"{closed.routes}/anthropic/v1/messages", ANTHROPIC_BODY)
+        assert status == "403" and says in out, out
+        assert env.ups.requests("model.test") == []  # nothing reached the upstream, no key sent
+        line = closed.last(door="route", allowed=False)
+        assert line["route"] == "anthropic" and says in line["reason"], line
+
+
+OVERRIDES = (
+    "x-http-method-override",
+    "x-http-method",
+    "x-method-override",
+    "x-original-url",
+    "x-rewrite-url",
+)
+
+
+def test_a_route_drops_method_and_path_overrides_and_refuses_a_body_on_a_read(env: Env) -> None:
+    """A route's rules check the request line: what some servers read instead of it (a method
+    override, an original or rewritten URL) never reaches the upstream, and a read (GET, HEAD)
+    with a body, which no rule names, is refused."""
+    token = base64.b64encode(b"corp:route-password-5e1c").decode()
+    corp = {"upstream": "https://allowed.test/repo", "header": "authorization", "format": "Basic {key}",
+            "secret": "corp", "paths": ["GET /repo/**", "HEAD /repo/**"]}  # fmt: skip
+    gw = env.gateway(routes={"corp": corp}, secrets={"corp": token})
+    env.ups.clear_requests("allowed.test")
+    hs = " ".join(f"-H '{h}: DELETE /admin/keys'" for h in OVERRIDES)
+    code, out, err = env.sh(f"{CURL} -i {hs} {gw.routes}/corp/simple/six/")
+    assert code == 0 and out.startswith("HTTP/1.1 200") and "hello from allowed.test" in out, (out, err)
+    (got,) = env.ups.requests("allowed.test")
+    assert (got["method"], got["path"]) == ("GET", "/repo/simple/six/"), got
+    assert got["headers"]["authorization"] == f"Basic {token}"
+    assert not set(OVERRIDES) & set(got["headers"]), got["headers"]
+    for body in ("--data-binary x", "-H 'transfer-encoding: chunked' --data-binary x"):
+        code, out, err = env.sh(f"{CURL} -i -X GET {body} {gw.routes}/corp/simple/six/")
+        assert code == 0 and out.startswith("HTTP/1.1 400") and "a body on GET" in out, (out, err)
+    assert len(env.ups.requests("allowed.test")) == 1  # neither reached the upstream
+    assert gw.last(door="route", allowed=False)["reason"] == "a body on GET"
 
 
 def test_usage_is_read_from_responses_and_gemini_streams_too(env: Env) -> None:

@@ -72,6 +72,38 @@ def test_the_config_is_loaded_with_its_keys_and_refused_naming_what_is_wrong(
         assert says in str(err.value), (what, str(err.value))
 
 
+def test_a_basic_credentials_user_password_and_password_are_scrubbed_like_its_base64(
+    gw: SimpleNamespace, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A `Basic {key}` route's key is the base64 of `user:password`: an answer quoting the decoded
+    pair or the password alone is scrubbed as the base64 is. A Bearer key gets no such forms."""
+    config: ModuleType = gw.config
+    secrets = tmp_path / "secrets"
+    secrets.mkdir()
+    password = "index-password-77a0"
+    token = base64.b64encode(f"corp:{password}".encode()).decode()
+    (secrets / "corp").write_text(token)
+    monkeypatch.setattr(config, "SECRETS_DIR", secrets)
+    corp = {"upstream": "https://pypi.corp.example", "header": "authorization", "secret": "corp",
+            "paths": ["GET /**"]}  # fmt: skip
+    bearer = config.load_config(
+        _write(tmp_path / "b.json", {"routes": {"corp": {**corp, "format": "Bearer {key}"}}})
+    )
+    assert bearer["routes"]["corp"]["needles"] == [token]  # the counterpart: the key alone
+    basic = config.load_config(
+        _write(tmp_path / "c.json", {"routes": {"corp": {**corp, "format": "Basic {key}"}}})
+    )
+    assert basic["routes"]["corp"]["needles"] == [token, f"corp:{password}", password]
+    needles = gw.scrub.Needles(basic["routes"]["corp"]["needles"])
+    counts: dict[str, int] = {}
+    page = f"user corp:{password} / password {password} / token {token} / user corp".encode()
+    out = needles.scrub(page, "body", counts)
+    assert password.encode() not in out and token.encode() not in out and b"user corp" in out, out
+    assert sum(counts.values()) == 3, counts
+    short = base64.b64encode(b"corp:short").decode()  # a password under 8 characters: not alone
+    assert config.basic_parts("Basic {key}", short) == ["corp:short"]
+
+
 def test_the_destination_check_refuses_reserved_names_and_private_addresses(gw: SimpleNamespace) -> None:
     policy: ModuleType = gw.policy
     assert policy.host_problem("api.example.com") is None  # the allowed counterpart

@@ -9,9 +9,11 @@ mitmproxy does all the HTTP and TLS work. This addon decides, per request, wheth
   global (or inside `allow_private`), and the connection is pinned to the checked address so that a
   second lookup (DNS rebinding) cannot change where it goes.
 - door "route" (reverse mode on 8080, plain HTTP/1 only: a client starting TLS is closed, HTTP/2 is
-  off): `/<route>/<rest>` goes to the route's upstream with the engine's credential headers dropped
-  and the real one (from the secrets directory) added, for the route's `paths` only (no upgrades, no
-  escapes, nothing but printable ASCII in the target and the header values); usage is read from
+  off): `/<route>/<rest>` goes to the route's upstream with the engine's credential headers (and
+  method or URL override headers) dropped and the real one (from the secrets directory) added, for
+  the route's `paths` only (no upgrades, no escapes, no body on GET or HEAD, nothing but printable
+  ASCII in the target and the header values), to an address the gateway resolved and checked as
+  the proxy door does and pinned, the upstream's name its Host and TLS server name; usage is read from
   model-call responses (streams stay streamed) and the job's budget is enforced before forwarding
   (one model call at a time under max_tokens; a model call without readable usage spends the
   budget). The answer never carries the credential back: every form of a route's key the upstream
@@ -227,6 +229,9 @@ class Gateway(Recorder, ProxyDoor, RouteDoor):
         self.needles = Needles(())  # the route credentials, in every form a response must not carry
         self._waiting: asyncio.Task[None] | None = None  # the wait to serve (a spare's: for its config)
         self._prepared: asyncio.Future[bool] | None = None
+        # Per route client: the checked address each route request was pinned to, and the
+        # upstream's name its TLS must be for (RouteDoor.server_connect).
+        self.route_names: dict[str, dict[tuple[str, int], str]] = {}
 
     # -- lifecycle
 
@@ -244,7 +249,7 @@ class Gateway(Recorder, ProxyDoor, RouteDoor):
             # An error logged at start-up makes mitmdump exit (errorcheck): no gateway without policy.
             logger.error(f"fila_gateway: {e}")
             return False
-        self.needles = Needles(r["key"] for r in self.config["routes"].values())
+        self.needles = Needles(n for r in self.config["routes"].values() for n in r["needles"])
         # A spare's refusals before its job (nobody's: its job network was empty) are not the job's.
         self.totals = new_totals()
         LOG_DIR.mkdir(parents=True, exist_ok=True)

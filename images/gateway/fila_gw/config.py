@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import base64
 import ipaddress
 import json
 import logging
@@ -101,6 +102,19 @@ METERED = re.compile(r"(/messages|/chat/completions|/responses|:generateContent|
 # Headers that carry a credential on some model API: whatever the engine sends is dropped.
 CREDENTIAL_HEADERS = ("authorization", "x-api-key", "x-goog-api-key", "api-key", "proxy-authorization")
 CREDENTIAL_QUERY = ("key",)
+# Headers some servers and frameworks read as another method or another path than the request
+# line's: a route's rules check the request line only, so whatever the client sends of these is
+# dropped on every route.
+OVERRIDE_HEADERS = (
+    "x-http-method-override",
+    "x-http-method",
+    "x-method-override",
+    "x-original-url",
+    "x-rewrite-url",
+)
+# A Basic credential's password is looked for on its own (besides `user:password` and the base64)
+# only from this length: a shorter one would match ordinary text of the answers.
+MIN_PASSWORD_NEEDLE = 8
 _ROUTE_NAME = re.compile(r"^[a-z0-9][a-z0-9_-]*$")
 LEARN_BUDGET = "learning budget max_requests spent"
 # What the engine reads when a name it asked to learn is refused: the reason (which address the
@@ -174,14 +188,29 @@ def _route(name: str, raw: Any) -> dict[str, Any]:
         raise ConfigError(f"routes.{name}: the secret {path} must hold one line")
     return {
         "scheme": parts.scheme,
-        "host": parts.hostname,
+        "host": parts.hostname.lower().rstrip("."),
         "port": parts.port or (443 if parts.scheme == "https" else 80),
         "base_path": parts.path.rstrip("/"),
         "header": header.lower(),
         "value": fmt.replace("{key}", key),
         "key": key,
+        "needles": [key, *basic_parts(fmt, key)],
         "paths": rules,
     }
+
+
+def basic_parts(fmt: str, key: str) -> list[str]:
+    """What a `Basic {key}` credential holds besides its base64: the decoded `user:password` and
+    the password alone (from MIN_PASSWORD_NEEDLE characters), each a form of the secret an answer
+    must not carry (fila.egress.config.basic_parts is the host's twin, for the logs)."""
+    if not re.fullmatch(r"(?i)basic \{key\}", fmt.strip()):
+        return []
+    try:
+        plain = base64.b64decode(key, validate=True).decode()
+    except ValueError:
+        return []
+    password = plain.split(":", 1)[1] if ":" in plain else ""
+    return [plain] + ([password] if len(password) >= MIN_PASSWORD_NEEDLE else [])
 
 
 def load_config(path: Path = CONFIG_PATH) -> dict[str, Any]:

@@ -189,6 +189,7 @@ class ProxyDoor:
             )  # fmt: skip
 
     def client_disconnected(self, client: Any) -> None:
+        self.route_names.pop(client.id, None)
         # A tunnel the client closed before sending a byte (no TCP flow was ever made for it).
         t = self.tunnels.pop(client.id, None)
         if t is not None:

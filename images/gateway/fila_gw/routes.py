@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import re
+from typing import Any
 
 from mitmproxy import http
 
-from .config import CREDENTIAL_HEADERS, CREDENTIAL_QUERY, LOG_FIELD, METERED
+from .config import CREDENTIAL_HEADERS, CREDENTIAL_QUERY, LOG_FIELD, METERED, OVERRIDE_HEADERS
 from .meter import Meter, Refusal
+from .policy import address_problem, is_ip, resolve
 from .record import escaped
 from .scrub import SseScrubber
 from .wire import deny_response, fail_closed, guarded, m_ok, unsafe_request
@@ -55,6 +57,15 @@ class RouteDoor:
         upath = route["base_path"] + rest
         if not any(req.method == m and rx.match(upath) for m, rx in route["paths"]):
             return self.refuse(flow, 403, "path not allowed on this route")
+        if req.method in ("GET", "HEAD") and (
+            req.headers.get("transfer-encoding") or req.headers.get("content-length", "0").strip() != "0"
+        ):
+            # A rule allows a method and a path; a body on a read is a request the rule never
+            # named (a search, a query language some servers read from a GET).
+            return self.refuse(flow, 400, f"a body on {req.method}")
+        addr, reason = await self._route_address(route)
+        if addr is None:
+            return self.refuse(flow, 502 if reason.startswith("does not resolve") else 403, reason)
         metered = bool(METERED.search(upath))
         flow.metadata["fila_metered"] = metered
         budget = self.config["budget"]
@@ -71,15 +82,18 @@ class RouteDoor:
                 flow.metadata["fila_budget"] = key
                 return self.refuse(flow, 429, f"budget {key}", budget=key, limit=limit, used=used)
         self.requests += 1
-        for h in (*CREDENTIAL_HEADERS, route["header"]):
+        for h in (*CREDENTIAL_HEADERS, *OVERRIDE_HEADERS, route["header"]):
             req.headers.pop(h, None)
         for q in CREDENTIAL_QUERY:
             if q in req.query:
                 del req.query[q]
         query = req.path.split("?", 1)[1] if "?" in req.path else ""
         req.scheme = route["scheme"]
-        req.host = route["host"]
+        # Pinned: the connection opens to the address just checked, never to a second lookup of
+        # the name; the Host header and the TLS server name stay the upstream's name.
+        req.host = addr
         req.port = route["port"]
+        self.route_names.setdefault(flow.client_conn.id, {})[(addr, route["port"])] = route["host"]
         req.path = upath + (f"?{query}" if query else "")
         req.host_header = route["host"] if route["port"] in (80, 443) else f"{route['host']}:{route['port']}"
         req.headers[route["header"]] = route["value"]
@@ -94,6 +108,38 @@ class RouteDoor:
             route=name, path=rest[:LOG_FIELD], allowed=True, reason="in flight", status=None,
         )  # fmt: skip
         self._summarize(force=True)
+
+    async def _route_address(self, route: dict[str, Any]) -> tuple[str | None, str]:
+        """(the address to connect to, "") or (None, why not): the upstream's name resolved here
+        and every address checked as the proxy door checks a listed name's (private outside
+        allow_private, loopback, link-local, the host's own: a route's name that resolves, or is
+        rebound, there is refused like any other)."""
+        assert self.config is not None
+        host, port = route["host"], route["port"]
+        try:
+            addrs = [host] if is_ip(host) else await resolve(host + ".", port)
+        except OSError as e:
+            return None, f"does not resolve ({e.strerror or e})"
+        if not addrs:
+            return None, "does not resolve"
+        for a in addrs:
+            if problem := address_problem(a, self.config["allow_private"], self.config["host_addrs"]):
+                return None, f"route upstream {host}: {problem}"
+        return addrs[0], ""
+
+    def server_connect(self, data: Any) -> None:
+        """Every upstream connection goes to an address a door checked: a name here would be
+        looked up by mitmproxy itself, unchecked, and is refused. A route's connection to its
+        pinned address is given the upstream's name as its TLS server name (and so the name its
+        certificate must carry), never the address."""
+        server = data.server
+        host, port = server.address
+        if not is_ip(host):
+            server.error = f"unpinned upstream {host}: refused"
+            return
+        name = self.route_names.get(data.client.id, {}).get((host, port))
+        if name is not None and server.sni is not None:
+            server.sni = name
 
     @fail_closed(deny_response)
     def responseheaders(self, flow: http.HTTPFlow) -> None:

@@ -11,11 +11,12 @@ import os
 import stat
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from .errors import TreeNotRemoved
+from .errors import InfraError, TreeNotRemoved
 
 
 @contextlib.contextmanager
@@ -190,6 +191,53 @@ def rename_noreplace(src: Path, dst: Path) -> None:
     fsync_dir(dst.parent)
     if src.parent != dst.parent:
         fsync_dir(src.parent)
+
+
+def private_dir(directory: Path, what: str) -> None:
+    """`directory` made (0700) when missing, and checked: a real directory of this user's, never a
+    link someone planted; its mode put back to 0700. InfraError saying `what` is not kept there."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = directory.lstat()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+        raise InfraError(
+            f"{directory} is not a directory of this user's: no {what} is kept there",
+            hint="remove it; fila makes it again (0700)",
+        )
+    if stat.S_IMODE(st.st_mode) != 0o700:
+        os.chmod(directory, 0o700)
+
+
+def held_new_lock(path: Path) -> Callable[[], None]:
+    """`path` made as a lock file this process holds from its first moment: locked under a temp
+    name (`.<name>.tmp` beside it), then renamed, so nobody ever sees it free while its maker
+    lives (a sweep that finds it free knows its maker is gone). Returns the release: the lock
+    file removed, then let go (once, whoever calls it first)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.rename(tmp, path)
+    except BaseException:
+        os.close(fd)
+        raise
+    done = threading.Lock()
+
+    def release() -> None:
+        if done.acquire(blocking=False):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            os.close(fd)
+
+    return release
+
+
+def lock_held(path: Path) -> bool:
+    """Whether a live process holds the lock file `path` (False when there is none)."""
+    try:
+        with file_lock(path, wait=False, create=False) as got:
+            return not got
+    except FileNotFoundError:
+        return False
 
 
 def remove_tree(path: Path) -> None:

@@ -17,10 +17,12 @@ record and shown, is `egress.record`'s (its names are importable from here too).
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import ipaddress
 import json
 import os
+import re
 import secrets as _secrets
 import shutil
 import stat
@@ -331,6 +333,26 @@ def read_credential(base: str, r: Route) -> str:
     if not key:
         raise _bad(base, "the credential is empty", None)
     return key
+
+
+# A Basic credential's password is a form of it too, from this length (shorter would match
+# ordinary text; the gateway's MIN_PASSWORD_NEEDLE and secretscan's MIN_CHARS are the same).
+MIN_PASSWORD_CHARS = 8
+
+
+def credential_forms(fmt: str, key: str) -> list[str]:
+    """The credential as a log or an answer may show it: the key, and for a `Basic {key}` format
+    (the key the base64 of `user:password`) the decoded `user:password` and the password alone
+    (images/gateway/fila_gw/config.py `basic_parts` is the gateway's twin, for its answers)."""
+    forms = [key]
+    if re.fullmatch(r"(?i)basic \{key\}", fmt.strip()):
+        try:
+            plain = base64.b64decode(key, validate=True).decode()
+        except ValueError:
+            return forms
+        password = plain.split(":", 1)[1] if ":" in plain else ""
+        forms += [plain] + ([password] if len(password) >= MIN_PASSWORD_CHARS else [])
+    return forms
 
 
 def resolve_routes(policy: Policy) -> list[Resolved]:

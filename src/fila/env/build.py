@@ -47,7 +47,7 @@ from ..sandbox.base import JOB_LABEL, ROOT_LABEL, Backend, ImageInfo, RunSpec, S
 from ..sandbox.base import LABEL as LABEL_FILA
 from ..workspace import fswalk
 from ..workspace.jobdir import excluded_prefixes, exclusion
-from . import dockerfile
+from . import dockerfile, hold
 from . import key as keys
 from .spec import PROJECT_PATH, Declared, EnvSpec, Step
 
@@ -311,20 +311,18 @@ def _build_in(root: Root, backend: Backend, spec: EnvSpec, setup: Policy, limits
             offline = refused or "the policy's environment.allow is empty"
             raise _not_built(e, spec, limits, None, offline) from e
         return None
-    state = envs_dir(root) / f"build-{secrets.token_hex(6)}"
     failed: FilaError | None = None
-    try:
-        with backend.build_gateway(  # type: ignore[attr-defined]
-            # The task's own id: a sweep beside it sees the task's claim and leaves it alone.
-            job_id=job_id, policy=setup, state=state,
-            labels={"fila.root": str(root.path), "fila.role": "env-build"},
-        ) as gateway:  # fmt: skip
-            try:
-                build(buildargs={**gateway.env, **spec.build.args}, network=gateway.network)
-            except FilaError as e:  # said once the gateway's record is read (below)
-                failed = e
-    finally:
-        fsutil.remove_tree(state)
+    # The gateway's state (its routes' secrets) in a hold: removed after the build, or by the
+    # sweep once this process is gone (env/hold.py).
+    with hold.hold(root) as held, backend.build_gateway(  # type: ignore[attr-defined]
+        # The task's own id (or `fila env build`'s hold's): a sweep beside it sees it alive.
+        job_id=job_id, policy=setup, state=held.dir / "gateway",
+        labels={"fila.root": str(root.path), "fila.role": "env-build"},
+    ) as gateway:  # fmt: skip
+        try:
+            build(buildargs={**gateway.env, **spec.build.args}, network=gateway.network)
+        except FilaError as e:  # said once the gateway's record is read (below)
+            failed = e
     for w in gateway.warnings:
         progress(f"warning: {w}")
     if failed is not None:
@@ -561,13 +559,15 @@ def _build(root: Root, project: Path, declared: Declared, policy: Policy, backen
 
 
 def setup_credentials(setup: SetupPolicy) -> list[str]:
-    """Each setup route's credential, read on this host for the setup's gateway and the log's
-    redaction; InvalidPolicy naming the route and its variable or file when one cannot be read."""
+    """Each setup route's credential in every form the log's redaction looks for (a Basic one's
+    decoded `user:password` and password too), read on this host; InvalidPolicy naming the route
+    and its variable or file when one cannot be read."""
     out = []
     for name, route in setup.routes.items():
         base = f"environment.routes.{name}"
         egress.check_credential(base, route)
-        out.append(egress.read_credential(base, route))
+        fmt = egress.route_shape(name, route)[2]
+        out += egress.credential_forms(fmt, egress.read_credential(base, route))
     return out
 
 
@@ -775,8 +775,9 @@ def state_dir(root: Root, key: str) -> Path:
 
 def sweep_setup_gateways(root: Root) -> list[str]:
     """The setup gateways' directories (their routes' secrets) a setup that died left: each one
-    whose key's lock no live setup holds is removed (recovery calls this)."""
-    removed = []
+    whose key's lock no live setup holds is removed, and each hold (a build's gateway state) no
+    live process holds (recovery calls this)."""
+    removed = hold.sweep(root)
     try:
         states = sorted(envs_dir(root).iterdir())
     except FileNotFoundError:

@@ -14,7 +14,7 @@ from ..egress import config as egress
 from ..queue import records
 from ..queue.policy import load_policy
 from ..sandbox.base import Backend
-from . import declare
+from . import declare, hold
 from . import engines as env_engines
 from .build import (
     KEY_LABEL,
@@ -57,13 +57,18 @@ def build(
         )
     for w in declared.warnings:
         progress(f"warning: {w}")
-    env = prepare(root, project, declared, pol, backend, job_id="env-build", progress=progress, force=force)
     from ..engines import get_engine
 
-    images = {}
-    for name in engines:
-        images[name] = env_engines.layer(backend, name, env.image, env.key, get_engine(name).image_tag(),
-                                         progress=progress)  # fmt: skip
+    # No task claims this build: its hold keeps its containers and networks from every sweep
+    # while this process lives, and hands them over once it is gone (env/hold.py).
+    with hold.hold(root) as held:
+        env = prepare(
+            root, project, declared, pol, backend, job_id=held.job_id, progress=progress, force=force
+        )
+        images = {}
+        for name in engines:
+            images[name] = env_engines.layer(backend, name, env.image, env.key, get_engine(name).image_tag(),
+                                             progress=progress)  # fmt: skip
     env.record = env.record.model_copy(update={"engine_images": images})
     return env
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from ..core.errors import FilaError, InfraError
 from ..core.layout import Root
+from ..env.hold import build_alive
 from ..queue import lease
 from ..queue import store as queue
 from .base import Engine, Report
@@ -184,7 +185,10 @@ def _sweep_egress(root: Root, backend: Backend, rep: Report) -> None:
 
 
 def _has_claim(root: Root, tid: str, worker: str | None) -> bool:
-    """Any claim or tombstone (.json, .done, .reaped) of the task, of `worker` when known."""
+    """Any claim or tombstone (.json, .done, .reaped) of the task, of `worker` when known; or
+    `tid` is a `fila env build`'s whose process lives (its hold: env/hold.py)."""
+    if build_alive(root, tid):
+        return True
     for p in queue.claim_files(root, tid):
         parsed = queue.parse_claim(p)
         if parsed is None or worker is None or parsed[0].worker == worker:

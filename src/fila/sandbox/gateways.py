@@ -16,17 +16,13 @@ The backend makes and removes the containers (`make`, `remove`); this module onl
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import os
 import secrets
-import stat
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from ..core.errors import InfraError
-from ..core.fsutil import file_lock
+from ..core.fsutil import file_lock, held_new_lock, lock_held, private_dir
 from ..egress.config import SPARE_LABEL, Gateway, remove_dir
 
 # A spare's making is a second of the daemon's and the cores' time: started this long after the
@@ -138,22 +134,12 @@ class GatewayPool:
 
     def _new(self, network: str) -> Gateway:
         sid = secrets.token_hex(6)
-        _own_directory(self.directory)
-        lock, tmp = self.directory / f"{sid}.lock", self.directory / f".{sid}.lock.tmp"
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        # The spares directory gets jobs' secrets (InfraError: the job then starts a gateway of
+        # its own).
+        private_dir(self.directory, "spare gateway")
         # Locked before it has its name, and before anything of the spare exists: recovery never
         # sees the spare's lock free while its maker lives.
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        os.rename(tmp, lock)
-
-        done = threading.Lock()
-
-        def released() -> None:  # once, whoever calls it first
-            if done.acquire(blocking=False):
-                with contextlib.suppress(FileNotFoundError):
-                    lock.unlink()
-                os.close(fd)
-
+        released = held_new_lock(self.directory / f"{sid}.lock")
         try:
             gw = self._make(
                 sid, network, self.directory / sid, {**self.labels, "fila": "1", SPARE_LABEL: sid}
@@ -165,27 +151,9 @@ class GatewayPool:
         return gw
 
 
-def _own_directory(directory: Path) -> None:
-    """The spares directory gets jobs' secrets: a real directory of this user's, 0700, never a
-    link someone planted (InfraError: the job then starts a gateway of its own)."""
-    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-    st = directory.lstat()
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
-        raise InfraError(
-            f"{directory} is not a directory of this user's: no spare gateway is kept there",
-            hint="remove it; fila makes it again (0700)",
-        )
-    if stat.S_IMODE(st.st_mode) != 0o700:
-        os.chmod(directory, 0o700)
-
-
 def owned(directory: Path, spare: str) -> bool:
     """Whether the process that made spare `spare` still holds it (its lock is held)."""
-    try:
-        with file_lock(directory / f"{spare}.lock", wait=False, create=False) as held:
-            return not held
-    except FileNotFoundError:
-        return False
+    return lock_held(directory / f"{spare}.lock")
 
 
 def abandoned(directory: Path, listed: set[str]) -> set[str]:

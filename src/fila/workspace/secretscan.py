@@ -64,12 +64,18 @@ def known(
     if policy.network == "allowlist":
         # A credential that cannot be read starts no gateway: the engine never runs with it.
         with contextlib.suppress(InvalidPolicy, OSError, UnicodeDecodeError):
-            out += [Credential(f"route {r.name}", r.key) for r in egress.resolve_routes(policy)]
+            out += [
+                Credential(f"route {r.name}", form)
+                for r in egress.resolve_routes(policy)
+                for form in egress.credential_forms(r.format, r.key)
+            ]
     for name, route in policy.environment.routes.items():
         # A setup route's token never reaches a job (docs/environments.md): should it ever, it is
         # still kept out of what fila shows or applies.
         with contextlib.suppress(InvalidPolicy, OSError, UnicodeDecodeError):
-            out.append(Credential(f"setup route {name}", egress.read_credential(name, route)))
+            key = egress.read_credential(name, route)
+            forms = egress.credential_forms(egress.route_shape(name, route)[2], key)
+            out += [Credential(f"setup route {name}", form) for form in forms]
     out += [Credential(f"engine variable {k}", v) for k, v in (engine_vars or {}).items()]
     out += [Credential("engine secret", v) for v in forwarded]
     return out
