@@ -262,8 +262,7 @@ def _build_base(root: Root, backend: Backend, spec: EnvSpec, setup: Policy, limi
     allowlist's, refused and logged like the setup's; with no allowlist, no network. What the
     builder's API cannot set (a RUN step's capabilities) is Docker's default (docs/environments.md,
     "A project Dockerfile")."""
-    label = f"{job_id}-{secrets.token_hex(3)}"
-    with backend.build_limits(label, limits.pids, limits.max_image_bytes) as held:  # type: ignore[attr-defined]
+    with backend.build_limits(root.path, job_id, limits.pids, limits.max_image_bytes) as held:  # type: ignore[attr-defined]
         if held.refused is not None:
             progress(f"warning: the Dockerfile's RUN steps get no pids or size limit while they run: "
                      f"{held.refused} (docs/environments.md)")  # fmt: skip
