@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -43,3 +44,23 @@ def test_a_gone_bridges_seal_is_removed_and_a_live_ones_kept() -> None:
         _rule("-D", gone, check=False)
         _rule("-D", live, check=False)
         subprocess.run(["ip", "link", "del", live], check=False)
+
+
+@pytest.mark.skipif(not hostseal.PIDS_ROOT.is_dir(), reason="cgroup v1's pids hierarchy")
+def test_a_killed_builds_cgroup_is_removed_and_a_live_ones_and_another_roots_kept(tmp_path: Path) -> None:
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    made = {
+        "gone": hostseal.PIDS_ROOT / hostseal.cgroup_name(mine, "job-gone"),
+        "live": hostseal.PIDS_ROOT / hostseal.cgroup_name(mine, "job-live"),
+        "other": hostseal.PIDS_ROOT / hostseal.cgroup_name(other, "job-gone"),
+    }
+    for path in made.values():
+        path.mkdir()
+    try:
+        removed = hostseal.remove_stale_cgroups(mine, lambda job: job == "job-live")
+        assert removed == [f"cgroup {made['gone']}"], removed
+        assert not made["gone"].exists() and made["live"].exists() and made["other"].exists()
+    finally:
+        for path in made.values():
+            if path.exists():
+                path.rmdir()

@@ -176,7 +176,7 @@ def resolve_base(
     ident = json.dumps({**base, "network": network}, sort_keys=True).encode()
     tag = f"{IMAGE_REPO}-base:{hashlib.sha256(ident).hexdigest()[:32]}"
     info = backend.image_info(tag)
-    egress = None
+    built = None
     if info is None:
         where = "through the setup's gateway" if setup.egress else "no network"
         progress(f"environment: building the base from {spec.build.dockerfile} ({where})")
@@ -184,7 +184,7 @@ def resolve_base(
         with tempfile.TemporaryDirectory(prefix="context-", dir=envs_dir(root).parent) as tmp:
             archive = Path(tmp) / "context.tar"
             name = dockerfile.archive(context, entries, project / spec.build.dockerfile, archive)
-            egress = _build_base(root, backend, spec, setup, policy.environment, archive, name, tag,
+            built = _build_base(root, backend, spec, setup, policy.environment, archive, name, tag,
                                  progress, job_id=job_id)  # fmt: skip
         info = backend.image_info(tag)
         if info is None:
@@ -196,7 +196,7 @@ def resolve_base(
                 f"over environment.max_image_bytes {policy.environment.max_image_bytes}",
                 hint="make the image smaller, or raise the policy's environment.max_image_bytes",
             )
-    return info.id, egress
+    return info.id, built
 
 
 def base_of(
@@ -262,8 +262,7 @@ def _build_base(root: Root, backend: Backend, spec: EnvSpec, setup: Policy, limi
     allowlist's, refused and logged like the setup's; with no allowlist, no network. What the
     builder's API cannot set (a RUN step's capabilities) is Docker's default (docs/environments.md,
     "A project Dockerfile")."""
-    label = f"{job_id}-{secrets.token_hex(3)}"
-    with backend.build_limits(label, limits.pids, limits.max_image_bytes) as held:  # type: ignore[attr-defined]
+    with backend.build_limits(root.path, job_id, limits.pids, limits.max_image_bytes) as held:  # type: ignore[attr-defined]
         if held.refused is not None:
             progress(f"warning: the Dockerfile's RUN steps get no pids or size limit while they run: "
                      f"{held.refused} (docs/environments.md)")  # fmt: skip

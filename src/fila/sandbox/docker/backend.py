@@ -323,7 +323,7 @@ class DockerBackend(Backend):
             return hostseal.refusal(c)
 
     @contextlib.contextmanager
-    def build_limits(self, label: str, pids: int, max_bytes: int) -> Iterator[BuildLimits]:
+    def build_limits(self, root: Path, job_id: str, pids: int, max_bytes: int) -> Iterator[BuildLimits]:
         """For one project Dockerfile's build: the cgroup its RUN steps are made under, holding
         them to `pids` processes in all (hostseal.pids_parent), and what they write measured
         while they run, a step past `max_bytes` killed (hostseal.SizeWatch); or why it cannot be."""
@@ -333,7 +333,7 @@ class DockerBackend(Backend):
         if refused is not None:
             yield BuildLimits(None, refused)
             return
-        with hostseal.pids_parent(label, pids) as parent, self.client() as c:
+        with hostseal.pids_parent(hostseal.cgroup_name(root, job_id), pids) as parent, self.client() as c:
             watch = hostseal.SizeWatch(c, parent, max_bytes)
             limits = BuildLimits(parent, None)
             try:
@@ -425,7 +425,11 @@ class DockerBackend(Backend):
         with self.client() as c:
             try:
                 # After the networks: a seal whose bridge is gone is a killed build's.
-                return docker_egress.sweep(c, root, meta_dir, has_claim) + hostseal.remove_stale()
+                return (
+                    docker_egress.sweep(c, root, meta_dir, has_claim)
+                    + hostseal.remove_stale()
+                    + hostseal.remove_stale_cgroups(root, lambda job: has_claim(job, None))
+                )
             except DOCKER_ERRORS as e:
                 raise InfraError(f"{self.name} failed while sweeping job networks: {e}") from e
 

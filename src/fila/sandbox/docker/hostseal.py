@@ -18,7 +18,7 @@ import contextlib
 import os
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import docker
@@ -124,12 +124,41 @@ def pids_refusal() -> str | None:
     return None
 
 
+def cgroup_name(root: Path, job_id: str) -> str:
+    """A build's cgroup's name: this root's (a digest of its path: cgroups are the host's, shared
+    by every root), the job's id, and a part of its own."""
+    import secrets
+
+    return f"{_cgroup_prefix(root)}{job_id}-{secrets.token_hex(3)}"
+
+
+def _cgroup_prefix(root: Path) -> str:
+    import hashlib
+
+    return f"fila-build-{hashlib.sha256(str(root).encode()).hexdigest()[:8]}-"
+
+
+def remove_stale_cgroups(root: Path, alive: Callable[[str], bool]) -> list[str]:
+    """Remove this root's build cgroups whose job is not `alive` (a build killed before it could
+    remove its own; another root's are left to it); returns what was removed, described."""
+    prefix = _cgroup_prefix(root)
+    removed = []
+    for path in PIDS_ROOT.glob(prefix + "*") if PIDS_ROOT.is_dir() else []:
+        job = path.name[len(prefix) :].rpartition("-")[0]
+        if job and not alive(job):
+            _remove_cgroup(path)
+            if not path.exists():
+                removed.append(f"cgroup {path}")
+    return removed
+
+
 @contextlib.contextmanager
-def pids_parent(label: str, pids: int) -> Iterator[str]:
-    """A cgroup allowing `pids` processes in all, made for one build: its path (the build's
-    `cgroupparent`: each RUN step's container is made under it, so together they stay under the
-    limit, a fork bomb among them included). Removed after the build, once its steps are gone."""
-    path = PIDS_ROOT / f"fila-build-{label}"
+def pids_parent(name: str, pids: int) -> Iterator[str]:
+    """A cgroup allowing `pids` processes in all, made for one build (`name`: cgroup_name): its
+    path (the build's `cgroupparent`: each RUN step's container is made under it, so together
+    they stay under the limit, a fork bomb among them included). Removed after the build, once
+    its steps are gone; a killed build's by `remove_stale_cgroups`."""
+    path = PIDS_ROOT / name
     try:
         path.mkdir()
         (path / "pids.max").write_text(str(pids))
