@@ -53,8 +53,8 @@ def test_a_dockerfile_names_only_its_stages_and_local_images_and_nothing_remote(
         "ARG B=debian\nFROM $B\n": "with a variable",
         "FROM debian\nCOPY --from=${IMG} /a /b\n": "with a variable",
         "FROM debian\nCOPY --from=1 /a /b\n": "stage 1 is not defined",
-        "FROM debian\nRUN --mount=type=bind,from=fila/env:x,target=/m cat /m\n": "RUN flag --mount",
-        "FROM debian\nRUN --network=host curl x\n": "RUN flag --network",
+        "FROM debian\nRUN --mount=type=bind,from=fila/env:x,target=/m cat /m\n": "flag --mount",
+        "FROM debian\nRUN --network=host curl x\n": "flag --network",
         "FROM debian\nONBUILD ADD http://h/x /x\n": "'ONBUILD' is not one fila reads",
         "# escape=`\nFROM debian\nADD `\n  http://h/x /x\n": "escape",
         # What the daemon's word processing undoes (quotes, escapes) is refused, not undone: the
@@ -70,10 +70,45 @@ def test_a_dockerfile_names_only_its_stages_and_local_images_and_nothing_remote(
         "FROM debian\nRUN echo \\\x0cADD http://h/x /x\n": "control character U+000C",
         "FROM debian\nRUN echo \\\u2028ADD http://h/x /x\n": "control character U+2028",
     }
+    # Read differently by the builder than by Python (the second audit's proofs): a backslash then a
+    # no-break space continues a line for Python's rstrip, not for the builder; a JSON array with
+    # text after it is the JSON form for the builder only; a stage index in other digits.
+    bad |= {
+        "FROM debian\nRUN true \\\u00a0\nADD http://h/x /x\n": "fetched by the daemon",
+        "FROM debian\nRUN true \\\r\r\nADD http://h/x /x\n": "carriage return",
+        'FROM debian\nADD ["http://h/x","/x"]z\n': "not the whole of its arguments",
+        "FROM debian\nCOPY --from=\u00b2 /a /b\n": "not plain",
+        "FROM debian\nVOLUME /data\n": "VOLUME is refused",
+        "FROM debian\nCOPY --chmod=777 a /b\n": "flag --chmod",
+        "FROM --platform=linux/amd64 debian\n": "flag --platform",
+    }
     for text, said in bad.items():
         with pytest.raises(InvalidEnvironment) as e:
             dockerfile.references(text)
         assert said in str(e.value), (text, str(e.value))
+    with pytest.raises(InvalidEnvironment, match="not UTF-8"):
+        dockerfile.decode(b"FROM debian\nCOPY \xa0--from=fila/gateway:latest /etc/os-release /x\n")
+
+
+def test_the_daemon_is_given_the_dockerfile_as_fila_read_it() -> None:
+    """One instruction a line, no directive, comment or continuation; COPY and ADD in the JSON form
+    of the arguments fila checked; RUN as written (its quoting kept): whatever the original's
+    spelling, the builder cannot read another Dockerfile than the one fila checked."""
+    text = dockerfile.canonical(OK.replace("    make", "\tmake") + 'RUN echo "a  b" \\ \n  && true\n')
+    assert text.splitlines() == [
+        "ARG V=1",
+        "FROM base/python:3 AS build",
+        "RUN apt-get install -y \tmake     gcc",
+        'COPY --from=build ["/a", "/b"]',
+        'ADD ["vendor.tar.gz", "/opt/"]',
+        'ADD ["local dir", "/x"]',
+        "FROM scratch",
+        'COPY --from=0 ["/a", "/a"]',
+        'COPY --from=BUILD ["/a", "/c"]',
+        'COPY --from=tools/lint:1 ["/bin/lint", "/bin/"]',
+        'RUN echo "a  b"   && true',
+    ]
+    assert [ref for _n, ref in dockerfile.references(text)] == ["base/python:3", "tools/lint:1"]
 
 
 class _Local:

@@ -215,7 +215,7 @@ def base_of(
     text = fswalk.read_file(project / spec.build.dockerfile, max_bytes=dockerfile.MAX_DOCKERFILE_BYTES)
     images = {
         ref: dockerfile.local_image(policy, backend, ref, f"{spec.build.dockerfile} line {line}").id
-        for line, ref in dockerfile.references(text.decode(errors="replace"))
+        for line, ref in dockerfile.references(dockerfile.decode(text))
     }
     return {**digests, "images": images, "args": dict(sorted(spec.build.args.items())),
             "target": spec.build.target}  # fmt: skip

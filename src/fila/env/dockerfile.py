@@ -41,6 +41,12 @@ KNOWN = frozenset(
      "USER", "WORKDIR", "ARG", "STOPSIGNAL", "HEALTHCHECK", "SHELL"}
 )  # fmt: skip
 _DIRECTIVE = re.compile(r"\s*#\s*([A-Za-z]+)\s*=\s*(.*?)\s*$")
+_CONTINUED = re.compile(r"\\[ \t]*$")
+# The flags fila reads, on the instructions that take them (RUN's are BuildKit's: none); their
+# values plain (a user, a stage, an image reference).
+_FLAGS = {"COPY": frozenset({"from", "chown"}), "ADD": frozenset({"chown"})}
+_FLAG_VALUE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@-]{0,255}")
+_STAGE = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
 _REMOTE = re.compile(r"^([a-z][a-z0-9+.-]*://|git@)", re.IGNORECASE)
 
 
@@ -50,6 +56,8 @@ class Instruction:
     keyword: str  # upper case
     flags: dict[str, str]
     args: list[str]  # the JSON form's items, or the shell form's words
+    body: str = ""  # the text after the flags, as written (joined from its continuation lines)
+    json_form: bool = False
 
 
 # What Python's str.splitlines breaks at besides \n and \r, and the other control characters: the
@@ -72,6 +80,9 @@ def parse(text: str) -> list[Instruction]:
             hint="a Dockerfile is text: lines end with \\n (a \\r before it is taken), tabs are kept",
         )
     lines = [line.removesuffix("\r") for line in text.split("\n")]
+    for n, raw in enumerate(lines, 1):
+        if "\r" in raw:
+            raise InvalidEnvironment(f"the Dockerfile's line {n} holds a carriage return not before its end")
     for raw in lines:
         m = _DIRECTIVE.match(raw)
         if m is None:
@@ -89,11 +100,12 @@ def parse(text: str) -> list[Instruction]:
             continue  # a comment or an empty line, also inside a continuation
         if cur is None:
             cur, start = "", n
-        body = raw.rstrip()
-        if body.endswith("\\"):
-            cur += body[:-1]
+        # The builder's rule: the escape character, then only spaces and tabs, continues a line.
+        cont = _CONTINUED.search(raw)
+        if cont is not None:
+            cur += raw[: cont.start()]
             continue
-        out.append(_instruction(start, cur + body))
+        out.append(_instruction(start, cur + raw))
         cur = None
     if cur is not None and cur.strip():
         out.append(_instruction(start, cur))
@@ -101,28 +113,36 @@ def parse(text: str) -> list[Instruction]:
 
 
 def _instruction(line: int, text: str) -> Instruction:
-    keyword, _, rest = text.strip().partition(" ")
+    keyword, _, rest = text.strip(" \t").partition(" ")
     keyword = keyword.upper()
     if keyword not in KNOWN:
         raise InvalidEnvironment(
             f"the Dockerfile's line {line}: instruction {escape_name(keyword)[:40]!r} is not one fila reads",
             hint="the build is the classic builder's: FROM, RUN, COPY, ADD, ENV, ARG, ... (no ONBUILD)",
         )
-    words = rest.split()
     flags: dict[str, str] = {}
-    while words and words[0].startswith("--"):
-        name, _, value = words.pop(0)[2:].partition("=")
+    body = rest.lstrip(" \t")
+    while body.startswith("--"):
+        word, _, body = body.partition(" ")
+        name, _, value = word[2:].partition("=")
         flags[name.lower()] = value
-    body = " ".join(words)
-    args = words
+        body = body.lstrip(" \t")
+    args = body.split()
+    json_form = False
     if body.startswith("["):
+        # The builder decodes one JSON value and ignores what follows it: fila takes the JSON form
+        # only when it is the whole text, and refuses a text that starts like one and is not.
         try:
             parsed = json.loads(body)
         except ValueError:
             parsed = None
-        if isinstance(parsed, list) and all(isinstance(a, str) for a in parsed):
-            args = parsed
-    return Instruction(line, keyword, flags, args)
+        if not (isinstance(parsed, list) and all(isinstance(a, str) for a in parsed)):
+            raise InvalidEnvironment(
+                f"the Dockerfile's line {line} ({keyword}): a [ starts a JSON array of strings that is "
+                "not the whole of its arguments"
+            )
+        args, json_form = parsed, True
+    return Instruction(line, keyword, flags, args, body, json_form)
 
 
 def references(text: str) -> list[tuple[int, str]]:
@@ -146,20 +166,36 @@ def references(text: str) -> list[tuple[int, str]]:
             raise refuse(ins, f"{escape_name(ref)[:100]!r} {why}")
         if ref.lower() in stages or ref.lower() == "scratch":
             return
-        if index and ref.isdigit():
+        if index and re.fullmatch(r"[0-9]+", ref):
             if int(ref) >= len(stages):
                 raise refuse(ins, f"stage {ref} is not defined above")
             return
         refs.append((ins.line, ref))
 
     for ins in parse(text):
+        allowed = _FLAGS.get(ins.keyword, frozenset())
+        for flag, value in ins.flags.items():
+            if flag not in allowed:
+                raise refuse(ins, f"flag --{escape_name(flag)[:40]} is not one fila reads on {ins.keyword}")
+            if not _FLAG_VALUE.fullmatch(value):
+                raise refuse(ins, f"--{flag}={escape_name(value)[:100]!r} is not plain: written with a "
+                                  "variable, a quote or an escape, or empty")  # fmt: skip
         if ins.keyword == "FROM":
-            if not ins.args:
-                raise refuse(ins, "FROM names no image")
+            if not ins.args or len(ins.args) not in (1, 3) or ins.json_form:
+                raise refuse(ins, "FROM takes an image, and AS and a stage name")
             image(ins, ins.args[0])
-            name = ins.args[2].lower() if len(ins.args) >= 3 and ins.args[1].upper() == "AS" else ""
+            name = ins.args[2].lower() if len(ins.args) == 3 else ""
+            if len(ins.args) == 3 and (ins.args[1].upper() != "AS" or not _STAGE.fullmatch(name)):
+                raise refuse(ins, f"stage {escape_name(ins.args[-1])[:60]!r} is not a stage name")
             stages.append(name)
+        elif ins.keyword == "VOLUME":
+            # An anonymous volume's writes are no layer's: the build's size is not measured there.
+            raise refuse(
+                ins, "VOLUME is refused in a project Dockerfile (what a step writes there is not measured)"
+            )
         elif ins.keyword in ("COPY", "ADD"):
+            if len(ins.args) < 2:
+                raise refuse(ins, f"{ins.keyword} takes sources and a destination")
             if "from" in ins.flags:
                 image(ins, ins.flags["from"], index=True)
             if ins.keyword == "ADD":
@@ -169,17 +205,48 @@ def references(text: str) -> list[tuple[int, str]]:
                         raise refuse(ins, f"source {escape_name(src)[:100]!r} is fetched by the daemon, "
                                           "past the build's network bounds, or is not a plain path "
                                           "(no quotes, escapes or variables in an ADD source)")  # fmt: skip
-        elif ins.keyword == "RUN" and ins.flags:
-            raise refuse(
-                ins, f"RUN flag --{escape_name(next(iter(ins.flags)))[:40]} is not the classic builder's"
-            )
     return refs
+
+
+def canonical(text: str) -> str:
+    """The Dockerfile the daemon is given: what fila read (`references` checked it), one
+    instruction a line, no parser directive, comment or continuation, FROM with the image it
+    checked, COPY and ADD in the JSON form of the arguments it checked, the others as written. So
+    the builder's reading cannot differ from fila's however the original was spelled (docs/
+    environments.md, "A project Dockerfile")."""
+    references(text)
+    out = []
+    for ins in parse(text):
+        flags = "".join(f"--{k}={v} " for k, v in ins.flags.items())
+        if ins.keyword == "FROM":
+            line = "FROM " + " ".join(ins.args)
+        elif ins.keyword in ("COPY", "ADD") or ins.json_form:
+            line = f"{ins.keyword} {flags}{json.dumps(ins.args)}"
+        else:
+            line = f"{ins.keyword} {flags}{ins.body}".rstrip(" \t")
+        if _CONTINUED.search(line):
+            raise InvalidEnvironment(
+                f"the Dockerfile's line {ins.line} ({ins.keyword}) ends with a backslash after its "
+                "continuations"
+            )
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+def decode(data: bytes) -> str:
+    """A Dockerfile's text: UTF-8, strictly (a byte the builder would read as a space, 0xA0 or
+    0x85 alone, is not text)."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidEnvironment(f"the Dockerfile is not UTF-8 text (byte {e.start})") from None
 
 
 def archive(context: Path, entries: list[Entry], dockerfile: Path, dest: Path) -> str:
     """The build context as a tar at `dest`: exactly what the key took of `entries` (context_entries:
     what the deny rules leave; files and links with their portable modes, directories implied),
-    read without following a link, and the Dockerfile; returns the Dockerfile's name in it."""
+    read without following a link, and the Dockerfile as fila read it (`canonical`); returns the
+    Dockerfile's name in it."""
     name = f".fila-dockerfile-{secrets.token_hex(8)}"  # no file of the project's
     with tarfile.open(dest, "w") as tar:
         for e in entries:
@@ -192,7 +259,7 @@ def archive(context: Path, entries: list[Entry], dockerfile: Path, dest: Path) -
                 data = fswalk.read_file(context / e.rel, max_bytes=e.size)
                 info.size = len(data)
                 tar.addfile(info, io.BytesIO(data))
-        data = fswalk.read_file(dockerfile, max_bytes=MAX_DOCKERFILE_BYTES)
+        data = canonical(decode(fswalk.read_file(dockerfile, max_bytes=MAX_DOCKERFILE_BYTES))).encode()
         info = tarfile.TarInfo(name)
         info.size, info.mode = len(data), 0o644
         tar.addfile(info, io.BytesIO(data))

@@ -146,7 +146,7 @@ def remove_stale_cgroups(root: Path, alive: Callable[[str], bool]) -> list[str]:
     for path in PIDS_ROOT.glob(prefix + "*") if PIDS_ROOT.is_dir() else []:
         job = path.name[len(prefix) :].rpartition("-")[0]
         if job and not alive(job):
-            _remove_cgroup(path)
+            remove_cgroup(path.name)
             if not path.exists():
                 removed.append(f"cgroup {path}")
     return removed
@@ -169,7 +169,16 @@ def pids_parent(name: str, pids: int) -> Iterator[str]:
     try:
         yield f"/{path.name}"
     finally:
-        _remove_cgroup(path)
+        remove_cgroup(path.name)
+
+
+def remove_cgroup(name: str) -> None:
+    """The build's cgroup `name` in every hierarchy: the daemon makes it under each controller
+    (memory, cpu, blkio...) for the steps' containers, fila only under pids."""
+    hierarchies = PIDS_ROOT.parent
+    for hierarchy in hierarchies.iterdir() if hierarchies.is_dir() else []:
+        if (hierarchy / name).is_dir():
+            _remove_cgroup(hierarchy / name)
 
 
 def _remove_cgroup(path: Path) -> None:
