@@ -35,6 +35,7 @@ FROM scratch
 COPY --from=0 /a /a
 COPY --from=BUILD /a /c
 COPY --from=tools/lint:1 /bin/lint /bin/
+HEALTHCHECK --interval=30s --retries=3 CMD true
 """
 
 
@@ -106,6 +107,7 @@ def test_the_daemon_is_given_the_dockerfile_as_fila_read_it() -> None:
         'COPY --from=0 ["/a", "/a"]',
         'COPY --from=BUILD ["/a", "/c"]',
         'COPY --from=tools/lint:1 ["/bin/lint", "/bin/"]',
+        "HEALTHCHECK --interval=30s --retries=3 CMD true",
         'RUN echo "a  b"   && true',
     ]
     assert [ref for _n, ref in dockerfile.references(text)] == ["base/python:3", "tools/lint:1"]

@@ -44,7 +44,11 @@ _DIRECTIVE = re.compile(r"\s*#\s*([A-Za-z]+)\s*=\s*(.*?)\s*$")
 _CONTINUED = re.compile(r"\\[ \t]*$")
 # The flags fila reads, on the instructions that take them (RUN's are BuildKit's: none); their
 # values plain (a user, a stage, an image reference).
-_FLAGS = {"COPY": frozenset({"from", "chown"}), "ADD": frozenset({"chown"})}
+_FLAGS = {
+    "COPY": frozenset({"from", "chown"}),
+    "ADD": frozenset({"chown"}),
+    "HEALTHCHECK": frozenset({"interval", "timeout", "start-period", "retries"}),
+}
 _FLAG_VALUE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/@-]{0,255}")
 _STAGE = re.compile(r"[a-z0-9][a-z0-9._-]{0,127}")
 _REMOTE = re.compile(r"^([a-z][a-z0-9+.-]*://|git@)", re.IGNORECASE)
