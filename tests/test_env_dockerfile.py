@@ -28,22 +28,22 @@ RUN apt-get install -y \\
     # a comment inside the continuation
     make \\
     gcc
-COPY --from=build /a /b
-ADD vendor.tar.gz /opt/
-ADD ["local dir", "/x"]
+COPY a /b
+COPY ["local dir", "/x"]
 FROM scratch
 COPY --from=0 /a /a
 COPY --from=BUILD /a /c
 COPY --from=tools/lint:1 /bin/lint /bin/
+HEALTHCHECK --interval=30s --retries=3 CMD true
 """
 
 
 def test_a_dockerfile_names_only_its_stages_and_local_images_and_nothing_remote() -> None:
-    assert dockerfile.references(OK) == [(3, "base/python:3"), (15, "tools/lint:1")]
+    assert dockerfile.references(OK) == [(3, "base/python:3"), (14, "tools/lint:1")]
     # Windows line ends and tabs are text: read as the builder reads them.
     assert dockerfile.references(OK.replace("\n", "\r\n").replace("    make", "\tmake")) == [
         (3, "base/python:3"),
-        (15, "tools/lint:1"),
+        (14, "tools/lint:1"),
     ]
     bad = {
         "FROM debian\nADD https://example.com/x.tgz /x\n": "fetched by the daemon",
@@ -52,18 +52,18 @@ def test_a_dockerfile_names_only_its_stages_and_local_images_and_nothing_remote(
         "FROM debian\nadd $URL /x\n": "fetched by the daemon",
         "ARG B=debian\nFROM $B\n": "with a variable",
         "FROM debian\nCOPY --from=${IMG} /a /b\n": "with a variable",
-        "FROM debian\nCOPY --from=1 /a /b\n": "stage 1 is not defined",
+        "FROM debian\nCOPY --from=1 /a /b\n": "stage 1 is not finished",
         "FROM debian\nRUN --mount=type=bind,from=fila/env:x,target=/m cat /m\n": "flag --mount",
         "FROM debian\nRUN --network=host curl x\n": "flag --network",
         "FROM debian\nONBUILD ADD http://h/x /x\n": "'ONBUILD' is not one fila reads",
         "# escape=`\nFROM debian\nADD `\n  http://h/x /x\n": "escape",
         # What the daemon's word processing undoes (quotes, escapes) is refused, not undone: the
         # daemon would fetch each of these (the audit's proofs, tests/test_env_run.py).
-        'FROM debian\nADD "http://h/x" /x\n': "not a plain path",
-        "FROM debian\nADD 'http://h/x' /x\n": "not a plain path",
-        "FROM debian\nADD http\\://h/x /x\n": "not a plain path",
-        "FROM debian\nADD h\\ttp://h/x /x\n": "not a plain path",
-        'FROM debian\nADD ["h\\\\ttp://h/x", "/x"]\n': "not a plain path",
+        'FROM debian\nADD "http://h/x" /x\n': "fetched by the daemon",
+        "FROM debian\nADD 'http://h/x' /x\n": "fetched by the daemon",
+        "FROM debian\nADD http\\://h/x /x\n": "fetched by the daemon",
+        "FROM debian\nADD h\\ttp://h/x /x\n": "fetched by the daemon",
+        'FROM debian\nADD ["h\\\\ttp://h/x", "/x"]\n': "fetched by the daemon",
         'FROM "debian"\n': "a quote or an escape",
         # Python breaks lines at these, the builder only at \n: read two ways, so refused.
         "FROM debian\nRUN echo \\\x1cADD http://h/x /x\n": "control character U+001C",
@@ -79,9 +79,19 @@ def test_a_dockerfile_names_only_its_stages_and_local_images_and_nothing_remote(
         'FROM debian\nADD ["http://h/x","/x"]z\n': "not the whole of its arguments",
         "FROM debian\nCOPY --from=\u00b2 /a /b\n": "not plain",
         "FROM debian\nVOLUME /data\n": "VOLUME is refused",
+        # A local archive the daemon would unpack outside the measured steps (COPY it instead).
+        "FROM debian\nADD vendor.tar.gz /opt/\n": "ADD is refused",
+        # A stage is the builder's once finished: `--from` naming the current one is an image.
+        "FROM debian AS hello\nCOPY --from=hello /a /b\n": "",
+        "FROM debian\nCOPY --from=0 /a /b\n": "stage 0 is not finished",
         "FROM debian\nCOPY --chmod=777 a /b\n": "flag --chmod",
         "FROM --platform=linux/amd64 debian\n": "flag --platform",
     }
+    bad.pop("FROM debian AS hello\nCOPY --from=hello /a /b\n")
+    assert dockerfile.references("FROM debian AS hello\nCOPY --from=hello /a /b\n") == [
+        (1, "debian"),
+        (2, "hello"),  # an image to check against the policy, as the builder would take it
+    ]
     for text, said in bad.items():
         with pytest.raises(InvalidEnvironment) as e:
             dockerfile.references(text)
@@ -99,13 +109,13 @@ def test_the_daemon_is_given_the_dockerfile_as_fila_read_it() -> None:
         "ARG V=1",
         "FROM base/python:3 AS build",
         "RUN apt-get install -y \tmake     gcc",
-        'COPY --from=build ["/a", "/b"]',
-        'ADD ["vendor.tar.gz", "/opt/"]',
-        'ADD ["local dir", "/x"]',
+        'COPY ["a", "/b"]',
+        'COPY ["local dir", "/x"]',
         "FROM scratch",
         'COPY --from=0 ["/a", "/a"]',
         'COPY --from=BUILD ["/a", "/c"]',
         'COPY --from=tools/lint:1 ["/bin/lint", "/bin/"]',
+        "HEALTHCHECK --interval=30s --retries=3 CMD true",
         'RUN echo "a  b"   && true',
     ]
     assert [ref for _n, ref in dockerfile.references(text)] == ["base/python:3", "tools/lint:1"]

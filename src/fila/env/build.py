@@ -183,7 +183,17 @@ def resolve_base(
         context, entries = keys.context_entries(project, spec, _context_skip(root, project, policy))
         with tempfile.TemporaryDirectory(prefix="context-", dir=envs_dir(root).parent) as tmp:
             archive = Path(tmp) / "context.tar"
-            name = dockerfile.archive(context, entries, project / spec.build.dockerfile, archive)
+            # The bytes the key and the policy check read, or none: what the daemon builds is
+            # exactly what fila checked (docs/environments.md, "A project Dockerfile").
+            text = fswalk.read_file(
+                project / spec.build.dockerfile, max_bytes=dockerfile.MAX_DOCKERFILE_BYTES
+            )
+            if hashlib.sha256(text).hexdigest() != base["dockerfile"]:
+                raise InvalidInput(
+                    f"the environment's Dockerfile {spec.build.dockerfile} changed while it was read",
+                    hint="run the task again once the project stops changing",
+                )
+            name = dockerfile.archive(context, entries, text, archive)
             built = _build_base(root, backend, spec, setup, policy.environment, archive, name, tag,
                                  progress, job_id=job_id)  # fmt: skip
         info = backend.image_info(tag)
