@@ -518,6 +518,7 @@ def test_every_engine_answers_on_a_python_and_node_18_environment_and_the_projec
 
 
 @pytest.mark.engines
+@pytest.mark.matrix  # aider's layer on busybox (half a minute): scripts/test --all
 def test_aider_brings_its_own_python_to_an_environment_without_one(
     tmp_path: Path, shell_image: Any, docker_client: Any
 ) -> None:
