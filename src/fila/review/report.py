@@ -362,6 +362,8 @@ def environment_lines(rec: Record, label: str, width: int) -> list[str]:
         out.append(f"{pad}image {inert(e.image.tag)} {e.image.id or ''}".rstrip())
     if e.provided:
         out.append(f"{pad}provides (read-only, not diffed): {', '.join(escape_name(p) for p in e.provided)}")
+    if e.build_egress is not None:
+        out.append(f"{pad}Dockerfile build {_egress_summary(e.build_egress)}")
     if e.egress is not None:
         out.append(f"{pad}setup {_egress_summary(e.egress)}")
     if e.log_path:

@@ -286,25 +286,29 @@ def pin_environment(root: Root, checked: Checked) -> Task:
     return pin(root, checked.task, checked.project, checked.policy)
 
 
-def check_group(root: Root, tasks: list[Task], *, in_use: Callable[[str], str | None] | None = None) -> None:
+def check_group(
+    root: Root, tasks: list[Task], *, in_use: Callable[[str], str | None] | None = None
+) -> list[Checked]:
     """A compare group's members (review/groups.group_tasks) before any is queued: every one
     checked against `root`'s policy (engine options, image, policy) and, with `in_use` (where a
     queue holds an id, or None), its id free. Both queues' submits use it (docs/scale-out.md)."""
+    out = []
     for t in tasks:
         assert t.id is not None
         where = in_use(t.id) if in_use else None
         if where:
             raise DuplicateId(f"task id {t.id!r} exists already ({where})", task_id=t.id,
                               hint="choose another group id (--id)")  # fmt: skip
-        check_task(root, Task.model_validate(t.model_dump()))
+        out.append(check_task(root, Task.model_validate(t.model_dump())))
+    return out
 
 
 def submit_group(root: Root, tasks: list[Task]) -> list[Record]:
     """Queue a compare group's members: every member is checked and every id is free
     (check_group) before any is queued."""
     root.require()
-    check_group(root, tasks, in_use=lambda tid: queue.id_in_use(root, tid))
+    checked = check_group(root, tasks, in_use=lambda tid: queue.id_in_use(root, tid))
     # One digest for the whole group, computed once: its members compare engines in one environment.
-    digest = pin_environment(root, check_task(root, tasks[0])).environment_digest if tasks else None
+    digest = pin_environment(root, checked[0]).environment_digest if checked else None
     pinned = [t.model_copy(update={"environment_digest": t.environment_digest or digest}) for t in tasks]
     return [submit(root, t) for t in pinned]

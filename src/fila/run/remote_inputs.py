@@ -24,7 +24,7 @@ from ..core.models import Task
 from ..queue.pg.blobs import Blob
 from ..queue.pg.inputs import MANIFEST_VERSION, RESERVED, BlobSource, read_manifest, unpack
 from ..workspace import jobdir
-from .intake import check_task, root_tags
+from .intake import Checked, check_task, root_tags
 
 
 @dataclass(frozen=True)
@@ -37,10 +37,11 @@ class Packed:
     bytes: int
 
 
-def pack(root: Root, task: Task) -> Packed:
-    """The task's targets read from its project under `root`'s policy (check_task first), as a
-    manifest and the blobs it names; LimitExceeded/TargetError as a job directory's copy raises."""
-    checked = check_task(root, task, tags_of=root_tags(root))
+def pack(root: Root, task: Task, checked: Checked | None = None) -> Packed:
+    """The task's targets read from its project under `root`'s policy (check_task first, unless
+    `checked` is its result already), as a manifest and the blobs it names;
+    LimitExceeded/TargetError as a job directory's copy raises."""
+    checked = checked or check_task(root, task, tags_of=root_tags(root))
     scratch = f"upload-{secrets.token_hex(8)}"
     pol = checked.policy
     try:

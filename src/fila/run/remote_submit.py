@@ -14,7 +14,7 @@ from ..core.models import Record, Task
 from ..queue.pg.store import PgQueue
 from ..queue.store import new_task_id
 from ..review.groups import group_tasks
-from .intake import check_group, check_task, pin_environment
+from .intake import check_group, check_task, pin_environment, root_tags
 from .remote_inputs import pack
 
 
@@ -34,10 +34,11 @@ def submit_remote(
         check_group(root, tasks)  # the database refuses an id in use, in the same transaction
     else:
         tasks = [task.model_copy(update={"id": task.id or new_task_id()})]
-    packed = pack(root, tasks[0])  # checks the (first) task, as `submit` does
+    checked = check_task(root, tasks[0], tags_of=root_tags(root))  # as `submit` checks it
+    packed = pack(root, tasks[0], checked)
     # What the runners' environment must be made of, computed once here: every member, on
     # whichever runner claims it, runs in that environment or refuses (docs/environments.md).
-    digest = pin_environment(root, check_task(root, tasks[0])).environment_digest
+    digest = pin_environment(root, checked).environment_digest
     if digest is not None:
         tasks = [t.model_copy(update={"environment_digest": t.environment_digest or digest}) for t in tasks]
     return q.enqueue_group([(t.id, t) for t in tasks], inputs=packed.manifest, files=packed.files)

@@ -276,11 +276,17 @@ def _setup_over_size(client: docker.DockerClient, cid: str, spec: RunSpec) -> st
     writable and becomes an image, so its size is the daemon's disk, measured by the daemon."""
     if spec.setup is None:
         return None
-    found = client.api.containers(all=True, filters={"id": cid}, size=True)  # the list measures it
-    size = int((found[0] if found else {}).get("SizeRw") or 0)
+    size = measured(client, cid)
     if size > spec.setup.max_bytes:
         return f"the setup wrote {size} bytes, over environment.max_image_bytes {spec.setup.max_bytes}"
     return None
+
+
+def measured(client: docker.DockerClient, cid: str, field: str = "SizeRw") -> int:
+    """What the daemon measures of a container (the listing measures it; inspecting does not):
+    `SizeRw`, what it wrote, or `SizeRootFs`, its image and what it wrote."""
+    found = client.api.containers(all=True, filters={"id": cid}, size=True)
+    return int((found[0] if found else {}).get(field) or 0)
 
 
 def commit_setup(client: docker.DockerClient, spec: RunSpec, cid: str) -> str:

@@ -24,6 +24,7 @@ from pathlib import Path
 import docker
 
 from ...core.errors import InfraError
+from .container import measured
 
 TOOLS = ("iptables", "ip6tables")
 COMMENT_PREFIX = "fila-build-seal"
@@ -225,9 +226,8 @@ class SizeWatch:
         while not self.stopped.wait(self.period_s):
             with contextlib.suppress(OSError, docker.errors.DockerException):
                 for cid in [p.name for p in self.path.iterdir() if p.is_dir()]:
-                    found = self.client.api.containers(all=True, filters={"id": cid}, size=True)
                     # The image the step runs on and what it wrote: the image it would leave.
-                    size = int((found[0] if found else {}).get("SizeRootFs") or 0)
+                    size = measured(self.client, cid, "SizeRootFs")
                     if size > self.max_bytes:
                         limit = f"environment.max_image_bytes {self.max_bytes}"
                         self.exceeded = f"a RUN step made its image {size} bytes, over {limit}"
