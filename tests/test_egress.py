@@ -8,6 +8,7 @@ one succeeding in the same job.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -27,6 +28,7 @@ from fila.sandbox.docker import egress as docker_egress
 from fila.sandbox.docker.backend import DockerBackend
 from fila.workspace.strategy import CopyWorkspace
 from tests.support.cli import FILA_SCRIPT, fila, run_once_console
+from tests.support.containers import reaped
 from tests.support.project import make_project, make_root, record
 from tests.upstreams import Upstreams
 from tests.upstreams.fixtures import create_on_free_subnet
@@ -98,7 +100,9 @@ def run_once(root: Path, env: dict[str, str], **kw: Any) -> subprocess.Completed
 def leftovers(client: docker.DockerClient, root: Path, tid: str) -> list[str]:
     """Everything of the job that must be gone: containers (engine and gateway), its network,
     the gateway's directory with the secrets; a spare gateway the job took (or the worker kept)
-    is found by its spare label, its directory and lock under sandbox/spares."""
+    is found by its spare label, its directory and lock under sandbox/spares (once the reaper a
+    one-shot process leaves is done)."""
+    reaped(root / "sandbox" / "spares")
     out = []
     for f in ({"label": [f"fila.job={tid}"]}, {"label": ["fila.spare", f"fila.root={root}"]}):
         out += [f"container {c.name}" for c in client.containers.list(all=True, filters=f)]
@@ -532,6 +536,60 @@ def test_a_worker_keeps_a_spare_gateway_and_a_killed_one_leaves_nothing_after_re
     assert leftovers(docker_client, proj, tid) == []
 
 
+def test_a_one_shots_reaper_removes_its_spare_after_it_and_a_killed_reaper_leaves_it_to_recovery(
+    proj: Path, upstreams: Upstreams, docker_client: docker.DockerClient
+) -> None:
+    """A one-shot process hands the spare it is done with to a detached reaper
+    (sandbox/docker/reap.py) instead of waiting for its removal: the reaper removes the
+    gateway, the holder, the network and the spare's lock, then its own lock. A reaper killed
+    before it finished leaves its lock free and the rest to recovery."""
+    from fila.sandbox.docker import reap
+
+    backend = DockerBackend()
+    spares = proj / "sandbox" / "spares"
+
+    def spare() -> egress.Gateway:
+        pool = backend.spare_gateways(spares, {"fila.root": str(proj)}, refill=False)
+        assert pool is not None
+        pool.want(upstreams.network)
+        gw = pool.take(upstreams.network)
+        assert gw is not None and gw.netns is not None
+        backend.gateways = None  # the next call makes a new pool, as a new process would
+        return gw
+
+    def reaper_pid(lock: Path) -> int | None:
+        for d in Path("/proc").iterdir():
+            with contextlib.suppress(OSError):
+                if d.name.isdigit() and str(lock).encode() in (d / "cmdline").read_bytes():
+                    return int(d.name)
+        return None
+
+    try:
+        gw = spare()
+        assert backend.handoff_gateways([gw], spares)
+        reaped(spares)
+        assert leftovers(docker_client, proj, "none") == [] and not (spares / reap.LOG_NAME).exists()
+        gw = spare()
+        assert backend.handoff_gateways([gw], spares)
+        assert gw.released is not None
+        gw.released()  # the handing process exits: its spare's lock goes with it
+        (lock,) = reap.busy(spares)
+        pid, deadline = None, time.monotonic() + 5
+        while pid is None and time.monotonic() < deadline:  # its command line once it is exec'd
+            pid = reaper_pid(lock)
+        assert pid is not None
+        os.kill(pid, 9)  # before its interpreter has even imported what it needs
+        deadline = time.monotonic() + 10
+        while reap.busy(spares) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = leftovers(docker_client, proj, "none")
+        assert f"container {gw.container}" in left and f"network {gw.network}" in left, left
+        assert fila(proj, "recover").exit_code == 0
+        assert leftovers(docker_client, proj, "none") == []
+    finally:
+        backend.close()
+
+
 # -- gVisor ----------------------------------------------------------------------------------------
 
 
@@ -955,3 +1013,73 @@ def test_a_runtime_docker_lacks_is_refused_before_the_gateway_or_any_container_s
         sandbox.run(spec("rt-missing", "fila-no-such-rt"), client=docker_client)
     assert info.value.hint and "fila-no-such-rt" in info.value.hint
     assert events(t0, "rt-missing") == []  # no network, no gateway, no engine: nothing was made
+
+
+def test_an_engine_that_exits_before_its_gateway_serves_ends_the_run_and_nothing_queued_is_served(
+    tmp_path: Path,
+    upstreams: Upstreams,
+    docker_client: docker.DockerClient,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The engine starts while its gateway only listens (its connections wait in the queues).
+    One that exits before the gateway serves ends the run at once: the gateway is killed
+    (egress.halt) rather than waited for, so what the engine left queued is never served, and
+    the record (no request) is what the upstream saw (none). The gateway's config is held back
+    until the engine has exited, so that it cannot serve during the engine's life, then let in
+    once the gateway is halted. The counterpart first: the same request from an engine that
+    waits for it is served and recorded."""
+    from fila.core.models import Policy
+    from fila.sandbox.docker import backend as sandbox
+    from fila.sandbox.docker import egress as docker_egress
+
+    monkeypatch.setenv(KEY_VAR, f"sk-test-{secrets.token_hex(16)}")
+    policy = Policy.model_validate(
+        {"network": "allowlist", "max_timeout_ms": 60_000, "default_timeout_ms": 60_000,
+         "egress": egress_for(upstreams, routes=anthropic_route(upstreams), allow_private=[upstreams.subnet])}
+    )  # fmt: skip
+    real_write, real_halt = docker_egress.write_gateway_config, docker_egress.halt
+    halted: list[bool] = []
+    request = (
+        'curl -sS --max-time 20 -X POST "$ANTHROPIC_BASE_URL/v1/messages" '
+        f'-H "x-api-key: $ANTHROPIC_API_KEY" {MESSAGES}'
+    )
+
+    def held_write(state: Path, *a: Any, **kw: Any) -> Any:
+        routes = real_write(state, *a, **kw)
+        (state / "conf" / "config.json").rename(state / "conf" / "held.json")
+        return routes
+
+    def halt(client: Any, gw: egress.Gateway) -> None:
+        real_halt(client, gw)
+        halted.append(gw.halted)
+        (gw.dir / "conf" / "held.json").rename(gw.dir / "conf" / "config.json")
+        time.sleep(1.0)  # a gateway still alive would load it now
+
+    def run(tid: str, cmd: str) -> sandbox.RunResult:
+        job_dir = tmp_path / tid
+        (job_dir / "input").mkdir(parents=True)
+        (job_dir / "work").mkdir()
+        spec = sandbox.RunSpec(
+            job_id=tid, workspace=CopyWorkspace(job_dir),
+            image="fila/testnet:latest", argv=["sh", "-c", cmd],
+            env={}, policy=policy, limits=None, timeout_ms=30_000,
+            log_path=tmp_path / f"{tid}.log", labels={}, egress_dir=tmp_path / f"{tid}.egress",
+        )  # fmt: skip
+        upstreams.set_script([{"reply": {"text": "hello"}, "usage": {"input_tokens": 1, "output_tokens": 1}}])
+        upstreams.clear_requests()
+        res = sandbox.run(spec, client=docker_client)
+        assert res.exit_code == 0 and not res.warnings, res.warnings
+        assert res.egress is not None
+        return res
+
+    served = run("gw-serves", request)
+    assert len(upstreams.requests("model.test")) == 1
+    assert served.egress.routes["anthropic"].requests == 1, served.egress
+    monkeypatch.setattr(docker_egress, "write_gateway_config", held_write)
+    monkeypatch.setattr(docker_egress, "halt", halt)
+    # The whole request goes into the route door's queue; the engine exits without waiting.
+    gone = run("gw-halted", f"{request} >/dev/null 2>&1 & sleep 1; exit 0")
+    assert halted == [True]
+    assert upstreams.requests("model.test") == []
+    assert "anthropic" not in gone.egress.routes or gone.egress.routes["anthropic"].requests == 0
+    assert leftovers(docker_client, tmp_path, "gw-halted") == []

@@ -169,3 +169,54 @@ gw = pool.take("egress")
 print(gw.spare, flush=True)
 time.sleep(60)
 """
+
+
+def test_a_one_shot_hands_what_is_left_to_remove_to_a_reaper_and_removes_it_itself_when_none_takes_it(
+    engine: Engine, tmp_path: Path
+) -> None:
+    """`close(handoff)` (a process about to exit: sandbox/docker/reap.py) gives the reaper the
+    spare still being discarded and the one never taken, without waiting for either; a backend
+    without a reaper (False) or one that fails leaves close to remove them as before."""
+    slow = threading.Event()
+    real_remove = engine.remove
+
+    def remove(gw: Gateway) -> None:
+        slow.wait(10)
+        real_remove(gw)
+
+    def pool_with_work() -> tuple[GatewayPool, Gateway]:
+        slow.clear()
+        pool = GatewayPool(engine.make, remove, tmp_path / "spares", {"fila.root": str(tmp_path)})
+        pool.want("egress")
+        taken = pool.take("egress")
+        assert taken is not None
+        pool.discard(taken)  # its removal waits on `slow`
+        pool.want("egress")  # the next spare, made and never taken
+        return pool, taken
+
+    def gone(pool: GatewayPool, taken: Gateway) -> bool:
+        idle = engine.made[-1]
+        return taken.container in engine.removed and idle.container in engine.removed
+
+    # No reaper: close waits for the discard and removes the spare not taken.
+    pool, taken = pool_with_work()
+    threading.Timer(0.2, slow.set).start()
+    assert pool.close() == [] and gone(pool, taken)
+    # A reaper takes both, at once: nothing is removed here, nor waited for.
+    given: list[list[str]] = []
+
+    def reaper(gws: list[Gateway], directory: Path) -> bool:
+        given.append([g.container for g in gws])
+        return True
+
+    pool, taken = pool_with_work()
+    assert pool.close(reaper) == [] and not {taken.container, engine.made[-1].container} & set(engine.removed)
+    assert len(given) == 1 and given[0][0] == taken.container and len(given[0]) == 2, given
+    slow.set()
+    # No reaper on this backend (False), or one that cannot start: removed here after all.
+    for none_takes in (lambda gws, d: False, lambda gws, d: (_ for _ in ()).throw(OSError("no python"))):
+        pool, taken = pool_with_work()
+        threading.Timer(0.2, slow.set).start()
+        said = pool.close(none_takes)
+        assert gone(pool, taken), engine.removed
+        assert said == [] or any("no python" in s for s in said), said

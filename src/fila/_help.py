@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "5fa5a741a57f6e6c6b954e0c54d1082456976865050cdb69f481338e54fb78d9"
+CLI_SHA256 = "bdc4a396283099b6159cb20859333e7ed55e0c24393604961b44df18a4cacc0b"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 

@@ -5,14 +5,26 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from pathlib import Path
 
 import docker
 
 from fila.core.layout import Root
 
 
+def reaped(spares: Path, timeout_s: float = 60.0) -> None:
+    """Wait until the reapers a one-shot `fila` left in `spares` (its root's sandbox/spares) are
+    done (sandbox/docker/reap.py): what they remove is gone, or left for a check to name."""
+    from fila.sandbox.docker.reap import busy
+
+    deadline = time.monotonic() + timeout_s
+    while busy(spares) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def containers_left(client: docker.DockerClient, root: Root) -> list[str]:
-    """fila's containers of this root, in any state."""
+    """fila's containers of this root, in any state (once its reapers are done)."""
+    reaped(root.spares_dir)
     return [c.name for c in client.containers.list(all=True, filters={"label": [f"fila.root={root.path}"]})]
 
 

@@ -12,6 +12,7 @@ no process start-up, no imports and no connection (bench/api_long.py measures it
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -116,6 +117,7 @@ class Client:
         self._backend = backend
         self._owns_backend = backend is None
         self._runs = 0
+        self._warming: threading.Thread | None = None
 
     def __enter__(self) -> Client:
         return self
@@ -124,10 +126,18 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        """Release the database's connections and the container engine's client."""
+        """Release the database's connections and the container engine's client (and a spare
+        gateway `warm` made that no run took, handed to the backend's reaper)."""
         if self._db is not None:
             self._db.close()
             self._db = None
+        if self._warming is not None:
+            self._warming.join()
+            self._warming = None
+        if self._backend is not None and self._backend.gateways is not None:
+            from ..run import spares
+
+            spares.close(self._backend.gateways, self._backend, lambda _m: None, detach=True)
         if self._backend is not None and self._owns_backend:
             self._backend.close()
             self._backend = None
@@ -185,6 +195,23 @@ class Client:
 
     # -- running -------------------------------------------------------------------------------
 
+    def warm(self, policy: str | None = None) -> None:
+        """Start making, in the background, what running a task under `policy` (default:
+        "default") takes first: a spare gateway for a `network: allowlist` policy. Called before
+        `submit` by a one-shot (`fila submit --run`), so that the gateway's making overlaps the
+        task's checks; `run` takes it, and `close` removes it when no run did. A warm-up that
+        fails is silent: the run then makes its own and says what fails."""
+        if self.queue_url is not None or self._warming is not None:
+            return
+        from ..run import spares
+
+        def warm() -> None:
+            with contextlib.suppress(Exception):
+                spares.warm(self.root, self.backend(), policy or "default")
+
+        self._warming = threading.Thread(target=warm, name="fila-warm", daemon=True)
+        self._warming.start()
+
     def run(
         self,
         only: Iterable[str] | None = None,
@@ -195,10 +222,13 @@ class Client:
         grace_s: float = 60.0,
         on_record: Callable[[Record], None] | None = None,
         progress: Callable[[str], None] | None = None,
+        detach_teardown: bool = False,
     ) -> Run:
         """Run queued tasks in this process, as `fila run --once` does (`only`: just these ids,
         as `fila submit --run`; others are left to other workers); `once=False` is `fila worker`
         (until SIGTERM). On the main thread SIGTERM and SIGINT stop the jobs while it runs.
+        `detach_teardown`: for a process that exits right after (the CLI): the job gateways
+        still being removed when it returns are left to a detached reaper (docs/api.md).
         The file queue's: a PostgreSQL queue's tasks run on its runners (`fila worker --queue`),
         and `wait` returns once one has published the record."""
         if self.queue_url is not None:
@@ -219,6 +249,7 @@ class Client:
             progress=progress or (lambda _m: None),
             only=set(only) if only is not None else None,
             startup=self._runs == 0,  # the process's start-up is the first run's only
+            detach_teardown=detach_teardown,
         )
         self._runs += 1
         code = w.run()

@@ -122,6 +122,8 @@ def submit(
     per_engine = dict(m.split("=", 1) for m in model or [] if "=" in m)
     group = engine if engine and len(engine) > 1 else None
     with Client(root, queue=queue_url) as client:
+        if run_now and given:  # the gateway a run needs first, made while the task is checked
+            client.warm(policy or data.get("policy"))
         if group:
             recs = client.submit_group(data, group, models=per_engine, source=source, **opts)
         else:
@@ -280,8 +282,9 @@ def _process(
     """Run a worker in this process (`only`: just these tasks) and exit with its code (never
     returns)."""
     quiet_ = (lambda _m: None) if quiet else to_stderr
+    # The process exits next: a one-shot's gateways still being removed are a reaper's.
     run = client.run(only, once=once, concurrency=concurrency, poll_s=poll, grace_s=grace,
-                     on_record=record_printer(json_), progress=quiet_)  # fmt: skip
+                     on_record=record_printer(json_), progress=quiet_, detach_teardown=once)  # fmt: skip
     if once and not run.records and not quiet and run.code == 0:
         to_stderr("fila: nothing queued")
     for e in (run.infra_error, run.crash):

@@ -207,11 +207,36 @@ def private_dir(directory: Path, what: str) -> None:
         os.chmod(directory, 0o700)
 
 
-def held_new_lock(path: Path) -> Callable[[], None]:
+class HeldLock:
+    """A lock file this process holds (held_new_lock). Calling it releases it: the file
+    removed, then let go (once, whoever calls first). `fd` is its open descriptor while held: a
+    child process given it (`pass_fds`) holds the lock on after this one exits."""
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path, self.fd = path, fd
+        self._done = threading.Lock()
+
+    @property
+    def held(self) -> bool:
+        return not self._done.locked()
+
+    def __call__(self) -> None:
+        if self._done.acquire(blocking=False):
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+            os.close(self.fd)
+
+
+def held_new_lock(path: Path) -> HeldLock:
     """`path` made as a lock file this process holds from its first moment: locked under a temp
     name (`.<name>.tmp` beside it), then renamed, so nobody ever sees it free while its maker
-    lives (a sweep that finds it free knows its maker is gone). Returns the release: the lock
-    file removed, then let go (once, whoever calls it first)."""
+    lives (a sweep that finds it free knows its maker is gone)."""
+    return HeldLock(path, held_new_lock_fd(path))
+
+
+def held_new_lock_fd(path: Path) -> int:
+    """held_new_lock's lock as its open descriptor, for a child process to hold on (`pass_fds`):
+    the lock lasts while any process keeps the descriptor open."""
     tmp = path.with_name(f".{path.name}.tmp")
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
@@ -220,15 +245,7 @@ def held_new_lock(path: Path) -> Callable[[], None]:
     except BaseException:
         os.close(fd)
         raise
-    done = threading.Lock()
-
-    def release() -> None:
-        if done.acquire(blocking=False):
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()
-            os.close(fd)
-
-    return release
+    return fd
 
 
 def lock_held(path: Path) -> bool:

@@ -16,15 +16,17 @@ import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-from securesystemslib.signer import CryptoSigner, SSlibKey
+from typing import TYPE_CHECKING, Any
 
 from ..core import fsutil
 from ..core.errors import InvalidInput, Refused
 from ..core.layout import Root
 from ..core.models import now_iso
 from ..core.untrusted import parse_json, read_capped
+
+if TYPE_CHECKING:  # securesystemslib is imported where a key is read or made: a run without
+    # a signing key never pays its import (docs/benchmarks.md, "The one-shot path")
+    from securesystemslib.signer import CryptoSigner, SSlibKey
 
 KEYS_DIR = "keys"
 PRIVATE = "signing.pem"
@@ -74,6 +76,8 @@ def public_from(doc: Any, *, where: str) -> SSlibKey:
         raise BadKey(f"{where} is not a public key (a JSON object is expected)")
     body = {k: v for k, v in doc.items() if k != "keyid"}
     try:
+        from securesystemslib.signer import SSlibKey
+
         key = SSlibKey.from_dict(_keyid(body), dict(body))
     except (KeyError, ValueError, TypeError) as e:
         raise BadKey(f"{where} is not a public key fila reads: {e}") from None
@@ -109,6 +113,8 @@ def init(root: Root, *, name: str | None = None) -> tuple[SSlibKey, bool]:
     d.mkdir(mode=0o700, exist_ok=True)
     made = False
     if not (d / PRIVATE).exists():
+        from securesystemslib.signer import CryptoSigner
+
         signer = CryptoSigner.generate_ed25519()
         made = fsutil.create_exclusive(d / PRIVATE, signer.private_bytes, mode=0o600)
         if made:
@@ -155,6 +161,8 @@ def signer_of(root: Root) -> CryptoSigner:
             )
         data = f.read(MAX_KEY_FILE)
     try:
+        from securesystemslib.signer import CryptoSigner
+
         return CryptoSigner(load_pem_private_key(data, password=None))
     except (ValueError, TypeError) as e:
         raise BadKey(f"the signing key is not an ed25519 PEM key: {e}", path=path) from None

@@ -49,12 +49,27 @@ def keep(
     return pool
 
 
-def close(pool: GatewayPool | None, backend: Backend, progress: Callable[[str], None]) -> None:
-    """The spares not taken go with the worker (recovery's otherwise); what could not be made or
-    removed is said."""
+def warm(root: Root, backend: Backend, policy: str) -> None:
+    """Before a one-shot's task is queued (`fila submit --run`): its spare asked for already,
+    if `policy` is a `network: allowlist` one, so that the gateway's making overlaps the task's
+    checks and the worker's start; the worker that runs the task takes it (`keep` hands back the
+    same pool), and the client closes it when no run did."""
+    pool = backend.spare_gateways(root.spares_dir, {"fila.root": str(root.path)}, refill=False)
     if pool is None:
         return
-    for left in pool.close() + pool.errors:
+    for network in networks(root, policies=[policy]):
+        pool.want(network)
+
+
+def close(
+    pool: GatewayPool | None, backend: Backend, progress: Callable[[str], None], *, detach: bool = False
+) -> None:
+    """The spares not taken go with the worker (recovery's otherwise); what could not be made or
+    removed is said. `detach` (a one-shot process about to exit): what is left to remove is the
+    backend's reaper's, after this process (sandbox/docker/reap.py)."""
+    if pool is None:
+        return
+    for left in pool.close(backend.handoff_gateways if detach else None) + pool.errors:
         progress(f"fila worker: {left}")
     backend.gateways = None
 

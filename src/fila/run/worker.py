@@ -152,9 +152,13 @@ class Worker(SlotLoop[_Job]):
         recover_every_s: float = RECOVER_EVERY_S,
         only: set[str] | None = None,
         startup: bool = True,
+        detach_teardown: bool = False,
     ) -> None:
         """`startup`: with `once`, the first task's timings get the process's start-up (False
-        in a long-lived process that runs many: docs/api.md: after its first run)."""
+        in a long-lived process that runs many: docs/api.md: after its first run).
+        `detach_teardown`: the process exits once this returns (the CLI's `--once` forms): the
+        gateways still being removed are left to a detached reaper instead of waited for
+        (run/spares.close)."""
         from ..sandbox import get_backend, root_backend
 
         super().__init__(concurrency=concurrency, once=once, on_record=on_record)
@@ -170,6 +174,7 @@ class Worker(SlotLoop[_Job]):
         # worker's start is not a task's cost).
         self.first_claim = once
         self.count_startup = startup
+        self.detach_teardown = detach_teardown
         self.recover_now = threading.Event()
         self.stopped = threading.Event()
         self.recovering = threading.Event()
@@ -249,7 +254,7 @@ class Worker(SlotLoop[_Job]):
                 t.join(timeout=30)
             for sig, h in handlers.items():
                 signal.signal(sig, h)
-            spares.close(pool, self.backend, self.progress)
+            spares.close(pool, self.backend, self.progress, detach=self.detach_teardown)
             if self.owns_backend:
                 self.backend.close()
             lock.release()

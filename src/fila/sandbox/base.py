@@ -26,6 +26,7 @@ from ..core.mounts import ProvidedVolume, Workspace
 from ..core.output import RunOutput
 
 if TYPE_CHECKING:
+    from ..egress.config import Gateway
     from .gateways import GatewayPool
 
 LABEL = "fila"
@@ -320,6 +321,12 @@ class Runner(Connection):
         """The pool of spare gateways kept in `directory` (made on the first call), or None where
         this backend starts no gateway. The worker that asked closes it (`GatewayPool.close`)."""
         return None
+
+    def handoff_gateways(self, gateways: list[Gateway], directory: Path) -> bool:
+        """Give `gateways` (done with, or never taken) to a process of their own that removes
+        them after this one exits (a one-shot's teardown off its path: GatewayPool.close); False
+        where this backend has none (the caller removes them)."""
+        return False
 
     def sweep_spares(self, root: Path, directory: Path) -> list[str]:
         """Remove the spare gateways of `directory` whose maker is gone (taken by a job or not):

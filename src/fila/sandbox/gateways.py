@@ -32,6 +32,10 @@ REFILL_AFTER_S = 1.0
 # make(spare id, egress network, directory, labels) -> a started spare; remove(gateway).
 Make = Callable[[str, str, Path, dict[str, str]], Gateway]
 Remove = Callable[[Gateway], None]
+# A one-shot's reaper holds `reap-<token>.lock` in the spares directory while it works.
+REAPER_LOCK = "reap-"
+# handoff(gateways, directory) -> whether a detached remover took them (GatewayPool.close).
+Handoff = Callable[[list[Gateway], Path], bool]
 
 
 class GatewayPool:
@@ -50,7 +54,7 @@ class GatewayPool:
         self._closed = False
         self._workers = ThreadPoolExecutor(max_workers=2, thread_name_prefix="fila-spare")
         self.errors: list[str] = []  # spares that could not be made or removed (said at close)
-        self._discarding: list[threading.Thread] = []
+        self._discarding: list[tuple[threading.Thread, Gateway]] = []
 
     def want(self, network: str) -> None:
         """Start making a spare for `network` unless one is there or on its way."""
@@ -95,31 +99,42 @@ class GatewayPool:
         with self._lock:
             closed = self._closed
             if not closed:
-                self._discarding = [x for x in self._discarding if x.is_alive()] + [t]
+                self._discarding = [x for x in self._discarding if x[0].is_alive()] + [(t, gw)]
         if closed:  # `close` waits for no more: removed now (a job that outlived its worker's loop)
             remove()
             return
         t.start()
 
-    def close(self) -> list[str]:
+    def close(self, handoff: Handoff | None = None) -> list[str]:
         """Remove the spares not taken (after the ones being made are done) and wait for those
         being discarded; what could not be removed is returned, described, and left to `fila
-        recover`."""
+        recover`. With `handoff` (a one-shot process about to exit), what is still to remove is
+        given to it instead of waited for (the backend's detached reaper); when it cannot take
+        them (False, or an error), they are removed here."""
         with self._lock:
             self._closed = True
             left, self._spares = list(self._spares.values()), {}
             discarding, self._discarding = self._discarding, []
         self._workers.shutdown(wait=True)
-        for t in discarding:
-            t.join()
-        errors = []
+        made: list[Gateway] = []
         for fut in left:
             with contextlib.suppress(Exception):  # a spare never made has nothing to remove
-                gw = fut.result()
-                try:
-                    self._remove(gw)
-                except Exception as e:
-                    errors.append(self._failed(gw, e))
+                made.append(fut.result())
+        errors = []
+        pending = [gw for t, gw in discarding if t.is_alive()]
+        if handoff is not None and (pending or made):
+            try:
+                if handoff(pending + made, self.directory):
+                    return []
+            except Exception as e:
+                errors.append(f"the spare gateways could not be handed to a reaper ({e}): removed here")
+        for t, _gw in discarding:
+            t.join()
+        for gw in made:
+            try:
+                self._remove(gw)
+            except Exception as e:
+                errors.append(self._failed(gw, e))
         return errors
 
     def _failed(self, gw: Gateway, err: Exception) -> str:
@@ -167,17 +182,19 @@ def abandoned(directory: Path, listed: set[str]) -> set[str]:
 
 
 def clear_temp(directory: Path) -> list[str]:
-    """Lock files a killed maker left before naming them (`.<spare>.lock.tmp`): removed once
-    nobody holds them."""
+    """Lock files a killed maker left before naming them (`.<spare>.lock.tmp`), and those of
+    reapers that died before they finished (`reap-<token>.lock`: sandbox/docker/reap.py, whose
+    work recovery has just done): removed once nobody holds them."""
     gone = []
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         for p in directory.iterdir():
-            if not (p.name.startswith(".") and p.name.endswith(".lock.tmp")):
+            temp = p.name.startswith(".") and p.name.endswith(".lock.tmp")
+            if not (temp or (p.name.startswith(REAPER_LOCK) and p.name.endswith(".lock"))):
                 continue
             with contextlib.suppress(FileNotFoundError), file_lock(p, wait=False, create=False) as held:
                 if held:
                     p.unlink()
-                    gone.append(f"spare gateway lock {p}")
+                    gone.append(f"{'spare gateway' if temp else 'reaper'} lock {p}")
     return gone
 
 

@@ -434,9 +434,12 @@ class DockerBackend(Backend):
                 raise InfraError(f"{self.name} failed while sweeping job networks: {e}") from e
 
     def spare_gateways(self, directory: Path, labels: dict[str, str], *, refill: bool) -> GatewayPool | None:
-        if self.gateways is None:
-            self.gateways = GatewayPool(self._spare, self._remove_gateway, directory, labels, refill=refill)
-        return self.gateways
+        with self._lock:  # one pool, also when a one-shot's warm-up asks beside its worker
+            if self.gateways is None:
+                self.gateways = GatewayPool(
+                    self._spare, self._remove_gateway, directory, labels, refill=refill
+                )
+            return self.gateways
 
     def _spare(self, spare: str, network: str, state: Path, labels: dict[str, str]) -> Gateway:
         uid, gid = run_as()
@@ -462,6 +465,13 @@ class DockerBackend(Backend):
 
         with self.client() as c:
             docker_egress.stop(c, gw)
+
+    def handoff_gateways(self, gateways: list[Gateway], directory: Path) -> bool:
+        from . import reap
+
+        with self.client() as c:
+            reap.handoff(c, gateways, directory)
+        return True
 
     def sweep_spares(self, root: Path, directory: Path) -> list[str]:
         from . import egress as docker_egress

@@ -115,6 +115,7 @@ def run(
         if gateway is not None:
             from . import egress
 
+            egress.halt(client, gateway)
             result.egress, left = egress.read(client, gateway)
             result.gateway_timings = dict(gateway.timings)
         if defer_removal:
@@ -151,24 +152,26 @@ def run(
 
 def _started(
     client: docker.DockerClient, spec: RunSpec, gateway: Gateway | None, spares: GatewayPool | None
-) -> Callable[[], None] | None:
-    """What follows the engine's start: the pool's next spare asked for, and the wait for a
-    gateway configured early to serve (the engine's connections wait in its queues meanwhile;
-    its log is read only once it serves). A gateway that dies first fails the run (InfraError:
-    the engine is removed with it)."""
-    then: list[Callable[[], None]] = []
+) -> Callable[[threading.Event], None] | None:
+    """What follows the engine's start, given the event its exit sets: the pool's next spare
+    asked for, and the wait for a gateway configured early to serve (the engine's connections
+    wait in its queues meanwhile; its log is read only once it serves, or once the engine has
+    exited first and `egress.halt` has stopped it). A gateway that dies first fails the run
+    (InfraError: the engine is removed with it)."""
+    then: list[Callable[[threading.Event], None]] = []
     if spares is not None and spec.policy.egress is not None:
-        then.append(functools.partial(spares.replace, spec.policy.egress.egress_network))
+        network = spec.policy.egress.egress_network
+        then.append(lambda _exited: spares.replace(network))
     if gateway is not None and not gateway.serving:
         from . import egress
 
-        then.append(functools.partial(egress.wait_serving, client, gateway))
+        then.append(lambda exited: egress.wait_serving(client, gateway, until=exited))
     if not then:
         return None
 
-    def started() -> None:
+    def started(exited: threading.Event) -> None:
         for step in then:
-            step()
+            step(exited)
 
     return started
 
@@ -179,7 +182,7 @@ def _execute(
     container: Container,
     heartbeat: Callable[[], None] | None,
     heartbeat_s: float,
-    started: Callable[[], None] | None = None,
+    started: Callable[[threading.Event], None] | None = None,
 ) -> RunResult:
     cid = container.id
     step = "starting the container"
@@ -187,8 +190,6 @@ def _execute(
     try:
         started_at, t0 = now_iso(), time.monotonic()
         container.start()
-        if started is not None:
-            started()
         step = "streaming the container's output"
         pump = LogPump(
             lambda: log_frames(client, cid, opened=pump.sockets.append),
@@ -202,6 +203,9 @@ def _execute(
         pump.start()
         waiter = Waiter(client, cid)
         waiter.start()
+        if started is not None:
+            step = "starting the container"
+            started(waiter.done)
         step = "waiting for the container"
         # The caller capped the timeout by policy; min() keeps that true anyway.
         deadline = t0 + min(spec.timeout_ms, spec.policy.max_timeout_ms) / 1000

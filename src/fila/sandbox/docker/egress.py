@@ -46,8 +46,20 @@ from . import subnets
 from .subnets import JobSubnet
 
 __all__ = [
-    "collect", "configure", "create", "died", "ensure_egress_network", "forget_secrets", "read", "remove",
-    "start", "stop", "sweep", "sweep_spares", "wait_serving",
+    "collect",
+    "configure",
+    "create",
+    "died",
+    "ensure_egress_network",
+    "forget_secrets",
+    "halt",
+    "read",
+    "remove",
+    "start",
+    "stop",
+    "sweep",
+    "sweep_spares",
+    "wait_serving",
 ]  # fmt: skip
 
 
@@ -340,9 +352,9 @@ def configure(
             client.api.start(gw.container)
         step = "waiting for the gateway"
         t = time.monotonic()
-        gw.ip = wait_ready(
-            client, gw, ready_timeout_s, markers=("listening", "ready") if early else ("ready",)
-        )
+        ip = wait_ready(client, gw, ready_timeout_s, markers=("listening", "ready") if early else ("ready",))
+        assert ip is not None  # without `until`: an address or an error
+        gw.ip = ip
         gw.serving = not early
         gw.timings["gateway_ready"] = round(time.monotonic() - t, 3)
         return gw
@@ -408,24 +420,53 @@ def start(
     )
 
 
-def wait_serving(client: docker.DockerClient, gw: Gateway, timeout_s: float = READY_TIMEOUT_S) -> None:
+def wait_serving(
+    client: docker.DockerClient,
+    gw: Gateway,
+    timeout_s: float = READY_TIMEOUT_S,
+    *,
+    until: threading.Event | None = None,
+) -> None:
     """After the engine's start, for a gateway configured `early`: wait until it serves (`ready`:
-    its config loaded, its doors taking what queued meanwhile). Its seconds are
-    `gw.timings["gateway_serve"]`: the part of the gateway's start the engine's own did not hide.
-    InfraError when it exits or times out first (the caller stops the engine)."""
+    its config loaded, its doors taking what queued meanwhile), or until `until` is set (the
+    engine's container exited first: nothing it asked was served, and `halt` makes sure nothing
+    queued ever is). Its seconds are `gw.timings["gateway_serve"]`: the part of the gateway's
+    start the engine's own did not hide. InfraError when it exits or times out first (the caller
+    stops the engine)."""
     if gw.serving:
         return
     t = time.monotonic()
-    wait_ready(client, gw, timeout_s)
-    gw.serving = True
+    gw.serving = wait_ready(client, gw, timeout_s, until=until) is not None
     gw.timings["gateway_serve"] = round(time.monotonic() - t, 3)
 
 
+def halt(client: docker.DockerClient, gw: Gateway) -> None:
+    """After the engine's exit, a gateway not yet serving is killed before its log is read: the
+    connections the engine left in its queues are never served once nobody is there to see the
+    answer, and what it served before the kill is in its log (docs/security.md, "Spare
+    gateways"). Removal follows as for any gateway."""
+    if gw.serving:
+        return
+    try:
+        client.api.kill(gw.container)
+    except _docker_errors() as e:
+        if getattr(e, "status_code", None) not in (404, 409):  # gone, or not running: halted all the same
+            what = f"stopping the job's gateway {gw.container} failed: {e}"
+            raise InfraError(what, task_id=gw.job_id) from e
+    gw.halted = True
+
+
 def wait_ready(
-    client: docker.DockerClient, gw: Gateway, timeout_s: float, *, markers: tuple[str, ...] = ("ready",)
-) -> str:
+    client: docker.DockerClient,
+    gw: Gateway,
+    timeout_s: float,
+    *,
+    markers: tuple[str, ...] = ("ready",),
+    until: threading.Event | None = None,
+) -> str | None:
     """The gateway's address on its job network once it has written one of `markers` in its log
-    directory: `ready` (serving) or `listening` (its sockets bound: launch.py)."""
+    directory: `ready` (serving) or `listening` (its sockets bound: launch.py); None once `until`
+    is set first."""
     log = gw.dir / "log"
     deadline = time.monotonic() + timeout_s
     while True:
@@ -443,6 +484,8 @@ def wait_ready(
             if not ip:
                 raise InfraError(f"the gateway has no address on {gw.network}", task_id=gw.job_id)
             return str(ip)
+        if until is not None and until.is_set():
+            return None
         if time.monotonic() > deadline:
             raise InfraError(
                 f"the gateway was not ready within {timeout_s:g} s: {_log_tail(client, gw)}",
@@ -452,7 +495,11 @@ def wait_ready(
         # The marker is looked for every 10 ms (a spare is ready within a few), the container's
         # state every 100 ms.
         for _ in range(10):
-            time.sleep(0.01)
+            if until is not None:
+                if until.wait(0.01):
+                    break
+            else:
+                time.sleep(0.01)
             if any((log / m).exists() for m in markers):
                 break
 
@@ -469,7 +516,10 @@ def _log_tail(client: docker.DockerClient, gw: Gateway, n: int = 2000) -> str:
 
 def died(client: docker.DockerClient, gw: Gateway) -> str | None:
     """After the engine's run: a warning when the gateway was not running any more (the engine
-    lost its network and its routes part-way; the log may end early)."""
+    lost its network and its routes part-way; the log may end early). A gateway `halt` killed
+    after the engine's exit is no loss."""
+    if gw.halted:
+        return None
     try:
         st = client.api.inspect_container(gw.container)["State"]
     except _docker_errors() as e:
@@ -617,6 +667,8 @@ def _not_found() -> tuple[type[BaseException], ...]:
 def sweep_spares(client: docker.DockerClient, root: Path, directory: Path) -> list[str]:
     """Remove the spare gateways of `root` (taken by a job or not) whose maker no longer holds
     their lock (sandbox/gateways.py): their containers, job networks, directories and locks."""
+    from docker.errors import APIError
+
     from ..gateways import abandoned, clear_temp, forget
 
     flt = {"label": ["fila=1", SPARE_LABEL, f"fila.root={root}"]}
@@ -625,15 +677,22 @@ def sweep_spares(client: docker.DockerClient, root: Path, directory: Path) -> li
     listed = {(x.get("Labels") or {}).get(SPARE_LABEL, "") for x in [*boxes, *nets]}
     removed = []
     for spare in sorted(abandoned(directory, listed)):
-        for box in boxes:
-            if (box.get("Labels") or {}).get(SPARE_LABEL) == spare:
-                with contextlib.suppress(*_not_found()):
-                    client.api.remove_container(box["Id"], force=True, v=True)
-                    removed.append(f"spare gateway {box['Names'][0].lstrip('/')}")
-        for net in nets:
-            if (net.get("Labels") or {}).get(SPARE_LABEL) == spare:
-                with contextlib.suppress(*_not_found()):
-                    client.api.remove_network(net["Id"])
-                    removed.append(f"network {net['Name']}")
+        try:
+            for box in boxes:
+                if (box.get("Labels") or {}).get(SPARE_LABEL) == spare:
+                    with contextlib.suppress(*_not_found()):
+                        client.api.remove_container(box["Id"], force=True, v=True)
+                        removed.append(f"spare gateway {box['Names'][0].lstrip('/')}")
+            for net in nets:
+                if (net.get("Labels") or {}).get(SPARE_LABEL) == spare:
+                    with contextlib.suppress(*_not_found()):
+                        client.api.remove_network(net["Id"])
+                        removed.append(f"network {net['Name']}")
+        except APIError as e:
+            # Being removed by another (a reaper whose spare's lock file its maker unlinked on
+            # the way out): what is left, the next pass finds.
+            if e.status_code not in (403, 409):
+                raise
+            continue
         forget(directory, spare)
     return removed + clear_temp(directory)

@@ -361,6 +361,9 @@ class PodmanBackend(DockerBackend):
     def spare_gateways(self, directory: Path, labels: dict[str, str], *, refill: bool) -> GatewayPool | None:
         return super().spare_gateways(directory, labels, refill=refill) if self.allowlist else None
 
+    def handoff_gateways(self, gateways: list[Gateway], directory: Path) -> bool:
+        return False  # Podman's gateways are removed with its own pod-less steps (podman/egress.py)
+
     def spare_maker(self) -> Callable[..., Gateway]:
         """Podman's gateway, with the limits this host cannot enforce waived as every job that
         runs here has waived them (PodmanBackend.check)."""
