@@ -3,7 +3,7 @@
 What `fila --help` prints (fila/entry.py serves it while cli/'s sha256 is CLI_SHA256).
 """
 
-CLI_SHA256 = "bdc4a396283099b6159cb20859333e7ed55e0c24393604961b44df18a4cacc0b"
+CLI_SHA256 = "0d0770cf76b56d4a846c364c41a25b263f254b124624c80d14efefcd81f5f70b"
 TEXT = """\
 Usage: fila [OPTIONS] COMMAND [ARGS]...
 

@@ -12,7 +12,6 @@ no process start-up, no imports and no connection (bench/api_long.py measures it
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
 import time
@@ -117,7 +116,6 @@ class Client:
         self._backend = backend
         self._owns_backend = backend is None
         self._runs = 0
-        self._warming: threading.Thread | None = None
 
     def __enter__(self) -> Client:
         return self
@@ -126,18 +124,10 @@ class Client:
         self.close()
 
     def close(self) -> None:
-        """Release the database's connections and the container engine's client (and a spare
-        gateway `warm` made that no run took, handed to the backend's reaper)."""
+        """Release the database's connections and the container engine's client."""
         if self._db is not None:
             self._db.close()
             self._db = None
-        if self._warming is not None:
-            self._warming.join()
-            self._warming = None
-        if self._backend is not None and self._backend.gateways is not None:
-            from ..run import spares
-
-            spares.close(self._backend.gateways, self._backend, lambda _m: None, detach=True)
         if self._backend is not None and self._owns_backend:
             self._backend.close()
             self._backend = None
@@ -194,23 +184,6 @@ class Client:
         return submit_group(self.root, group_tasks(t, list(engines), models=dict(models or {})))
 
     # -- running -------------------------------------------------------------------------------
-
-    def warm(self, policy: str | None = None) -> None:
-        """Start making, in the background, what running a task under `policy` (default:
-        "default") takes first: a spare gateway for a `network: allowlist` policy. Called before
-        `submit` by a one-shot (`fila submit --run`), so that the gateway's making overlaps the
-        task's checks; `run` takes it, and `close` removes it when no run did. A warm-up that
-        fails is silent: the run then makes its own and says what fails."""
-        if self.queue_url is not None or self._warming is not None:
-            return
-        from ..run import spares
-
-        def warm() -> None:
-            with contextlib.suppress(Exception):
-                spares.warm(self.root, self.backend(), policy or "default")
-
-        self._warming = threading.Thread(target=warm, name="fila-warm", daemon=True)
-        self._warming.start()
 
     def run(
         self,

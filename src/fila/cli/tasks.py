@@ -122,8 +122,6 @@ def submit(
     per_engine = dict(m.split("=", 1) for m in model or [] if "=" in m)
     group = engine if engine and len(engine) > 1 else None
     with Client(root, queue=queue_url) as client:
-        if run_now and given:  # the gateway a run needs first, made while the task is checked
-            client.warm(policy or data.get("policy"))
         if group:
             recs = client.submit_group(data, group, models=per_engine, source=source, **opts)
         else:

@@ -49,18 +49,6 @@ def keep(
     return pool
 
 
-def warm(root: Root, backend: Backend, policy: str) -> None:
-    """Before a one-shot's task is queued (`fila submit --run`): its spare asked for already,
-    if `policy` is a `network: allowlist` one, so that the gateway's making overlaps the task's
-    checks and the worker's start; the worker that runs the task takes it (`keep` hands back the
-    same pool), and the client closes it when no run did."""
-    pool = backend.spare_gateways(root.spares_dir, {"fila.root": str(root.path)}, refill=False)
-    if pool is None:
-        return
-    for network in networks(root, policies=[policy]):
-        pool.want(network)
-
-
 def close(
     pool: GatewayPool | None, backend: Backend, progress: Callable[[str], None], *, detach: bool = False
 ) -> None:

@@ -434,7 +434,7 @@ class DockerBackend(Backend):
                 raise InfraError(f"{self.name} failed while sweeping job networks: {e}") from e
 
     def spare_gateways(self, directory: Path, labels: dict[str, str], *, refill: bool) -> GatewayPool | None:
-        with self._lock:  # one pool, also when a one-shot's warm-up asks beside its worker
+        with self._lock:  # one pool, whichever thread asks first
             if self.gateways is None:
                 self.gateways = GatewayPool(
                     self._spare, self._remove_gateway, directory, labels, refill=refill
