@@ -13,6 +13,10 @@ path"):
   under a `network: allowlist` policy (one route, never called; the egress network an internal
   one of the bench's own) and under `network: none`. Target: +0.5 s at most.
 
+A side's time ends at its process's exit, which is what a CI step waits for; the reaper it leaves
+its gateway's removal to (sandbox/docker/reap.py) is waited for off the clock before the next side,
+so that no side shares the machine with another's teardown.
+
 `FILA_BENCH_BEFORE=DIR` (another checkout's `src/`) adds that tree's `fila submit --run` as one
 more side of the same alternation: a before/after under one load.
 
@@ -78,7 +82,18 @@ def _one_shot(cmd: list[str], argv: list[str], env: dict[str, str], records: lis
     if rec.get("status") != "needs_review":
         raise RuntimeError(f"one-shot task ended {rec.get('status')}: {rec.get('error')}")
     records.append(rec)
+    _settle(Path(argv[argv.index("--root") + 1]))
     return wall
+
+
+def _settle(root: Path, timeout_s: float = 60.0) -> None:
+    """Wait, off the clock, until the reaper a one-shot left (sandbox/docker/reap.py) has removed
+    its gateway: the next side does not share the machine with this one's teardown."""
+    from fila.sandbox.docker.reap import busy
+
+    deadline = time.monotonic() + timeout_s
+    while busy(root / "sandbox" / "spares") and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def rounds(sides: dict[str, Callable[[], float]], reps: int, warmup: int = 1) -> dict[str, list[float]]:
