@@ -3,7 +3,7 @@
 These pydantic models are the one source of truth for each format: `fila schema task|policy|record`
 prints the JSON Schema generated from them, files are validated against that schema (so errors
 name the field; a file these models accept in strict mode is one the schema accepts, and skips it:
-policy.validate_document), and `schemas/*.json` in the repository and `_schemas.json` beside this
+policy.validate_document), and `schemas/*.json` in the repository and `_schemas.json` in this
 package (read instead of generating the schema in every process) are generated copies tests keep
 in sync.
 

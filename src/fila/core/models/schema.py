@@ -1,5 +1,5 @@
 """The formats' JSON Schemas: generated from the models (`fila schema task|policy|record`), and
-stored once in `_schemas.json` beside this package so that a process validating a task or a policy
+stored once in `_schemas.json` beside this module so that a process validating a task or a policy
 does not generate them (docs/benchmarks.md)."""
 
 from __future__ import annotations
