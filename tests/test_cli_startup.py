@@ -250,27 +250,54 @@ def test_console_submit_to_a_queue_url_opens_one_connection_and_no_pool(tmp_path
 
 
 def test_stored_schemas_are_the_models_and_used_only_while_current(tmp_path: Path, monkeypatch: Any) -> None:
-    from fila.core import models
+    from fila.core.models import schema
 
-    stored = json.loads(models._STORED.read_text())
-    assert stored["key"] == models._schema_key(), (
-        "fila/models.py or states.py changed since fila/_schemas.json was written: regenerate it with "
-        "`.venv/bin/python -m fila.entry --write`"
+    stored = json.loads(schema._STORED.read_text())
+    assert stored["key"] == schema._schema_key(), (
+        "fila/core/models/ or states.py changed since fila/core/models/_schemas.json was written: "
+        "regenerate it with `.venv/bin/python -m fila.entry --write`"
     )
     for kind in ("task", "policy", "record"):
-        assert stored["schemas"][kind] == models.schema_for(kind) == models.published_schema(kind)
+        assert stored["schemas"][kind] == schema.schema_for(kind) == schema.published_schema(kind)
     # A stored schema from other sources (an edited model) is not used: the models' own is.
     stale = tmp_path / "_schemas.json"
     wrong = {"type": "object", "properties": {"engine": {"const": "nothing-valid"}}}
     stale.write_text(json.dumps({"key": "0" * 64, "schemas": {"task": wrong}}))
-    monkeypatch.setattr(models, "_STORED", stale)
-    assert models.published_schema("task") == models.schema_for("task")
-    # A copy with the current key is read only when it is owned like models.py and writable by no
+    monkeypatch.setattr(schema, "_STORED", stale)
+    assert schema.published_schema("task") == schema.schema_for("task")
+    # A copy with the current key is read only when it is owned like the module and writable by no
     # one else: the key is computed from public sources, so it proves nothing about who wrote it.
-    stale.write_text(json.dumps({"key": models._schema_key(), "schemas": {"task": wrong}}))
-    _assert_used_only_when_owned_like(stale, Path(models.__file__),
-                                      used=lambda: models.published_schema("task") == wrong)  # fmt: skip
-    assert models.published_schema("task") == models.schema_for("task")  # a planted copy: not used
+    stale.write_text(json.dumps({"key": schema._schema_key(), "schemas": {"task": wrong}}))
+    _assert_used_only_when_owned_like(stale, Path(schema.__file__),
+                                      used=lambda: schema.published_schema("task") == wrong)  # fmt: skip
+    assert schema.published_schema("task") == schema.schema_for("task")  # a planted copy: not used
+
+
+def test_the_stored_schemas_key_covers_every_module_of_the_models_package(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """The key hashes each module of core/models/ (and states.py): an edit of any of them, or a
+    module added to the package, makes the stored schemas stale."""
+    from fila.core.models import schema
+
+    here = Path(schema.__file__).parent
+    copy = tmp_path / "core" / "models"
+    copy.mkdir(parents=True)
+    for source in here.glob("*.py"):
+        (copy / source.name).write_bytes(source.read_bytes())
+    (tmp_path / "core" / "states.py").write_bytes((here.parent / "states.py").read_bytes())
+    current = schema._schema_key()
+    monkeypatch.setattr(schema, "__file__", str(copy / "schema.py"))
+    assert schema._schema_key() == current  # the same sources: the same key
+    assert {"fields.py", "task.py", "policy.py", "record.py"} <= {p.name for p in copy.glob("*.py")}
+    for source in [*sorted(copy.glob("*.py")), tmp_path / "core" / "states.py"]:
+        before = source.read_bytes()
+        source.write_bytes(before + b"\n")
+        assert schema._schema_key() != current, source.name
+        source.write_bytes(before)
+        assert schema._schema_key() == current
+    (copy / "extra.py").write_text("X = 1\n")
+    assert schema._schema_key() != current
 
 
 def _assert_used_only_when_owned_like(planted: Path, module: Path, used: Any) -> None:

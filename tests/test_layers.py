@@ -197,6 +197,7 @@ def test_the_backends_reach_the_job_directory_only_through_the_workspace_seam() 
         in (
             "fila.workspace.jobdir",
             "fila.workspace.snapshot",
+            "fila.workspace.snapshot_gc",
             "fila.workspace.overlay",
             "fila.workspace.handover",
         )

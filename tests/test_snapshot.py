@@ -23,7 +23,7 @@ from fila.core.errors import FilaError, LimitExceeded
 from fila.core.layout import Root
 from fila.core.models import Policy
 from fila.queue.policy import load_policy, narrow
-from fila.workspace import jobdir, overlay, snapshot
+from fila.workspace import jobdir, overlay, snapshot, snapshot_gc
 from fila.workspace.diff import DiffResult, compute_diff
 from tests.support.policy import policy
 from tests.support.project import make_project, make_root, shell_task
@@ -402,12 +402,12 @@ def test_no_host_process_of_the_engine_uid_reaches_the_snapshots_it_owns() -> No
 def test_gc_removes_a_snapshot_only_once_no_job_links_it(root: Root) -> None:
     first = take(root, "t1")
     take(root, "t2")
-    assert snapshot.collect(root) == []  # linked by two jobs: kept
+    assert snapshot_gc.collect(root) == []  # linked by two jobs: kept
     (root.meta("t1") / "manifest.json").unlink()
-    assert snapshot.collect(root) == []  # still linked by t2
+    assert snapshot_gc.collect(root) == []  # still linked by t2
     (root.meta("t2") / "manifest.json").unlink()
-    assert snapshot.collect(root, dry_run=True)[0].key == first.key and first.path.exists()
-    gone = snapshot.collect(root)
+    assert snapshot_gc.collect(root, dry_run=True)[0].key == first.key and first.path.exists()
+    gone = snapshot_gc.collect(root)
     assert [g.key for g in gone] == [first.key] and not first.path.exists()
     again = take(root, "t3")  # the stat cache names a collected snapshot: built again
     assert again.how == "built" and again.key == first.key

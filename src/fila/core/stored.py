@@ -1,10 +1,10 @@
 """Files fila keeps for itself and reads back instead of doing the work again: `_schemas.json`
-beside core/models.py and `_help.py` beside entry.py (generated once), recovery's cache in fila/state/.
+beside core/models/schema.py and `_help.py` beside entry.py (generated once), recovery's cache in fila/state/.
 
 What such a file says is not checked by its content (a generated file's key is a hash of public
 sources; a cache is only a hint), so it is read only when it is owned by the uid that should have
 written it and writable by no one else: `owned_bytes`. Its own module (not entry.py) so that
-core/models.py and recovery can use it without an import circle; it imports only os and stat.
+core/models/schema.py and recovery can use it without an import circle; it imports only os and stat.
 """
 
 from __future__ import annotations

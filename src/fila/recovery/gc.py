@@ -114,9 +114,9 @@ def collect(root: Root, older_than_s: float, *, dry_run: bool = False, now: date
             b.close()
     if not dry_run:
         # Snapshots go with the last job that links them (overlay strategy: sandbox/snapshots/).
-        from ..workspace import snapshot
+        from ..workspace import snapshot_gc
 
-        snapshot.collect(root)
+        snapshot_gc.collect(root)
     return out
 
 

@@ -22,9 +22,9 @@ removes it. Nothing under `<key>/` is written after it is published.
 A job on the overlay strategy gets its snapshot, its upper layer and its view of work/ from
 workspace/overlay.py.
 
-One module on purpose (about 600 lines): building, reusing, linking and collecting a snapshot
-share the stat pass, its cache and the snapshot lock; a cut between them would make their
-internals public to one another.
+Building, reusing and linking a snapshot share the stat pass, its cache and their helpers, so they
+are one module; collecting snapshots (workspace/snapshot_gc.py) needs only the store's path and
+its lock (`locked`), and lives on its own.
 """
 
 from __future__ import annotations
@@ -101,7 +101,9 @@ def _made_store(root: Root) -> Path:
 
 
 @contextlib.contextmanager
-def _locked(root: Root) -> Iterator[None]:
+def locked(root: Root) -> Iterator[None]:
+    """The store's lock: held while a snapshot is published or linked to a job, and while
+    snapshot_gc collects, so a snapshot is never removed between a job's check and its link."""
     d = _made_store(root)
     fd = os.open(d / ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
@@ -472,7 +474,7 @@ def _build(
         # The totals alone, for a later task (the manifest is read only by apply and recovery).
         fsutil.atomic_write(new / "info.json", json.dumps(manifest["snapshot"]), mode=0o444)
         _syncfs(new)  # the files' data on disk before the name that vouches for them exists
-        with _locked(root):
+        with locked(root):
             try:
                 os.rename(new, d / key)
                 published = True
@@ -547,7 +549,7 @@ def _attach(
     path = store(root) / key
     meta = root.meta(task_id)
     meta.mkdir(parents=True, exist_ok=True)
-    with _locked(root):
+    with locked(root):
         try:
             info = json.loads((path / "info.json").read_bytes())
         except (OSError, ValueError, KeyError):
@@ -566,47 +568,3 @@ def _attach(
         hashed=hashed,
         warnings=list(warnings),
     )
-
-
-@dataclass
-class Collected:
-    key: str
-    bytes: int
-
-
-def collect(root: Root, *, dry_run: bool = False, stale_s: float = 86400) -> list[Collected]:
-    """Remove the snapshots no job links to any more (their manifest has one link), and builds a
-    crash left behind (`.new-*` older than `stale_s`). Runs after gc has removed decided jobs."""
-    from .handover import usage
-
-    d = store(root)
-    if not d.is_dir():
-        return []
-    out: list[Collected] = []
-    doomed: list[Path] = []
-    with _locked(root):
-        for entry in os.scandir(d):
-            p = Path(entry.path)
-            if entry.name.startswith(".new-"):
-                if time.time() - entry.stat(follow_symlinks=False).st_mtime > stale_s:
-                    doomed.append(p)
-                continue
-            if len(entry.name) != 64 or not entry.is_dir(follow_symlinks=False):
-                continue
-            try:
-                links = os.lstat(p / "manifest.json").st_nlink
-            except FileNotFoundError:
-                links = 1
-            if links <= 1:
-                doomed.append(p)
-        for p in doomed:
-            size = usage(p, max_bytes=1 << 62, max_files=1 << 62)[0]
-            if not dry_run:
-                gone = d / f".gone-{p.name}"
-                os.rename(p, gone)  # out of reach of _attach before the lock is let go
-                p = gone
-            out.append(Collected(p.name.removeprefix(".gone-"), size))
-    if not dry_run:
-        for p in d.glob(".gone-*"):
-            fsutil.remove_tree(p)
-    return out
