@@ -89,7 +89,7 @@ def _one_shot(cmd: list[str], argv: list[str], env: dict[str, str], records: lis
 def _settle(root: Path, timeout_s: float = 60.0) -> None:
     """Wait, off the clock, until the reaper a one-shot left (sandbox/docker/reap.py) has removed
     its gateway: the next side does not share the machine with this one's teardown."""
-    from fila.sandbox.docker.reap import busy
+    from fila.sandbox.gateways import busy
 
     deadline = time.monotonic() + timeout_s
     while busy(root / "sandbox" / "spares") and time.monotonic() < deadline:

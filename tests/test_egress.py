@@ -14,6 +14,7 @@ import os
 import secrets
 import shutil
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -543,7 +544,7 @@ def test_a_one_shots_reaper_removes_its_spare_after_it_and_a_killed_reaper_leave
     (sandbox/docker/reap.py) instead of waiting for its removal: the reaper removes the
     gateway, the holder, the network and the spare's lock, then its own lock. A reaper killed
     before it finished leaves its lock free and the rest to recovery."""
-    from fila.sandbox.docker import reap
+    from fila.sandbox.gateways import busy
 
     backend = DockerBackend()
     spares = proj / "sandbox" / "spares"
@@ -568,19 +569,17 @@ def test_a_one_shots_reaper_removes_its_spare_after_it_and_a_killed_reaper_leave
         gw = spare()
         assert backend.handoff_gateways([gw], spares)
         reaped(spares)
-        assert leftovers(docker_client, proj, "none") == [] and not (spares / reap.LOG_NAME).exists()
+        assert leftovers(docker_client, proj, "none") == []  # its log too: it had nothing to say
         gw = spare()
         assert backend.handoff_gateways([gw], spares)
-        assert gw.released is not None
-        gw.released()  # the handing process exits: its spare's lock goes with it
-        (lock,) = reap.busy(spares)
+        (lock,) = busy(spares)
         pid, deadline = None, time.monotonic() + 5
         while pid is None and time.monotonic() < deadline:  # its command line once it is exec'd
             pid = reaper_pid(lock)
         assert pid is not None
         os.kill(pid, 9)  # before its interpreter has even imported what it needs
         deadline = time.monotonic() + 10
-        while reap.busy(spares) and time.monotonic() < deadline:
+        while busy(spares) and time.monotonic() < deadline:
             time.sleep(0.05)
         left = leftovers(docker_client, proj, "none")
         assert f"container {gw.container}" in left and f"network {gw.network}" in left, left
@@ -588,6 +587,48 @@ def test_a_one_shots_reaper_removes_its_spare_after_it_and_a_killed_reaper_leave
         assert leftovers(docker_client, proj, "none") == []
     finally:
         backend.close()
+
+
+def test_a_one_shots_reaper_runs_isolated_from_the_callers_directory_and_its_route_credential(
+    proj: Path, upstreams: Upstreams, docker_client: docker.DockerClient, tmp_path: Path
+) -> None:
+    """The reaper is a detached interpreter: neither a module planted in the directory `fila`
+    runs from (a shared /tmp, a checkout holding an engine's `docker.py`) nor the route's
+    credential in the caller's environment reaches it (sandbox/docker/reap.py: `python -I`, run
+    from /, only the daemon's variables). The counterpart: the planted modules do run for a plain
+    interpreter started in that directory."""
+    secret = f"sk-test-{secrets.token_hex(16)}"
+    env = {KEY_VAR: secret}
+    planted, marker = tmp_path / "planted-cwd", tmp_path / "planted-ran"
+    (planted / "fila").mkdir(parents=True)
+    plant = f"open({str(marker)!r}, 'a').write(__name__ + chr(10))\n"
+    (planted / "fila" / "__init__.py").write_text(plant)
+    (planted / "docker.py").write_text(plant)
+    probe = subprocess.run([sys.executable, "-c", "import docker"], cwd=planted, check=False)
+    assert probe.returncode == 0 and marker.read_text() == "docker\n"  # the plant works
+    marker.unlink()
+    write_policy(
+        proj,
+        "reap",
+        egress=egress_for(upstreams, routes=anthropic_route(upstreams), allow_private=[upstreams.subnet]),
+    )
+    upstreams.set_script([{"reply": {"text": "hi"}, "usage": {"input_tokens": 1, "output_tokens": 1}}])
+    tid = submit_task(
+        proj, "reap", 'curl -sS --max-time 10 -X POST "$ANTHROPIC_BASE_URL/v1/messages"', env=env
+    )
+    res = run_once(proj, env, cwd=planted)
+    assert res.returncode == 0, res.stderr
+    environs: list[bytes] = []
+    deadline = time.monotonic() + 10
+    while not environs and time.monotonic() < deadline:  # the reaper while it works
+        for d in Path("/proc").iterdir():
+            with contextlib.suppress(OSError):
+                if d.name.isdigit() and b"fila.sandbox.docker.reap" in (d / "cmdline").read_bytes():
+                    environs.append((d / "environ").read_bytes())
+    assert environs, "no reaper seen after the one-shot exited"
+    assert not any(secret.encode() in e or KEY_VAR.encode() in e for e in environs)
+    assert leftovers(docker_client, proj, tid) == []  # it did its work, and said nothing
+    assert not marker.exists(), marker.read_text()
 
 
 # -- gVisor ----------------------------------------------------------------------------------------

@@ -220,3 +220,25 @@ def test_a_one_shot_hands_what_is_left_to_remove_to_a_reaper_and_removes_it_itse
         said = pool.close(none_takes)
         assert gone(pool, taken), engine.removed
         assert said == [] or any("no python" in s for s in said), said
+
+
+def test_what_a_finished_reaper_wrote_is_said_by_recovery_once_and_a_live_ones_log_is_left(
+    tmp_path: Path,
+) -> None:
+    """A one-shot's reaper writes what it could not remove (or a traceback) to its log beside its
+    lock; recovery says it (inert text) and removes it, but not while that reaper still holds its
+    lock (it may write more)."""
+    from fila.core.fsutil import held_new_lock
+    from fila.sandbox.gateways import reapers_said
+
+    spares = tmp_path / "spares"
+    spares.mkdir()
+    (spares / "reap-aaaaaaaaaaaa.log").write_text("2026 network fila-net-x: in use\x1b[31m\n\n")
+    live = held_new_lock(spares / "reap-bbbbbbbbbbbb.lock")
+    (spares / "reap-bbbbbbbbbbbb.log").write_text("still at work\n")
+    said = reapers_said(spares)
+    assert len(said) == 1 and "network fila-net-x: in use" in said[0] and "\x1b" not in said[0], said
+    assert not (spares / "reap-aaaaaaaaaaaa.log").exists() and (spares / "reap-bbbbbbbbbbbb.log").exists()
+    assert reapers_said(spares) == []  # said once
+    live()
+    assert reapers_said(spares) == ["a one-shot's reaper said: still at work"]

@@ -15,7 +15,7 @@ from fila.core.layout import Root
 def reaped(spares: Path, timeout_s: float = 60.0) -> None:
     """Wait until the reapers a one-shot `fila` left in `spares` (its root's sandbox/spares) are
     done (sandbox/docker/reap.py): what they remove is gone, or left for a check to name."""
-    from fila.sandbox.docker.reap import busy
+    from fila.sandbox.gateways import busy
 
     deadline = time.monotonic() + timeout_s
     while busy(spares) and time.monotonic() < deadline:

@@ -209,19 +209,33 @@ def private_dir(directory: Path, what: str) -> None:
 
 class HeldLock:
     """A lock file this process holds (held_new_lock). Calling it releases it: the file
-    removed, then let go (once, whoever calls first). `fd` is its open descriptor while held: a
-    child process given it (`pass_fds`) holds the lock on after this one exits."""
+    removed, then let go (once, whoever calls first). A child process can be made to hold it
+    on: `dup()` a descriptor for it (`pass_fds`), then `hand_over()`, after which this process
+    neither removes the file nor holds the lock."""
 
     def __init__(self, path: Path, fd: int) -> None:
         self.path, self.fd = path, fd
-        self._done = threading.Lock()
+        self._done = False
+        self._mutex = threading.Lock()
 
-    @property
-    def held(self) -> bool:
-        return not self._done.locked()
+    def dup(self) -> int | None:
+        """A new descriptor of the held lock (None once released or handed over)."""
+        with self._mutex:
+            return None if self._done else os.dup(self.fd)
+
+    def hand_over(self) -> None:
+        """Another process holds it now (through a `dup()`): this one lets go of its
+        descriptor and leaves the file to that process."""
+        with self._mutex:
+            if not self._done:
+                self._done = True
+                os.close(self.fd)
 
     def __call__(self) -> None:
-        if self._done.acquire(blocking=False):
+        with self._mutex:
+            if self._done:
+                return
+            self._done = True
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
             os.close(self.fd)

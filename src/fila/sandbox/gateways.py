@@ -16,6 +16,7 @@ The backend makes and removes the containers (`make`, `remove`); this module onl
 from __future__ import annotations
 
 import contextlib
+import os
 import secrets
 import threading
 from collections.abc import Callable
@@ -23,6 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from ..core.fsutil import file_lock, held_new_lock, lock_held, private_dir
+from ..core.text import inert
 from ..egress.config import SPARE_LABEL, Gateway, remove_dir
 
 # A spare's making is a second of the daemon's and the cores' time: started this long after the
@@ -32,7 +34,9 @@ REFILL_AFTER_S = 1.0
 # make(spare id, egress network, directory, labels) -> a started spare; remove(gateway).
 Make = Callable[[str, str, Path, dict[str, str]], Gateway]
 Remove = Callable[[Gateway], None]
-# A one-shot's reaper holds `reap-<token>.lock` in the spares directory while it works.
+# A one-shot's reaper (sandbox/docker/reap.py) holds `reap-<token>.lock` in the spares directory
+# while it works, and writes what it could not do to `reap-<token>.log` beside it (removed when
+# it had nothing to say).
 REAPER_LOCK = "reap-"
 # handoff(gateways, directory) -> whether a detached remover took them (GatewayPool.close).
 Handoff = Callable[[list[Gateway], Path], bool]
@@ -189,13 +193,47 @@ def clear_temp(directory: Path) -> list[str]:
     with contextlib.suppress(FileNotFoundError, NotADirectoryError):
         for p in directory.iterdir():
             temp = p.name.startswith(".") and p.name.endswith(".lock.tmp")
-            if not (temp or (p.name.startswith(REAPER_LOCK) and p.name.endswith(".lock"))):
+            if not (temp or (p.name.startswith(REAPER_LOCK) and p.suffix == ".lock")):
                 continue
             with contextlib.suppress(FileNotFoundError), file_lock(p, wait=False, create=False) as held:
                 if held:
                     p.unlink()
                     gone.append(f"{'spare gateway' if temp else 'reaper'} lock {p}")
     return gone
+
+
+def busy(directory: Path) -> list[Path]:
+    """The locks of one-shots' reapers still at work in `directory` (held by a live process)."""
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        return [p for p in sorted(directory.glob(f"{REAPER_LOCK}*.lock")) if lock_held(p)]
+    return []
+
+
+def reapers_said(directory: Path, cap: int = 64 << 10) -> list[str]:
+    """What one-shots' reapers that are done could not do (their `reap-<token>.log`: what they
+    left, a traceback), for recovery to say; each log is removed once read (recovery has just
+    swept what its reaper left)."""
+    said: list[str] = []
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        for path in sorted(directory.glob(f"{REAPER_LOCK}*.log")):
+            if lock_held(path.with_suffix(".lock")):
+                continue  # still at work
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                said.append(f"a one-shot's reaper log {path} could not be read: {e}")
+                continue
+            try:
+                raw = os.read(fd, cap)
+            finally:
+                os.close(fd)
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            lines = [line.strip() for line in raw.decode("utf-8", "replace").splitlines() if line.strip()]
+            said += [f"a one-shot's reaper said: {inert(line)}" for line in lines]
+    return said
 
 
 def forget(directory: Path, spare: str) -> None:

@@ -669,7 +669,7 @@ def sweep_spares(client: docker.DockerClient, root: Path, directory: Path) -> li
     their lock (sandbox/gateways.py): their containers, job networks, directories and locks."""
     from docker.errors import APIError
 
-    from ..gateways import abandoned, clear_temp, forget
+    from ..gateways import abandoned, clear_temp, forget, reapers_said
 
     flt = {"label": ["fila=1", SPARE_LABEL, f"fila.root={root}"]}
     boxes = client.api.containers(all=True, filters=flt)
@@ -695,4 +695,4 @@ def sweep_spares(client: docker.DockerClient, root: Path, directory: Path) -> li
                 raise
             continue
         forget(directory, spare)
-    return removed + clear_temp(directory)
+    return removed + clear_temp(directory) + reapers_said(directory)

@@ -9,10 +9,11 @@ not serving was killed (egress.halt) and one serving has no client left. The rea
 file (`reap-<token>.lock` in the spares directory) from before the handing process exits until
 all is gone, then removes it, and it inherits the spares' own locks, so that a recovery pass
 leaves them to it while it lives; a reaper that dies leaves every lock free and the rest to
-`fila recover`, which finds the containers and networks by their labels. What it could not remove is
-appended to `reap.log` beside the lock.
+`fila recover`, which finds the containers and networks by their labels. Its output (what it could not
+remove, or a traceback) goes to `reap-<token>.log` beside its lock, which recovery reports and
+removes (sandbox/gateways.reapers_said); a reaper with nothing to say removes it.
 
-    python -m fila.sandbox.docker.reap FD LOCK_PATH < items.json
+    python -I -c START FD LOCK_PATH FILA_PARENT_DIR < items.json
 """
 
 from __future__ import annotations
@@ -37,22 +38,34 @@ from ..gateways import REAPER_LOCK, forget
 
 # How long a removal another client started, or a network's last endpoint, is waited for.
 SETTLE_S = 60.0
-LOG_NAME = "reap.log"
 
 
 def items(gateways: list[Gateway], directory: Path) -> list[dict[str, Any]]:
-    """What the reaper removes of each gateway: its containers, job network, directory (unless
-    removed already) and, for a spare, its lock and directory in `directory`."""
+    """What the reaper removes of each gateway: its containers, job network, its directory when
+    it is a spare's not yet taken (a job's gateway directory is the job's, removed before its
+    record: a later attempt of the task may use that path), and a spare's lock and directory."""
     return [
         {
             "containers": [gw.container] + ([gw.netns] if gw.netns else []),
             "network": gw.network,
-            "dirs": [] if gw.dir_gone else [str(gw.dir)],
+            "dirs": [str(gw.dir)] if not gw.dir_gone and gw.dir.parent == directory else [],
             "spare": gw.spare,
             "spares_dir": str(directory),
         }
         for gw in gateways
     ]
+
+
+# The directory this fila is imported from (the one holding the `fila` package).
+FILA_FROM = Path(__file__).resolve().parents[3]
+# What the reaper's environment keeps of the caller's: the daemon's address and TLS, nothing else
+# (the caller's may hold a route's credential, which only the gateway is to hold).
+KEPT_ENV = ("DOCKER_HOST", "DOCKER_TLS_VERIFY", "DOCKER_CERT_PATH")
+# The reaper's interpreter: isolated (no PYTHON* variables, no user site, no working directory or
+# script directory on sys.path, run from /), given only the directory fila is imported from.
+START = (
+    "import sys; sys.path[:0] = sys.argv[3:4]; from fila.sandbox.docker.reap import main; sys.exit(main())"
+)
 
 
 def handoff(client: docker.DockerClient, gateways: list[Gateway], directory: Path) -> None:
@@ -67,42 +80,43 @@ def handoff(client: docker.DockerClient, gateways: list[Gateway], directory: Pat
     }
     lock = directory / f"{REAPER_LOCK}{secrets.token_hex(6)}.lock"
     # The spares' own locks go with them: recovery leaves a spare alone while its reaper lives.
-    spare_locks = [
-        gw.released.fd for gw in gateways if isinstance(gw.released, HeldLock) and gw.released.held
-    ]
+    spare_locks = [gw.released for gw in gateways if isinstance(gw.released, HeldLock)]
+    dups = [fd for held in spare_locks if (fd := held.dup()) is not None]
     fd = held_new_lock_fd(lock)
+    # Its output, a traceback included, goes to its log beside its lock, which recovery reports
+    # (gateways.reapers_said).
+    log = os.open(lock.with_suffix(".log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "fila.sandbox.docker.reap", str(fd), str(lock)],
+            [sys.executable, "-I", "-c", START, str(fd), str(lock), str(FILA_FROM)],
             stdin=subprocess.PIPE,
             # Never the caller's streams: a CI step waits for them to close, not only for its
             # process to exit.
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            pass_fds=(fd, *spare_locks),
+            stdout=log,
+            stderr=log,
+            pass_fds=(fd, *dups),
             start_new_session=True,  # a Ctrl-C or SIGHUP to the caller's group is not the reaper's
             close_fds=True,
+            cwd="/",
+            env={k: v for k in KEPT_ENV if (v := os.environ.get(k)) is not None},
         )
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             lock.unlink()
         os.close(fd)
         raise
-    os.close(fd)  # the reaper holds the lock now
+    finally:
+        os.close(log)
+        for d in dups:
+            os.close(d)
+    os.close(fd)  # the reaper holds its lock now, and the spares'
+    for held in spare_locks:
+        held.hand_over()
     assert proc.stdin is not None
     with contextlib.suppress(BrokenPipeError):
         proc.stdin.write(json.dumps(doc).encode())
     with contextlib.suppress(OSError):
         proc.stdin.close()
-
-
-def busy(directory: Path) -> list[Path]:
-    """The locks of reapers still at work in `directory` (held by a live process)."""
-    from ...core.fsutil import lock_held
-
-    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
-        return [p for p in sorted(directory.glob(f"{REAPER_LOCK}*.lock")) if lock_held(p)]
-    return []
 
 
 def remove_container(client: docker.DockerClient, name: str, deadline: float) -> None:
@@ -173,6 +187,8 @@ def reap(client: docker.DockerClient, todo: list[dict[str, Any]]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The reaper: argv FD LOCK (its lock's descriptor and path), the items on stdin; what it
+    could not remove is written to its stderr (its log), one line each."""
     args = sys.argv[1:] if argv is None else argv
     fd, lock = int(args[0]), Path(args[1])
     errors: list[str] = []
@@ -190,11 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # said in the log; recovery removes what is left
         errors.append(f"the reaper failed: {e}")
     finally:
-        if errors:
-            stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-            with contextlib.suppress(OSError), open(lock.parent / LOG_NAME, "a") as log:
-                for line in errors:
-                    log.write(f"{stamp} {line}; `fila recover` removes it\n")
+        stamp = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        for line in errors:
+            print(f"{stamp} {line}; `fila recover` removes it", file=sys.stderr, flush=True)
+        if not errors:  # nothing to say: its log goes (a traceback stays for recovery to say)
+            with contextlib.suppress(OSError):
+                if lock.with_suffix(".log").stat().st_size == 0:
+                    lock.with_suffix(".log").unlink()
         with contextlib.suppress(FileNotFoundError):
             lock.unlink()
         os.close(fd)
