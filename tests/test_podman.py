@@ -406,12 +406,14 @@ def test_the_contract_and_the_cycle_pass_on_rootless_podman_as_an_ordinary_user(
     if python is None:
         pytest.skip(f"no Python {sys.version_info[:2]} an ordinary user may run")
     here = readable_tests_dir()  # the checkout may be below a 0700 directory (CI): then a readable copy
-    files, markexpr = ["test_backend_contract.py", "test_podman.py"], request.config.option.markexpr
+    # One user, one Podman service for the contract, the cycle and the streams (test_output_streams).
+    files = ["test_backend_contract.py", "test_podman.py", "test_output_streams.py"]
+    markexpr = request.config.option.markexpr
     with podman_user() as user:
         out = pytest_as_user(user, python, here, files, timeout=900, markexpr=markexpr)
     m = re.search(r"(\d+) passed", out)
-    # every case the user's run selects (the contract on Podman, the cycle, the pure ones) passed
-    # as the user: none skipped, none missing
+    # every case the user's run selects (the contract on Podman, the cycle, the streams, the pure
+    # ones) passed as the user: none skipped, none missing
     selected = selected_as_user(here, files, markexpr)
     assert m is not None and int(m.group(1)) == selected > 10 and "skipped" not in out, out[-3000:]
 
