@@ -31,11 +31,12 @@ settings.load_profile("explore" if os.environ.get("FILA_HYPOTHESIS") == "explore
 
 # scripts/test runs a tier in two processes side by side: FILA_TEST_PART=main keeps the tests of
 # Docker, =side the rest (no container, rootless Podman's own service, PostgreSQL's own cluster)
-# and the gateway's own tests (test_gateway: ~40 gateways, each its own network, nothing timed),
-# which bring the two processes nearer in length. In the quick tier, where Docker's tests are few
+# and the gateway's own tests (test_gateway: ~40 gateways, each its own network, nothing timed) and
+# the upstreams' (test_upstreams: the test servers' own network, ~30 s), which bring the two
+# processes nearer in length. In the quick tier, where Docker's tests are few
 # (about 70 s of ~280 s), the tests that need no container and are in none of SIDE_FILES run in the
 # main process instead (about 110 s), so neither process waits on the other.
-SIDE_FILES = ("test_podman", "test_pg_", "test_queue_acceptance", "test_gateway")
+SIDE_FILES = ("test_podman", "test_pg_", "test_queue_acceptance", "test_gateway", "test_upstreams")
 
 
 def _on_the_side(item: pytest.Item, quick: bool) -> bool:

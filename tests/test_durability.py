@@ -14,6 +14,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -163,9 +164,16 @@ def test_sigkill_during_a_hand_back_loses_nothing(
     data: dict[str, Any] = json.loads(rec_path.read_text())
     proj.meta("t1").mkdir(parents=True, exist_ok=True)
     lock = os.open(proj.meta("t1") / "job.lock", os.O_RDWR | os.O_CREAT, 0o644)
+    # The worker waits queue/lease.py's JOB_LOCK_WAIT_S (15 s) for a held job lock, then gives the
+    # task back; this one waits 1 s: the same infra error, sooner.
+    hurried = (
+        "import fila.queue.lease as lease; lease.JOB_LOCK_WAIT_S = 1.0; from fila.cli import main; main()"
+    )
+    env = {**os.environ, "FILA_ROOT": str(proj.path), "FILA_CRASH_AT": "during_hand_back"}
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        crashed = fila(proj, "run", "--once", crash="during_hand_back")
+        crashed = subprocess.run([sys.executable, "-c", hurried, "run", "--once"], env=env,
+                                 capture_output=True, text=True, timeout=120)  # fmt: skip
     finally:
         os.close(lock)
     assert crashed.returncode == -signal.SIGKILL, crashed.stderr

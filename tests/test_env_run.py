@@ -108,9 +108,12 @@ def submit_run(root: Root, command: str, *extra: str) -> dict[str, Any]:
     return rec
 
 
-def test_a_python_project_is_set_up_once_through_the_gateway_and_its_check_runs_in_it(
-    tmp_path: Path, pkgindex: Any
+@pytest.mark.engines
+def test_a_python_project_is_set_up_once_its_check_runs_in_it_and_claude_fixes_the_code_there(
+    tmp_path: Path, pkgindex: Any, upstreams: Any, gateway_image: str
 ) -> None:
+    """One environment build for both (each is the other's setup): fila's own tasks and check on
+    it, then Claude Code on the same environment (claude_fixes_it)."""
     root = python_project(tmp_path, pkgindex)
     setup_policy(root, pkgindex)
     # The first task builds the environment; its check runs pytest from the setup's .venv and
@@ -152,6 +155,8 @@ def test_a_python_project_is_set_up_once_through_the_gateway_and_its_check_runs_
     assert other["status"] == "failed" and other["error"]["kind"] == "environment", other
     assert "submitted for an environment made of 000000000000" in other["error"]["message"], other["error"]
     assert other["environment"]["digest"] == env["digest"] and not other["container_started"], other
+    # The same project, unfixed (a patch waits for review), by Claude Code on the cached environment.
+    claude_fixes_it(root, pkgindex, upstreams)
 
 
 def test_a_setup_that_reaches_an_unlisted_host_fails_its_task_before_any_engine(
@@ -220,52 +225,6 @@ def test_a_base_image_the_policy_does_not_allow_is_refused(tmp_path: Path, pkgin
     assert "not allowed by the policy" in rec["error"]["message"]
 
 
-def test_a_project_dockerfile_is_built_through_the_setups_gateway(tmp_path: Path, pkgindex: Any) -> None:
-    """Built from a context fila assembles: what no job is given (.env, .git/) is not in it either.
-    Its RUN steps reach the setup's allowlist through a gateway of the build's own (pip fetches
-    from pypi.test), and a host the allowlist does not list is refused and logged (npm.test); with
-    no allowlist, no network; a build past the setup's timeout fails."""
-    root = make_root(tmp_path / "df")
-    (root.path / ".devcontainer").mkdir()
-    fetch = f"pip download -q --no-deps -d /opt/wheels -i {pkgindex.pypi_url} --trusted-host pypi.test six"
-    steps = ["RUN echo from-dockerfile > /opt/marker", f"RUN {fetch}", "COPY . /opt/ctx"]
-    (root.path / ".devcontainer" / "Dockerfile").write_text(
-        "\n".join([f"FROM {pkgindex.testenv_image}", *steps, ""])
-    )
-    (root.path / ".devcontainer" / "devcontainer.json").write_text(
-        json.dumps({"build": {"dockerfile": "Dockerfile", "context": ".."}})
-    )
-    (root.path / ".env").write_text("TOKEN=secret\n")
-    (root.path / ".git").mkdir()
-    (root.path / ".git" / "config").write_text("[remote]\n")
-    (root.path / "kept.txt").write_text("kept\n")
-    setup_policy(root, pkgindex, allow=[pkgindex.allow()[0]])  # pypi.test only
-    rec = submit_run(root, "cat /opt/marker > out.txt; ls -A /opt/ctx > ctx.txt; ls /opt/wheels > whl.txt")
-    assert rec["status"] == "needs_review", rec
-    patch = (root.path / rec["patch_path"]).read_text()
-    assert patch.count("+from-dockerfile") == 1 and "+kept.txt" in patch and "+.devcontainer" in patch
-    assert "+.env" not in patch and "+.git" not in patch, patch
-    assert "+six-" in patch, patch  # the wheel the RUN step fetched through the gateway
-    built = rec["environment"]["build_egress"]
-    assert {r["host"] for r in built["requests"]} == {"pypi.test"} and built["denied"] == 0, built
-    # A RUN step that reaches a host the allowlist does not list: refused by the gateway, and said.
-    (root.path / ".devcontainer" / "Dockerfile").write_text(
-        f"FROM {pkgindex.testenv_image}\nRUN npm view uvu --registry {pkgindex.npm_url} --fetch-retries 0\n"
-    )
-    rec = submit_run(root, "true")
-    assert rec["status"] == "failed" and rec["error"]["kind"] == "environment", rec
-    assert "its gateway refused npm.test:4873" in rec["error"]["message"], rec["error"]
-    # With no allowlist the build has no network at all.
-    setup_policy(root, pkgindex, allow=[])
-    (root.path / ".devcontainer" / "Dockerfile").write_text(f"FROM {pkgindex.testenv_image}\nRUN {fetch}\n")
-    rec = submit_run(root, "true")
-    assert rec["status"] == "failed" and "have no network" in rec["error"]["message"], rec["error"]
-    (root.path / ".devcontainer" / "Dockerfile").write_text(f"FROM {pkgindex.testenv_image}\nRUN sleep 60\n")
-    setup_policy(root, pkgindex, allow=[], timeout_ms=3000)
-    rec = submit_run(root, "true")
-    assert rec["status"] == "failed" and "environment.timeout_ms 3000" in rec["error"]["message"], rec
-
-
 class HostUdp:
     """A UDP service of the host bound to [::]: what it received (it answers each datagram)."""
 
@@ -284,34 +243,65 @@ class HostUdp:
             self.sock.sendto(b"answer-of-the-host-service", addr)
 
 
-def test_a_dockerfile_run_step_with_raw_sockets_does_not_reach_the_host(
-    tmp_path: Path, pkgindex: Any
-) -> None:
-    """A RUN step keeps Docker's default NET_RAW (the classic builder sets no capabilities): on its
-    gateway's job network it reaches pypi.test through the gateway, and the host is closed to its
-    bridge, so raw frames find no host address: a service of the host bound to [::] hears nothing."""
-    root = make_root(tmp_path / "raw")
+def test_a_project_dockerfile_is_built_through_the_setups_gateway(tmp_path: Path, pkgindex: Any) -> None:
+    """Built from a context fila assembles: what no job is given (.env, .git/) is not in it either.
+    Its RUN steps reach the setup's allowlist through a gateway of the build's own (pip fetches
+    from pypi.test), and a host the allowlist does not list is refused and logged (npm.test); with
+    no allowlist, no network; a build past the setup's timeout fails.
+    A RUN step keeps Docker's default NET_RAW (the classic builder sets no capabilities): on its
+    gateway's job network the host is closed to its bridge, so raw frames find no host address
+    (tests/fixtures/raw_v6_probe.txt): a service of the host bound to [::] hears nothing, in the
+    same build whose pip reached pypi.test through the gateway."""
+    root = make_root(tmp_path / "df")
     dc = root.path / ".devcontainer"
     dc.mkdir()
     shutil.copy(Path(__file__).parent / "fixtures" / "raw_v6_probe.txt", dc / "probe.py")
     fetch = f"pip download -q --no-deps -d /opt/wheels -i {pkgindex.pypi_url} --trusted-host pypi.test six"
     host = HostUdp()
+    steps = ["RUN echo from-dockerfile > /opt/marker", f"RUN {fetch}", "COPY . /opt/ctx",
+             f"RUN python3 /opt/ctx/.devcontainer/probe.py {host.port} | tee /opt/probe.txt"]  # fmt: skip
+    (dc / "Dockerfile").write_text("\n".join([f"FROM {pkgindex.testenv_image}", *steps, ""]))
+    (dc / "devcontainer.json").write_text(
+        json.dumps({"build": {"dockerfile": "Dockerfile", "context": ".."}})
+    )
+    (root.path / ".env").write_text("TOKEN=secret\n")
+    (root.path / ".git").mkdir()
+    (root.path / ".git" / "config").write_text("[remote]\n")
+    (root.path / "kept.txt").write_text("kept\n")
+    setup_policy(root, pkgindex, allow=[pkgindex.allow()[0]])  # pypi.test only
     try:
-        (dc / "Dockerfile").write_text(
-            f"FROM {pkgindex.testenv_image}\nRUN {fetch}\nCOPY probe.py /probe.py\n"
-            f"RUN python3 /probe.py {host.port} | tee /opt/probe.txt\n"
+        rec = submit_run(
+            root,
+            "cat /opt/marker > out.txt; ls -A /opt/ctx > ctx.txt; ls /opt/wheels > whl.txt; "
+            "cat /opt/probe.txt > probe.txt",
         )
-        (dc / "devcontainer.json").write_text(
-            json.dumps({"build": {"dockerfile": "Dockerfile", "context": "."}})
-        )
-        setup_policy(root, pkgindex, allow=[pkgindex.allow()[0]])  # pypi.test only
-        rec = submit_run(root, "cat /opt/probe.txt > probe.txt; ls /opt/wheels > whl.txt")
     finally:
         host.sock.close()
     assert rec["status"] == "needs_review", rec
     patch = (root.path / rec["patch_path"]).read_text()
-    assert "+six-" in patch, patch  # the allowed counterpart: the listed index, through the gateway
+    assert patch.count("+from-dockerfile") == 1 and "+kept.txt" in patch and "+.devcontainer" in patch
+    assert "+.env" not in patch and "+.git" not in patch, patch
+    assert "+six-" in patch, patch  # the wheel the RUN step fetched through the gateway
+    built = rec["environment"]["build_egress"]
+    assert {r["host"] for r in built["requests"]} == {"pypi.test"} and built["denied"] == 0, built
+    # Raw frames from the same build: no host found, nothing heard.
     assert "+RESULT no host" in patch and not host.got, (patch, host.got)
+    # A RUN step that reaches a host the allowlist does not list: refused by the gateway, and said.
+    (dc / "Dockerfile").write_text(
+        f"FROM {pkgindex.testenv_image}\nRUN npm view uvu --registry {pkgindex.npm_url} --fetch-retries 0\n"
+    )
+    rec = submit_run(root, "true")
+    assert rec["status"] == "failed" and rec["error"]["kind"] == "environment", rec
+    assert "its gateway refused npm.test:4873" in rec["error"]["message"], rec["error"]
+    # With no allowlist the build has no network at all.
+    setup_policy(root, pkgindex, allow=[])
+    (dc / "Dockerfile").write_text(f"FROM {pkgindex.testenv_image}\nRUN {fetch}\n")
+    rec = submit_run(root, "true")
+    assert rec["status"] == "failed" and "have no network" in rec["error"]["message"], rec["error"]
+    (dc / "Dockerfile").write_text(f"FROM {pkgindex.testenv_image}\nRUN sleep 60\n")
+    setup_policy(root, pkgindex, allow=[], timeout_ms=3000)
+    rec = submit_run(root, "true")
+    assert rec["status"] == "failed" and "environment.timeout_ms 3000" in rec["error"]["message"], rec
 
 
 def test_a_dockerfile_run_step_is_held_to_the_setups_pids_and_size(tmp_path: Path, pkgindex: Any) -> None:
@@ -431,15 +421,11 @@ def _bash(command: str) -> dict[str, Any]:
         "command": command, "description": "run the project's tests"}}}}  # fmt: skip
 
 
-@pytest.mark.engines
-def test_claude_runs_the_projects_tests_in_its_environment_fixes_the_code_and_the_check_passes(
-    tmp_path: Path, pkgindex: Any, upstreams: Any, gateway_image: str
-) -> None:
+def claude_fixes_it(root: Root, pkgindex: Any, upstreams: Any) -> None:
     """Claude Code on the Python project's environment, driven by the scripted model server: it runs
     `python -m pytest` in its Bash tool (the project's own Python, from the setup's .venv), reads
     the failure, edits, runs it again; the record's check passes. What the model received back
     from each tool call is in the model server's log: the failure, then the pass."""
-    root = python_project(tmp_path, pkgindex)
     first = _bash("python -m pytest -q")
     first["when"] = "no_tool_result"
     edit = {"file_path": "/job/work/calc.py", "old_string": "a - b", "new_string": "a + b"}
@@ -830,7 +816,9 @@ def test_a_recovery_pass_beside_fila_env_build_keeps_its_gateway_and_removes_a_k
     from tests.support.cli import CLI
 
     root = make_root(tmp_path / "sweep")
-    (root.path / "Dockerfile").write_text(f"FROM {pkgindex.testenv_image}\nRUN sleep 20\n")
+    # Long enough for the recovery pass to run beside it (a few seconds; its gateway is asserted
+    # kept after the pass, so a build that ended first fails the test, never passes it).
+    (root.path / "Dockerfile").write_text(f"FROM {pkgindex.testenv_image}\nRUN sleep 12\n")
     (root.path / "fila-environment.json").write_text(json.dumps({"build": {"dockerfile": "Dockerfile"}}))
     doc = json.loads((root.path / "policies" / "default.json").read_text())
     near = {"allow_private": [pkgindex.subnet], "egress_network": pkgindex.network}

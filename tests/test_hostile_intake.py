@@ -503,8 +503,10 @@ entry_strategy = st.tuples(
 )
 
 
+# Each draw is a `fila run --once`, a recovery and one more run (about 2 s): the default run
+# draws three, `scripts/test --all` eight more of its own (the `matrix` twin below).
 @pytest.mark.docker
-@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck), database=None)
 @given(entries=st.lists(entry_strategy, min_size=1, max_size=5))
 # Found by a random draw (seed 10): a queued task nested past the recursion limit crashed the
 # spare-gateway thread's peek at the queue.
@@ -512,6 +514,24 @@ entry_strategy = st.tuples(
 def test_generated_queue_entries_all_end_as_records_or_rejected_files(
     shell_image: ImageRef, tmp_path_factory: pytest.TempPathFactory, entries: list[tuple[str, bytes, str]]
 ) -> None:
+    _generated_entries_end_settled(tmp_path_factory, entries)
+
+
+@pytest.mark.docker
+@pytest.mark.matrix  # more draws of the case above (about 15 s): scripts/test --all
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+@given(entries=st.lists(entry_strategy, min_size=1, max_size=5))
+def test_more_generated_queue_entries_all_end_as_records_or_rejected_files(
+    shell_image: ImageRef, tmp_path_factory: pytest.TempPathFactory, entries: list[tuple[str, bytes, str]]
+) -> None:
+    _generated_entries_end_settled(tmp_path_factory, entries)
+
+
+def _generated_entries_end_settled(
+    tmp_path_factory: pytest.TempPathFactory, entries: list[tuple[str, bytes, str]]
+) -> None:
+    """The entries dropped in in/, one `fila run --once`: each ends as a record or a rejected file,
+    nothing is left claimed, and a recovery and a second run find nothing to do."""
     base = tmp_path_factory.mktemp("gen")
     root = make_root(base / "q")
     made = set()

@@ -3,17 +3,14 @@
 The backend reads the container's log stream with each frame's stream byte: the log file gets both
 streams, and the RunResult's output keeps them apart for classification (docs/engines.md). Docker's
 logs endpoint multiplexes the two streams; this proves Podman's compatible endpoint does too. As
-root, `test_the_streams_stay_apart_on_rootless_podman_as_an_ordinary_user` runs this module as a
-throwaway user (tests/test_podman.py's harness) with FILA_CONTRACT_BACKEND=podman.
+root, tests/test_podman.py's `test_the_contract_and_the_cycle_pass_on_rootless_podman_as_an_ordinary_user`
+runs this module as its throwaway user, beside the contract, with FILA_CONTRACT_BACKEND=podman.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import re
-import shutil
-import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -84,19 +81,3 @@ def test_the_log_has_both_streams_and_the_output_keeps_them_apart(backend: Backe
     # Classification takes stdout's result, not the forged one on stderr (the quota it claims).
     o = get_engine("claude").classify_run(result.exit_code, result.output)
     assert (o.kind, o.message) == ("success", "done on stdout")
-
-
-@pytest.mark.skipif(os.getuid() != 0, reason="creating an ordinary user for the test needs root")
-@pytest.mark.skipif(shutil.which("podman") is None, reason="scripts/podman-up installs podman")
-@pytest.mark.podman_user
-def test_the_streams_stay_apart_on_rootless_podman_as_an_ordinary_user() -> None:
-    from tests.support.users import podman_user, pytest_as_user, python_for_others, readable_tests_dir
-
-    python = python_for_others()
-    if python is None:
-        pytest.skip(f"no Python {sys.version_info[:2]} an ordinary user may run")
-    here = readable_tests_dir()
-    with podman_user() as user:
-        out = pytest_as_user(user, python, here, ["test_output_streams.py"], timeout=600)
-    m = re.search(r"(\d+) passed", out)
-    assert m is not None and int(m.group(1)) == 1 and "skipped" not in out, out[-3000:]

@@ -31,7 +31,13 @@ from fila.sandbox.docker.container import docker_error
 from fila.sandbox.podman.backend import libpod_spec, overlay_why
 from fila.workspace.strategy import CopyWorkspace, OverlayWorkspace
 from tests.support.policy import policy
-from tests.support.users import podman_user, pytest_as_user, python_for_others, readable_tests_dir
+from tests.support.users import (
+    podman_user,
+    pytest_as_user,
+    python_for_others,
+    readable_tests_dir,
+    selected_as_user,
+)
 
 AS_USER = os.environ.get("FILA_CONTRACT_BACKEND") == "podman" and os.getuid() != 0
 as_user = pytest.mark.skipif(not AS_USER, reason="runs as the Podman test user (the root test starts it)")
@@ -393,30 +399,23 @@ def test_an_overlay_job_on_rootless_podman_writes_the_patch_the_copy_writes_and_
 @pytest.mark.docker
 @pytest.mark.skipif(os.getuid() != 0, reason="creating an ordinary user for the test needs root")
 @pytest.mark.skipif(shutil.which("podman") is None, reason="scripts/podman-up installs podman")
-def test_the_contract_and_the_cycle_pass_on_rootless_podman_as_an_ordinary_user() -> None:
+def test_the_contract_and_the_cycle_pass_on_rootless_podman_as_an_ordinary_user(
+    request: pytest.FixtureRequest,
+) -> None:
     python = python_for_others()
     if python is None:
         pytest.skip(f"no Python {sys.version_info[:2]} an ordinary user may run")
     here = readable_tests_dir()  # the checkout may be below a 0700 directory (CI): then a readable copy
+    # One user, one Podman service for the contract, the cycle and the streams (test_output_streams).
+    files = ["test_backend_contract.py", "test_podman.py", "test_output_streams.py"]
+    markexpr = request.config.option.markexpr
     with podman_user() as user:
-        out = pytest_as_user(user, python, here, ["test_backend_contract.py", "test_podman.py"], timeout=900)
+        out = pytest_as_user(user, python, here, files, timeout=900, markexpr=markexpr)
     m = re.search(r"(\d+) passed", out)
-    # every case the user's run selects (the contract on Podman, the cycle, the pure ones) passed
-    # as the user: none skipped, none missing
-    assert m is not None and int(m.group(1)) == _selected_as_user(here) and "skipped" not in out, out[-3000:]
-
-
-def _selected_as_user(here: Path) -> int:
-    """How many cases pytest_as_user's selection holds, collected here the same way."""
-    res = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-         "--rootdir", str(here.parent), str(here / "test_backend_contract.py"), str(here / "test_podman.py"),
-         "-k", "not ordinary_user"],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "FILA_CONTRACT_BACKEND": "podman"},
-    )  # fmt: skip
-    m = re.search(r"(\d+)(?:/\d+)? tests? collected", res.stdout)
-    assert m is not None and int(m.group(1)) > 10, res.stdout[-3000:] + res.stderr[-3000:]
-    return int(m.group(1))
+    # every case the user's run selects (the contract on Podman, the cycle, the streams, the pure
+    # ones) passed as the user: none skipped, none missing
+    selected = selected_as_user(here, files, markexpr)
+    assert m is not None and int(m.group(1)) == selected > 10 and "skipped" not in out, out[-3000:]
 
 
 def test_a_podman_engine_error_says_check_podman_info_and_names_the_socket_fila_used(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """A rootless Podman overlay scratch left with no container (its worker killed between the
-container's removal and the scratch's) is emptied by recovery and by `fila gc` through the backend,
-and a live job's scratch never is. Real rootless Podman, as an ordinary user the test creates."""
+container's removal and the scratch's) is emptied by recovery, by `fila gc` through the backend and
+before a retried task's next attempt, and a live job's scratch never is. Real rootless Podman, as
+an ordinary user the test creates (one user and one shell build for all of it)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ pytestmark = pytest.mark.docker
 # Run as the test's user: one failed run on the overlay strategy (a1), a second task (a2) claimed by
 # a worker that is alive (its lease lock held by this process), and in both meta directories the
 # kernel's work/ of a subordinate uid, mode 000, that a worker killed after its container's removal
-# leaves. Then one recovery pass, and gc of a1 once rejected with its scratch planted again.
+# leaves. Then one recovery pass, gc of a1 once rejected with its scratch planted again, and a
+# third task (a3) failed, its scratch planted, retried and run once more.
 _SCRIPT = r"""
 from fila.run import job as cycle
 from fila.review import decision
@@ -47,13 +49,23 @@ got = gc.collect(root, 0)
 after_gc = {"collected": [c.id for c in got], "a1_meta": (q / "sandbox/meta/a1").exists(),
             "a2": a2.exists(), "events": (q / "fila/logs/a1.events.jsonl").read_text()
             if (q / "fila/logs/a1.events.jsonl").exists() else ""}
+# a3: failed on the overlay, its scratch left, retried: the next attempt runs on a cleared one.
+submit("a3")
+fila("run", "--once", "--root", str(q))
+a3 = plant("a3")
+retry = {"planted_rm": subprocess.run(["rm", "-rf", str(a3)], capture_output=True, text=True).returncode}
+fila("retry", "a3", "--root", str(q), "--by", "test")
+code, retry["out"] = fila("run", "--once", "--root", str(q))
+retry["second"] = json.loads((q / "fila/out/a3.json").read_text())
+retry["left"] = a3.exists()
 held.release()
 print(json.dumps({"first": first, "claim": claim is not None, "planted_rm": planted_rm,
-                  "actions": actions, "after_recovery": after_recovery, "after_gc": after_gc}))
+                  "actions": actions, "after_recovery": after_recovery, "after_gc": after_gc,
+                  "retry": retry}))
 """
 
 
-def test_recovery_and_gc_clear_a_left_rootless_scratch_and_keep_a_live_jobs() -> None:
+def test_recovery_gc_and_the_next_attempt_clear_a_left_rootless_scratch_and_keep_a_live_jobs() -> None:
     got = run_as_podman_user(_SCRIPT)
     # The setup is what it claims: a1 ran on the overlay, its planted scratch defeats the user's rm,
     # and a2 is claimed by a live worker.
@@ -71,3 +83,10 @@ def test_recovery_and_gc_clear_a_left_rootless_scratch_and_keep_a_live_jobs() ->
     gcd = got["after_gc"]
     assert gcd["collected"] == ["a1"] and not gcd["a1_meta"], got
     assert '"scratch cleared"' in gcd["events"] and gcd["a2"], got
+    # A retried task's next attempt (a3's planted scratch defeats the user's rm too) runs on a
+    # cleared scratch, emptied by the job's meta directory, and its engine runs.
+    retry = got["retry"]
+    assert retry["planted_rm"] != 0, got
+    second = retry["second"]
+    assert second["attempt"] == 2 and second["exit_code"] == 3, (second.get("error"), retry["out"])
+    assert second["workspace"]["strategy"] == "overlay" and not retry["left"], got

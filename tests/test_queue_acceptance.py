@@ -7,7 +7,8 @@ case shows its allowed counterpart first.
 Cost: about 70 s for both queues together, 45 s of it the PostgreSQL side's (two leases of 3 s
 lapse, and each command is a process that loads the database driver); most of the rest is fila's
 start-up, one process per command. The compare group's test is about 28 s of it (10 s file, 15 s
-PostgreSQL: some twenty commands each).
+PostgreSQL: some twenty commands each). The default run leaves out the file queue's run of the
+two longest (PG_BY_DEFAULT): about 16 s.
 """
 
 from __future__ import annotations
@@ -36,6 +37,14 @@ def queue(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Driver]:
         yield pg
     finally:
         pg.close()
+
+
+# The two longest cases run on the file queue in --all only: every run proves the same on it with
+# fila's own tests (the group in tests/test_compare.py, a worker killed before and after its
+# container started in tests/test_durability.py); the PostgreSQL queue's run is every run's.
+PG_BY_DEFAULT = pytest.mark.parametrize(
+    "queue", [pytest.param("file", marks=pytest.mark.matrix), "pg"], indirect=True
+)
 
 
 def out(res: subprocess.CompletedProcess[str]) -> str:
@@ -122,6 +131,7 @@ def test_nothing_lands_until_apply_and_a_decision_is_taken_once(queue: Driver) -
     assert queue.state("c") == "applied"
 
 
+@PG_BY_DEFAULT
 def test_a_worker_killed_before_its_container_runs_the_task_once_more_and_after_leaves_it_to_a_person(
     queue: Driver, tmp_path: Path
 ) -> None:
@@ -198,6 +208,7 @@ def test_a_task_for_an_engine_no_worker_has_is_not_run(queue: Driver) -> None:
     assert queue.starts() == 1
 
 
+@PG_BY_DEFAULT
 def test_a_group_is_queued_whole_compared_reviewed_and_applying_one_member_supersedes_the_others(
     queue: Driver,
 ) -> None:

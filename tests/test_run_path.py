@@ -24,7 +24,6 @@ from fila.sandbox.docker import container as dk
 from fila.sandbox.docker.backend import DockerBackend
 from fila.workspace import diff
 from tests.support.project import shell_task
-from tests.support.users import run_as_podman_user
 
 S = Status
 pytestmark = pytest.mark.docker
@@ -438,34 +437,3 @@ def test_the_log_and_the_events_file_are_on_disk_before_the_record_that_points_a
     before = synced[: synced.index("publish")]
     assert log in before, f"the log is fsynced before the record: {synced}"
     assert logs in before, "and the logs directory after the log was made"
-
-
-_LEFT_SCRATCH = r"""
-fila("submit", "--root", str(q), "--id", "a1", "--engine", "shell", "--command", "exit 3",
-     "--target", "greeting.txt")
-fila("run", "--once", "--root", str(q))
-first = json.loads((q / "fila/out/a1.json").read_text())
-s = q / "sandbox/meta/a1/overlay/work"
-# What a worker killed between its container's removal and the scratch's leaves: the kernel's
-# work/ of a subordinate uid, mode 000.
-plant = f"mkdir -p {s}/work/x && chown -R 1:1 {s}/work && chmod 000 {s}/work"
-subprocess.run(["podman", "unshare", "sh", "-c", plant], check=True)
-planted = subprocess.run(["rm", "-rf", str(s / "work")], capture_output=True, text=True).returncode
-fila("retry", "a1", "--root", str(q), "--by", "test")
-code, out = fila("run", "--once", "--root", str(q))
-second = json.loads((q / "fila/out/a1.json").read_text())
-left = (s / "work").exists()
-print(json.dumps({"first": first, "planted_rm": planted, "second": second, "left": left, "out": out}))
-"""
-
-
-@pytest.mark.podman_user
-def test_a_rootless_overlay_scratch_a_killed_worker_left_is_cleared_before_the_next_attempt() -> None:
-    got = run_as_podman_user(_LEFT_SCRATCH)
-    # Allowed first: attempt 1 ran on the overlay strategy; the planted scratch defeats the user's rm.
-    assert got["first"]["exit_code"] == 3 and got["first"]["workspace"]["strategy"] == "overlay", got
-    assert got["planted_rm"] != 0
-    # The next attempt empties it by the job's meta directory, and its engine runs.
-    second = got["second"]
-    assert second["attempt"] == 2 and second["exit_code"] == 3, (second.get("error"), got["out"])
-    assert not got["left"]

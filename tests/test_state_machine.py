@@ -315,13 +315,23 @@ class QueueMachineChecked(QueueMachine):
             super().teardown()
 
 
-TestQueueStateMachine = QueueMachineChecked.TestCase
-TestQueueStateMachine.settings = settings(
-    max_examples=150,
+MACHINE = dict(
     stateful_step_count=40,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
+# 60 programs of up to 40 steps by default (about 3 s); `scripts/test --all` runs 150 (the twin).
+TestQueueStateMachine = QueueMachineChecked.TestCase
+TestQueueStateMachine.settings = settings(max_examples=60, **MACHINE)
+
+
+class QueueMachineMore(QueueMachineChecked):
+    """The same machine, its own TestCase: more programs, in --all."""
+
+
+TestMoreQueueStateMachine = QueueMachineMore.TestCase
+TestMoreQueueStateMachine.settings = settings(max_examples=150, **MACHINE)
+TestMoreQueueStateMachine.pytestmark = [pytest.mark.matrix]
 
 
 @pytest.mark.parametrize("to", [S.running, S.needs_review, S.failed, S.needs_human])

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import pwd
+import re
 import secrets
 import shutil
 import subprocess
@@ -191,20 +192,46 @@ def podman_user() -> Iterator[str]:
         shutil.rmtree(f"/tmp/pytest-of-{name}", ignore_errors=True)
 
 
-def pytest_as_user(user: str, python: str, here: Path, files: list[str], *, timeout: float) -> str:
+def _as_user_selection(here: Path, files: list[str], markexpr: str) -> list[str]:
+    """pytest's arguments for the cases of `files` a user's run takes: not the drivers (named
+    `ordinary_user`), and only those the caller's own selection (`-m`) takes."""
+    return [
+        *(str(here / f) for f in files),
+        "-k",
+        "not ordinary_user",
+        *(["-m", markexpr] if markexpr else []),
+    ]
+
+
+def pytest_as_user(
+    user: str, python: str, here: Path, files: list[str], *, timeout: float, markexpr: str = ""
+) -> str:
     """Run the cases of `files` (tests/ as `here`: the readable copy) not named `ordinary_user`
-    as `user`, on rootless Podman (FILA_CONTRACT_BACKEND=podman), with nothing of root's
-    environment; pytest's output, once it has passed (the caller counts what ran)."""
+    and selected by `markexpr` (the caller's `-m`: the default run leaves `matrix` out) as `user`,
+    on rootless Podman (FILA_CONTRACT_BACKEND=podman), with nothing of root's environment;
+    pytest's output, once it has passed (the caller counts what ran: selected_as_user)."""
     env = podman_env(user, FILA_CONTRACT_BACKEND="podman")
     with tempfile.TemporaryDirectory(prefix="fila-podman-") as tmp:
         os.chmod(tmp, 0o777)
         argv = [*as_user(user, env), python, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-rs",
-                f"--basetemp={tmp}/t", "--rootdir", str(here.parent), *(str(here / f) for f in files),
-                "-k", "not ordinary_user"]  # fmt: skip
+                f"--basetemp={tmp}/t", "--rootdir", str(here.parent),
+                *_as_user_selection(here, files, markexpr)]  # fmt: skip
         res = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, cwd=tmp)
     out = res.stdout + res.stderr
     assert res.returncode == 0, out[-6000:]
     return out
+
+
+def selected_as_user(here: Path, files: list[str], markexpr: str = "") -> int:
+    """How many cases pytest_as_user's selection holds, collected here the same way."""
+    res = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+         "--rootdir", str(here.parent), *_as_user_selection(here, files, markexpr)],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "FILA_CONTRACT_BACKEND": "podman"},
+    )  # fmt: skip
+    m = re.search(r"(\d+)(?:/\d+)? tests? collected", res.stdout)
+    assert m is not None and int(m.group(1)) > 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return int(m.group(1))
 
 
 # The start of a script run_as_podman_user runs: a queue root `q` on rootless Podman (its limits

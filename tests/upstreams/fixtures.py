@@ -94,6 +94,8 @@ class Upstreams:
     session: str
     docker: docker.DockerClient = field(repr=False)
     image: str = IMAGE
+    # What check_no_route_out saw from the network when the fixture made it (and proved it sealed).
+    probe: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def ca_file(self) -> Path:
@@ -378,7 +380,7 @@ def start_upstreams(client: docker.DockerClient, base: Path) -> Iterator[Upstrea
     script_dir.chmod(0o755)
     net, subnet = _create_network(client, name, session)
     try:
-        check_no_route_out(client, name, subnet, session)
+        probe = check_no_route_out(client, name, subnet, session)
         up = {"network": name, "session": session, "script_dir": script_dir}
         servers = {MODEL: _start_server(client, up, MODEL, "model", ca, base)}
         for alias in STATIC:
@@ -391,6 +393,7 @@ def start_upstreams(client: docker.DockerClient, base: Path) -> Iterator[Upstrea
             script_file=script_dir / "script.json",
             session=session,
             docker=client,
+            probe=probe,
         )
         ups.set_script([])
         yield ups
