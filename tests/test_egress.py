@@ -126,12 +126,15 @@ class Inspector(threading.Thread):
 
     def run(self) -> None:
         while not self.stop.is_set():
-            for c in self.client.containers.list(filters={"label": f"fila.root={self.root}"}):
-                self.seen.setdefault(c.labels.get("fila.role", "engine"), c.attrs)
-            for n in self.client.networks.list(
-                filters={"label": [f"fila.root={self.root}", "fila.role=job-net"]}
-            ):
-                self.networks.setdefault(n.name, n.attrs)
+            # A container or network removed between the listing and its inspection (the job's
+            # end, a one-shot's reaper) is looked for again on the next turn.
+            with contextlib.suppress(docker.errors.NotFound):
+                for c in self.client.containers.list(filters={"label": f"fila.root={self.root}"}):
+                    self.seen.setdefault(c.labels.get("fila.role", "engine"), c.attrs)
+                for n in self.client.networks.list(
+                    filters={"label": [f"fila.root={self.root}", "fila.role=job-net"]}
+                ):
+                    self.networks.setdefault(n.name, n.attrs)
             time.sleep(0.1)
 
 
