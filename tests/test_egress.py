@@ -1059,16 +1059,17 @@ def test_a_runtime_docker_lacks_is_refused_before_the_gateway_or_any_container_s
     assert events(t0, "rt-missing") == []  # no network, no gateway, no engine: nothing was made
 
 
-def test_an_engine_that_exits_before_its_gateway_serves_ends_the_run_and_nothing_queued_is_served(
+def test_a_gateway_is_stopped_before_its_log_is_read_and_one_not_yet_serving_never_serves(
     tmp_path: Path,
     upstreams: Upstreams,
     docker_client: docker.DockerClient,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The engine starts while its gateway only listens (its connections wait in the queues).
-    One that exits before the gateway serves ends the run at once: the gateway is killed
-    (egress.halt) rather than waited for, so what the engine left queued is never served, and
-    the record (no request) is what the upstream saw (none). The gateway's config is held back
+    """Once the engine has exited, its gateway is killed before its log is read, serving or not
+    (egress.halt): nothing passes after the read, so the record holds all that passed. The
+    engine starts while its gateway only listens (its connections wait in the queues): one that
+    exits before the gateway serves ends the run at once, and what it left queued is never
+    served: the record (no request) is what the upstream saw (none). The gateway's config is held back
     until the engine has exited, so that it cannot serve during the engine's life, then let in
     once the gateway is halted. The counterpart first: the same request from an engine that
     waits for it is served and recorded."""
@@ -1081,8 +1082,19 @@ def test_an_engine_that_exits_before_its_gateway_serves_ends_the_run_and_nothing
         {"network": "allowlist", "max_timeout_ms": 60_000, "default_timeout_ms": 60_000,
          "egress": egress_for(upstreams, routes=anthropic_route(upstreams), allow_private=[upstreams.subnet])}
     )  # fmt: skip
-    real_write, real_halt = docker_egress.write_gateway_config, docker_egress.halt
+    real_write, real_halt, real_read = (
+        docker_egress.write_gateway_config,
+        docker_egress.halt,
+        docker_egress.read,
+    )
     halted: list[bool] = []
+    running_at_read: list[bool] = []
+
+    def read(client: Any, gw: egress.Gateway) -> Any:
+        running_at_read.append(bool(client.api.inspect_container(gw.container)["State"]["Running"]))
+        return real_read(client, gw)
+
+    monkeypatch.setattr(docker_egress, "read", read)
     request = (
         'curl -sS --max-time 20 -X POST "$ANTHROPIC_BASE_URL/v1/messages" '
         f'-H "x-api-key: $ANTHROPIC_API_KEY" {MESSAGES}'
@@ -1119,6 +1131,8 @@ def test_an_engine_that_exits_before_its_gateway_serves_ends_the_run_and_nothing
     served = run("gw-serves", request)
     assert len(upstreams.requests("model.test")) == 1
     assert served.egress.routes["anthropic"].requests == 1, served.egress
+    # A serving gateway is stopped too before its log is read: nothing passes after the read.
+    assert running_at_read == [False], running_at_read
     monkeypatch.setattr(docker_egress, "write_gateway_config", held_write)
     monkeypatch.setattr(docker_egress, "halt", halt)
     # The whole request goes into the route door's queue; the engine exits without waiting.

@@ -242,3 +242,28 @@ def test_what_a_finished_reaper_wrote_is_said_by_recovery_once_and_a_live_ones_l
     assert reapers_said(spares) == []  # said once
     live()
     assert reapers_said(spares) == ["a one-shot's reaper said: still at work"]
+
+
+def test_a_reaper_gets_the_callers_import_path_without_its_working_directory_and_no_tcp_daemon(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The reaper's sys.path is the caller's in the caller's order (the standard library before
+    site-packages, PYTHONPATH's entries kept), less the entry the interpreter put first and the
+    working directory; a daemon not reached by a Unix socket (a TCP, TLS or SSH context) is
+    never handed to a reaper, which would resolve it again (the caller removes its gateways)."""
+    import os
+
+    import docker
+
+    from fila.sandbox.docker import reap
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(
+        "sys.path", ["/script-dir", "/from/pythonpath", "/usr/lib/python3.11", "rel", str(tmp_path), "/site"]
+    )
+    assert reap.import_path() == ["/from/pythonpath", "/usr/lib/python3.11", "/site"]
+    tcp = docker.DockerClient(base_url="tcp://127.0.0.1:9", version="1.41")
+    spares = tmp_path / "spares"
+    spares.mkdir()
+    gw = Gateway("job", "net", "gw", "", spares / "s", [])
+    assert reap.handoff(tcp, [gw], spares) is False and os.listdir(spares) == []

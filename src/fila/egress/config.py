@@ -390,8 +390,8 @@ class Gateway:
     # Whether it serves already; False between `configure(early=True)` (its sockets bound) and
     # `wait_serving`, which the engine's start does not wait for (sandbox/docker/egress.py).
     serving: bool = True
-    # Killed after the engine's exit before it served (sandbox/docker/egress.halt): its log is
-    # whole, and its not running is no loss.
+    # Killed after the engine's exit, before its log is read (sandbox/docker/egress.halt): its log
+    # is whole, and its not running is no loss.
     halted: bool = False
     timings: dict[str, float] = field(default_factory=dict)  # gateway_start/_take, _ready, _serve, _remove
     # Called once the gateway, its network and its directory are gone (a pool's spare lets go of

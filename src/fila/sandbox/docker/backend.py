@@ -470,8 +470,7 @@ class DockerBackend(Backend):
         from . import reap
 
         with self.client() as c:
-            reap.handoff(c, gateways, directory)
-        return True
+            return reap.handoff(c, gateways, directory)
 
     def sweep_spares(self, root: Path, directory: Path) -> list[str]:
         from . import egress as docker_egress

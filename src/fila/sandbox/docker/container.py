@@ -155,8 +155,8 @@ def _started(
 ) -> Callable[[threading.Event], None] | None:
     """What follows the engine's start, given the event its exit sets: the pool's next spare
     asked for, and the wait for a gateway configured early to serve (the engine's connections
-    wait in its queues meanwhile; its log is read only once it serves, or once the engine has
-    exited first and `egress.halt` has stopped it). A gateway that dies first fails the run
+    wait in its queues meanwhile), ended early by the engine's exit; its log is read once
+    `egress.halt` has stopped it after the engine's exit. A gateway that dies first fails the run
     (InfraError: the engine is removed with it)."""
     then: list[Callable[[threading.Event], None]] = []
     if spares is not None and spec.policy.egress is not None:

@@ -441,18 +441,18 @@ def wait_serving(
 
 
 def halt(client: docker.DockerClient, gw: Gateway) -> None:
-    """After the engine's exit, a gateway not yet serving is killed before its log is read: the
-    connections the engine left in its queues are never served once nobody is there to see the
-    answer, and what it served before the kill is in its log (docs/security.md, "Spare
-    gateways"). Removal follows as for any gateway."""
-    if gw.serving:
-        return
+    """After the engine's exit, the gateway is killed before its log is read, serving or not:
+    nothing the engine left in its queues or in flight is forwarded once its log has been read,
+    so the record holds every request that passed (a call cut short shows as in flight:
+    egress/record.read_log); its log is written a line at a time, and the kill loses none.
+    Removal follows as for any gateway (docs/security.md, "Spare gateways")."""
     try:
         client.api.kill(gw.container)
     except _docker_errors() as e:
-        if getattr(e, "status_code", None) not in (404, 409):  # gone, or not running: halted all the same
-            what = f"stopping the job's gateway {gw.container} failed: {e}"
-            raise InfraError(what, task_id=gw.job_id) from e
+        if getattr(e, "status_code", None) in (404, 409):  # it died (or went) before: `died` says so
+            return
+        what = f"stopping the job's gateway {gw.container} failed: {e}"
+        raise InfraError(what, task_id=gw.job_id) from e
     gw.halted = True
 
 

@@ -13,7 +13,7 @@ leaves them to it while it lives; a reaper that dies leaves every lock free and 
 remove, or a traceback) goes to `reap-<token>.log` beside its lock, which recovery reports and
 removes (sandbox/gateways.reapers_said); a reaper with nothing to say removes it.
 
-    python -I -c START FD LOCK_PATH FILA_PARENT_DIR < items.json
+    python -I -c START FD LOCK_PATH SYS_PATH_JSON < items.json
 """
 
 from __future__ import annotations
@@ -56,39 +56,51 @@ def items(gateways: list[Gateway], directory: Path) -> list[dict[str, Any]]:
     ]
 
 
-# The directory this fila is imported from (the one holding the `fila` package).
-FILA_FROM = Path(__file__).resolve().parents[3]
-# What the reaper's environment keeps of the caller's: the daemon's address and TLS, nothing else
-# (the caller's may hold a route's credential, which only the gateway is to hold).
-KEPT_ENV = ("DOCKER_HOST", "DOCKER_TLS_VERIFY", "DOCKER_CERT_PATH")
-# The reaper's interpreter: isolated (no PYTHON* variables, no user site, no working directory or
-# script directory on sys.path, run from /), given only the directory fila is imported from.
+# The reaper's interpreter: isolated (no PYTHON* variable, no user site, no working directory on
+# sys.path, run from /, an empty environment: the caller's may hold a route's credential, which
+# only the gateway is to hold), its sys.path the caller's own without the caller's script
+# directory or working directory (`import_path`): the same fila and libraries, in the same order.
 START = (
-    "import sys; sys.path[:0] = sys.argv[3:4]; from fila.sandbox.docker.reap import main; sys.exit(main())"
+    "import sys, json; sys.path[:] = json.loads(sys.argv[3]); "
+    "from fila.sandbox.docker.reap import main; sys.exit(main())"
 )
 
 
-def handoff(client: docker.DockerClient, gateways: list[Gateway], directory: Path) -> None:
-    """Start the detached reaper for `gateways` (of the daemon `client` speaks to) and return at
-    once. OSError when it cannot be started (the caller then removes them itself)."""
+def import_path() -> list[str]:
+    """This process's sys.path as the reaper is to have it: without the entry the interpreter put
+    first (the script's directory, or the working directory for `-m` and `-c`) and anything
+    relative."""
+    paths = sys.path if sys.flags.safe_path else sys.path[1:]
+    return [p for p in paths if p and os.path.isabs(p) and p != os.getcwd()]
+
+
+def handoff(client: docker.DockerClient, gateways: list[Gateway], directory: Path) -> bool:
+    """Start the detached reaper for `gateways` and return at once: True. False when the
+    daemon is not reached by a Unix socket (a TCP, TLS or SSH context the reaper would have to
+    resolve again: the caller removes them itself). OSError when the reaper cannot be started
+    (likewise)."""
     adapter = client.api.get_adapter(client.api.base_url)
     socket_path = getattr(adapter, "socket_path", None)
+    if not socket_path:
+        return False
     doc = {
-        "base_url": f"unix://{socket_path}" if socket_path else None,
+        "base_url": f"unix://{socket_path}",
         "version": client.api.api_version,
         "items": items(gateways, directory),
     }
     lock = directory / f"{REAPER_LOCK}{secrets.token_hex(6)}.lock"
     # The spares' own locks go with them: recovery leaves a spare alone while its reaper lives.
     spare_locks = [gw.released for gw in gateways if isinstance(gw.released, HeldLock)]
-    dups = [fd for held in spare_locks if (fd := held.dup()) is not None]
-    fd = held_new_lock_fd(lock)
-    # Its output, a traceback included, goes to its log beside its lock, which recovery reports
-    # (gateways.reapers_said).
-    log = os.open(lock.with_suffix(".log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    dups: list[int] = []
+    fd = log = -1
     try:
+        dups = [d for held in spare_locks if (d := held.dup()) is not None]
+        fd = held_new_lock_fd(lock)
+        # Its output, a traceback included, goes to its log beside its lock, which recovery
+        # reports (gateways.reapers_said).
+        log = os.open(lock.with_suffix(".log"), os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW, 0o600)
         proc = subprocess.Popen(
-            [sys.executable, "-I", "-c", START, str(fd), str(lock), str(FILA_FROM)],
+            [sys.executable, "-I", "-c", START, str(fd), str(lock), json.dumps(import_path())],
             stdin=subprocess.PIPE,
             # Never the caller's streams: a CI step waits for them to close, not only for its
             # process to exit.
@@ -98,25 +110,25 @@ def handoff(client: docker.DockerClient, gateways: list[Gateway], directory: Pat
             start_new_session=True,  # a Ctrl-C or SIGHUP to the caller's group is not the reaper's
             close_fds=True,
             cwd="/",
-            env={k: v for k in KEPT_ENV if (v := os.environ.get(k)) is not None},
+            env={},
         )
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            lock.unlink()
-        os.close(fd)
+        if fd >= 0:
+            with contextlib.suppress(FileNotFoundError):
+                lock.unlink()
         raise
     finally:
-        os.close(log)
-        for d in dups:
-            os.close(d)
-    os.close(fd)  # the reaper holds its lock now, and the spares'
-    for held in spare_locks:
+        for d in (*dups, fd, log):
+            if d >= 0:
+                os.close(d)
+    for held in spare_locks:  # the reaper holds them now, and its own
         held.hand_over()
     assert proc.stdin is not None
     with contextlib.suppress(BrokenPipeError):
         proc.stdin.write(json.dumps(doc).encode())
     with contextlib.suppress(OSError):
         proc.stdin.close()
+    return True
 
 
 def remove_container(client: docker.DockerClient, name: str, deadline: float) -> None:
@@ -194,11 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     errors: list[str] = []
     try:
         doc = json.loads(sys.stdin.buffer.read())
-        client = (
-            docker.DockerClient(base_url=doc["base_url"], version=doc["version"], timeout=60)
-            if doc.get("base_url")
-            else docker.from_env(version=doc["version"], timeout=60)
-        )
+        client = docker.DockerClient(base_url=doc["base_url"], version=doc["version"], timeout=60)
         try:
             errors = reap(client, doc["items"])
         finally:
