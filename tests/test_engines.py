@@ -751,3 +751,22 @@ def test_what_the_followed_stream_missed_at_its_end_is_added_from_the_logs_tail(
     # What is added is redacted like the rest.
     o, log = _pump(tmp_path, [(1, b"a\n")], [(1, b"a\n"), (1, b"key sk-pump-secret")])
     assert o.stdout == b"a\nkey ***" and b"sk-pump" not in log
+
+
+def test_a_routes_429_counted_past_the_kept_request_lines_still_makes_the_run_quota() -> None:
+    """The record keeps the first request lines of the gateway's log; a route's statuses are
+    counted whole. A 429 that only the counts hold (hundreds of denials logged before it) is the
+    gateway's word all the same: quota, as when the line is kept (the counterpart)."""
+    from fila.core.models import EgressRecord, EgressRequest, RouteSummary
+
+    e = get_engine("claude")
+    failed = out("boom\n")
+    kept = EgressRecord(requests=[EgressRequest(door="route", route="anthropic", allowed=True, status=429)])
+    assert e.classify_run(1, failed, egress=kept).kind == "quota"
+    denials = [EgressRequest(door="proxy", host="denied.test", allowed=False, status=403)] * 500
+    counted = EgressRecord(
+        requests=denials, routes={"anthropic": RouteSummary(requests=1, statuses={"429": 1})}
+    )
+    o = e.classify_run(1, failed, egress=counted)
+    assert o.kind == "quota" and "HTTP 429 (gateway log)" in o.message, o
+    assert e.classify_run(1, failed, egress=EgressRecord(requests=denials)).kind == "engine_error"

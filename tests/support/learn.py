@@ -35,7 +35,22 @@ class LearningGateway:
 
     def log(self) -> list[dict[str, Any]]:
         p = self.log_dir / "egress.jsonl"
-        return [json.loads(x) for x in p.read_text().splitlines() if x.strip()] if p.exists() else []
+        return as_read([json.loads(x) for x in p.read_text().splitlines() if x.strip()] if p.exists() else [])
+
+
+def as_read(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A gateway log's lines as fila reads them (egress/record.read_log): a request's final line
+    replaces its in-flight one (same id), where the request was logged as it began."""
+    out: list[dict[str, Any]] = []
+    at: dict[str, int] = {}
+    for e in lines:
+        if e.get("id") is not None and e["id"] in at:
+            out[at.pop(e["id"])] = e
+        else:
+            if e.get("id") is not None:
+                at[e["id"]] = len(out)
+            out.append(e)
+    return out
 
 
 @contextlib.contextmanager

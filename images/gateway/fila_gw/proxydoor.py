@@ -87,12 +87,20 @@ class ProxyDoor:
         # The client's TLS (and its SNI) passes through untouched.
         flow.request.data.host = addr
         self.tunnels[flow.client_conn.id] = {
+            "id": flow.id,
             "host": host,
             "port": port,
             "in": 0,
             "out": 0,
             "learned": learned,
         }
+        # Logged now (then again when it ends, same id): a gateway stopped while the tunnel is
+        # open leaves a trace of it.
+        self.in_flight += 1
+        self.write(
+            id=flow.id, door="proxy", method="CONNECT", host=host, port=port, allowed=True,
+            reason="in flight", status=None, learned=learned,
+        )  # fmt: skip
 
     def next_layer(self, nextlayer: layer.NextLayer) -> None:
         # After a CONNECT on the proxy port: once the first client bytes are a clean ClientHello for
@@ -156,8 +164,9 @@ class ProxyDoor:
             t = self.tunnels.pop(c.client.id)
             if not problem.startswith("tls "):
                 problem = f"tunnel closed: {problem}"
+            self.in_flight -= 1
             self.write(
-                door="proxy", method="CONNECT", host=t["host"], port=t["port"], allowed=False,
+                id=t["id"], door="proxy", method="CONNECT", host=t["host"], port=t["port"], allowed=False,
                 reason=problem, status=None,
             )  # fmt: skip
             return CloseClient(c)
@@ -173,8 +182,9 @@ class ProxyDoor:
     def _tunnel_done(self, flow: tcp.TCPFlow, reason: str | None, status: int) -> None:
         t = self.tunnels.pop(flow.client_conn.id, None)
         if t is not None:
+            self.in_flight -= 1
             self.write(
-                door="proxy", method="CONNECT", host=t["host"], port=t["port"], allowed=True,
+                id=t["id"], door="proxy", method="CONNECT", host=t["host"], port=t["port"], allowed=True,
                 reason=reason, status=status, bytes_in=t["in"], bytes_out=t["out"], learned=t["learned"],
             )  # fmt: skip
 
@@ -183,8 +193,9 @@ class ProxyDoor:
         t = self.tunnels.pop(flow.client_conn.id, None)
         if t is not None and flow.response is not None:
             msg = flow.response.get_text(strict=False) or ""
+            self.in_flight -= 1
             self.write(
-                door="proxy", method="CONNECT", host=t["host"], port=t["port"], allowed=True,
+                id=t["id"], door="proxy", method="CONNECT", host=t["host"], port=t["port"], allowed=True,
                 reason=f"upstream: {msg[:200]}", status=flow.response.status_code, learned=t["learned"],
             )  # fmt: skip
 
@@ -193,8 +204,9 @@ class ProxyDoor:
         # A tunnel the client closed before sending a byte (no TCP flow was ever made for it).
         t = self.tunnels.pop(client.id, None)
         if t is not None:
+            self.in_flight -= 1
             self.write(
-                door="proxy", method="CONNECT", host=t["host"], port=t["port"], allowed=True,
+                id=t["id"], door="proxy", method="CONNECT", host=t["host"], port=t["port"], allowed=True,
                 status=200, bytes_in=t["in"], bytes_out=t["out"], learned=t["learned"],
             )  # fmt: skip
 
@@ -229,3 +241,11 @@ class ProxyDoor:
         req.data.host = addr  # pinned, as for CONNECT; the Host header keeps the name
         flow.metadata["fila_meter"] = None
         flow.metadata["fila_learned"] = learned
+        # Logged now (then again when it ends, same id): a gateway stopped mid-request leaves a
+        # trace of it.
+        self.in_flight += 1
+        flow.metadata["fila_in_flight"] = True
+        self.write(
+            id=flow.id, door="proxy", method=req.method, host=host, port=port, path=req.path[:LOG_FIELD],
+            allowed=True, reason="in flight", status=None, learned=learned,
+        )  # fmt: skip

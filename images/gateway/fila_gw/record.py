@@ -86,9 +86,12 @@ class Recorder:
         # Past the cap only route calls (their usage is the record's) and learned requests (what
         # `fila policy suggest` proposes) are still written, up to a last margin: both are bounded
         # by max_requests. Everything else is counted per kind in summary.json.
-        kept = line["allowed"] and (line["door"] == "route" or line.get("learned"))
+        # An in-flight line never takes that margin: past the cap, the final line is the one kept.
+        kept = final and line["allowed"] and (line["door"] == "route" or line.get("learned"))
         room = LOG_CAP + LOG_CAP // 4 if kept else LOG_CAP
         if self._log_bytes + len(text) > room:
+            if not final:  # its final line is the one counted
+                return
             kind = f"{line['door']} {'allowed' if line['allowed'] else 'denied'}: {line['reason']}"
             sup = self.totals["suppressed"]
             if kind in sup or len(sup) < 100:

@@ -166,7 +166,10 @@ class Engine(ABC):
         o = within_limits(o)
         if o.kind == "success" or not self.routes or egress is None:
             return o
+        # The kept request lines are the first of the log only; each route's statuses are counted
+        # whole (summary.json), so a route's 429 after hundreds of denials is still seen.
         statuses = {r.status for r in egress.requests if r.route is not None and r.status is not None}
+        statuses |= {int(k) for rs in egress.routes.values() for k in rs.statuses if k.isdigit()}
         for kind, codes in (("quota", {429}), ("auth", {401, 403})):
             if o.kind != kind and statuses & codes:
                 code = min(statuses & codes)

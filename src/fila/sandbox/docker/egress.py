@@ -443,8 +443,10 @@ def wait_serving(
 def halt(client: docker.DockerClient, gw: Gateway) -> None:
     """After the engine's exit, the gateway is killed before its log is read, serving or not:
     nothing the engine left in its queues or in flight is forwarded once its log has been read,
-    so the record holds every request that passed (a call cut short shows as in flight:
-    egress/record.read_log); its log is written a line at a time, and the kill loses none.
+    and the gateway logs each request it lets through as it begins (then as it ends, one id), so
+    the record holds every request that passed, one cut short shown as in flight
+    (egress/record.read_log; below the log's cap); its log is written a line at a time, and the
+    kill loses none.
     Removal follows as for any gateway (docs/security.md, "Spare gateways")."""
     try:
         client.api.kill(gw.container)
@@ -553,11 +555,10 @@ def remove(
 
 def forget_secrets(gw: Gateway) -> list[str]:
     """What a job taking a pool's spare waits for at its end: the gateway's directory (the
-    job's secrets and log, read already) removed. The gateway itself is killed and removed after
-    the record, off the job's path (GatewayPool.discard): it holds the job's key in memory until
-    then, reachable by no one (its job network holds only the engine's exited container, and the
-    egress network passes nothing between containers). What could not be done is returned as the
-    record's warning. Its seconds are `gw.timings["gateway_remove"]`."""
+    job's secrets and log, read already) removed. The gateway was killed before its log was read
+    (`halt`); its container, holder and network are removed after the record, off the job's path
+    (GatewayPool.discard). What could not be done is returned as the record's warning. Its
+    seconds are `gw.timings["gateway_remove"]`."""
     t = time.monotonic()
     try:
         remove_dir(gw.dir)

@@ -4,8 +4,8 @@ so that a CI job's step ends once the record is written rather than a third of a
 (docs/benchmarks.md, "The one-shot path").
 
 What is handed over holds nothing of a job's any more: the engine's container is gone and the
-gateway's directory (its secrets and log) removed before the record was published; a gateway
-not serving was killed (egress.halt) and one serving has no client left. The reaper holds a lock
+gateway, killed at the engine's exit (egress.halt), had its log read and its directory (its
+secrets) removed before the record was published. The reaper holds a lock
 file (`reap-<token>.lock` in the spares directory) from before the handing process exits until
 all is gone, then removes it, and it inherits the spares' own locks, so that a recovery pass
 leaves them to it while it lives; a reaper that dies leaves every lock free and the rest to
