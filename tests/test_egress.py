@@ -586,7 +586,12 @@ def test_a_one_shots_reaper_removes_its_spare_after_it_and_a_killed_reaper_leave
             time.sleep(0.05)
         left = leftovers(docker_client, proj, "none")
         assert f"container {gw.container}" in left and f"network {gw.network}" in left, left
-        assert fila(proj, "recover").exit_code == 0
+        # What a finished reaper wrote is said by recovery, once.
+        (spares / "reap-0123456789ab.log").write_text("network fila-net-x: still in use\n")
+        rec = fila(proj, "recover")
+        assert (
+            rec.exit_code == 0 and "a one-shot's reaper said: network fila-net-x: still in use" in rec.stdout
+        )
         assert leftovers(docker_client, proj, "none") == []
     finally:
         backend.close()

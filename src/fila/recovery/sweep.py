@@ -16,6 +16,7 @@ from ..core.layout import Root
 from ..env.hold import build_alive
 from ..queue import lease
 from ..queue import store as queue
+from ..sandbox.gateways import reapers_said
 from .base import Engine, Report
 
 if TYPE_CHECKING:
@@ -182,6 +183,10 @@ def _sweep_egress(root: Root, backend: Backend, rep: Report) -> None:
         return
     for what in spares:
         rep.add(root, None, "egress removed", f"{what}: the worker that kept it is gone")
+    # What one-shots' reapers could not do (sandbox/docker/reap.py), now that what they left is
+    # swept: said once, their logs removed.
+    for what in reapers_said(root.spares_dir):
+        rep.add(root, None, "reaper said", what)
 
 
 def _has_claim(root: Root, tid: str, worker: str | None) -> bool:

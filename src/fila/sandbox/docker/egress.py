@@ -670,7 +670,7 @@ def sweep_spares(client: docker.DockerClient, root: Path, directory: Path) -> li
     their lock (sandbox/gateways.py): their containers, job networks, directories and locks."""
     from docker.errors import APIError
 
-    from ..gateways import abandoned, clear_temp, forget, reapers_said
+    from ..gateways import abandoned, clear_temp, forget
 
     flt = {"label": ["fila=1", SPARE_LABEL, f"fila.root={root}"]}
     boxes = client.api.containers(all=True, filters=flt)
@@ -696,4 +696,4 @@ def sweep_spares(client: docker.DockerClient, root: Path, directory: Path) -> li
                 raise
             continue
         forget(directory, spare)
-    return removed + clear_temp(directory) + reapers_said(directory)
+    return removed + clear_temp(directory)
