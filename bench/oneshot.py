@@ -86,14 +86,12 @@ def _one_shot(cmd: list[str], argv: list[str], env: dict[str, str], records: lis
     return wall
 
 
-def _settle(root: Path, timeout_s: float = 60.0) -> None:
+def _settle(root: Path) -> None:
     """Wait, off the clock, until the reaper a one-shot left (sandbox/docker/reap.py) has removed
     its gateway: the next side does not share the machine with this one's teardown."""
-    from fila.sandbox.gateways import busy
+    from tests.support.containers import reaped
 
-    deadline = time.monotonic() + timeout_s
-    while busy(root / "sandbox" / "spares") and time.monotonic() < deadline:
-        time.sleep(0.02)
+    reaped(root / "sandbox" / "spares")
 
 
 def rounds(sides: dict[str, Callable[[], float]], reps: int, warmup: int = 1) -> dict[str, list[float]]:

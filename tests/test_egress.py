@@ -29,7 +29,7 @@ from fila.sandbox.docker import egress as docker_egress
 from fila.sandbox.docker.backend import DockerBackend
 from fila.workspace.strategy import CopyWorkspace
 from tests.support.cli import FILA_SCRIPT, fila, run_once_console
-from tests.support.containers import reaped
+from tests.support.containers import reaped, reapers
 from tests.support.project import make_project, make_root, record
 from tests.upstreams import Upstreams
 from tests.upstreams.fixtures import create_on_free_subnet
@@ -561,13 +561,6 @@ def test_a_one_shots_reaper_removes_its_spare_after_it_and_a_killed_reaper_leave
         backend.gateways = None  # the next call makes a new pool, as a new process would
         return gw
 
-    def reaper_pid(lock: Path) -> int | None:
-        for d in Path("/proc").iterdir():
-            with contextlib.suppress(OSError):
-                if d.name.isdigit() and str(lock).encode() in (d / "cmdline").read_bytes():
-                    return int(d.name)
-        return None
-
     try:
         gw = spare()
         assert backend.handoff_gateways([gw], spares)
@@ -576,14 +569,13 @@ def test_a_one_shots_reaper_removes_its_spare_after_it_and_a_killed_reaper_leave
         gw = spare()
         assert backend.handoff_gateways([gw], spares)
         (lock,) = busy(spares)
-        pid, deadline = None, time.monotonic() + 5
-        while pid is None and time.monotonic() < deadline:  # its command line once it is exec'd
-            pid = reaper_pid(lock)
-        assert pid is not None
+        pids, deadline = [], time.monotonic() + 5
+        while not pids and time.monotonic() < deadline:  # its command line once it is exec'd
+            pids = reapers(str(lock))
+        assert len(pids) == 1, pids
+        (pid,) = pids
         os.kill(pid, 9)  # before its interpreter has even imported what it needs
-        deadline = time.monotonic() + 10
-        while busy(spares) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        reaped(spares, timeout_s=10)
         left = leftovers(docker_client, proj, "none")
         assert f"container {gw.container}" in left and f"network {gw.network}" in left, left
         # What a finished reaper wrote is said by recovery, once.
@@ -629,10 +621,9 @@ def test_a_one_shots_reaper_runs_isolated_from_the_callers_directory_and_its_rou
     environs: list[bytes] = []
     deadline = time.monotonic() + 10
     while not environs and time.monotonic() < deadline:  # the reaper while it works
-        for d in Path("/proc").iterdir():
+        for pid in reapers("fila.sandbox.docker.reap"):
             with contextlib.suppress(OSError):
-                if d.name.isdigit() and b"fila.sandbox.docker.reap" in (d / "cmdline").read_bytes():
-                    environs.append((d / "environ").read_bytes())
+                environs.append(Path(f"/proc/{pid}/environ").read_bytes())
     assert environs, "no reaper seen after the one-shot exited"
     assert not any(secret.encode() in e or KEY_VAR.encode() in e for e in environs)
     assert leftovers(docker_client, proj, tid) == []  # it did its work, and said nothing
@@ -938,6 +929,21 @@ def test_a_real_key_in_the_engine_environment_is_replaced_by_the_placeholder(
     assert (tmp_path / "key.log").read_text().strip() == f"key={egress.PLACEHOLDER_KEY}"
 
 
+def job_spec(tmp_path: Path, tid: str, argv: list[str], policy: Any) -> Any:
+    """A RunSpec of job `tid` (its directory under `tmp_path`, input/ and work/ made) running
+    `argv` in fila/testnet under `policy`, its log and gateway directory beside it."""
+    from fila.sandbox.docker import backend as sandbox
+
+    job_dir = tmp_path / tid
+    (job_dir / "input").mkdir(parents=True)
+    (job_dir / "work").mkdir()
+    return sandbox.RunSpec(
+        job_id=tid, workspace=CopyWorkspace(job_dir),
+        image="fila/testnet:latest", argv=argv, env={}, policy=policy, limits=None, timeout_ms=30_000,
+        log_path=tmp_path / f"{tid}.log", labels={}, egress_dir=tmp_path / f"{tid}.egress",
+    )  # fmt: skip
+
+
 def test_a_gateway_that_dies_during_the_run_is_a_warning_of_the_result(
     tmp_path: Path,
     upstreams: Upstreams,
@@ -947,15 +953,7 @@ def test_a_gateway_that_dies_during_the_run_is_a_warning_of_the_result(
     from fila.sandbox.docker import backend as sandbox
 
     def run(tid: str, kill: bool) -> sandbox.RunResult:
-        job_dir = tmp_path / tid
-        (job_dir / "input").mkdir(parents=True)
-        (job_dir / "work").mkdir()
-        spec = sandbox.RunSpec(
-            job_id=tid, workspace=CopyWorkspace(job_dir),
-            image="fila/testnet:latest", argv=["sh", "-c", "sleep 3"],
-            env={}, policy=_gateway_policy(upstreams), limits=None, timeout_ms=30_000,
-            log_path=tmp_path / f"{tid}.log", labels={}, egress_dir=tmp_path / f"{tid}.egress",
-        )  # fmt: skip
+        spec = job_spec(tmp_path, tid, ["sh", "-c", "sleep 3"], _gateway_policy(upstreams))
         killed: list[str] = []
 
         def killer() -> None:
@@ -1038,16 +1036,9 @@ def test_a_runtime_docker_lacks_is_refused_before_the_gateway_or_any_container_s
     from fila.sandbox.docker import backend as sandbox
 
     def spec(tid: str, runtime: str) -> sandbox.RunSpec:
-        job_dir = tmp_path / tid
-        (job_dir / "input").mkdir(parents=True)
-        (job_dir / "work").mkdir()
-        policy = _gateway_policy(upstreams).model_copy(update={"runtime": runtime})
-        return sandbox.RunSpec(
-            job_id=tid, workspace=CopyWorkspace(job_dir),
-            image="fila/testnet:latest", argv=["true"], env={}, policy=policy,
-            limits=None, timeout_ms=30_000, log_path=tmp_path / f"{tid}.log", labels={},
-            egress_dir=tmp_path / f"{tid}.egress",
-        )  # fmt: skip
+        return job_spec(
+            tmp_path, tid, ["true"], _gateway_policy(upstreams).model_copy(update={"runtime": runtime})
+        )
 
     def events(since: float, tid: str) -> list[str]:
         seen = docker_client.events(since=int(since), until=int(time.time()) + 1, decode=True)
@@ -1117,15 +1108,7 @@ def test_a_gateway_is_stopped_before_its_log_is_read_and_one_not_yet_serving_nev
         time.sleep(1.0)  # a gateway still alive would load it now
 
     def run(tid: str, cmd: str) -> sandbox.RunResult:
-        job_dir = tmp_path / tid
-        (job_dir / "input").mkdir(parents=True)
-        (job_dir / "work").mkdir()
-        spec = sandbox.RunSpec(
-            job_id=tid, workspace=CopyWorkspace(job_dir),
-            image="fila/testnet:latest", argv=["sh", "-c", cmd],
-            env={}, policy=policy, limits=None, timeout_ms=30_000,
-            log_path=tmp_path / f"{tid}.log", labels={}, egress_dir=tmp_path / f"{tid}.egress",
-        )  # fmt: skip
+        spec = job_spec(tmp_path, tid, ["sh", "-c", cmd], policy)
         upstreams.set_script([{"reply": {"text": "hello"}, "usage": {"input_tokens": 1, "output_tokens": 1}}])
         upstreams.clear_requests()
         res = sandbox.run(spec, client=docker_client)

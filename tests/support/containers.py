@@ -22,6 +22,17 @@ def reaped(spares: Path, timeout_s: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+def reapers(needle: str) -> list[int]:
+    """The processes whose command line holds `needle` (a reaper's lock path, or
+    "fila.sandbox.docker.reap" for any): their pids."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if d.name.isdigit() and needle.encode() in (d / "cmdline").read_bytes():
+                pids.append(int(d.name))
+    return pids
+
+
 def containers_left(client: docker.DockerClient, root: Root) -> list[str]:
     """fila's containers of this root, in any state (once its reapers are done)."""
     reaped(root.spares_dir)

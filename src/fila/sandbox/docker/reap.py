@@ -35,6 +35,7 @@ from docker.errors import APIError, NotFound
 from ...core.fsutil import HeldLock, held_new_lock_fd
 from ...egress.config import Gateway, remove_dir
 from ..gateways import REAPER_LOCK, forget
+from .container import remove_container
 
 # How long a removal another client started, or a network's last endpoint, is waited for.
 SETTLE_S = 60.0
@@ -131,21 +132,6 @@ def handoff(client: docker.DockerClient, gateways: list[Gateway], directory: Pat
     return True
 
 
-def remove_container(client: docker.DockerClient, name: str, deadline: float) -> None:
-    """Force-remove `name`; a removal in progress elsewhere (the handing process's last request)
-    is waited out."""
-    while True:
-        try:
-            client.api.remove_container(name, force=True, v=True)
-            return
-        except NotFound:
-            return
-        except APIError as e:
-            if e.status_code != 409 or time.monotonic() > deadline:
-                raise
-            time.sleep(0.1)
-
-
 def remove_network(client: docker.DockerClient, name: str, deadline: float) -> None:
     """Remove `name` once its endpoints are gone (a container being removed is still on it)."""
     while True:
@@ -170,7 +156,8 @@ def reap(client: docker.DockerClient, todo: list[dict[str, Any]]) -> list[str]:
 
     def container(name: str) -> None:
         try:
-            remove_container(client, name, deadline)
+            # A removal the handing process started is left to finish: the network waits for it.
+            remove_container(client, name)
         except Exception as e:
             errors.append(f"container {name}: {e}")
 
