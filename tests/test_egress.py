@@ -9,6 +9,7 @@ one succeeding in the same job.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import secrets
@@ -929,6 +930,19 @@ def test_a_real_key_in_the_engine_environment_is_replaced_by_the_placeholder(
     assert (tmp_path / "key.log").read_text().strip() == f"key={egress.PLACEHOLDER_KEY}"
 
 
+def gateway_pids(client: docker.DockerClient, container: str) -> list[int]:
+    """The host pids of a running container's processes: its init and that init's descendants."""
+    todo = [int(client.api.inspect_container(container)["State"]["Pid"])]
+    found: list[int] = []
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        with contextlib.suppress(FileNotFoundError):
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
 def job_spec(tmp_path: Path, tid: str, argv: list[str], policy: Any) -> Any:
     """A RunSpec of job `tid` (its directory under `tmp_path`, input/ and work/ made) running
     `argv` in fila/testnet under `policy`, its log and gateway directory beside it."""
@@ -1055,6 +1069,58 @@ def test_a_runtime_docker_lacks_is_refused_before_the_gateway_or_any_container_s
     assert events(t0, "rt-missing") == []  # no network, no gateway, no engine: nothing was made
 
 
+@pytest.mark.parametrize("events", ["die", "holder-dies-first", "none"])
+def test_halt_returns_once_every_process_of_the_gateway_is_gone(
+    tmp_path: Path, docker_client: docker.DockerClient, monkeypatch: pytest.MonkeyPatch, events: str
+) -> None:
+    """egress.halt returns on the daemon's `die` event for the gateway, before the daemon has
+    cleaned up after it, or, where the engine gives no filtered events ("none"), on the kill's
+    answer; either way every process of the container (its init, a shell and its child) is gone
+    by then, and all of them were alive just before. The daemon's filter also matches a name that
+    begins with the gateway's, its namespace holder's: a holder that dies first, after the stream
+    is open ("holder-dies-first"), does not end the wait."""
+    name = f"fila-test-halt-{secrets.token_hex(4)}"
+    holder = None
+    real_events = docker_client.api.events
+    if events == "none":
+
+        def opened(*_a: Any, **_kw: Any) -> Any:
+            raise docker.errors.APIError("this engine filters no events")
+
+    else:
+
+        def opened(*a: Any, **kw: Any) -> Any:
+            stream = real_events(*a, **kw)
+            if holder is not None:
+                holder.kill()  # its `die` is in the stream before the gateway's
+            return stream
+
+    monkeypatch.setattr(docker_client.api, "events", opened)
+    run = functools.partial(
+        docker_client.containers.run, "fila/testnet:latest", detach=True, init=True, network_mode="none",
+        labels={"fila.test": "halt"},
+    )  # fmt: skip
+    ctr = run(["sh", "-c", "sleep 600 & wait"], name=name)
+    if events == "holder-dies-first":
+        holder = run(["sleep", "600"], name=f"{name}-netns")
+    try:
+        deadline = time.monotonic() + 10
+        while len(pids := gateway_pids(docker_client, ctr.id)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(pids) == 3 and all(Path(f"/proc/{p}").exists() for p in pids), pids
+        gw = egress.Gateway("halt", "none", name, "", tmp_path, [])
+        docker_egress.halt(docker_client, gw)
+        assert gw.halted
+        assert [p for p in pids if Path(f"/proc/{p}").exists()] == [], pids
+        if holder is not None:
+            holder.reload()
+            assert holder.status == "exited"  # it died first, as the case says
+    finally:
+        for c in (ctr, holder):
+            if c is not None:
+                c.remove(force=True)
+
+
 def test_a_gateway_is_stopped_before_its_log_is_read_and_one_not_yet_serving_never_serves(
     tmp_path: Path,
     upstreams: Upstreams,
@@ -1062,8 +1128,9 @@ def test_a_gateway_is_stopped_before_its_log_is_read_and_one_not_yet_serving_nev
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Once the engine has exited, its gateway is killed before its log is read, serving or not
-    (egress.halt): nothing passes after the read, so the record holds all that passed. The
-    engine starts while its gateway only listens (its connections wait in the queues): one that
+    (egress.halt), which returns once every process of the gateway is gone (its init and
+    mitmproxy: alive just before): nothing passes after the read, so the record holds all that
+    passed. The engine starts while its gateway only listens (its connections wait in the queues): one that
     exits before the gateway serves ends the run at once, and what it left queued is never
     served: the record (no request) is what the upstream saw (none). The gateway's config is held back
     until the engine has exited, so that it cannot serve during the engine's life, then let in
@@ -1085,6 +1152,7 @@ def test_a_gateway_is_stopped_before_its_log_is_read_and_one_not_yet_serving_nev
     )
     halted: list[bool] = []
     running_at_read: list[bool] = []
+    held: list[bool] = []
 
     def read(client: Any, gw: egress.Gateway) -> Any:
         running_at_read.append(bool(client.api.inspect_container(gw.container)["State"]["Running"]))
@@ -1099,13 +1167,22 @@ def test_a_gateway_is_stopped_before_its_log_is_read_and_one_not_yet_serving_nev
     def held_write(state: Path, *a: Any, **kw: Any) -> Any:
         routes = real_write(state, *a, **kw)
         (state / "conf" / "config.json").rename(state / "conf" / "held.json")
+        held.append(True)
         return routes
 
     def halt(client: Any, gw: egress.Gateway) -> None:
+        # halt returns on the daemon's word that the gateway died, before its clean-up: by then
+        # no process of the gateway lives (its init and mitmproxy, alive just before).
+        pids = gateway_pids(client, gw.container)
+        assert len(pids) >= 2 and all(Path(f"/proc/{p}").exists() for p in pids), pids
         real_halt(client, gw)
+        assert [p for p in pids if Path(f"/proc/{p}").exists()] == [], pids
         halted.append(gw.halted)
-        (gw.dir / "conf" / "held.json").rename(gw.dir / "conf" / "config.json")
-        time.sleep(1.0)  # a gateway still alive would load it now
+        if held:
+            (gw.dir / "conf" / "held.json").rename(gw.dir / "conf" / "config.json")
+            time.sleep(1.0)  # a gateway still alive would load it now
+
+    monkeypatch.setattr(docker_egress, "halt", halt)
 
     def run(tid: str, cmd: str) -> sandbox.RunResult:
         spec = job_spec(tmp_path, tid, ["sh", "-c", cmd], policy)
@@ -1117,15 +1194,15 @@ def test_a_gateway_is_stopped_before_its_log_is_read_and_one_not_yet_serving_nev
         return res
 
     served = run("gw-serves", request)
+    assert halted == [True]
     assert len(upstreams.requests("model.test")) == 1
     assert served.egress.routes["anthropic"].requests == 1, served.egress
     # A serving gateway is stopped too before its log is read: nothing passes after the read.
     assert running_at_read == [False], running_at_read
     monkeypatch.setattr(docker_egress, "write_gateway_config", held_write)
-    monkeypatch.setattr(docker_egress, "halt", halt)
     # The whole request goes into the route door's queue; the engine exits without waiting.
     gone = run("gw-halted", f"{request} >/dev/null 2>&1 & sleep 1; exit 0")
-    assert halted == [True]
+    assert halted == [True, True] and held == [True]
     assert upstreams.requests("model.test") == []
     assert "anthropic" not in gone.egress.routes or gone.egress.routes["anthropic"].requests == 0
     assert leftovers(docker_client, tmp_path, "gw-halted") == []

@@ -36,12 +36,16 @@ def docker_client(
         ) from e
 
 
+def socket_path(client: docker.DockerClient) -> str | None:
+    """The Unix socket `client` reaches its daemon by (a daemon on this host, on this host's
+    clock), or None (a TCP, TLS or SSH context)."""
+    adapter = client.api.get_adapter(client.api.base_url)
+    path = getattr(adapter, "socket_path", None)
+    return path if isinstance(path, str) and path else None
+
+
 def fresh_client(client: docker.DockerClient) -> docker.DockerClient:
     """A new connection to the same daemon: the interrupted client may be mid-request."""
-    adapter = client.api.get_adapter(client.api.base_url)
-    socket_path = getattr(adapter, "socket_path", None)
-    if socket_path:
-        return docker.DockerClient(
-            base_url=f"unix://{socket_path}", version=client.api.api_version, timeout=30
-        )
+    if (path := socket_path(client)) is not None:
+        return docker.DockerClient(base_url=f"unix://{path}", version=client.api.api_version, timeout=30)
     return docker.from_env(version=client.api.api_version, timeout=30)

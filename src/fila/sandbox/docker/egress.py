@@ -63,6 +63,11 @@ __all__ = [
 ]  # fmt: skip
 
 
+# How long the gateway's death is waited for after its kill (the daemon's own kill waits 2 s for a
+# container's exit, then reports it).
+HALT_TIMEOUT_S = 30.0
+
+
 def _docker_errors() -> tuple[type[BaseException], ...]:
     import requests
     from docker.errors import DockerException
@@ -440,22 +445,92 @@ def wait_serving(
     gw.timings["gateway_serve"] = round(time.monotonic() - t, 3)
 
 
-def halt(client: docker.DockerClient, gw: Gateway) -> None:
+def halt(client: docker.DockerClient, gw: Gateway, timeout_s: float = HALT_TIMEOUT_S) -> None:
     """After the engine's exit, the gateway is killed before its log is read, serving or not:
     nothing the engine left in its queues or in flight is forwarded once its log has been read,
     and the gateway logs each request it lets through as it begins (then as it ends, one id), so
     the record holds every request that passed, one cut short shown as in flight
     (egress/record.read_log; below the log's cap); its log is written a line at a time, and the
     kill loses none.
+    Returns once the daemon says the gateway died (its `die` event, sent once its init, and with
+    it every process of its PID namespace, is gone), not once the kill request returns: that
+    waits for the daemon's clean-up of the gateway's two network endpoints too, a tenth of a
+    second more on the job's path that the record does not need (docs/benchmarks.md, "The
+    one-shot path"). The kill's own answer still ends the wait (an engine whose event stream says
+    nothing, a daemon on another host), and says a gateway not running any more (404, 409:
+    `died` reports it).
     Removal follows as for any gateway (docs/security.md, "Spare gateways")."""
+    from .client import fresh_client, socket_path
+
+    # Only a death after this moment is the kill's: one before it is `died`'s to report. The
+    # moment is this host's clock: a daemon elsewhere (its own clock) gets the kill's answer alone.
+    since = time.time()
+    stream = None
+    if socket_path(client) is not None:
+        with contextlib.suppress(*_docker_errors()):  # no filtered events: the kill's answer alone
+            stream = client.api.events(
+                since=f"{since:.6f}",
+                until=f"{since + timeout_s:.6f}",
+                filters={"container": [gw.container], "event": ["die"]},
+                decode=True,
+            )
+    answer: list[BaseException | None] = []
+
+    def kill() -> None:
+        try:
+            own = fresh_client(client)
+            try:
+                own.api.kill(gw.container)
+            finally:
+                own.close()
+            answer.append(None)
+        except BaseException as e:
+            answer.append(e)
+        finally:
+            if stream is not None:
+                with contextlib.suppress(Exception):
+                    stream.close()  # the answer ends the wait, whatever the stream said
+
+    killer = threading.Thread(target=kill, name=f"fila-halt-{gw.container}", daemon=True)
+    killer.start()
+    if stream is not None and _said_die(stream, gw.container):
+        gw.halted = True
+        return
+    killer.join(timeout_s)
+    if not answer:
+        raise InfraError(
+            f"stopping the job's gateway {gw.container} took over {timeout_s:g} s", task_id=gw.job_id
+        )
+    e = answer[0]
+    if e is None:
+        gw.halted = True
+        return
+    if getattr(e, "status_code", None) in (404, 409):  # it died (or went) before: `died` says so
+        return
+    if isinstance(e, _docker_errors()):
+        raise InfraError(f"stopping the job's gateway {gw.container} failed: {e}", task_id=gw.job_id) from e
+    raise e
+
+
+def _said_die(stream: Any, name: str) -> bool:
+    """Whether the event stream said that container `name` died before it ended (closed by the
+    kill's answer, or its `until` passed). The daemon's `container` filter also matches names
+    that begin with `name` (the gateway's namespace holder, `<name>-netns`): only the exact name
+    counts."""
     try:
-        client.api.kill(gw.container)
-    except _docker_errors() as e:
-        if getattr(e, "status_code", None) in (404, 409):  # it died (or went) before: `died` says so
-            return
-        what = f"stopping the job's gateway {gw.container} failed: {e}"
-        raise InfraError(what, task_id=gw.job_id) from e
-    gw.halted = True
+        for event in stream:
+            if not isinstance(event, dict) or event.get("Action", event.get("status")) != "die":
+                continue
+            actor = event.get("Actor")
+            attributes = actor.get("Attributes") if isinstance(actor, dict) else None
+            if isinstance(attributes, dict) and attributes.get("name") == name:
+                return True
+    except Exception:  # closed under it by the kill's answer, which the caller reads
+        return False
+    finally:
+        with contextlib.suppress(Exception):
+            stream.close()
+    return False
 
 
 def wait_ready(

@@ -35,6 +35,7 @@ from docker.errors import APIError, NotFound
 from ...core.fsutil import HeldLock, held_new_lock_fd
 from ...egress.config import Gateway, remove_dir
 from ..gateways import REAPER_LOCK, forget
+from .client import socket_path
 from .container import remove_container
 
 # How long a removal another client started, or a network's last endpoint, is waited for.
@@ -80,12 +81,11 @@ def handoff(client: docker.DockerClient, gateways: list[Gateway], directory: Pat
     daemon is not reached by a Unix socket (a TCP, TLS or SSH context the reaper would have to
     resolve again: the caller removes them itself). OSError when the reaper cannot be started
     (likewise)."""
-    adapter = client.api.get_adapter(client.api.base_url)
-    socket_path = getattr(adapter, "socket_path", None)
-    if not socket_path:
+    path = socket_path(client)
+    if path is None:
         return False
     doc = {
-        "base_url": f"unix://{socket_path}",
+        "base_url": f"unix://{path}",
         "version": client.api.api_version,
         "items": items(gateways, directory),
     }
