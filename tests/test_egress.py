@@ -9,7 +9,6 @@ one succeeding in the same job.
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 import os
 import secrets
@@ -23,6 +22,7 @@ from typing import Any
 
 import docker
 import pytest
+import requests
 
 from fila.core.models import ImageRef
 from fila.egress import config as egress
@@ -1069,19 +1069,36 @@ def test_a_runtime_docker_lacks_is_refused_before_the_gateway_or_any_container_s
     assert events(t0, "rt-missing") == []  # no network, no gateway, no engine: nothing was made
 
 
+def halt_target(client: docker.DockerClient, name: str, cmd: list[str]) -> Any:
+    """A container halt's tests stop as if it were a gateway: fila/testnet under an init."""
+    return client.containers.run(
+        "fila/testnet:latest", cmd, name=name, detach=True, init=True, network_mode="none",
+        labels={"fila.test": "halt"},
+    )  # fmt: skip
+
+
+def running_pids(client: docker.DockerClient, container: Any) -> list[int]:
+    """gateway_pids of `container` once its init, shell and child all run (checked alive)."""
+    deadline = time.monotonic() + 10
+    while len(pids := gateway_pids(client, container.id)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(pids) == 3 and all(Path(f"/proc/{p}").exists() for p in pids), pids
+    return pids
+
+
 @pytest.mark.parametrize("events", ["die", "holder-dies-first", "none"])
 def test_halt_returns_once_every_process_of_the_gateway_is_gone(
     tmp_path: Path, docker_client: docker.DockerClient, monkeypatch: pytest.MonkeyPatch, events: str
 ) -> None:
-    """egress.halt returns on the daemon's `die` event for the gateway, before the daemon has
-    cleaned up after it, or, where the engine gives no filtered events ("none"), on the kill's
-    answer; either way every process of the container (its init, a shell and its child) is gone
-    by then, and all of them were alive just before. The daemon's filter also matches a name that
-    begins with the gateway's, its namespace holder's: a holder that dies first, after the stream
-    is open ("holder-dies-first"), does not end the wait."""
+    """egress.halt returns once the daemon's events say the gateway was killed, then died, before
+    the daemon has cleaned up after it, or, where the engine gives no filtered events ("none"),
+    on the kill's answer; either way every process of the container (its init, a shell and its
+    child) is gone by then, and all of them were alive just before. The daemon's filter also
+    matches a name that begins with the gateway's, its namespace holder's: a holder that is killed
+    and dies first, once the stream is open ("holder-dies-first"), does not end the wait."""
     name = f"fila-test-halt-{secrets.token_hex(4)}"
     holder = None
-    real_events = docker_client.api.events
+    real_events = docker.APIClient.events
     if events == "none":
 
         def opened(*_a: Any, **_kw: Any) -> Any:
@@ -1092,22 +1109,24 @@ def test_halt_returns_once_every_process_of_the_gateway_is_gone(
         def opened(*a: Any, **kw: Any) -> Any:
             stream = real_events(*a, **kw)
             if holder is not None:
-                holder.kill()  # its `die` is in the stream before the gateway's
+                holder.kill()  # its `kill` and `die` are in the stream before the gateway's
             return stream
 
-    monkeypatch.setattr(docker_client.api, "events", opened)
-    run = functools.partial(
-        docker_client.containers.run, "fila/testnet:latest", detach=True, init=True, network_mode="none",
-        labels={"fila.test": "halt"},
-    )  # fmt: skip
-    ctr = run(["sh", "-c", "sleep 600 & wait"], name=name)
+    monkeypatch.setattr(docker.APIClient, "events", opened)
     if events == "holder-dies-first":
-        holder = run(["sleep", "600"], name=f"{name}-netns")
+        real_kill = docker.APIClient.kill
+
+        def late_kill(api: Any, container: str, *a: Any, **kw: Any) -> Any:
+            if container == name:
+                time.sleep(1.0)  # the holder's `kill` and `die` are long in the stream by then
+            return real_kill(api, container, *a, **kw)
+
+        monkeypatch.setattr(docker.APIClient, "kill", late_kill)
+    ctr = halt_target(docker_client, name, ["sh", "-c", "sleep 600 & wait"])
+    if events == "holder-dies-first":
+        holder = halt_target(docker_client, f"{name}-netns", ["sleep", "600"])
     try:
-        deadline = time.monotonic() + 10
-        while len(pids := gateway_pids(docker_client, ctr.id)) < 3 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(pids) == 3 and all(Path(f"/proc/{p}").exists() for p in pids), pids
+        pids = running_pids(docker_client, ctr)
         gw = egress.Gateway("halt", "none", name, "", tmp_path, [])
         docker_egress.halt(docker_client, gw)
         assert gw.halted
@@ -1119,6 +1138,87 @@ def test_halt_returns_once_every_process_of_the_gateway_is_gone(
         for c in (ctr, holder):
             if c is not None:
                 c.remove(force=True)
+
+
+def test_a_gateway_dead_before_halt_is_never_taken_for_one_it_killed_whatever_the_clocks(
+    tmp_path: Path, docker_client: docker.DockerClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """halt decides by the order of the daemon's events (`kill`, then `die`), not by comparing
+    this host's clock with the daemon's (a daemon in a VM behind a Unix socket keeps its own):
+    with the daemon's clock 5 s ahead of the host's, a running gateway is still halted (all its
+    processes gone), and one that died on its own during the run (exit 7) is not taken for one
+    halt killed: `died` reports it."""
+
+    real_time, real_monotonic = time.time, time.monotonic
+
+    class Ahead:  # the host's clock 5 s behind the daemon's, as halt sees it
+        time = staticmethod(lambda: real_time() - 5.0)
+        monotonic = staticmethod(real_monotonic)
+
+    monkeypatch.setattr(docker_egress, "time", Ahead)
+    alive = halt_target(
+        docker_client, f"fila-test-halt-{secrets.token_hex(4)}", ["sh", "-c", "sleep 600 & wait"]
+    )
+    dead = halt_target(docker_client, f"fila-test-halt-{secrets.token_hex(4)}", ["sh", "-c", "exit 7"])
+    try:
+        pids = running_pids(docker_client, alive)
+        gw = egress.Gateway("halt", "none", alive.name, "", tmp_path, [])
+        docker_egress.halt(docker_client, gw)
+        assert gw.halted and [p for p in pids if Path(f"/proc/{p}").exists()] == [], pids
+        assert dead.wait(timeout=30)["StatusCode"] == 7
+        gone = egress.Gateway("halt", "none", dead.name, "", tmp_path, [])
+        docker_egress.halt(docker_client, gone)
+        assert not gone.halted
+        said = docker_egress.died(docker_client, gone)
+        assert said is not None and "exited during the run (code 7" in said, said
+    finally:
+        for c in (alive, dead):
+            c.remove(force=True)
+
+
+def test_halt_against_a_daemon_that_does_not_answer_fails_the_job_rather_than_hang(tmp_path: Path) -> None:
+    """A daemon that takes connections and never answers (a wedged dockerd, an API proxy): a
+    plain request fails on the client's timeout, and halt, which also waits on an event stream
+    (no timeout of its own), raises InfraError at its own `timeout_s` instead of hanging."""
+    import socket as socketlib
+
+    from fila.core.errors import InfraError
+
+    path = tmp_path / "docker.sock"
+    srv = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+    srv.bind(str(path))
+    srv.listen(16)
+    held: list[socketlib.socket] = []
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(srv.accept()[0])  # read nothing, answer nothing
+
+    threading.Thread(target=serve, daemon=True).start()
+    client = docker.DockerClient(base_url=f"unix://{path}", version="1.41", timeout=2)
+    try:
+        with pytest.raises(requests.exceptions.RequestException, match="timed out"):
+            client.api.kill("fila-gw-x")
+        outcome: list[BaseException | None] = []
+
+        def go() -> None:
+            try:
+                docker_egress.halt(client, egress.Gateway("job", "none", "fila-gw-x", "", tmp_path, []), 2.0)
+                outcome.append(None)
+            except BaseException as e:
+                outcome.append(e)
+
+        t = threading.Thread(target=go, daemon=True)
+        t.start()
+        t.join(30)
+        assert outcome and isinstance(outcome[0], InfraError), outcome
+        assert "did not answer within 2 s" in str(outcome[0])
+    finally:
+        srv.close()
+        for c in held:
+            c.close()
+        client.close()
 
 
 def test_a_gateway_is_stopped_before_its_log_is_read_and_one_not_yet_serving_never_serves(

@@ -279,12 +279,18 @@ def env(
         client = _client(docker_client, net, session, upstreams)
         yield Env(docker_client, upstreams, net, subnet, client, tmp, session)
     finally:
-        # About forty gateways by now: removed four at a time (one by one took about 11 s).
+        # About forty gateways by now, all on the job network: stopped one at a time (two
+        # containers leaving one network at once can deadlock Docker 20.10:
+        # sandbox/docker/removal.py), then the stopped ones removed four at a time (one by one,
+        # stops and all, took about 11 s).
         def remove(c: Any) -> None:
             with contextlib.suppress(NotFound, APIError):
                 c.remove(force=True)
 
         left = docker_client.containers.list(all=True, filters={"label": f"{LABEL}.session={session}"})
+        for c in left:
+            with contextlib.suppress(NotFound, APIError):
+                c.kill()
         with ThreadPoolExecutor(max_workers=4) as pool:
             list(pool.map(remove, left))
         with contextlib.suppress(NotFound, APIError):

@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from fila.core.errors import EngineUnavailable, ImageMissing, InfraError
 from fila.core.models import ImageRef, Limits, Policy
 from fila.sandbox.docker import backend as sandbox
-from fila.sandbox.docker.container import remove_container
 from fila.sandbox.docker.logs import redactor
+from fila.sandbox.docker.removal import remove_container
 from fila.workspace import secretscan
 from fila.workspace.strategy import CopyWorkspace
 

@@ -30,6 +30,7 @@ from ..base import Removal, RunResult, RunSpec, call_heartbeat, container_name, 
 from . import images as docker_images
 from .client import DOCKER_ERRORS, docker_client, fresh_client
 from .logs import TAIL_ENTRIES, LogPump, log_frames
+from .removal import remove_container
 from .spec import create_kwargs, docker_runtime, has_volume, work_volume
 
 if TYPE_CHECKING:
@@ -407,17 +408,6 @@ def _remove_volume_after_failure(client: docker.DockerClient, name: str, exc: Ba
             fresh.close()
     except DOCKER_ERRORS as e:
         note_left(exc, f"could not remove volume {work_volume(name)}: {e}; `fila recover` removes it")
-
-
-def remove_container(client: docker.DockerClient, name: str) -> None:
-    try:
-        client.api.remove_container(name, force=True, v=True)
-    except NotFound:
-        pass
-    except APIError as e:
-        if e.status_code == 409 and "already in progress" in str(e):
-            return
-        raise
 
 
 def remove_volume(client: docker.DockerClient, volume: str) -> None:

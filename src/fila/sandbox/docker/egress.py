@@ -447,35 +447,31 @@ def wait_serving(
 
 
 def halt(client: docker.DockerClient, gw: Gateway, timeout_s: float = HALT_TIMEOUT_S) -> None:
-    """After the engine's exit, the gateway is killed before its log is read, serving or not:
-    nothing the engine left in its queues or in flight is forwarded once its log has been read,
-    and the gateway logs each request it lets through as it begins (then as it ends, one id), so
-    the record holds every request that passed, one cut short shown as in flight
-    (egress/record.read_log; below the log's cap); its log is written a line at a time, and the
-    kill loses none.
-    Returns once the daemon says the gateway died (its `die` event, sent once its init, and with
-    it every process of its PID namespace, is gone), not once the kill request returns: that
-    waits for the daemon's clean-up of the gateway's two network endpoints too, a tenth of a
-    second more on the job's path that the record does not need (docs/benchmarks.md, "The
-    one-shot path"). The kill's own answer still ends the wait (an engine whose event stream says
-    nothing, a daemon on another host), and says a gateway not running any more (404, 409:
-    `died` reports it).
+    """After the engine's exit, the gateway is killed before its log is read, serving or not: no
+    request the engine left in its queues is forwarded once its log has been read, and the
+    gateway logs each request it lets through as it begins (then as it ends, one id), so the
+    record holds every request that passed, one whose end the gateway did not see shown as in
+    flight (egress/record.read_log; below the log's cap); its log is written a line at a time,
+    and the kill loses none.
+    Returns once the daemon says the gateway died of this kill (its event stream says `kill`,
+    then `die`, sent once the container's init, and with it every process of its PID namespace,
+    is gone), not once the kill request returns: that waits for the daemon's clean-up of the
+    gateway's two network endpoints too, a tenth of a second more on the job's path that the
+    record does not need (docs/benchmarks.md, "The one-shot path"); bytes the dead gateway had
+    already written to its sockets, of requests its log holds, may still leave until then. The
+    order is the daemon's own (no clock is compared: a daemon in a VM behind a Unix socket keeps
+    its own), so a gateway that died during the run is never taken for one killed here. The
+    kill's answer also ends the wait (an engine whose events say nothing, a daemon elsewhere),
+    and says a gateway not running any more (404, 409: `died` reports it); neither within
+    `timeout_s` (a daemon that does not answer) is an InfraError.
     Removal follows as for any gateway (docs/security.md, "Spare gateways")."""
     from .client import fresh_client, socket_path
 
-    # Only a death after this moment is the kill's: one before it is `died`'s to report. The
-    # moment is this host's clock: a daemon elsewhere (its own clock) gets the kill's answer alone.
-    since = time.time()
-    stream = None
-    if socket_path(client) is not None:
-        with contextlib.suppress(*_docker_errors()):  # no filtered events: the kill's answer alone
-            stream = client.api.events(
-                since=f"{since:.6f}",
-                until=f"{since + timeout_s:.6f}",
-                filters={"container": [gw.container], "event": ["die"]},
-                decode=True,
-            )
+    since = time.time() - 1.0  # the stream replays from here; the order of its events decides
+    done = threading.Event()
     answer: list[BaseException | None] = []
+    killed_it: list[bool] = []
+    watch = _Watch()
 
     def kill() -> None:
         try:
@@ -488,19 +484,38 @@ def halt(client: docker.DockerClient, gw: Gateway, timeout_s: float = HALT_TIMEO
         except BaseException as e:
             answer.append(e)
         finally:
-            if stream is not None:
-                with contextlib.suppress(Exception):
-                    stream.close()  # the answer ends the wait, whatever the stream said
+            done.set()
 
-    killer = threading.Thread(target=kill, name=f"fila-halt-{gw.container}", daemon=True)
-    killer.start()
-    if stream is not None and _said_die(stream, gw.container):
+    def watched() -> None:
+        with contextlib.suppress(Exception):  # no stream: the kill's answer alone
+            own = fresh_client(client)
+            try:
+                stream = own.api.events(
+                    since=f"{since:.6f}",
+                    until=f"{since + 1.0 + timeout_s:.6f}",
+                    filters={"container": [gw.container], "event": ["kill", "die", "died"]},
+                    decode=True,
+                )
+                if watch.hold(stream) and _killed_then_died(stream, gw.container):
+                    killed_it.append(True)
+                    done.set()
+            finally:
+                own.close()
+
+    if socket_path(client) is not None:  # a stream of its own, on a connection of its own
+        threading.Thread(target=watched, name=f"fila-halt-watch-{gw.container}", daemon=True).start()
+    threading.Thread(target=kill, name=f"fila-halt-{gw.container}", daemon=True).start()
+    done.wait(timeout_s)
+    watch.end()
+    if killed_it:
         gw.halted = True
         return
-    killer.join(max(0.0, since + timeout_s - time.time()))
     if not answer:
         raise InfraError(
-            f"stopping the job's gateway {gw.container} took over {timeout_s:g} s", task_id=gw.job_id
+            f"stopping the job's gateway {gw.container}: the Docker daemon did not answer within "
+            f"{timeout_s:g} s",
+            hint="check the daemon (`docker info`); `fila recover` removes what the job left",
+            task_id=gw.job_id,
         )
     e = answer[0]
     if e is None:
@@ -513,24 +528,53 @@ def halt(client: docker.DockerClient, gw: Gateway, timeout_s: float = HALT_TIMEO
     raise e
 
 
-def _said_die(stream: Any, name: str) -> bool:
-    """Whether the event stream said that container `name` died before it ended (closed by the
-    kill's answer, or its `until` passed). The daemon's `container` filter also matches names
-    that begin with `name` (the gateway's namespace holder, `<name>-netns`): only the exact name
-    counts."""
+class _Watch:
+    """halt's event stream, closed once the wait is over, also when it opens only after that."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stream: Any = None
+        self._over = False
+
+    def hold(self, stream: Any) -> bool:
+        """Keep `stream` to close at the wait's end; False (closed now) when it is over."""
+        with self._lock:
+            if not self._over:
+                self._stream = stream
+                return True
+        with contextlib.suppress(Exception):
+            stream.close()
+        return False
+
+    def end(self) -> None:
+        with self._lock:
+            self._over, stream = True, self._stream
+        if stream is not None:
+            with contextlib.suppress(Exception):
+                stream.close()
+
+
+def _killed_then_died(stream: Any, name: str) -> bool:
+    """Whether the stream said that container `name` was killed, then died, before it ended
+    (closed at the wait's end, or its `until` passed). Only the exact name counts: the daemon's
+    `container` filter also matches names that begin with it (the gateway's namespace holder,
+    `<name>-netns`). Podman's compatible API files a death under `died`, reported as `die`."""
+    killed = False
     try:
         for event in stream:
-            if not isinstance(event, dict) or event.get("Action", event.get("status")) != "die":
+            if not isinstance(event, dict):
                 continue
             actor = event.get("Actor")
             attributes = actor.get("Attributes") if isinstance(actor, dict) else None
-            if isinstance(attributes, dict) and attributes.get("name") == name:
+            if not (isinstance(attributes, dict) and attributes.get("name") == name):
+                continue
+            action = event.get("Action", event.get("status"))
+            if action == "kill":
+                killed = True
+            elif action in ("die", "died") and killed:
                 return True
-    except Exception:  # closed under it by the kill's answer, which the caller reads
+    except Exception:  # closed under it at the wait's end
         return False
-    finally:
-        with contextlib.suppress(Exception):
-            stream.close()
     return False
 
 
@@ -656,30 +700,19 @@ def stop(
     client: docker.DockerClient, gw: Gateway, *, before_network: Callable[[], None] | None = None
 ) -> None:
     """Remove the gateway, the job network and the gateway's directory (secrets included). The
-    log is read first by the caller (`collect`). The gateway and the namespace holder go side by
-    side (each on a connection of its own), then the network. `before_network` (else
+    log is read first by the caller (`collect`). The gateway goes first, then the namespace
+    holder, one after the other (sandbox/docker/removal.py: two containers leaving one network at
+    once can deadlock Docker 20.10), then the network. `before_network` (else
     `gw.before_network`): waited for between the containers' removal and the network's (the
     engine's container, removed beside them, must be off the network first). Its seconds are
     `gw.timings["gateway_remove"]`; once all is gone a spare's lock is let go (`gw.released`)."""
     from docker.errors import APIError, NotFound
 
+    from .removal import remove_in_turn
+
     t = time.monotonic()
-    errors: list[str] = []
-
-    def removing(what: str, name: str) -> Callable[[docker.DockerClient], None]:
-        def step(c: docker.DockerClient) -> None:
-            try:
-                c.api.remove_container(name, force=True, v=True)
-            except NotFound:
-                pass
-            except APIError as e:
-                if not (e.status_code == 409 and "already in progress" in str(e)):
-                    errors.append(f"{what} {name}: {e}")
-
-        return step
-
-    boxes = [("gateway", gw.container)] + ([("namespace holder", gw.netns)] if gw.netns else [])
-    _beside(client, *(removing(what, name) for what, name in boxes))
+    boxes = [gw.container] + ([gw.netns] if gw.netns else [])
+    errors = remove_in_turn(client, boxes, t + READY_TIMEOUT_S)
     if (wait := before_network or gw.before_network) is not None:
         wait()
     try:

@@ -24,7 +24,6 @@ import os
 import secrets
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,7 @@ from ...core.fsutil import HeldLock, held_new_lock_fd
 from ...egress.config import Gateway, remove_dir
 from ..gateways import REAPER_LOCK, forget
 from .client import socket_path
-from .container import remove_container
+from .removal import remove_in_turn
 
 # How long a removal another client started, or a network's last endpoint, is waited for.
 SETTLE_S = 60.0
@@ -149,24 +148,13 @@ def remove_network(client: docker.DockerClient, name: str, deadline: float) -> N
 
 
 def reap(client: docker.DockerClient, todo: list[dict[str, Any]]) -> list[str]:
-    """Remove every item's containers (side by side), then its network, directories and spare
-    lock; what could not be removed, described."""
+    """Remove every item's containers (one after the other, each gone before the next: a
+    removal the handing process started is waited out; sandbox/docker/removal.py says why), then
+    its network, directories and spare lock; what could not be removed, described."""
     errors: list[str] = []
     deadline = time.monotonic() + SETTLE_S
-
-    def container(name: str) -> None:
-        try:
-            # A removal the handing process started is left to finish: the network waits for it.
-            remove_container(client, name)
-        except Exception as e:
-            errors.append(f"container {name}: {e}")
-
     for item in todo:
-        boxes = [threading.Thread(target=container, args=(str(n),), daemon=True) for n in item["containers"]]
-        for t in boxes:
-            t.start()
-        for t in boxes:
-            t.join()
+        errors += remove_in_turn(client, [str(n) for n in item["containers"]], deadline)
         try:
             remove_network(client, str(item["network"]), deadline)
         except Exception as e:

@@ -9,7 +9,7 @@ from docker.models.containers import Container
 from ...core.errors import InfraError
 from ..base import JOB_LABEL, LABEL, ROOT_LABEL
 from .client import DOCKER_ERRORS
-from .container import remove_container
+from .removal import remove_container
 
 
 def _label_filters(job_id: str | None, root: str | None) -> dict[str, list[str]]:
