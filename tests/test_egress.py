@@ -1176,6 +1176,56 @@ def test_a_gateway_dead_before_halt_is_never_taken_for_one_it_killed_whatever_th
             c.remove(force=True)
 
 
+def test_podmans_allowlist_run_halts_its_gateway_before_reading_its_log(
+    tmp_path: Path, docker_client: docker.DockerClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Podman's allowlist run (sandbox/podman/egress.run) starts its own gateway and hands
+    Docker's container.run the policy as `none`; its gateway is halted all the same before its
+    log is read: at the read, it is halted and none of its processes lives. Run here through
+    Docker's daemon, which speaks the same API: the libpod gateway's start is replaced by a
+    running container standing in for it (alive, all three processes, before the run), the
+    engine's container is real (network none), and the record's egress read is the real one's
+    caller, asked only what it sees."""
+    from fila.core.models import EgressRecord, Policy
+    from fila.sandbox.docker import container as docker_container
+    from fila.sandbox.podman import egress as podman_egress
+
+    name = f"fila-test-halt-{secrets.token_hex(4)}"
+    stand_in = halt_target(docker_client, name, ["sh", "-c", "sleep 600 & wait"])
+    try:
+        pids = running_pids(docker_client, stand_in)
+        gw = egress.Gateway("pm", "none", name, "", tmp_path / "gw", [])
+        monkeypatch.setattr(docker_container, "start_gateway", lambda *_a, **_kw: gw)
+        at_read: list[tuple[bool, list[int]]] = []
+
+        def read(_client: Any, g: egress.Gateway) -> Any:
+            at_read.append((g.halted, [p for p in pids if Path(f"/proc/{p}").exists()]))
+            return EgressRecord(), []
+
+        monkeypatch.setattr(docker_egress, "read", read)
+        monkeypatch.setattr(docker_egress, "remove", lambda *_a, **_kw: [])
+        real_run = docker_container.run
+
+        def run(spec: Any, **kw: Any) -> Any:
+            assert spec.policy.network == "none"  # Podman's path: no Docker gateway of its own
+            kw["create"] = lambda c, kwargs: c.containers.create(**kwargs)
+            return real_run(spec, **kw)
+
+        monkeypatch.setattr(docker_container, "run", run)
+        policy = Policy.model_validate(
+            {"network": "allowlist", "egress": {"allow": [{"host": "allowed.test", "port": 443}]},
+             "max_timeout_ms": 60_000, "default_timeout_ms": 10_000}
+        )  # fmt: skip
+        spec = job_spec(tmp_path, "pm", ["sh", "-c", "true"], policy)
+        res = podman_egress.run(
+            spec, client=docker_client, create=lambda *_a: None, rootless=False, waive=frozenset()
+        )
+        assert res.exit_code == 0
+        assert at_read == [(True, [])], at_read
+    finally:
+        stand_in.remove(force=True)
+
+
 def test_halt_against_a_daemon_that_does_not_answer_fails_the_job_rather_than_hang(tmp_path: Path) -> None:
     """A daemon that takes connections and never answers (a wedged dockerd, an API proxy): a
     plain request fails on the client's timeout, and halt, which also waits on an event stream

@@ -40,11 +40,11 @@ def remove_container(client: docker.DockerClient, name: str) -> None:
 def remove_in_turn(client: docker.DockerClient, names: list[str], deadline: float) -> list[str]:
     """Remove the containers `names` one after the other, each gone before the next one starts
     (a removal in progress waited out until `deadline`, a monotonic time); what could not be
-    removed, described (the rest is still tried)."""
+    removed, described. One that is not gone stops the turn: the next would leave the network
+    beside it, so they are left to `fila recover`, which removes them one by one."""
     from .client import DOCKER_ERRORS
 
-    errors: list[str] = []
-    for name in names:
+    for i, name in enumerate(names):
         try:
             remove_container(client, name)
             while True:
@@ -53,8 +53,10 @@ def remove_in_turn(client: docker.DockerClient, names: list[str], deadline: floa
                 except NotFound:
                     break
                 if time.monotonic() > deadline:
-                    raise InfraError("its removal did not end by the deadline")
+                    raise InfraError("its removal did not end in time")
                 time.sleep(GONE_POLL_S)
         except (*DOCKER_ERRORS, InfraError) as e:
-            errors.append(f"container {name}: {e}")
-    return errors
+            return [f"container {name}: {e}"] + [
+                f"container {n}: left, since {name} was not gone" for n in names[i + 1 :]
+            ]
+    return []

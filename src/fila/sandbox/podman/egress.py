@@ -322,13 +322,18 @@ def run(
         # (note_left), so the cycle keeps the task fenced instead of publishing it as over.
         docker_container.stop_gateway_after_failure(client, gw, exc)
         raise
-    # The engine's container is gone already (removed inside docker_container.run). A pool's spare
-    # leaves the job's path as on Docker (docker_container's removal): its directory (the job's
-    # secrets, its log read) removed now, the gateway itself killed and removed off the path
-    # (GatewayPool.discard), serving no one meanwhile: its job network holds no container, and
-    # another gateway reaching it on the egress network is not one of its clients. That removal
+    # The engine's container is gone already (removed inside docker_container.run). The gateway is
+    # killed before its log is read, as on Docker (docker_egress.halt): what the engine left in its
+    # queues is never forwarded once the log has been read. A pool's spare then leaves the job's
+    # path as on Docker (docker_container's removal): its directory (the job's secrets, its log
+    # read) removed now, its container removed off the path (GatewayPool.discard). That removal
     # takes seconds where Podman's storage driver is vfs (it deletes the container's copy of the
     # image: docs/benchmarks.md, "egress").
+    try:
+        docker_egress.halt(client, gw)
+    except BaseException as exc:
+        docker_container.stop_gateway_after_failure(client, gw, exc)
+        raise
     result.egress, left = docker_egress.read(client, gw)
     if spares is not None and gw.spare is not None:
         left += docker_egress.forget_secrets(gw)
