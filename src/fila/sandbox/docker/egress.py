@@ -708,11 +708,11 @@ def stop(
     `gw.timings["gateway_remove"]`; once all is gone a spare's lock is let go (`gw.released`)."""
     from docker.errors import APIError, NotFound
 
-    from .removal import remove_in_turn
+    from .removal import SETTLE_S, remove_in_turn
 
     t = time.monotonic()
     boxes = [gw.container] + ([gw.netns] if gw.netns else [])
-    errors = remove_in_turn(client, boxes, t + READY_TIMEOUT_S)
+    errors = remove_in_turn(client, boxes, t + SETTLE_S)
     if (wait := before_network or gw.before_network) is not None:
         wait()
     try:

@@ -35,10 +35,7 @@ from ...core.fsutil import HeldLock, held_new_lock_fd
 from ...egress.config import Gateway, remove_dir
 from ..gateways import REAPER_LOCK, forget
 from .client import socket_path
-from .removal import remove_in_turn
-
-# How long a removal another client started, or a network's last endpoint, is waited for.
-SETTLE_S = 60.0
+from .removal import SETTLE_S, remove_in_turn
 
 
 def items(gateways: list[Gateway], directory: Path) -> list[dict[str, Any]]:

@@ -19,9 +19,12 @@ import docker
 from docker.errors import APIError, NotFound
 
 from ...core.errors import InfraError
+from .client import DOCKER_ERRORS
 
 # How often a removal another client started is looked at until the container is gone.
 GONE_POLL_S = 0.02
+# How long a removal another client started, or a network's last endpoint, is waited for.
+SETTLE_S = 60.0
 
 
 def remove_container(client: docker.DockerClient, name: str) -> None:
@@ -42,8 +45,6 @@ def remove_in_turn(client: docker.DockerClient, names: list[str], deadline: floa
     (a removal in progress waited out until `deadline`, a monotonic time); what could not be
     removed, described. One that is not gone stops the turn: the next would leave the network
     beside it, so they are left to `fila recover`, which removes them one by one."""
-    from .client import DOCKER_ERRORS
-
     for i, name in enumerate(names):
         try:
             remove_container(client, name)
