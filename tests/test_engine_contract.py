@@ -15,6 +15,7 @@ from pathlib import Path
 import docker
 import pytest
 
+from tests.support.containers import reaped
 from tests.support.engines import E2E_ENGINES, HELLO, engine_image, model_script, run_engine_task
 from tests.support.marks import matrix_beyond
 from tests.support.policy import edit_policy
@@ -83,7 +84,9 @@ def test_a_model_that_hangs_is_stopped_at_the_task_timeout_and_its_container_rem
         a.get("fila.role", "engine") for a in attrs if a.get("fila.job") == job or "fila.spare" in a
     )
     assert started in (["engine", "gateway"], ["engine", "gateway", "netns"]), attrs
-    # ...and none of them is left, running or stopped.
+    # ...and none of them is left, running or stopped, once the reaper `run --once` handed its spare
+    # to is done (sandbox/docker/reap.py: the process exits before the spare is removed).
+    reaped(engine_root / "sandbox" / "spares")
     assert docker_client.containers.list(all=True, filters={"label": f"fila.job={job}"}) == []
     spares = {"label": ["fila.spare", f"fila.root={engine_root}"]}
     assert docker_client.containers.list(all=True, filters=spares) == []
