@@ -30,7 +30,7 @@ from fila.sandbox.docker import egress as docker_egress
 from fila.sandbox.docker.backend import DockerBackend
 from fila.workspace.strategy import CopyWorkspace
 from tests.support.cli import FILA_SCRIPT, fila, run_once_console
-from tests.support.containers import reaped, reapers
+from tests.support.containers import held_elsewhere, reaped, reapers
 from tests.support.project import make_project, make_root, record
 from tests.upstreams import Upstreams
 from tests.upstreams.fixtures import create_on_free_subnet
@@ -1138,6 +1138,45 @@ def test_halt_returns_once_every_process_of_the_gateway_is_gone(
         for c in (ctr, holder):
             if c is not None:
                 c.remove(force=True)
+
+
+def test_halt_kills_only_once_another_processs_gateway_has_departed(
+    tmp_path: Path, docker_client: docker.DockerClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two gateways leaving the shared egress network at once can deadlock Docker 20.10
+    (sandbox/docker/removal.py): halt's kill waits while another process holds the host's
+    departure lock (its gateway departing), then kills. The lock is this test's own (the host's
+    belongs to the fila processes running beside it)."""
+    from fila.sandbox.docker import removal
+
+    monkeypatch.setattr(removal, "LOCK_DIR", tmp_path)
+    first = halt_target(
+        docker_client, f"fila-test-halt-{secrets.token_hex(4)}", ["sh", "-c", "sleep 600 & wait"]
+    )
+    second = halt_target(
+        docker_client, f"fila-test-halt-{secrets.token_hex(4)}", ["sh", "-c", "sleep 600 & wait"]
+    )
+    try:
+        # Allowed: nobody departing, halt kills at once.
+        pids = running_pids(docker_client, first)
+        gw = egress.Gateway("halt", "none", first.name, "", tmp_path, [])
+        docker_egress.halt(docker_client, gw)
+        assert gw.halted and [p for p in pids if Path(f"/proc/{p}").exists()] == [], pids
+        # Blocked: another process's gateway departs; the kill waits for it.
+        pids = running_pids(docker_client, second)
+        gw = egress.Gateway("halt", "none", second.name, "", tmp_path, [])
+        with held_elsewhere(removal.departure_lock(docker_client)) as release:
+            halting = threading.Thread(target=docker_egress.halt, args=(docker_client, gw))
+            halting.start()
+            time.sleep(1.0)
+            alive = [p for p in pids if Path(f"/proc/{p}").exists()]
+            assert halting.is_alive() and alive == pids, "killed while another gateway departed"
+            release()
+            halting.join(30)
+        assert gw.halted and [p for p in pids if Path(f"/proc/{p}").exists()] == [], pids
+    finally:
+        for c in (first, second):
+            c.remove(force=True)
 
 
 def test_a_gateway_dead_before_halt_is_never_taken_for_one_it_killed_whatever_the_clocks(

@@ -1,23 +1,34 @@
-"""sandbox/docker/removal.remove_in_turn: containers that share a network leave it one at a time
-(docs/security.md, "Spare gateways"). The daemon here is a scripted one: a removal "already in
-progress" (another client's) that ends when the script says is what a real daemon cannot be made
-to show on demand; the real daemon's paths are in tests/test_egress.py (a gateway and its holder
-removed by egress.stop and by the one-shot's reaper)."""
+"""sandbox/docker/removal.remove_in_turn: containers that share a network leave it one at a time, and
+a gateway's removal waits for the host's departure lock (docs/security.md, "Spare gateways"). The
+daemon here is a scripted one: a removal "already in progress" (another client's) that ends when
+the script says is what a real daemon cannot be made to show on demand; the real daemon's paths are
+in tests/test_egress.py (a gateway and its holder removed by egress.stop and by the one-shot's
+reaper)."""
 
 from __future__ import annotations
 
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import docker
+import pytest
 import requests
 
-from fila.sandbox.docker.removal import remove_in_turn
+from fila.sandbox.docker import removal
+from fila.sandbox.docker.removal import departure_lock, remove_in_turn
+from tests.support.containers import held_elsewhere
 
 
 class Daemon:
     """remove_container and inspect_container for named containers; `busy[name]` is how long
     another client's removal of it still runs (409 "already in progress" until then)."""
+
+    base_url = "http+docker://scripted"
+
+    def get_adapter(self, url: str) -> object:
+        return object()  # no Unix socket: the departure lock is keyed on base_url
 
     def __init__(self, names: list[str], busy: dict[str, float]) -> None:
         self.alive = set(names)
@@ -66,3 +77,64 @@ def test_the_holder_goes_only_once_the_gateway_is_gone_and_is_left_when_it_is_no
     assert [c[:2] for c in api.calls] == [("remove", "gw")]
     assert len(errors) == 2 and "container gw:" in errors[0] and "did not end in time" in errors[0]
     assert errors[1] == "container gw-netns: left, since gw was not gone"
+
+
+@pytest.fixture
+def lock_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Departure locks of this test's own (the host's are other fila processes')."""
+    monkeypatch.setattr(removal, "LOCK_DIR", tmp_path)
+    return tmp_path
+
+
+def test_a_gateways_removal_waits_while_another_process_holds_the_hosts_departure_lock(
+    lock_dir: Path,
+) -> None:
+    # Allowed: the lock free, the gateway is removed at once, the holder after it.
+    api = Daemon(["gw", "gw-netns"], busy={})
+    assert remove_in_turn(Client(api), ["gw", "gw-netns"], time.monotonic() + 5) == []  # type: ignore[arg-type]
+    assert [c[:2] for c in api.calls] == [("remove", "gw"), ("remove", "gw-netns")]
+    # Blocked: another process's gateway is departing (it holds the lock): no removal is asked
+    # for until it lets go, then the turn runs as before.
+    api = Daemon(["gw", "gw-netns"], busy={})
+    errors: list[list[str]] = []
+    with held_elsewhere(departure_lock(Client(api))) as release:  # type: ignore[arg-type]
+        turn = threading.Thread(
+            target=lambda: errors.append(
+                remove_in_turn(Client(api), ["gw", "gw-netns"], time.monotonic() + 30)
+            )  # type: ignore[arg-type]
+        )
+        turn.start()
+        time.sleep(0.5)
+        assert api.calls == [] and turn.is_alive(), "the gateway was removed while another departed"
+        release()
+        turn.join(10)
+    assert errors == [[]] and [c[:2] for c in api.calls] == [("remove", "gw"), ("remove", "gw-netns")]
+
+
+def test_a_departure_lock_kept_for_good_delays_a_removal_by_its_wait_only(
+    lock_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process that keeps the lock (stuck, or another user's doing) cannot stop every job of
+    the host: past DEPARTURE_WAIT_S the removal goes ahead without it."""
+    monkeypatch.setattr(removal, "DEPARTURE_WAIT_S", 0.4)
+    api = Daemon(["gw"], busy={})
+    with held_elsewhere(departure_lock(Client(api))):  # type: ignore[arg-type]
+        t = time.monotonic()
+        assert remove_in_turn(Client(api), ["gw"], time.monotonic() + 30) == []  # type: ignore[arg-type]
+        waited = time.monotonic() - t
+    assert waited >= 0.4 and api.calls == [("remove", "gw", False)], (waited, api.calls)
+
+
+def test_a_departure_lock_that_cannot_be_opened_is_gone_without(lock_dir: Path) -> None:
+    """A file planted at the lock's name that this process cannot lock (a directory here; another
+    user's file without write permission is the same error) does not stop the removal."""
+    api = Daemon(["gw"], busy={})
+    departure_lock(Client(api)).mkdir()  # type: ignore[arg-type]
+    with removal.departure(Client(api)) as held:  # type: ignore[arg-type]
+        assert held is False
+    assert remove_in_turn(Client(api), ["gw"], time.monotonic() + 5) == []  # type: ignore[arg-type]
+    assert api.calls == [("remove", "gw", False)]
+    # Allowed counterpart: once the name is a lock file, the lock is held.
+    departure_lock(Client(api)).rmdir()  # type: ignore[arg-type]
+    with removal.departure(Client(api)) as held:  # type: ignore[arg-type]
+        assert held is True

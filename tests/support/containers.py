@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import docker
@@ -67,3 +70,31 @@ class Starts:
 
     def close(self) -> None:
         self._stream.close()
+
+
+@contextlib.contextmanager
+def held_elsewhere(path: Path) -> Iterator[Callable[[], None]]:
+    """Another process holds the file lock `path` (a plain flock, as a fila of another queue
+    root or user would: sandbox/docker/removal.departure) from the block's start until the
+    function it yields is called, or the block ends."""
+    code = (
+        "import fcntl, os, sys\n"
+        f"fd = os.open({str(path)!r}, os.O_RDWR | os.O_CREAT, 0o666)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "print('held', flush=True)\n"
+        "sys.stdin.readline()\n"
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+
+    def release() -> None:
+        if p.stdin is not None and not p.stdin.closed:
+            p.stdin.close()
+        p.wait(timeout=10)
+
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "held"
+        yield release
+    finally:
+        release()

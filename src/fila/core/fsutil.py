@@ -28,6 +28,7 @@ def file_lock(
     wait_s: float | None = None,
     own: bool = False,
     mode: int = 0o644,
+    poll_s: float = 0.1,
 ) -> Iterator[bool]:
     """fila's one file lock: an exclusive flock on `path` for the block. Yields True when held;
     with `wait=False`, False at once when another open file holds it (the block still runs, and
@@ -37,7 +38,7 @@ def file_lock(
     `create=False`: FileNotFoundError when there is no lock file (a probe). `wait_s`: wait at
     most that long, then TimeoutError. `own`: PermissionError unless the lock is a regular file
     of this user's (one another user planted, and holds, would stop whoever needs it). `mode`:
-    a new lock file's."""
+    a new lock file's. `poll_s`: how often a lock waited for with `wait_s` is tried again."""
     flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | (os.O_CREAT if create else 0)
     fd = os.open(path, flags, mode)
     try:
@@ -56,7 +57,7 @@ def file_lock(
                     return
                 if deadline is not None and time.monotonic() >= deadline:
                     raise TimeoutError(f"{path} is held by another process (waited {wait_s:g} s)") from None
-                time.sleep(0.1)
+                time.sleep(poll_s)
         yield True
     finally:
         os.close(fd)

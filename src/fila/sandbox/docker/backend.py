@@ -25,7 +25,7 @@ from docker.errors import APIError, NotFound
 
 from ...core.errors import EngineUnavailable, InfraError
 from ...core.models import ImageRef, Policy
-from ...egress.config import Gateway
+from ...egress.config import ROLE_GATEWAY, ROLE_LABEL, Gateway
 from ..base import (
     JOB_LABEL,
     LABEL,
@@ -43,6 +43,7 @@ from . import envstore
 from . import images as docker_images
 from .client import DOCKER_ERRORS, docker_client
 from .container import remove_volume, run
+from .removal import remove_container
 from .spec import VOLUME_LABEL, create_kwargs, docker_runtime
 from .sweep import find_containers, remove_containers
 
@@ -403,15 +404,11 @@ class DockerBackend(Backend):
     def remove(self, box: Box) -> bool:
         with self.client() as c:
             try:
-                c.api.remove_container(box.id, force=True, v=True)
+                gateway = box.labels.get(ROLE_LABEL) == ROLE_GATEWAY  # it leaves fila-egress
+                if not remove_container(c, box.id, departs=gateway):
+                    return False
                 if box.labels.get(VOLUME_LABEL):  # the overlay strategy's work/ goes with it
                     remove_volume(c, box.labels[VOLUME_LABEL])
-            except NotFound:
-                return False
-            except APIError as e:
-                if e.status_code == 409 and "already in progress" in str(e):
-                    return True
-                raise InfraError(f"{self.name} failed while removing container {box.name}: {e}") from e
             except DOCKER_ERRORS as e:
                 raise InfraError(f"{self.name} failed while removing container {box.name}: {e}") from e
         return True

@@ -43,6 +43,7 @@ from ...egress.config import (
     write_gateway_config,
 )
 from . import subnets
+from .removal import SETTLE_S, departure, remove_container, remove_in_turn
 from .subnets import JobSubnet
 
 __all__ = [
@@ -464,6 +465,9 @@ def halt(client: docker.DockerClient, gw: Gateway, timeout_s: float = HALT_TIMEO
     kill's answer also ends the wait (an engine whose events say nothing, a daemon elsewhere),
     and says a gateway not running any more (404, 409: `died` reports it); neither within
     `timeout_s` (a daemon that does not answer) is an InfraError.
+    The kill holds the host's departure lock until its answer (sandbox/docker/removal.py: two
+    gateways leaving the shared egress network at once can deadlock Docker 20.10), so a kill
+    waits for another job's gateway's departure first.
     Removal follows as for any gateway (docs/security.md, "Spare gateways")."""
     from .client import fresh_client, socket_path
 
@@ -477,7 +481,8 @@ def halt(client: docker.DockerClient, gw: Gateway, timeout_s: float = HALT_TIMEO
         try:
             own = fresh_client(client)
             try:
-                own.api.kill(gw.container)
+                with departure(own):  # until the answer: its endpoints are released by then
+                    own.api.kill(gw.container)
             finally:
                 own.close()
             answer.append(None)
@@ -708,8 +713,6 @@ def stop(
     `gw.timings["gateway_remove"]`; once all is gone a spare's lock is let go (`gw.released`)."""
     from docker.errors import APIError, NotFound
 
-    from .removal import SETTLE_S, remove_in_turn
-
     t = time.monotonic()
     boxes = [gw.container] + ([gw.netns] if gw.netns else [])
     errors = remove_in_turn(client, boxes, t + SETTLE_S)
@@ -765,7 +768,7 @@ def _remove_net_containers(client: docker.DockerClient, net: Network) -> None:
         for cid in net.attrs.get("Containers") or {}:
             c = client.containers.get(cid)
             if (c.labels or {}).get("fila") == "1":
-                client.api.remove_container(cid, force=True, v=True)
+                remove_container(client, cid, departs=(c.labels or {}).get(ROLE_LABEL) == ROLE_GATEWAY)
 
 
 def _not_found() -> tuple[type[BaseException], ...]:
@@ -789,10 +792,11 @@ def sweep_spares(client: docker.DockerClient, root: Path, directory: Path) -> li
     for spare in sorted(abandoned(directory, listed)):
         try:
             for box in boxes:
-                if (box.get("Labels") or {}).get(SPARE_LABEL) == spare:
-                    with contextlib.suppress(*_not_found()):
-                        client.api.remove_container(box["Id"], force=True, v=True)
-                        removed.append(f"spare gateway {box['Names'][0].lstrip('/')}")
+                labels = box.get("Labels") or {}
+                # One at a time, the gateway (on fila-egress) departing: removal.py.
+                departs = labels.get(ROLE_LABEL) == ROLE_GATEWAY
+                if labels.get(SPARE_LABEL) == spare and remove_container(client, box["Id"], departs=departs):
+                    removed.append(f"spare gateway {box['Names'][0].lstrip('/')}")
             for net in nets:
                 if (net.get("Labels") or {}).get(SPARE_LABEL) == spare:
                     with contextlib.suppress(*_not_found()):
