@@ -1265,14 +1265,18 @@ def test_podmans_allowlist_run_halts_its_gateway_before_reading_its_log(
         stand_in.remove(force=True)
 
 
-def test_halt_against_a_daemon_that_does_not_answer_fails_the_job_rather_than_hang(tmp_path: Path) -> None:
+def test_halt_against_a_daemon_that_does_not_answer_fails_the_job_rather_than_hang(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A daemon that takes connections and never answers (a wedged dockerd, an API proxy): a
     plain request fails on the client's timeout, and halt, which also waits on an event stream
     (no timeout of its own), raises InfraError at its own `timeout_s` instead of hanging."""
     import socket as socketlib
 
     from fila.core.errors import InfraError
+    from fila.sandbox.docker import removal
 
+    monkeypatch.setattr(removal, "LOCK_DIR", tmp_path)  # no departure lock left in /tmp for it
     path = tmp_path / "docker.sock"
     srv = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
     srv.bind(str(path))

@@ -62,6 +62,14 @@ class Client:
         self.api = api
 
 
+@pytest.fixture(autouse=True)
+def lock_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Departure locks of this module's own (the host's are other fila processes'), none left
+    in /tmp for the scripted daemon's address."""
+    monkeypatch.setattr(removal, "LOCK_DIR", tmp_path)
+    return tmp_path
+
+
 def test_the_holder_goes_only_once_the_gateway_is_gone_and_is_left_when_it_is_not() -> None:
     # Allowed: the gateway's removal (another client's, in progress) ends within the deadline:
     # the holder is removed after it, with nothing else left.
@@ -77,13 +85,6 @@ def test_the_holder_goes_only_once_the_gateway_is_gone_and_is_left_when_it_is_no
     assert [c[:2] for c in api.calls] == [("remove", "gw")]
     assert len(errors) == 2 and "container gw:" in errors[0] and "did not end in time" in errors[0]
     assert errors[1] == "container gw-netns: left, since gw was not gone"
-
-
-@pytest.fixture
-def lock_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Departure locks of this test's own (the host's are other fila processes')."""
-    monkeypatch.setattr(removal, "LOCK_DIR", tmp_path)
-    return tmp_path
 
 
 def test_a_gateways_removal_waits_while_another_process_holds_the_hosts_departure_lock(
