@@ -797,6 +797,34 @@ def _gateway_policy(ups: Upstreams) -> Any:
     )  # fmt: skip
 
 
+def test_a_builds_gateway_is_halted_before_its_log_is_read(
+    tmp_path: Path, upstreams: Upstreams, docker_client: docker.DockerClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A project Dockerfile's build reaches the network through a gateway of its own
+    (sandbox/docker/envstore.build_gateway): it serves during the build and is halted before its
+    log is read, as a job's is after its engine (a RUN step the daemon has not stopped yet
+    cannot have a request forwarded that the record misses)."""
+    from fila.sandbox.docker import envstore
+
+    running_at_read: list[bool] = []
+    real_read = docker_egress.read
+
+    def read(client: docker.DockerClient, gw: egress.Gateway) -> Any:
+        running_at_read.append(bool(client.api.inspect_container(gw.container)["State"]["Running"]))
+        return real_read(client, gw)
+
+    monkeypatch.setattr(docker_egress, "read", read)
+    tid = f"bgw-{secrets.token_hex(3)}"
+    policy = _gateway_policy(upstreams)
+    with envstore.build_gateway(
+        docker_client, job_id=tid, policy=policy, state=tmp_path / tid, labels={}
+    ) as bg:
+        (gw,) = docker_client.containers.list(filters={"label": [f"fila.job={tid}", "fila.role=gateway"]})
+        assert gw.status == "running" and bg.network  # serving while the build runs
+    assert running_at_read == [False] and bg.egress is not None, (running_at_read, bg)
+    assert leftovers(docker_client, tmp_path, tid) == []
+
+
 def test_a_gateway_that_dies_or_is_late_is_an_infra_error_and_leaves_nothing(
     tmp_path: Path,
     upstreams: Upstreams,
@@ -1144,12 +1172,13 @@ def test_halt_kills_only_once_another_processs_gateway_has_departed(
     tmp_path: Path, docker_client: docker.DockerClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two gateways leaving the shared egress network at once can deadlock Docker 20.10
-    (sandbox/docker/removal.py): halt's kill waits while another process holds the host's
+    (sandbox/docker/removal.py): halt's kill waits while another process holds the daemon's
     departure lock (its gateway departing), then kills. The lock is this test's own (the host's
     belongs to the fila processes running beside it)."""
     from fila.sandbox.docker import removal
 
-    monkeypatch.setattr(removal, "LOCK_DIR", tmp_path)
+    lock = tmp_path / "docker.sock.fila-departures.lock"
+    monkeypatch.setattr(removal, "departure_lock", lambda _client: lock)
     first = halt_target(
         docker_client, f"fila-test-halt-{secrets.token_hex(4)}", ["sh", "-c", "sleep 600 & wait"]
     )
@@ -1165,7 +1194,7 @@ def test_halt_kills_only_once_another_processs_gateway_has_departed(
         # Blocked: another process's gateway departs; the kill waits for it.
         pids = running_pids(docker_client, second)
         gw = egress.Gateway("halt", "none", second.name, "", tmp_path, [])
-        with held_elsewhere(removal.departure_lock(docker_client)) as release:
+        with held_elsewhere(lock) as release:
             halting = threading.Thread(target=docker_egress.halt, args=(docker_client, gw))
             halting.start()
             time.sleep(1.0)
@@ -1174,6 +1203,7 @@ def test_halt_kills_only_once_another_processs_gateway_has_departed(
             release()
             halting.join(30)
         assert gw.halted and [p for p in pids if Path(f"/proc/{p}").exists()] == [], pids
+        assert gw.timings["gateway_depart"] >= 1.0, gw.timings  # the record says it waited
     finally:
         for c in (first, second):
             c.remove(force=True)
@@ -1265,18 +1295,14 @@ def test_podmans_allowlist_run_halts_its_gateway_before_reading_its_log(
         stand_in.remove(force=True)
 
 
-def test_halt_against_a_daemon_that_does_not_answer_fails_the_job_rather_than_hang(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_halt_against_a_daemon_that_does_not_answer_fails_the_job_rather_than_hang(tmp_path: Path) -> None:
     """A daemon that takes connections and never answers (a wedged dockerd, an API proxy): a
     plain request fails on the client's timeout, and halt, which also waits on an event stream
     (no timeout of its own), raises InfraError at its own `timeout_s` instead of hanging."""
     import socket as socketlib
 
     from fila.core.errors import InfraError
-    from fila.sandbox.docker import removal
 
-    monkeypatch.setattr(removal, "LOCK_DIR", tmp_path)  # no departure lock left in /tmp for it
     path = tmp_path / "docker.sock"
     srv = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
     srv.bind(str(path))

@@ -7,6 +7,11 @@ reaper)."""
 
 from __future__ import annotations
 
+import os
+import socket
+import stat
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -63,11 +68,11 @@ class Client:
 
 
 @pytest.fixture(autouse=True)
-def lock_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """Departure locks of this module's own (the host's are other fila processes'), none left
-    in /tmp for the scripted daemon's address."""
-    monkeypatch.setattr(removal, "LOCK_DIR", tmp_path)
-    return tmp_path
+def lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The scripted daemon's departure lock (it has no Unix socket, so no lock of its own)."""
+    path = tmp_path / "docker.sock.fila-departures.lock"
+    monkeypatch.setattr(removal, "departure_lock", lambda _client: path)
+    return path
 
 
 def test_the_holder_goes_only_once_the_gateway_is_gone_and_is_left_when_it_is_not() -> None:
@@ -87,24 +92,25 @@ def test_the_holder_goes_only_once_the_gateway_is_gone_and_is_left_when_it_is_no
     assert errors[1] == "container gw-netns: left, since gw was not gone"
 
 
-def test_a_gateways_removal_waits_while_another_process_holds_the_hosts_departure_lock(
-    lock_dir: Path,
-) -> None:
+def test_a_gateways_removal_waits_while_another_process_holds_the_departure_lock(lock: Path) -> None:
     # Allowed: the lock free, the gateway is removed at once, the holder after it.
     api = Daemon(["gw", "gw-netns"], busy={})
     assert remove_in_turn(Client(api), ["gw", "gw-netns"], time.monotonic() + 5) == []  # type: ignore[arg-type]
     assert [c[:2] for c in api.calls] == [("remove", "gw"), ("remove", "gw-netns")]
     # Blocked: another process's gateway is departing (it holds the lock): no removal is asked
-    # for until it lets go, then the turn runs as before.
-    api = Daemon(["gw", "gw-netns"], busy={})
+    # for until it lets go, then the turn runs as before. A gateway halted already has left its
+    # networks: its removal does not wait.
+    api, halted = Daemon(["gw", "gw-netns"], busy={}), Daemon(["gw"], busy={})
     errors: list[list[str]] = []
-    with held_elsewhere(departure_lock(Client(api))) as release:  # type: ignore[arg-type]
+    with held_elsewhere(lock) as release:
         turn = threading.Thread(
             target=lambda: errors.append(
-                remove_in_turn(Client(api), ["gw", "gw-netns"], time.monotonic() + 30)
-            )  # type: ignore[arg-type]
+                remove_in_turn(Client(api), ["gw", "gw-netns"], time.monotonic() + 30)  # type: ignore[arg-type]
+            )
         )
         turn.start()
+        assert remove_in_turn(Client(halted), ["gw"], time.monotonic() + 5, leaving=False) == []  # type: ignore[arg-type]
+        assert halted.calls == [("remove", "gw", False)]
         time.sleep(0.5)
         assert api.calls == [] and turn.is_alive(), "the gateway was removed while another departed"
         release()
@@ -113,29 +119,99 @@ def test_a_gateways_removal_waits_while_another_process_holds_the_hosts_departur
 
 
 def test_a_departure_lock_kept_for_good_delays_a_removal_by_its_wait_only(
-    lock_dir: Path, monkeypatch: pytest.MonkeyPatch
+    lock: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A process that keeps the lock (stuck, or another user's doing) cannot stop every job of
-    the host: past DEPARTURE_WAIT_S the removal goes ahead without it."""
+    """A process that keeps the lock (a stuck fila) cannot stop every job of the host: past
+    DEPARTURE_WAIT_S the removal goes ahead without it."""
     monkeypatch.setattr(removal, "DEPARTURE_WAIT_S", 0.4)
     api = Daemon(["gw"], busy={})
-    with held_elsewhere(departure_lock(Client(api))):  # type: ignore[arg-type]
+    with held_elsewhere(lock):
         t = time.monotonic()
         assert remove_in_turn(Client(api), ["gw"], time.monotonic() + 30) == []  # type: ignore[arg-type]
         waited = time.monotonic() - t
     assert waited >= 0.4 and api.calls == [("remove", "gw", False)], (waited, api.calls)
 
 
-def test_a_departure_lock_that_cannot_be_opened_is_gone_without(lock_dir: Path) -> None:
-    """A file planted at the lock's name that this process cannot lock (a directory here; another
-    user's file without write permission is the same error) does not stop the removal."""
+def test_a_departure_lock_that_cannot_be_opened_is_gone_without(lock: Path) -> None:
+    """A lock this process cannot open (a directory here; a file of a group it is not in is
+    the same error) does not stop the removal."""
     api = Daemon(["gw"], busy={})
-    departure_lock(Client(api)).mkdir()  # type: ignore[arg-type]
+    lock.mkdir()
     with removal.departure(Client(api)) as held:  # type: ignore[arg-type]
         assert held is False
     assert remove_in_turn(Client(api), ["gw"], time.monotonic() + 5) == []  # type: ignore[arg-type]
     assert api.calls == [("remove", "gw", False)]
-    # Allowed counterpart: once the name is a lock file, the lock is held.
-    departure_lock(Client(api)).rmdir()  # type: ignore[arg-type]
+    # Allowed counterpart: once the name is free, the lock is made and held.
+    lock.rmdir()
     with removal.departure(Client(api)) as held:  # type: ignore[arg-type]
         assert held is True
+
+
+def test_a_departure_is_not_starved_by_a_process_departing_back_to_back(lock: Path) -> None:
+    """A fila process that departs gateway after gateway (recovery's sweep, a pool's close), the
+    next as soon as the last is done, does not starve another's single departure (a job's
+    halt): the waiter blocks in the kernel, woken as the lock is let go, and the departer leaves
+    it free a moment (DEPARTURE_GAP_S) before it takes it again."""
+    code = (
+        "import time\n"
+        "from pathlib import Path\n"
+        "from fila.sandbox.docker import removal\n"
+        f"removal.departure_lock = lambda _client: Path({str(lock)!r})\n"
+        "print('go', flush=True)\n"
+        "end = time.monotonic() + 30\n"
+        "while time.monotonic() < end:\n"
+        "    with removal.departure(None) as held:\n"
+        "        assert held\n"
+        "        time.sleep(0.1)  # a gateway's kill, answered\n"
+    )
+    sweeper = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert sweeper.stdout is not None and sweeper.stdout.readline().strip() == "go"
+        time.sleep(0.2)
+        got = []
+        for _ in range(6):
+            with removal.departure(Client(Daemon([], busy={}))) as held:  # type: ignore[arg-type]
+                got.append(held)
+            assert sweeper.poll() is None, "the sweeper ended: nothing was being waited for"
+        assert got == [True] * 6, got
+    finally:
+        sweeper.kill()
+        sweeper.wait()
+
+
+def test_one_daemon_has_one_departure_lock_beside_its_socket_whatever_its_spelling(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lock is beside the daemon's socket, by the socket's real path (`/var/run` is a link
+    to `/run` on most hosts): every spelling of one socket finds one lock, readable and
+    writable by the socket's group (every user who may speak to the daemon), nobody else; a
+    daemon over TCP has none."""
+    monkeypatch.undo()  # the real departure_lock
+    run = tmp_path / "run"
+    run.mkdir()
+    (tmp_path / "var").mkdir()
+    (tmp_path / "var" / "run").symlink_to(run)
+    srv = socket.socket(socket.AF_UNIX)
+    srv.bind(str(run / "docker.sock"))
+    os.chown(run / "docker.sock", -1, 65534)
+    spellings = [
+        run / "docker.sock",
+        tmp_path / "var" / "run" / "docker.sock",
+        f"{tmp_path}//run/./docker.sock",
+    ]
+    clients = [docker.DockerClient(base_url=f"unix://{p}", version="1.41") for p in spellings]
+    try:
+        assert {departure_lock(c) for c in clients} == {run / "docker.sock.fila-departures.lock"}
+        with removal.departure(clients[1]) as held:
+            assert held is True
+        st = (run / "docker.sock.fila-departures.lock").stat()
+        assert (stat.S_IMODE(st.st_mode), st.st_gid) == (0o660, 65534), (oct(st.st_mode), st.st_gid)
+        tcp = docker.DockerClient(base_url="tcp://127.0.0.1:9", version="1.41")
+        assert departure_lock(tcp) is None
+        with removal.departure(tcp) as held:
+            assert held is False
+        tcp.close()
+    finally:
+        for c in clients:
+            c.close()
+        srv.close()

@@ -25,7 +25,7 @@ from docker.errors import APIError, NotFound
 
 from ...core.errors import EngineUnavailable, InfraError
 from ...core.models import ImageRef, Policy
-from ...egress.config import ROLE_GATEWAY, ROLE_LABEL, Gateway
+from ...egress.config import Gateway
 from ..base import (
     JOB_LABEL,
     LABEL,
@@ -43,7 +43,7 @@ from . import envstore
 from . import images as docker_images
 from .client import DOCKER_ERRORS, docker_client
 from .container import remove_volume, run
-from .removal import remove_container
+from .removal import departs, remove_container
 from .spec import VOLUME_LABEL, create_kwargs, docker_runtime
 from .sweep import find_containers, remove_containers
 
@@ -404,8 +404,7 @@ class DockerBackend(Backend):
     def remove(self, box: Box) -> bool:
         with self.client() as c:
             try:
-                gateway = box.labels.get(ROLE_LABEL) == ROLE_GATEWAY  # it leaves fila-egress
-                if not remove_container(c, box.id, departs=gateway):
+                if not remove_container(c, box.id, leaving=departs(box.labels, box.status)):
                     return False
                 if box.labels.get(VOLUME_LABEL):  # the overlay strategy's work/ goes with it
                     remove_volume(c, box.labels[VOLUME_LABEL])

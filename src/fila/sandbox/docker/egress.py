@@ -43,7 +43,7 @@ from ...egress.config import (
     write_gateway_config,
 )
 from . import subnets
-from .removal import SETTLE_S, departure, remove_container, remove_in_turn
+from .removal import SETTLE_S, departs, departure, remove_container, remove_in_turn
 from .subnets import JobSubnet
 
 __all__ = [
@@ -465,9 +465,10 @@ def halt(client: docker.DockerClient, gw: Gateway, timeout_s: float = HALT_TIMEO
     kill's answer also ends the wait (an engine whose events say nothing, a daemon elsewhere),
     and says a gateway not running any more (404, 409: `died` reports it); neither within
     `timeout_s` (a daemon that does not answer) is an InfraError.
-    The kill holds the host's departure lock until its answer (sandbox/docker/removal.py: two
+    The kill holds the daemon's departure lock until its answer (sandbox/docker/removal.py: two
     gateways leaving the shared egress network at once can deadlock Docker 20.10), so a kill
-    waits for another job's gateway's departure first.
+    waits for another job's gateway's departure first (`gw.timings["gateway_depart"]`, in the
+    record: DEPARTURE_WAIT_S there means it went without).
     Removal follows as for any gateway (docs/security.md, "Spare gateways")."""
     from .client import fresh_client, socket_path
 
@@ -481,7 +482,9 @@ def halt(client: docker.DockerClient, gw: Gateway, timeout_s: float = HALT_TIMEO
         try:
             own = fresh_client(client)
             try:
+                t = time.monotonic()
                 with departure(own):  # until the answer: its endpoints are released by then
+                    gw.timings["gateway_depart"] = round(time.monotonic() - t, 3)
                     own.api.kill(gw.container)
             finally:
                 own.close()
@@ -715,7 +718,7 @@ def stop(
 
     t = time.monotonic()
     boxes = [gw.container] + ([gw.netns] if gw.netns else [])
-    errors = remove_in_turn(client, boxes, t + SETTLE_S)
+    errors = remove_in_turn(client, boxes, t + SETTLE_S, leaving=not gw.halted)  # halted: gone
     if (wait := before_network or gw.before_network) is not None:
         wait()
     try:
@@ -768,7 +771,7 @@ def _remove_net_containers(client: docker.DockerClient, net: Network) -> None:
         for cid in net.attrs.get("Containers") or {}:
             c = client.containers.get(cid)
             if (c.labels or {}).get("fila") == "1":
-                remove_container(client, cid, departs=(c.labels or {}).get(ROLE_LABEL) == ROLE_GATEWAY)
+                remove_container(client, cid, leaving=departs(c.labels or {}, c.status))
 
 
 def _not_found() -> tuple[type[BaseException], ...]:
@@ -793,9 +796,9 @@ def sweep_spares(client: docker.DockerClient, root: Path, directory: Path) -> li
         try:
             for box in boxes:
                 labels = box.get("Labels") or {}
-                # One at a time, the gateway (on fila-egress) departing: removal.py.
-                departs = labels.get(ROLE_LABEL) == ROLE_GATEWAY
-                if labels.get(SPARE_LABEL) == spare and remove_container(client, box["Id"], departs=departs):
+                # One at a time, a running gateway (on fila-egress) departing: removal.py.
+                leaving = departs(labels, box.get("State"))
+                if labels.get(SPARE_LABEL) == spare and remove_container(client, box["Id"], leaving=leaving):
                     removed.append(f"spare gateway {box['Names'][0].lstrip('/')}")
             for net in nets:
                 if (net.get("Labels") or {}).get(SPARE_LABEL) == spare:

@@ -151,7 +151,8 @@ def build_gateway(
     """A gateway of its own for one build, as a setup container's (the policy's allowlist, its
     record, its job network internal, the gateway its only way out), serving before the build
     starts, the job network's bridge closed to the host (hostseal: the caller checked
-    hostseal.refusal); read and removed after it, whatever the build did."""
+    hostseal.refusal); after it, whatever the build did, halted (nothing a step left queued
+    passes once its log is read: egress.halt, as after a job's engine), read and removed."""
     from . import egress, hostseal
 
     uid, gid = run_as()
@@ -163,6 +164,7 @@ def build_gateway(
             yield out
     finally:
         try:
+            egress.halt(client, gw)
             out.egress, out.warnings = egress.read(client, gw)
         finally:
             out.warnings += egress.remove(client, gw)

@@ -45,6 +45,7 @@ def items(gateways: list[Gateway], directory: Path) -> list[dict[str, Any]]:
     return [
         {
             "containers": [gw.container] + ([gw.netns] if gw.netns else []),
+            "leaving": not gw.halted,  # a spare never taken still runs (removal.py)
             "network": gw.network,
             "dirs": [str(gw.dir)] if not gw.dir_gone and gw.dir.parent == directory else [],
             "spare": gw.spare,
@@ -151,7 +152,8 @@ def reap(client: docker.DockerClient, todo: list[dict[str, Any]]) -> list[str]:
     errors: list[str] = []
     deadline = time.monotonic() + SETTLE_S
     for item in todo:
-        errors += remove_in_turn(client, [str(n) for n in item["containers"]], deadline)
+        leaving = bool(item.get("leaving", True))
+        errors += remove_in_turn(client, [str(n) for n in item["containers"]], deadline, leaving=leaving)
         try:
             remove_network(client, str(item["network"]), deadline)
         except Exception as e:

@@ -12,20 +12,25 @@ once the gateway is gone; the gateway's removal itself waits out the daemon's cl
 its exit (the container's lock), so a gateway killed a moment before is no second leaver.
 
 Every gateway on a host is also on the shared egress network (fila-egress), whoever's job it
-serves: two jobs' gateways stopped at the same moment would leave it together. So a gateway's
-kill, and its removal, hold the host's departure lock (`departure`): a file lock of every fila
-process speaking to that daemon, whatever its queue root or user, from the request until the
-daemon answers it (the answer comes once the gateway's endpoints are released). It is a
-precaution, not a guarantee: a gateway that dies by itself leaves unannounced, a one-shot
-process that exits before its kill's answer lets go of the lock with it, and a lock that
-cannot be opened or is not free within DEPARTURE_WAIT_S (another user's file; a process that
-keeps it) is gone without, since a job held up for good would be worse than the race.
+serves: two jobs' gateways stopped at the same moment would leave it together. So a gateway that
+may still run is killed, or removed, under the daemon's departure lock (`departure`): a file
+lock beside the daemon's socket (`/run/docker.sock.fila-departures.lock`), where only who may
+write beside the socket, and so already commands the daemon, can make, replace or hold it; it
+is made readable and writable by the socket's group, so every fila process speaking to that
+daemon, whatever its queue root or user, takes the same one. It is held from the request until
+the daemon answers (the answer comes once the gateway's endpoints are released). A gateway dead
+already (halted, exited) leaves nothing: its removal takes no lock.
+It is a precaution, not a guarantee: a gateway that dies by itself leaves unannounced; a
+one-shot process that exits before its kill's answer lets go of the lock with it; a daemon
+reached over TCP, a socket under another path (fila in a container with the socket mounted), or
+a lock that cannot be made or opened (a user who may not write beside the socket) goes without;
+and one not free within DEPARTURE_WAIT_S is gone without, since a job held up for good would
+be worse than the race.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
 import time
 from collections.abc import Iterator
@@ -36,64 +41,79 @@ from docker.errors import APIError, NotFound
 
 from ...core.errors import InfraError
 from ...core.fsutil import file_lock
+from ...egress.config import ROLE_GATEWAY, ROLE_LABEL
 from .client import DOCKER_ERRORS, socket_path
 
 # How often a removal another client started is looked at until the container is gone.
 GONE_POLL_S = 0.02
 # How long a removal another client started, or a network's last endpoint, is waited for.
 SETTLE_S = 60.0
-# How long a gateway's departure waits for the host's departure lock before it goes without: a
+# How long a gateway's departure waits for the daemon's departure lock before it goes without: a
 # departure holds it a tenth of a second or so, so this is dozens of jobs ending at once.
 DEPARTURE_WAIT_S = 5.0
-# How often a departure tries the lock again.
-DEPARTURE_POLL_S = 0.005
-# Where departure locks are: one directory for every user, whatever TMPDIR says.
-LOCK_DIR = Path("/tmp")
+# How long a departure leaves the lock free once it has let go of it, before whatever comes next
+# in its process (the next gateway of a sweep, say) may take it again: a waiter the kernel woke
+# as it was let go takes it first.
+DEPARTURE_GAP_S = 0.002
+# A container in these states may still be on its networks (one exited, dead or never started
+# has none to leave).
+ON_NETWORKS = frozenset({"running", "paused", "restarting", "removing"})
 
 
-def departure_lock(client: docker.DockerClient) -> Path:
-    """The departure lock of `client`'s daemon: one file per daemon address, so every fila
-    process speaking to that daemon finds the same one."""
-    where = socket_path(client) or str(client.api.base_url)
-    return LOCK_DIR / f"fila-departures-{hashlib.sha256(where.encode()).hexdigest()[:16]}.lock"
+def departure_lock(client: docker.DockerClient) -> Path | None:
+    """The departure lock of `client`'s daemon: beside its Unix socket, by the socket's real path
+    (`/var/run/docker.sock` and `/run/docker.sock` are one daemon, one lock); None for a daemon
+    reached otherwise (TCP, TLS, SSH)."""
+    sock = socket_path(client)
+    return None if sock is None else Path(os.path.realpath(sock) + ".fila-departures.lock")
+
+
+def departs(labels: dict[str, str], state: str | None) -> bool:
+    """Whether removing the container with these labels and state (`running`, `exited`, ...;
+    None when unknown) is a gateway's departure from its networks."""
+    return labels.get(ROLE_LABEL) == ROLE_GATEWAY and (state is None or state in ON_NETWORKS)
 
 
 @contextlib.contextmanager
 def departure(client: docker.DockerClient) -> Iterator[bool]:
-    """Held while one of fila's gateways leaves its networks on `client`'s daemon (its kill,
-    or its removal while it may run, until the daemon answers). Yields whether the lock is held:
-    False when it cannot be opened or is not free within DEPARTURE_WAIT_S (the departure goes
-    ahead all the same; the module's docstring says why)."""
+    """Held while one of fila's gateways leaves its networks on `client`'s daemon (its kill, or
+    its removal while it may run, until the daemon answers). Yields whether the lock is held:
+    False when there is none to take or it is not free within DEPARTURE_WAIT_S (the departure
+    goes ahead all the same; the module's docstring says why)."""
     path = departure_lock(client)
     with contextlib.ExitStack() as stack:
-        try:
-            _shared_lock_file(path)
-            stack.enter_context(
-                file_lock(path, create=False, wait_s=DEPARTURE_WAIT_S, poll_s=DEPARTURE_POLL_S)
-            )
-            held = True
-        except OSError:  # TimeoutError included
-            held = False
+        held = False
+        if path is not None:
+            try:
+                _make_lock_file(path)
+                held = stack.enter_context(file_lock(path, create=False, wait_s=DEPARTURE_WAIT_S))
+            except OSError:  # TimeoutError included
+                held = False
         yield held
+    if held:
+        time.sleep(DEPARTURE_GAP_S)
 
 
-def _shared_lock_file(path: Path) -> None:
-    """Make `path` a lock file any user can open to lock, unless it exists (whoever made it)."""
+def _make_lock_file(path: Path) -> None:
+    """Make `path`, unless it exists, a lock file the group of the socket beside it can open
+    (the umask's bits back): every user who may speak to the daemon takes the same lock."""
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o660)
     except FileExistsError:
         return
     try:
-        os.fchmod(fd, 0o666)  # the umask's bits back: another user's fila locks it too
+        with contextlib.suppress(OSError):  # a group this user is not in: its own lock then
+            os.fchown(fd, -1, os.stat(str(path).removesuffix(".fila-departures.lock")).st_gid)
+        os.fchmod(fd, 0o660)
     finally:
         os.close(fd)
 
 
-def remove_container(client: docker.DockerClient, name: str, *, departs: bool = False) -> bool:
+def remove_container(client: docker.DockerClient, name: str, *, leaving: bool = False) -> bool:
     """Force-remove `name` with its anonymous volumes: False when it was gone already; a
-    removal in progress (another client's) is not an error. `departs`: `name` is a gateway,
-    perhaps running, whose removal holds the host's departure lock."""
-    with departure(client) if departs else contextlib.nullcontext():
+    removal in progress (another client's) is not an error. `leaving`: `name` is a gateway that
+    may still run (`departs`), whose removal holds the daemon's departure lock."""
+    with departure(client) if leaving else contextlib.nullcontext():
         try:
             client.api.remove_container(name, force=True, v=True)
         except NotFound:
@@ -105,15 +125,18 @@ def remove_container(client: docker.DockerClient, name: str, *, departs: bool = 
     return True
 
 
-def remove_in_turn(client: docker.DockerClient, names: list[str], deadline: float) -> list[str]:
+def remove_in_turn(
+    client: docker.DockerClient, names: list[str], deadline: float, *, leaving: bool = True
+) -> list[str]:
     """Remove the containers `names` one after the other, each gone before the next one starts
     (a removal in progress waited out until `deadline`, a monotonic time); what could not be
     removed, described. One that is not gone stops the turn: the next would leave the network
     beside it, so they are left to `fila recover`, which removes them one by one. `names[0]` is
-    a gateway (the callers': egress.stop, the one-shot's reaper): its removal departs."""
+    a gateway (the callers': egress.stop, the one-shot's reaper); `leaving`: it may still run
+    (not halted), and its removal holds the departure lock."""
     for i, name in enumerate(names):
         try:
-            remove_container(client, name, departs=i == 0)
+            remove_container(client, name, leaving=leaving and i == 0)
             while True:
                 try:
                     client.api.inspect_container(name)

@@ -7,10 +7,9 @@ import docker
 from docker.models.containers import Container
 
 from ...core.errors import InfraError
-from ...egress.config import ROLE_GATEWAY, ROLE_LABEL
 from ..base import JOB_LABEL, LABEL, ROOT_LABEL
 from .client import DOCKER_ERRORS
-from .removal import remove_container
+from .removal import departs, remove_container
 
 
 def _label_filters(job_id: str | None, root: str | None) -> dict[str, list[str]]:
@@ -39,7 +38,7 @@ def remove_containers(
     removed = []
     for c in find_containers(client, job_id=job_id, root=root):
         try:
-            remove_container(client, c.id, departs=(c.labels or {}).get(ROLE_LABEL) == ROLE_GATEWAY)
+            remove_container(client, c.id, leaving=departs(c.labels or {}, c.status))
         except DOCKER_ERRORS as e:
             raise InfraError(f"Docker failed while removing container {c.name}: {e}") from e
         removed.append(c.id)
