@@ -1178,7 +1178,7 @@ def test_halt_kills_only_once_another_processs_gateway_has_departed(
     from fila.sandbox.docker import removal
 
     lock = tmp_path / "docker.sock.fila-departures.lock"
-    monkeypatch.setattr(removal, "departure_lock", lambda _client: lock)
+    monkeypatch.setattr(removal, "departure_locks", lambda _client: [lock])
     first = halt_target(
         docker_client, f"fila-test-halt-{secrets.token_hex(4)}", ["sh", "-c", "sleep 600 & wait"]
     )
@@ -1191,6 +1191,7 @@ def test_halt_kills_only_once_another_processs_gateway_has_departed(
         gw = egress.Gateway("halt", "none", first.name, "", tmp_path, [])
         docker_egress.halt(docker_client, gw)
         assert gw.halted and [p for p in pids if Path(f"/proc/{p}").exists()] == [], pids
+        assert "gateway_depart" in gw.timings and "gateway_depart_unlocked" not in gw.timings
         # Blocked: another process's gateway departs; the kill waits for it.
         pids = running_pids(docker_client, second)
         gw = egress.Gateway("halt", "none", second.name, "", tmp_path, [])
@@ -1236,8 +1237,13 @@ def test_a_gateway_dead_before_halt_is_never_taken_for_one_it_killed_whatever_th
         assert gw.halted and [p for p in pids if Path(f"/proc/{p}").exists()] == [], pids
         assert dead.wait(timeout=30)["StatusCode"] == 7
         gone = egress.Gateway("halt", "none", dead.name, "", tmp_path, [])
+        from fila.sandbox.docker import removal
+
+        monkeypatch.setattr(removal, "departure_locks", lambda _client: [])  # none to take
         docker_egress.halt(docker_client, gone)
         assert not gone.halted
+        # Not running: its removal takes no departure lock; and the record says its kill had none.
+        assert gone.stopped and "gateway_depart_unlocked" in gone.timings, gone
         said = docker_egress.died(docker_client, gone)
         assert said is not None and "exited during the run (code 7" in said, said
     finally:

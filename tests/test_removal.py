@@ -22,7 +22,7 @@ import pytest
 import requests
 
 from fila.sandbox.docker import removal
-from fila.sandbox.docker.removal import departure_lock, remove_in_turn
+from fila.sandbox.docker.removal import departure_locks, remove_in_turn
 from tests.support.containers import held_elsewhere
 
 
@@ -71,7 +71,7 @@ class Client:
 def lock(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """The scripted daemon's departure lock (it has no Unix socket, so no lock of its own)."""
     path = tmp_path / "docker.sock.fila-departures.lock"
-    monkeypatch.setattr(removal, "departure_lock", lambda _client: path)
+    monkeypatch.setattr(removal, "departure_locks", lambda _client: [path])
     return path
 
 
@@ -147,16 +147,18 @@ def test_a_departure_lock_that_cannot_be_opened_is_gone_without(lock: Path) -> N
         assert held is True
 
 
-def test_a_departure_is_not_starved_by_a_process_departing_back_to_back(lock: Path) -> None:
+def test_a_departure_is_not_starved_by_a_process_departing_back_to_back(
+    lock: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A fila process that departs gateway after gateway (recovery's sweep, a pool's close), the
     next as soon as the last is done, does not starve another's single departure (a job's
-    halt): the waiter blocks in the kernel, woken as the lock is let go, and the departer leaves
-    it free a moment (DEPARTURE_GAP_S) before it takes it again."""
+    halt): the departer leaves the lock free (DEPARTURE_GAP_S) for several of a waiter's tries
+    (DEPARTURE_POLL_S) before it takes it again."""
     code = (
         "import time\n"
         "from pathlib import Path\n"
         "from fila.sandbox.docker import removal\n"
-        f"removal.departure_lock = lambda _client: Path({str(lock)!r})\n"
+        f"removal.departure_locks = lambda _client: [Path({str(lock)!r})]\n"
         "print('go', flush=True)\n"
         "end = time.monotonic() + 30\n"
         "while time.monotonic() < end:\n"
@@ -164,6 +166,8 @@ def test_a_departure_is_not_starved_by_a_process_departing_back_to_back(lock: Pa
         "        assert held\n"
         "        time.sleep(0.1)  # a gateway's kill, answered\n"
     )
+    # Five of the sweeper's holds: a waiter that finds none of its pauses goes without.
+    monkeypatch.setattr(removal, "DEPARTURE_WAIT_S", 0.5)
     sweeper = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert sweeper.stdout is not None and sweeper.stdout.readline().strip() == "go"
@@ -186,7 +190,8 @@ def test_one_daemon_has_one_departure_lock_beside_its_socket_whatever_its_spelli
     to `/run` on most hosts): every spelling of one socket finds one lock, readable and
     writable by the socket's group (every user who may speak to the daemon), nobody else; a
     daemon over TCP has none."""
-    monkeypatch.undo()  # the real departure_lock
+    monkeypatch.undo()  # the real departure_locks
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
     run = tmp_path / "run"
     run.mkdir()
     (tmp_path / "var").mkdir()
@@ -201,13 +206,13 @@ def test_one_daemon_has_one_departure_lock_beside_its_socket_whatever_its_spelli
     ]
     clients = [docker.DockerClient(base_url=f"unix://{p}", version="1.41") for p in spellings]
     try:
-        assert {departure_lock(c) for c in clients} == {run / "docker.sock.fila-departures.lock"}
+        assert {tuple(departure_locks(c)) for c in clients} == {(run / "docker.sock.fila-departures.lock",)}
         with removal.departure(clients[1]) as held:
             assert held is True
         st = (run / "docker.sock.fila-departures.lock").stat()
         assert (stat.S_IMODE(st.st_mode), st.st_gid) == (0o660, 65534), (oct(st.st_mode), st.st_gid)
         tcp = docker.DockerClient(base_url="tcp://127.0.0.1:9", version="1.41")
-        assert departure_lock(tcp) is None
+        assert departure_locks(tcp) == []
         with removal.departure(tcp) as held:
             assert held is False
         tcp.close()
@@ -215,3 +220,45 @@ def test_one_daemon_has_one_departure_lock_beside_its_socket_whatever_its_spelli
         for c in clients:
             c.close()
         srv.close()
+
+
+def test_a_socket_in_a_directory_others_write_to_gets_no_lock_beside_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Beside a socket in a directory anyone may write to (a forwarded socket in /tmp), whoever
+    planted a file there would hold the lock: fila takes none there, only this user's own in its
+    runtime directory (when it is this user's alone), or none."""
+    monkeypatch.undo()
+    trusted, shared, runtime = tmp_path / "run", tmp_path / "shared", tmp_path / "xdg"
+    for d, mode in ((trusted, 0o755), (shared, 0o1777), (runtime, 0o700)):
+        d.mkdir()
+        d.chmod(mode)
+    servers = []
+    for d in (trusted, shared):
+        srv = socket.socket(socket.AF_UNIX)
+        srv.bind(str(d / "docker.sock"))
+        servers.append(srv)
+    at = {
+        d: docker.DockerClient(base_url=f"unix://{d}/docker.sock", version="1.41") for d in (trusted, shared)
+    }
+    try:
+        monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+        # Allowed: a socket in a directory only root writes to has its lock beside it.
+        assert departure_locks(at[trusted]) == [trusted / "docker.sock.fila-departures.lock"]
+        assert departure_locks(at[shared]) == []
+        with removal.departure(at[shared]) as held:
+            assert held is False
+        assert not (shared / "docker.sock.fila-departures.lock").exists()
+        # This user's runtime directory: its own lock, for its own processes.
+        monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+        (mine,) = departure_locks(at[shared])
+        assert mine.parent == runtime
+        with removal.departure(at[shared]) as held:
+            assert held is True
+        runtime.chmod(0o777)  # not this user's alone any more
+        assert departure_locks(at[shared]) == []
+    finally:
+        for c in at.values():
+            c.close()
+        for srv in servers:
+            srv.close()

@@ -12,6 +12,7 @@ import stat
 import subprocess
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -27,6 +28,7 @@ def file_lock(
     wait_s: float | None = None,
     own: bool = False,
     mode: int = 0o644,
+    poll_s: float = 0.1,
 ) -> Iterator[bool]:
     """fila's one file lock: an exclusive flock on `path` for the block. Yields True when held;
     with `wait=False`, False at once when another open file holds it (the block still runs, and
@@ -34,10 +36,10 @@ def file_lock(
     the kernel drops it when the process dies, however it dies. O_CLOEXEC: a child (git) never
     inherits it; O_NOFOLLOW: a link planted at the lock's name is refused, not followed.
     `create=False`: FileNotFoundError when there is no lock file (a probe). `wait_s`: wait at
-    most that long, then TimeoutError; the wait is the kernel's (flock_within), so a holder
-    that lets go and takes the lock again at once does not starve it. `own`: PermissionError
-    unless the lock is a regular file of this user's (one another user planted, and holds,
-    would stop whoever needs it). `mode`: a new lock file's."""
+    most that long, then TimeoutError, trying again every `poll_s` (no thread is left blocked
+    in the kernel past the wait). `own`: PermissionError unless the lock is a regular file of
+    this user's (one another user planted, and holds, would stop whoever needs it). `mode`: a
+    new lock file's."""
     flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK | (os.O_CREAT if create else 0)
     fd = os.open(path, flags, mode)
     try:
@@ -45,45 +47,21 @@ def file_lock(
             st = os.fstat(fd)
             if not (stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid()):
                 raise PermissionError(f"{path} is not a regular file of this user's (uid {st.st_uid})")
-        if wait and wait_s is not None:
-            if not flock_within(fd, wait_s):
-                raise TimeoutError(f"{path} is held by another process (waited {wait_s:g} s)")
-        else:
+        deadline = None if wait_s is None else time.monotonic() + wait_s
+        while True:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+                fcntl.flock(fd, fcntl.LOCK_EX | (fcntl.LOCK_NB if not wait or deadline is not None else 0))
+                break
             except BlockingIOError:
-                yield False
-                return
+                if not wait:
+                    yield False
+                    return
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise TimeoutError(f"{path} is held by another process (waited {wait_s:g} s)") from None
+                time.sleep(poll_s)
         yield True
     finally:
         os.close(fd)
-
-
-def flock_within(fd: int, wait_s: float) -> bool:
-    """Take the exclusive flock of the open file `fd` within `wait_s`: whether it was taken.
-    A thread blocks in flock on a duplicate of `fd` (one open file: the lock it takes is
-    `fd`'s), so the kernel hands the lock over as its holder lets go, where a poll could be
-    beaten to it every time. Given up, that thread still takes the lock when it comes, then
-    lets go of it by closing the last descriptor of the file (`fd` closed by then)."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except BlockingIOError:
-        pass
-    other = os.dup(fd)
-    taken = threading.Event()
-
-    def block() -> None:
-        try:
-            fcntl.flock(other, fcntl.LOCK_EX)
-            taken.set()
-        except OSError:
-            pass
-        finally:
-            os.close(other)
-
-    threading.Thread(target=block, name="fila-flock-wait", daemon=True).start()
-    return taken.wait(wait_s)
 
 
 def fsync_dir(path: Path) -> None:

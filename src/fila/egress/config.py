@@ -393,6 +393,9 @@ class Gateway:
     # Killed after the engine's exit, before its log is read (sandbox/docker/egress.halt): its log
     # is whole, and its not running is no loss.
     halted: bool = False
+    # Not running any more, whoever stopped it (halt's kill, or its own death halt found): its
+    # removal leaves no network behind (sandbox/docker/removal.py: no departure lock for it).
+    stopped: bool = False
     timings: dict[str, float] = field(default_factory=dict)  # gateway_start/_take, _ready, _serve, _remove
     # Called once the gateway, its network and its directory are gone (a pool's spare lets go of
     # its lock, which until then tells recovery its owner is alive).

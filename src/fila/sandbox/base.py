@@ -151,7 +151,8 @@ class RunResult:
     removal: Removal | None = None
     # The job's gateway: gateway_start (made for the job) or gateway_take (a spare), gateway_ready
     # (until it listens, before the engine), gateway_serve (after the engine's start, until it serves),
-    # gateway_depart (its kill's wait for the daemon's departure lock: sandbox/docker/removal.py);
+    # gateway_depart (its kill's wait for the daemon's departure lock: sandbox/docker/removal.py;
+    # gateway_depart_unlocked when it went without);
     # gateway_remove is the removal's (Removal.timings, or here when removed inside `run`).
     gateway_timings: dict[str, float] = field(default_factory=dict)
     # A setup run's result: the id of the image its container was committed as (RunSpec.setup).

@@ -467,8 +467,9 @@ def halt(client: docker.DockerClient, gw: Gateway, timeout_s: float = HALT_TIMEO
     `timeout_s` (a daemon that does not answer) is an InfraError.
     The kill holds the daemon's departure lock until its answer (sandbox/docker/removal.py: two
     gateways leaving the shared egress network at once can deadlock Docker 20.10), so a kill
-    waits for another job's gateway's departure first (`gw.timings["gateway_depart"]`, in the
-    record: DEPARTURE_WAIT_S there means it went without).
+    waits for another job's gateway's departure first: `gw.timings["gateway_depart"]` in the
+    record, or `gateway_depart_unlocked` when it went without (none to take, or not free within
+    removal.DEPARTURE_WAIT_S); `timeout_s` counts from the kill, after that wait.
     Removal follows as for any gateway (docs/security.md, "Spare gateways")."""
     from .client import fresh_client, socket_path
 
@@ -476,6 +477,7 @@ def halt(client: docker.DockerClient, gw: Gateway, timeout_s: float = HALT_TIMEO
     done = threading.Event()
     answer: list[BaseException | None] = []
     killed_it: list[bool] = []
+    waited: list[float] = []  # the kill's wait for the departure lock, not the daemon's
     watch = _Watch()
 
     def kill() -> None:
@@ -483,14 +485,17 @@ def halt(client: docker.DockerClient, gw: Gateway, timeout_s: float = HALT_TIMEO
             own = fresh_client(client)
             try:
                 t = time.monotonic()
-                with departure(own):  # until the answer: its endpoints are released by then
-                    gw.timings["gateway_depart"] = round(time.monotonic() - t, 3)
+                with departure(own) as held:  # until the answer: its endpoints are released by then
+                    waited.append(round(time.monotonic() - t, 3))
+                    gw.timings["gateway_depart" if held else "gateway_depart_unlocked"] = waited[0]
                     own.api.kill(gw.container)
+                    answer.append(None)
+                    done.set()  # on the answer, not after the lock's pause
             finally:
                 own.close()
-            answer.append(None)
         except BaseException as e:
-            answer.append(e)
+            if not answer:
+                answer.append(e)
         finally:
             done.set()
 
@@ -514,9 +519,11 @@ def halt(client: docker.DockerClient, gw: Gateway, timeout_s: float = HALT_TIMEO
         threading.Thread(target=watched, name=f"fila-halt-watch-{gw.container}", daemon=True).start()
     threading.Thread(target=kill, name=f"fila-halt-{gw.container}", daemon=True).start()
     done.wait(timeout_s)
+    if not done.is_set() and waited:
+        done.wait(waited[0])  # the daemon's timeout_s counts from the kill, not the lock's wait
     watch.end()
     if killed_it:
-        gw.halted = True
+        gw.halted = gw.stopped = True
         return
     if not answer:
         raise InfraError(
@@ -527,9 +534,10 @@ def halt(client: docker.DockerClient, gw: Gateway, timeout_s: float = HALT_TIMEO
         )
     e = answer[0]
     if e is None:
-        gw.halted = True
+        gw.halted = gw.stopped = True
         return
     if getattr(e, "status_code", None) in (404, 409):  # it died (or went) before: `died` says so
+        gw.stopped = True
         return
     if isinstance(e, _docker_errors()):
         raise InfraError(f"stopping the job's gateway {gw.container} failed: {e}", task_id=gw.job_id) from e
@@ -718,7 +726,7 @@ def stop(
 
     t = time.monotonic()
     boxes = [gw.container] + ([gw.netns] if gw.netns else [])
-    errors = remove_in_turn(client, boxes, t + SETTLE_S, leaving=not gw.halted)  # halted: gone
+    errors = remove_in_turn(client, boxes, t + SETTLE_S, leaving=not gw.stopped)
     if (wait := before_network or gw.before_network) is not None:
         wait()
     try:

@@ -45,7 +45,7 @@ def items(gateways: list[Gateway], directory: Path) -> list[dict[str, Any]]:
     return [
         {
             "containers": [gw.container] + ([gw.netns] if gw.netns else []),
-            "leaving": not gw.halted,  # a spare never taken still runs (removal.py)
+            "leaving": not gw.stopped,  # a spare never taken still runs (removal.py)
             "network": gw.network,
             "dirs": [str(gw.dir)] if not gw.dir_gone and gw.dir.parent == directory else [],
             "spare": gw.spare,

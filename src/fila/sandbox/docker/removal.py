@@ -1,6 +1,6 @@
 """Removing containers: by name, a removal already in progress left to finish, and, where two
 share a network, one at a time (docs/security.md, "Spare gateways"); a gateway's departure held
-to one at a time on the host.
+to one at a time on its daemon.
 
 One at a time because Docker 20.10's network code can deadlock the whole daemon when two
 containers leave one user-defined network at once: the goroutine that deletes one's endpoint
@@ -13,24 +13,32 @@ its exit (the container's lock), so a gateway killed a moment before is no secon
 
 Every gateway on a host is also on the shared egress network (fila-egress), whoever's job it
 serves: two jobs' gateways stopped at the same moment would leave it together. So a gateway that
-may still run is killed, or removed, under the daemon's departure lock (`departure`): a file
-lock beside the daemon's socket (`/run/docker.sock.fila-departures.lock`), where only who may
-write beside the socket, and so already commands the daemon, can make, replace or hold it; it
-is made readable and writable by the socket's group, so every fila process speaking to that
-daemon, whatever its queue root or user, takes the same one. It is held from the request until
-the daemon answers (the answer comes once the gateway's endpoints are released). A gateway dead
-already (halted, exited) leaves nothing: its removal takes no lock.
+may still run is killed, or removed, under the daemon's departure lock (`departure`), held from
+the request until the daemon answers (the answer comes once the gateway's endpoints are
+released). A gateway dead already (halted, exited) leaves nothing: its removal takes no lock.
+The lock is a file beside the daemon's socket, by the socket's real path
+(`/run/docker.sock.fila-departures.lock`), when that directory is root's or this user's and
+nobody else may write in it: only who may already command the daemon can then make, replace or
+hold it (a socket in a directory anyone writes to, a forwarded one in /tmp say, would hand the
+lock to anyone). It is made readable and writable by the socket's group, so every fila process
+speaking to that daemon, whatever its queue root or user, takes the same one. A user who may not
+make it there (a docker-group user before any root fila made it) takes one of its own in its
+runtime directory ($XDG_RUNTIME_DIR, when it is this user's alone): its own processes then
+exclude each other, not other users'.
+A waiter tries it every DEPARTURE_POLL_S and a departure leaves it free DEPARTURE_GAP_S after it,
+longer than that, before its process may take it again: back-to-back departures (a sweep) starve
+no one, and no thread is left blocked on it.
 It is a precaution, not a guarantee: a gateway that dies by itself leaves unannounced; a
 one-shot process that exits before its kill's answer lets go of the lock with it; a daemon
-reached over TCP, a socket under another path (fila in a container with the socket mounted), or
-a lock that cannot be made or opened (a user who may not write beside the socket) goes without;
-and one not free within DEPARTURE_WAIT_S is gone without, since a job held up for good would
-be worse than the race.
+reached over TCP, or a socket seen under another path (fila in a container with the socket
+mounted; a hard link), goes without or with another lock; and one not free within
+DEPARTURE_WAIT_S is gone without, since a job held up for good would be worse than the race.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import time
 from collections.abc import Iterator
@@ -51,21 +59,44 @@ SETTLE_S = 60.0
 # How long a gateway's departure waits for the daemon's departure lock before it goes without: a
 # departure holds it a tenth of a second or so, so this is dozens of jobs ending at once.
 DEPARTURE_WAIT_S = 5.0
-# How long a departure leaves the lock free once it has let go of it, before whatever comes next
-# in its process (the next gateway of a sweep, say) may take it again: a waiter the kernel woke
-# as it was let go takes it first.
-DEPARTURE_GAP_S = 0.002
+# How often a waiting departure tries the lock, and how long one leaves it free after letting go
+# of it before its process may take it again (a sweep's next gateway): several tries long, so a
+# waiter, even on a busy machine, finds it free.
+DEPARTURE_POLL_S = 0.002
+DEPARTURE_GAP_S = 0.01
 # A container in these states may still be on its networks (one exited, dead or never started
 # has none to leave).
 ON_NETWORKS = frozenset({"running", "paused", "restarting", "removing"})
+SUFFIX = ".fila-departures.lock"
 
 
-def departure_lock(client: docker.DockerClient) -> Path | None:
-    """The departure lock of `client`'s daemon: beside its Unix socket, by the socket's real path
-    (`/var/run/docker.sock` and `/run/docker.sock` are one daemon, one lock); None for a daemon
-    reached otherwise (TCP, TLS, SSH)."""
+def departure_locks(client: docker.DockerClient) -> list[Path]:
+    """Where `client`'s daemon's departure lock may be, in order: beside its Unix socket, by the
+    socket's real path (`/var/run/docker.sock` and `/run/docker.sock` are one daemon, one lock),
+    when only root or this user may write there; this user's own in its runtime directory. None
+    for a daemon reached otherwise (TCP, TLS, SSH)."""
     sock = socket_path(client)
-    return None if sock is None else Path(os.path.realpath(sock) + ".fila-departures.lock")
+    if sock is None:
+        return []
+    real = os.path.realpath(sock)
+    found = []
+    if _only_trusted_write(Path(real).parent):
+        found.append(Path(real + SUFFIX))
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isabs(runtime) and _only_trusted_write(Path(runtime), mine=True):
+        found.append(Path(runtime) / f"fila-departures-{hashlib.sha256(real.encode()).hexdigest()[:16]}.lock")
+    return found
+
+
+def _only_trusted_write(directory: Path, *, mine: bool = False) -> bool:
+    """Whether `directory` is root's or this user's (this user's only, `mine`) and nobody else may
+    write in it (no group or other write bit): who could plant or replace a lock there."""
+    try:
+        st = os.stat(directory)
+    except OSError:
+        return False
+    owners = {os.getuid()} if mine else {0, os.getuid()}
+    return st.st_uid in owners and not st.st_mode & 0o022
 
 
 def departs(labels: dict[str, str], state: str | None) -> bool:
@@ -78,32 +109,37 @@ def departs(labels: dict[str, str], state: str | None) -> bool:
 def departure(client: docker.DockerClient) -> Iterator[bool]:
     """Held while one of fila's gateways leaves its networks on `client`'s daemon (its kill, or
     its removal while it may run, until the daemon answers). Yields whether the lock is held:
-    False when there is none to take or it is not free within DEPARTURE_WAIT_S (the departure
-    goes ahead all the same; the module's docstring says why)."""
-    path = departure_lock(client)
+    False when there is none this user can take or it is not free within DEPARTURE_WAIT_S (the
+    departure goes ahead all the same; the module's docstring says why)."""
     with contextlib.ExitStack() as stack:
         held = False
-        if path is not None:
+        for path in departure_locks(client):
             try:
                 _make_lock_file(path)
-                held = stack.enter_context(file_lock(path, create=False, wait_s=DEPARTURE_WAIT_S))
-            except OSError:  # TimeoutError included
-                held = False
+                held = stack.enter_context(
+                    file_lock(path, create=False, wait_s=DEPARTURE_WAIT_S, poll_s=DEPARTURE_POLL_S)
+                )
+                break
+            except TimeoutError:  # held by another all along: no second lock would be the same
+                break
+            except OSError:  # not this user's to make or open: the next place
+                continue
         yield held
     if held:
         time.sleep(DEPARTURE_GAP_S)
 
 
 def _make_lock_file(path: Path) -> None:
-    """Make `path`, unless it exists, a lock file the group of the socket beside it can open
+    """Make `path`, unless it exists, a lock file the group of the socket it belongs to can open
     (the umask's bits back): every user who may speak to the daemon takes the same lock."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o660)
     except FileExistsError:
         return
     try:
-        with contextlib.suppress(OSError):  # a group this user is not in: its own lock then
-            os.fchown(fd, -1, os.stat(str(path).removesuffix(".fila-departures.lock")).st_gid)
+        if path.name.endswith(SUFFIX):  # beside the socket: its group's
+            with contextlib.suppress(OSError):  # a group this user is not in: its own group's
+                os.fchown(fd, -1, os.stat(str(path).removesuffix(SUFFIX)).st_gid)
         os.fchmod(fd, 0o660)
     finally:
         os.close(fd)
