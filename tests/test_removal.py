@@ -118,18 +118,32 @@ def test_a_gateways_removal_waits_while_another_process_holds_the_departure_lock
     assert errors == [[]] and [c[:2] for c in api.calls] == [("remove", "gw"), ("remove", "gw-netns")]
 
 
-def test_a_departure_lock_kept_for_good_delays_a_removal_by_its_wait_only(
+def test_a_departure_lock_kept_for_good_delays_a_removal_by_its_wait_once(
     lock: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A process that keeps the lock (a stuck fila) cannot stop every job of the host: past
-    DEPARTURE_WAIT_S the removal goes ahead without it."""
+    """A process that keeps the lock (a fila stopped with ^Z) cannot stop every job of the host:
+    past DEPARTURE_WAIT_S the removal goes ahead without it, and the departures after it in that
+    process try it once, not for a whole wait each (a sweep of many gateways), until it is free."""
     monkeypatch.setattr(removal, "DEPARTURE_WAIT_S", 0.4)
-    api = Daemon(["gw"], busy={})
+    api = Daemon(["gw", "gw2"], busy={})
     with held_elsewhere(lock):
         t = time.monotonic()
         assert remove_in_turn(Client(api), ["gw"], time.monotonic() + 30) == []  # type: ignore[arg-type]
         waited = time.monotonic() - t
-    assert waited >= 0.4 and api.calls == [("remove", "gw", False)], (waited, api.calls)
+        assert waited >= 0.4 and api.calls == [("remove", "gw", True)], (waited, api.calls)
+        # The next departure of this process: tried once, not waited for (a wait this long
+        # would still be running).
+        monkeypatch.setattr(removal, "DEPARTURE_WAIT_S", 60.0)
+        went: list[list[str]] = []
+        turn = threading.Thread(
+            target=lambda: went.append(remove_in_turn(Client(api), ["gw2"], time.monotonic() + 30))
+        )  # type: ignore[arg-type]
+        turn.start()
+        turn.join(10)
+        assert went == [[]] and not turn.is_alive(), "a second whole wait for a lock kept for good"
+    # Allowed: once it is free, it is held again.
+    with removal.departure(Client(api)) as held:  # type: ignore[arg-type]
+        assert held is True
 
 
 def test_a_departure_lock_that_cannot_be_opened_is_gone_without(lock: Path) -> None:
@@ -188,10 +202,10 @@ def test_one_daemon_has_one_departure_lock_beside_its_socket_whatever_its_spelli
 ) -> None:
     """The lock is beside the daemon's socket, by the socket's real path (`/var/run` is a link
     to `/run` on most hosts): every spelling of one socket finds one lock, readable and
-    writable by the socket's group (every user who may speak to the daemon), nobody else; a
-    daemon over TCP has none."""
+    writable by the socket's group (every user who may speak to the daemon), nobody else, and
+    given that group and mode back when it lost them; a daemon over TCP has none."""
     monkeypatch.undo()  # the real departure_locks
-    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr(removal, "OWN_DIR", str(tmp_path / "own-{uid}"))
     run = tmp_path / "run"
     run.mkdir()
     (tmp_path / "var").mkdir()
@@ -205,11 +219,19 @@ def test_one_daemon_has_one_departure_lock_beside_its_socket_whatever_its_spelli
         f"{tmp_path}//run/./docker.sock",
     ]
     clients = [docker.DockerClient(base_url=f"unix://{p}", version="1.41") for p in spellings]
+    beside = run / "docker.sock.fila-departures.lock"
     try:
-        assert {tuple(departure_locks(c)) for c in clients} == {(run / "docker.sock.fila-departures.lock",)}
+        assert {departure_locks(c)[0] for c in clients} == {beside}
         with removal.departure(clients[1]) as held:
             assert held is True
-        st = (run / "docker.sock.fila-departures.lock").stat()
+        st = beside.stat()
+        assert (stat.S_IMODE(st.st_mode), st.st_gid) == (0o660, 65534), (oct(st.st_mode), st.st_gid)
+        # Made while the socket was away (or its group changed since): given back at the next use.
+        os.chown(beside, -1, 0)
+        beside.chmod(0o600)
+        with removal.departure(clients[0]) as held:
+            assert held is True
+        st = beside.stat()
         assert (stat.S_IMODE(st.st_mode), st.st_gid) == (0o660, 65534), (oct(st.st_mode), st.st_gid)
         tcp = docker.DockerClient(base_url="tcp://127.0.0.1:9", version="1.41")
         assert departure_locks(tcp) == []
@@ -226,11 +248,14 @@ def test_a_socket_in_a_directory_others_write_to_gets_no_lock_beside_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Beside a socket in a directory anyone may write to (a forwarded socket in /tmp), whoever
-    planted a file there would hold the lock: fila takes none there, only this user's own in its
-    runtime directory (when it is this user's alone), or none."""
+    planted a file there would hold the lock: fila takes none there, only this user's own, in a
+    directory of its own (its processes, reapers included, exclude each other), or none when
+    what is at that directory's name is not this user's alone."""
     monkeypatch.undo()
-    trusted, shared, runtime = tmp_path / "run", tmp_path / "shared", tmp_path / "xdg"
-    for d, mode in ((trusted, 0o755), (shared, 0o1777), (runtime, 0o700)):
+    own = tmp_path / f"own-{os.getuid()}"
+    monkeypatch.setattr(removal, "OWN_DIR", str(tmp_path / "own-{uid}"))
+    trusted, shared = tmp_path / "run", tmp_path / "shared"
+    for d, mode in ((trusted, 0o755), (shared, 0o1777)):
         d.mkdir()
         d.chmod(mode)
     servers = []
@@ -242,21 +267,22 @@ def test_a_socket_in_a_directory_others_write_to_gets_no_lock_beside_it(
         d: docker.DockerClient(base_url=f"unix://{d}/docker.sock", version="1.41") for d in (trusted, shared)
     }
     try:
-        monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
         # Allowed: a socket in a directory only root writes to has its lock beside it.
-        assert departure_locks(at[trusted]) == [trusted / "docker.sock.fila-departures.lock"]
-        assert departure_locks(at[shared]) == []
-        with removal.departure(at[shared]) as held:
-            assert held is False
-        assert not (shared / "docker.sock.fila-departures.lock").exists()
-        # This user's runtime directory: its own lock, for its own processes.
-        monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+        assert departure_locks(at[trusted])[0] == trusted / "docker.sock.fila-departures.lock"
         (mine,) = departure_locks(at[shared])
-        assert mine.parent == runtime
+        assert mine.parent == own
         with removal.departure(at[shared]) as held:
             assert held is True
-        runtime.chmod(0o777)  # not this user's alone any more
-        assert departure_locks(at[shared]) == []
+        assert not (shared / "docker.sock.fila-departures.lock").exists()
+        assert stat.S_IMODE(own.stat().st_mode) == 0o700 and own.stat().st_uid == os.getuid()
+        # Another user's directory at that name (made first, in a shared /tmp): no lock at all.
+        mine.unlink()
+        own.rmdir()
+        own.mkdir(0o700)
+        os.chown(own, 65534, 65534)
+        with removal.departure(at[shared]) as held:
+            assert held is False
+        assert list(own.iterdir()) == []
     finally:
         for c in at.values():
             c.close()

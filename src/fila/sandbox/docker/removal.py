@@ -22,9 +22,10 @@ nobody else may write in it: only who may already command the daemon can then ma
 hold it (a socket in a directory anyone writes to, a forwarded one in /tmp say, would hand the
 lock to anyone). It is made readable and writable by the socket's group, so every fila process
 speaking to that daemon, whatever its queue root or user, takes the same one. A user who may not
-make it there (a docker-group user before any root fila made it) takes one of its own in its
-runtime directory ($XDG_RUNTIME_DIR, when it is this user's alone): its own processes then
-exclude each other, not other users'.
+make or open it there (a docker-group user before any root fila made it) takes one of its own in
+a directory of its own (OWN_DIR, 0700): its own processes then exclude each other, its reapers
+included, not other users'. A lock not free for a whole wait (a stopped process keeps it) is
+only tried once by that process for DEPARTURE_RECHECK_S, so a sweep is not held up for each.
 A waiter tries it every DEPARTURE_POLL_S and a departure leaves it free DEPARTURE_GAP_S after it,
 longer than that, before its process may take it again: back-to-back departures (a sweep) starve
 no one, and no thread is left blocked on it.
@@ -40,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import stat
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,7 +59,7 @@ GONE_POLL_S = 0.02
 # How long a removal another client started, or a network's last endpoint, is waited for.
 SETTLE_S = 60.0
 # How long a gateway's departure waits for the daemon's departure lock before it goes without: a
-# departure holds it a tenth of a second or so, so this is dozens of jobs ending at once.
+# departure holds it 0.1-0.25 s, so this is twenty or more jobs ending at once.
 DEPARTURE_WAIT_S = 5.0
 # How often a waiting departure tries the lock, and how long one leaves it free after letting go
 # of it before its process may take it again (a sweep's next gateway): several tries long, so a
@@ -68,13 +70,18 @@ DEPARTURE_GAP_S = 0.01
 # has none to leave).
 ON_NETWORKS = frozenset({"running", "paused", "restarting", "removing"})
 SUFFIX = ".fila-departures.lock"
+# This user's own departure locks, when it may not make or open the daemon's.
+OWN_DIR = "/tmp/fila-departures-{uid}"
+# After a lock was not free for a whole DEPARTURE_WAIT_S, how long this process only tries it once.
+DEPARTURE_RECHECK_S = 30.0
+_unfree_until: dict[Path, float] = {}
 
 
 def departure_locks(client: docker.DockerClient) -> list[Path]:
     """Where `client`'s daemon's departure lock may be, in order: beside its Unix socket, by the
     socket's real path (`/var/run/docker.sock` and `/run/docker.sock` are one daemon, one lock),
-    when only root or this user may write there; this user's own in its runtime directory. None
-    for a daemon reached otherwise (TCP, TLS, SSH)."""
+    when only root or this user may write there; this user's own (OWN_DIR, whatever the
+    environment: a reaper has none). None for a daemon reached otherwise (TCP, TLS, SSH)."""
     sock = socket_path(client)
     if sock is None:
         return []
@@ -82,10 +89,19 @@ def departure_locks(client: docker.DockerClient) -> list[Path]:
     found = []
     if _only_trusted_write(Path(real).parent):
         found.append(Path(real + SUFFIX))
-    runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and os.path.isabs(runtime) and _only_trusted_write(Path(runtime), mine=True):
-        found.append(Path(runtime) / f"fila-departures-{hashlib.sha256(real.encode()).hexdigest()[:16]}.lock")
+    digest = hashlib.sha256(real.encode()).hexdigest()[:16]
+    found.append(Path(OWN_DIR.format(uid=os.getuid())) / f"{digest}.lock")
     return found
+
+
+def _own_dir(directory: Path) -> None:
+    """Make `directory` (OWN_DIR) this user's, mode 0700, unless it is already; PermissionError
+    when what is there is not (another user made it first, or a link): no lock of its own then."""
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(directory, 0o700)
+    st = os.lstat(directory)
+    if not (stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077):
+        raise PermissionError(f"{directory} is not a directory of this user's alone")
 
 
 def _only_trusted_write(directory: Path, *, mine: bool = False) -> bool:
@@ -114,13 +130,18 @@ def departure(client: docker.DockerClient) -> Iterator[bool]:
     with contextlib.ExitStack() as stack:
         held = False
         for path in departure_locks(client):
+            # Not free for a whole wait a moment ago (a stopped process keeps it): tried once, so
+            # a sweep of many gateways does not wait that long for each.
+            wait_s = 0.0 if time.monotonic() < _unfree_until.get(path, 0.0) else DEPARTURE_WAIT_S
             try:
                 _make_lock_file(path)
-                held = stack.enter_context(
-                    file_lock(path, create=False, wait_s=DEPARTURE_WAIT_S, poll_s=DEPARTURE_POLL_S)
-                )
+                lock = file_lock(path, create=False, wait_s=wait_s, poll_s=DEPARTURE_POLL_S)
+                held = stack.enter_context(lock)
+                _unfree_until.pop(path, None)
                 break
             except TimeoutError:  # held by another all along: no second lock would be the same
+                if wait_s:
+                    _unfree_until[path] = time.monotonic() + DEPARTURE_RECHECK_S
                 break
             except OSError:  # not this user's to make or open: the next place
                 continue
@@ -131,13 +152,30 @@ def departure(client: docker.DockerClient) -> Iterator[bool]:
 
 def _make_lock_file(path: Path) -> None:
     """Make `path`, unless it exists, a lock file the group of the socket it belongs to can open
-    (the umask's bits back): every user who may speak to the daemon takes the same lock."""
+    (the umask's bits back): every user who may speak to the daemon takes the same lock. One of
+    this user's that lost that group or mode (made while the socket was being made again, or its
+    group changed since) is given them back."""
+    beside = path.name.endswith(SUFFIX)
+    if not beside:
+        _own_dir(path.parent)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o660)
     except FileExistsError:
+        st = os.lstat(path)
+        if not (beside and stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid()):
+            return
+        with contextlib.suppress(OSError):
+            gid = os.stat(str(path).removesuffix(SUFFIX)).st_gid
+            if (st.st_gid, stat.S_IMODE(st.st_mode)) != (gid, 0o660):
+                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+                try:
+                    os.fchown(fd, -1, gid)
+                    os.fchmod(fd, 0o660)
+                finally:
+                    os.close(fd)
         return
     try:
-        if path.name.endswith(SUFFIX):  # beside the socket: its group's
+        if beside:
             with contextlib.suppress(OSError):  # a group this user is not in: its own group's
                 os.fchown(fd, -1, os.stat(str(path).removesuffix(SUFFIX)).st_gid)
         os.fchmod(fd, 0o660)
