@@ -123,7 +123,8 @@ def test_a_departure_lock_kept_for_good_delays_a_removal_by_its_wait_once(
 ) -> None:
     """A process that keeps the lock (a fila stopped with ^Z) cannot stop every job of the host:
     past DEPARTURE_WAIT_S the removal goes ahead without it, and the departures after it in that
-    process try it once, not for a whole wait each (a sweep of many gateways), until it is free."""
+    process wait DEPARTURE_RECHECK_WAIT_S, not a whole wait each (a sweep of many gateways), until
+    it is free."""
     monkeypatch.setattr(removal, "DEPARTURE_WAIT_S", 0.4)
     api = Daemon(["gw", "gw2"], busy={})
     with held_elsewhere(lock):
@@ -131,8 +132,8 @@ def test_a_departure_lock_kept_for_good_delays_a_removal_by_its_wait_once(
         assert remove_in_turn(Client(api), ["gw"], time.monotonic() + 30) == []  # type: ignore[arg-type]
         waited = time.monotonic() - t
         assert waited >= 0.4 and api.calls == [("remove", "gw", True)], (waited, api.calls)
-        # The next departure of this process: tried once, not waited for (a wait this long
-        # would still be running).
+        # The next departure of this process: waited for briefly, not for a whole wait (one this
+        # long would still be running).
         monkeypatch.setattr(removal, "DEPARTURE_WAIT_S", 60.0)
         went: list[list[str]] = []
         turn = threading.Thread(
@@ -202,8 +203,9 @@ def test_one_daemon_has_one_departure_lock_beside_its_socket_whatever_its_spelli
 ) -> None:
     """The lock is beside the daemon's socket, by the socket's real path (`/var/run` is a link
     to `/run` on most hosts): every spelling of one socket finds one lock, readable and
-    writable by the socket's group (every user who may speak to the daemon), nobody else, and
-    given that group and mode back when it lost them; a daemon over TCP has none."""
+    writable by the socket's group when that group may use the socket (every user who may speak
+    to the daemon), nobody else, and given that group and mode back when it lost them; a daemon
+    over TCP has none."""
     monkeypatch.undo()  # the real departure_locks
     monkeypatch.setattr(removal, "OWN_DIR", str(tmp_path / "own-{uid}"))
     run = tmp_path / "run"
@@ -213,6 +215,7 @@ def test_one_daemon_has_one_departure_lock_beside_its_socket_whatever_its_spelli
     srv = socket.socket(socket.AF_UNIX)
     srv.bind(str(run / "docker.sock"))
     os.chown(run / "docker.sock", -1, 65534)
+    (run / "docker.sock").chmod(0o660)  # as dockerd makes it: its group commands the daemon
     spellings = [
         run / "docker.sock",
         tmp_path / "var" / "run" / "docker.sock",
@@ -233,6 +236,11 @@ def test_one_daemon_has_one_departure_lock_beside_its_socket_whatever_its_spelli
             assert held is True
         st = beside.stat()
         assert (stat.S_IMODE(st.st_mode), st.st_gid) == (0o660, 65534), (oct(st.st_mode), st.st_gid)
+        # A socket its group may not use (0600): its group gets nothing of the lock either.
+        (run / "docker.sock").chmod(0o600)
+        with removal.departure(clients[0]) as held:
+            assert held is True
+        assert stat.S_IMODE(beside.stat().st_mode) == 0o600
         tcp = docker.DockerClient(base_url="tcp://127.0.0.1:9", version="1.41")
         assert departure_locks(tcp) == []
         with removal.departure(tcp) as held:

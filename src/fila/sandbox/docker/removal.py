@@ -24,8 +24,12 @@ lock to anyone). It is made readable and writable by the socket's group, so ever
 speaking to that daemon, whatever its queue root or user, takes the same one. A user who may not
 make or open it there (a docker-group user before any root fila made it) takes one of its own in
 a directory of its own (OWN_DIR, 0700): its own processes then exclude each other, its reapers
-included, not other users'. A lock not free for a whole wait (a stopped process keeps it) is
-only tried once by that process for DEPARTURE_RECHECK_S, so a sweep is not held up for each.
+included, not other users' (another user who makes that directory first turns it off: the
+record says `gateway_depart_unlocked`). A lock not free for a whole wait (a stopped process keeps
+it) is waited for only DEPARTURE_RECHECK_WAIT_S a departure by that process for
+DEPARTURE_RECHECK_S, so a sweep is not held up 5 s a gateway.
+The group may read and write it only when the group may do so on the socket (a 0600 socket's
+group commands nothing, so holds nothing).
 A waiter tries it every DEPARTURE_POLL_S and a departure leaves it free DEPARTURE_GAP_S after it,
 longer than that, before its process may take it again: back-to-back departures (a sweep) starve
 no one, and no thread is left blocked on it.
@@ -72,8 +76,10 @@ ON_NETWORKS = frozenset({"running", "paused", "restarting", "removing"})
 SUFFIX = ".fila-departures.lock"
 # This user's own departure locks, when it may not make or open the daemon's.
 OWN_DIR = "/tmp/fila-departures-{uid}"
-# After a lock was not free for a whole DEPARTURE_WAIT_S, how long this process only tries it once.
+# After a lock was not free for a whole DEPARTURE_WAIT_S, how long this process waits for it only
+# DEPARTURE_RECHECK_WAIT_S a departure (a few departures' holds).
 DEPARTURE_RECHECK_S = 30.0
+DEPARTURE_RECHECK_WAIT_S = 0.5
 _unfree_until: dict[Path, float] = {}
 
 
@@ -130,9 +136,11 @@ def departure(client: docker.DockerClient) -> Iterator[bool]:
     with contextlib.ExitStack() as stack:
         held = False
         for path in departure_locks(client):
-            # Not free for a whole wait a moment ago (a stopped process keeps it): tried once, so
-            # a sweep of many gateways does not wait that long for each.
-            wait_s = 0.0 if time.monotonic() < _unfree_until.get(path, 0.0) else DEPARTURE_WAIT_S
+            # Not free for a whole wait a moment ago (a stopped process keeps it): waited for
+            # briefly (a few holds of a sweep in progress), so a sweep of many gateways does not
+            # wait that long for each.
+            recheck = time.monotonic() < _unfree_until.get(path, 0.0)
+            wait_s = DEPARTURE_RECHECK_WAIT_S if recheck else DEPARTURE_WAIT_S
             try:
                 _make_lock_file(path)
                 lock = file_lock(path, create=False, wait_s=wait_s, poll_s=DEPARTURE_POLL_S)
@@ -140,7 +148,7 @@ def departure(client: docker.DockerClient) -> Iterator[bool]:
                 _unfree_until.pop(path, None)
                 break
             except TimeoutError:  # held by another all along: no second lock would be the same
-                if wait_s:
+                if not recheck:
                     _unfree_until[path] = time.monotonic() + DEPARTURE_RECHECK_S
                 break
             except OSError:  # not this user's to make or open: the next place
@@ -151,36 +159,44 @@ def departure(client: docker.DockerClient) -> Iterator[bool]:
 
 
 def _make_lock_file(path: Path) -> None:
-    """Make `path`, unless it exists, a lock file the group of the socket it belongs to can open
-    (the umask's bits back): every user who may speak to the daemon takes the same lock. One of
-    this user's that lost that group or mode (made while the socket was being made again, or its
-    group changed since) is given them back."""
+    """Make `path`, unless it exists, a lock file (mode 0600); beside a socket, one its group can
+    open when the group may command the daemon (`_socket_group`): every user who may speak to it
+    takes the same lock. One of this user's that lost that group or mode (made while the socket
+    was being made again, or its group changed since) is given them back."""
     beside = path.name.endswith(SUFFIX)
     if not beside:
         _own_dir(path.parent)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o660)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except FileExistsError:
         st = os.lstat(path)
         if not (beside and stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid()):
             return
         with contextlib.suppress(OSError):
-            gid = os.stat(str(path).removesuffix(SUFFIX)).st_gid
-            if (st.st_gid, stat.S_IMODE(st.st_mode)) != (gid, 0o660):
+            gid, mode = _socket_group(path)
+            if (st.st_gid, stat.S_IMODE(st.st_mode)) != (gid, mode):
                 fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
                 try:
                     os.fchown(fd, -1, gid)
-                    os.fchmod(fd, 0o660)
+                    os.fchmod(fd, mode)
                 finally:
                     os.close(fd)
         return
     try:
         if beside:
-            with contextlib.suppress(OSError):  # a group this user is not in: its own group's
-                os.fchown(fd, -1, os.stat(str(path).removesuffix(SUFFIX)).st_gid)
-        os.fchmod(fd, 0o660)
+            with contextlib.suppress(OSError):  # a group this user is not in: this user's alone
+                gid, mode = _socket_group(path)
+                os.fchown(fd, -1, gid)
+                os.fchmod(fd, mode)
     finally:
         os.close(fd)
+
+
+def _socket_group(lock: Path) -> tuple[int, int]:
+    """The group of the socket `lock` is beside, and the lock's mode: read and write for that
+    group only when the socket grants the group both (who may command the daemon)."""
+    st = os.stat(str(lock).removesuffix(SUFFIX))
+    return st.st_gid, 0o600 | (0o060 if st.st_mode & 0o060 == 0o060 else 0)
 
 
 def remove_container(client: docker.DockerClient, name: str, *, leaving: bool = False) -> bool:
