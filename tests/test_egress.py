@@ -1114,6 +1114,16 @@ def running_pids(client: docker.DockerClient, container: Any) -> list[int]:
     return pids
 
 
+def halted_all_gone(client: docker.DockerClient, container: Any, tmp_path: Path) -> egress.Gateway:
+    """`container` (a halt_target, its three processes seen alive first) halted as a gateway:
+    halt says so and none of its processes lives after; the Gateway, for what else it says."""
+    pids = running_pids(client, container)
+    gw = egress.Gateway("halt", "none", container.name, "", tmp_path, [])
+    docker_egress.halt(client, gw)
+    assert gw.halted and [p for p in pids if Path(f"/proc/{p}").exists()] == [], pids
+    return gw
+
+
 @pytest.mark.parametrize("events", ["die", "holder-dies-first", "none"])
 def test_halt_returns_once_every_process_of_the_gateway_is_gone(
     tmp_path: Path, docker_client: docker.DockerClient, monkeypatch: pytest.MonkeyPatch, events: str
@@ -1154,11 +1164,7 @@ def test_halt_returns_once_every_process_of_the_gateway_is_gone(
     if events == "holder-dies-first":
         holder = halt_target(docker_client, f"{name}-netns", ["sleep", "600"])
     try:
-        pids = running_pids(docker_client, ctr)
-        gw = egress.Gateway("halt", "none", name, "", tmp_path, [])
-        docker_egress.halt(docker_client, gw)
-        assert gw.halted
-        assert [p for p in pids if Path(f"/proc/{p}").exists()] == [], pids
+        halted_all_gone(docker_client, ctr, tmp_path)
         if holder is not None:
             holder.reload()
             assert holder.status == "exited"  # it died first, as the case says
@@ -1187,10 +1193,7 @@ def test_halt_kills_only_once_another_processs_gateway_has_departed(
     )
     try:
         # Allowed: nobody departing, halt kills at once.
-        pids = running_pids(docker_client, first)
-        gw = egress.Gateway("halt", "none", first.name, "", tmp_path, [])
-        docker_egress.halt(docker_client, gw)
-        assert gw.halted and [p for p in pids if Path(f"/proc/{p}").exists()] == [], pids
+        gw = halted_all_gone(docker_client, first, tmp_path)
         assert "gateway_depart" in gw.timings and "gateway_depart_unlocked" not in gw.timings
         # Blocked: another process's gateway departs; the kill waits for it.
         pids = running_pids(docker_client, second)
@@ -1218,6 +1221,7 @@ def test_a_gateway_dead_before_halt_is_never_taken_for_one_it_killed_whatever_th
     with the daemon's clock 5 s ahead of the host's, a running gateway is still halted (all its
     processes gone), and one that died on its own during the run (exit 7) is not taken for one
     halt killed: `died` reports it."""
+    from fila.sandbox.docker import removal
 
     real_time, real_monotonic = time.time, time.monotonic
 
@@ -1231,14 +1235,9 @@ def test_a_gateway_dead_before_halt_is_never_taken_for_one_it_killed_whatever_th
     )
     dead = halt_target(docker_client, f"fila-test-halt-{secrets.token_hex(4)}", ["sh", "-c", "exit 7"])
     try:
-        pids = running_pids(docker_client, alive)
-        gw = egress.Gateway("halt", "none", alive.name, "", tmp_path, [])
-        docker_egress.halt(docker_client, gw)
-        assert gw.halted and [p for p in pids if Path(f"/proc/{p}").exists()] == [], pids
+        halted_all_gone(docker_client, alive, tmp_path)
         assert dead.wait(timeout=30)["StatusCode"] == 7
         gone = egress.Gateway("halt", "none", dead.name, "", tmp_path, [])
-        from fila.sandbox.docker import removal
-
         monkeypatch.setattr(removal, "departure_locks", lambda _client: [])  # none to take
         docker_egress.halt(docker_client, gone)
         assert not gone.halted

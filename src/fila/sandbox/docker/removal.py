@@ -16,28 +16,27 @@ serves: two jobs' gateways stopped at the same moment would leave it together. S
 may still run is killed, or removed, under the daemon's departure lock (`departure`), held from
 the request until the daemon answers (the answer comes once the gateway's endpoints are
 released). A gateway dead already (halted, exited) leaves nothing: its removal takes no lock.
-The lock is a file beside the daemon's socket, by the socket's real path
-(`/run/docker.sock.fila-departures.lock`), when that directory is root's or this user's and
-nobody else may write in it: only who may already command the daemon can then make, replace or
-hold it (a socket in a directory anyone writes to, a forwarded one in /tmp say, would hand the
-lock to anyone). It is made readable and writable by the socket's group, so every fila process
-speaking to that daemon, whatever its queue root or user, takes the same one. A user who may not
-make or open it there (a docker-group user before any root fila made it) takes one of its own in
-a directory of its own (OWN_DIR, 0700): its own processes then exclude each other, its reapers
-included, not other users' (another user who makes that directory first turns it off: the
-record says `gateway_depart_unlocked`). A lock not free for a whole wait (a stopped process keeps
-it) is waited for only DEPARTURE_RECHECK_WAIT_S a departure by that process for
-DEPARTURE_RECHECK_S, so a sweep is not held up 5 s a gateway.
-The group may read and write it only when the group may do so on the socket (a 0600 socket's
-group commands nothing, so holds nothing).
-A waiter tries it every DEPARTURE_POLL_S and a departure leaves it free DEPARTURE_GAP_S after it,
-longer than that, before its process may take it again: back-to-back departures (a sweep) starve
-no one, and no thread is left blocked on it.
+
+Where the lock is (`departure_locks`): a file beside the daemon's socket, by the socket's real
+path (`/run/docker.sock.fila-departures.lock`), when that directory is root's or this user's and
+nobody else may write in it, so only who may already command the daemon can make, replace or
+hold it; the socket's group may read and write it when that group may use the socket, so every
+fila process speaking to the daemon, whatever its queue root or user, takes the same one. A user
+who may not make or open it there (a docker-group user before any root fila made it) takes one
+of its own in a directory of its own (OWN_DIR, 0700): its own processes, reapers included,
+exclude each other, not other users' (another user who makes that directory first turns it off).
+
+How it is waited for: tried every DEPARTURE_POLL_S, and a departure leaves it free
+DEPARTURE_GAP_S, several tries long, before its process may take it again, so back-to-back
+departures (a sweep) starve no one and no thread is left blocked on it. Not free within
+DEPARTURE_WAIT_S, the departure goes without (a job held up for good would be worse than the
+race), and that process then waits only DEPARTURE_RECHECK_WAIT_S a departure for
+DEPARTURE_RECHECK_S (a stopped process keeping it costs a sweep one wait, not one a gateway).
+
 It is a precaution, not a guarantee: a gateway that dies by itself leaves unannounced; a
 one-shot process that exits before its kill's answer lets go of the lock with it; a daemon
 reached over TCP, or a socket seen under another path (fila in a container with the socket
-mounted; a hard link), goes without or with another lock; and one not free within
-DEPARTURE_WAIT_S is gone without, since a job held up for good would be worse than the race.
+mounted; a hard link), goes without or with another lock.
 """
 
 from __future__ import annotations
@@ -110,15 +109,14 @@ def _own_dir(directory: Path) -> None:
         raise PermissionError(f"{directory} is not a directory of this user's alone")
 
 
-def _only_trusted_write(directory: Path, *, mine: bool = False) -> bool:
-    """Whether `directory` is root's or this user's (this user's only, `mine`) and nobody else may
-    write in it (no group or other write bit): who could plant or replace a lock there."""
+def _only_trusted_write(directory: Path) -> bool:
+    """Whether `directory` is root's or this user's and nobody else may write in it (no group or
+    other write bit): who could plant or replace a lock there."""
     try:
         st = os.stat(directory)
     except OSError:
         return False
-    owners = {os.getuid()} if mine else {0, os.getuid()}
-    return st.st_uid in owners and not st.st_mode & 0o022
+    return st.st_uid in (0, os.getuid()) and not st.st_mode & 0o022
 
 
 def departs(labels: dict[str, str], state: str | None) -> bool:
@@ -166,28 +164,22 @@ def _make_lock_file(path: Path) -> None:
     beside = path.name.endswith(SUFFIX)
     if not beside:
         _own_dir(path.parent)
+    flags = os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = os.open(path, flags | os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
         st = os.lstat(path)
         if not (beside and stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid()):
             return
-        with contextlib.suppress(OSError):
-            gid, mode = _socket_group(path)
-            if (st.st_gid, stat.S_IMODE(st.st_mode)) != (gid, mode):
-                fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-                try:
-                    os.fchown(fd, -1, gid)
-                    os.fchmod(fd, mode)
-                finally:
-                    os.close(fd)
-        return
+        fd = os.open(path, flags | os.O_RDONLY | os.O_NONBLOCK)
     try:
         if beside:
             with contextlib.suppress(OSError):  # a group this user is not in: this user's alone
                 gid, mode = _socket_group(path)
-                os.fchown(fd, -1, gid)
-                os.fchmod(fd, mode)
+                st = os.fstat(fd)
+                if (st.st_gid, stat.S_IMODE(st.st_mode)) != (gid, mode):
+                    os.fchown(fd, -1, gid)
+                    os.fchmod(fd, mode)
     finally:
         os.close(fd)
 
